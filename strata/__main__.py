@@ -1,0 +1,5 @@
+import sys
+
+from strata.cli.main import main
+
+sys.exit(main())

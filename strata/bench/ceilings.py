@@ -1,0 +1,73 @@
+"""Measure the machine's bandwidth ceilings: GPU memory copy, pinned host->GPU copy, host RAM read.
+
+Every speed figure Strata reports is compared with these, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+GB = 1e9
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def host_read_gbs(nbytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
+    """Host RAM read bandwidth: a sum over a buffer larger than the caches (torch's CPU threads)."""
+    if threads:
+        torch.set_num_threads(threads)
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / _median(times) / GB
+
+
+def hbm_copy_gbs(nbytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _cuda_time(lambda: dst.copy_(src), repeats) / GB
+
+
+def pcie_h2d_gbs(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Pinned host memory to the GPU."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    src.random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / _cuda_time(lambda: dst.copy_(src, non_blocking=True), repeats) / GB
+
+
+def _cuda_time(fn, repeats: int) -> float:  # noqa: ANN001
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return _median(times)
+
+
+def measure() -> dict[str, float]:
+    out = {"host_read_GBs": host_read_gbs(), "cpu_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        out |= {"hbm_copy_GBs": hbm_copy_gbs(), "pcie_h2d_pinned_GBs": pcie_h2d_gbs(),
+                "gpu": torch.cuda.get_device_name()}
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(measure(), indent=1))

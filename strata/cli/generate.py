@@ -1,0 +1,63 @@
+"""strata generate: stream text from a prompt or a chat message, then a one-line summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from strata.engine.generator import Engine
+from strata.engine.sampling import SamplingParams
+from strata.errors import StrataError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="GGUF file (any shard of a split set); "
+                   "without it, the built-in demo model")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="raw text to continue")
+    g.add_argument("--chat", help="a user message, rendered with the model's chat template")
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (0.95)")
+    p.add_argument("--top-k", type=int, default=40, help="0 turns it off (40)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top (0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+
+
+def model_or_demo(model: str | None) -> str:
+    if model:
+        return model
+    from strata.synth.demo import demo_model
+
+    path = demo_model()
+    print(f"strata: the demo model ({path}) has random weights: its text is meaningless",
+          file=sys.stderr)
+    return str(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+    engine = Engine.load(model_or_demo(args.model), device=args.device)
+    tok = engine.tokenizer
+    if args.chat is not None:
+        text = engine.chat.render([{"role": "user", "content": args.chat}])
+        ids = tok.encode(text, add_bos=False)
+    else:
+        text = args.prompt if args.prompt is not None else "Once upon a time"
+        ids = tok.encode(text)
+    if not ids:
+        raise StrataError("--prompt: the prompt is empty")
+    sys.stdout.write(text if args.chat is None else "")
+    stream = tok.stream()
+    for token in engine.generate(ids, params):
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    st = engine.stats
+    print(f"strata: loaded in {engine.load_s:.2f} s; prompt {st.prompt_tokens} tokens at "
+          f"{st.prompt_tok_s:.1f} tok/s; generated {st.generated_tokens} tokens at "
+          f"{st.decode_tok_s:.1f} tok/s ({st.finish_reason})", file=sys.stderr)
+    return 0

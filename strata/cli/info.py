@@ -1,0 +1,67 @@
+"""strata info: architecture, shapes, tensor types per layer and sizes."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from strata.config import ModelConfig
+from strata.gguf import ModelFile, open_model
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF file (any shard of a split set)")
+
+
+def _layer_types(mf: ModelFile, i: int) -> str:
+    def t(name: str) -> str:
+        ref = mf.tensors.get(f"blk.{i}.{name}.weight")
+        return ref.info.type_name if ref else "-"
+
+    return (f"attn q/k/v/o {t('attn_q')}/{t('attn_k')}/{t('attn_v')}/{t('attn_output')}  "
+            f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/{t('ffn_down_exps')}")
+
+
+def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
+    expert_bytes = sum(r.info.nbytes for n, r in mf.tensors.items() if "_exps." in n)
+    per_token = expert_bytes * cfg.n_experts_used / cfg.n_experts
+    lines = [
+        f"file         {mf.path}"
+        + (f" (+{len(mf.files) - 1} shards)" if len(mf.files) > 1 else ""),
+        f"architecture {cfg.arch}: {cfg.n_layers} layers, hidden {cfg.d_model}, "
+        f"{cfg.n_heads} heads ({cfg.n_kv_heads} kv) of {cfg.head_dim}, vocab {cfg.n_vocab}, "
+        f"context {cfg.context_length}",
+        f"experts      {cfg.n_experts} per layer, {cfg.n_experts_used} used per token, "
+        f"hidden {cfg.d_expert}" + (f", shared expert {cfg.d_shared}" if cfg.d_shared else "")
+        + f", top-k weights {'renormalized' if cfg.norm_topk else 'as routed'}",
+        f"attention    rope {cfg.rope_style} theta {cfg.rope_theta:g}"
+        + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else ""),
+        f"size         {fmt_bytes(mf.nbytes)}: experts {fmt_bytes(expert_bytes)}, "
+        f"dense {fmt_bytes(mf.nbytes - expert_bytes)}; routed expert bytes per token "
+        f"{fmt_bytes(per_token)}",
+    ]
+    counts = Counter(r.info.type_name for r in mf.tensors.values())
+    lines.append("types        " + ", ".join(f"{k} x{v}" for k, v in counts.most_common()))
+    rows: list[tuple[int, int, str]] = []  # runs of layers with the same types
+    for i in range(cfg.n_layers):
+        desc = _layer_types(mf, i)
+        if rows and rows[-1][2] == desc:
+            rows[-1] = (rows[-1][0], i, desc)
+        else:
+            rows.append((i, i, desc))
+    for a, b, desc in rows:
+        lines.append(f"layer {a:>3}{'-' + str(b) if b > a else '':<5} {desc}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    mf = open_model(args.model)
+    print("\n".join(describe(mf, ModelConfig.from_model(mf))))
+    return 0

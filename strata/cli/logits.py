@@ -1,0 +1,54 @@
+"""strata logits: float32 logits [n_tokens, vocab] of a token sequence, one row per position."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+from strata.engine.generator import Engine
+from strata.errors import StrataError
+from strata.model.transformer import Segment
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF file (any shard of a split set)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--text", help="text to tokenize (with the model's BOS rule)")
+    p.add_argument("--out", required=True, help="output .npy file")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+
+
+def parse_tokens(spec: str, n_vocab: int) -> list[int]:
+    try:
+        ids = [int(t) for t in spec.split(",") if t.strip()]
+    except ValueError:
+        raise StrataError(f"--tokens {spec!r}: give comma-separated integers") from None
+    bad = [t for t in ids if not 0 <= t < n_vocab]
+    if bad:
+        raise StrataError(f"--tokens: ids {bad[:5]} are outside the vocabulary (0..{n_vocab - 1})")
+    if not ids:
+        raise StrataError("--tokens: no token ids given")
+    return ids
+
+
+def compute_logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    kv = engine.model.new_cache(len(ids))
+    logits = engine.model.forward(torch.tensor(ids), [Segment(kv, len(ids))], all_logits=True)
+    return logits.float().cpu().numpy()
+
+
+def run(args: argparse.Namespace) -> int:
+    engine = Engine.load(args.model, device=args.device)
+    if args.tokens is not None:
+        ids = parse_tokens(args.tokens, engine.config.n_vocab)
+    else:
+        ids = engine.tokenizer.encode(args.text)
+    engine.check_prompt(ids, 0)
+    out = compute_logits(engine, ids)
+    np.save(args.out, out)
+    print(f"strata: wrote logits {list(out.shape)} to {args.out}", file=sys.stderr)
+    return 0

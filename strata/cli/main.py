@@ -1,0 +1,53 @@
+"""`strata`: the command line. Each subcommand lives in its own module with add_parser/run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from strata import __version__
+from strata.errors import StrataError
+
+# subcommand -> (module, one-line help)
+COMMANDS = {
+    "generate": ("strata.cli.generate",
+                 "generate text from a prompt (the demo model without MODEL)"),
+    "logits": ("strata.cli.logits", "write the logits of a token sequence to a .npy file"),
+    "info": ("strata.cli.info", "show a model's architecture, shapes and tensor types per layer"),
+    "synth": ("strata.cli.synth", "write a synthetic GGUF model (real layout, random weights)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata",
+        description="Run Mixture-of-Experts GGUF models larger than the GPU, on one machine.")
+    parser.add_argument("--version", action="version", version=f"strata {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show full tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show full tracebacks instead of one-line errors")
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
+    except StrataError as e:
+        if args.debug:
+            raise
+        print(f"strata {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""strata synth: write a synthetic GGUF model (real layout and metadata, random weights)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from strata.cli.info import fmt_bytes
+from strata.errors import StrataError
+from strata.synth.balance import routing_balance
+from strata.synth.presets import PRESETS, get_preset
+from strata.synth.recipes import RECIPES, Recipe
+from strata.synth.writer import write_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="output .gguf path (split sets: OUT-0000i-of-0000n.gguf)")
+    p.add_argument("--arch", choices=["qwen3moe", "qwen2moe", "llama"],
+                   help="architecture (tiny preset; the real presets fix it)")
+    p.add_argument("--preset", default="tiny", help=f"shape: {', '.join(PRESETS)} (tiny)")
+    p.add_argument("--quant", default="Q4_K_M", help="recipe, optionally with overrides "
+                   "PATTERN=TYPE, e.g. 'IQ2_XS,blk.2.ffn_*_exps=IQ1_M' "
+                   f"(recipes: {', '.join(RECIPES)}) (Q4_K_M)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep the preset's widths but use this many layers")
+    p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument("--split-max-tensors", type=int, default=0, help="write a split set")
+    p.add_argument("--split-max-size", default="0", help="write a split set, e.g. 4G")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper()
+    unit = t[-1] if t and t[-1] in "KMG" else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * units[unit])
+    except ValueError:
+        raise StrataError(f"--split-max-size {text!r}: give a size like 4G or 500M") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.suffix != ".gguf":
+        raise StrataError(f"{out}: the output name must end in .gguf")
+    if out.exists() and not args.force:
+        raise StrataError(f"{out} exists; pass --force to overwrite it")
+    preset, recipe = get_preset(args.preset, args.arch), Recipe(args.quant)
+    if args.layers is not None:
+        if args.layers < 1:
+            raise StrataError(f"--layers {args.layers}: give at least 1")
+        preset = replace(preset, n_layers=args.layers)
+    tensors = write_model(out, preset, recipe, args.seed, args.split_max_tensors,
+                          parse_size(args.split_max_size), progress=sys.stderr.isatty())
+    total = sum(t.nbytes for t in tensors)
+    print(f"strata: wrote {out} ({preset.arch} {args.preset}, {recipe.name}, "
+          f"{fmt_bytes(total)})", file=sys.stderr)
+    first = out if out.exists() else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
+    print(routing_balance(first, seed=args.seed), file=sys.stderr)
+    return 0

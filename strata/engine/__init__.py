@@ -1,0 +1,1 @@
+"""The engine: KV cache, sampling and the generation loop over the model."""

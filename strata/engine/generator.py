@@ -1,0 +1,101 @@
+"""Load a model and generate: the plain loop (prefill -> decode steps -> sample -> stop)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from strata.config import ModelConfig
+from strata.engine.sampling import SamplingParams, sample
+from strata.errors import StrataError
+from strata.gguf import open_model
+from strata.model.transformer import MoETransformer, Segment
+from strata.model.weights import ModelWeights
+from strata.tokenizer import ChatTemplate, Tokenizer
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0  # forward passes after the prompt's
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StrataError("--device cuda: no CUDA device is available (torch sees none); "
+                          "use --device cpu")
+    if name not in ("cpu", "cuda"):
+        raise StrataError(f"--device {name}: choose cpu or cuda")
+    return torch.device(name)
+
+
+@dataclass
+class Engine:
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    chat: ChatTemplate
+    model: MoETransformer
+    load_s: float
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "cpu") -> Engine:
+        t0 = time.perf_counter()
+        dev = resolve_device(device)
+        mf = open_model(path)
+        cfg = ModelConfig.from_model(mf)
+        tok = Tokenizer.from_metadata(mf.metadata, source=str(mf.path))
+        chat = ChatTemplate.from_metadata(mf.metadata, tok, source=str(mf.path))
+        model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0)
+
+    def check_prompt(self, ids: list[int], max_tokens: int) -> None:
+        if not ids:
+            raise StrataError("the prompt is empty")
+        if len(ids) + max_tokens > self.config.context_length:
+            raise StrataError(f"prompt of {len(ids)} tokens + {max_tokens} to generate exceeds the "
+                              f"model's context of {self.config.context_length} tokens")
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        """Yield generated token ids until a stop token or max_tokens; fills self.stats."""
+        self.check_prompt(prompt, params.max_tokens)
+        st = self.stats = GenerationStats(prompt_tokens=len(prompt), finish_reason="length")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        kv = self.model.new_cache(len(prompt) + params.max_tokens)
+        t0 = time.perf_counter()
+        tokens = torch.tensor(prompt)
+        for i in range(params.max_tokens):
+            logits = self.model.forward(tokens, [Segment(kv, tokens.shape[0])])[0]
+            token = sample(logits, params, gen)
+            now = time.perf_counter()
+            if i == 0:
+                st.prompt_s = now - t0
+            else:
+                st.decode_s += now - t0
+                st.decode_steps += 1
+            t0 = now
+            if token in self.tokenizer.stop_ids:
+                st.finish_reason = "stop"
+                return
+            st.generated_tokens += 1
+            yield token
+            tokens = torch.tensor([token])

@@ -1,0 +1,51 @@
+"""Token sampling: temperature, top-k, top-p, min-p; greedy at temperature 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.errors import StrataError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.max_tokens >= 0, "max_tokens", "must be >= 0"),
+        ]
+        for ok, field, why in checks:
+            if not ok:
+                raise StrataError(f"{field}={getattr(self, field)}: {why}")
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token id from logits [V] (float32)."""
+    if p.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / p.temperature, dim=-1)
+    probs, ids = torch.sort(probs, descending=True)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if p.top_k:
+        keep[p.top_k:] = False
+    if p.top_p < 1:
+        before = torch.cumsum(probs, 0) - probs  # mass of the tokens ranked above each
+        keep &= before < p.top_p
+    if p.min_p:
+        keep &= probs >= p.min_p * probs[0]
+    keep[0] = True
+    probs = torch.where(keep, probs, 0)
+    choice = torch.multinomial(probs.cpu(), 1, generator=gen)
+    return int(ids[choice.to(ids.device)])

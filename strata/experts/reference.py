@@ -1,0 +1,30 @@
+"""The reference expert executor: dequantize each routed expert, matmul in float32."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from strata.model.layers import swiglu
+from strata.model.weights import ExpertWeights
+
+
+class ExpertExecutor(Protocol):
+    def run(self, layer: int, experts: ExpertWeights, h: torch.Tensor, ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        """Σ_k weights[t, k] * expert_{ids[t, k]}(h[t]). h: [T, D], ids/weights: [T, K] -> [T, D]"""
+        ...
+
+
+class ReferenceExperts:
+    """Ground truth for every fast path: one expert at a time, dequantized to float32."""
+
+    def run(self, layer: int, experts: ExpertWeights, h: torch.Tensor, ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e
+            y = swiglu(h[tok], experts.gate.rows(e), experts.up.rows(e), experts.down.rows(e))
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out

@@ -1,0 +1,76 @@
+"""The building blocks of the reference forward pass, in float32.
+
+Legend: T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim, E experts, K used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight, over the last dimension."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, dim/2] for angle(p, i) = p * theta^(-2i/dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
+                                            device=positions.device) / dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, dim/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotate the first `2 * cos.shape[-1]` dims of each head. x: [T, heads, hd].
+
+    neox: pairs (i, i + dim/2) (the qwen families);
+    normal: adjacent pairs (2i, 2i+1) (llama in GGUF).
+    """
+    dim = 2 * cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, dim/2]
+    if style == "neox":
+        a, b = rot[..., : dim // 2], rot[..., dim // 2:]
+        out = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int) -> torch.Tensor:
+    """Causal GQA attention of queries at positions q_pos0.. over keys 0..n_k-1.
+
+    q: [Tq, H, hd]; k, v: [Tk, Hkv, hd] -> [Tq, H*hd]
+    """
+    Tq, H, hd = q.shape
+    Tk, Hkv = k.shape[0], k.shape[1]
+    group = H // Hkv
+    k = k.repeat_interleave(group, dim=1)  # [Tk, H, hd]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5  # [H, Tq, Tk]
+    q_idx = torch.arange(Tq, device=q.device)[:, None] + q_pos0
+    k_idx = torch.arange(Tk, device=q.device)[None, :]
+    scores = scores.masked_fill(k_idx > q_idx, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).reshape(Tq, H * hd)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int,
+          norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, keep the top k, optionally renormalize them to sum to 1.
+
+    h: [T, D], router: [E, D] -> ids [T, K] (int64), weights [T, K] (float32)
+    """
+    probs = torch.softmax(h @ router.T, dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights
+
+
+def swiglu(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+           w_down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate h) * up h). h: [T, D]; w_gate, w_up: [F, D]; w_down: [D, F] -> [T, D]"""
+    return (torch.nn.functional.silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T

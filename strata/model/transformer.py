@@ -1,0 +1,99 @@
+"""The MoE transformer forward pass shared by qwen3moe, qwen2moe and Mixtral-style llama.
+
+The architectures differ only in what ModelConfig records: RoPE style, QKV bias, per-head q/k norms,
+a gated shared expert, and whether the top-k routing weights are renormalized.
+
+One forward runs a batch of segments: each segment is some new tokens of one sequence, appended to
+that sequence's KV cache. Attention runs per segment; every other matmul (and so every expert read)
+runs over all tokens of the batch at once.
+
+Legend: T tokens in the batch, D hidden, H heads, Hkv kv heads, hd head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from strata.config import ModelConfig
+from strata.engine.kv_cache import KVCache
+from strata.experts import ExpertExecutor, ReferenceExperts
+from strata.model.layers import apply_rope, attention, rms_norm, rope_tables, route, swiglu
+from strata.model.weights import LayerWeights, ModelWeights
+
+
+@dataclass
+class Segment:
+    """`length` new tokens of one sequence, at positions kv.length .. kv.length + length - 1."""
+
+    kv: KVCache
+    length: int
+
+
+class MoETransformer:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device,
+                 experts: ExpertExecutor | None = None):
+        self.cfg, self.w, self.device = cfg, weights, device
+        self.experts = experts or ReferenceExperts()
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        c = self.cfg
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens: [T] (the segments' tokens, concatenated) -> logits float32.
+
+        Returns [T, V] when all_logits, else [n_segments, V] (each segment's last position).
+        Each segment's KV cache grows by its length.
+        """
+        cfg = self.cfg
+        if sum(s.length for s in segments) != tokens.shape[0]:
+            raise ValueError("segments do not cover the tokens")
+        positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
+                               for s in segments]).to(self.device)
+        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
+        x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
+        for i, lw in enumerate(self.w.layers):
+            x = x + self._attention(i, lw, rms_norm(x, lw.attn_norm, cfg.rms_eps), cos, sin,
+                                    segments)
+            x = x + self._moe(i, lw, rms_norm(x, lw.ffn_norm, cfg.rms_eps))
+        for s in segments:
+            s.kv.advance(s.length)
+        if not all_logits:
+            ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
+            x = x[ends]
+        return rms_norm(x, self.w.output_norm, cfg.rms_eps) @ self.w.output.T
+
+    def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        cfg = self.cfg
+        T = h.shape[0]
+        q, k, v = h @ lw.wq.T, h @ lw.wk.T, h @ lw.wv.T
+        if cfg.qkv_bias:
+            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+        q = q.view(T, cfg.n_heads, cfg.head_dim)
+        k = k.view(T, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, lw.q_norm, cfg.rms_eps), rms_norm(k, lw.k_norm, cfg.rms_eps)
+        q, k = apply_rope(q, cos, sin, cfg.rope_style), apply_rope(k, cos, sin, cfg.rope_style)
+        out, start = [], 0
+        for s in segments:
+            sl = slice(start, start + s.length)
+            keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
+            out.append(attention(q[sl], keys, values, s.kv.length))
+            start += s.length
+        return torch.cat(out) @ lw.wo.T
+
+    def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        ids, weights = route(h, lw.router, cfg.n_experts_used, cfg.norm_topk)  # [T, K]
+        out = self.experts.run(i, lw.experts, h, ids, weights)
+        if lw.shared_w1 is not None:
+            gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
+            out = out + gate * swiglu(h, lw.shared_w1, lw.shared_w3, lw.shared_w2)
+        return out

@@ -1,0 +1,125 @@
+"""Model weights for the reference path.
+
+Dense weights (attention, norms, router, shared expert, output head) are dequantized to float32 on
+the target device once at load. Expert tensors and the token embedding stay in their GGUF blocks
+(raw bytes: a view of the file's memory map on the CPU, a device copy on CUDA) and are
+dequantized on demand, one routed expert or a handful of embedding rows at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.config import ModelConfig
+from strata.gguf import ModelFile, TensorRef
+from strata.quant import dequantize
+
+_CHUNK_ROWS = 8192  # rows dequantized at once: bounds the temporary float32 copy of a large matrix
+
+
+@dataclass
+class QuantTensor:
+    """A tensor kept in its GGUF blocks. raw: uint8 [..., rows, row_nbytes]."""
+
+    raw: torch.Tensor
+    qtype: int
+    n_cols: int
+
+    @classmethod
+    def load(cls, ref: TensorRef, device: torch.device) -> QuantTensor:
+        return cls(torch.from_numpy(ref.data()).to(device), ref.qtype, ref.shape[-1])
+
+    def rows(self, index: torch.Tensor | int) -> torch.Tensor:
+        """Dequantized rows (or whole experts when raw is 3-D): float32 [..., n_cols]."""
+        return dequantize(self.raw[index], self.qtype, self.n_cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+def dense(ref: TensorRef, device: torch.device) -> torch.Tensor:
+    """A whole tensor dequantized to float32 on `device`, in chunks of rows."""
+    raw = torch.from_numpy(ref.data())
+    flat = raw.reshape(-1, raw.shape[-1])
+    out = torch.empty(flat.shape[0], ref.shape[-1], dtype=torch.float32, device=device)
+    for i in range(0, flat.shape[0], _CHUNK_ROWS):
+        out[i:i + _CHUNK_ROWS] = dequantize(flat[i:i + _CHUNK_ROWS].to(device), ref.qtype,
+                                            ref.shape[-1])
+    return out.reshape(ref.shape)
+
+
+@dataclass
+class ExpertWeights:
+    """One layer's routed experts: gate/up [E, F, D] and down [E, D, F], in GGUF blocks."""
+
+    gate: QuantTensor
+    up: QuantTensor
+    down: QuantTensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [D]
+    wq: torch.Tensor  # [H*hd, D]
+    wk: torch.Tensor  # [Hkv*hd, D]
+    wv: torch.Tensor  # [Hkv*hd, D]
+    wo: torch.Tensor  # [D, H*hd]
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [hd]
+    k_norm: torch.Tensor | None
+    ffn_norm: torch.Tensor  # [D]
+    router: torch.Tensor  # [E, D]
+    experts: ExpertWeights
+    shared_gate: torch.Tensor | None = None  # [D]: sigmoid(x . w) scales the shared expert
+    shared_w1: torch.Tensor | None = None  # gate [S, D]
+    shared_w3: torch.Tensor | None = None  # up [S, D]
+    shared_w2: torch.Tensor | None = None  # down [D, S]
+
+
+@dataclass
+class ModelWeights:
+    embed: QuantTensor  # [V, D] in blocks; rows dequantized per token
+    layers: list[LayerWeights]
+    output_norm: torch.Tensor  # [D]
+    output: torch.Tensor  # [V, D]
+
+    @classmethod
+    def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device) -> ModelWeights:
+        t = mf.tensors
+
+        def d(name: str) -> torch.Tensor:
+            return dense(t[name], device)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return d(name) if name in t else None
+
+        layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            experts = ExpertWeights(*(QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], device)
+                                      for w in ("gate", "up", "down")))
+            layers.append(LayerWeights(
+                attn_norm=d(p + "attn_norm.weight"), wq=d(p + "attn_q.weight"),
+                wk=d(p + "attn_k.weight"), wv=d(p + "attn_v.weight"),
+                wo=d(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
+                bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
+                q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
+                ffn_norm=d(p + "ffn_norm.weight"), router=d(p + "ffn_gate_inp.weight"),
+                experts=experts,
+                shared_gate=opt(p + "ffn_gate_inp_shexp.weight"),
+                shared_w1=opt(p + "ffn_gate_shexp.weight"),
+                shared_w3=opt(p + "ffn_up_shexp.weight"),
+                shared_w2=opt(p + "ffn_down_shexp.weight"),
+            ))
+        embed = QuantTensor.load(t["token_embd.weight"], device)
+        output = d("token_embd.weight" if cfg.tied_output else "output.weight")
+        return cls(embed, layers, d("output_norm.weight"), output)

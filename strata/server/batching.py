@@ -1,0 +1,207 @@
+"""Continuous batching, in the engine process: the requests that run together share one forward
+pass per step, and new requests join between steps.
+
+One step (`BatchRunner.step`):
+    plan     every active sequence contributes its pending tokens: the whole prompt on its first
+             step, then the token it sampled last
+    forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each  -> [B, V]
+    sample   each sequence with its own torch.Generator, so a seed gives the same text whether
+             the request ran alone or beside others
+    finish   a stop token, max_tokens or a stop string ends a sequence: Finished, KV cache dropped
+
+Legend: B sequences in the step, V vocab.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.engine.generator import Engine
+from strata.engine.kv_cache import KVCache
+from strata.engine.sampling import SamplingParams, sample
+from strata.errors import StrataError
+from strata.model.transformer import Segment
+from strata.server.faults import FaultTrigger
+from strata.server.protocol import (
+    Accepted,
+    Cancel,
+    Delta,
+    Failed,
+    Finished,
+    Progress,
+    StepDone,
+    Submit,
+)
+from strata.server.stops import StopText
+from strata.tokenizer import StreamDecoder
+
+
+@dataclass
+class Sequence:
+    rid: str
+    prompt_len: int
+    max_tokens: int
+    params: SamplingParams
+    gen: torch.Generator
+    kv: KVCache
+    stream: StreamDecoder
+    stops: StopText
+    pending: list[int]
+    generated: int = 0
+    decode_steps: int = 0
+    prefilled: bool = field(default=False)
+
+
+class BatchRunner:
+    def __init__(self, engine: Engine, send: Callable[[object], None], faults: FaultTrigger):
+        self.engine = engine
+        self.send = send
+        self.faults = faults
+        self.seqs: dict[str, Sequence] = {}
+        self.stage = "idle"
+
+    @property
+    def active(self) -> int:
+        return len(self.seqs)
+
+    def handle(self, msg: Submit | Cancel) -> None:
+        if isinstance(msg, Cancel):
+            self.cancel(msg.rid)
+        else:
+            self.submit(msg)
+
+    def submit(self, sub: Submit) -> None:
+        """Tokenize and check a request; it joins the batch at the next step."""
+        try:
+            seq = self._make_sequence(sub)
+        except _Reject as r:
+            self.send(Failed(sub.rid, 400, r.message, r.param, r.code))
+            return
+        self.seqs[sub.rid] = seq
+        self.send(Accepted(sub.rid, seq.prompt_len, seq.max_tokens))
+
+    def cancel(self, rid: str) -> None:
+        seq = self.seqs.pop(rid, None)  # dropping the sequence frees its KV cache
+        if seq is not None:
+            self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated))
+
+    def step(self) -> None:
+        batch = list(self.seqs.values())
+        for s in batch:
+            if s.prefilled:
+                self.faults.at("decode", s.decode_steps + 1)
+            else:
+                self.faults.at("prefill")
+        prompt = [s for s in batch if not s.prefilled]
+        self.stage = "prompt" if prompt else "decode"
+        self.send(Progress(self.stage, self._detail(batch), state=self.state()))
+        t0 = time.perf_counter()
+        tokens = torch.tensor([t for s in batch for t in s.pending])  # [sum of pending]
+        segments = [Segment(s.kv, len(s.pending)) for s in batch]
+        try:
+            logits = self.engine.model.forward(tokens, segments)  # [B, V]
+        except Exception as e:  # a failed step fails its requests; the engine serves on
+            traceback.print_exc(file=sys.stderr)
+            for s in batch:
+                self.seqs.pop(s.rid, None)
+                self.send(Failed(s.rid, 500, f"the engine failed in a {self.stage} step: "
+                                 f"{type(e).__name__}: {e}"))
+            return
+        for s, row in zip(batch, logits):
+            if s.prefilled:
+                s.decode_steps += 1
+            s.prefilled = True
+            self._advance(s, sample(row, s.params, s.gen))
+        hit_rate = getattr(self.engine.model.experts, "hit_rate", None)
+        self.send(StepDone(sum(len(s.pending) for s in prompt), len(batch) - len(prompt),
+                           time.perf_counter() - t0, self.active, hit_rate))
+        self.stage = "decode" if self.seqs else "idle"
+
+    def state(self) -> dict:
+        """What a stall report shows about the batch (cheap: ints and strings)."""
+        seqs = [(s.rid, s.kv.length, s.decode_steps, s.generated) for s in self.seqs.values()]
+        state: dict = {"requests": seqs, "kv_bytes": sum(s.kv.nbytes for s in self.seqs.values())}
+        if self.engine.model.device.type == "cuda":
+            state["gpu_allocated"] = torch.cuda.memory_allocated()
+            state["gpu_reserved"] = torch.cuda.memory_reserved()
+        return state
+
+    def _detail(self, batch: list[Sequence]) -> str:
+        parts = [f"{s.rid} " + (f"prompt of {len(s.pending)} tokens" if not s.prefilled else
+                                f"decode step {s.decode_steps + 1} at position {s.kv.length}")
+                 for s in batch]
+        return f"{len(batch)} sequence(s): " + "; ".join(parts)
+
+    def _advance(self, s: Sequence, token: int) -> None:
+        if token in self.engine.tokenizer.stop_ids:
+            self._finish(s, "stop")
+            return
+        s.generated += 1
+        text = s.stops.push(s.stream.push(token))
+        if text:
+            self.send(Delta(s.rid, text, s.generated))
+        if s.stops.stopped:
+            self._finish(s, "stop")
+        elif s.generated >= s.max_tokens:
+            self._finish(s, "length")
+        else:
+            s.pending = [token]
+
+    def _finish(self, s: Sequence, reason: str) -> None:
+        tail = ""
+        if not s.stops.stopped:
+            tail = s.stops.push(s.stream.flush())
+            tail += s.stops.flush()
+            reason = "stop" if s.stops.stopped else reason
+        del self.seqs[s.rid]
+        self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail))
+
+    def _make_sequence(self, sub: Submit) -> Sequence:
+        eng = self.engine
+        where = "messages" if sub.messages is not None else "prompt"
+        try:
+            if sub.messages is not None:
+                ids = eng.chat.encode(sub.messages, True, **sub.template_kwargs)
+            elif isinstance(sub.prompt, str):
+                ids = eng.tokenizer.encode(sub.prompt)
+            else:
+                ids = list(sub.prompt or [])
+                bad = [i for i in ids if not 0 <= i < eng.config.n_vocab]
+                if bad:
+                    raise _Reject(f"token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{eng.config.n_vocab - 1})", "prompt")
+        except StrataError as e:
+            raise _Reject(str(e), where) from None
+        if not ids:
+            raise _Reject("the prompt is empty", where)
+        room = eng.config.context_length - len(ids)
+        max_tokens = min(sub.max_tokens_limit, room) if sub.max_tokens is None else sub.max_tokens
+        try:
+            eng.check_prompt(ids, max(max_tokens, 1))
+        except StrataError as e:
+            raise _Reject(f"{e}; shorten the {where} or lower max_tokens", where,
+                          "context_length_exceeded") from None
+        try:
+            params = SamplingParams(**sub.sampling, max_tokens=max_tokens)
+        except StrataError as e:
+            raise _Reject(str(e), str(e).split("=")[0]) from None
+        gen = torch.Generator()
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+        return Sequence(sub.rid, len(ids), max_tokens, params, gen,
+                        eng.model.new_cache(len(ids) + max_tokens),
+                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids)
+
+
+class _Reject(Exception):
+    def __init__(self, message: str, param: str | None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code

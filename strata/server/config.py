@@ -1,0 +1,168 @@
+"""`strata serve` settings: defaults < a strata-NAME.json file (--config) < command-line flags.
+
+The JSON file holds flag names (dashes or underscores) and an "env" object of environment
+settings, which are set before the engine process starts:
+
+    {"model": "qwen3-30b-a3b-Q4_K_M.gguf", "port": 8080, "watchdog": 120,
+     "env": {"STRATA_FAULT": "stall@decode:3"}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from strata.errors import StrataError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    device: str = "cpu"
+    batch: int = 4
+    queue: int = 16
+    max_tokens: int = 4096
+    max_body: int = 1 << 20
+    watchdog: float = 60.0
+    load_timeout: float = 600.0
+    queue_timeout: float = 600.0
+    max_restarts: int = 3
+    restart_window: float = 600.0
+    report_dir: str = "."
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def served_name(self) -> str:
+        """The model id clients send: --model-name, else the file name without .gguf and shard
+        suffix, else "strata-demo"."""
+        if self.model_name:
+            return self.model_name
+        if not self.model:
+            return "strata-demo"
+        stem = Path(self.model).name.removesuffix(".gguf")
+        parts = stem.rsplit("-", 3)
+        if len(parts) == 4 and parts[2] == "of" and parts[1].isdigit() and parts[3].isdigit():
+            stem = parts[0]  # name-00001-of-00003
+        return stem
+
+    def public(self) -> dict[str, Any]:
+        """The effective settings, as --print-config shows them (the API key hidden)."""
+        d = asdict(self)
+        if d["api_key"]:
+            d["api_key"] = "(set)"
+        return d
+
+
+# flag -> help; the type and default come from ServeConfig
+HELP = {
+    "model_name": "the model id clients send and /v1/models lists (default: the file's name)",
+    "host": "address to listen on; 127.0.0.1 keeps the server on this machine (127.0.0.1)",
+    "port": "TCP port; 0 picks a free one and logs it (8000)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* requests",
+    "device": "cpu or cuda (cpu)",
+    "batch": "requests decoded together, sharing each forward pass (4)",
+    "queue": "requests that may wait for a batch slot; more get HTTP 429 (16)",
+    "max_tokens": "the most tokens one request may ask for, and the default (4096)",
+    "max_body": "the largest request body in bytes; larger gets HTTP 413 (1048576)",
+    "watchdog": "seconds without engine progress, while work is pending, before the engine is "
+                "declared stalled, reported and restarted (60)",
+    "load_timeout": "seconds the engine may take to load the model (600)",
+    "queue_timeout": "seconds a request may wait in the queue before HTTP 503 (600)",
+    "max_restarts": "restarts allowed within --restart-window; one more failure and the server "
+                    "stops restarting and says why in /health (3)",
+    "restart_window": "seconds over which --max-restarts counts failures (600)",
+    "report_dir": "folder for stall and crash reports (the current folder)",
+}
+_LIMITS = {"port": (0, 65535), "batch": (1, 256), "queue": (0, 100_000),
+           "max_tokens": (1, 1 << 24), "max_body": (1024, 1 << 30), "watchdog": (0.5, 86400),
+           "load_timeout": (1, 86400), "queue_timeout": (1, 86400), "max_restarts": (0, 1000),
+           "restart_window": (1, 86400 * 7)}
+_TYPES = {f.name: f.type for f in fields(ServeConfig)}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """Every setting as a flag; a flag not given stays out of the namespace (file values stand)."""
+    for name, help_text in HELP.items():
+        kind = _TYPES[name]
+        conv = int if "int" in kind else float if "float" in kind else str
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=conv, help=help_text,
+                       default=argparse.SUPPRESS)
+
+
+def load_file(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise StrataError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise StrataError(f"--config {path}: not valid JSON: {e.msg} at line {e.lineno}, "
+                          f"column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise StrataError(f"--config {path}: expected a JSON object of settings")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in _TYPES:
+            raise StrataError(f"--config {path}: unknown setting {key!r} (known: "
+                              f"{', '.join(sorted(n.replace('_', '-') for n in _TYPES))})")
+        out[name] = _check_type(path, key, name, value)
+    return out
+
+
+def _check_type(path: str, key: str, name: str, value: Any) -> Any:
+    kind = _TYPES[name]
+    if name == "env":
+        if not isinstance(value, dict) or not all(isinstance(v, (str, int, float)) and
+                                                  not isinstance(v, bool) for v in value.values()):
+            raise StrataError(f"--config {path}: \"env\" must be an object of NAME: \"value\"")
+        return {str(k): str(v) for k, v in value.items()}
+    if value is None and "None" in kind:
+        return None
+    ok = (isinstance(value, str) if "str" in kind else
+          isinstance(value, int) if "int" in kind else isinstance(value, (int, float)))
+    if not ok or isinstance(value, bool):
+        want = "a string" if "str" in kind else "an integer" if "int" in kind else "a number"
+        raise StrataError(f"--config {path}: {key!r} must be {want}, not {value!r}")
+    return value
+
+
+def resolve(args: argparse.Namespace) -> ServeConfig:
+    """Defaults, then the --config file, then the flags given on the command line."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_file(args.config))
+    values.update({k: v for k, v in vars(args).items() if k in _TYPES and k != "env"
+                   and (k != "model" or v is not None)})
+    cfg = replace(ServeConfig(), **values)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: ServeConfig) -> None:
+    for name, (lo, hi) in _LIMITS.items():
+        v = getattr(cfg, name)
+        if not lo <= v <= hi:
+            raise StrataError(f"--{name.replace('_', '-')} {v}: must be between {lo} and {hi}")
+    if cfg.device not in ("cpu", "cuda"):
+        raise StrataError(f"--device {cfg.device}: choose cpu or cuda")
+    if cfg.model is not None and not Path(cfg.model).is_file():
+        raise StrataError(f"{cfg.model}: no such model file")
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise StrataError("--api-key: the key is empty")
+
+
+def apply_env(cfg: ServeConfig) -> None:
+    """Set the file's "env" settings; the engine process inherits them. A variable already set in
+    the environment wins, as a flag wins over the file."""
+    for name, value in cfg.env.items():
+        os.environ.setdefault(name, value)

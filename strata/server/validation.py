@@ -1,0 +1,208 @@
+"""Request bodies -> checked requests. Every 400 names the field and says why.
+
+A parameter Strata does not implement is refused by name when it asks for something (n > 1,
+logprobs, tools, a response_format other than text, ...), never silently ignored. A few that change
+nothing here (user, metadata, store, ...) are accepted. Unknown fields are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.server.errors import bad_request
+
+MAX_STOP_STRINGS = 16
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+            "safety_identifier", "prompt_cache_key"}
+_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed",
+           "max_tokens", "stop", "n", "logit_bias", "presence_penalty", "frequency_penalty"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "reasoning_effort", "chat_template_kwargs",
+                   "logprobs", "top_logprobs", "tools", "tool_choice", "functions",
+                   "function_call", "response_format", "audio", "modalities", "prediction",
+                   "web_search_options"}
+_COMPLETION = _COMMON | {"prompt", "echo", "best_of", "logprobs", "suffix"}
+_ROLES = {"system", "developer", "user", "assistant"}
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "chat" or "completion"
+    model: str | None
+    stream: bool
+    include_usage: bool
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_num(v) or (integer and not (isinstance(v, int) or float(v).is_integer())):
+        raise bad_request(f"{name} must be {'an integer' if integer else 'a number'}, "
+                          f"not {v!r}", name)
+    if not lo <= v <= hi:
+        raise bad_request(f"{name}={v} is out of range: it must be in [{lo}, {hi}]", name)
+    return int(v) if integer else float(v)
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    asks = {
+        "n": lambda v: v not in (None, 1),
+        "logprobs": lambda v: v not in (None, False, 0),
+        "top_logprobs": lambda v: v not in (None, 0),
+        "tools": lambda v: bool(v),
+        "tool_choice": lambda v: v not in (None, "none"),
+        "functions": lambda v: bool(v),
+        "function_call": lambda v: v not in (None, "none"),
+        "response_format": lambda v: v is not None and v != {"type": "text"},
+        "logit_bias": lambda v: bool(v),
+        "presence_penalty": lambda v: v not in (None, 0),
+        "frequency_penalty": lambda v: v not in (None, 0),
+        "audio": lambda v: v is not None,
+        "modalities": lambda v: v not in (None, ["text"]),
+        "prediction": lambda v: v is not None,
+        "web_search_options": lambda v: v is not None,
+        "echo": lambda v: v not in (None, False),
+        "best_of": lambda v: v not in (None, 1),
+        "suffix": lambda v: v not in (None, ""),
+    }
+    bad = [k for k, asks_for in asks.items() if k in body and asks_for(body[k])]
+    if bad:
+        raise bad_request(f"{', '.join(f'{k}={body[k]!r}' for k in bad)}: not supported by "
+                          f"Strata's {kind} endpoint (it serves n=1 plain text, without "
+                          "logprobs, tools, penalties or logit_bias)", bad[0], "unsupported_parameter")
+
+
+def _common(body: Any, kind: str, allowed: set[str], max_tokens_limit: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed - _IGNORED)
+    if unknown:
+        raise bad_request(f"unknown parameter(s): {', '.join(unknown)}", unknown[0],
+                          "unknown_parameter")
+    _refuse_unsupported(body, kind)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise bad_request("stream_options takes only include_usage", "stream_options")
+    include_usage = bool((opts or {}).get("include_usage", False))
+    sampling = {
+        "temperature": _number(body, "temperature", 0, 2),
+        "top_p": _number(body, "top_p", 0, 1),
+        "top_k": _number(body, "top_k", -1, 1 << 31, integer=True),
+        "min_p": _number(body, "min_p", 0, 1),
+        "seed": _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True),
+    }
+    if sampling["top_p"] == 0:
+        raise bad_request("top_p=0 keeps no tokens: it must be in (0, 1]", "top_p")
+    if sampling["top_k"] == -1:
+        sampling["top_k"] = 0  # -1 (vLLM's spelling) and 0 both turn top-k off
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, name, 1, max_tokens_limit, integer=True)
+    return ParsedRequest(kind, model, stream, include_usage,
+                         sampling={k: v for k, v in sampling.items() if v is not None},
+                         max_tokens=max_tokens, stop=_stop(body.get("stop")))
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_request("stop must be a non-empty string or a list of them", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    return tuple(items)
+
+
+def _content(m: dict, i: int) -> str | None:
+    c = m.get("content")
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"messages[{i}].content: only text parts are supported, not "
+                                  f"{kind!r}", f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
+                      f"messages[{i}].content")
+
+
+def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
+    req = _common(body, "chat", _CHAT, max_tokens_limit)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise bad_request(f"messages[{i}].role is {role!r}; Strata takes "
+                              f"{', '.join(sorted(_ROLES))} (no tool messages)",
+                              f"messages[{i}].role")
+        extra = set(m) - {"role", "content", "name", "reasoning_content", "refusal"}
+        if extra:
+            raise bad_request(f"messages[{i}]: unsupported field(s) {', '.join(sorted(extra))}",
+                              f"messages[{i}].{sorted(extra)[0]}")
+        content = _content(m, i)
+        if content is None and m["role"] != "assistant":
+            raise bad_request(f"messages[{i}].content is missing", f"messages[{i}].content")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg = {"role": role, "content": content or ""}
+        if isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
+        out.append(msg)
+    req.messages = out
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort={effort!r}: choose from "
+                              f"{', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+        req.template_kwargs["reasoning_effort"] = effort
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        req.template_kwargs.update(kwargs)
+    return req
+
+
+def parse_completion(body: Any, max_tokens_limit: int) -> ParsedRequest:
+    req = _common(body, "completions", _COMPLETION, max_tokens_limit)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        req.prompt = p
+    elif isinstance(p, str) and p:
+        req.prompt = p
+    elif isinstance(p, list) and len(p) > 1:
+        raise bad_request(f"prompt holds {len(p)} prompts; Strata takes one per request",
+                          "prompt", "unsupported_parameter")
+    else:
+        raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
+    return req

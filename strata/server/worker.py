@@ -1,0 +1,130 @@
+"""The engine process: load the model, then serve Submit/Cancel messages with a BatchRunner.
+
+Started by the supervisor (engine_process.py) with the spawn method; it owns torch and the model,
+the server process does not. It reports progress on every stage (loading, each step, every layer
+at most once a second) and writes every thread's stack to `stacks_path` on SIGUSR1, so that a
+stalled engine can still be looked into. It exits when the server goes away or says Shutdown.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import inspect
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from strata.errors import StrataError
+from strata.server.batching import BatchRunner
+from strata.server.faults import FaultTrigger
+from strata.server.protocol import (
+    EngineOptions,
+    Loaded,
+    LoadFailed,
+    Progress,
+    Shutdown,
+)
+
+_HEARTBEAT_S = 1.0  # the most often a long forward pass reports which layer it is in
+_stack_file: Any = None  # kept open for faulthandler for the life of the process
+
+
+class Outbox:
+    """Engine -> server messages; the engine ends when the server is gone."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def send(self, msg: object) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, EOFError, OSError):
+            sys.exit(0)
+
+
+class LayerProgress:
+    """Wraps the model's expert executor: a forward pass reports its layer now and then, so a long
+    prompt on a big model is progress, not a stall. Everything else goes to the executor."""
+
+    def __init__(self, inner: Any, n_layers: int, send: Any, runner: BatchRunner | None = None):
+        self.inner, self.n_layers, self.send, self.runner = inner, n_layers, send, runner
+        self.last = time.monotonic()
+
+    def run(self, layer: int, *args: Any) -> Any:
+        now = time.monotonic()
+        if now - self.last >= _HEARTBEAT_S and self.runner is not None:
+            self.last = now
+            stage = self.runner.stage
+            state = {**self.runner.state(), "layer": layer}
+            self.send(Progress(stage, f"{stage}: layer {layer + 1} of {self.n_layers}",
+                               state=state))
+        return self.inner.run(layer, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
+    global _stack_file
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us
+    _stack_file = open(opts.stacks_path, "w")  # noqa: SIM115 (open for the process's life)
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+    faulthandler.enable(file=sys.stderr)  # a fatal signal prints the stacks to the log
+    out = Outbox(outbox)
+    faults = FaultTrigger(opts.fault)
+    out.send(Progress("loading", "starting the engine", 0.0))
+    faults.at("load")
+    try:
+        engine = _load(opts, out)
+    except StrataError as e:
+        out.send(LoadFailed(str(e)))
+        return
+    runner = BatchRunner(engine, out.send, faults)
+    experts = engine.model.experts
+    engine.model.experts = LayerProgress(experts, engine.config.n_layers, out.send, runner)
+    cfg = engine.config
+    info = {"executor": type(experts).__name__, "expert_cache": None, "cpu_pool": None}
+    if engine.model.device.type == "cuda":
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name()
+    out.send(Loaded(str(engine.path), cfg.context_length, cfg.n_vocab, opts.device,
+                    engine.load_s, info))
+    _serve(inbox, runner, out)
+
+
+def _load(opts: EngineOptions, out: Outbox) -> Any:
+    from strata.engine.generator import Engine
+
+    path = opts.model
+    if path is None:
+        from strata.synth.demo import demo_model
+
+        out.send(Progress("loading", "writing the demo model (first use only)", 0.0))
+        path = str(demo_model())
+    out.send(Progress("loading", f"loading {path} on {opts.device}", 0.05))
+    kwargs = {}
+    if "progress" in inspect.signature(Engine.load).parameters:  # a per-stage hook, when present
+        kwargs["progress"] = lambda what, frac: out.send(Progress("loading", what, frac))
+    return Engine.load(path, device=opts.device, **kwargs)
+
+
+def _serve(inbox: Connection, runner: BatchRunner, out: Outbox) -> None:
+    """Read every message that has arrived, then run one step; block (1 s at a time) when idle."""
+    while True:
+        timeout = 0.0 if runner.active else 1.0
+        try:
+            while inbox.poll(timeout):
+                msg = inbox.recv()
+                if isinstance(msg, Shutdown):
+                    return
+                runner.handle(msg)
+                timeout = 0.0
+        except (EOFError, OSError):
+            return  # the server is gone
+        if runner.active:
+            runner.step()
+            if not runner.active:
+                out.send(Progress("idle", "no requests", state=runner.state()))

@@ -1,0 +1,1 @@
+"""Synthetic GGUF models for tests and benchmarks: real layouts, random weights."""

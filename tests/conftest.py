@@ -1,0 +1,44 @@
+"""Shared fixtures: synthetic models written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def synth(tmp_path_factory: pytest.TempPathFactory):
+    """synth(arch, recipe, seed=0, **write_kwargs) -> path of a tiny synthetic model (cached)."""
+    root = tmp_path_factory.mktemp("models")
+    made: dict[tuple, Path] = {}
+    from strata.synth.presets import get_preset
+    from strata.synth.recipes import Recipe
+    from strata.synth.writer import write_model
+
+    def make(arch: str = "qwen3moe", recipe: str = "Q4_K_M", seed: int = 0, **kw) -> Path:
+        key = (arch, recipe, seed, tuple(sorted(kw.items())))
+        if key not in made:
+            name = f"{arch}-{recipe.replace(',', '_').replace('=', '-').replace('*', 'x')}-{seed}"
+            out = root / f"{name}-{len(made)}.gguf"
+            write_model(out, get_preset("tiny", arch), Recipe(recipe), seed, **kw)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Runs a test on the CPU, and on CUDA where there is a GPU."""
+    return request.param
