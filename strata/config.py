@@ -152,3 +152,25 @@ def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
         if not is_supported(ref.qtype):
             raise UnsupportedError(f"{mf.path}: tensor {name} has type {ref.info.type_name}, "
                                    "which Strata does not support")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run a model: the flags of generate/logits/bench (and strata-*.json), normalized."""
+
+    device: str = "cpu"
+    offload: str = "auto"  # auto (on for cuda) | on | off (everything on the device, reference)
+    vram_budget_gib: float | None = None  # None: free VRAM minus a margin
+    expert_cache: str = "auto"  # auto | N slots in all | 0
+    cache_policy: str = "lru"  # lru | lfu | profile
+    expert_profile: str | None = None  # routing profile written by `strata profile`
+    miss: str = "auto"  # auto | cpu | dma
+    threads: int | None = None  # CPU pool threads (default: cores - 1)
+    ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
+    workspace_mib: int = 256  # float32 scratch of the dequantizing paths
+    cpu_kernels: str = "auto"  # auto | ggml | torch
+    debug: bool = False  # check cache invariants after every layer
+
+    @property
+    def use_offload(self) -> bool:
+        return self.offload == "on" or (self.offload == "auto" and self.device == "cuda")

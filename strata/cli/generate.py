@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import StrataError
@@ -22,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=40, help="0 turns it off (40)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top (0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    p.add_argument("--stats", action="store_true",
+                   help="print expert cache and miss-path statistics per layer")
+    add_engine_arguments(p)
 
 
 def model_or_demo(model: str | None) -> str:
@@ -39,7 +42,7 @@ def model_or_demo(model: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    engine = Engine.load(model_or_demo(args.model), device=args.device)
+    engine = Engine.load(model_or_demo(args.model), config=engine_config(args))
     tok = engine.tokenizer
     if args.chat is not None:
         text = engine.chat.render([{"role": "user", "content": args.chat}])
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if not ids:
         raise StrataError("--prompt: the prompt is empty")
     sys.stdout.write(text if args.chat is None else "")
+    sys.stdout.flush()
     stream = tok.stream()
     for token in engine.generate(ids, params):
         sys.stdout.write(stream.push(token))
@@ -60,4 +64,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"strata: loaded in {engine.load_s:.2f} s; prompt {st.prompt_tokens} tokens at "
           f"{st.prompt_tok_s:.1f} tok/s; generated {st.generated_tokens} tokens at "
           f"{st.decode_tok_s:.1f} tok/s ({st.finish_reason})", file=sys.stderr)
+    experts = engine.model.experts
+    if args.stats and hasattr(experts, "stats"):
+        print("\n".join(experts.stats.lines()), file=sys.stderr)
+    elif args.stats:
+        print("strata: --stats: no offload runtime (--offload off); every expert ran on "
+              f"{args.device}", file=sys.stderr)
     return 0

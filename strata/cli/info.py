@@ -7,13 +7,7 @@ from collections import Counter
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, open_model
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+from strata.units import fmt_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

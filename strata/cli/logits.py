@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import torch
 
+from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 from strata.model.transformer import Segment
@@ -19,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--text", help="text to tokenize (with the model's BOS rule)")
     p.add_argument("--out", required=True, help="output .npy file")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    add_engine_arguments(p)
 
 
 def parse_tokens(spec: str, n_vocab: int) -> list[int]:
@@ -42,7 +43,7 @@ def compute_logits(engine: Engine, ids: list[int]) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine.load(args.model, device=args.device)
+    engine = Engine.load(args.model, config=engine_config(args))
     if args.tokens is not None:
         ids = parse_tokens(args.tokens, engine.config.n_vocab)
     else:

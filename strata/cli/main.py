@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from strata import __version__
@@ -16,6 +17,7 @@ COMMANDS = {
     "logits": ("strata.cli.logits", "write the logits of a token sequence to a .npy file"),
     "info": ("strata.cli.info", "show a model's architecture, shapes and tensor types per layer"),
     "synth": ("strata.cli.synth", "write a synthetic GGUF model (real layout, random weights)"),
+    "profile": ("strata.cli.profile", "record routing frequency per (layer, expert) over prompts"),
 }
 
 
@@ -35,8 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def setup_logging(debug: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("strata: %(message)s"))
+    root = logging.getLogger("strata")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    root.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.debug)
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
     except StrataError as e:

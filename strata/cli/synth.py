@@ -7,12 +7,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from strata.cli.info import fmt_bytes
 from strata.errors import StrataError
 from strata.synth.balance import routing_balance
 from strata.synth.presets import PRESETS, get_preset
 from strata.synth.recipes import RECIPES, Recipe
 from strata.synth.writer import write_model
+from strata.units import fmt_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

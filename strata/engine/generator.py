@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from strata.config import ModelConfig
+from strata.config import EngineConfig, ModelConfig
+from strata.engine.build import build_model
 from strata.engine.sampling import SamplingParams, sample
 from strata.errors import StrataError
 from strata.gguf import open_model
 from strata.model.transformer import MoETransformer, Segment
-from strata.model.weights import ModelWeights
 from strata.tokenizer import ChatTemplate, Tokenizer
 
 
@@ -56,14 +56,16 @@ class Engine:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu") -> Engine:
+    def load(cls, path: str | Path, device: str = "cpu",
+             config: EngineConfig | None = None) -> Engine:
         t0 = time.perf_counter()
-        dev = resolve_device(device)
+        ec = config or EngineConfig(device=device)
+        dev = resolve_device(ec.device)
         mf = open_model(path)
         cfg = ModelConfig.from_model(mf)
         tok = Tokenizer.from_metadata(mf.metadata, source=str(mf.path))
         chat = ChatTemplate.from_metadata(mf.metadata, tok, source=str(mf.path))
-        model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
+        model = build_model(mf, cfg, ec, dev)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0)

@@ -21,7 +21,7 @@ from strata.config import ModelConfig
 from strata.engine.kv_cache import KVCache
 from strata.experts import ExpertExecutor, ReferenceExperts
 from strata.model.layers import apply_rope, attention, rms_norm, rope_tables, route, swiglu
-from strata.model.weights import LayerWeights, ModelWeights
+from strata.model.weights import LayerWeights, ModelWeights, linear
 
 
 @dataclass
@@ -66,13 +66,13 @@ class MoETransformer:
         if not all_logits:
             ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
             x = x[ends]
-        return rms_norm(x, self.w.output_norm, cfg.rms_eps) @ self.w.output.T
+        return linear(rms_norm(x, self.w.output_norm, cfg.rms_eps), self.w.output)
 
     def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
-        q, k, v = h @ lw.wq.T, h @ lw.wk.T, h @ lw.wv.T
+        q, k, v = linear(h, lw.wq), linear(h, lw.wk), linear(h, lw.wv)
         if cfg.qkv_bias:
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         q = q.view(T, cfg.n_heads, cfg.head_dim)
@@ -87,7 +87,7 @@ class MoETransformer:
             keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
             out.append(attention(q[sl], keys, values, s.kv.length))
             start += s.length
-        return torch.cat(out) @ lw.wo.T
+        return linear(torch.cat(out), lw.wo)
 
     def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

@@ -39,6 +39,23 @@ class QuantTensor:
     def nbytes(self) -> int:
         return self.raw.numel()
 
+    def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for a 2-D W [N, n_cols], dequantizing a chunk of rows at a time.
+        x: [T, n_cols] -> [T, N]"""
+        n = self.raw.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+        for i in range(0, n, _CHUNK_ROWS):
+            out[:, i:i + _CHUNK_ROWS] = x @ self.rows(slice(i, i + _CHUNK_ROWS)).T
+        return out
+
+
+Weight = torch.Tensor | QuantTensor  # float32 [N, K], or kept in GGUF blocks
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w.T. x: [T, K] -> [T, N]"""
+    return x @ w.T if isinstance(w, torch.Tensor) else w.matmul_t(x)
+
 
 def dense(ref: TensorRef, device: torch.device) -> torch.Tensor:
     """A whole tensor dequantized to float32 on `device`, in chunks of rows."""
@@ -67,10 +84,10 @@ class ExpertWeights:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [D]
-    wq: torch.Tensor  # [H*hd, D]
-    wk: torch.Tensor  # [Hkv*hd, D]
-    wv: torch.Tensor  # [Hkv*hd, D]
-    wo: torch.Tensor  # [D, H*hd]
+    wq: Weight  # [H*hd, D]
+    wk: Weight  # [Hkv*hd, D]
+    wv: Weight  # [Hkv*hd, D]
+    wo: Weight  # [D, H*hd]
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
@@ -78,11 +95,11 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor  # [D]
     router: torch.Tensor  # [E, D]
-    experts: ExpertWeights
+    experts: ExpertWeights | None  # None when the offload runtime holds the experts
     shared_gate: torch.Tensor | None = None  # [D]: sigmoid(x . w) scales the shared expert
-    shared_w1: torch.Tensor | None = None  # gate [S, D]
-    shared_w3: torch.Tensor | None = None  # up [S, D]
-    shared_w2: torch.Tensor | None = None  # down [D, S]
+    shared_w1: Weight | None = None  # gate [S, D]
+    shared_w3: Weight | None = None  # up [S, D]
+    shared_w2: Weight | None = None  # down [D, S]
 
 
 @dataclass
@@ -90,36 +107,42 @@ class ModelWeights:
     embed: QuantTensor  # [V, D] in blocks; rows dequantized per token
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [D]
-    output: torch.Tensor  # [V, D]
+    output: Weight  # [V, D]
 
     @classmethod
-    def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device) -> ModelWeights:
+    def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
+             experts: bool = True) -> ModelWeights:
+        """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
+        experts=False leaves the routed experts to the offload runtime."""
         t = mf.tensors
 
         def d(name: str) -> torch.Tensor:
             return dense(t[name], device)
 
-        def opt(name: str) -> torch.Tensor | None:
-            return d(name) if name in t else None
+        def m(name: str) -> Weight:
+            return QuantTensor.load(t[name], device) if quant_dense else d(name)
+
+        def opt(name: str, matrix: bool = False) -> Weight | None:
+            return (m(name) if matrix else d(name)) if name in t else None
 
         layers = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
-            experts = ExpertWeights(*(QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], device)
-                                      for w in ("gate", "up", "down")))
+            ex = ExpertWeights(*(QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], device)
+                                 for w in ("gate", "up", "down"))) if experts else None
             layers.append(LayerWeights(
-                attn_norm=d(p + "attn_norm.weight"), wq=d(p + "attn_q.weight"),
-                wk=d(p + "attn_k.weight"), wv=d(p + "attn_v.weight"),
-                wo=d(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
+                attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
+                wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
+                wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
                 bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
                 q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
                 ffn_norm=d(p + "ffn_norm.weight"), router=d(p + "ffn_gate_inp.weight"),
-                experts=experts,
+                experts=ex,
                 shared_gate=opt(p + "ffn_gate_inp_shexp.weight"),
-                shared_w1=opt(p + "ffn_gate_shexp.weight"),
-                shared_w3=opt(p + "ffn_up_shexp.weight"),
-                shared_w2=opt(p + "ffn_down_shexp.weight"),
+                shared_w1=opt(p + "ffn_gate_shexp.weight", True),
+                shared_w3=opt(p + "ffn_up_shexp.weight", True),
+                shared_w2=opt(p + "ffn_down_shexp.weight", True),
             ))
         embed = QuantTensor.load(t["token_embd.weight"], device)
-        output = d("token_embd.weight" if cfg.tied_output else "output.weight")
+        output = m("token_embd.weight" if cfg.tied_output else "output.weight")
         return cls(embed, layers, d("output_norm.weight"), output)

@@ -41,6 +41,8 @@ from strata.server.protocol import (
 from strata.server.stops import StopText
 from strata.tokenizer import StreamDecoder
 
+_KV_START = 256  # generated tokens a new KV cache has room for before its first doubling
+
 
 @dataclass
 class Sequence:
@@ -53,6 +55,7 @@ class Sequence:
     stream: StreamDecoder
     stops: StopText
     pending: list[int]
+    ignore_eos: bool = False
     generated: int = 0
     decode_steps: int = 0
     prefilled: bool = field(default=False)
@@ -93,14 +96,14 @@ class BatchRunner:
 
     def step(self) -> None:
         batch = list(self.seqs.values())
-        for s in batch:
+        prompt = [s for s in batch if not s.prefilled]
+        self.stage = "prompt" if prompt else "decode"
+        self.send(Progress(self.stage, self._detail(batch), state=self.state()))
+        for s in batch:  # injected faults strike inside the step, as a real stall would
             if s.prefilled:
                 self.faults.at("decode", s.decode_steps + 1)
             else:
                 self.faults.at("prefill")
-        prompt = [s for s in batch if not s.prefilled]
-        self.stage = "prompt" if prompt else "decode"
-        self.send(Progress(self.stage, self._detail(batch), state=self.state()))
         t0 = time.perf_counter()
         tokens = torch.tensor([t for s in batch for t in s.pending])  # [sum of pending]
         segments = [Segment(s.kv, len(s.pending)) for s in batch]
@@ -113,7 +116,7 @@ class BatchRunner:
                 self.send(Failed(s.rid, 500, f"the engine failed in a {self.stage} step: "
                                  f"{type(e).__name__}: {e}"))
             return
-        for s, row in zip(batch, logits):
+        for s, row in zip(batch, logits, strict=True):
             if s.prefilled:
                 s.decode_steps += 1
             s.prefilled = True
@@ -139,7 +142,7 @@ class BatchRunner:
         return f"{len(batch)} sequence(s): " + "; ".join(parts)
 
     def _advance(self, s: Sequence, token: int) -> None:
-        if token in self.engine.tokenizer.stop_ids:
+        if token in self.engine.tokenizer.stop_ids and not s.ignore_eos:
             self._finish(s, "stop")
             return
         s.generated += 1
@@ -196,9 +199,10 @@ class BatchRunner:
             gen.manual_seed(params.seed)
         else:
             gen.seed()
-        return Sequence(sub.rid, len(ids), max_tokens, params, gen,
-                        eng.model.new_cache(len(ids) + max_tokens),
-                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids)
+        capacity = len(ids) + min(max_tokens, _KV_START)  # grows by doubling when needed
+        return Sequence(sub.rid, len(ids), max_tokens, params, gen, eng.model.new_cache(capacity),
+                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids,
+                        sub.ignore_eos)
 
 
 class _Reject(Exception):

@@ -23,6 +23,7 @@ class Submit:
     max_tokens: int | None  # None: the server's limit, cut to what the context has room for
     max_tokens_limit: int
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate through stop tokens (benchmarks, tests)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

@@ -33,14 +33,12 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.created = time.monotonic()
 
-    async def next(self, timeout: float) -> object:
-        """The next event; an APIError if none comes within `timeout` seconds."""
+    async def next(self, timeout: float) -> object | None:
+        """The next event, or None if none comes within `timeout` seconds."""
         try:
-            return await asyncio.wait_for(self.events.get(), timeout)
+            return await asyncio.wait_for(self.events.get(), max(timeout, 0.0))
         except asyncio.TimeoutError:
-            where = "in the queue" if self.state == "queued" else "from the engine"
-            return APIError(503, f"no answer {where} within {timeout:.0f} s", code="timeout",
-                            retry_after=5)
+            return None
 
 
 class Scheduler:

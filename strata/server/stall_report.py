@@ -107,8 +107,7 @@ def render(r: ReportInput) -> str:
         f"last GPU wait: {s.get('gpu_wait') or 'none recorded (this engine records none)'}",
         f"expert cache: {r.info.get('expert_cache') or 'none in this engine'}",
         f"CPU pool:    {r.info.get('cpu_pool') or 'none in this engine'}",
-        f"KV caches:   {len(s.get('requests', []))} sequence(s), "
-        f"{s.get('kv_bytes', 0) / MIB:.1f} MiB",
+        f"KV caches:   {len(s.get('requests', []))} sequence(s), {_size(s.get('kv_bytes', 0))}",
     ]
     if "layer" in s:
         lines.append(f"layer:       {s['layer'] + 1} (the last one the forward pass reported)")
@@ -120,7 +119,8 @@ def render(r: ReportInput) -> str:
     if r.fault:
         lines.append(f"fault:       STRATA_FAULT={r.fault} was armed in this engine (injected)")
     lines += ["", "recent progress (oldest first):"] + [f"  {p}" for p in r.recent]
-    lines += ["", f"thread stacks of engine pid {r.engine_pid} (most recent call first):"]
+    lines += ["", f"Python stacks of every thread of engine pid {r.engine_pid} (most recent call "
+              "first; threads that never ran Python, such as torch's, have none):"]
     if r.stacks:
         lines.append(r.stacks.rstrip())
     elif r.kind == "crash":
@@ -145,6 +145,10 @@ def top_frame(stacks: str | None) -> str | None:
             frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
             return frames[0] if frames else None
     return None
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 1024:.0f} KiB"
 
 
 def _proc_fields(path: str) -> dict[str, str]:

@@ -17,7 +17,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls",
             "safety_identifier", "prompt_cache_key"}
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed",
-           "max_tokens", "stop", "n", "logit_bias", "presence_penalty", "frequency_penalty"}
+           "max_tokens", "stop", "n", "logit_bias", "presence_penalty", "frequency_penalty",
+           "ignore_eos"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "reasoning_effort", "chat_template_kwargs",
                    "logprobs", "top_logprobs", "tools", "tool_choice", "functions",
                    "function_call", "response_format", "audio", "modalities", "prediction",
@@ -37,6 +38,7 @@ class ParsedRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,7 +83,8 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     if bad:
         raise bad_request(f"{', '.join(f'{k}={body[k]!r}' for k in bad)}: not supported by "
                           f"Strata's {kind} endpoint (it serves n=1 plain text, without "
-                          "logprobs, tools, penalties or logit_bias)", bad[0], "unsupported_parameter")
+                          "logprobs, tools, penalties or logit_bias)", bad[0],
+                          "unsupported_parameter")
 
 
 def _common(body: Any, kind: str, allowed: set[str], max_tokens_limit: int) -> ParsedRequest:
@@ -116,11 +119,17 @@ def _common(body: Any, kind: str, allowed: set[str], max_tokens_limit: int) -> P
         raise bad_request("top_p=0 keeps no tokens: it must be in (0, 1]", "top_p")
     if sampling["top_k"] == -1:
         sampling["top_k"] = 0  # -1 (vLLM's spelling) and 0 both turn top-k off
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    name = "max_tokens"
+    if body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
     max_tokens = _number(body, name, 1, max_tokens_limit, integer=True)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("ignore_eos must be true or false", "ignore_eos")
     return ParsedRequest(kind, model, stream, include_usage,
                          sampling={k: v for k, v in sampling.items() if v is not None},
-                         max_tokens=max_tokens, stop=_stop(body.get("stop")))
+                         max_tokens=max_tokens, stop=_stop(body.get("stop")),
+                         ignore_eos=ignore_eos)
 
 
 def _stop(v: Any) -> tuple[str, ...]:

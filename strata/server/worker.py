@@ -17,7 +17,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from strata.errors import StrataError
-from strata.server.batching import BatchRunner
 from strata.server.faults import FaultTrigger
 from strata.server.protocol import (
     EngineOptions,
@@ -48,7 +47,7 @@ class LayerProgress:
     """Wraps the model's expert executor: a forward pass reports its layer now and then, so a long
     prompt on a big model is progress, not a stall. Everything else goes to the executor."""
 
-    def __init__(self, inner: Any, n_layers: int, send: Any, runner: BatchRunner | None = None):
+    def __init__(self, inner: Any, n_layers: int, send: Any, runner: Any = None):
         self.inner, self.n_layers, self.send, self.runner = inner, n_layers, send, runner
         self.last = time.monotonic()
 
@@ -69,13 +68,16 @@ class LayerProgress:
 def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
     global _stack_file
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us
-    _stack_file = open(opts.stacks_path, "w")  # noqa: SIM115 (open for the process's life)
-    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):  # not on Windows: stall reports there come without stacks
+        _stack_file = open(opts.stacks_path, "w")  # noqa: SIM115 (open for the process's life)
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     faulthandler.enable(file=sys.stderr)  # a fatal signal prints the stacks to the log
     out = Outbox(outbox)
     faults = FaultTrigger(opts.fault)
     out.send(Progress("loading", "starting the engine", 0.0))
     faults.at("load")
+    from strata.server.batching import BatchRunner  # torch: after the load fault, which is fast
+
     try:
         engine = _load(opts, out)
     except StrataError as e:
@@ -102,7 +104,7 @@ def _load(opts: EngineOptions, out: Outbox) -> Any:
     if path is None:
         from strata.synth.demo import demo_model
 
-        out.send(Progress("loading", "writing the demo model (first use only)", 0.0))
+        out.send(Progress("loading", "finding the demo model (written on first use)", 0.0))
         path = str(demo_model())
     out.send(Progress("loading", f"loading {path} on {opts.device}", 0.05))
     kwargs = {}
@@ -111,7 +113,7 @@ def _load(opts: EngineOptions, out: Outbox) -> Any:
     return Engine.load(path, device=opts.device, **kwargs)
 
 
-def _serve(inbox: Connection, runner: BatchRunner, out: Outbox) -> None:
+def _serve(inbox: Connection, runner: Any, out: Outbox) -> None:
     """Read every message that has arrived, then run one step; block (1 s at a time) when idle."""
     while True:
         timeout = 0.0 if runner.active else 1.0

@@ -1,0 +1,44 @@
+"""The engine flags shared by generate, logits, bench and profile, and their EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from strata.config import EngineConfig
+from strata.errors import StrataError
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    g.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
+                   help="experts in a host arena with a device cache (auto: on for cuda)")
+    g.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
+                   help="cap on every byte the engine takes on the device (default: free VRAM "
+                   "minus a margin)")
+    g.add_argument("--expert-cache", default="auto", metavar="auto|N|0",
+                   help="expert cache slots in all layers (auto: what the budget leaves)")
+    g.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "profile"],
+                   help="which experts stay resident (lru)")
+    g.add_argument("--expert-profile", default=None, metavar="P",
+                   help="routing profile from `strata profile`: seeds the cache")
+    g.add_argument("--miss", default="auto", choices=["auto", "cpu", "dma"],
+                   help="missed experts: CPU pool, copy to the GPU, or split by measured cost")
+    g.add_argument("--threads", type=int, default=None, help="CPU pool threads (cores - 1)")
+    g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
+    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
+                   help="CPU kernel library for missed experts (auto)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.vram_budget is not None and args.vram_budget <= 0:
+        raise StrataError(f"--vram-budget {args.vram_budget}: give a size in GiB above 0")
+    if args.threads is not None and args.threads < 1:
+        raise StrataError(f"--threads {args.threads}: give at least 1")
+    if args.ctx is not None and args.ctx < 1:
+        raise StrataError(f"--ctx {args.ctx}: give at least 1")
+    return EngineConfig(
+        device=args.device, offload=args.offload, vram_budget_gib=args.vram_budget,
+        expert_cache=args.expert_cache, cache_policy=args.cache_policy,
+        expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
+        cpu_kernels=args.cpu_kernels, debug=getattr(args, "debug", False))

@@ -1,0 +1,53 @@
+"""strata serve: the OpenAI-compatible server (the demo model without MODEL). See docs/server.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from strata.errors import StrataError
+from strata.server import config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="GGUF file (any shard of a split set); "
+                   "without it, the built-in demo model")
+    p.add_argument("--config", help="strata-NAME.json: settings by flag name and an \"env\" "
+                   "object of environment settings; flags given here win")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective settings as JSON and exit")
+    config.add_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config.resolve(args)
+    if args.print_config:
+        print(json.dumps(cfg.public(), indent=2))
+        return 0
+    config.apply_env(cfg)
+    from strata.server.faults import Fault
+    from strata.server.serve import serve
+
+    return serve(cfg, Fault.from_env())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m strata.cli.serve`, until `serve` is registered in strata/cli/main.py."""
+    p = argparse.ArgumentParser(prog="strata serve", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except StrataError as e:
+        if args.debug:
+            raise
+        print(f"strata serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

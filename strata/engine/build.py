@@ -1,0 +1,63 @@
+"""Build the model for an EngineConfig: the reference layout (every weight on the device) or the
+offload runtime (memory plan, arena, expert cache, CPU pool, miss planner)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from strata.config import EngineConfig, ModelConfig
+from strata.experts.arena import Arena
+from strata.experts.cache import ExpertCache
+from strata.experts.cpu_pool import CpuPool
+from strata.experts.layout import expert_layouts
+from strata.experts.links import measure_links
+from strata.experts.offload import OffloadExperts
+from strata.experts.planner import MISS_MODES, MissPlanner
+from strata.experts.policy import make_policy
+from strata.experts.profile import load_profile
+from strata.gguf import ModelFile
+from strata.model.transformer import MoETransformer
+from strata.model.weights import ModelWeights
+from strata.units import fmt_bytes
+
+log = logging.getLogger("strata")
+
+
+def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
+                dev: torch.device) -> MoETransformer:
+    if not ec.use_offload:
+        return MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
+    from strata.engine.memory_plan import make_plan
+
+    if ec.miss not in MISS_MODES:
+        MissPlanner(ec.miss, None)  # raises the flag's error
+    layouts = expert_layouts(mf, cfg)
+    plan = make_plan(mf, cfg, ec, layouts)
+    for line in plan.lines():
+        log.info(line)
+    profile = load_profile(ec.expert_profile, cfg) if ec.expert_profile else None
+    policies = [make_policy(ec.cache_policy, cfg.n_experts,
+                            None if profile is None else profile[i]) for i in range(cfg.n_layers)]
+    weights = ModelWeights.load(mf, cfg, dev, quant_dense=plan.quant_dense, experts=False)
+    arena = Arena(layouts, cfg.n_experts, pin=dev.type == "cuda")
+    report = arena.fill(mf, progress=log.isEnabledFor(logging.INFO) and os.isatty(2))
+    log.info(f"expert arena: {fmt_bytes(report.nbytes)} filled at {report.gib_s:.2f} GiB/s; "
+             f"{arena.pin_note}; {report.note}")
+    cache = ExpertCache(layouts, plan.slots_per_layer, cfg.n_experts, policies, dev)
+    cache.warm(arena.layers)
+    log.info(f"expert cache: {cache.capacity} slots, {fmt_bytes(cache.nbytes)}; policy "
+             f"{ec.cache_policy}" + (", seeded from the profile" if profile is not None else ""))
+    threads = ec.threads or max(1, (os.cpu_count() or 2) - 1)
+    pool = CpuPool(ec.cpu_kernels, threads, plan.workspace)
+    max_stride = max(lay.stride for lay in layouts)
+    staging = torch.empty(plan.staging_slots, max_stride, dtype=torch.uint8, device=dev)
+    costs = measure_links(arena, pool, staging) if ec.miss == "auto" else None
+    if costs is not None:
+        log.info(f"miss links: CPU pool {costs.cpu_gbs:.1f} GB/s ({pool.kind}, {threads} "
+                 f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses split per step ({ec.miss})")
+    executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, plan.workspace,
+                              [staging], debug=ec.debug)
+    return MoETransformer(cfg, weights, dev, executor)

@@ -1,0 +1,150 @@
+"""The memory plan: every VRAM byte the engine takes, decided before anything is allocated.
+
+    budget = dense weights + KV cache + workspace + staging + expert cache slots + margin
+
+Dense weights stay in their GGUF blocks on the GPU when float32 copies would take more than a
+quarter of the budget. Cache slots are shared equally by the layers (each slot sized from its own
+layer's record). When the budget cannot hold the dense weights and a minimal KV cache, or host RAM
+cannot hold the arena, the plan refuses with the numbers and what to change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from strata.config import EngineConfig, ModelConfig, expected_tensors
+from strata.errors import StrataError
+from strata.experts.layout import ExpertLayout
+from strata.gguf import ModelFile
+
+GIB = 1 << 30
+MARGIN = 256 << 20  # activations, allocator slack, kernels' own buffers
+MIN_KV_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    budget: int
+    quant_dense: bool
+    dense: int
+    kv: int
+    ctx: int
+    workspace: int
+    staging: int
+    staging_slots: int
+    slots_per_layer: list[int]
+    cache: int
+    arena: int
+    host_available: int
+
+    @property
+    def left(self) -> int:
+        return self.budget - self.dense - self.kv - self.workspace - self.staging - self.cache
+
+    def lines(self) -> list[str]:
+        n = sum(self.slots_per_layer)
+        return [
+            f"memory plan on {self.device}, budget {self.budget / GIB:.2f} GiB:",
+            f"  dense weights  {self.dense / GIB:7.2f} GiB "
+            f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
+            f"  KV cache       {self.kv / GIB:7.2f} GiB ({self.ctx} tokens)",
+            f"  workspace      {self.workspace / GIB:7.2f} GiB",
+            f"  staging        {self.staging / GIB:7.2f} GiB ({self.staging_slots} experts)",
+            f"  cache slots    {self.cache / GIB:7.2f} GiB ({n} slots, "
+            f"{min(self.slots_per_layer, default=0)}-{max(self.slots_per_layer, default=0)} "
+            "per layer)",
+            f"  host arena     {self.arena / GIB:7.2f} GiB of {self.host_available / GIB:.1f} GiB "
+            "RAM available",
+            f"  left           {self.left / GIB:7.2f} GiB",
+        ]
+
+
+def host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
+    total = 0
+    for name, shape in expected_tensors(cfg).items():
+        if "_exps." in name:
+            continue
+        ref = mf.tensors[name]
+        numel = 1
+        for s in shape:
+            numel *= s
+        keep_raw = quant and len(shape) == 2 or name == "token_embd.weight"
+        total += ref.info.nbytes if keep_raw else numel * 4
+    return total
+
+
+def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
+              layouts: list[ExpertLayout]) -> MemoryPlan:
+    dev = torch.device(ec.device)
+    if ec.vram_budget_gib is not None:
+        budget = int(ec.vram_budget_gib * GIB)
+    elif dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget = free - 2 * MARGIN
+    else:
+        budget = host_available() // 2
+    ctx = min(ec.ctx or 4096, cfg.context_length)
+    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * 4
+    workspace = max(ec.workspace_mib << 20, 3 * cfg.d_model * cfg.d_expert * 4,
+                    8192 * cfg.d_model * 4)
+    max_stride = max(lay.stride for lay in layouts)
+    staging_slots = cfg.n_experts_used
+    staging = staging_slots * max_stride
+    quant_dense = dev.type == "cuda" and dense_bytes(mf, cfg, False) > budget // 4
+    dense = dense_bytes(mf, cfg, quant_dense)
+    fixed = dense + workspace + staging + MARGIN
+    if fixed + MIN_KV_TOKENS * kv_per_token > budget:
+        raise StrataError(
+            f"--vram-budget {budget / GIB:.2f} GiB cannot hold the dense weights "
+            f"({dense / GIB:.2f} GiB), workspace and staging ({(workspace + staging) / GIB:.2f} "
+            f"GiB) and a {MIN_KV_TOKENS}-token KV cache ({MIN_KV_TOKENS * kv_per_token / GIB:.2f}"
+            f" GiB): give at least {(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
+    kv_room = budget - fixed
+    if ctx * kv_per_token > kv_room:
+        ctx = max(MIN_KV_TOKENS, kv_room // 2 // kv_per_token)
+    kv = ctx * kv_per_token
+    room = budget - fixed - kv
+    per_layer_set = sum(lay.stride for lay in layouts)
+    E = cfg.n_experts
+    if ec.expert_cache == "auto":
+        n = min(E, max(0, room // per_layer_set))
+        slots = [n] * cfg.n_layers
+    else:
+        try:
+            total = int(ec.expert_cache)
+        except ValueError:
+            raise StrataError(f"--expert-cache {ec.expert_cache}: give auto, 0 or a number of "
+                              "slots") from None
+        if total < 0:
+            raise StrataError(f"--expert-cache {total}: must be >= 0")
+        total = min(total, E * cfg.n_layers)
+        slots = [total // cfg.n_layers + (i < total % cfg.n_layers) for i in range(cfg.n_layers)]
+    cache = sum(n * lay.stride for n, lay in zip(slots, layouts, strict=True))
+    if cache > room:
+        raise StrataError(f"--expert-cache {ec.expert_cache}: {sum(slots)} slots need "
+                          f"{cache / GIB:.2f} GiB but the budget leaves {room / GIB:.2f} GiB; "
+                          "use fewer slots, auto, or a larger --vram-budget")
+    arena = sum(E * lay.stride for lay in layouts)
+    avail = host_available()
+    if arena > avail:
+        raise StrataError(f"the expert arena needs {arena / GIB:.2f} GiB of host RAM but "
+                          f"{avail / GIB:.2f} GiB is available; close other programs or use a "
+                          "machine with more RAM")
+    return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
+                      staging_slots, slots, cache, arena, avail)
+

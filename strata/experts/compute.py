@@ -1,0 +1,71 @@
+"""Compute experts from packed records with torch: dequantize, then batched matmuls.
+
+This is the portable hit path (and the staging path): correct on any device and any type. The
+fused Triton kernels replace it on CUDA where they cover a layer's types.
+
+Legend: n experts in a group, M the most tokens any of them got, D hidden, F expert hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.experts.layout import ExpertLayout
+from strata.quant import dequantize
+
+
+@dataclass
+class Group:
+    """The tokens routed to one expert and their routing weights."""
+
+    expert: int
+    tokens: torch.Tensor  # int64 [m] (host)
+    weights: torch.Tensor  # float32 [m] (host)
+
+
+def group_pairs(ids: torch.Tensor, weights: torch.Tensor) -> list[Group]:
+    """ids, weights [T, K] (host tensors) -> one Group per routed expert, in expert order."""
+    T, K = ids.shape
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    tok = torch.div(order, K, rounding_mode="floor")
+    w = weights.flatten()[order]
+    out, start = [], 0
+    for e, c in zip(experts.tolist(), counts.tolist(), strict=True):
+        out.append(Group(e, tok[start:start + c], w[start:start + c]))
+        start += c
+    return out
+
+
+def run_records(layout: ExpertLayout, records: torch.Tensor, groups: list[Group], h: torch.Tensor,
+                out: torch.Tensor, workspace_bytes: int) -> None:
+    """out[t] += Σ_g w * expert_g(h[t]) for records [n, stride] holding the groups' experts."""
+    D, F = layout.d_model, layout.d_expert
+    per_expert = 3 * D * F * 4  # float32 gate, up, down
+    step = max(1, workspace_bytes // per_expert)
+    for s in range(0, len(groups), step):
+        _run_chunk(layout, records[s:s + step], groups[s:s + step], h, out)
+
+
+def _run_chunk(layout: ExpertLayout, records: torch.Tensor, groups: list[Group], h: torch.Tensor,
+               out: torch.Tensor) -> None:
+    D, F = layout.d_model, layout.d_expert
+    qg, qu, qd = layout.qtypes
+    g, u, d = layout.views(records)
+    w_gate, w_up = dequantize(g, qg, D), dequantize(u, qu, D)  # [n, F, D]
+    w_down = dequantize(d, qd, F)  # [n, D, F]
+    n, M = len(groups), max(len(gr.tokens) for gr in groups)
+    idx = torch.zeros(n, M, dtype=torch.int64)
+    wts = torch.zeros(n, M, dtype=torch.float32)
+    for j, gr in enumerate(groups):  # padded on the host, sent in one copy each
+        idx[j, : len(gr.tokens)] = gr.tokens
+        wts[j, : len(gr.tokens)] = gr.weights
+    idx, wts = idx.to(h.device, non_blocking=True), wts.to(h.device, non_blocking=True)
+    x = h[idx]  # [n, M, D]; padding rows read token 0 and get weight 0
+    act = torch.nn.functional.silu(torch.bmm(x, w_gate.transpose(1, 2))) * torch.bmm(
+        x, w_up.transpose(1, 2))  # [n, M, F]
+    y = torch.bmm(act, w_down.transpose(1, 2)) * wts[..., None]  # [n, M, D]
+    out.index_add_(0, idx.flatten(), y.reshape(-1, D))

@@ -1,0 +1,102 @@
+"""The offload executor: hits from cache slots, misses on the CPU pool or copied over PCIe.
+
+One layer of one step (`run`):
+    1. route -> groups of (expert, tokens); the policy sees them
+    2. hits: experts resident in slots; misses split by the planner into CPU and copy
+    3. copies: each copy-miss is admitted into a slot (evicting per policy, never an expert this
+       step uses) or, when the layer has no slot to give, staged through a small buffer
+    4. the GPU computes hits and copied experts while the CPU pool computes its share from the arena
+    5. the two outputs are added; CPU-computed experts may be admitted for later steps (async)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from strata.experts.arena import Arena
+from strata.experts.cache import ExpertCache
+from strata.experts.compute import Group, group_pairs, run_records
+from strata.experts.planner import MissPlanner
+from strata.experts.stats import OffloadStats
+from strata.model.weights import ExpertWeights
+
+
+class OffloadExperts:
+    def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
+                 workspace_bytes: int, staging: list[torch.Tensor], debug: bool = False):
+        self.arena, self.cache, self.planner, self.pool = arena, cache, planner, cpu_pool
+        self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
+        self.device = cache.device
+        self.stats = OffloadStats(len(arena.layers), arena.n_experts)
+
+    def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        lay = self.arena.layouts[layer]
+        groups = group_pairs(ids.cpu(), weights.float().cpu())
+        by_expert = {g.expert: g for g in groups}
+        ls = self.cache.layers[layer]
+        ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
+        self.stats.routed[layer, list(by_expert)] += [len(g.tokens) for g in groups]
+        hits = [e for e in by_expert if ls.slot_of[e] >= 0]
+        misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
+        to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
+
+        keep = set(hits) | set(to_copy)
+        staged = []
+        for e in to_copy:
+            slot = self.cache.admit(layer, e, self.arena.record(layer, e), keep, force=True)
+            (hits if slot is not None else staged).append(e)
+            self.stats.bytes_h2d += lay.nbytes
+        out = torch.zeros_like(h)
+        h_host = h.to("cpu", non_blocking=False) if to_cpu and self.device.type != "cpu" else h
+        self.cache.before_compute(layer)
+        if hits:
+            slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)
+            run_records(lay, ls.slots[slots], [by_expert[e] for e in hits], h, out,
+                        self.workspace_bytes)
+        self._run_staged(layer, [by_expert[e] for e in staged], h, out)
+        self.cache.after_compute(layer)
+        if to_cpu:
+            out += self._run_cpu(layer, [by_expert[e] for e in to_cpu], h_host).to(self.device)
+            self._admit_after(layer, to_cpu, keep)
+        n_copy = sum(len(by_expert[e].tokens) for e in to_copy)
+        self.stats.hits[layer] += sum(len(g.tokens) for g in groups) - n_copy - sum(
+            len(by_expert[e].tokens) for e in to_cpu)
+        self.stats.streamed[layer] += n_copy
+        self.stats.cpu[layer] += sum(len(by_expert[e].tokens) for e in to_cpu)
+        if self.debug:
+            self.cache.check_integrity()
+        return out
+
+    def _run_staged(self, layer: int, groups: list[Group], h: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """Experts with no slot to land in go through the staging buffer, a round at a time."""
+        lay = self.arena.layouts[layer]
+        cap = self.staging[0].shape[0] if self.staging else 0
+        for s in range(0, len(groups), max(cap, 1)):
+            chunk = groups[s:s + cap]
+            buf = self.staging[0][: len(chunk), : lay.stride]
+            for j, g in enumerate(chunk):
+                buf[j].copy_(self.arena.record(layer, g.expert), non_blocking=True)
+            run_records(lay, buf, chunk, h, out, self.workspace_bytes)
+
+    def _run_cpu(self, layer: int, groups: list[Group], h_host: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = torch.zeros_like(h_host)
+        self.pool.run(layer, self.arena, groups, h_host, out)
+        self.stats.cpu_s += time.perf_counter() - t0
+        return out
+
+    def _admit_after(self, layer: int, experts: list[int], keep: set[int]) -> None:
+        """Let the policy pull one CPU-computed expert into the cache per layer and step; the
+        copy runs on the copy stream and is first used by a later step."""
+        ls = self.cache.layers[layer]
+        if ls.capacity == 0:
+            return
+        best = max(experts, key=lambda e: ls.policy.counts[e] if hasattr(ls.policy, "counts")
+                   else 0)
+        if self.cache.admit(layer, best, self.arena.record(layer, best), keep) is not None:
+            self.stats.admissions += 1
+            self.stats.bytes_h2d += self.arena.layouts[layer].nbytes

@@ -1,0 +1,52 @@
+"""Per-layer counters of the offload runtime, and the routing frequency they imply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class OffloadStats:
+    n_layers: int
+    n_experts: int
+    hits: np.ndarray = field(init=False)  # [L] (token, expert) pairs served from cache slots
+    cpu: np.ndarray = field(init=False)  # [L] pairs computed by the CPU pool
+    streamed: np.ndarray = field(init=False)  # [L] pairs computed from copied experts
+    routed: np.ndarray = field(init=False)  # [L, E] pairs routed to each expert
+    bytes_h2d: int = 0  # expert bytes copied to the device (misses + cache admissions)
+    admissions: int = 0
+    cpu_s: float = 0.0  # host time in the CPU pool
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        L, E = self.n_layers, self.n_experts
+        self.hits, self.cpu, self.streamed = (np.zeros(L, np.int64) for _ in range(3))
+        self.routed = np.zeros((L, E), np.int64)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits.sum() + self.cpu.sum() + self.streamed.sum()
+        return float(self.hits.sum() / total) if total else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {"hit_rate": round(self.hit_rate, 4), "pairs_hit": int(self.hits.sum()),
+                "pairs_cpu": int(self.cpu.sum()), "pairs_streamed": int(self.streamed.sum()),
+                "bytes_h2d": self.bytes_h2d, "admissions": self.admissions,
+                "cpu_pool_s": round(self.cpu_s, 4)}
+
+    def lines(self) -> list[str]:
+        s = self.summary()
+        out = [f"experts: hit rate {100 * s['hit_rate']:.1f}%; pairs: {s['pairs_hit']} hit, "
+               f"{s['pairs_cpu']} on the CPU, {s['pairs_streamed']} streamed; "
+               f"{self.bytes_h2d / 2**20:.1f} MiB copied to the device ({self.admissions} cache "
+               f"admissions); CPU pool {self.cpu_s:.3f} s"]
+        for i in range(self.n_layers):
+            tot = self.hits[i] + self.cpu[i] + self.streamed[i]
+            r = self.routed[i]
+            bal = f"{r.max() / r.mean():.2f}" if r.sum() else "-"
+            out.append(f"  layer {i:>3}: hit {100 * self.hits[i] / max(tot, 1):5.1f}%  cpu "
+                       f"{self.cpu[i]:>6}  streamed {self.streamed[i]:>6}  busiest expert / "
+                       f"mean {bal}")
+        return out

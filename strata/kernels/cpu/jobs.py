@@ -1,0 +1,100 @@
+"""What a CPU expert backend is given, the interface it implements, and the float32 reference.
+
+Legend: T tokens in the step, D hidden size, F expert hidden size, n tokens routed to one expert,
+N = Σ n rows over a call's jobs.
+
+One call computes one layer's missed experts:  out[t] += Σ_jobs weight * expert(h[t]) for the
+tokens t routed to each job, where expert(x) = down(silu(gate x) * up x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from strata.model.layers import swiglu
+from strata.quant import dequantize, row_nbytes
+
+Raw = np.ndarray | torch.Tensor  # uint8 [rows, row_nbytes], C-contiguous, on the host
+
+
+@dataclass
+class ExpertJob:
+    """One expert to run on the CPU, and the tokens routed to it."""
+
+    gate: Raw  # uint8 [F, row_nbytes(qtypes[0], D)]: a view into the arena, no copy
+    up: Raw  # uint8 [F, row_nbytes(qtypes[1], D)]
+    down: Raw  # uint8 [D, row_nbytes(qtypes[2], F)]
+    qtypes: tuple[int, int, int]  # GGML types of gate, up, down
+    tokens: torch.Tensor  # int64 [n]: rows of h routed to this expert
+    weights: torch.Tensor  # float32 [n]: their routing weights
+
+    @property
+    def d_expert(self) -> int:
+        return int(self.gate.shape[0])
+
+    def signature(self) -> tuple[tuple[int, int, int], int]:
+        """(qtypes, F): jobs that share it can share one kernel launch."""
+        return self.qtypes, self.d_expert
+
+
+class CpuExperts(Protocol):
+    """A CPU backend for the miss path. One instance per calling thread (not thread-safe)."""
+
+    name: str
+
+    def run(self, h: torch.Tensor, jobs: list[ExpertJob], out: torch.Tensor) -> None:
+        """out[T, D] += Σ_j jobs[j].weights * expert_j(h[jobs[j].tokens]). h: float32 [T, D]."""
+        ...
+
+    def close(self) -> None:
+        """Release native resources (thread pools, graphs). Safe to call twice."""
+        ...
+
+
+def as_tensor(raw: Raw) -> torch.Tensor:
+    """A torch view of the raw bytes (no copy)."""
+    return raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+
+
+def check_call(h: torch.Tensor, jobs: Iterable[ExpertJob], out: torch.Tensor) -> None:
+    """Shapes, dtypes and layouts a backend relies on; ValueError naming what is wrong."""
+    if h.dtype != torch.float32 or h.dim() != 2 or h.device.type != "cpu":
+        raise ValueError(f"h must be a float32 [T, D] CPU tensor, got {h.dtype} {tuple(h.shape)}")
+    if out.shape != h.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 {tuple(h.shape)} tensor")
+    d_model = h.shape[1]
+    for i, job in enumerate(jobs):
+        f = job.d_expert
+        want = (f, row_nbytes(job.qtypes[0], d_model)), (f, row_nbytes(job.qtypes[1], d_model)), \
+            (d_model, row_nbytes(job.qtypes[2], f))
+        for name, raw, shape in zip(("gate", "up", "down"), (job.gate, job.up, job.down), want,
+                                    strict=True):
+            if tuple(raw.shape) != shape or not _is_host_bytes(raw):
+                raise ValueError(f"job {i}: {name} must be C-contiguous host uint8 {shape}, "
+                                 f"got {getattr(raw, 'dtype', '?')} {tuple(raw.shape)}")
+        if job.tokens.shape != job.weights.shape or job.tokens.dim() != 1:
+            raise ValueError(f"job {i}: tokens and weights must be 1-D of one length")
+
+
+def _is_host_bytes(raw: Raw) -> bool:
+    if isinstance(raw, torch.Tensor):
+        return raw.dtype == torch.uint8 and raw.device.type == "cpu" and raw.is_contiguous()
+    return raw.dtype == np.uint8 and raw.flags.c_contiguous
+
+
+def reference_run(h: torch.Tensor, jobs: list[ExpertJob], out: torch.Tensor) -> None:
+    """Ground truth: each job's weights dequantized to float32, swiglu, weighted, accumulated."""
+    d_model = h.shape[1]
+    for job in jobs:
+        f = job.d_expert
+        qg, qu, qd = job.qtypes
+        w_gate = dequantize(as_tensor(job.gate), qg, d_model)  # [F, D]
+        w_up = dequantize(as_tensor(job.up), qu, d_model)  # [F, D]
+        w_down = dequantize(as_tensor(job.down), qd, f)  # [D, F]
+        y = swiglu(h[job.tokens], w_gate, w_up, w_down)  # [n, D]
+        out.index_add_(0, job.tokens, y * job.weights[:, None])

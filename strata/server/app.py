@@ -1,0 +1,278 @@
+"""The HTTP API (Starlette): OpenAI-compatible generation, models, health and metrics.
+
+A generation request: check the key, read and check the body (validation.py), ask the supervisor
+whether the engine is up, queue a Job (scheduler.py, 429 when full), wait for the engine to accept
+it (400 for a prompt that does not fit), then answer in one piece or stream it as SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from strata.server.config import ServeConfig
+from strata.server.errors import APIError, bad_request
+from strata.server.faults import Fault
+from strata.server.metrics import Metrics
+from strata.server.protocol import Accepted, Delta, Failed, Finished, Submit
+from strata.server.responses import Builder, sse
+from strata.server.scheduler import Job, new_request_id
+from strata.server.supervisor import Supervisor
+from strata.server.validation import ParsedRequest, parse_chat, parse_completion
+
+log = logging.getLogger("strata.serve")
+_BODY_TIMEOUT_S = 30.0
+_EVENT_GRACE_S = 60.0  # beyond the watchdog: the stall path answers first, this is the backstop
+
+
+class API:
+    def __init__(self, cfg: ServeConfig, fault: Fault | None):
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.sup = Supervisor(cfg, fault, self.metrics)
+        self.created = int(time.time())
+
+    # --- endpoints -------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(request.path_params["model_id"], "model")
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        h = self.sup.health()
+        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        sched = self.sup.scheduler
+        text = self.metrics.render(running=len(sched.running), queued=len(sched.waiting),
+                                   loaded=self.sup.state == "ready", restarts=self.sup.restarts)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    # --- generation ------------------------------------------------------------------------
+    async def _generate(self, request: Request, kind: str) -> Response:
+        endpoint = request.url.path
+        try:
+            self._authorize(request)
+            body = await self._read_json(request)
+            req = (parse_chat if kind == "chat" else parse_completion)(body, self.cfg.max_tokens)
+            if req.model is not None:
+                self._check_model(req.model, "model")
+            self.sup.check_ready()
+            job = Job(self._submit(req, kind))
+            self.sup.scheduler.submit(job)
+            first = await self._next(job, request)
+            if first is None:
+                return Response(status_code=499)  # the client is gone
+            if isinstance(first, Failed):
+                raise APIError(first.status, first.message, first.param, first.code)
+            if isinstance(first, APIError):
+                raise first
+        except APIError as e:
+            self.metrics.request(endpoint, e.status)
+            raise
+        assert isinstance(first, Accepted)
+        self.metrics.request(endpoint, 200)
+        b = Builder(kind, job.rid, self.cfg.served_name, req.include_usage)
+        if req.stream:
+            return StreamingResponse(self._stream(job, b, first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
+        return await self._collect(job, b, request)
+
+    def _submit(self, req: ParsedRequest, kind: str) -> Submit:
+        rid = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
+        return Submit(rid, req.messages, req.prompt, req.sampling, req.max_tokens,
+                      self.cfg.max_tokens, req.stop, req.ignore_eos, req.template_kwargs)
+
+    async def _collect(self, job: Job, b: Builder, request: Request) -> Response:
+        parts: list[str] = []
+        while True:
+            ev = await self._next(job, request)
+            if ev is None:
+                return Response(status_code=499)
+            if isinstance(ev, Delta):
+                parts.append(ev.text)
+            elif isinstance(ev, Finished):
+                parts.append(ev.text)
+                log.info("%s: %s, %d + %d tokens", job.rid, ev.finish_reason, ev.prompt_tokens,
+                         ev.completion_tokens)
+                return JSONResponse(b.full("".join(parts), ev.finish_reason, ev.prompt_tokens,
+                                           ev.completion_tokens), headers={"X-Request-Id": job.rid})
+            else:
+                raise _as_error(ev)
+
+    async def _stream(self, job: Job, b: Builder, first: Accepted) -> AsyncIterator[bytes]:
+        done = False
+        try:
+            if b.kind == "chat":
+                yield b.chunk(None, first=True)
+            while True:
+                ev = await self._next(job)
+                if isinstance(ev, Delta):
+                    yield b.chunk(ev.text)
+                    continue
+                if isinstance(ev, Finished):
+                    if ev.text:
+                        yield b.chunk(ev.text)
+                    yield b.chunk(None, finish=ev.finish_reason)
+                    if b.include_usage:
+                        yield b.usage_chunk(ev.prompt_tokens, ev.completion_tokens)
+                    log.info("%s: %s, %d + %d tokens (streamed)", job.rid, ev.finish_reason,
+                             ev.prompt_tokens, ev.completion_tokens)
+                else:  # the headers are gone: the error travels as an event, then [DONE]
+                    err = _as_error(ev)
+                    log.warning("%s: ended with an error mid-stream: %s", job.rid, err.message)
+                    yield sse(err.body())
+                done = True
+                yield sse("[DONE]")
+                return
+        finally:
+            if not done:  # the client went away (or the server is stopping)
+                self.sup.scheduler.cancel(job)
+
+    async def _next(self, job: Job, request: Request | None = None) -> object | None:
+        """The job's next event within its deadline (--queue-timeout while it waits, watchdog +
+        a grace while it runs); None when the client disconnected (checked each second)."""
+        queued = job.state == "queued"
+        limit = self.cfg.queue_timeout if queued else self.cfg.watchdog + _EVENT_GRACE_S
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            ev = await job.next(min(1.0, left) if request is not None else left)
+            if ev is not None:
+                return ev
+            if request is not None and await request.is_disconnected():
+                self.sup.scheduler.cancel(job)
+                return None
+            if time.monotonic() >= deadline:
+                self.sup.scheduler.cancel(job)
+                where = "waiting in the queue" if queued else "waiting for the engine"
+                return APIError(503, f"gave up after {limit:g} s {where}", code="timeout",
+                                retry_after=5)
+
+    # --- checks ----------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.cfg.api_key
+        if key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if not got:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
+                           code="missing_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    def _check_model(self, name: str, param: str) -> None:
+        if name != self.cfg.served_name:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves "
+                           f"{self.cfg.served_name!r}", param, "model_not_found")
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.cfg.max_body
+        size = request.headers.get("content-length", "")
+        too_big = APIError(413, f"the request body is larger than --max-body ({limit} bytes)",
+                           code="request_too_large")
+        if size.isdigit() and int(size) > limit:
+            raise too_big
+        body = bytearray()
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise too_big
+
+        try:
+            await asyncio.wait_for(read(), _BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {_BODY_TIMEOUT_S:g} s",
+                           code="request_timeout") from None
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.cfg.served_name, "object": "model", "created": self.created,
+                "owned_by": "strata"}
+
+
+def _as_error(ev: object) -> APIError:
+    if isinstance(ev, Failed):
+        return APIError(ev.status, ev.message, ev.param, ev.code)
+    if isinstance(ev, APIError):
+        return ev
+    return APIError(500, f"unexpected engine message {type(ev).__name__}")
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        msg = f"no such path: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        msg = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        msg = str(exc.detail)
+    return _error_response(APIError(exc.status_code, msg, code=f"http_{exc.status_code}"))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+
+
+def create_app(cfg: ServeConfig, fault: Fault | None = None) -> Starlette:
+    api = API(cfg, fault)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await api.sup.start()
+        try:
+            yield
+        finally:
+            await api.sup.close()
+
+    routes = [
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, Exception: _internal_error})
+    app.state.api = api
+    return app

@@ -1,0 +1,280 @@
+"""The supervisor: starts the engine process, watches its progress, reports and restarts it.
+
+    loading --Loaded--> ready --(no progress for --watchdog s while requests run)--> stall
+       |                  |                                                          |
+       |                  +--(process died)--> crash ------------------------------- +
+       +--(over --load-timeout)--> stall            report, stop, requests get 503
+                                                    more than --max-restarts failures within
+                                                    --restart-window s? failed (stays up, /health
+                                                    says why) : start the engine again
+
+Everything here runs on the event loop; the blocking parts (the report, stopping the process)
+run in worker threads, each with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from strata.server import stall_report
+from strata.server.config import ServeConfig
+from strata.server.engine_process import EngineProcess
+from strata.server.errors import APIError
+from strata.server.faults import Fault
+from strata.server.metrics import Metrics
+from strata.server.protocol import (
+    EngineOptions,
+    Finished,
+    Loaded,
+    LoadFailed,
+    Progress,
+    StepDone,
+)
+from strata.server.scheduler import Scheduler
+
+log = logging.getLogger("strata.serve")
+_TICK_S = 0.25
+_RESTART_DELAY_S = 0.5
+
+
+class Supervisor:
+    def __init__(self, cfg: ServeConfig, fault: Fault | None, metrics: Metrics):
+        self.cfg, self.fault, self.metrics = cfg, fault, metrics
+        self.scheduler = Scheduler(cfg.batch, cfg.queue, self.send, self._work_started)
+        self.engine: EngineProcess | None = None
+        self.state = "starting"  # loading, ready, restarting, failed, stopped
+        self.reason = ""  # why failed
+        self.starts = 0
+        self.restarts = 0
+        self.failures: deque[float] = deque()
+        self.last_stall: dict[str, Any] | None = None
+        self.loaded: Loaded | None = None
+        self.progress: Progress | None = None
+        self.recent: deque[str] = deque(maxlen=20)
+        self.last_progress = time.monotonic()
+        self.began = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._start_engine()
+        self._spawn(self._watch())
+
+    async def close(self) -> None:
+        self.state = "stopped"
+        for t in self._tasks:
+            t.cancel()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop, True, 3.0)
+
+    def _start_engine(self) -> None:
+        self.starts += 1
+        armed = self.fault if self.fault and self.fault.armed_for(self.starts) else None
+        opts = EngineOptions(self.cfg.model, self.cfg.device, self.cfg.batch,
+                             EngineProcess.stacks_file(), armed, self.starts)
+        self.loaded, self.progress = None, Progress("loading", "starting the engine process", 0.0)
+        self.state, self.last_progress = "loading", time.monotonic()
+        self.engine = EngineProcess(opts, self._from_thread(self._on_message),
+                                    self._from_thread(self._on_exit))
+        fault = f" (STRATA_FAULT {armed} armed)" if armed else ""
+        log.info("starting the engine (pid %d, start #%d)%s", self.engine.pid, self.starts, fault)
+
+    # --- what the server asks --------------------------------------------------------------
+    def send(self, msg: object) -> None:
+        if self.engine is not None:
+            self.engine.send(msg)
+
+    def check_ready(self) -> None:
+        """Raise the 503 that explains why requests cannot run now."""
+        if self.state == "ready":
+            return
+        if self.state == "failed":
+            raise APIError(503, f"the engine is down: {self.reason}", code="engine_failed")
+        what = "loading the model" if self.state == "loading" else "restarting the engine"
+        raise APIError(503, f"the server is {what}; retry shortly", code="engine_unavailable",
+                       retry_after=5)
+
+    def health(self) -> dict[str, Any]:
+        p = self.progress
+        h: dict[str, Any] = {
+            "status": {"ready": "ok"}.get(self.state, self.state),
+            "model": self.cfg.served_name,
+            "loaded": self.state == "ready",
+            "engine_pid": self.engine.pid if self.engine and self.engine.alive else None,
+            "uptime_s": round(time.monotonic() - self.began, 1),
+            "restarts": self.restarts,
+            "last_stall": self.last_stall,
+            "running": len(self.scheduler.running),
+            "queued": len(self.scheduler.waiting),
+        }
+        if self.state == "loading" and p is not None and self.engine is not None:
+            h["load"] = {"stage": p.detail, "progress": p.fraction,
+                         "elapsed_s": round(time.monotonic() - self.engine.started, 1)}
+        if self.state == "failed":
+            h["reason"] = self.reason
+        if self.loaded is not None:
+            h["context_length"] = self.loaded.context_length
+            h["device"] = self.loaded.device
+        return h
+
+    # --- engine events (on the loop) -------------------------------------------------------
+    def _on_message(self, eng: EngineProcess, msg: object) -> None:
+        if eng is not self.engine or self.state not in ("loading", "ready"):
+            return  # a stopped (or stopping) engine's last words
+        self.last_progress = time.monotonic()
+        if isinstance(msg, Progress):
+            self.progress = msg
+            self.recent.append(f"{time.strftime('%H:%M:%S')} {msg.stage}: {msg.detail}")
+            if msg.stage == "loading":
+                log.info("engine pid %d: %s", eng.pid, msg.detail)
+        elif isinstance(msg, StepDone):
+            self.metrics.step(msg)
+        elif isinstance(msg, Loaded):
+            self.loaded, self.state = msg, "ready"
+            self.progress = Progress("idle", f"loaded in {msg.load_s:.1f} s, waiting for requests")
+            self.recent.append(f"{time.strftime('%H:%M:%S')} loaded (engine pid {eng.pid})")
+            log.info("engine pid %d: loaded %s on %s in %.1f s (context %d); serving as %r",
+                     eng.pid, msg.model_path, msg.device, msg.load_s, msg.context_length,
+                     self.cfg.served_name)
+            self.scheduler.engine_ready()
+        elif isinstance(msg, LoadFailed):
+            self._give_up(f"the model did not load: {msg.message}")
+            self._spawn(asyncio.to_thread(eng.stop, False))
+        else:
+            if isinstance(msg, Finished):
+                self.metrics.tokens(msg.prompt_tokens, msg.completion_tokens)
+                self.metrics.cancelled += msg.finish_reason == "cancelled"
+            self.scheduler.on_message(msg)
+
+    def _on_exit(self, eng: EngineProcess) -> None:
+        if eng is self.engine and self.state in ("loading", "ready"):
+            self._spawn(self._recover("crash", None))
+
+    def _work_started(self) -> None:
+        self.last_progress = time.monotonic()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(_TICK_S)
+            eng, now = self.engine, time.monotonic()
+            if eng is None or self.state not in ("loading", "ready"):
+                continue
+            if not eng.alive:
+                await self._recover("crash", None)
+            elif self.state == "loading" and now - eng.started > self.cfg.load_timeout:
+                await self._recover("stall", f"the model did not load within --load-timeout "
+                                    f"{self.cfg.load_timeout:g} s")
+            elif (self.state == "ready" and self.scheduler.running
+                  and now - self.last_progress > self.cfg.watchdog):
+                await self._recover("stall", f"no progress for {now - self.last_progress:.1f} s "
+                                    f"(--watchdog {self.cfg.watchdog:g}) while "
+                                    f"{len(self.scheduler.running)} request(s) ran")
+
+    # --- stall and crash -------------------------------------------------------------------
+    async def _recover(self, kind: str, what: str | None) -> None:
+        eng = self.engine
+        if eng is None or self.state not in ("loading", "ready"):
+            return
+        self.state = "restarting"
+        self.scheduler.ready = False
+        p = self.progress or Progress("unknown", "")
+        info = stall_report.ReportInput(
+            kind, what or "", eng.pid, eng.opts.start,
+            self.loaded.model_path if self.loaded else eng.opts.model or "the demo model",
+            self.cfg.device, time.monotonic() - eng.started, p.stage, p.detail, dict(p.state),
+            time.monotonic() - self.last_progress, list(self.recent),
+            dict(self.loaded.info) if self.loaded else {},
+            str(eng.opts.fault) if eng.opts.fault else None)
+        path = await asyncio.to_thread(self._look_and_stop, eng, info)
+        summary = f"{info.what}, during {p.stage}: {p.detail or '-'}"
+        top = stall_report.top_frame(info.stacks)
+        log.error("engine pid %d: %s%s; report: %s", eng.pid, summary,
+                  f"; main thread at {top}" if top else "", path)
+        if kind == "stall":
+            self.metrics.stalls += 1
+            self.last_stall = {"report": str(path), "stage": p.stage, "detail": p.detail,
+                               "engine_pid": eng.pid, "time": time.time()}
+        else:
+            self.metrics.crashes += 1
+        see = f"; report: {path}" if path else ""
+        self.scheduler.engine_lost(APIError(
+            503, f"the engine {'stalled' if kind == 'stall' else 'crashed'}: {summary}; it is "
+                 f"being restarted, retry shortly{see}", code=f"engine_{kind}", retry_after=5))
+        now = time.monotonic()
+        self.failures.append(now)
+        while self.failures and now - self.failures[0] > self.cfg.restart_window:
+            self.failures.popleft()
+        if len(self.failures) > self.cfg.max_restarts:
+            self._give_up(f"{len(self.failures)} engine failures within "
+                          f"{self.cfg.restart_window:g} s (--max-restarts {self.cfg.max_restarts});"
+                          f" the last: {summary}{see}")
+            return
+        await asyncio.sleep(_RESTART_DELAY_S * len(self.failures))
+        if self.state == "restarting":
+            self.restarts += 1
+            self._start_engine()
+
+    def _look_and_stop(self, eng: EngineProcess, info: stall_report.ReportInput) -> str | None:
+        """In a worker thread: a stalled engine is looked into before it is stopped, a crashed one
+        after (for its exit code). Returns the report's path; a report that fails is logged and
+        never stops the restart."""
+        if info.kind == "stall":
+            info.stacks = self._guard("capture the stacks", stall_report.capture_stacks,
+                                      eng.pid, eng.opts.stacks_path)
+            path = self._guard("write the report", stall_report.write, self.cfg.report_dir, info)
+            eng.stop(graceful=False)
+        else:
+            code = eng.stop(graceful=False)
+            info.what = f"the engine process ended unexpectedly ({_exit_text(code)})"
+            path = self._guard("write the report", stall_report.write, self.cfg.report_dir, info)
+        return str(path) if path else None
+
+    @staticmethod
+    def _guard(what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:
+            log.error("could not %s: %s: %s", what, type(e).__name__, e)
+            return None
+
+    def _give_up(self, reason: str) -> None:
+        self.state, self.reason = "failed", reason
+        log.error("not restarting the engine: %s. The server stays up; /health says why. Fix the "
+                  "cause and restart the server.", reason)
+        self.scheduler.engine_lost(APIError(503, f"the engine is down: {reason}",
+                                            code="engine_failed"))
+
+    # --- plumbing --------------------------------------------------------------------------
+    def _from_thread(self, fn: Any) -> Any:
+        def call(*args: Any) -> None:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(fn, *args)
+                except RuntimeError:
+                    pass  # the loop is shutting down
+        return call
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,137 @@
+"""The offload runtime (arena, cache, policies, CPU and copy miss paths) gives the reference
+logits for every cache size, miss path and policy, on mixed packs; its invariants hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata.cli.logits import compute_logits
+from strata.cli.main import main
+from strata.config import EngineConfig
+from strata.engine.generator import Engine
+from strata.engine.sampling import SamplingParams
+from strata.errors import StrataError
+from strata.experts.cache import IntegrityError
+
+from hf_reference import kl_per_position
+
+TOKENS = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777, 41, 8]
+
+
+def offload(path, device="cpu", **kw) -> Engine:
+    return Engine.load(path, config=EngineConfig(device=device, offload="on", debug=True, **kw))
+
+
+def assert_same(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert kl_per_position(ref, ours).max() < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def mixed(synth):
+    path = synth("qwen3moe", "IQ2_XS-MIX,blk.0.ffn_down_exps=Q6_K")
+    return path, compute_logits(Engine.load(path), TOKENS)
+
+
+# cache: none, one slot in all, a few, every expert of every layer (3 layers x 8)
+@pytest.mark.parametrize("cache", ["0", "1", "5", "24"])
+@pytest.mark.parametrize("miss", ["cpu", "dma", "auto"])
+def test_every_cache_size_and_miss_path_gives_reference_logits(mixed, cache, miss, device):
+    path, ref = mixed
+    engine = offload(path, device, expert_cache=cache, miss=miss)
+    assert_same(compute_logits(engine, TOKENS), ref)
+    st = engine.model.experts.stats
+    total = st.hits.sum() + st.cpu.sum() + st.streamed.sum()
+    assert total == len(TOKENS) * engine.config.n_layers * engine.config.n_experts_used
+    if cache == "0":
+        assert st.hits.sum() == 0
+    if cache == "24":
+        assert st.hit_rate == 1.0
+    if miss == "cpu" and cache != "24":
+        assert st.cpu.sum() > 0 and st.streamed.sum() == 0
+    if miss == "dma" and cache != "24":
+        assert st.streamed.sum() > 0 and st.cpu.sum() == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_decoding_with_cache_changes_between_steps_matches_reference(synth, policy):
+    path = synth("qwen2moe", "ALL-TYPES")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ref = list(Engine.load(path).generate(TOKENS[:4], params))
+    engine = offload(path, expert_cache="4", miss="cpu", cache_policy=policy)
+    assert list(engine.generate(TOKENS[:4], params)) == ref
+    assert engine.model.experts.stats.admissions > 0  # the cache really changed along the way
+    engine.model.experts.cache.check_integrity()
+
+
+def test_profile_records_routing_and_seeds_the_cache(synth, tmp_path, capsys):
+    path = synth("qwen3moe", "Q4_K_M")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox jumps.\n\nA second prompt about numbers 1 2 3.\n")
+    prof = tmp_path / "p.json"
+    assert main(["profile", str(path), "--prompts", str(prompts), "--out", str(prof)]) == 0
+    engine = offload(path, expert_cache="3", cache_policy="profile", expert_profile=str(prof))
+    counts = np.array(__import__("json").loads(prof.read_text())["counts"])
+    for i, ls in enumerate(engine.model.experts.cache.layers):
+        assert ls.resident() == [int(np.argmax(counts[i]))]  # one slot: the most routed expert
+    assert_same(compute_logits(engine, TOKENS), compute_logits(Engine.load(path), TOKENS))
+
+
+def test_profile_policy_needs_a_profile(synth):
+    with pytest.raises(StrataError, match="--expert-profile"):
+        offload(synth("qwen3moe", "Q4_K_M"), cache_policy="profile")
+
+
+def test_integrity_check_catches_a_broken_slot_table(synth):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="6")
+    cache = engine.model.experts.cache
+    cache.check_integrity()
+    ls = cache.layers[1]
+    e = ls.resident()[0]
+    ls.slot_of[e] = -1  # the host map loses an expert that still sits in a slot
+    with pytest.raises(IntegrityError, match="layer 1"):
+        cache.check_integrity()
+
+
+def test_slots_are_sized_per_layer_for_mixed_packs(synth):
+    engine = offload(synth("qwen3moe", "ALL-TYPES"), expert_cache="24")
+    layers = engine.model.experts.cache.layers
+    strides = {ls.layout.stride for ls in layers}
+    assert len(strides) > 1  # the layers' records differ in size
+    for ls in layers:
+        assert ls.slots.shape[1] == ls.layout.stride >= ls.layout.nbytes
+
+
+def test_budget_too_small_is_refused_with_numbers(synth):
+    with pytest.raises(StrataError, match=r"--vram-budget 0.01 GiB cannot hold .* give at least"):
+        offload(synth("qwen3moe", "Q4_K_M"), vram_budget_gib=0.01)
+
+
+def test_cache_larger_than_budget_is_refused(synth):
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import MARGIN, make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+
+    mf = open_model(synth("qwen3moe", "Q8_0"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    base = make_plan(mf, cfg, EngineConfig(expert_cache="0", ctx=256), layouts)
+    need = sum(cfg.n_experts * lay.stride for lay in layouts)  # all 24 experts
+    used = base.dense + base.kv + base.workspace + base.staging + MARGIN
+    budget = (used + need // 2) / 2**30  # room for half of them
+    with pytest.raises(StrataError, match="--expert-cache 24: 24 slots need .* the budget leaves"):
+        make_plan(mf, cfg, EngineConfig(expert_cache="24", ctx=256, vram_budget_gib=budget),
+                  layouts)
+    auto = make_plan(mf, cfg, EngineConfig(ctx=256, vram_budget_gib=budget), layouts)
+    assert 0 < sum(auto.slots_per_layer) < 24 and auto.left >= 0
+
+
+def test_generate_stats_cli(synth, capsys):
+    code = main(["generate", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on", "-n", "4",
+                 "--expert-cache", "3", "--miss", "cpu", "--stats", "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "memory plan on cpu" in err and "expert cache: 3 slots" in err
+    assert "hit rate" in err and "layer   2:" in err
