@@ -24,8 +24,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "== ceilings"
 python3 -m strata.bench.ceilings | tee "$OUT/ceilings.json"
 echo "== GPU tests (pytest -m cuda) and the reference tests on the CPU of this machine"
-python3 -m pytest -q -p no:cacheprovider tests/test_quant.py tests/test_reference.py 2>&1 \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py tests/test_reference.py \
+  tests/test_offload.py tests/test_gguf_errors.py 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 echo "== strata logits --device cuda against transformers"
-python3 scripts/reference_check.py --device cuda --out "$OUT/reference_check.json" \
+timeout 300 python3 scripts/reference_check.py --device cuda --out "$OUT/reference_check.json" \
   2>&1 | tee "$OUT/reference_check.txt"
+echo "== decode speed, Qwen3-30B-A3B widths cut to 8 layers, Q4_K_M"
+M=/tmp/q30-8l.gguf
+timeout 200 python3 -m strata synth $M --preset 30b-a3b --layers 8 --quant Q4_K_M --force 2>&1 | tail -2
+for flags in "--offload off" "--vram-budget 4" "--vram-budget 2 --miss cpu" \
+             "--vram-budget 2 --miss dma" "--vram-budget 2"; do
+  echo "-- $flags"
+  timeout 120 python3 -m strata generate $M --device cuda $flags -n 48 --temperature 0 \
+    --prompt "The history of the world" --stats 2>&1 >/dev/null | grep -E "loaded|hit rate|cache slots|miss links"
+done 2>&1 | tee "$OUT/decode_speed.txt"

@@ -19,6 +19,7 @@ from strata.config import EngineConfig, ModelConfig, expected_tensors
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.gguf import ModelFile
+from strata.units import fmt_bytes
 
 GIB = 1 << 30
 MARGIN = 256 << 20  # activations, allocator slack, kernels' own buffers
@@ -109,11 +110,12 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     dense = dense_bytes(mf, cfg, quant_dense)
     fixed = dense + workspace + staging + MARGIN
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
+        f = fmt_bytes
         raise StrataError(
-            f"--vram-budget {budget / GIB:.2f} GiB cannot hold the dense weights "
-            f"({dense / GIB:.2f} GiB), workspace and staging ({(workspace + staging) / GIB:.2f} "
-            f"GiB) and a {MIN_KV_TOKENS}-token KV cache ({MIN_KV_TOKENS * kv_per_token / GIB:.2f}"
-            f" GiB): give at least {(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
+            f"--vram-budget {budget / GIB:.2f} GiB cannot hold the dense weights ({f(dense)}), "
+            f"workspace and staging ({f(workspace + staging)}), a margin of {f(MARGIN)} and a "
+            f"{MIN_KV_TOKENS}-token KV cache ({f(MIN_KV_TOKENS * kv_per_token)}): give at least "
+            f"{(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
     kv_room = budget - fixed
     if ctx * kv_per_token > kv_room:
         ctx = max(MIN_KV_TOKENS, kv_room // 2 // kv_per_token)
@@ -137,13 +139,13 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     cache = sum(n * lay.stride for n, lay in zip(slots, layouts, strict=True))
     if cache > room:
         raise StrataError(f"--expert-cache {ec.expert_cache}: {sum(slots)} slots need "
-                          f"{cache / GIB:.2f} GiB but the budget leaves {room / GIB:.2f} GiB; "
+                          f"{fmt_bytes(cache)} but the budget leaves {fmt_bytes(room)}; "
                           "use fewer slots, auto, or a larger --vram-budget")
     arena = sum(E * lay.stride for lay in layouts)
     avail = host_available()
     if arena > avail:
-        raise StrataError(f"the expert arena needs {arena / GIB:.2f} GiB of host RAM but "
-                          f"{avail / GIB:.2f} GiB is available; close other programs or use a "
+        raise StrataError(f"the expert arena needs {fmt_bytes(arena)} of host RAM but "
+                          f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
                       staging_slots, slots, cache, arena, avail)

@@ -72,6 +72,11 @@ class Arena:
         self.pin_note = "not pinned (CPU device)"
         if pin:
             self.pinned, self.pin_note = self._pin()
+            if not self.pinned:  # torch's pinned allocator: no huge pages, but page-locked
+                self._maps = []
+                self.layers = [torch.empty(n_experts, lay.stride, dtype=torch.uint8,
+                                           pin_memory=True) for lay in layouts]
+                self.pin_note += "; using cudaHostAlloc memory instead"
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +93,8 @@ class Arena:
             if int(err) != 0:
                 for d in done:
                     cudart.cudaHostUnregister(d.data_ptr())
-                msg = f"pinning failed (cudaHostRegister error {int(err)}); copies will be slower"
+                _consume_cuda_error()
+                msg = f"cudaHostRegister failed (error {int(err)})"
                 log.warning("arena: %s", msg)
                 return False, msg
             done.append(t)
@@ -131,11 +137,26 @@ class Arena:
         return ArenaReport(self.nbytes, time.perf_counter() - t0, self.pinned, huge, note)
 
     def close(self) -> None:
+        """Unregister the memory from CUDA; must happen before the mappings go away, or a later
+        arena at the same addresses could not be registered."""
         if self.pinned:
             cudart = torch.cuda.cudart()
             for t in self.layers:
                 cudart.cudaHostUnregister(t.data_ptr())
             self.pinned = False
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _consume_cuda_error() -> None:
+    """A failed cudaHostRegister leaves a (non-sticky) error that the next launch would report
+    as its own; run a trivial op so it is consumed here."""
+    try:
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:

@@ -1,0 +1,149 @@
+"""strata bench: prompt and decode speed of one engine configuration, with the hit rate, the bytes
+moved, memory peaks, and the fraction of DESIGN.md's bandwidth bound reached:
+
+    decode time per token >= Σ_layers max((dense_l + hit expert bytes_l) / HBM,
+                                          CPU-computed bytes_l / host RAM bandwidth,
+                                          streamed bytes_l / PCIe bandwidth) + head / HBM
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from strata.engine.generator import Engine
+from strata.model.transformer import Segment
+
+
+@dataclass
+class BenchResult:
+    config: dict
+    prompt_len: int
+    gen_len: int
+    runs: int
+    prompt_tok_s: float
+    decode_tok_s: float
+    decode_tok_s_all: list[float]
+    hit_rate: float | None
+    h2d_bytes_per_token: float | None
+    cpu_pairs_per_token: float | None
+    vram_peak_gib: float | None
+    host_peak_gib: float
+    bound_tok_s: float | None = None
+    bound_fraction: float | None = None
+    ceilings: dict = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        out = [f"prompt {self.prompt_len} tokens: {self.prompt_tok_s:.1f} tok/s; decode "
+               f"{self.gen_len} tokens: {self.decode_tok_s:.2f} tok/s (median of {self.runs})"]
+        if self.hit_rate is not None:
+            out.append(f"expert hit rate {100 * self.hit_rate:.1f}%; "
+                       f"{self.h2d_bytes_per_token / 2**20:.1f} MiB copied to the device and "
+                       f"{self.cpu_pairs_per_token:.1f} experts computed on the CPU per token")
+        if self.bound_tok_s:
+            out.append(f"bandwidth bound {self.bound_tok_s:.1f} tok/s: reached "
+                       f"{100 * self.bound_fraction:.1f}%")
+        mem = f"host RAM peak {self.host_peak_gib:.2f} GiB"
+        if self.vram_peak_gib is not None:
+            mem = f"VRAM peak {self.vram_peak_gib:.2f} GiB, " + mem
+        out.append(mem)
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(engine: Engine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize(engine.model.device)
+
+
+def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: int = 0,
+              ceilings: dict | None = None) -> BenchResult:
+    model, cfg = engine.model, engine.config
+    rng = np.random.default_rng(seed)
+    prompt = torch.from_numpy(rng.integers(0, cfg.n_vocab, prompt_len)).long()
+    experts = getattr(model.experts, "stats", None)
+    dev = model.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    p_times, d_rates = [], []
+    decode = _Counters(cfg.n_layers)  # expert counters over the measured decode steps only
+    for r in range(runs + 1):  # the first run warms up and is not counted
+        kv = model.new_cache(prompt_len + gen_len)
+        _sync(engine)
+        t0 = time.perf_counter()
+        logits = model.forward(prompt, [Segment(kv, prompt_len)])
+        _sync(engine)
+        t1 = time.perf_counter()
+        before = _Counters.of(experts) if r and experts is not None else None
+        token = int(logits[0].argmax())
+        for _ in range(gen_len):
+            logits = model.forward(torch.tensor([token]), [Segment(kv, 1)])
+            token = int(logits[0].argmax())  # the host needs the token: a real sync per step
+        t2 = time.perf_counter()
+        if before is not None:
+            decode.add(_Counters.of(experts), before)
+        if r:
+            p_times.append(t1 - t0)
+            d_rates.append(gen_len / (t2 - t1))
+    res = BenchResult(
+        config={}, prompt_len=prompt_len, gen_len=gen_len, runs=runs,
+        prompt_tok_s=prompt_len / statistics.median(p_times),
+        decode_tok_s=statistics.median(d_rates), decode_tok_s_all=[round(x, 3) for x in d_rates],
+        hit_rate=None, h2d_bytes_per_token=None, cpu_pairs_per_token=None,
+        vram_peak_gib=(torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
+                       else None),
+        host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        ceilings=ceilings or {})
+    if experts is not None and gen_len:
+        tokens = runs * gen_len
+        pairs = decode.hits.sum() + decode.cpu.sum() + decode.streamed.sum()
+        res.hit_rate = float(decode.hits.sum() / pairs) if pairs else 0.0
+        res.h2d_bytes_per_token = decode.bytes_h2d / tokens
+        res.cpu_pairs_per_token = float(decode.cpu.sum()) / tokens
+        if ceilings and dev.type == "cuda":
+            res.bound_tok_s = _decode_bound(engine, decode, ceilings, tokens)
+            res.bound_fraction = res.decode_tok_s / res.bound_tok_s
+    return res
+
+
+class _Counters:
+    def __init__(self, n_layers: int):
+        self.hits, self.cpu, self.streamed = (np.zeros(n_layers, np.int64) for _ in range(3))
+        self.bytes_h2d = 0
+
+    @classmethod
+    def of(cls, st) -> _Counters:  # noqa: ANN001 - OffloadStats
+        c = cls(len(st.hits))
+        c.hits, c.cpu, c.streamed, c.bytes_h2d = (st.hits.copy(), st.cpu.copy(),
+                                                  st.streamed.copy(), st.bytes_h2d)
+        return c
+
+    def add(self, after: _Counters, before: _Counters) -> None:
+        self.hits += after.hits - before.hits
+        self.cpu += after.cpu - before.cpu
+        self.streamed += after.streamed - before.streamed
+        self.bytes_h2d += after.bytes_h2d - before.bytes_h2d
+
+
+def _decode_bound(engine: Engine, st: _Counters, ceilings: dict, tokens: int) -> float:
+    """Tokens per second at DESIGN.md's bound, from the measured per-layer mix of hits, CPU
+    misses and streamed misses (averaged over the measured tokens)."""
+    ex = engine.model.experts
+    hbm = ceilings["hbm_copy_GBs"] * 1e9 / 2  # a read is half of a copy's traffic
+    host, pcie = ceilings["host_read_GBs"] * 1e9, ceilings["pcie_h2d_pinned_GBs"] * 1e9
+    w = engine.model.w
+    t = w.output.nbytes / hbm
+    for i, lay in enumerate(ex.arena.layouts):
+        lw = w.layers[i]
+        dense = sum(x.nbytes for x in (lw.wq, lw.wk, lw.wv, lw.wo))
+        eb = lay.nbytes
+        t += max((dense + st.hits[i] / tokens * eb) / hbm, st.cpu[i] / tokens * eb / host,
+                 st.streamed[i] / tokens * eb / pcie)
+    return 1.0 / t

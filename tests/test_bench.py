@@ -1,0 +1,27 @@
+"""strata bench runs end to end and reports what it measured."""
+
+from __future__ import annotations
+
+import json
+
+from strata.cli.main import main
+
+
+def test_bench_sweep_writes_json_and_plot(synth, tmp_path, capsys):
+    out, png = tmp_path / "b.json", tmp_path / "sweep.png"
+    code = main(["bench", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on", "--miss", "cpu",
+                 "--expert-cache", "6", "--prompt-len", "8", "--gen-len", "4", "--runs", "2",
+                 "--sweep-vram", "0.6,0.7", "--json", str(out), "--plot", str(png)])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["ceilings"]["host_read_GBs"] > 0
+    assert [r["config"]["vram_budget_gib"] for r in data["results"]] == [0.6, 0.7]
+    for r in data["results"]:
+        assert r["decode_tok_s"] > 0 and r["prompt_tok_s"] > 0 and len(r["decode_tok_s_all"]) == 2
+        assert 0 <= r["hit_rate"] < 1 and r["cpu_pairs_per_token"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_bad_sweep(synth, capsys):
+    assert main(["bench", str(synth("qwen3moe", "Q4_K_M")), "--sweep-vram", "2,x"]) == 2
+    assert "--sweep-vram" in capsys.readouterr().err
