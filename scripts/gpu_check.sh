@@ -16,7 +16,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "commit ${STRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   nproc; free -g | head -2

@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from strata.cli.logits import compute_logits  # noqa: E402
+from strata.config import EngineConfig  # noqa: E402
 from strata.engine.generator import Engine  # noqa: E402
 from strata.synth.presets import get_preset  # noqa: E402
 from strata.synth.recipes import Recipe  # noqa: E402
@@ -36,6 +37,16 @@ CASES = [  # (arch, preset, layers or None, recipe)
 TOKENS = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777, 41, 8, 512, 99, 1, 600]
 
 
+def configs(device: str) -> list[tuple[str, EngineConfig]]:
+    """The reference path, and the offload runtime all-resident and with most experts missing."""
+    return [("reference", EngineConfig(device=device, offload="off")),
+            ("offload all-resident", EngineConfig(device=device, offload="on")),
+            ("offload 4 slots, dma", EngineConfig(device=device, offload="on", expert_cache="4",
+                                                  miss="dma")),
+            ("offload 4 slots, cpu", EngineConfig(device=device, offload="on", expert_cache="4",
+                                                  miss="cpu"))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -49,22 +60,24 @@ def main() -> None:
                 preset = replace(preset, n_layers=layers)
             path = Path(tmp) / f"{arch}-{preset_name}-{recipe}.gguf"
             write_model(path, preset, Recipe(recipe), seed=1)
-            t0 = time.perf_counter()
-            engine = Engine.load(path, device=args.device)
-            ours = compute_logits(engine, TOKENS)
-            ours_s = time.perf_counter() - t0
             ref = (hf_mixtral_logits if arch == "llama" else hf_gguf_logits)(path, TOKENS)
-            kl = kl_per_position(ref, ours)
-            rows.append({"arch": arch, "preset": preset_name, "layers": preset.n_layers,
-                         "recipe": recipe, "device": args.device, "max_kl": float(kl.max()),
-                         "top1_agree": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
-                         "max_abs_diff": float(abs(ours - ref).max()),
-                         "load_and_logits_s": round(ours_s, 2)})
-            r = rows[-1]
-            print(f"{arch:9} {preset_name:13} L={r['layers']:<3} {recipe:12} {args.device:5} "
-                  f"max KL {r['max_kl']:.2e}  top-1 {100 * r['top1_agree']:.0f}%  "
-                  f"max|diff| {r['max_abs_diff']:.2e}", flush=True)
-            del engine
+            for name, ec in configs(args.device):
+                t0 = time.perf_counter()
+                engine = Engine.load(path, config=ec)
+                ours = compute_logits(engine, TOKENS)
+                ours_s = time.perf_counter() - t0
+                kl = kl_per_position(ref, ours)
+                rows.append({"arch": arch, "preset": preset_name, "layers": preset.n_layers,
+                             "recipe": recipe, "device": args.device, "config": name,
+                             "max_kl": float(kl.max()),
+                             "top1_agree": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
+                             "max_abs_diff": float(abs(ours - ref).max()),
+                             "load_and_logits_s": round(ours_s, 2)})
+                r = rows[-1]
+                print(f"{arch:9} {preset_name:13} L={r['layers']:<3} {recipe:12} {name:22} "
+                      f"max KL {r['max_kl']:.2e}  top-1 {100 * r['top1_agree']:.0f}%  "
+                      f"max|diff| {r['max_abs_diff']:.2e}", flush=True)
+                del engine
             path.unlink()
     ok = all(r["max_kl"] < 1e-4 and r["top1_agree"] == 1.0 for r in rows)
     print("all cases within max KL 1e-4 and the same top token" if ok else "MISMATCH")
