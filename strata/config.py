@@ -169,6 +169,9 @@ class EngineConfig:
     ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
     workspace_mib: int = 256  # float32 scratch of the dequantizing paths
     cpu_kernels: str = "auto"  # auto | ggml | torch
+    prefill: str = "auto"  # prompt chunk: auto | auto:N | N | off (the whole prompt at once)
+    ring_bytes: int | None = None  # streaming ring budget (None: auto from the memory plan)
+    stream_min: int | None = None  # chunk tokens from which misses stream (None: auto)
     debug: bool = False  # check cache invariants after every layer
 
     @property

@@ -28,6 +28,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
                    help="CPU kernel library for missed experts (auto)")
+    g.add_argument("--prefill", default="auto", metavar="auto|auto:N|N|off",
+                   help="prompt chunk size (auto: from the workspace)")
+    g.add_argument("--ring-bytes", default="auto", metavar="auto|BYTES",
+                   help="byte budget of the ring that prompt chunks stream experts through")
+    g.add_argument("--stream-min", default="auto", metavar="auto|T",
+                   help="chunk tokens from which missed experts are streamed (auto: measured)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -37,8 +43,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise StrataError(f"--threads {args.threads}: give at least 1")
     if args.ctx is not None and args.ctx < 1:
         raise StrataError(f"--ctx {args.ctx}: give at least 1")
+    ring = None if args.ring_bytes == "auto" else _int_flag("--ring-bytes", args.ring_bytes)
+    stream_min = None if args.stream_min == "auto" else _int_flag("--stream-min",
+                                                                  args.stream_min)
     return EngineConfig(
         device=args.device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
-        cpu_kernels=args.cpu_kernels, debug=getattr(args, "debug", False))
+        cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
+        stream_min=stream_min, debug=getattr(args, "debug", False))
+
+
+def _int_flag(flag: str, text: str) -> int:
+    from strata.cli.synth import parse_size
+
+    n = parse_size(text) if flag == "--ring-bytes" else None
+    try:
+        n = int(text) if n is None else n
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise StrataError(f"{flag} {text}: give auto or a positive number")
+    return n

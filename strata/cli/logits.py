@@ -6,12 +6,10 @@ import argparse
 import sys
 
 import numpy as np
-import torch
 
 from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.engine.generator import Engine
 from strata.errors import StrataError
-from strata.model.transformer import Segment
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,9 +35,9 @@ def parse_tokens(spec: str, n_vocab: int) -> list[int]:
 
 
 def compute_logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    """float32 logits [len(ids), V], the prompt run in the engine's chunks."""
     kv = engine.model.new_cache(len(ids))
-    logits = engine.model.forward(torch.tensor(ids), [Segment(kv, len(ids))], all_logits=True)
-    return logits.float().cpu().numpy()
+    return engine.run_prompt(ids, kv, all_logits=True).float().cpu().numpy()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ COMMANDS = {
     "info": ("strata.cli.info", "show a model's architecture, shapes and tensor types per layer"),
     "synth": ("strata.cli.synth", "write a synthetic GGUF model (real layout, random weights)"),
     "bench": ("strata.cli.bench", "measure prompt and decode speed against the machine's limits"),
+    "check": ("strata.cli.check", "compare the logits of two engine configurations"),
     "profile": ("strata.cli.profile", "record routing frequency per (layer, expert) over prompts"),
 }
 

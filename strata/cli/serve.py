@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "object of environment settings; flags given here win")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective settings as JSON and exit")
-    config.add_flags(p)
+    config.add_flags(p)  # the server's flags, then the engine's (--device, --offload, ...)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ offload runtime (memory plan, arena, expert cache, CPU pool, miss planner)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -15,15 +16,28 @@ from strata.experts.cpu_pool import CpuPool
 from strata.experts.layout import expert_layouts
 from strata.experts.links import measure_links
 from strata.experts.offload import OffloadExperts
-from strata.experts.planner import MISS_MODES, MissPlanner
+from strata.experts.planner import MISS_MODES, LinkCosts, MissPlanner
 from strata.experts.policy import make_policy
 from strata.experts.profile import load_profile
+from strata.experts.ring import Ring
 from strata.gguf import ModelFile
 from strata.model.transformer import MoETransformer
 from strata.model.weights import ModelWeights
 from strata.units import fmt_bytes
 
 log = logging.getLogger("strata")
+
+
+def auto_stream_min(costs: LinkCosts, nbytes: int, cfg: ModelConfig) -> int:
+    """The chunk size from which copying an expert beats computing it on the CPU, for the tokens an
+    expert gets on average (T * K / E)."""
+    dma, cpu1 = costs.dma(nbytes), costs.cpu(nbytes, 1)
+    if dma <= cpu1:
+        return 2
+    if costs.cpu_s_per_token <= 0:
+        return 1 << 20
+    n = 1 + (dma - cpu1) / costs.cpu_s_per_token
+    return max(2, int(math.ceil(n * cfg.n_experts / cfg.n_experts_used)))
 
 
 def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
@@ -54,10 +68,12 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     pool = CpuPool(ec.cpu_kernels, threads, plan.workspace)
     max_stride = max(lay.stride for lay in layouts)
     staging = torch.empty(plan.staging_slots, max_stride, dtype=torch.uint8, device=dev)
-    costs = measure_links(arena, pool, staging) if ec.miss == "auto" else None
-    if costs is not None:
-        log.info(f"miss links: CPU pool {costs.cpu_gbs:.1f} GB/s ({pool.kind}, {threads} "
-                 f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses split per step ({ec.miss})")
+    costs = measure_links(arena, pool, staging)
+    log.info(f"miss links: CPU pool {costs.cpu_gbs:.1f} GB/s ({pool.kind}, {threads} "
+             f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses: {ec.miss}")
+    stream_min = ec.stream_min or auto_stream_min(costs, layouts[0].nbytes, cfg)
+    log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
+             f"{fmt_bytes(plan.ring)} ring")
     executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, plan.workspace,
-                              [staging], debug=ec.debug)
+                              [staging], Ring(plan.ring, dev), stream_min, debug=ec.debug)
     return MoETransformer(cfg, weights, dev, executor)

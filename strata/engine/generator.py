@@ -11,7 +11,9 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.build import build_model
+from strata.engine.kv_cache import KVCache
 from strata.engine.sampling import SamplingParams, sample
+from strata.engine.waits import PROGRESS
 from strata.errors import StrataError
 from strata.gguf import open_model
 from strata.model.transformer import MoETransformer, Segment
@@ -53,6 +55,7 @@ class Engine:
     chat: ChatTemplate
     model: MoETransformer
     load_s: float
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @classmethod
@@ -68,7 +71,7 @@ class Engine:
         model = build_model(mf, cfg, ec, dev)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0)
+        return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0, ec)
 
     def check_prompt(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -77,6 +80,41 @@ class Engine:
             raise StrataError(f"prompt of {len(ids)} tokens + {max_tokens} to generate exceeds the "
                               f"model's context of {self.config.context_length} tokens")
 
+    def prefill_chunk(self, n_prompt: int) -> int:
+        """Tokens per prompt chunk: --prefill auto|auto:N|N|off. auto keeps the attention scores
+        of a chunk (heads x chunk x context, float32) within the workspace."""
+        spec = self.engine_config.prefill
+        if spec == "off":
+            return max(n_prompt, 1)
+        cfg, ec = self.config, self.engine_config
+        ctx = min(ec.ctx or 4096, cfg.context_length)
+        auto = max(16, (ec.workspace_mib << 20) // (cfg.n_heads * ctx * 4))
+        try:
+            if spec == "auto":
+                return auto
+            n = int(spec[5:]) if spec.startswith("auto:") else int(spec)
+            if spec.startswith("auto:") and n >= 1:
+                return min(auto, n)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise StrataError(f"--prefill {spec}: give auto, auto:N, a number of tokens >= 1, "
+                              "or off")
+        return n
+
+    def run_prompt(self, ids: list[int], kv: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """The prompt in chunks through the model, appending to kv. Returns the last position's
+        logits [1, V], or every position's [n, V] with all_logits."""
+        chunk = self.prefill_chunk(len(ids))
+        out = []
+        for c, start in enumerate(range(0, len(ids), chunk)):
+            part = ids[start:start + chunk]
+            PROGRESS.at("prompt", chunk=c, position=kv.length)
+            out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
+                                          all_logits=all_logits))
+            PROGRESS.steps += 1
+        return torch.cat(out) if all_logits else out[-1]
+
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         """Yield generated token ids until a stop token or max_tokens; fills self.stats."""
         self.check_prompt(prompt, params.max_tokens)
@@ -84,9 +122,13 @@ class Engine:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         kv = self.model.new_cache(len(prompt) + params.max_tokens)
         t0 = time.perf_counter()
-        tokens = torch.tensor(prompt)
+        logits = self.run_prompt(prompt, kv)[0]
+        token = -1
         for i in range(params.max_tokens):
-            logits = self.model.forward(tokens, [Segment(kv, tokens.shape[0])])[0]
+            if i:
+                PROGRESS.at("decode", position=kv.length)
+                logits = self.model.forward(torch.tensor([token]), [Segment(kv, 1)])[0]
+                PROGRESS.steps += 1
             token = sample(logits, params, gen)
             now = time.perf_counter()
             if i == 0:
@@ -100,4 +142,3 @@ class Engine:
                 return
             st.generated_tokens += 1
             yield token
-            tokens = torch.tensor([token])

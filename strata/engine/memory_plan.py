@@ -18,6 +18,7 @@ import torch
 from strata.config import EngineConfig, ModelConfig, expected_tensors
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
+from strata.experts.ring import ring_size
 from strata.gguf import ModelFile
 from strata.units import fmt_bytes
 
@@ -37,6 +38,7 @@ class MemoryPlan:
     workspace: int
     staging: int
     staging_slots: int
+    ring: int
     slots_per_layer: list[int]
     cache: int
     arena: int
@@ -44,7 +46,8 @@ class MemoryPlan:
 
     @property
     def left(self) -> int:
-        return self.budget - self.dense - self.kv - self.workspace - self.staging - self.cache
+        return (self.budget - self.dense - self.kv - self.workspace - self.staging - self.ring
+                - self.cache)
 
     def lines(self) -> list[str]:
         n = sum(self.slots_per_layer)
@@ -108,12 +111,15 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     staging = staging_slots * max_stride
     quant_dense = dev.type == "cuda" and dense_bytes(mf, cfg, False) > budget // 4
     dense = dense_bytes(mf, cfg, quant_dense)
-    fixed = dense + workspace + staging + MARGIN
+    # the ring: by default four of the largest records (double buffering with room to spare)
+    ring = ring_size(ec.ring_bytes, layouts, 4 * max_stride)
+    fixed = dense + workspace + staging + ring + MARGIN
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(
             f"--vram-budget {budget / GIB:.2f} GiB cannot hold the dense weights ({f(dense)}), "
-            f"workspace and staging ({f(workspace + staging)}), a margin of {f(MARGIN)} and a "
+            f"workspace, staging and ring ({f(workspace + staging + ring)}), a margin of "
+            f"{f(MARGIN)} and a "
             f"{MIN_KV_TOKENS}-token KV cache ({f(MIN_KV_TOKENS * kv_per_token)}): give at least "
             f"{(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
     kv_room = budget - fixed
@@ -148,5 +154,5 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
-                      staging_slots, slots, cache, arena, avail)
+                      staging_slots, ring, slots, cache, arena, avail)
 

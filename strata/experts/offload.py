@@ -15,32 +15,39 @@ import time
 
 import torch
 
+from strata.engine.waits import to_host
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.compute import Group, group_pairs, run_records
 from strata.experts.planner import MissPlanner
+from strata.experts.ring import Ring
 from strata.experts.stats import OffloadStats
 from strata.model.weights import ExpertWeights
 
 
 class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
-                 workspace_bytes: int, staging: list[torch.Tensor], debug: bool = False):
+                 workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
+                 stream_min: int = 1 << 30, debug: bool = False):
         self.arena, self.cache, self.planner, self.pool = arena, cache, planner, cpu_pool
         self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
+        self.ring, self.stream_min = ring, stream_min
         self.device = cache.device
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         lay = self.arena.layouts[layer]
-        groups = group_pairs(ids.cpu(), weights.float().cpu())
+        groups = group_pairs(to_host(ids, f"layer {layer} routing ids"),
+                             to_host(weights.float(), f"layer {layer} routing weights"))
         by_expert = {g.expert: g for g in groups}
         ls = self.cache.layers[layer]
         ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
         self.stats.routed[layer, list(by_expert)] += [len(g.tokens) for g in groups]
         hits = [e for e in by_expert if ls.slot_of[e] >= 0]
         misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
+        if self.ring is not None and h.shape[0] >= self.stream_min:
+            return self._run_streamed(layer, hits, [e for e, _ in misses], by_expert, h)
         to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
 
         keep = set(hits) | set(to_copy)
@@ -66,6 +73,27 @@ class OffloadExperts:
             len(by_expert[e].tokens) for e in to_cpu)
         self.stats.streamed[layer] += n_copy
         self.stats.cpu[layer] += sum(len(by_expert[e].tokens) for e in to_cpu)
+        if self.debug:
+            self.cache.check_integrity()
+        return out
+
+    def _run_streamed(self, layer: int, hits: list[int], misses: list[int],
+                      by_expert: dict[int, Group], h: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk: hits from their slots, every miss through the ring; the cache is left
+        as it is for decode."""
+        lay, ls = self.arena.layouts[layer], self.cache.layers[layer]
+        out = torch.zeros_like(h)
+        self.cache.before_compute(layer)
+        if hits:
+            slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)
+            run_records(lay, ls.slots[slots], [by_expert[e] for e in hits], h, out,
+                        self.workspace_bytes)
+        self.ring.stream(self.arena, layer, [by_expert[e] for e in misses], h, out,
+                         self.workspace_bytes)
+        self.cache.after_compute(layer)
+        self.stats.hits[layer] += sum(len(by_expert[e].tokens) for e in hits)
+        self.stats.streamed[layer] += sum(len(by_expert[e].tokens) for e in misses)
+        self.stats.bytes_h2d += len(misses) * lay.nbytes
         if self.debug:
             self.cache.check_integrity()
         return out

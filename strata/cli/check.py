@@ -1,0 +1,85 @@
+"""strata check: run two engine configurations on the same tokens and compare their logits.
+
+    strata check MODEL --a "--offload off" --b "--device cuda --vram-budget 4 --prefill 64"
+
+Prints first-token (the last prompt position) and all-position KL(a || b), max abs diff and top-1
+agreement; exit code 1 when they differ beyond --max-kl or disagree on a top token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shlex
+import sys
+
+import numpy as np
+import torch
+
+from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.logits import compute_logits, parse_tokens
+from strata.config import EngineConfig
+from strata.engine.generator import Engine
+from strata.errors import StrataError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF file (any shard of a split set)")
+    p.add_argument("--a", default="--offload off", help="engine flags of configuration A "
+                   "(default: the reference path, --offload off)")
+    p.add_argument("--b", required=True, help="engine flags of configuration B, e.g. "
+                   "\"--device cuda --vram-budget 4 --prefill 64\"")
+    p.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens (64)")
+    p.add_argument("--tokens", default=None, help="comma-separated token ids instead")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (0)")
+    p.add_argument("--max-kl", type=float, default=1e-4, help="tolerance (1e-4)")
+
+
+def parse_flags(name: str, text: str) -> EngineConfig:
+    p = argparse.ArgumentParser(prog=f"strata check --{name}", add_help=False,
+                                exit_on_error=False)
+    add_engine_arguments(p)
+    try:
+        args, rest = p.parse_known_args(shlex.split(text))
+    except (argparse.ArgumentError, ValueError) as e:
+        raise StrataError(f"--{name} {text!r}: {e}") from None
+    if rest:
+        raise StrataError(f"--{name} {text!r}: not an engine flag: {' '.join(rest)}")
+    return engine_config(args)
+
+
+def kl_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    la = torch.log_softmax(torch.from_numpy(a).double(), -1)
+    lb = torch.log_softmax(torch.from_numpy(b).double(), -1)
+    return (la.exp() * (la - lb)).sum(-1).numpy()
+
+
+def run(args: argparse.Namespace) -> int:
+    ca, cb = parse_flags("a", args.a), parse_flags("b", args.b)
+    logits = []
+    ids: list[int] | None = None
+    for ec in (ca, cb):
+        engine = Engine.load(args.model, config=ec)
+        if ids is None:
+            n_vocab = engine.config.n_vocab
+            if args.tokens:
+                ids = parse_tokens(args.tokens, n_vocab)
+            else:
+                ids = np.random.default_rng(args.seed).integers(0, n_vocab,
+                                                                args.prompt_len).tolist()
+            engine.check_prompt(ids, 0)
+        logits.append(compute_logits(engine, ids))
+        del engine
+        gc.collect()
+    a, b = logits
+    kl = kl_rows(a, b)
+    top = a.argmax(-1) == b.argmax(-1)
+    diff = np.abs(a - b)
+    print(f"first token:   KL {kl[-1]:.3e}  max abs diff {diff[-1].max():.3e}  "
+          f"top-1 {'same' if top[-1] else 'DIFFERENT'}")
+    print(f"all {len(ids):>5} pos: KL max {kl.max():.3e} mean {kl.mean():.3e}  max abs diff "
+          f"{diff.max():.3e}  top-1 agree {100 * top.mean():.1f}%")
+    ok = kl.max() <= args.max_kl and top.all()
+    print("same within tolerance" if ok else f"DIFFERENT beyond --max-kl {args.max_kl:g} or on "
+          "a top token", file=sys.stderr if not ok else sys.stdout)
+    return 0 if ok else 1

@@ -1,0 +1,85 @@
+"""The streaming ring: prompt chunks stream every missed expert through a few VRAM buffers, the copy
+of expert i+1 overlapping the compute of expert i.
+
+    ring: uint8 [nbytes]     carved per layer into n_l = nbytes // stride_l buffers
+                             (the layer's own record size: a mixed pack gets a different n_l
+                             per layer, never a buffer sized for another layer's format)
+
+Buffer b of a layer is written on the copy stream only after the compute that last read it is done
+(`free[b]`), and computed on only after its copy landed (`ready[b]`). With one buffer (a budget of
+one expert) copies and computes alternate; with two or more they overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from strata.experts.arena import Arena
+from strata.experts.compute import Group, run_records
+from strata.experts.layout import ExpertLayout
+
+log = logging.getLogger("strata.ring")
+
+
+def ring_size(requested: int | None, layouts: list[ExpertLayout], default: int) -> int:
+    """The ring's byte budget: at least the largest record of any layer (raised with a warning)."""
+    largest = max(lay.stride for lay in layouts)
+    size = default if requested is None else requested
+    if size < largest:
+        if requested is not None:
+            log.warning("--ring-bytes %d is below the largest expert record (%d bytes, layer %d); "
+                        "raised to that", requested, largest,
+                        max(layouts, key=lambda lay: lay.stride).layer)
+        size = largest
+    return size
+
+
+class Ring:
+    def __init__(self, nbytes: int, device: torch.device):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.streamed_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    def buffers(self, layout: ExpertLayout) -> torch.Tensor:
+        """This layer's view of the ring: uint8 [n_l, stride_l], n_l >= 1."""
+        n = self.nbytes // layout.stride
+        return self.buf[: n * layout.stride].view(n, layout.stride)
+
+    def stream(self, arena: Arena, layer: int, groups: list[Group], h: torch.Tensor,
+               out: torch.Tensor, workspace_bytes: int) -> None:
+        """out += Σ over the groups' experts, each copied into the ring and computed there."""
+        lay = arena.layouts[layer]
+        bufs = self.buffers(lay)
+        n = bufs.shape[0]
+        if not self.cuda:
+            for i in range(0, len(groups), n):
+                chunk = groups[i:i + n]
+                for j, g in enumerate(chunk):
+                    bufs[j].copy_(arena.record(layer, g.expert))
+                run_records(lay, bufs[: len(chunk)], chunk, h, out, workspace_bytes)
+                self.streamed_bytes += len(chunk) * lay.nbytes
+            return
+        compute = torch.cuda.current_stream(self.device)
+        free: list[torch.cuda.Event | None] = [None] * n
+        start = torch.cuda.Event()
+        start.record(compute)  # h is ready
+        for i, g in enumerate(groups):
+            b = i % n
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(free[b] if free[b] is not None else start)
+                bufs[b].copy_(arena.record(layer, g.expert), non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            compute.wait_event(ready)
+            run_records(lay, bufs[b:b + 1], [g], h, out, workspace_bytes)
+            free[b] = torch.cuda.Event()
+            free[b].record(compute)
+            self.streamed_bytes += lay.nbytes

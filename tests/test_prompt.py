@@ -1,0 +1,128 @@
+"""Prompt chunks and the streaming ring give the reference logits: any chunk size, any ring
+budget from one expert up, streaming on or off, mixed packs, empty / one-slot / full caches."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from strata.cli.logits import compute_logits
+from strata.config import EngineConfig
+from strata.engine.generator import Engine
+from strata.errors import StrataError
+
+from hf_reference import kl_per_position
+
+PROMPT = [int(x) for x in np.random.default_rng(0).integers(0, 1024, 70)]
+
+
+def assert_same(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert ours.shape == ref.shape
+    assert kl_per_position(ref, ours).max() < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def pack(synth):
+    """IQ2_XS layers with an IQ1_M layer and a Q4_K layer: records of three sizes."""
+    path = synth("qwen3moe", "IQ2_XS-MIX")  # 3 layers: IQ2_XS, Q4_K, IQ1_M
+    ref = compute_logits(Engine.load(path, config=EngineConfig(prefill="off")), PROMPT)
+    return path, ref
+
+
+def engine(path, device="cpu", **kw) -> Engine:
+    kw.setdefault("cpu_kernels", "torch")  # float32 CPU kernels: the reference's tolerance
+    return Engine.load(path, config=EngineConfig(device=device, offload="on", debug=True, **kw))
+
+
+# chunk sizes: one token at a time, an odd size, one that splits the prompt unevenly, whole
+@pytest.mark.parametrize("chunk", ["1", "7", "64", "off"])
+def test_chunk_sizes_equal_the_unchunked_reference(pack, chunk, device):
+    path, ref = pack
+    e = engine(path, device, prefill=chunk, expert_cache="5", stream_min=4)
+    assert_same(compute_logits(e, PROMPT), ref)
+    if chunk in ("7", "64", "off"):
+        assert e.model.experts.ring.streamed_bytes > 0
+
+
+def test_reference_path_chunks_too(pack):
+    path, ref = pack
+    assert_same(compute_logits(Engine.load(path, config=EngineConfig(prefill="7")), PROMPT), ref)
+
+
+# ring budgets: below one expert (raised to the largest record), exactly one record of the largest
+# layer (no double buffering in that layer), an odd size, large
+@pytest.mark.parametrize("ring", ["min", "largest", "odd", "large"])
+@pytest.mark.parametrize("cache", ["0", "1", "24"])
+def test_ring_budgets_and_cache_sizes(pack, ring, cache, device, caplog):
+    path, ref = pack
+    probe = engine(path, expert_cache="0", miss="cpu")
+    largest = max(lay.stride for lay in probe.model.experts.arena.layouts)
+    size = {"min": 1000, "largest": largest, "odd": 2 * largest + 12345,
+            "large": 64 * largest}[ring]
+    with caplog.at_level(logging.WARNING, logger="strata.ring"):
+        e = engine(path, device, ring_bytes=size, expert_cache=cache, prefill="16",
+                   stream_min=2)
+    assert e.model.experts.ring.nbytes == max(size, largest)
+    if ring == "min":
+        assert "raised to that" in caplog.text
+    assert_same(compute_logits(e, PROMPT), ref)
+    st = e.model.experts.stats
+    assert (st.streamed.sum() > 0) == (cache != "24")
+    assert st.cpu.sum() == 0  # every miss of a streamed chunk goes through the ring
+
+
+def test_ring_buffers_are_sized_per_layer(pack):
+    path, _ = pack
+    e = engine(path, expert_cache="0")
+    ring, layouts = e.model.experts.ring, e.model.experts.arena.layouts
+    assert len({lay.stride for lay in layouts}) == 3
+    for lay in layouts:
+        bufs = ring.buffers(lay)
+        assert bufs.shape == (ring.nbytes // lay.stride, lay.stride) and bufs.shape[0] >= 1
+
+
+def test_streaming_off_and_forced_on_agree(pack):
+    path, ref = pack
+    off = engine(path, expert_cache="3", prefill="16", stream_min=1 << 20, miss="cpu")
+    on = engine(path, expert_cache="3", prefill="16", stream_min=1)
+    assert_same(compute_logits(off, PROMPT), ref)
+    assert_same(compute_logits(on, PROMPT), ref)
+    assert off.model.experts.ring.streamed_bytes == 0 < on.model.experts.ring.streamed_bytes
+
+
+def test_many_chunks_then_decode_equals_unchunked(pack):
+    from strata.engine.sampling import SamplingParams
+
+    path, _ = pack
+    p = SamplingParams(temperature=0, max_tokens=8)
+    whole = list(Engine.load(path, config=EngineConfig(prefill="off")).generate(PROMPT, p))
+    chunked = list(engine(path, prefill="5", expert_cache="4", stream_min=3).generate(PROMPT, p))
+    assert chunked == whole
+
+
+@pytest.mark.parametrize("flag", ["0", "x", "auto:0"])
+def test_bad_prefill_is_refused(pack, flag):
+    e = Engine.load(pack[0], config=EngineConfig(prefill=flag))
+    with pytest.raises(StrataError, match="--prefill"):
+        e.prefill_chunk(10)
+
+
+def test_check_command_passes_equal_and_fails_different(pack, capsys):
+    from strata.cli.main import main
+
+    path = str(pack[0])
+    same = main(["check", path, "--b", "--offload on --prefill 7 --expert-cache 2 --stream-min 2"
+                 " --cpu-kernels torch", "--prompt-len", "40"])
+    out = capsys.readouterr().out
+    assert same == 0, out
+    assert "first token:" in out and "top-1 agree 100.0%" in out
+    assert main(["check", path, "--b", "--bogus 3"]) == 2
+    assert "not an engine flag" in capsys.readouterr().err
+    pytest.importorskip("ggml", reason="ggml-python is not installed")
+    # ggml's 8-bit activations are a real difference at a tight tolerance
+    diff = main(["check", path, "--b", "--offload on --expert-cache 0 --miss cpu --cpu-kernels "
+                 "ggml --stream-min 100000", "--prompt-len", "40", "--max-kl", "1e-9"])
+    assert diff == 1
