@@ -17,6 +17,7 @@ COMMANDS = {
     "logits": ("strata.cli.logits", "write the logits of a token sequence to a .npy file"),
     "info": ("strata.cli.info", "show a model's architecture, shapes and tensor types per layer"),
     "synth": ("strata.cli.synth", "write a synthetic GGUF model (real layout, random weights)"),
+    "serve": ("strata.cli.serve", "serve an OpenAI-compatible API (the demo model without MODEL)"),
     "bench": ("strata.cli.bench", "measure prompt and decode speed against the machine's limits"),
     "check": ("strata.cli.check", "compare the logits of two engine configurations"),
     "profile": ("strata.cli.profile", "record routing frequency per (layer, expert) over prompts"),

@@ -26,10 +26,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.public(), indent=2))
         return 0
     config.apply_env(cfg)
-    from strata.server.faults import Fault
+    from strata.server.faults import FaultPlan
     from strata.server.serve import serve
 
-    return serve(cfg, Fault.from_env())
+    return serve(cfg, FaultPlan.from_env())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,14 +17,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from strata.server.config import ServeConfig
-from strata.server.errors import APIError, bad_request
-from strata.server.faults import Fault
+from strata.server.errors import EXCEPTION_HANDLERS, GONE, APIError, as_error, bad_request
+from strata.server.faults import FaultPlan
 from strata.server.metrics import Metrics
 from strata.server.protocol import Accepted, Delta, Failed, Finished, Submit
 from strata.server.responses import Builder, sse
@@ -34,11 +33,12 @@ from strata.server.validation import ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("strata.serve")
 _BODY_TIMEOUT_S = 30.0
+_DISCONNECT_CHECK_S = 0.5
 _EVENT_GRACE_S = 60.0  # beyond the watchdog: the stall path answers first, this is the backstop
 
 
 class API:
-    def __init__(self, cfg: ServeConfig, fault: Fault | None):
+    def __init__(self, cfg: ServeConfig, fault: FaultPlan | None):
         self.cfg = cfg
         self.metrics = Metrics()
         self.sup = Supervisor(cfg, fault, self.metrics)
@@ -84,21 +84,24 @@ class API:
             self.sup.scheduler.submit(job)
             first = await self._next(job, request)
             if first is None:
-                return Response(status_code=499)  # the client is gone
+                raise GONE
             if isinstance(first, Failed):
                 raise APIError(first.status, first.message, first.param, first.code)
             if isinstance(first, APIError):
                 raise first
+            assert isinstance(first, Accepted)
+            b = Builder(kind, job.rid, self.cfg.served_name, req.include_usage)
+            if req.stream:  # 200 from here on; a later failure is an event in the stream
+                response: Response = StreamingResponse(
+                    self._stream(job, b), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
+            else:
+                response = await self._collect(job, b, request)
         except APIError as e:
             self.metrics.request(endpoint, e.status)
             raise
-        assert isinstance(first, Accepted)
-        self.metrics.request(endpoint, 200)
-        b = Builder(kind, job.rid, self.cfg.served_name, req.include_usage)
-        if req.stream:
-            return StreamingResponse(self._stream(job, b, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
-        return await self._collect(job, b, request)
+        self.metrics.request(endpoint, response.status_code)
+        return response
 
     def _submit(self, req: ParsedRequest, kind: str) -> Submit:
         rid = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -110,7 +113,7 @@ class API:
         while True:
             ev = await self._next(job, request)
             if ev is None:
-                return Response(status_code=499)
+                raise GONE
             if isinstance(ev, Delta):
                 parts.append(ev.text)
             elif isinstance(ev, Finished):
@@ -120,9 +123,9 @@ class API:
                 return JSONResponse(b.full("".join(parts), ev.finish_reason, ev.prompt_tokens,
                                            ev.completion_tokens), headers={"X-Request-Id": job.rid})
             else:
-                raise _as_error(ev)
+                raise as_error(ev)
 
-    async def _stream(self, job: Job, b: Builder, first: Accepted) -> AsyncIterator[bytes]:
+    async def _stream(self, job: Job, b: Builder) -> AsyncIterator[bytes]:
         done = False
         try:
             if b.kind == "chat":
@@ -141,7 +144,7 @@ class API:
                     log.info("%s: %s, %d + %d tokens (streamed)", job.rid, ev.finish_reason,
                              ev.prompt_tokens, ev.completion_tokens)
                 else:  # the headers are gone: the error travels as an event, then [DONE]
-                    err = _as_error(ev)
+                    err = as_error(ev)
                     log.warning("%s: ended with an error mid-stream: %s", job.rid, err.message)
                     yield sse(err.body())
                 done = True
@@ -149,27 +152,33 @@ class API:
                 return
         finally:
             if not done:  # the client went away (or the server is stopping)
-                self.sup.scheduler.cancel(job)
+                self._cancel(job)
 
     async def _next(self, job: Job, request: Request | None = None) -> object | None:
         """The job's next event within its deadline (--queue-timeout while it waits, watchdog +
-        a grace while it runs); None when the client disconnected (checked each second)."""
+        a grace while it runs); None when the client disconnected (checked twice a second)."""
         queued = job.state == "queued"
         limit = self.cfg.queue_timeout if queued else self.cfg.watchdog + _EVENT_GRACE_S
         deadline = time.monotonic() + limit
         while True:
+            if request is not None and time.monotonic() - job.checked >= _DISCONNECT_CHECK_S:
+                job.checked = time.monotonic()  # also while events flow: a long answer is
+                if await request.is_disconnected():  # cancelled soon after its client leaves
+                    self._cancel(job)
+                    return None
             left = deadline - time.monotonic()
-            ev = await job.next(min(1.0, left) if request is not None else left)
+            ev = await job.next(min(_DISCONNECT_CHECK_S, left) if request is not None else left)
             if ev is not None:
                 return ev
-            if request is not None and await request.is_disconnected():
-                self.sup.scheduler.cancel(job)
-                return None
             if time.monotonic() >= deadline:
-                self.sup.scheduler.cancel(job)
+                self._cancel(job)
                 where = "waiting in the queue" if queued else "waiting for the engine"
                 return APIError(503, f"gave up after {limit:g} s {where}", code="timeout",
                                 retry_after=5)
+
+    def _cancel(self, job: Job) -> None:
+        if self.sup.scheduler.cancel(job):  # a running job is counted when the engine drops it
+            self.metrics.cancelled += 1
 
     # --- checks ----------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -220,40 +229,7 @@ class API:
                 "owned_by": "strata"}
 
 
-def _as_error(ev: object) -> APIError:
-    if isinstance(ev, Failed):
-        return APIError(ev.status, ev.message, ev.param, ev.code)
-    if isinstance(ev, APIError):
-        return ev
-    return APIError(500, f"unexpected engine message {type(ev).__name__}")
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return _error_response(exc)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        msg = f"no such path: {request.method} {request.url.path}"
-    elif exc.status_code == 405:
-        msg = f"{request.method} is not allowed on {request.url.path}"
-    else:
-        msg = str(exc.detail)
-    return _error_response(APIError(exc.status_code, msg, code=f"http_{exc.status_code}"))
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
-
-
-def create_app(cfg: ServeConfig, fault: Fault | None = None) -> Starlette:
+def create_app(cfg: ServeConfig, fault: FaultPlan | None = None) -> Starlette:
     api = API(cfg, fault)
 
     @asynccontextmanager
@@ -272,7 +248,6 @@ def create_app(cfg: ServeConfig, fault: Fault | None = None) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, Exception: _internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.api = api
     return app

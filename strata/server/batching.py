@@ -25,6 +25,7 @@ import torch
 from strata.engine.generator import Engine
 from strata.engine.kv_cache import KVCache
 from strata.engine.sampling import SamplingParams, sample
+from strata.engine.waits import PROGRESS, StallError
 from strata.errors import StrataError
 from strata.model.transformer import Segment
 from strata.server.faults import FaultTrigger
@@ -35,6 +36,7 @@ from strata.server.protocol import (
     Failed,
     Finished,
     Progress,
+    Stalled,
     StepDone,
     Submit,
 )
@@ -96,19 +98,22 @@ class BatchRunner:
 
     def step(self) -> None:
         batch = list(self.seqs.values())
+        take = {s.rid: self._take(s) for s in batch}  # the tokens each adds to this pass
         prompt = [s for s in batch if not s.prefilled]
         self.stage = "prompt" if prompt else "decode"
-        self.send(Progress(self.stage, self._detail(batch), state=self.state()))
-        for s in batch:  # injected faults strike inside the step, as a real stall would
-            if s.prefilled:
-                self.faults.at("decode", s.decode_steps + 1)
-            else:
-                self.faults.at("prefill")
+        self.send(Progress(self.stage, self._detail(batch, take), state=self.state()))
+        PROGRESS.at(self.stage, position=batch[0].kv.length)
         t0 = time.perf_counter()
-        tokens = torch.tensor([t for s in batch for t in s.pending])  # [sum of pending]
-        segments = [Segment(s.kv, len(s.pending)) for s in batch]
+        tokens = torch.tensor([t for s in batch for t in take[s.rid]])  # [sum of takes]
+        segments = [Segment(s.kv, len(take[s.rid])) for s in batch]
         try:
+            for s in batch:  # injected faults strike inside the step, as real ones would
+                self.faults.at(*(("decode", s.decode_steps + 1) if s.prefilled else ("prefill",)))
             logits = self.engine.model.forward(tokens, segments)  # [B, V]
+        except StallError as e:  # a bounded wait ran out: the GPU or a worker is stuck
+            self.send(Stalled(str(e), self.state()))
+            while True:  # keep every thread as it is for the report; the server stops us
+                time.sleep(3600)
         except Exception as e:  # a failed step fails its requests; the engine serves on
             traceback.print_exc(file=sys.stderr)
             for s in batch:
@@ -116,27 +121,45 @@ class BatchRunner:
                 self.send(Failed(s.rid, 500, f"the engine failed in a {self.stage} step: "
                                  f"{type(e).__name__}: {e}"))
             return
+        PROGRESS.steps += 1
         for s, row in zip(batch, logits, strict=True):
+            s.pending = s.pending[len(take[s.rid]):]
+            if s.pending:
+                continue  # more prompt chunks to come: this chunk's logits are not needed
             if s.prefilled:
                 s.decode_steps += 1
             s.prefilled = True
             self._advance(s, sample(row, s.params, s.gen))
-        hit_rate = getattr(self.engine.model.experts, "hit_rate", None)
-        self.send(StepDone(sum(len(s.pending) for s in prompt), len(batch) - len(prompt),
-                           time.perf_counter() - t0, self.active, hit_rate))
+        stats = getattr(self.engine.model.experts, "stats", None)
+        self.send(StepDone(sum(len(take[s.rid]) for s in prompt), len(batch) - len(prompt),
+                           time.perf_counter() - t0, self.active,
+                           getattr(stats, "hit_rate", None)))
         self.stage = "decode" if self.seqs else "idle"
+
+    def _take(self, s: Sequence) -> list[int]:
+        """A decoding sequence's last token, or the next chunk of a prompt (--prefill)."""
+        if s.prefilled:
+            return s.pending
+        chunk = getattr(self.engine, "prefill_chunk", None)
+        return s.pending[:chunk(s.prompt_len)] if chunk else s.pending
 
     def state(self) -> dict:
         """What a stall report shows about the batch (cheap: ints and strings)."""
         seqs = [(s.rid, s.kv.length, s.decode_steps, s.generated) for s in self.seqs.values()]
         state: dict = {"requests": seqs, "kv_bytes": sum(s.kv.nbytes for s in self.seqs.values())}
+        stats = getattr(self.engine.model.experts, "stats", None)
+        if hasattr(stats, "summary"):  # the offload runtime's counters: hits, CPU, streamed
+            state["experts"] = stats.summary()
+        if PROGRESS.last_wait:
+            state["gpu_wait"] = f"{PROGRESS.last_wait} ({PROGRESS.describe()})"
         if self.engine.model.device.type == "cuda":
             state["gpu_allocated"] = torch.cuda.memory_allocated()
             state["gpu_reserved"] = torch.cuda.memory_reserved()
         return state
 
-    def _detail(self, batch: list[Sequence]) -> str:
-        parts = [f"{s.rid} " + (f"prompt of {len(s.pending)} tokens" if not s.prefilled else
+    def _detail(self, batch: list[Sequence], take: dict[str, list[int]]) -> str:
+        parts = [f"{s.rid} " + (f"prompt tokens {s.kv.length}..{s.kv.length + len(take[s.rid])} "
+                                f"of {s.prompt_len}" if not s.prefilled else
                                 f"decode step {s.decode_steps + 1} at position {s.kv.length}")
                  for s in batch]
         return f"{len(batch)} sequence(s): " + "; ".join(parts)

@@ -1,10 +1,11 @@
 """`strata serve` settings: defaults < a strata-NAME.json file (--config) < command-line flags.
 
-The JSON file holds flag names (dashes or underscores) and an "env" object of environment
+The JSON file holds flag names (dashes or underscores), the server's and the engine's
+(cli/engine_flags.py: --device, --offload, --expert-cache, ...), and an "env" object of environment
 settings, which are set before the engine process starts:
 
-    {"model": "qwen3-30b-a3b-Q4_K_M.gguf", "port": 8080, "watchdog": 120,
-     "env": {"STRATA_FAULT": "stall@decode:3"}}
+    {"model": "qwen3-30b-a3b-Q4_K_M.gguf", "port": 8080, "watchdog": 120, "device": "cuda",
+     "expert-cache": "auto", "env": {"STRATA_FAULT": "stall@decode:3"}}
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.config import EngineConfig
 from strata.errors import StrataError
+
+
+def _engine_defaults() -> dict[str, Any]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(p)
+    return vars(p.parse_args([]))
+
+
+ENGINE_DEFAULTS = _engine_defaults()  # the engine flags' dests and defaults
+_UNSET = object()  # the default of every serve flag: "not given on the command line"
 
 
 @dataclass(frozen=True)
@@ -26,7 +39,6 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    device: str = "cpu"
     batch: int = 4
     queue: int = 16
     max_tokens: int = 4096
@@ -38,6 +50,15 @@ class ServeConfig:
     restart_window: float = 600.0
     report_dir: str = "."
     env: dict[str, str] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=lambda: dict(ENGINE_DEFAULTS))
+
+    @property
+    def device(self) -> str:
+        return str(self.engine.get("device", "cpu"))
+
+    def engine_config(self) -> EngineConfig:
+        """The engine flags as the engine takes them (checked as generate checks them)."""
+        return engine_config(argparse.Namespace(**self.engine, debug=False))
 
     @property
     def served_name(self) -> str:
@@ -54,11 +75,13 @@ class ServeConfig:
         return stem
 
     def public(self) -> dict[str, Any]:
-        """The effective settings, as --print-config shows them (the API key hidden)."""
+        """The effective settings as --print-config shows them: a valid --config file, flat, by
+        flag name (the API key hidden)."""
         d = asdict(self)
         if d["api_key"]:
             d["api_key"] = "(set)"
-        return d
+        flat = {k: v for k, v in d.items() if k not in ("env", "engine")} | d["engine"]
+        return {k.replace("_", "-"): v for k, v in flat.items()} | {"env": d["env"]}
 
 
 # flag -> help; the type and default come from ServeConfig
@@ -67,7 +90,6 @@ HELP = {
     "host": "address to listen on; 127.0.0.1 keeps the server on this machine (127.0.0.1)",
     "port": "TCP port; 0 picks a free one and logs it (8000)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* requests",
-    "device": "cpu or cuda (cpu)",
     "batch": "requests decoded together, sharing each forward pass (4)",
     "queue": "requests that may wait for a batch slot; more get HTTP 429 (16)",
     "max_tokens": "the most tokens one request may ask for, and the default (4096)",
@@ -89,12 +111,18 @@ _TYPES = {f.name: f.type for f in fields(ServeConfig)}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """Every setting as a flag; a flag not given stays out of the namespace (file values stand)."""
+    """The serve flags and the engine flags. A flag not given reads _UNSET, so that a --config
+    file's value for it stands."""
+    metavars = {"model_name": "NAME", "host": "ADDR", "api_key": "KEY", "report_dir": "DIR",
+                "max_body": "BYTES", "int": "N", "float": "S"}
     for name, help_text in HELP.items():
         kind = _TYPES[name]
         conv = int if "int" in kind else float if "float" in kind else str
+        metavar = metavars.get(name) or metavars[conv.__name__]
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=conv, help=help_text,
-                       default=argparse.SUPPRESS)
+                       metavar=metavar, default=_UNSET)
+    add_engine_arguments(p)
+    p.set_defaults(**{name: _UNSET for name in ENGINE_DEFAULTS})
 
 
 def load_file(path: str) -> dict[str, Any]:
@@ -110,12 +138,28 @@ def load_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise StrataError(f"--config {path}: expected a JSON object of settings")
     out: dict[str, Any] = {}
+    engine_argv: list[str] = []
     for key, value in data.items():
         name = key.replace("-", "_")
-        if name not in _TYPES:
+        if name in ENGINE_DEFAULTS:
+            if value is not None:  # null: the flag's default
+                engine_argv += [f"--{name.replace('_', '-')}", str(value)]
+        elif name in _TYPES and name != "engine":
+            out[name] = _check_type(path, key, name, value)
+        else:
+            known = sorted(n.replace("_", "-") for n in [*_TYPES, *ENGINE_DEFAULTS]
+                           if n != "engine")
             raise StrataError(f"--config {path}: unknown setting {key!r} (known: "
-                              f"{', '.join(sorted(n.replace('_', '-') for n in _TYPES))})")
-        out[name] = _check_type(path, key, name, value)
+                              f"{', '.join(known)})")
+    if engine_argv:  # the engine flags' own types and choices check the file's values
+        p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        add_engine_arguments(p)
+        try:
+            engine = vars(p.parse_args(engine_argv))
+        except argparse.ArgumentError as e:
+            raise StrataError(f"--config {path}: {e}") from None
+        given = {a[2:].replace("-", "_") for a in engine_argv[::2]}
+        out["engine"] = {k: v for k, v in engine.items() if k in given}
     return out
 
 
@@ -139,11 +183,15 @@ def _check_type(path: str, key: str, name: str, value: Any) -> Any:
 def resolve(args: argparse.Namespace) -> ServeConfig:
     """Defaults, then the --config file, then the flags given on the command line."""
     values: dict[str, Any] = {}
+    engine = dict(ENGINE_DEFAULTS)
     if getattr(args, "config", None):
         values.update(load_file(args.config))
-    values.update({k: v for k, v in vars(args).items() if k in _TYPES and k != "env"
+        engine.update(values.pop("engine", {}))
+    given = {k: v for k, v in vars(args).items() if v is not _UNSET}
+    values.update({k: v for k, v in given.items() if k in _TYPES and k not in ("env", "engine")
                    and (k != "model" or v is not None)})
-    cfg = replace(ServeConfig(), **values)
+    engine.update({k: v for k, v in given.items() if k in ENGINE_DEFAULTS})
+    cfg = replace(ServeConfig(), **values, engine=engine)
     check(cfg)
     return cfg
 
@@ -155,6 +203,7 @@ def check(cfg: ServeConfig) -> None:
             raise StrataError(f"--{name.replace('_', '-')} {v}: must be between {lo} and {hi}")
     if cfg.device not in ("cpu", "cuda"):
         raise StrataError(f"--device {cfg.device}: choose cpu or cuda")
+    cfg.engine_config()  # raises on a bad engine flag
     if cfg.model is not None and not Path(cfg.model).is_file():
         raise StrataError(f"{cfg.model}: no such model file")
     if cfg.api_key is not None and not cfg.api_key.strip():

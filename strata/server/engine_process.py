@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import threading
 import time
@@ -110,3 +111,15 @@ class EngineProcess:
                 self._to_engine.send(msg)  # blocks only while the pipe is full of unread input
             except (OSError, ValueError):
                 return
+
+
+def exit_text(code: int | None) -> str:
+    """An exit status in words: "exit code 1", "killed by SIGKILL"."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,9 +1,11 @@
 """Fault injection for the watchdog and restart tests: `STRATA_FAULT`, read here and nowhere else.
 
-    STRATA_FAULT=ACTION@STAGE[:N][*K]
+    STRATA_FAULT=ACTION@STAGE[:N][*K][,ACTION@STAGE[:N][*K]...]
 
-    ACTION  stall   stop making progress there: sleep forever, report nothing
-            crash   exit there at once with os._exit(CRASH_EXIT_CODE), no cleanup
+    ACTION  stall    stop making progress there: sleep forever, report nothing
+            crash    exit there at once with os._exit(CRASH_EXIT_CODE), no cleanup
+            timeout  raise the engine's StallError there, as a bounded wait that ran out does
+                     (engine/waits.py); prefill and decode only
     STAGE   load     at the start of loading the model
             prefill  before the first forward pass that holds a request's prompt
             decode   before a request's Nth decode step (N >= 1, default 1); decode step 1 is
@@ -11,10 +13,11 @@
     K       how many engine starts arm the fault (default 1)
 
 The server process parses the variable once at startup (a bad value is a one-line error) and hands
-the fault to the engine processes it starts: engine starts 1..K are armed, later ones are not. An
-armed engine fires it at most once, at the first point that matches. So with the default K = 1 the
-first engine stalls or crashes once, and the engine the supervisor starts in its place serves the
-next request. `crash@load*5` makes the first five starts crash, for the give-up path.
+each engine process the faults armed for it: engine starts 1..K arm a fault, later ones do not. An
+engine fires at most one fault, once: the first armed one, in the order written, that matches. So
+with the default K = 1 the first engine stalls or crashes once and the engine the supervisor starts
+in its place serves the next request; `crash@load*5` makes the first five starts crash; and
+`crash@decode:1,timeout@decode:1*2` crashes the first engine and stalls the second.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from strata.errors import StrataError
 
 ENV_VAR = "STRATA_FAULT"
 CRASH_EXIT_CODE = 86
-ACTIONS = ("stall", "crash")
+ACTIONS = ("stall", "crash", "timeout")
 STAGES = ("load", "prefill", "decode")
 _SYNTAX = re.compile(r"(?P<action>\w+)@(?P<stage>\w+)(?::(?P<step>\d+))?(?:\*(?P<starts>\d+))?")
 
@@ -51,6 +54,8 @@ class Fault:
             why = f"unknown action {m['action']!r} (choose from {', '.join(ACTIONS)})"
         elif m["stage"] not in STAGES:
             why = f"unknown stage {m['stage']!r} (choose from {', '.join(STAGES)})"
+        elif m["action"] == "timeout" and m["stage"] == "load":
+            why = "timeout fires in a forward pass: use it at prefill or decode"
         elif m["step"] is not None and m["stage"] != "decode":
             why = "only decode takes a step number (:N)"
         elif m["step"] is not None and int(m["step"]) < 1:
@@ -61,11 +66,6 @@ class Fault:
             raise StrataError(f"{ENV_VAR}={text}: {why}")
         return cls(m["action"], m["stage"], int(m["step"] or 1), int(m["starts"] or 1))
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Fault | None:
-        text = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
-        return cls.parse(text) if text else None
-
     def armed_for(self, start: int) -> bool:
         """Whether engine start number `start` (1 = the first) carries this fault."""
         return start <= self.starts
@@ -75,20 +75,54 @@ class Fault:
         return f"{self.action}@{self.stage}{step}*{self.starts}"
 
 
-class FaultTrigger:
-    """The engine side: fires an armed fault once, at the first matching point."""
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults of STRATA_FAULT, in the order written."""
 
-    def __init__(self, fault: Fault | None):
-        self.fault = fault
+    faults: tuple[Fault, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        return cls(tuple(Fault.parse(part) for part in text.split(",")))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultPlan | None:
+        text = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
+        return cls.parse(text) if text else None
+
+    def armed_for(self, start: int) -> FaultPlan | None:
+        """The faults engine start number `start` (1 = the first) carries, if any."""
+        armed = tuple(f for f in self.faults if f.armed_for(start))
+        return FaultPlan(armed) if armed else None
+
+    def __str__(self) -> str:
+        return ",".join(str(f) for f in self.faults)
+
+
+class FaultTrigger:
+    """The engine side: fires the first armed fault that matches, once."""
+
+    def __init__(self, plan: FaultPlan | None):
+        self.faults = plan.faults if plan is not None else ()
         self.fired = False
 
     def at(self, stage: str, step: int = 0) -> None:
         """Called at every injection point; `step` is a decode step number (1, 2, ...)."""
-        f = self.fault
-        if f is None or self.fired or f.stage != stage or (stage == "decode" and step != f.step):
+        if self.fired:
             return
-        self.fired = True
+        for f in self.faults:
+            if f.stage == stage and (stage != "decode" or step == f.step):
+                self.fired = True
+                self._fire(f)
+
+    @staticmethod
+    def _fire(f: Fault) -> None:
         if f.action == "crash":
             os._exit(CRASH_EXIT_CODE)
+        if f.action == "timeout":
+            from strata.engine.waits import StallError  # torch: only in the engine process
+
+            raise StallError(f"STRATA_FAULT {f}: an injected wait timeout (a real one names "
+                             "what it waited for, and where)")
         while True:  # stall: no progress, no messages, until the supervisor stops the process
             time.sleep(3600)

@@ -1,7 +1,7 @@
 """`GET /metrics`: Prometheus text format, written by hand (a dozen series need no library).
 
-strata_expert_cache_hit_rate is 0 while the engine has no expert cache (the reference executor has
-none); the engine reports a rate once its executor has a `hit_rate` attribute.
+strata_expert_cache_hit_rate is 0 while the engine has no expert cache (the reference executor,
+--offload off, has none); with the offload runtime it is the executor's stats.hit_rate.
 """
 
 from __future__ import annotations

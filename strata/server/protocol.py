@@ -3,7 +3,8 @@
 Server -> engine: Submit, Cancel, Shutdown.
 Engine -> server: Progress while loading and at every step (and every layer, at most once a
 second), then Loaded or LoadFailed; per request Accepted, Delta..., then Finished or Failed;
-StepDone after each forward pass. Every message counts as progress for the watchdog.
+StepDone after each forward pass; Stalled when a bounded wait inside the engine ran out. Every
+other message counts as progress for the watchdog.
 
 This module imports nothing heavy: the server process never imports torch.
 """
@@ -98,6 +99,14 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Stalled:
+    """The engine gave up a bounded wait (engine/waits.py): a stall, reported at once."""
+
+    message: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class StepDone:
     prompt_tokens: int  # prompt tokens this forward pass processed
     decode_tokens: int  # sequences that decoded one token
@@ -111,8 +120,8 @@ class EngineOptions:
     """What the supervisor hands a new engine process."""
 
     model: str | None  # None: the built-in demo model
-    device: str
+    engine: Any  # strata.config.EngineConfig (device, offload, expert cache, ...)
     max_batch: int
     stacks_path: str  # faulthandler writes every thread's stack here on SIGUSR1
-    fault: Any = None  # faults.Fault when this start is armed
+    fault: Any = None  # faults.FaultPlan: the faults armed in this start
     start: int = 1

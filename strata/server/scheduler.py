@@ -32,6 +32,7 @@ class Job:
         self.state = "queued"  # queued -> running -> done
         self.events: asyncio.Queue = asyncio.Queue()
         self.created = time.monotonic()
+        self.checked = self.created  # when the client's connection was last looked at
 
     async def next(self, timeout: float) -> object | None:
         """The next event, or None if none comes within `timeout` seconds."""
@@ -58,17 +59,19 @@ class Scheduler:
         self.waiting.append(job)
         self._dispatch()
 
-    def cancel(self, job: Job) -> None:
-        """The client went away: drop a waiting job; ask the engine to drop a running one (its
-        slot frees when the engine confirms, so the batch never holds more than `batch`)."""
+    def cancel(self, job: Job) -> bool:
+        """The client went away: drop a waiting job (True); ask the engine to drop a running one
+        (its slot frees when the engine confirms, so the batch never holds more than `batch`)."""
         if job.state == "queued":
             try:
                 self.waiting.remove(job)
             except ValueError:
                 pass
             job.state = "done"
-        elif job.state == "running":
+            return True
+        if job.state == "running":
             self._send(Cancel(job.rid))
+        return False
 
     def on_message(self, msg: object) -> None:
         job = self.running.get(getattr(msg, "rid", ""))

@@ -12,7 +12,7 @@ import uvicorn
 from strata.errors import StrataError
 from strata.server.app import create_app
 from strata.server.config import ServeConfig
-from strata.server.faults import Fault
+from strata.server.faults import FaultPlan
 
 log = logging.getLogger("strata.serve")
 
@@ -48,7 +48,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def serve(cfg: ServeConfig, fault: Fault | None) -> int:
+def serve(cfg: ServeConfig, fault: FaultPlan | None) -> int:
     _setup_logging()
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]

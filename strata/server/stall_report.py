@@ -8,6 +8,7 @@ Docs: docs/TROUBLESHOOTING.md ("Reading a stall report").
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from strata import __version__
+from strata.server.engine_process import EngineProcess, exit_text
+
+log = logging.getLogger("strata.serve")
 
 MIB = 1 << 20
 
@@ -65,7 +69,7 @@ def memory_lines(pid: int) -> list[str]:
     status = _proc_fields(f"/proc/{pid}/status")
     if status:
         lines.append(f"engine process: RSS {_kib(status.get('VmRSS'))}, peak "
-                     f"{_kib(status.get('VmHWM'))}, {status.get('Threads', '?')} threads")
+                     f"{_kib(status.get('VmHWM'))}, threads: {status.get('Threads', '?')}")
     info = _proc_fields("/proc/meminfo")
     if info:
         lines.append(f"host: {_kib(info.get('MemAvailable'))} available of "
@@ -95,8 +99,8 @@ def render(r: ReportInput) -> str:
         f"stage:       {r.stage}: {r.detail or '-'}",
     ]
     for rid, position, steps, generated in s.get("requests", []):
-        lines.append(f"request:     {rid} at position {position}, {steps} decode steps done, "
-                     f"{generated} tokens generated")
+        lines.append(f"request:     {rid} at position {position}; decode steps done: {steps}, "
+                     f"tokens generated: {generated}")
     if r.last_progress_age is not None:
         lines.append(f"last progress: {r.last_progress_age:.1f} s before this report")
     lines += [
@@ -109,6 +113,8 @@ def render(r: ReportInput) -> str:
         f"CPU pool:    {r.info.get('cpu_pool') or 'none in this engine'}",
         f"KV caches:   {len(s.get('requests', []))} sequence(s), {_size(s.get('kv_bytes', 0))}",
     ]
+    if "experts" in s:
+        lines.append("expert stats: " + ", ".join(f"{k} {v}" for k, v in s["experts"].items()))
     if "layer" in s:
         lines.append(f"layer:       {s['layer'] + 1} (the last one the forward pass reported)")
     if "gpu_allocated" in s:
@@ -136,6 +142,29 @@ def write(report_dir: str, r: ReportInput) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(r))
     return path
+
+
+def report_and_stop(eng: EngineProcess, info: ReportInput, report_dir: str) -> str | None:
+    """In a worker thread: a stalled engine is looked into before it is stopped, a crashed one
+    after (for its exit status). Returns the report's path; a report that fails is logged and
+    never stands in the way of the restart."""
+    if info.kind == "stall":
+        info.stacks = _guard("capture the stacks", capture_stacks, eng.pid, eng.opts.stacks_path)
+        path = _guard("write the report", write, report_dir, info)
+        eng.stop(graceful=False)
+    else:
+        code = eng.stop(graceful=False)
+        info.what = f"the engine process ended unexpectedly ({exit_text(code)})"
+        path = _guard("write the report", write, report_dir, info)
+    return str(path) if path else None
+
+
+def _guard(what: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as e:
+        log.error("could not %s: %s: %s", what, type(e).__name__, e)
+        return None
 
 
 def top_frame(stacks: str | None) -> str | None:

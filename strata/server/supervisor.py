@@ -24,7 +24,7 @@ from strata.server import stall_report
 from strata.server.config import ServeConfig
 from strata.server.engine_process import EngineProcess
 from strata.server.errors import APIError
-from strata.server.faults import Fault
+from strata.server.faults import FaultPlan
 from strata.server.metrics import Metrics
 from strata.server.protocol import (
     EngineOptions,
@@ -32,6 +32,7 @@ from strata.server.protocol import (
     Loaded,
     LoadFailed,
     Progress,
+    Stalled,
     StepDone,
 )
 from strata.server.scheduler import Scheduler
@@ -42,7 +43,7 @@ _RESTART_DELAY_S = 0.5
 
 
 class Supervisor:
-    def __init__(self, cfg: ServeConfig, fault: Fault | None, metrics: Metrics):
+    def __init__(self, cfg: ServeConfig, fault: FaultPlan | None, metrics: Metrics):
         self.cfg, self.fault, self.metrics = cfg, fault, metrics
         self.scheduler = Scheduler(cfg.batch, cfg.queue, self.send, self._work_started)
         self.engine: EngineProcess | None = None
@@ -75,8 +76,8 @@ class Supervisor:
 
     def _start_engine(self) -> None:
         self.starts += 1
-        armed = self.fault if self.fault and self.fault.armed_for(self.starts) else None
-        opts = EngineOptions(self.cfg.model, self.cfg.device, self.cfg.batch,
+        armed = self.fault.armed_for(self.starts) if self.fault else None
+        opts = EngineOptions(self.cfg.model, self.cfg.engine_config(), self.cfg.batch,
                              EngineProcess.stacks_file(), armed, self.starts)
         self.loaded, self.progress = None, Progress("loading", "starting the engine process", 0.0)
         self.state, self.last_progress = "loading", time.monotonic()
@@ -121,6 +122,7 @@ class Supervisor:
         if self.loaded is not None:
             h["context_length"] = self.loaded.context_length
             h["device"] = self.loaded.device
+            h["engine"] = dict(self.loaded.info)  # executor, expert cache, CPU pool
         return h
 
     # --- engine events (on the loop) -------------------------------------------------------
@@ -143,6 +145,11 @@ class Supervisor:
                      eng.pid, msg.model_path, msg.device, msg.load_s, msg.context_length,
                      self.cfg.served_name)
             self.scheduler.engine_ready()
+        elif isinstance(msg, Stalled):
+            p = self.progress or Progress("unknown", "")
+            self.progress = Progress(p.stage, p.detail, p.fraction, msg.state)
+            what = f"a bounded wait in the engine ran out: {msg.message}"
+            self._spawn(self._recover("stall", what))
         elif isinstance(msg, LoadFailed):
             self._give_up(f"the model did not load: {msg.message}")
             self._spawn(asyncio.to_thread(eng.stop, False))
@@ -162,19 +169,25 @@ class Supervisor:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(_TICK_S)
-            eng, now = self.engine, time.monotonic()
-            if eng is None or self.state not in ("loading", "ready"):
-                continue
-            if not eng.alive:
-                await self._recover("crash", None)
-            elif self.state == "loading" and now - eng.started > self.cfg.load_timeout:
-                await self._recover("stall", f"the model did not load within --load-timeout "
-                                    f"{self.cfg.load_timeout:g} s")
-            elif (self.state == "ready" and self.scheduler.running
-                  and now - self.last_progress > self.cfg.watchdog):
-                await self._recover("stall", f"no progress for {now - self.last_progress:.1f} s "
-                                    f"(--watchdog {self.cfg.watchdog:g}) while "
-                                    f"{len(self.scheduler.running)} request(s) ran")
+            try:
+                await self._check()
+            except Exception:  # the watchdog must outlive any bug in what it calls
+                log.exception("the watchdog hit an error; it keeps watching")
+
+    async def _check(self) -> None:
+        eng, now = self.engine, time.monotonic()
+        if eng is None or self.state not in ("loading", "ready"):
+            return
+        if not eng.alive:
+            await self._recover("crash", None)
+        elif self.state == "loading" and now - eng.started > self.cfg.load_timeout:
+            await self._recover("stall", f"the model did not load within --load-timeout "
+                                f"{self.cfg.load_timeout:g} s")
+        elif (self.state == "ready" and self.scheduler.running
+              and now - self.last_progress > self.cfg.watchdog):
+            await self._recover("stall", f"no progress for {now - self.last_progress:.1f} s "
+                                f"(--watchdog {self.cfg.watchdog:g}) while "
+                                f"{len(self.scheduler.running)} request(s) ran")
 
     # --- stall and crash -------------------------------------------------------------------
     async def _recover(self, kind: str, what: str | None) -> None:
@@ -183,6 +196,17 @@ class Supervisor:
             return
         self.state = "restarting"
         self.scheduler.ready = False
+        try:
+            summary, path = await self._report_and_stop(kind, what, eng)
+        except Exception as e:  # never leave the server without an engine because of a report
+            log.exception("handling the engine's %s failed", kind)
+            summary, path = f"engine {kind} ({type(e).__name__} while reporting it)", None
+            self.scheduler.engine_lost(APIError(503, f"the {summary}; retry shortly",
+                                                code=f"engine_{kind}", retry_after=5))
+        await self._restart_or_give_up(summary, path)
+
+    async def _report_and_stop(self, kind: str, what: str | None,
+                               eng: EngineProcess) -> tuple[str, str | None]:
         p = self.progress or Progress("unknown", "")
         info = stall_report.ReportInput(
             kind, what or "", eng.pid, eng.opts.start,
@@ -191,7 +215,8 @@ class Supervisor:
             time.monotonic() - self.last_progress, list(self.recent),
             dict(self.loaded.info) if self.loaded else {},
             str(eng.opts.fault) if eng.opts.fault else None)
-        path = await asyncio.to_thread(self._look_and_stop, eng, info)
+        path = await asyncio.to_thread(stall_report.report_and_stop, eng, info,
+                                       self.cfg.report_dir)
         summary = f"{info.what}, during {p.stage}: {p.detail or '-'}"
         top = stall_report.top_frame(info.stacks)
         log.error("engine pid %d: %s%s; report: %s", eng.pid, summary,
@@ -206,6 +231,10 @@ class Supervisor:
         self.scheduler.engine_lost(APIError(
             503, f"the engine {'stalled' if kind == 'stall' else 'crashed'}: {summary}; it is "
                  f"being restarted, retry shortly{see}", code=f"engine_{kind}", retry_after=5))
+        return summary, path
+
+    async def _restart_or_give_up(self, summary: str, path: str | None) -> None:
+        see = f"; report: {path}" if path else ""
         now = time.monotonic()
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.cfg.restart_window:
@@ -219,29 +248,6 @@ class Supervisor:
         if self.state == "restarting":
             self.restarts += 1
             self._start_engine()
-
-    def _look_and_stop(self, eng: EngineProcess, info: stall_report.ReportInput) -> str | None:
-        """In a worker thread: a stalled engine is looked into before it is stopped, a crashed one
-        after (for its exit code). Returns the report's path; a report that fails is logged and
-        never stops the restart."""
-        if info.kind == "stall":
-            info.stacks = self._guard("capture the stacks", stall_report.capture_stacks,
-                                      eng.pid, eng.opts.stacks_path)
-            path = self._guard("write the report", stall_report.write, self.cfg.report_dir, info)
-            eng.stop(graceful=False)
-        else:
-            code = eng.stop(graceful=False)
-            info.what = f"the engine process ended unexpectedly ({_exit_text(code)})"
-            path = self._guard("write the report", stall_report.write, self.cfg.report_dir, info)
-        return str(path) if path else None
-
-    @staticmethod
-    def _guard(what: str, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception as e:
-            log.error("could not %s: %s: %s", what, type(e).__name__, e)
-            return None
 
     def _give_up(self, reason: str) -> None:
         self.state, self.reason = "failed", reason
@@ -266,15 +272,3 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "exit code unknown"
-    if code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"

@@ -26,11 +26,14 @@ _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)/")
 
 class ServerProcess:
     def __init__(self, model: str | Path | None, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, start_timeout: float = 60.0):
-        self.log_path = Path(tempfile.mkstemp(prefix="strata-serve-", suffix=".log")[1])
+                 env: dict[str, str] | None = None, start_timeout: float = 60.0,
+                 log_path: str | Path | None = None):
+        self.log_path = Path(log_path or tempfile.mkstemp(prefix="strata-serve-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "strata.cli.serve", *([str(model)] if model else []),
                "--host", "127.0.0.1", "--port", "0", *(args or [])]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # one torch thread unless the caller says otherwise: a busy 2-core test machine slows to
+        # a crawl when the engine's OpenMP threads spin against the test's own processes
+        full_env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         if not (env or {}).get("STRATA_FAULT"):
             full_env.pop("STRATA_FAULT", None)
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import faulthandler
 import inspect
+import logging
+import os
 import signal
 import sys
 import time
@@ -68,6 +70,7 @@ class LayerProgress:
 def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
     global _stack_file
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us
+    _setup_logging()
     if hasattr(signal, "SIGUSR1"):  # not on Windows: stall reports there come without stacks
         _stack_file = open(opts.stacks_path, "w")  # noqa: SIM115 (open for the process's life)
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
@@ -87,14 +90,37 @@ def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
     experts = engine.model.experts
     engine.model.experts = LayerProgress(experts, engine.config.n_layers, out.send, runner)
     cfg = engine.config
-    info = {"executor": type(experts).__name__, "expert_cache": None, "cpu_pool": None}
-    if engine.model.device.type == "cuda":
-        import torch
-
-        info["gpu"] = torch.cuda.get_device_name()
-    out.send(Loaded(str(engine.path), cfg.context_length, cfg.n_vocab, opts.device,
-                    engine.load_s, info))
+    out.send(Loaded(str(engine.path), cfg.context_length, cfg.n_vocab, opts.engine.device,
+                    engine.load_s, executor_info(experts)))
     _serve(inbox, runner, out)
+
+
+def _setup_logging() -> None:
+    """The engine's own log lines (memory plan, arena, cache) go to the server's stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"strata engine {os.getpid()}: %(message)s"))
+    root = logging.getLogger("strata")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def executor_info(ex: Any) -> dict[str, Any]:
+    """The expert executor, its cache and its CPU pool, in words, for /health and reports."""
+    import torch
+
+    info: dict[str, Any] = {"executor": type(ex).__name__, "expert_cache": None, "cpu_pool": None}
+    cache = getattr(ex, "cache", None)
+    if cache is not None:
+        info["expert_cache"] = (f"{cache.capacity} slots, {cache.nbytes / 2**20:.0f} MiB on "
+                                f"{cache.device}")
+    pool = getattr(ex, "pool", None)
+    if pool is not None:
+        threads = torch.get_num_threads()
+        info["cpu_pool"] = f"{getattr(pool, 'kind', '?')} kernels, {threads} threads"
+    if torch.cuda.is_available() and getattr(ex, "device", None) is not None:
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def _load(opts: EngineOptions, out: Outbox) -> Any:
@@ -106,11 +132,11 @@ def _load(opts: EngineOptions, out: Outbox) -> Any:
 
         out.send(Progress("loading", "finding the demo model (written on first use)", 0.0))
         path = str(demo_model())
-    out.send(Progress("loading", f"loading {path} on {opts.device}", 0.05))
+    out.send(Progress("loading", f"loading {path} on {opts.engine.device}", 0.05))
     kwargs = {}
     if "progress" in inspect.signature(Engine.load).parameters:  # a per-stage hook, when present
         kwargs["progress"] = lambda what, frac: out.send(Progress("loading", what, frac))
-    return Engine.load(path, device=opts.device, **kwargs)
+    return Engine.load(path, config=opts.engine, **kwargs)
 
 
 def _serve(inbox: Connection, runner: Any, out: Outbox) -> None:

@@ -14,16 +14,18 @@ so mul_mat_id reads each job's bytes where they are, with no copy. Per group:
     g = mul_mat_id(gate, x, ids_g)   u = mul_mat_id(up, x, ids_u)         [F, 1, N_g]
     a = swiglu_split(g, u)           # silu(g) * u                          [F, 1, N_g]
     y = mul_mat_id(down, a, ids_d)                                          [D, 1, N_g]
+    out_g = y * w                    # w [1, 1, N_g]: routing weight of each row   [D, 1, N_g]
 
-Every tensor's memory is a torch buffer the graph owns (x, ids, y are views of one buffer each
-for all groups); only the weight tensors are re-pointed per call. The graph, its plan and its
-work buffer live as long as the graph is cached.
+Every tensor's memory is a torch buffer the graph owns (x, ids, w, out are views of one buffer
+each for all groups); only the weight tensors are re-pointed per call, by writing their headers'
+data and nb fields through numpy views (a ctypes field write costs several times more). The
+graph, its plan and its work buffer live as long as the graph is cached.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import ggml
 import numpy as np
@@ -32,12 +34,15 @@ import torch
 from strata.kernels.cpu.ggml_lib import Context, ThreadPool, point
 
 F32, I32 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_I32
-_TENSORS_PER_GROUP = 11  # 3 weights, x, 3 ids, g, u, a, y
+_TENSORS_PER_GROUP = 13  # 3 weights, x, 3 ids, w, g, u, a, y, out
+_U64 = 8
+_DATA = ggml.ggml_tensor.data.offset // _U64  # header fields, in uint64 words
+_NB2 = ggml.ggml_tensor.nb.offset // _U64 + 2
+_NB3 = _NB2 + 1
 
 
-@dataclass(frozen=True)
-class GroupShape:
-    """What fixes a group's graph nodes."""
+class GroupShape(NamedTuple):
+    """What fixes a group's graph nodes (a NamedTuple: built and hashed on every call)."""
 
     qtypes: tuple[int, int, int]  # gate, up, down
     d_model: int  # D
@@ -47,7 +52,8 @@ class GroupShape:
 
 
 class ExpertGraph:
-    """The graph for a tuple of group shapes. Fill x and ids, point the weights, compute, read y."""
+    """The graph for a tuple of group shapes: fill x, ids and w, point the weights, compute,
+    read out."""
 
     def __init__(self, shapes: tuple[GroupShape, ...], pool: ThreadPool) -> None:
         self.shapes = shapes
@@ -56,10 +62,11 @@ class ExpertGraph:
         self.x = torch.empty(n, d_model)  # [N, D] gathered rows of h
         self.ids = torch.zeros(3, n, dtype=torch.int32)  # [3, N] gate/up/down slot of each row
         self.ids_np = self.ids.numpy()  # the same memory, for cheap scalar fills
-        self.y = torch.empty(n, d_model)  # [N, D] expert outputs, unweighted
-        self._buffers: list[torch.Tensor] = []  # intermediates g, u, a
+        self.w = torch.empty(n)  # [N] routing weight of each row
+        self.out = torch.empty(n, d_model)  # [N, D] weighted expert outputs
+        self._buffers: list[torch.Tensor] = []  # intermediates g, u, a, y
         self._ctx = Context(_TENSORS_PER_GROUP * len(shapes), 16 * len(shapes))
-        self.weights: list[tuple[ggml.ggml_tensor, ...]] = []  # per group: gate, up, down
+        self._headers: list[np.ndarray] = []  # per group: uint64 [3, words] gate/up/down headers
         self._graph = ggml.ggml_new_graph_custom(self._ctx.ptr, 16 * len(shapes), False)
         r = 0
         for s in shapes:
@@ -74,7 +81,7 @@ class ExpertGraph:
 
     @property
     def nbytes(self) -> int:
-        bufs = [self.x, self.ids, self.y, self._work, *self._buffers]
+        bufs = [self.x, self.ids, self.w, self.out, self._work, *self._buffers]
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def _add_group(self, s: GroupShape, r: int):
@@ -82,7 +89,9 @@ class ExpertGraph:
         qg, qu, qd = s.qtypes
         w = (ctx.tensor(qg, (d, f, s.slots[0])), ctx.tensor(qu, (d, f, s.slots[1])),
              ctx.tensor(qd, (f, d, s.slots[2])))  # data: set per call
-        self.weights.append(tuple(t.contents for t in w))
+        words = ctypes.sizeof(ggml.ggml_tensor) // _U64
+        self._headers.append([np.ctypeslib.as_array(ctypes.cast(t, ctypes.POINTER(
+            ctypes.c_uint64)), (words,)) for t in w])
         x = ctx.tensor(F32, (d, 1, rows), self.x[r:r + rows])
         ids = [ggml.ggml_new_tensor_2d(ctx.ptr, I32, 1, rows) for _ in range(3)]
         for p, t in enumerate(ids):
@@ -91,12 +100,14 @@ class ExpertGraph:
         u = ggml.ggml_mul_mat_id(ctx.ptr, w[1], x, ids[1])
         a = ggml.ggml_swiglu_split(ctx.ptr, g, u)  # silu(g) * u
         y = ggml.ggml_mul_mat_id(ctx.ptr, w[2], a, ids[2])  # [D, 1, N_g]
-        for t in (g, u, a):
-            buf = torch.empty(rows, f)
+        wt = ctx.tensor(F32, (1, 1, rows), self.w[r:r + rows])
+        out = ggml.ggml_mul(ctx.ptr, y, wt)  # [D, 1, N_g]
+        for t, cols in ((g, f), (u, f), (a, f), (y, d)):
+            buf = torch.empty(rows, cols)
             self._buffers.append(buf)
             point(t.contents, buf)
-        point(y.contents, self.y[r:r + rows])
-        return y
+        point(out.contents, self.out[r:r + rows])
+        return out
 
     def _check_allocated(self) -> None:
         for i in range(ggml.ggml_graph_n_nodes(self._graph)):
@@ -105,10 +116,10 @@ class ExpertGraph:
 
     def point_weights(self, group: int, part: int, base: int, stride: int) -> None:
         """Slot s of `part` (0 gate, 1 up, 2 down) of `group` is at base + s * stride."""
-        t = self.weights[group][part]
-        t.data = base
-        t.nb[2] = stride
-        t.nb[3] = stride * t.ne[2]
+        header = self._headers[group][part]
+        header[_DATA] = base
+        header[_NB2] = stride
+        header[_NB3] = stride * self.shapes[group].slots[part]
 
     def compute(self) -> None:
         """Run the graph on the pool's threads (the GIL is released meanwhile)."""
@@ -119,6 +130,3 @@ class ExpertGraph:
     def close(self) -> None:
         self._ctx.close()
 
-
-def fill_ids(ids: np.ndarray, part: int, start: int, n: int, slot: int) -> None:
-    ids[part, start:start + n] = slot

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from pathlib import Path
 
 import ggml
 import torch
@@ -31,6 +32,17 @@ def supported(qtype: int) -> bool:
     cpu = ggml.ggml_get_type_traits_cpu(qtype).contents
     has_dot = ctypes.cast(cpu.vec_dot, ctypes.c_void_p).value is not None
     return has_dot and (traits.blck_size, traits.type_size) == (block, size)
+
+
+@functools.cache
+def uses_openmp() -> bool:
+    """ggml was built with OpenMP (the default where the compiler has it). Its graphs then run on
+    the process's one OpenMP runtime, which torch shares (torch's wheel ships libgomp.so.1 too)."""
+    lib = Path(ggml.__file__).parent / "lib" / "libggml-cpu.so"
+    try:
+        return hasattr(ctypes.CDLL(str(lib)), "omp_get_max_threads")
+    except OSError:
+        return False
 
 
 class ThreadPool:

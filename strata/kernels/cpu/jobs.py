@@ -9,7 +9,7 @@ tokens t routed to each job, where expert(x) = down(silu(gate x) * up x).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,29 +61,39 @@ def as_tensor(raw: Raw) -> torch.Tensor:
     return raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
 
 
-def check_call(h: torch.Tensor, jobs: Iterable[ExpertJob], out: torch.Tensor) -> None:
-    """Shapes, dtypes and layouts a backend relies on; ValueError naming what is wrong."""
-    if h.dtype != torch.float32 or h.dim() != 2 or h.device.type != "cpu":
+def check_call(h: torch.Tensor, jobs: list[ExpertJob], out: torch.Tensor) -> None:
+    """Shapes, dtypes and layouts a backend relies on; ValueError naming what is wrong.
+    Runs on every call, so it is kept to a few attribute reads per job (~2 us)."""
+    if h.dtype != torch.float32 or h.dim() != 2 or not h.is_cpu:
         raise ValueError(f"h must be a float32 [T, D] CPU tensor, got {h.dtype} {tuple(h.shape)}")
     if out.shape != h.shape or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 {tuple(h.shape)} tensor")
     d_model = h.shape[1]
     for i, job in enumerate(jobs):
-        f = job.d_expert
-        want = (f, row_nbytes(job.qtypes[0], d_model)), (f, row_nbytes(job.qtypes[1], d_model)), \
-            (d_model, row_nbytes(job.qtypes[2], f))
-        for name, raw, shape in zip(("gate", "up", "down"), (job.gate, job.up, job.down), want,
-                                    strict=True):
-            if tuple(raw.shape) != shape or not _is_host_bytes(raw):
-                raise ValueError(f"job {i}: {name} must be C-contiguous host uint8 {shape}, "
-                                 f"got {getattr(raw, 'dtype', '?')} {tuple(raw.shape)}")
+        want = expected_shapes(job.qtypes, job.d_expert, d_model)
+        if (job.gate.shape != want[0] or job.up.shape != want[1] or job.down.shape != want[2]
+                or not (_host_bytes(job.gate) and _host_bytes(job.up) and _host_bytes(job.down))):
+            raws = (job.gate, job.up, job.down)
+            for name, raw, shape in zip(("gate", "up", "down"), raws, want, strict=True):
+                if raw.shape != shape or not _host_bytes(raw):
+                    raise ValueError(f"job {i}: {name} must be C-contiguous host uint8 {shape}, "
+                                     f"got {raw.dtype} {tuple(raw.shape)}")
         if job.tokens.shape != job.weights.shape or job.tokens.dim() != 1:
             raise ValueError(f"job {i}: tokens and weights must be 1-D of one length")
 
 
-def _is_host_bytes(raw: Raw) -> bool:
+@functools.lru_cache(maxsize=256)
+def expected_shapes(qtypes: tuple[int, int, int], d_expert: int,
+                    d_model: int) -> tuple[tuple[int, int], ...]:
+    """(gate, up, down) raw shapes: [F, row_nbytes(D)] x 2, [D, row_nbytes(F)]."""
+    f, d = d_expert, d_model
+    return ((f, row_nbytes(qtypes[0], d)), (f, row_nbytes(qtypes[1], d)),
+            (d, row_nbytes(qtypes[2], f)))
+
+
+def _host_bytes(raw: Raw) -> bool:
     if isinstance(raw, torch.Tensor):
-        return raw.dtype == torch.uint8 and raw.device.type == "cpu" and raw.is_contiguous()
+        return raw.dtype is torch.uint8 and raw.is_cpu and raw.is_contiguous()
     return raw.dtype == np.uint8 and raw.flags.c_contiguous
 
 

@@ -18,7 +18,8 @@ import torch.nn.functional as fn
 from strata.kernels.cpu.jobs import ExpertJob, as_tensor, check_call
 from strata.quant import dequantize
 
-_BATCH_BYTES = 128 << 20  # float32 weights dequantized at once: ~7 Qwen3-30B experts
+_BATCH_BYTES = 32 << 20  # float32 weights dequantized at once: 1-2 Qwen3-30B experts (larger
+# batches measured slower: the temporaries fall out of cache)
 
 
 class TorchExperts:

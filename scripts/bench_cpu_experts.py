@@ -1,0 +1,148 @@
+"""GB/s of expert weights the CPU backends process, against host RAM read bandwidth.
+
+One call = one layer's missed experts: --experts experts (Qwen3-30B-A3B shapes by default,
+D=2048, F=768), each with n tokens, for n in --tokens. Calls rotate through an arena of
+--arena experts packed as strata.experts.layout packs them (larger than the CPU caches), so the
+weights come from RAM. GB/s = weight bytes of one call / median call time. Also measured: host
+RAM read (strata.bench.ceilings.host_read_gbs) at each thread count, and the per-call overhead
+(one tiny expert, one token). "best" is the fastest call: on a shared machine the median carries
+other processes' load, most of all at thread counts near the core count.
+
+    .venv/bin/python scripts/bench_cpu_experts.py --json bench/cpu_experts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from strata.bench.ceilings import host_read_gbs
+from strata.kernels.cpu import ExpertJob, ggml_available, make_cpu_experts
+from strata.quant import QType, random_rows, row_nbytes
+
+
+def make_arena(qtype: QType, d: int, f: int, n: int, rng: np.random.Generator):
+    """n experts as packed records (8 distinct ones, tiled): per expert (gate, up, down) views."""
+    parts = (f * row_nbytes(qtype, d), f * row_nbytes(qtype, d), d * row_nbytes(qtype, f))
+    stride = (sum(parts) + 255) // 256 * 256
+    buf = torch.zeros(n, stride, dtype=torch.uint8)
+    for e in range(min(n, 8)):
+        rows = [random_rows(qtype, f, d, rng, 0.02), random_rows(qtype, f, d, rng, 0.02),
+                random_rows(qtype, d, f, rng, 0.02)]
+        buf[e, :sum(parts)] = torch.from_numpy(np.concatenate([r.reshape(-1) for r in rows]))
+    for e in range(8, n):
+        buf[e] = buf[e % 8]
+    offs = np.cumsum((0,) + parts)
+    shapes = ((f, parts[0] // f), (f, parts[1] // f), (d, parts[2] // d))
+    return [tuple(buf[e, offs[i]:offs[i + 1]].view(shapes[i]) for i in range(3))
+            for e in range(n)], sum(parts)
+
+
+def time_calls(experts, h, calls: list[list[ExpertJob]], repeats: int) -> tuple[float, float]:
+    """(median, fastest) seconds per call."""
+    out = torch.zeros_like(h)
+    for jobs in calls[:2]:
+        experts.run(h, jobs, out)  # warm up: graphs, pages
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        experts.run(h, calls[i % len(calls)], out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    cores = len(os.sched_getaffinity(0))
+    thread_counts = sorted({1, cores}) if args.threads == "1,all" else \
+        [int(t) for t in args.threads.split(",")]
+    backends = [b for b in args.backends.split(",") if b != "ggml" or ggml_available()]
+    result = {"machine": {"cores": cores, "cpu": platform.processor() or platform.machine()},
+              "shape": {"d_model": args.d_model, "d_expert": args.d_expert,
+                        "experts_per_call": args.experts},
+              "host_read_GBs": {}, "rows": [], "overhead_us": {}}
+    if "ggml" in backends:
+        from strata.kernels.cpu.ggml_lib import uses_openmp
+
+        result["machine"]["ggml_openmp"] = uses_openmp()
+    for t in thread_counts:
+        result["host_read_GBs"][t] = host_read_gbs(threads=t)
+    rng = np.random.default_rng(0)
+    for name in args.types.split(","):
+        qtype = QType[name]
+        arena, expert_bytes = make_arena(qtype, args.d_model, args.d_expert, args.arena, rng)
+        for backend in backends:
+            for t in thread_counts:
+                torch.set_num_threads(t)  # torch ops in both backends share these threads
+                experts = make_cpu_experts(backend, threads=t)
+                for n in [int(x) for x in args.tokens.split(",")]:
+                    h = torch.randn(n, args.d_model)
+                    calls = [[ExpertJob(*arena[(c * args.experts + j) % args.arena],
+                                        (qtype,) * 3, torch.arange(n), torch.full((n,), 0.125))
+                              for j in range(args.experts)] for c in range(args.arena)]
+                    reps = args.repeats if backend == "ggml" else max(3, args.repeats // 10)
+                    sec, best = time_calls(experts, h, calls, reps)
+                    gbs = expert_bytes * args.experts / sec / 1e9
+                    row = {"type": name, "backend": backend, "threads": t, "tokens": n,
+                           "ms_per_call": sec * 1e3, "GBs": gbs,
+                           "best_GBs": expert_bytes * args.experts / best / 1e9,
+                           "of_host_read": gbs / result["host_read_GBs"][t]}
+                    result["rows"].append(row)
+                    print(f"{name:8s} {backend:5s} {t:3d} thr {n:3d} tok  {sec * 1e3:8.2f} ms  "
+                          f"{gbs:6.2f} GB/s (best {row['best_GBs']:5.2f})  "
+                          f"{row['of_host_read']:6.1%} of host read", flush=True)
+                experts.close()
+    tiny, _ = make_arena(QType.Q4_K, 256, 256, 1, rng)
+    for backend in backends:
+        for t in thread_counts:
+            torch.set_num_threads(t)
+            experts = make_cpu_experts(backend, threads=t)
+            jobs = [ExpertJob(*tiny[0], (QType.Q4_K,) * 3, torch.zeros(1, dtype=torch.long),
+                              torch.ones(1))]
+            sec, _ = time_calls(experts, torch.randn(1, 256), [jobs], 200)
+            result["overhead_us"][f"{backend}/{t}"] = sec * 1e6
+            experts.close()
+    return result
+
+
+def print_table(r: dict) -> None:
+    reads = ", ".join(f"{t} thr {g:.1f} GB/s" for t, g in r["host_read_GBs"].items())
+    print(f"\nhost RAM read: {reads}; ggml OpenMP: {r['machine'].get('ggml_openmp')}")
+    print("| type | backend | threads | tok/expert | ms/call | GB/s | best GB/s | of host read |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in r["rows"]:
+        print(f"| {row['type']} | {row['backend']} | {row['threads']} | {row['tokens']} | "
+              f"{row['ms_per_call']:.2f} | {row['GBs']:.2f} | {row['best_GBs']:.2f} | "
+              f"{row['of_host_read']:.0%} |")
+    print("per-call overhead (one 256x256 Q4_K expert, 1 token): " + ", ".join(
+        f"{k} thr {v:.0f} us" for k, v in r["overhead_us"].items()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--types", default="Q4_K,Q6_K,Q8_0,IQ2_XS,IQ3_XXS")
+    p.add_argument("--backends", default="ggml,torch")
+    p.add_argument("--threads", default="1,all", help='"1,all" or a list like 1,4,16')
+    p.add_argument("--tokens", default="1,4,16", help="tokens per expert")
+    p.add_argument("--experts", type=int, default=8, help="missed experts per call")
+    p.add_argument("--arena", type=int, default=64, help="experts the calls rotate through")
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--d-expert", type=int, default=768)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    result = bench(args)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
