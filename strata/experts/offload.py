@@ -19,6 +19,7 @@ from strata.engine.waits import to_host
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.compute import Group, group_pairs, run_records
+from strata.experts.gpu_hits import FusedHits
 from strata.experts.planner import MissPlanner
 from strata.experts.ring import Ring
 from strata.experts.stats import OffloadStats
@@ -28,26 +29,30 @@ from strata.model.weights import ExpertWeights
 class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
                  workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
-                 stream_min: int = 1 << 30, debug: bool = False):
+                 stream_min: int = 1 << 30, debug: bool = False, fused: bool = True):
         self.arena, self.cache, self.planner, self.pool = arena, cache, planner, cpu_pool
         self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
         self.ring, self.stream_min = ring, stream_min
         self.device = cache.device
+        self.fused = FusedHits(arena.layouts, self.device, enabled=fused)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         lay = self.arena.layouts[layer]
+        ls = self.cache.layers[layer]
+        if ls.capacity == self.arena.n_experts and self.fused.covers(layer):
+            return self._run_resident(layer, h, ids, weights)
         groups = group_pairs(to_host(ids, f"layer {layer} routing ids"),
                              to_host(weights.float(), f"layer {layer} routing weights"))
         by_expert = {g.expert: g for g in groups}
-        ls = self.cache.layers[layer]
         ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
-        self.stats.routed[layer, list(by_expert)] += [len(g.tokens) for g in groups]
+        self.stats.count(layer, list(by_expert), [len(g.tokens) for g in groups])
         hits = [e for e in by_expert if ls.slot_of[e] >= 0]
         misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
         if self.ring is not None and h.shape[0] >= self.stream_min:
-            return self._run_streamed(layer, hits, [e for e, _ in misses], by_expert, h)
+            return self._run_streamed(layer, hits, [e for e, _ in misses], by_expert, h, ids,
+                                      weights)
         to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
 
         keep = set(hits) | set(to_copy)
@@ -59,10 +64,7 @@ class OffloadExperts:
         out = torch.zeros_like(h)
         h_host = h.to("cpu", non_blocking=False) if to_cpu and self.device.type != "cpu" else h
         self.cache.before_compute(layer)
-        if hits:
-            slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)
-            run_records(lay, ls.slots[slots], [by_expert[e] for e in hits], h, out,
-                        self.workspace_bytes)
+        self._run_hits(layer, hits, by_expert, h, ids, weights, out)
         self._run_staged(layer, [by_expert[e] for e in staged], h, out)
         self.cache.after_compute(layer)
         if to_cpu:
@@ -77,17 +79,40 @@ class OffloadExperts:
             self.cache.check_integrity()
         return out
 
+    def _run_resident(self, layer: int, h: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+        """Every expert of the layer has a slot: the fused kernels read the slot table on the
+        device, with no routing sync to the host."""
+        ls = self.cache.before_compute(layer)
+        out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, torch.zeros_like(h))
+        self.cache.after_compute(layer)
+        self.stats.hits[layer] += ids.numel()
+        self.stats.count_on_device(layer, ids)
+        return out
+
+    def _run_hits(self, layer: int, hits: list[int], by_expert: dict[int, Group],
+                  h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  out: torch.Tensor) -> None:
+        """Every pair whose expert has a slot now (hits and just-copied misses)."""
+        if not hits:
+            return
+        ls = self.cache.layers[layer]
+        if self.fused.covers(layer):
+            self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, out)
+            return
+        slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)
+        run_records(ls.layout, ls.slots[slots], [by_expert[e] for e in hits], h, out,
+                    self.workspace_bytes)
+
     def _run_streamed(self, layer: int, hits: list[int], misses: list[int],
-                      by_expert: dict[int, Group], h: torch.Tensor) -> torch.Tensor:
+                      by_expert: dict[int, Group], h: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
         """A prompt chunk: hits from their slots, every miss through the ring; the cache is left
         as it is for decode."""
-        lay, ls = self.arena.layouts[layer], self.cache.layers[layer]
+        lay = self.arena.layouts[layer]
         out = torch.zeros_like(h)
         self.cache.before_compute(layer)
-        if hits:
-            slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)
-            run_records(lay, ls.slots[slots], [by_expert[e] for e in hits], h, out,
-                        self.workspace_bytes)
+        self._run_hits(layer, hits, by_expert, h, ids, weights, out)
         self.ring.stream(self.arena, layer, [by_expert[e] for e in misses], h, out,
                          self.workspace_bytes)
         self.cache.after_compute(layer)

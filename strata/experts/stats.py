@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -14,7 +15,6 @@ class OffloadStats:
     hits: np.ndarray = field(init=False)  # [L] (token, expert) pairs served from cache slots
     cpu: np.ndarray = field(init=False)  # [L] pairs computed by the CPU pool
     streamed: np.ndarray = field(init=False)  # [L] pairs computed from copied experts
-    routed: np.ndarray = field(init=False)  # [L, E] pairs routed to each expert
     bytes_h2d: int = 0  # expert bytes copied to the device (misses + cache admissions)
     admissions: int = 0
     cpu_s: float = 0.0  # host time in the CPU pool
@@ -23,7 +23,24 @@ class OffloadStats:
     def __post_init__(self) -> None:
         L, E = self.n_layers, self.n_experts
         self.hits, self.cpu, self.streamed = (np.zeros(L, np.int64) for _ in range(3))
-        self.routed = np.zeros((L, E), np.int64)
+        self._routed = np.zeros((L, E), np.int64)
+        self._routed_dev: torch.Tensor | None = None  # counted without a host sync
+
+    def count(self, layer: int, experts: list[int], counts: list[int]) -> None:
+        self._routed[layer, experts] += counts
+
+    def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
+        if self._routed_dev is None:
+            self._routed_dev = torch.zeros(self._routed.shape, dtype=torch.int64,
+                                           device=ids.device)
+        self._routed_dev[layer] += torch.bincount(ids.flatten(), minlength=self.n_experts)
+
+    @property
+    def routed(self) -> np.ndarray:
+        """[L, E] pairs routed to each expert (syncs with the device when it counted there)."""
+        if self._routed_dev is not None:
+            return self._routed + self._routed_dev.cpu().numpy()
+        return self._routed
 
     @property
     def hit_rate(self) -> float:

@@ -8,6 +8,8 @@ dequantized on demand, one routed expert or a handful of embedding rows at a tim
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +42,12 @@ class QuantTensor:
         return self.raw.numel()
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for a 2-D W [N, n_cols], dequantizing a chunk of rows at a time.
-        x: [T, n_cols] -> [T, N]"""
+        """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else
+        dequantizing a chunk of rows at a time. x: [T, n_cols] -> [T, N]"""
+        if self.raw.is_cuda and fused_matmul_available(self.qtype):
+            from strata.kernels.gpu import quant_matmul
+
+            return quant_matmul(x.contiguous(), self.raw, self.qtype)
         n = self.raw.shape[0]
         out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
         for i in range(0, n, _CHUNK_ROWS):
@@ -55,6 +61,17 @@ Weight = torch.Tensor | QuantTensor  # float32 [N, K], or kept in GGUF blocks
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x @ w.T. x: [T, K] -> [T, N]"""
     return x @ w.T if isinstance(w, torch.Tensor) else w.matmul_t(x)
+
+
+@functools.cache
+def fused_matmul_available(qtype: int) -> bool:
+    if os.environ.get("STRATA_FUSED", "1") == "0":
+        return False
+    try:
+        from strata.kernels.gpu import has_fused
+    except ImportError:
+        return False
+    return has_fused(qtype)
 
 
 def dense(ref: TensorRef, device: torch.device) -> torch.Tensor:

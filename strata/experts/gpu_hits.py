@@ -1,0 +1,54 @@
+"""The GPU hit path on the fused Triton MoE kernels (strata.kernels.gpu): one launch pair per layer
+computes every (token, expert) pair whose expert has a cache slot, reading the slot table on the
+device. Layers whose types have no fused kernel keep the dequantize -> matmul path."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from strata.experts.layout import ExpertLayout
+
+log = logging.getLogger("strata.kernels")
+
+
+def fused_kernels_available(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("STRATA_FUSED", "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+
+        import strata.kernels.gpu  # noqa: F401
+    except ImportError as e:
+        log.info("fused GPU kernels unavailable (%s): experts are dequantized, then multiplied", e)
+        return False
+    return True
+
+
+class FusedHits:
+    def __init__(self, layouts: list[ExpertLayout], device: torch.device, enabled: bool = True):
+        self.on = enabled and fused_kernels_available(device)
+        self.covered = [False] * len(layouts)
+        if self.on:
+            from strata.kernels.gpu import has_fused
+
+            self.covered = [all(has_fused(q) for q in lay.qtypes) for lay in layouts]
+            missing = [lay.layer for lay, c in zip(layouts, self.covered, strict=True) if not c]
+            if missing:
+                log.info("fused MoE kernels cover %d of %d layers; layers %s dequantize first",
+                         len(layouts) - len(missing), len(layouts), missing[:8])
+
+    def covers(self, layer: int) -> bool:
+        return self.covered[layer]
+
+    def run(self, layout: ExpertLayout, slots: torch.Tensor, table: torch.Tensor,
+            h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            out: torch.Tensor) -> torch.Tensor:
+        """out += every resident pair's weighted expert output. slots: uint8 [n, stride]."""
+        from strata.kernels.gpu import moe_forward
+
+        gate, up, down = layout.views(slots)
+        return moe_forward(h, ids, weights.float(), table, gate, up, down, layout.qtypes,
+                           layout.d_model, layout.d_expert, out=out)
