@@ -9,7 +9,7 @@ from strata.synth.presets import get_preset
 from strata.synth.recipes import Recipe
 from strata.synth.writer import write_model
 
-DEMO_NAME = "strata-demo-qwen3moe-tiny-Q4_K_M-v1.gguf"
+DEMO_NAME = "strata-demo-qwen3moe-tiny-Q4_K_M-v2.gguf"
 
 
 def cache_dir() -> Path:

@@ -8,7 +8,10 @@ projections ~ N(0, 1/fan_in), router logits with std ~2, norms ~ 1 + N(0, 0.1^2)
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from strata.synth.presets import Preset
 from strata.synth.recipes import Recipe
 from strata.tokenizer.synthetic import synthetic_vocab
 
-_CHUNK_BYTES = 64 << 20  # generate about this many bytes of one tensor at a time
+_CHUNK_BYTES = 16 << 20  # generate about this many bytes of one tensor at a time (per thread)
 
 
 @dataclass(frozen=True)
@@ -73,16 +76,28 @@ def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
     return out
 
 
-def _chunks(t: PlannedTensor, rng: np.random.Generator) -> Iterator[np.ndarray]:
+def _chunk(t: PlannedTensor, rows: int, rng: np.random.Generator) -> np.ndarray:
+    if t.mean:  # norms: F32 around their mean
+        return (t.mean + t.std * rng.standard_normal((rows, t.shape[-1]))).astype(np.float32)
+    return random_rows(t.qtype, rows, t.shape[-1], rng, t.std)
+
+
+def _chunks(t: PlannedTensor, seed: int, index: int, pool: ThreadPoolExecutor,
+            ahead: int) -> Iterator[np.ndarray]:
+    """The tensor's bytes in chunks of rows, generated on `pool` (numpy releases the GIL), in
+    order, at most `ahead` chunks in flight. Chunk c is drawn from rng([seed, index, c]), so the
+    file does not depend on the number of threads."""
     n_rows = int(np.prod(t.shape[:-1], dtype=np.int64))
-    per_row = row_nbytes(t.qtype, t.shape[-1])
-    step = max(1, _CHUNK_BYTES // per_row)
-    for start in range(0, n_rows, step):
-        rows = min(step, n_rows - start)
-        if t.mean:  # norms: F32 around their mean
-            yield (t.mean + t.std * rng.standard_normal((rows, t.shape[-1]))).astype(np.float32)
-        else:
-            yield random_rows(t.qtype, rows, t.shape[-1], rng, t.std)
+    step = max(1, _CHUNK_BYTES // row_nbytes(t.qtype, t.shape[-1]))
+    starts = list(range(0, n_rows, step))
+    pending: deque = deque()
+    for c, start in enumerate(starts):
+        rng = np.random.default_rng([seed, index, c])
+        pending.append(pool.submit(_chunk, t, min(step, n_rows - start), rng))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _add_metadata(w: GGUFWriter, p: Preset, recipe: Recipe) -> None:
@@ -124,9 +139,11 @@ def write_model(out: Path, p: Preset, recipe: Recipe, seed: int, split_max_tenso
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     bar = _progress(sum(t.nbytes for t in tensors), progress)
-    for i, t in enumerate(tensors):
-        rng = np.random.default_rng([seed, i])
-        write_tensor_chunks(w, t.nbytes, _counted(_chunks(t, rng), bar))
+    threads = min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads) as pool:
+        for i, t in enumerate(tensors):
+            chunks = _chunks(t, seed, i, pool, 2 * threads)
+            write_tensor_chunks(w, t.nbytes, _counted(chunks, bar))
     w.close()
     if bar is not None:
         bar.close()
