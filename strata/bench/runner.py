@@ -34,6 +34,9 @@ class BenchResult:
     cpu_pairs_per_token: float | None
     vram_peak_gib: float | None
     host_peak_gib: float
+    prompt_chunks: int = 1
+    prompt_streamed_gib: float | None = None  # expert bytes streamed through the ring per prompt
+    prompt_stream_gbs: float | None = None  # those bytes over the prompt's time
     bound_tok_s: float | None = None
     bound_fraction: float | None = None
     ceilings: dict = field(default_factory=dict)
@@ -41,6 +44,11 @@ class BenchResult:
     def lines(self) -> list[str]:
         out = [f"prompt {self.prompt_len} tokens: {self.prompt_tok_s:.1f} tok/s; decode "
                f"{self.gen_len} tokens: {self.decode_tok_s:.2f} tok/s (median of {self.runs})"]
+        if self.prompt_streamed_gib:
+            out.append(f"prompt: {self.prompt_chunks} chunks streamed "
+                       f"{self.prompt_streamed_gib:.2f} GiB of experts, "
+                       f"{self.prompt_streamed_gib / self.prompt_chunks:.2f} GiB per chunk, at "
+                       f"{self.prompt_stream_gbs:.1f} GB/s over the prompt's time")
         if self.hit_rate is not None:
             out.append(f"expert hit rate {100 * self.hit_rate:.1f}%; "
                        f"{self.h2d_bytes_per_token / 2**20:.1f} MiB copied to the device and "
@@ -72,15 +80,18 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     dev = model.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    p_times, d_rates = [], []
+    p_times, d_rates, p_streamed = [], [], []
     decode = _Counters(cfg.n_layers)  # expert counters over the measured decode steps only
     for r in range(runs + 1):  # the first run warms up and is not counted
         kv = model.new_cache(prompt_len + gen_len)
+        ring = getattr(model.experts, "ring", None)
+        streamed0 = ring.streamed_bytes if ring is not None else 0
         _sync(engine)
         t0 = time.perf_counter()
-        logits = model.forward(prompt, [Segment(kv, prompt_len)])
+        logits = engine.run_prompt(prompt.tolist(), kv)
         _sync(engine)
         t1 = time.perf_counter()
+        streamed = (ring.streamed_bytes if ring is not None else 0) - streamed0
         before = _Counters.of(experts) if r and experts is not None else None
         token = int(logits[0].argmax())
         for _ in range(gen_len):
@@ -91,6 +102,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
             decode.add(_Counters.of(experts), before)
         if r:
             p_times.append(t1 - t0)
+            p_streamed.append(streamed)
             d_rates.append(gen_len / (t2 - t1))
     res = BenchResult(
         config={}, prompt_len=prompt_len, gen_len=gen_len, runs=runs,
@@ -101,6 +113,11 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
                        else None),
         host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         ceilings=ceilings or {})
+    res.prompt_chunks = -(-prompt_len // engine.prefill_chunk(prompt_len))
+    if p_streamed and p_streamed[0]:
+        i = p_times.index(statistics.median_low(p_times))
+        res.prompt_streamed_gib = p_streamed[i] / 2**30
+        res.prompt_stream_gbs = p_streamed[i] / p_times[i] / 1e9
     if experts is not None and gen_len:
         tokens = runs * gen_len
         pairs = decode.hits.sum() + decode.cpu.sum() + decode.streamed.sum()
