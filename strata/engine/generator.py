@@ -81,14 +81,15 @@ class Engine:
                               f"model's context of {self.config.context_length} tokens")
 
     def prefill_chunk(self, n_prompt: int) -> int:
-        """Tokens per prompt chunk: --prefill auto|auto:N|N|off. auto keeps the attention scores
-        of a chunk (heads x chunk x context, float32) within the workspace."""
+        """Tokens per prompt chunk: --prefill auto|auto:N|N|off. auto keeps a chunk's MoE
+        intermediates (K experts x (D + F) floats per token) within the workspace, at most 4096:
+        larger chunks copy each streamed expert fewer times per prompt."""
         spec = self.engine_config.prefill
         if spec == "off":
             return max(n_prompt, 1)
         cfg, ec = self.config, self.engine_config
-        ctx = min(ec.ctx or 4096, cfg.context_length)
-        auto = max(16, (ec.workspace_mib << 20) // (cfg.n_heads * ctx * 4))
+        per_token = cfg.n_experts_used * (cfg.d_model + cfg.d_expert) * 4
+        auto = max(16, min(4096, (ec.workspace_mib << 20) // per_token))
         try:
             if spec == "auto":
                 return auto

@@ -42,19 +42,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int) -> torch.Tensor:
     """Causal GQA attention of queries at positions q_pos0.. over keys 0..n_k-1.
 
+    softmax(q k^T / sqrt(hd) + mask) v, where query i sees keys j <= q_pos0 + i. Runs through
+    torch's fused attention (no [H, Tq, Tk] score matrix in memory on CUDA).
     q: [Tq, H, hd]; k, v: [Tk, Hkv, hd] -> [Tq, H*hd]
     """
     Tq, H, hd = q.shape
-    Tk, Hkv = k.shape[0], k.shape[1]
-    group = H // Hkv
-    k = k.repeat_interleave(group, dim=1)  # [Tk, H, hd]
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5  # [H, Tq, Tk]
+    Tk = k.shape[0]
     q_idx = torch.arange(Tq, device=q.device)[:, None] + q_pos0
-    k_idx = torch.arange(Tk, device=q.device)[None, :]
-    scores = scores.masked_fill(k_idx > q_idx, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).reshape(Tq, H * hd)
+    mask = torch.arange(Tk, device=q.device)[None, :] <= q_idx  # [Tq, Tk], True = attend
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        enable_gqa=True)  # [H, Tq, hd]
+    return out.transpose(0, 1).reshape(Tq, H * hd)
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int,
