@@ -40,11 +40,13 @@ TOKENS = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777, 41, 8, 512, 99, 1, 600]
 def configs(device: str) -> list[tuple[str, EngineConfig]]:
     """The reference path, and the offload runtime all-resident and with most experts missing."""
     return [("reference", EngineConfig(device=device, offload="off")),
-            ("offload all-resident", EngineConfig(device=device, offload="on")),
+            ("offload all-resident", EngineConfig(device=device, offload="on",
+                                                  kernels="exact")),
             ("offload 4 slots, dma", EngineConfig(device=device, offload="on", expert_cache="4",
-                                                  miss="dma")),
+                                                  miss="dma", kernels="exact")),
             ("offload 4 slots, cpu", EngineConfig(device=device, offload="on", expert_cache="4",
-                                                  miss="cpu"))]
+                                                  miss="cpu", kernels="exact",
+                                                  cpu_kernels="torch"))]
 
 
 def main() -> None:

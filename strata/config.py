@@ -172,6 +172,7 @@ class EngineConfig:
     prefill: str = "auto"  # prompt chunk: auto | auto:N | N | off (the whole prompt at once)
     ring_bytes: int | None = None  # streaming ring budget (None: auto from the memory plan)
     stream_min: int | None = None  # chunk tokens from which misses stream (None: auto)
+    kernels: str = "fused"  # fused | exact (fused only for <= 4 tokens, float32-exact) | off
     debug: bool = False  # check cache invariants after every layer
 
     @property

@@ -34,6 +34,7 @@ def pack(synth):
 
 def engine(path, device="cpu", **kw) -> Engine:
     kw.setdefault("cpu_kernels", "torch")  # float32 CPU kernels: the reference's tolerance
+    kw.setdefault("kernels", "exact")  # and float32-exact GPU kernels
     return Engine.load(path, config=EngineConfig(device=device, offload="on", debug=True, **kw))
 
 

@@ -32,6 +32,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt chunk size (auto: from the workspace)")
     g.add_argument("--ring-bytes", default="auto", metavar="auto|BYTES",
                    help="byte budget of the ring that prompt chunks stream experts through")
+    g.add_argument("--kernels", default="fused", choices=["fused", "exact", "off"],
+                   help="GPU kernels on GGUF blocks: fused everywhere (prompt chunks on bf16 "
+                   "tensor cores), exact (fused only where float32-exact: up to 4 tokens), off")
     g.add_argument("--stream-min", default="auto", metavar="auto|T",
                    help="chunk tokens from which missed experts are streamed (auto: measured)")
 
@@ -51,7 +54,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
         cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
-        stream_min=stream_min, debug=getattr(args, "debug", False))
+        stream_min=stream_min, kernels=args.kernels, debug=getattr(args, "debug", False))
 
 
 def _int_flag(flag: str, text: str) -> int:

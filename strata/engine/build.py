@@ -10,6 +10,7 @@ import os
 import torch
 
 from strata.config import EngineConfig, ModelConfig
+from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.cpu_pool import CpuPool
@@ -27,6 +28,10 @@ from strata.units import fmt_bytes
 
 log = logging.getLogger("strata")
 
+# --kernels -> the most tokens a call may have for the fused GPU kernels: up to 4 tokens they sum
+# in float32 from exact weights; past that they multiply on bf16 tensor cores
+FUSED_MAX_T = {"fused": 1 << 30, "exact": 4, "off": 0}
+
 
 def auto_stream_min(costs: LinkCosts, nbytes: int, cfg: ModelConfig) -> int:
     """The chunk size from which copying an expert beats computing it on the CPU, for the tokens an
@@ -42,6 +47,9 @@ def auto_stream_min(costs: LinkCosts, nbytes: int, cfg: ModelConfig) -> int:
 
 def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 dev: torch.device) -> MoETransformer:
+    if ec.kernels not in FUSED_MAX_T:
+        raise StrataError(f"--kernels {ec.kernels}: choose from {', '.join(FUSED_MAX_T)}")
+    fused_max_t = FUSED_MAX_T[ec.kernels]
     if not ec.use_offload:
         return MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
     from strata.engine.memory_plan import make_plan
@@ -55,7 +63,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     profile = load_profile(ec.expert_profile, cfg) if ec.expert_profile else None
     policies = [make_policy(ec.cache_policy, cfg.n_experts,
                             None if profile is None else profile[i]) for i in range(cfg.n_layers)]
-    weights = ModelWeights.load(mf, cfg, dev, quant_dense=plan.quant_dense, experts=False)
+    weights = ModelWeights.load(mf, cfg, dev, quant_dense=plan.quant_dense, experts=False,
+                                fused_max_t=fused_max_t)
     arena = Arena(layouts, cfg.n_experts, pin=dev.type == "cuda")
     report = arena.fill(mf, progress=log.isEnabledFor(logging.INFO) and os.isatty(2))
     log.info(f"expert arena: {fmt_bytes(report.nbytes)} filled at {report.gib_s:.2f} GiB/s; "
@@ -75,5 +84,6 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
              f"{fmt_bytes(plan.ring)} ring")
     executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, plan.workspace,
-                              [staging], Ring(plan.ring, dev), stream_min, debug=ec.debug)
+                              [staging], Ring(plan.ring, dev), stream_min, debug=ec.debug,
+                              fused_max_t=fused_max_t)
     return MoETransformer(cfg, weights, dev, executor)

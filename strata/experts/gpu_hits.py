@@ -5,7 +5,6 @@ device. Layers whose types have no fused kernel keep the dequantize -> matmul pa
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -15,7 +14,7 @@ log = logging.getLogger("strata.kernels")
 
 
 def fused_kernels_available(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("STRATA_FUSED", "1") == "0":
+    if device.type != "cuda":
         return False
     try:
         import triton  # noqa: F401
@@ -28,8 +27,11 @@ def fused_kernels_available(device: torch.device) -> bool:
 
 
 class FusedHits:
-    def __init__(self, layouts: list[ExpertLayout], device: torch.device, enabled: bool = True):
-        self.on = enabled and fused_kernels_available(device)
+    def __init__(self, layouts: list[ExpertLayout], device: torch.device,
+                 max_t: int = 1 << 30):
+        """max_t: the most tokens a call may have for the fused kernels (0: never)."""
+        self.max_t = max_t
+        self.on = max_t > 0 and fused_kernels_available(device)
         self.covered = [False] * len(layouts)
         if self.on:
             from strata.kernels.gpu import has_fused
@@ -40,8 +42,8 @@ class FusedHits:
                 log.info("fused MoE kernels cover %d of %d layers; layers %s dequantize first",
                          len(layouts) - len(missing), len(layouts), missing[:8])
 
-    def covers(self, layer: int) -> bool:
-        return self.covered[layer]
+    def covers(self, layer: int, tokens: int) -> bool:
+        return self.covered[layer] and tokens <= self.max_t
 
     def run(self, layout: ExpertLayout, slots: torch.Tensor, table: torch.Tensor,
             h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -29,19 +29,19 @@ from strata.model.weights import ExpertWeights
 class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
                  workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
-                 stream_min: int = 1 << 30, debug: bool = False, fused: bool = True):
+                 stream_min: int = 1 << 30, debug: bool = False, fused_max_t: int = 1 << 30):
         self.arena, self.cache, self.planner, self.pool = arena, cache, planner, cpu_pool
         self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
         self.ring, self.stream_min = ring, stream_min
         self.device = cache.device
-        self.fused = FusedHits(arena.layouts, self.device, enabled=fused)
+        self.fused = FusedHits(arena.layouts, self.device, fused_max_t)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         lay = self.arena.layouts[layer]
         ls = self.cache.layers[layer]
-        if ls.capacity == self.arena.n_experts and self.fused.covers(layer):
+        if ls.capacity == self.arena.n_experts and self.fused.covers(layer, h.shape[0]):
             return self._run_resident(layer, h, ids, weights)
         groups = group_pairs(to_host(ids, f"layer {layer} routing ids"),
                              to_host(weights.float(), f"layer {layer} routing weights"))
@@ -97,7 +97,7 @@ class OffloadExperts:
         if not hits:
             return
         ls = self.cache.layers[layer]
-        if self.fused.covers(layer):
+        if self.fused.covers(layer, h.shape[0]):
             self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, out)
             return
         slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)

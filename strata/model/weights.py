@@ -9,7 +9,6 @@ dequantized on demand, one routed expert or a handful of embedding rows at a tim
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ class QuantTensor:
     raw: torch.Tensor
     qtype: int
     n_cols: int
+    fused_max_t: int = 1 << 30  # tokens up to which the fused kernels run (CUDA)
 
     @classmethod
     def load(cls, ref: TensorRef, device: torch.device) -> QuantTensor:
@@ -44,7 +44,8 @@ class QuantTensor:
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else
         dequantizing a chunk of rows at a time. x: [T, n_cols] -> [T, N]"""
-        if self.raw.is_cuda and fused_matmul_available(self.qtype):
+        if (self.raw.is_cuda and x.shape[0] <= self.fused_max_t
+                and fused_matmul_available(self.qtype)):
             from strata.kernels.gpu import quant_matmul
 
             return quant_matmul(x.contiguous(), self.raw, self.qtype)
@@ -65,8 +66,6 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 @functools.cache
 def fused_matmul_available(qtype: int) -> bool:
-    if os.environ.get("STRATA_FUSED", "1") == "0":
-        return False
     try:
         from strata.kernels.gpu import has_fused
     except ImportError:
@@ -128,7 +127,7 @@ class ModelWeights:
 
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
-             experts: bool = True) -> ModelWeights:
+             experts: bool = True, fused_max_t: int = 1 << 30) -> ModelWeights:
         """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
         experts=False leaves the routed experts to the offload runtime."""
         t = mf.tensors
@@ -137,7 +136,11 @@ class ModelWeights:
             return dense(t[name], device)
 
         def m(name: str) -> Weight:
-            return QuantTensor.load(t[name], device) if quant_dense else d(name)
+            if not quant_dense:
+                return d(name)
+            qt = QuantTensor.load(t[name], device)
+            qt.fused_max_t = fused_max_t
+            return qt
 
         def opt(name: str, matrix: bool = False) -> Weight | None:
             return (m(name) if matrix else d(name)) if name in t else None

@@ -1,0 +1,362 @@
+"""Benchmark the fused GGUF kernels (strata.kernels.gpu) on the GPU against the machine's ceilings.
+
+    python scripts/bench_kernels.py --tune --out bench_kernels.json     # everything
+    python scripts/bench_kernels.py --types Q4_K,IQ2_XS --tokens 1,4096  # a subset
+
+For each type, matrix shape (N rows x K columns) and token count M it reports the median time of
+one quant_matmul, the bandwidth it achieved (weight bytes + x + y, over the time) against the HBM
+copy bandwidth measured in the same run, and its TFLOP/s against cuBLAS bf16 (torch.matmul) on
+the same shape. Calls are captured in a CUDA graph that cycles through enough copies of the
+weights (>= 256 MB) that the 60 MB L2 cannot hold them, and triton.testing.do_bench times graph
+replays (median); launch overhead is therefore not in the kernel times. The decode MoE layer of
+Qwen3-30B-A3B (128 experts, 8 routed, gate + up + down, one token) is timed the same way and also
+eagerly (host wall time per call, launches included).
+
+quant_matmul runs the FMA GEMV up to 4 tokens, the fused tensor-core kernel up to 63 and
+dequantize -> cuBLAS from 64 (matmul.DEQUANT_MIN_M); the fused kernel is also timed alone at
+4096 tokens for four types. --tune first times GEMV tiles (BN, BK, stages, warps) on the
+14336 x 4096 single-token case and uses the fastest per type for everything after.
+
+Compiling ~300 kernel variants takes minutes on one core, so a pool of processes compiles them
+first (--workers) into Triton's on-disk cache; the timed pass then runs alone on the GPU.
+Results and the measured tables: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata.quant import QType, random_rows, row_nbytes  # noqa: E402
+
+MODEL_SHAPES = {  # name: (N rows, K columns) of one matrix
+    "30B-A3B gate/up": (768, 2048),
+    "30B-A3B down": (2048, 768),
+    "235B-A22B gate/up": (1536, 4096),
+    "235B-A22B down": (4096, 1536),
+    "Mixtral gate/up 14336x4096": (14336, 4096),
+    "Mixtral down": (4096, 14336),
+}
+BIG = "Mixtral gate/up 14336x4096"
+PRIORITY = ["Q4_K", "Q6_K", "Q8_0", "IQ2_XS", "IQ3_XXS", "Q5_K", "IQ4_XS"]
+ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+             "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+             "IQ4_XS", "MXFP4"]
+TOKENS = [1, 4, 16, 512, 4096]
+FUSED_GEMM = ["Q4_K", "Q6_K", "Q8_0", "IQ2_XS"]  # also timed without the cuBLAS route
+ROTATE_BYTES = 256 << 20  # weight copies per timed graph: well past the H200's 60 MB L2
+# candidate GEMV tiles (BN, BK, pipeline stages, warps) tried by --tune on the 14336 x 4096
+# single-token case; the fastest is then used for every case of that type
+TUNE = [(2, 512, 1, 4), (4, 256, 1, 4), (4, 512, 1, 4), (2, 1024, 1, 4), (1, 512, 1, 4),
+        (2, 512, 1, 2), (1, 1024, 1, 2), (2, 512, 3, 4)]
+
+
+# ---- cases --------------------------------------------------------------------------------------
+
+
+def cases(types: list[str], tokens: list[int], full: set[str],
+          table: dict[str, tuple] | None = None) -> list[tuple]:
+    """(type, shape name, M, GEMV tile) to run: every shape for the types in `full`, the big
+    single matrix for the rest; tiles from `table` (None: formats.py's)."""
+    out = []
+    for t in types:
+        shapes = list(MODEL_SHAPES) if t in full else [BIG]
+        for s in shapes:
+            for m in tokens:
+                out.append((t, s, m, (table or {}).get(t)))
+    return out
+
+
+def tune_cases(types: list[str], tiles: list[tuple] = TUNE) -> list[tuple]:
+    return [(t, BIG, 1, c) for t in types for c in tiles]
+
+
+_TABLE: dict[QType, object] = {}
+
+
+def _set_gemv(qt: QType, cfg: tuple | None) -> None:
+    """Use GEMV tile `cfg` for qt (None: the table in formats.py)."""
+    from strata.kernels.gpu import formats
+
+    base = _TABLE.setdefault(qt, formats.FORMATS[qt])
+    formats.FORMATS[qt] = dataclasses.replace(base, gemv=cfg) if cfg else base
+
+
+_DRAWN: dict[tuple, torch.Tensor] = {}
+
+
+def _weights(qt: QType, n: int, k: int, copies: int, valid: bool = True) -> list[torch.Tensor]:
+    """`copies` distinct device buffers of random blocks (one draw per matrix, cloned). Only
+    compiling (valid=False) takes random bytes, which is faster to draw."""
+    if not valid:
+        return [torch.randint(0, 256, (n, row_nbytes(qt, k)), dtype=torch.uint8, device="cuda")]
+    key = (qt, n, k)
+    if key not in _DRAWN:
+        rng = np.random.default_rng(0)
+        _DRAWN.clear()  # keep one matrix on the device at a time
+        _DRAWN[key] = torch.from_numpy(random_rows(qt, n, k, rng, 0.02)).cuda()
+    w = _DRAWN[key]
+    return [w] + [w.clone() for _ in range(copies - 1)]
+
+
+def _copies(nbytes: int) -> int:
+    return int(min(256, max(3, math.ceil(ROTATE_BYTES / nbytes))))
+
+
+def _graph_time(calls: list, rep_ms: int) -> float:
+    """Median seconds per call: the calls are captured once in a CUDA graph, do_bench times
+    replays."""
+    import triton.testing
+
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(g.replay, warmup=5, rep=rep_ms, return_mode="median")
+    return ms / 1e3 / len(calls)
+
+
+def run_case(case: tuple, rep_ms: int, timed: bool = True) -> dict:
+    """Run (and time) one (type, shape, M, gemv override) case."""
+    from strata.kernels.gpu import quant_matmul
+
+    name, shape, m, cfg = case
+    qt = QType[name]
+    _set_gemv(qt, cfg)
+    n, k = MODEL_SHAPES[shape]
+    nbytes = n * row_nbytes(qt, k)
+    ws = _weights(qt, n, k, _copies(nbytes) if timed else 1, valid=timed)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.float32)
+    calls = [lambda w=w: quant_matmul(x, w, qt, out=y) for w in ws]
+    if not timed:
+        calls[0]()
+        torch.cuda.synchronize()
+        return {}
+    sec = _graph_time(calls, rep_ms)
+    moved = nbytes + x.numel() * 2 + y.numel() * 4
+    return dict(type=name, shape=shape, n=n, k=k, tokens=m, gemv=cfg, us=sec * 1e6,
+                gbs=moved / sec / 1e9, tflops=2 * m * n * k / sec / 1e12)
+
+
+def cublas_row(shape: str, m: int, rep_ms: int) -> dict:
+    n, k = MODEL_SHAPES[shape]
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+          for _ in range(_copies(n * k * 2))]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    sec = _graph_time([lambda w=w: torch.matmul(x, w.T, out=y) for w in ws], rep_ms)
+    return dict(shape=shape, tokens=m, us=sec * 1e6, tflops=2 * m * n * k / sec / 1e12,
+                gbs=(n * k * 2 + m * k * 2 + m * n * 2) / sec / 1e9)
+
+
+def fused_gemm_row(name: str, m: int, rep_ms: int, timed: bool = True) -> dict:
+    """The fused tensor-core kernel on the big matrix at m tokens, even where quant_matmul
+    would dequantize to bf16 and call cuBLAS (matmul.DEQUANT_MIN_M)."""
+    from strata.kernels.gpu import matmul
+
+    keep = matmul.DEQUANT_MIN_M
+    matmul.DEQUANT_MIN_M = 1 << 30
+    try:
+        r = run_case((name, BIG, m, None), rep_ms, timed)
+    finally:
+        matmul.DEQUANT_MIN_M = keep
+    return r | dict(kernel="fused tl.dot") if timed else r
+
+
+def moe_decode(types: tuple[str, str, str], rep_ms: int, timed: bool = True,
+               table: dict[str, tuple] | None = None) -> dict:
+    """Qwen3-30B-A3B decode layer: 128 experts all resident, top-8, D=2048, F=768, one token."""
+    from strata.kernels.gpu import moe_forward
+
+    for t in types:
+        _set_gemv(QType[t], (table or {}).get(t))
+    e, topk, d, f = 128, 8, 2048, 768
+    qg, qu, qd = (QType[t] for t in types)
+    rng = np.random.default_rng(1)
+
+    def slots(q: QType, rows: int, cols: int) -> torch.Tensor:
+        one = torch.from_numpy(random_rows(q, rows, cols, rng, 0.02)).cuda()
+        return one.unsqueeze(0).repeat(e, 1, 1)  # [E, rows, row_nbytes]: distinct copies
+
+    gate, up, down = slots(qg, f, d), slots(qu, f, d), slots(qd, d, f)
+    slot_of = torch.arange(e, dtype=torch.int32, device="cuda")
+    x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
+    routes = [torch.from_numpy(rng.permutation(e)[:topk]).view(1, topk).cuda()
+              for _ in range(32 if timed else 1)]  # 32 steps touch ~110 of the 128 experts
+    wts = torch.softmax(torch.randn(1, topk, device="cuda"), -1)
+    out = torch.zeros(1, d, device="cuda")
+
+    def step(ids: torch.Tensor) -> None:
+        moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f, out=out)
+
+    step(routes[0])
+    torch.cuda.synchronize()
+    if not timed:
+        return {}
+    sec = _graph_time([lambda r=r: step(r) for r in routes], rep_ms)
+    walls = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for r in routes:
+            step(r)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) / len(routes))
+    per_expert = 2 * f * row_nbytes(qg, d) + d * row_nbytes(qd, f)
+    return dict(types=list(types), us_graph=sec * 1e6, us_eager=statistics.median(walls) * 1e6,
+                weight_bytes=topk * per_expert, gbs=topk * per_expert / sec / 1e9)
+
+
+# ---- parallel compile ---------------------------------------------------------------------------
+
+
+def _compile_worker(job: tuple) -> str:
+    kind, payload = job
+    try:
+        if kind == "case":
+            run_case(payload, 0, timed=False)
+        elif kind == "fused":
+            fused_gemm_row(payload, 4096, 0, timed=False)
+        else:
+            moe_decode(payload[0], 0, timed=False, table=payload[1])
+        return ""
+    except Exception as exc:  # noqa: BLE001 (reported, the timed pass shows it again)
+        return f"{kind} {payload}: {type(exc).__name__}: {exc}"[:300]
+
+
+def precompile(jobs: list[tuple], workers: int) -> None:
+    import multiprocessing as mp
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.imap_unordered(_compile_worker, jobs) if e]
+    print(f"compiled {len(jobs)} cases with {workers} processes in {time.time() - t0:.0f} s"
+          + (f", {len(errors)} errors:\n  " + "\n  ".join(errors[:10]) if errors else ""),
+          flush=True)
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--types", default=",".join(ALL_TYPES))
+    ap.add_argument("--full", default=",".join(PRIORITY), help="types run on every shape")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--tune", action="store_true", help="also time the GEMV tile candidates")
+    ap.add_argument("--tiles", default="", help="GEMV tiles to tune, e.g. 2x512x1x4,4x256x1x4")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--rep-ms", type=int, default=25)
+    ap.add_argument("--out", default="bench_kernels.json")
+    args = ap.parse_args()
+    types = args.types.split(",")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    full = set(args.full.split(","))
+    moes = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("IQ2_XS", "IQ2_XS", "IQ3_XXS")]
+    from strata.bench.ceilings import hbm_copy_gbs
+    from strata.kernels.gpu import formats
+
+    report: dict = dict(device=torch.cuda.get_device_name(), rows=[], cublas=[], tune=[],
+                        moe=[], fused_gemm=[])
+    table = {t: formats.FORMATS[QType[t]].gemv for t in types}
+    if args.tune:  # time the GEMV tile candidates first, then use the fastest per type
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t]
+        tune = tune_cases(types, tiles or TUNE)
+        if args.workers > 1:
+            precompile([("case", c) for c in tune], args.workers)
+        best: dict[str, tuple] = {}
+        for c in tune:
+            r = run_case(c, args.rep_ms)
+            report["tune"].append(r)
+            if c[0] not in best or r["us"] < best[c[0]][1]:
+                best[c[0]] = (c[3], r["us"])
+            print(f"tune {c[0]:8s} gemv {c[3]}: {r['us']:8.1f} us {r['gbs']:7.0f} GB/s",
+                  flush=True)
+        table |= {t: cfg for t, (cfg, _) in best.items()}
+    report["gemv_table"] = table
+    todo = cases(types, tokens, full, table)
+    if args.workers > 1:
+        precompile([("case", c) for c in todo] + [("moe", (m, table)) for m in moes]
+                   + [("fused", t) for t in FUSED_GEMM if t in types], args.workers)
+    hbm = hbm_copy_gbs()
+    report["hbm_copy_gbs"] = hbm
+    print(f"{torch.cuda.get_device_name()}: HBM copy {hbm:.0f} GB/s (read + write)", flush=True)
+    cub = {}
+    for shape in dict.fromkeys(c[1] for c in todo):
+        for m in tokens:
+            r = cublas_row(shape, m, args.rep_ms)
+            cub[(shape, m)] = r
+            report["cublas"].append(r)
+    print(f"\n{'type':8s} {'shape':28s} {'M':>5s} {'us':>9s} {'GB/s':>7s} {'%HBM':>5s} "
+          f"{'TFLOP/s':>8s} {'cuBLAS':>7s} {'%cuBLAS':>7s}")
+    for c in todo:
+        try:
+            r = run_case(c, args.rep_ms)
+        except Exception as exc:  # noqa: BLE001 (a failing case is reported, the rest run)
+            report["rows"].append(dict(type=c[0], shape=c[1], tokens=c[2], error=str(exc)[:300]))
+            print(f"{c[0]:8s} {c[1]:28s} {c[2]:5d} ERROR {exc}"[:200], flush=True)
+            continue
+        ref = cub[(c[1], c[2])]
+        r |= dict(pct_hbm=100 * r["gbs"] / hbm, cublas_tflops=ref["tflops"],
+                  pct_cublas=100 * r["tflops"] / ref["tflops"])
+        report["rows"].append(r)
+        print(f"{c[0]:8s} {c[1]:28s} {c[2]:5d} {r['us']:9.1f} {r['gbs']:7.0f} "
+              f"{r['pct_hbm']:5.1f} {r['tflops']:8.2f} {ref['tflops']:7.1f} "
+              f"{r['pct_cublas']:7.1f}", flush=True)
+    for t in [t for t in FUSED_GEMM if t in types and 4096 in tokens]:
+        r = fused_gemm_row(t, 4096, args.rep_ms)
+        ref = cub[(BIG, 4096)]
+        r |= dict(pct_cublas=100 * r["tflops"] / ref["tflops"])
+        report["fused_gemm"].append(r)
+        print(f"fused tl.dot GEMM {t:8s} M=4096: {r['us']:9.1f} us {r['tflops']:7.1f} TFLOP/s "
+              f"{r['pct_cublas']:5.1f}% of cuBLAS", flush=True)
+    for mt in moes:
+        r = moe_decode(mt, args.rep_ms, table=table)
+        report["moe"].append(r)
+        print(f"MoE 30B-A3B decode layer {'/'.join(mt)}: {r['us_graph']:.1f} us (graph), "
+              f"{r['us_eager']:.1f} us eager, {r['gbs']:.0f} GB/s of expert weights", flush=True)
+    report["targets"] = targets(report)
+    for k, v in report["targets"].items():
+        print(f"target {k}: {v}")
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
+
+def targets(report: dict) -> dict:
+    hbm = report["hbm_copy_gbs"]
+    out = {}
+    for r in report["rows"]:
+        if "error" in r or r["shape"] != BIG:
+            continue
+        if r["tokens"] == 1 and r["type"] in ("Q4_K", "IQ2_XS", "IQ3_XXS", "Q6_K"):
+            out[f"GEMV 1 token {r['type']} >= 60% HBM"] = \
+                f"{r['pct_hbm']:.1f}% ({r['gbs']:.0f} of {hbm:.0f} GB/s)"
+        if r["tokens"] == 4096 and r["type"] in ("Q4_K", "Q6_K", "Q8_0", "IQ2_XS"):
+            out[f"GEMM 4096 tokens {r['type']} >= 50% cuBLAS"] = \
+                f"{r['pct_cublas']:.1f}% ({r['tflops']:.0f} of {r['cublas_tflops']:.0f} TFLOP/s)"
+    for r in report["moe"]:
+        out[f"MoE decode {'/'.join(r['types'])} <= 30 us"] = \
+            f"{r['us_graph']:.1f} us graph, {r['us_eager']:.1f} us eager"
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Quantized matmul straight from GGUF blocks: y[t, n] = Σ_k x[t, k] · W[n, k].
+
+    y = quant_matmul(x, w, QType.Q4_K)     # x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32
+    w16 = dequantize_gpu(w, QType.Q4_K, K)  # -> bf16 [N, K] (or dtype=torch.float32)
+
+M <= 4 tokens (decode, short verify windows) run the FMA kernel, which streams every weight row
+once; 5..63 tokens the tensor-core kernel (skeletons.py); from 64 tokens the weights are
+dequantized to bf16 by the same tiles and multiplied by cuBLAS, measured 3x (512 tokens) to 5x
+(4096) faster than the fused tensor-core kernel. Types without a tile (F32/F16/BF16:
+torch.matmul; anything else: dequantize -> matmul) go through `fallback_matmul`, which logs
+once per type.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from strata.kernels.gpu.formats import FLOAT_TYPES, KernelFormat, kernel_format
+from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile4, group_mask, rows
+from strata.kernels.gpu.tiles import dequant_tile
+from strata.quant import QType, dequantize, row_nbytes
+
+log = logging.getLogger("strata.kernels")
+
+GEMV_MAX_M = 4  # past 4 tokens the FMA kernel is compute-bound (2 FLOP per weight per token)
+# From this many tokens on, dequantize_gpu to bf16 then cuBLAS beats the fused tl.dot kernel
+# (H200, scripts/bench_kernels.py, 14336 x 4096: 2.8x at 512 tokens for Q4_K, 4.8x at 4096).
+# It needs an N x K bf16 scratch matrix.
+DEQUANT_MIN_M = 64
+
+# Sizes are not specialized (one compile serves every shape); row_bytes and strides are, so the
+# compiler knows when row starts are 16-byte aligned and can vectorize the byte reads.
+_SIZES = ["M", "N", "K"]
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _dequant_kernel(w, out, tab, tab2, N, K, row_bytes, stride_on,
+                    QT: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    # out[n, k] = W[n, k]
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    wr = rows(w, n, N, row_bytes)
+    k0 = tl.program_id(1) * BK
+    g = tl.arange(0, BK // S)[None, :, None]  # [1, G, 1]
+    s = tl.arange(0, S)[None, None, :]  # [1, 1, S]
+    v = dequant_tile(QT, wr, k0, g, s, group_mask(k0, g, K, S, EVEN_K), tab, tab2)  # [BN,G,S]
+    ptrs = out + n.to(tl.int64)[:, None, None] * stride_on + (k0 + g * S + s)
+    tl.store(ptrs, v.to(out.dtype.element_ty), mask=(n < N)[:, None, None] & (k0 + g * S < K))
+
+
+@triton.jit
+def _store_row(y, t, M, n, N, acc):
+    """y[t, n] = Σ acc[n, :, :] for a token t < M."""
+    tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1), mask=(n < N) & (t < M))
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _gemv_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
+                 QT: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                 STAGES: tl.constexpr):
+    # y[t, n] = Σ_k x[t, k] · W[n, k] for t < M <= BM <= 4: W read once, float32 FMA
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    wr = rows(w, n, N, row_bytes)
+    zero = tl.zeros((BN, BK // S, S), dtype=tl.float32)
+    if BM == 1:
+        _store_row(y, 0, M, n, N, gemv_tile(QT, S, BK, EVEN_K, STAGES, wr, x, K, tab, tab2,
+                                            zero))
+    else:
+        # tokens t >= M read row M - 1 (in bounds) and are not stored
+        x1 = x + tl.minimum(1, M - 1).to(tl.int64) * stride_xm
+        x2 = x + tl.minimum(2, M - 1).to(tl.int64) * stride_xm
+        x3 = x + tl.minimum(3, M - 1).to(tl.int64) * stride_xm
+        a0, a1, a2, a3 = gemv_tile4(QT, S, BK, EVEN_K, STAGES, BM, wr, x, x1, x2, x3, K, tab,
+                                    tab2, zero, zero, zero, zero)
+        _store_row(y, 0, M, n, N, a0)
+        _store_row(y + stride_ym, 1, M, n, N, a1)
+        if BM > 2:
+            _store_row(y + 2 * stride_ym, 2, M, n, N, a2)
+            _store_row(y + 3 * stride_ym, 3, M, n, N, a3)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _gemm_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
+                 QT: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT: tl.constexpr):
+    # y[t, n] = Σ_k x[t, k] · W[n, k]: bf16 tensor-core tiles, f32 accumulation
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    width = GROUP_M * n_n  # GROUP_M row tiles sweep the columns together, so W tiles hit L2
+    first_m = (pid // width) * GROUP_M
+    group_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    r = pid_m * BM + tl.arange(0, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    wr = rows(w, n, N, row_bytes)
+    xr = x + (tl.minimum(r, M - 1).to(tl.int64) * stride_xm)[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = dot_tile(QT, S, BK, EVEN_K, DOT, wr, xr, (r < M)[:, None], K, tab, tab2, acc)
+    ptrs = y + r.to(tl.int64)[:, None] * stride_ym + n[None, :]
+    tl.store(ptrs, acc, mask=(r < M)[:, None] & (n < N)[None, :])
+
+
+# ---- launchers --------------------------------------------------------------------------------
+
+
+def check_weights(w: torch.Tensor, qtype: QType, n_cols: int, dims: int = 2) -> int:
+    """Bytes per row, after checking w is uint8 [..., N, row_nbytes(n_cols)] with dense rows."""
+    if w.dtype != torch.uint8 or w.dim() != dims:
+        raise TypeError(f"quantized weights must be uint8 with {dims} dims, got {w.dtype} "
+                        f"{tuple(w.shape)}")
+    nbytes = row_nbytes(qtype, n_cols)
+    if w.shape[-1] != nbytes or w.stride(-1) != 1 or w.stride(-2) != nbytes:
+        raise ValueError(f"{qtype.name} rows of {n_cols} values take {nbytes} bytes, laid out "
+                         f"back to back; got shape {tuple(w.shape)} strides {w.stride()}")
+    return nbytes
+
+
+def check_x(x: torch.Tensor, n_cols: int) -> None:
+    if x.dim() != 2 or x.shape[1] != n_cols or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, {n_cols}] with contiguous rows, got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+
+
+def gemv_config(fmt: KernelFormat, m: int, n: int, k: int = 0,
+                ctas: int = 1) -> tuple[int, int, int, int]:
+    """(BN rows per CTA, BK values per step, pipeline stages, warps) for the FMA kernel: the
+    type's tile (formats.py), BN divided by the tokens (each keeps its own accumulator) and by
+    what it takes to give every SM four CTAs when N (times `ctas` independent problems) is
+    short; BK halves until it divides K."""
+    bn, bk, stages, warps = fmt.gemv
+    bn = max(1, bn // triton.next_power_of_2(m))
+    while bn > 1 and triton.cdiv(n, bn) * ctas < 4 * sm_count():
+        bn //= 2
+    while k and k % bk and bk > fmt.group:
+        bk //= 2
+    return bn, bk, stages, warps
+
+
+_SMS: list[int] = []
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (1 under the interpreter, where fewer,
+    bigger programs run faster)."""
+    if not _SMS:
+        ok = torch.cuda.is_available() and not knobs.runtime.interpret
+        _SMS.append(torch.cuda.get_device_properties(0).multi_processor_count if ok else 1)
+    return _SMS[0]
+
+
+def gemm_config(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages): 128 x 128 tiles for prompts; BM shrinks for short
+    inputs so tokens are not padded 8x, BN until there are two tiles per SM; BK = 64 keeps the
+    dequantized tile at 32 values per thread."""
+    bm = 128 if m > 64 else max(16, triton.next_power_of_2(m))
+    bn = 128
+    while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < 2 * sm_count():
+        bn //= 2
+    return bm, bn, 64, 8 if bm >= 64 else 4, 3
+
+
+def dot_dtype() -> tl.dtype:
+    """bf16 tensor-core operands; float32 under the interpreter, whose bf16 tl.dot multiplies
+    the raw bits (Triton 3.6 with NumPy 2.4)."""
+    return tl.float32 if knobs.runtime.interpret else tl.bfloat16
+
+
+def dequantize_gpu(w: torch.Tensor, qtype: int | QType, n_cols: int,
+                   dtype: torch.dtype = torch.bfloat16,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [N, row_nbytes] -> dtype [N, n_cols] with the fused tile (the dequantize half of
+    dequantize -> cuBLAS, and the tiles' own test). The tiles compute d * (q - c) as one FMA,
+    so float32 results match strata.quant.dequantize to within a rounding of the block scale."""
+    qtype = QType(qtype)
+    fmt = kernel_format(qtype)
+    if fmt is None:
+        log_fallback("dequantize_gpu", qtype)
+        return dequantize(w, qtype, n_cols).to(dtype)
+    nbytes = check_weights(w, qtype, n_cols)
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(n, n_cols, dtype=dtype, device=w.device)
+    elif out.shape != (n, n_cols) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{n}, {n_cols}] with contiguous rows")
+    bn, bk = 16, 256
+    tab, tab2 = fmt.tables(w.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(n_cols, bk))
+    _dequant_kernel[grid](w, out, tab, tab2, n, n_cols, nbytes, out.stride(0), QT=int(qtype),
+                          S=fmt.group, BN=bn, BK=bk, EVEN_K=n_cols % bk == 0, num_warps=4)
+    return out
+
+
+def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t, n] = Σ_k x[t, k] · W[n, k]. x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32."""
+    qtype = QType(qtype)
+    k = x.shape[-1]
+    fmt = kernel_format(qtype)
+    if fmt is None:
+        return fallback_matmul(x, w, qtype, k)
+    check_x(x, k)
+    nbytes = check_weights(w, qtype, k)
+    if x.device != w.device:
+        raise ValueError(f"x on {x.device}, weights on {w.device}")
+    m, n = x.shape[0], w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
+    if m > 0 and n > 0:
+        _launch(x, w, out, fmt, nbytes)
+    return out
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelFormat,
+            nbytes: int) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    tab, tab2 = fmt.tables(x.device)
+    args = (x, w, out, tab, tab2, m, n, k, nbytes, x.stride(0), out.stride(0))
+    if m <= GEMV_MAX_M:
+        bn, bk, stages, warps = gemv_config(fmt, m, n, k)
+        _gemv_kernel[(triton.cdiv(n, bn),)](*args, QT=int(fmt.qtype), S=fmt.group,
+                                            BM=triton.next_power_of_2(m), BN=bn, BK=bk,
+                                            EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps)
+    elif m >= DEQUANT_MIN_M and not knobs.runtime.interpret:
+        w16 = dequantize_gpu(w, fmt.qtype, k, torch.bfloat16)  # [N, K]
+        mm_f32(x.to(torch.bfloat16), w16.T, out)
+    else:
+        bm, bn, bk, warps, stages = gemm_config(m, n)
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        _gemm_kernel[grid](*args, QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn, BK=bk,
+                           GROUP_M=8, EVEN_K=k % bk == 0, DOT=dot_dtype(), num_warps=warps,
+                           num_stages=stages)
+
+
+_MM_DTYPE: list[bool] = []
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (float32) = a @ b for bf16 a, b: cuBLAS with a float32 output where torch offers it
+    (mm's out_dtype), else a bf16 product widened into out."""
+    if not _MM_DTYPE or _MM_DTYPE[0]:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            _MM_DTYPE[:] = [True]
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_DTYPE[:] = [False]
+    out.copy_(torch.mm(a, b))
+
+
+_LOGGED: set[str] = set()
+
+
+def log_fallback(what: str, qtype: QType) -> None:
+    """One log line per (entry point, type) that runs without a fused kernel."""
+    key = f"{what}/{qtype.name}"
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        how = "torch.matmul" if qtype in FLOAT_TYPES else "dequantize -> matmul"
+        log.info("%s: no fused kernel for %s, using %s", what, qtype.name, how)
+
+
+def fallback_matmul(x: torch.Tensor, w: torch.Tensor, qtype: QType, n_cols: int) -> torch.Tensor:
+    """The unfused path: dequantize (or view the float rows) and torch.matmul in float32."""
+    log_fallback("quant_matmul", qtype)
+    return x.float() @ dequantize(w, qtype, n_cols).T

@@ -1,0 +1,294 @@
+"""A whole MoE layer's resident experts in two launches, reading the weights from VRAM slots.
+
+    out = moe_forward(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots,
+                      (QType.Q4_K, QType.Q4_K, QType.Q6_K), d_model, d_expert)
+
+    out[t] += Σ_k weights[t, k] · down_e(silu(gate_e · x[t]) ⊙ up_e · x[t]),  e = ids[t, k]
+
+over the pairs (t, k) whose expert is resident (slot_of_expert[e] >= 0); the others add nothing
+and are left to the miss path (`resident_pairs` gives the mask). Shapes: T tokens, K routed
+experts per token, E experts, D d_model, F d_expert, P = T·K pairs.
+
+Decode (T <= 4): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F) with the FMA
+skeleton (gate and up share x), writing h [P, F] already scaled by the routing weight (zero for
+pairs not resident); `_down_tokens_kernel` runs one CTA per (token, BN rows of D) as one GEMV
+over the K·F values of the token's h rows, switching expert every F, so the K experts are summed
+in a fixed order, `out` is written once per element (no atomics) and the loads of the next
+steps are in flight across expert boundaries.
+
+Prompt chunks: pairs are sorted by expert (torch, on the device, no host sync); one CTA per
+(expert, BM tokens, BN rows) multiplies on tensor cores, h is kept in bf16, the down kernel
+writes each pair's weighted row into y [P, D] and `out += y.sum(K)`: a fixed-order
+(deterministic) reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.gpu.formats import KernelFormat, kernel_format
+from strata.kernels.gpu.matmul import check_weights, dot_dtype, gemv_config, log_fallback
+from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, rows, x_tile
+from strata.kernels.gpu.tiles import dequant_tile
+from strata.quant import QType, dequantize
+
+DECODE_MAX_T = 4  # up to here each pair reads its expert itself; beyond, pairs are grouped
+
+_SIZES = ["T", "P", "D", "F", "NC"]
+
+
+# ---- decode: per pair, FMA -------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, D, F, stride_x,
+                          stride_gs, stride_us, rb_g, rb_u,
+                          TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
+                          QU: tl.constexpr, SU: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr):
+    # h[p, n] = wts[p] · silu(Σ_d x[t, d] · G_e[n, d]) · Σ_d x[t, d] · U_e[n, d],  t = p // TOPK
+    # (0 where e is not resident)
+    p = tl.program_id(1)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    slot = tl.load(slot_of + tl.load(ids + p))
+    if slot >= 0:
+        xr = x + (p // TOPK).to(tl.int64) * stride_x
+        wg = rows(gate + slot.to(tl.int64) * stride_gs, n, F, rb_g)
+        wu = rows(up + slot.to(tl.int64) * stride_us, n, F, rb_u)
+        ag = gemv_tile(QG, SG, BK, EVEN_D, STAGES, wg, xr, D, tg, tg2,
+                       tl.zeros((BN, BK // SG, SG), dtype=tl.float32))
+        au = gemv_tile(QU, SU, BK, EVEN_D, STAGES, wu, xr, D, tu, tu2,
+                       tl.zeros((BN, BK // SU, SU), dtype=tl.float32))
+        g = tl.sum(tl.sum(ag, axis=2), axis=1)  # [BN]
+        u = tl.sum(tl.sum(au, axis=2), axis=1)
+        hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
+    else:
+        hv = tl.zeros((BN,), dtype=tl.float32)
+    tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _down_tokens_kernel(h, ids, slot_of, down, out, td, td2, D, F, stride_ds, rb_d, stride_o,
+                        TOPK: tl.constexpr, QD: tl.constexpr, SD: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    # out[t, n] += Σ_k Σ_f h[p, f] · D_e[n, f],  p = t · TOPK + k: one GEMV over the TOPK · F
+    # values of the token's h rows (contiguous), switching expert every F. BK divides F.
+    t = tl.program_id(1)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    g = tl.arange(0, BK // SD)[None, :, None]
+    s = tl.arange(0, SD)[None, None, :]
+    acc = tl.zeros((BN, BK // SD, SD), dtype=tl.float32)
+    hr = h + (t * TOPK).to(tl.int64) * F
+    for kf in tl.range(0, TOPK * F, BK, num_stages=STAGES):
+        k = kf // F
+        slot = tl.load(slot_of + tl.load(ids + t * TOPK + k))
+        m = (tl.zeros((1, BK // SD, 1), tl.int32) + slot) >= 0  # not resident: read nothing
+        wd = rows(down + tl.maximum(slot, 0).to(tl.int64) * stride_ds, n, D, rb_d)
+        acc += dequant_tile(QD, wd, kf - k * F, g, s, m, td, td2) * x_tile(hr + kf, g, s, m, BN)
+    optr = out + t.to(tl.int64) * stride_o + n
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(optr, tl.load(optr, mask=n < D, other=0.0) + total, mask=n < D)
+
+
+# ---- prompt chunks: grouped by expert, tensor cores ------------------------------------------
+
+
+@triton.jit
+def _group(pid, NC, counts, starts, order, BM: tl.constexpr):
+    """The BM-pair chunk c of expert e handled by program pid: (e, first sorted position,
+    row indices r [BM] inside the expert's pairs, their mask, pair ids)."""
+    e = pid // NC
+    c = pid % NC
+    cnt = tl.load(counts + e)
+    start = tl.load(starts + e)
+    r = c * BM + tl.arange(0, BM)
+    rm = r < cnt
+    pair = tl.load(order + start + r, mask=rm, other=0)
+    return e, c * BM < cnt, start, r, rm, pair
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, tg2, tu, tu2,
+                           D, F, NC, stride_x, stride_gs, stride_us, rb_g, rb_u,
+                           TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
+                           QU: tl.constexpr, SU: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, EVEN_D: tl.constexpr,
+                           DOT: tl.constexpr):
+    # h[start + r, n] = silu(x[tok] @ G_e[n].T) · (x[tok] @ U_e[n].T) for BM pairs of expert e
+    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    if live:
+        slot = tl.load(slot_of + e)
+        if slot >= 0:
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            xr = x + ((pair // TOPK).to(tl.int64) * stride_x)[:, None]  # [BM, 1]
+            wg = rows(gate + slot.to(tl.int64) * stride_gs, n, F, rb_g)
+            wu = rows(up + slot.to(tl.int64) * stride_us, n, F, rb_u)
+            zero = tl.zeros((BM, BN), dtype=tl.float32)
+            g = dot_tile(QG, SG, BK, EVEN_D, DOT, wg, xr, rm[:, None], D, tg, tg2, zero)
+            u = dot_tile(QU, SU, BK, EVEN_D, DOT, wu, xr, rm[:, None], D, tu, tu2, zero)
+            hv = g / (1.0 + tl.exp(-g)) * u
+            ptrs = h + (start + r).to(tl.int64)[:, None] * F + n[None, :]
+            tl.store(ptrs, hv.to(h.dtype.element_ty), mask=rm[:, None] & (n < F)[None, :])
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _down_groups_kernel(h, counts, starts, order, wts, slot_of, down, y, td, td2, D, F, NC,
+                        stride_ds, rb_d, QD: tl.constexpr, SD: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, EVEN_F: tl.constexpr,
+                        DOT: tl.constexpr):
+    # y[pair, n] = wts[pair] · h[start + r] @ D_e[n].T  (zero for experts that are not resident)
+    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    if live:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        slot = tl.load(slot_of + e)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if slot >= 0:
+            wd = rows(down + slot.to(tl.int64) * stride_ds, n, D, rb_d)
+            hr = h + ((start + r).to(tl.int64) * F)[:, None]
+            acc = dot_tile(QD, SD, BK, EVEN_F, DOT, wd, hr, rm[:, None], F, td, td2, acc)
+            acc = acc * tl.load(wts + pair, mask=rm, other=0.0).to(tl.float32)[:, None]
+        ptrs = y + pair.to(tl.int64)[:, None] * D + n[None, :]
+        tl.store(ptrs, acc, mask=rm[:, None] & (n < D)[None, :])
+
+
+# ---- launcher ---------------------------------------------------------------------------------
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Intermediate buffers (h, y): left uninitialized; tests swap in a NaN-filled version so
+    a read of anything the kernels did not write shows up in the output."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Tensor:
+    """bool [T, K]: the pairs moe_forward computes (their expert has a slot)."""
+    return slot_of_expert[ids.long()] >= 0
+
+
+def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                slot_of_expert: torch.Tensor, gate_slots: torch.Tensor, up_slots: torch.Tensor,
+                down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
+                d_expert: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
+    x [T, D] bf16/f32; ids [T, K] int32/int64 < E; weights [T, K]; slot_of_expert int32 [E];
+    gate/up slots uint8 [n_slots, F, row_nbytes(D)], down uint8 [n_slots, D, row_nbytes(F)]."""
+    qg, qu, qd = (QType(q) for q in qtypes)
+    t, d = x.shape if x.dim() == 2 else (-1, -1)
+    if d != d_model or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be bf16/f32 [T, {d_model}] with contiguous rows, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != t or weights.shape != ids.shape:
+        raise ValueError(f"ids and weights must be [T={t}, K], got {tuple(ids.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if slot_of_expert.dtype != torch.int32 or slot_of_expert.dim() != 1:
+        raise TypeError("slot_of_expert must be int32 [E] (-1: not resident)")
+    for name, sl, n_rows, q, cols in (("gate", gate_slots, d_expert, qg, d_model),
+                                      ("up", up_slots, d_expert, qu, d_model),
+                                      ("down", down_slots, d_model, qd, d_expert)):
+        check_weights(sl, q, cols, dims=3)
+        if sl.shape[1] != n_rows:
+            raise ValueError(f"{name} slots must hold {n_rows} rows per expert, got "
+                             f"{tuple(sl.shape)}")
+    if out is None:
+        out = torch.zeros(t, d_model, dtype=torch.float32, device=x.device)
+    elif out.shape != (t, d_model) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{t}, {d_model}] with contiguous rows")
+    if t == 0 or ids.shape[1] == 0:
+        return out
+    fmts = [kernel_format(q) for q in (qg, qu, qd)]
+    if any(f is None for f in fmts):
+        for q, f in zip((qg, qu, qd), fmts, strict=True):
+            if f is None:
+                log_fallback("moe_forward", q)
+        return _moe_fallback(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots,
+                             (qg, qu, qd), d_model, d_expert, out)
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    if t <= DECODE_MAX_T:
+        _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
+    else:
+        _prompt(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
+    return out
+
+
+def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
+            out: torch.Tensor) -> None:
+    fg, fu, fd = fmts
+    t, d = x.shape
+    topk = ids.shape[1]
+    f = gate.shape[1]
+    p = t * topk
+    h = scratch((p, f), torch.float32, x.device)  # weighted silu(g) * u of every pair
+    tg, tg2 = fg.tables(x.device)
+    tu, tu2 = fu.tables(x.device)
+    td, td2 = fd.tables(x.device)
+    (bn_g, bk_g, st_g, w_g) = gemv_config(fg, 1, f, d, p)
+    (bn_u, bk_u, st_u, w_u) = gemv_config(fu, 1, f, d, p)
+    bn, bk = min(bn_g, bn_u), min(bk_g, bk_u)
+    _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
+        x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, d, f, x.stride(0),
+        gate.stride(0), up.stride(0), gate.shape[2], up.shape[2], TOPK=topk, QG=int(fg.qtype),
+        SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk, EVEN_D=d % bk == 0,
+        STAGES=max(st_g, st_u), num_warps=max(w_g, w_u))
+    bn, bk, stages, warps = gemv_config(fd, 1, d, f, t)
+    _down_tokens_kernel[(triton.cdiv(d, bn), t)](
+        h, ids, slot_of, down, out, td, td2, d, f, down.stride(0), down.shape[2], out.stride(0),
+        TOPK=topk, QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
+
+
+def group_config(t: int, topk: int, n_experts: int) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, num_warps) for the grouped kernels: BM follows the mean number of tokens
+    per expert (T·K / E) so a chunk is mostly real tokens; 16 is the smallest tl.dot tile."""
+    mean = t * topk / max(n_experts, 1)
+    bm = min(128, max(16, triton.next_power_of_2(int(mean))))
+    return bm, 128, 64, 8 if bm >= 64 else 4
+
+
+def _prompt(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
+            out: torch.Tensor) -> None:
+    fg, fu, fd = fmts
+    t, d = x.shape
+    topk = ids.shape[1]
+    f = gate.shape[1]
+    e = slot_of.shape[0]
+    flat = ids.reshape(-1).long()  # [P]
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device)  # [E]; no host sync (bincount
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # would read max())
+    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    order = torch.argsort(flat, stable=True).to(torch.int32)  # pair ids sorted by expert
+    bm, bn, bk, warps = group_config(t, topk, e)
+    nc = triton.cdiv(t, bm)  # an expert takes at most one pair per token
+    h = scratch((t * topk, f), torch.bfloat16, x.device)
+    y = scratch((t * topk, d), torch.float32, x.device)
+    tg, tg2 = fg.tables(x.device)
+    tu, tu2 = fu.tables(x.device)
+    td, td2 = fd.tables(x.device)
+    dot = dot_dtype()
+    _gate_up_groups_kernel[(e * nc, triton.cdiv(f, bn))](
+        x, counts, starts, order, slot_of, gate, up, h, tg, tg2, tu, tu2, d, f, nc,
+        x.stride(0), gate.stride(0), up.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
+        QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BM=bm, BN=bn, BK=bk,
+        EVEN_D=d % bk == 0, DOT=dot, num_warps=warps, num_stages=3)
+    _down_groups_kernel[(e * nc, triton.cdiv(d, bn))](
+        h, counts, starts, order, weights, slot_of, down, y, td, td2, d, f, nc,
+        down.stride(0), down.shape[2], QD=int(fd.qtype), SD=fd.group, BM=bm, BN=bn, BK=bk,
+        EVEN_F=f % bk == 0, DOT=dot, num_warps=warps, num_stages=3)
+    out += y.view(t, topk, d).sum(1)
+
+
+def _moe_fallback(x, ids, weights, slot_of, gate, up, down, qtypes, d_model,  # noqa: ANN001
+                  d_expert, out):
+    """Per resident expert: dequantize (or view float rows) and run it in float32."""
+    qg, qu, qd = qtypes
+    xf = x.float()
+    slots = slot_of[ids.long()]  # [T, K]
+    for e in torch.unique(ids[slots >= 0]).tolist():
+        s = int(slot_of[e])
+        tok, k = torch.nonzero(ids == e, as_tuple=True)
+        g = xf[tok] @ dequantize(gate[s], qg, d_model).T
+        u = xf[tok] @ dequantize(up[s], qu, d_model).T
+        y = (torch.nn.functional.silu(g) * u) @ dequantize(down[s], qd, d_expert).T
+        out.index_add_(0, tok, y * weights[tok, k, None].float())
+    return out

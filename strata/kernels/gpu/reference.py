@@ -1,0 +1,34 @@
+"""Pure-torch references for every kernel here: dequantize (strata.quant, bit-exact with gguf-py)
+then float32 matmul. Tests compare the fused kernels against these."""
+
+from __future__ import annotations
+
+import torch
+
+from strata.quant import QType, dequantize
+
+
+def matmul_ref(x: torch.Tensor, w: torch.Tensor, qtype: int | QType) -> torch.Tensor:
+    """y[t, n] = Σ_k x[t, k] · W[n, k] in float32. x [M, K], w uint8 [N, row_nbytes(K)]."""
+    return x.float() @ dequantize(w, qtype, x.shape[1]).T
+
+
+def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            slot_of_expert: torch.Tensor, gate_slots: torch.Tensor, up_slots: torch.Tensor,
+            down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
+            d_expert: int) -> torch.Tensor:
+    """float32 [T, D]: Σ over resident pairs of weights[t, k] · down(silu(gate x) · up x),
+    one pair at a time (the slow, obvious order)."""
+    qg, qu, qd = qtypes
+    out = torch.zeros(x.shape[0], d_model, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            s = int(slot_of_expert[int(ids[t, k])])
+            if s < 0:
+                continue
+            g = dequantize(gate_slots[s], qg, d_model) @ xf[t]  # [F]
+            u = dequantize(up_slots[s], qu, d_model) @ xf[t]
+            h = torch.nn.functional.silu(g) * u
+            out[t] += float(weights[t, k]) * (dequantize(down_slots[s], qd, d_expert) @ h)
+    return out

@@ -1,0 +1,104 @@
+"""The two loops every quantized matmul here is built from, shared by matmul.py and moe.py.
+
+    gemv_tile   one token (or up to four, gemv_tile4) against BN weight rows, float32 FMA:
+                acc [BN, G, S] += W[n, k] * x[k]   over the whole row, reduced by the caller.
+    dot_tile    BM tokens against BN rows on tensor cores:
+                acc [BM, BN] += x[rows, k0:k0+BK] @ W[n, k0:k0+BK].T   (bf16 operands, f32 acc)
+Each K step asks tiles.dequant_tile for the [BN, G, S] values of BK = G * S columns (in natural
+column order), so the loops are the same for every GGML type.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from strata.kernels.gpu.bits import to_f32
+from strata.kernels.gpu.tiles import dequant_tile
+
+
+@triton.jit
+def rows(w, n, N, row_bytes):
+    """uint8 pointers [BN, 1, 1] to rows n (clamped to N - 1, so every read stays in bounds)."""
+    return w + (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[:, None, None]
+
+
+@triton.jit
+def group_mask(k0, g, K, S: tl.constexpr, EVEN_K: tl.constexpr):
+    """[1, G, 1]: groups of the step at k0 that lie inside the row; None when BK divides K."""
+    if EVEN_K:
+        m = None
+    else:
+        m = k0 + g * S < K
+    return m
+
+
+@triton.jit
+def x_tile(xr, g, s, m, BN: tl.constexpr):
+    """x[g * S + s] (xr: the step's first column) as float32, broadcast to the weight tile's
+    shape [BN, G, S]. Loading x in that shape gives it the weight bytes' register layout, so
+    nothing is shuffled through shared memory; the repeated reads hit L1."""
+    ptrs = tl.broadcast_to(xr + (g * s.shape[2] + s), (BN, g.shape[1], s.shape[2]))
+    if m is None:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=m, other=0.0)
+    return to_f32(v)
+
+
+@triton.jit
+def gemv_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+              STAGES: tl.constexpr, wr, xr, K, tab, tab2, acc):
+    """acc [BN, G, S] += W[rows, k] * x[k] over the whole row, for one token.
+    wr: row pointers [BN, 1, 1]; xr: pointer to the token's x row. STAGES > 1 lets Triton
+    prefetch the weight bytes and x of the next steps (cp.async into shared memory): a decode
+    GEMV is otherwise one memory latency per K step."""
+    BN: tl.constexpr = acc.shape[0]
+    g = tl.arange(0, BK // S)[None, :, None]  # group index inside the step
+    s = tl.arange(0, S)[None, None, :]
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        m = group_mask(k0, g, K, S, EVEN_K)
+        acc += dequant_tile(QT, wr, k0, g, s, m, tab, tab2) * x_tile(xr + k0, g, s, m, BN)
+    return acc
+
+
+@triton.jit
+def gemv_tile4(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+               STAGES: tl.constexpr, BM: tl.constexpr, wr, x0, x1, x2, x3, K, tab, tab2, a0, a1,
+               a2, a3):
+    """BM (2 or 4) tokens against one pass over the rows: a_t [BN, G, S] += W * x_t."""
+    BN: tl.constexpr = a0.shape[0]
+    g = tl.arange(0, BK // S)[None, :, None]  # group index inside the step
+    s = tl.arange(0, S)[None, None, :]
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        m = group_mask(k0, g, K, S, EVEN_K)
+        wv = dequant_tile(QT, wr, k0, g, s, m, tab, tab2)  # [BN, G, S]
+        a0 += wv * x_tile(x0 + k0, g, s, m, BN)
+        a1 += wv * x_tile(x1 + k0, g, s, m, BN)
+        if BM > 2:
+            a2 += wv * x_tile(x2 + k0, g, s, m, BN)
+            a3 += wv * x_tile(x3 + k0, g, s, m, BN)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def dot_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+             DOT: tl.constexpr, wr, xr, rmask, K, tab, tab2, acc):
+    """acc [BM, BN] += x[rows, :] @ W[n, :].T with DOT operands (bf16; float32 under the
+    interpreter) and float32 accumulation. wr: row pointers [BN, 1, 1]; xr: pointers to the x
+    rows [BM, 1]; rmask [BM, 1]: rows that exist."""
+    BN: tl.constexpr = acc.shape[1]
+    g = tl.arange(0, BK // S)[None, :, None]  # group index inside the step
+    s = tl.arange(0, S)[None, None, :]
+    kk = tl.arange(0, BK)[None, :]  # [1, BK]
+    for k0 in range(0, K, BK):
+        m = group_mask(k0, g, K, S, EVEN_K)
+        if EVEN_K:
+            xm = rmask
+        else:
+            xm = rmask & (k0 + kk < K)
+        wv = dequant_tile(QT, wr, k0, g, s, m, tab, tab2)  # [BN, G, S]
+        wt = tl.trans(tl.reshape(wv, (BN, BK)).to(DOT))  # [BK, BN]
+        xv = tl.load(xr + k0 + kk, mask=xm, other=0.0).to(DOT)  # [BM, BK]
+        acc = tl.dot(xv, wt, acc)
+    return acc

@@ -1,0 +1,297 @@
+"""The fused GGUF kernels (strata.kernels.gpu) against the reference: strata.quant.dequantize
+(bit-exact with gguf-py) followed by a float32 matmul.
+
+Every run draws fresh random blocks (the seed is in each failure message) and odd shapes: rows that
+are not a multiple of any tile, K with a partial last step, 1/3/7 tokens, prime expert counts, one
+token on an expert and none on most. Outputs and intermediate buffers start as NaN, so anything a
+kernel forgets to write shows up.
+
+Tolerances, as ||out - ref|| / ||ref||:
+  FMA_TOL  decode kernels: float32 products of the exact weights, summed in another order than
+           torch's GEMM (1e-7..8e-7 seen under the interpreter).
+  DOT_TOL  tensor cores (the fused tl.dot kernel, 5-63 tokens; dequantize -> cuBLAS from 64):
+           weights (and float32 x) are rounded to bf16, 8 significant bits, a relative error
+           uniform in +-2^-9 per product (rms 1.1e-3 each); with random signs the sum's relative
+           error is of that order, 1.5e-3..3e-3 expected. 1e-2 leaves 3x headroom, and any
+           layout or indexing bug gives errors of order 1.
+  MOE_DOT_TOL  as DOT_TOL with h = silu(g) * u also stored in bf16 between the two GEMMs
+           (3.6e-3 and 4.0e-3 seen under the interpreter).
+  DEQ_TOL  dequantize tiles: d * (q - c) is computed as one FMA, 2^b d * f - d (2^b + c) with
+           f = 1 + q / 2^b, so results differ from d * (q - c) by a rounding of the block scale:
+           |diff| <= 2^-22 * max |row|.
+CUDA tests are marked `cuda` (tests/conftest.py skips them without a GPU). One CPU test runs a few
+types and tiny shapes under Triton's interpreter in a subprocess (TRITON_INTERPRET=1 has to be set
+before triton is imported).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")  # the whole module needs triton; CUDA tests also need a GPU
+
+from strata.kernels.gpu import FUSED_TYPES, dequantize_gpu, moe_forward, quant_matmul  # noqa: E402
+from strata.kernels.gpu import moe as moe_mod  # noqa: E402
+from strata.kernels.gpu.reference import matmul_ref, moe_ref  # noqa: E402
+from strata.quant import QType, dequantize, get_quant, random_rows, row_nbytes  # noqa: E402
+
+FMA_TOL = 2e-5
+DOT_TOL = 1e-2
+MOE_DOT_TOL = 1.5e-2
+DEQ_TOL = 2.0**-22
+PRIORITY = [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ2_XS, QType.IQ3_XXS, QType.Q5_K,
+            QType.IQ4_XS]
+ALL = list(FUSED_TYPES)
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    return np.random.default_rng(seed), seed
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def k_for(qtype: QType, n_blocks: int) -> int:
+    return get_quant(qtype).block_size * n_blocks
+
+
+def cuda_rows(qtype: QType, n: int, k: int, rng: np.random.Generator,
+              std: float = 0.05) -> torch.Tensor:
+    return torch.from_numpy(random_rows(qtype, n, k, rng, std)).cuda()
+
+
+# ---- dequantize tiles ---------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_dequantize_tile(qtype: QType) -> None:
+    rng, seed = fresh_rng()
+    quant = get_quant(qtype)
+    # valid random blocks: 37 rows of 3 blocks (a partial last K step for 32-value blocks)
+    w = cuda_rows(qtype, 37, k_for(qtype, 3), rng)
+    # every bit pattern: 512 one-block rows of random bytes, keeping those that decode finite
+    raw = torch.from_numpy(rng.integers(0, 256, (512, quant.type_size), dtype=np.uint8)).cuda()
+    finite = torch.isfinite(dequantize(raw, qtype, quant.block_size)).all(1)
+    for rows, k in ((w, k_for(qtype, 3)), (raw[finite].contiguous(), quant.block_size)):
+        ref = dequantize(rows, qtype, k)
+        out = torch.full_like(ref, float("nan"))
+        dequantize_gpu(rows, qtype, k, dtype=torch.float32, out=out)
+        bound = DEQ_TOL * ref.abs().amax(1, keepdim=True) + 1e-37
+        bad = ~((out - ref).abs() <= bound)  # NaN counts as bad
+        assert not bad.any(), f"{qtype.name} seed={seed}: {int(bad.sum())} values off"
+
+
+# ---- quant_matmul -------------------------------------------------------------------------------
+
+# (tokens, x dtype, tolerance): the FMA kernel up to 4 tokens, tensor cores above
+MATMUL_CASES = [
+    (1, torch.bfloat16, FMA_TOL),  # decode
+    (1, torch.float32, FMA_TOL),
+    (3, torch.float32, FMA_TOL),  # three accumulators, the fourth masked
+    (7, torch.bfloat16, DOT_TOL),  # fewer tokens than the 16-row tl.dot tile
+    (300, torch.float32, DOT_TOL),  # dequantize -> cuBLAS (matmul.DEQUANT_MIN_M)
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("m,dtype,tol", MATMUL_CASES, ids=lambda c: str(c).split(".")[-1])
+def test_quant_matmul(qtype: QType, m: int, dtype: torch.dtype, tol: float) -> None:
+    rng, seed = fresh_rng()
+    n = 41  # not a multiple of any row tile
+    k = k_for(qtype, 3 if get_quant(qtype).block_size == 256 else 13)  # partial last K step
+    w = cuda_rows(qtype, n, k, rng)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    out = torch.full((m, n), float("nan"), device="cuda")
+    quant_matmul(x, w, qtype, out=out)
+    err = rel_err(out, matmul_ref(x, w, qtype))
+    assert err < tol, f"{qtype.name} m={m} {dtype} seed={seed}: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qtype", PRIORITY, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 4, 16, 129])
+def test_quant_matmul_model_shapes(qtype: QType, m: int) -> None:
+    """A real expert shape (F=1536 rows of D=4096), where the tuned tiles apply."""
+    rng, seed = fresh_rng()
+    w = cuda_rows(qtype, 1536, 4096, rng)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((m, 1536), float("nan"), device="cuda")
+    quant_matmul(x, w, qtype, out=out)
+    tol = FMA_TOL if m <= 4 else DOT_TOL
+    err = rel_err(out, matmul_ref(x, w, qtype))
+    assert err < tol, f"{qtype.name} m={m} seed={seed}: rel err {err:.2e}"
+
+
+# ---- moe_forward --------------------------------------------------------------------------------
+
+
+def nan_scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# (T tokens, E experts, K per token, D, F, (gate, up, down) types, resident experts)
+MOE_CASES = {
+    "decode": (1, 7, 2, 512, 256, (QType.Q4_K, QType.Q4_K, QType.Q6_K), 5),
+    "decode-4tok-mixed": (4, 13, 3, 256, 512, (QType.IQ2_XS, QType.IQ3_XXS, QType.Q8_0), 11),
+    "decode-legacy": (2, 5, 2, 160, 96, (QType.Q4_0, QType.Q5_1, QType.IQ4_NL), 5),
+    "prompt-7tok": (7, 7, 2, 512, 256, (QType.Q4_K, QType.Q5_K, QType.Q6_K), 6),
+    "prompt-prime": (61, 13, 4, 768, 256, (QType.Q6_K, QType.Q2_K, QType.IQ4_XS), 9),
+    "prompt-iq1": (33, 11, 3, 256, 256, (QType.IQ1_S, QType.IQ1_M, QType.IQ2_S), 11),
+    "prompt-misc": (19, 5, 2, 256, 256, (QType.MXFP4, QType.Q3_K, QType.IQ3_S), 4),
+    "none-resident": (5, 7, 2, 256, 256, (QType.Q4_K, QType.Q4_K, QType.Q4_K), 0),
+}
+
+
+def make_layer(case: tuple, rng: np.random.Generator) -> dict:
+    t, e, topk, d, f, qtypes, n_res = case
+    qg, qu, qd = qtypes
+    slot_of = torch.full((e,), -1, dtype=torch.int32)
+    resident = rng.permutation(e)[:n_res]
+    slot_of[torch.from_numpy(resident)] = torch.from_numpy(rng.permutation(n_res)).int()
+    n_slots = max(n_res, 1) + 1  # a spare slot nobody maps to
+
+    def slots(q: QType, rows: int, cols: int) -> torch.Tensor:
+        return cuda_rows(q, n_slots * rows, cols, rng).view(n_slots, rows, row_nbytes(q, cols))
+
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:topk] for _ in range(t)]))
+    return dict(x=torch.randn(t, d, device="cuda"), ids=ids.cuda(),
+                weights=torch.rand(t, topk, device="cuda"), slot_of_expert=slot_of.cuda(),
+                gate_slots=slots(qg, f, d), up_slots=slots(qu, f, d), down_slots=slots(qd, d, f),
+                qtypes=qtypes, d_model=d, d_expert=f)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(MOE_CASES))
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_moe_forward(name: str, xdtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng, seed = fresh_rng()
+    monkeypatch.setattr(moe_mod, "scratch", nan_scratch)
+    layer = make_layer(MOE_CASES[name], rng)
+    layer["x"] = layer["x"].to(xdtype)
+    before = torch.randn(layer["x"].shape[0], layer["d_model"], device="cuda")
+    out = moe_forward(**layer, out=before.clone())  # accumulates into out
+    ref = moe_ref(**layer)
+    added = out - before
+    assert torch.isfinite(added).all(), f"{name} seed={seed}: non-finite output"
+    if not ref.abs().any():  # nothing resident: nothing added
+        assert not added.any(), f"{name} seed={seed}"
+        return
+    t = layer["x"].shape[0]
+    tol = FMA_TOL if t <= moe_mod.DECODE_MAX_T else MOE_DOT_TOL
+    err = rel_err(added, ref)
+    assert err < tol, f"{name} {xdtype} seed={seed}: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_moe_one_token_per_expert() -> None:
+    """64 experts, 5 tokens with top-1 routing: one expert gets two tokens, three get one, the
+    other 60 none (their CTAs exit at once); every expert is resident."""
+    rng, seed = fresh_rng()
+    layer = make_layer((5, 64, 1, 256, 256, (QType.Q4_K, QType.Q8_0, QType.Q6_K), 64), rng)
+    layer["ids"] = torch.tensor([[3], [17], [3], [40], [63]], device="cuda")
+    out = moe_forward(**layer)
+    err = rel_err(out, moe_ref(**layer))
+    assert err < MOE_DOT_TOL, f"seed={seed}: rel err {err:.2e}"
+
+
+# ---- launcher checks and fallbacks (no GPU needed) ----------------------------------------------
+
+
+def test_launcher_rejects_bad_shapes() -> None:
+    w = torch.zeros(8, row_nbytes(QType.Q4_K, 256), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="x must be"):
+        quant_matmul(torch.zeros(2, 1, 256), w, QType.Q4_K)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant_matmul(torch.zeros(2, 255), w, QType.Q4_K)
+    with pytest.raises(ValueError, match="rows of 512 values"):
+        quant_matmul(torch.zeros(2, 512), w, QType.Q4_K)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        quant_matmul(torch.zeros(2, 256, dtype=torch.float16), w, QType.Q4_K)
+    with pytest.raises(TypeError, match="uint8"):
+        quant_matmul(torch.zeros(2, 256), w.float(), QType.Q4_K)
+
+
+def test_unfused_type_falls_back_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    rng, _ = fresh_rng()
+    w = torch.from_numpy(random_rows(QType.F16, 5, 64, rng, 0.1))
+    x = torch.randn(3, 64)
+    with caplog.at_level(logging.INFO, logger="strata.kernels"):
+        out = quant_matmul(x, w, QType.F16)
+    assert "no fused kernel for F16" in caplog.text
+    torch.testing.assert_close(out, matmul_ref(x, w, QType.F16))
+
+
+# ---- the same kernels on the CPU, under Triton's interpreter ------------------------------------
+
+_INTERPRETED = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np
+    from triton.runtime import interpreter
+
+    # Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which NumPy 2.4
+    # refuses; read them with .item() instead.
+    _patch = interpreter._patch_lang_tensor
+    def _patched(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).item()))
+    interpreter._patch_lang_tensor = _patched
+
+    import torch
+    from strata.kernels.gpu import dequantize_gpu, moe_forward, quant_matmul
+    from strata.kernels.gpu.reference import matmul_ref, moe_ref
+    from strata.quant import QType, dequantize, random_rows, row_nbytes
+
+    seed = int(sys.argv[1])
+    rng = np.random.default_rng(seed)
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    def rows(q, n, k):
+        return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
+    for q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.Q8_0):
+        k = 512 if q != QType.Q8_0 else 96
+        w = rows(q, 5, k)
+        ref = dequantize(w, q, k)
+        diff = (dequantize_gpu(w, q, k, torch.float32) - ref).abs().max()
+        assert diff <= 2**-22 * ref.abs().max(), q
+        for m in (1, 3, 9):  # FMA, FMA with three tokens, tl.dot (float32 operands here)
+            x = torch.randn(m, k)
+            assert rel(quant_matmul(x, w, q), matmul_ref(x, w, q)) < 2e-5, (q, m)
+    e, d, f = 3, 256, 64
+    qt = (QType.Q4_K, QType.IQ2_XS, QType.Q8_0)
+    slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)
+    layer = dict(slot_of_expert=slot_of, gate_slots=rows(qt[0], 2 * f, d).view(2, f, -1),
+                 up_slots=rows(qt[1], 2 * f, d).view(2, f, -1),
+                 down_slots=rows(qt[2], 2 * d, f).view(2, d, -1), qtypes=qt, d_model=d,
+                 d_expert=f)
+    for t, tol in ((1, 2e-5), (6, 1.5e-2)):  # decode (per pair), prompt (grouped; h in bf16)
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+        x, wts = torch.randn(t, d), torch.rand(t, 2)
+        out = moe_forward(x, ids, wts, **layer)
+        assert rel(out, moe_ref(x, ids, wts, **layer)) < tol, t
+    print("ok")
+""")
+
+
+def test_kernels_under_the_interpreter() -> None:
+    """Q4_K, Q6_K, IQ2_XS, Q8_0 tiles, both matmul skeletons and both MoE paths on the CPU."""
+    _, seed = fresh_rng()
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, \
+        f"seed={seed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
