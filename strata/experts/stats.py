@@ -33,7 +33,8 @@ class OffloadStats:
         if self._routed_dev is None:
             self._routed_dev = torch.zeros(self._routed.shape, dtype=torch.int64,
                                            device=ids.device)
-        self._routed_dev[layer] += torch.bincount(ids.flatten(), minlength=self.n_experts)
+        flat = ids.flatten().long()  # scatter_add_, not bincount: bincount syncs to size its output
+        self._routed_dev[layer].scatter_add_(0, flat, torch.ones_like(flat))
 
     @property
     def routed(self) -> np.ndarray:
