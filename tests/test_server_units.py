@@ -9,7 +9,7 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from strata.cli.serve import main as serve_main
+from strata.cli.main import main
 from strata.errors import StrataError
 from strata.server.config import ServeConfig
 from strata.server.errors import APIError
@@ -18,6 +18,10 @@ from strata.server.metrics import Metrics
 from strata.server.protocol import StepDone
 from strata.server.stops import StopText
 from strata.server.validation import parse_chat, parse_completion
+
+
+def serve_main(argv: list[str]) -> int:
+    return main(["serve", *argv])
 
 
 def test_fault_syntax():
@@ -169,6 +173,7 @@ def test_metrics_text_parses():
 
 
 def test_server_process_does_not_import_torch():
-    code = ("import sys, strata.cli.serve, strata.server.app, strata.server.serve, "
-            "strata.server.supervisor; sys.exit('torch' in sys.modules)")
+    code = ("import sys, strata.cli.main, strata.cli.serve, strata.server.app, "
+            "strata.server.serve, strata.server.supervisor; "
+            "strata.cli.main.build_parser('serve'); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -24,7 +24,9 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported (so `strata serve` keeps torch out of the
+    server process, and `strata --help` starts fast)."""
     parser = argparse.ArgumentParser(
         prog="strata",
         description="Run Mixture-of-Experts GGUF models larger than the GPU, on one machine.")
@@ -36,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show full tracebacks instead of one-line errors")
-        importlib.import_module(module).add_arguments(p)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -50,7 +53,9 @@ def setup_logging(debug: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     setup_logging(args.debug)
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0

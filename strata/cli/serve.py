@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from strata.errors import StrataError
 from strata.server import config
 
 
@@ -30,24 +28,3 @@ def run(args: argparse.Namespace) -> int:
     from strata.server.serve import serve
 
     return serve(cfg, FaultPlan.from_env())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m strata.cli.serve`, until `serve` is registered in strata/cli/main.py."""
-    p = argparse.ArgumentParser(prog="strata serve", description=__doc__)
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except StrataError as e:
-        if args.debug:
-            raise
-        print(f"strata serve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

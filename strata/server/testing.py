@@ -29,7 +29,7 @@ class ServerProcess:
                  env: dict[str, str] | None = None, start_timeout: float = 60.0,
                  log_path: str | Path | None = None):
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="strata-serve-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "strata.cli.serve", *([str(model)] if model else []),
+        cmd = [sys.executable, "-m", "strata", "serve", *([str(model)] if model else []),
                "--host", "127.0.0.1", "--port", "0", *(args or [])]
         # one torch thread unless the caller says otherwise: a busy 2-core test machine slows to
         # a crawl when the engine's OpenMP threads spin against the test's own processes
