@@ -167,6 +167,7 @@ class EngineConfig:
     miss: str = "auto"  # auto | cpu | dma
     threads: int | None = None  # CPU pool threads (default: cores - 1)
     ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
+    sequences: int = 1  # sequences decoded together (strata serve --batch): each has a KV cache
     workspace_mib: int = 256  # float32 scratch of the dequantizing paths
     cpu_kernels: str = "auto"  # auto | ggml | torch
     prefill: str = "auto"  # prompt chunk: auto | auto:N | N | off (the whole prompt at once)

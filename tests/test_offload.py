@@ -165,3 +165,17 @@ def test_fused_tensor_core_path_within_bf16_rounding(mixed):
     kl = kl_per_position(ref, ours)
     assert kl.max() < 2e-3, kl
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_plan_counts_a_kv_cache_per_batched_sequence(synth):
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+
+    mf = open_model(synth("qwen3moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    one = make_plan(mf, cfg, EngineConfig(ctx=512), layouts)
+    four = make_plan(mf, cfg, EngineConfig(ctx=512, sequences=4), layouts)
+    assert one.kv == 512 * 2 * cfg.n_layers * cfg.kv_dim * 4 and four.kv == 4 * one.kv

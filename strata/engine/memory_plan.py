@@ -39,6 +39,7 @@ class MemoryPlan:
     staging: int
     staging_slots: int
     ring: int
+    sequences: int
     slots_per_layer: list[int]
     cache: int
     arena: int
@@ -50,20 +51,20 @@ class MemoryPlan:
                 - self.cache)
 
     def lines(self) -> list[str]:
-        n = sum(self.slots_per_layer)
+        n, f = sum(self.slots_per_layer), fmt_bytes
         return [
-            f"memory plan on {self.device}, budget {self.budget / GIB:.2f} GiB:",
-            f"  dense weights  {self.dense / GIB:7.2f} GiB "
+            f"memory plan on {self.device}, budget {f(self.budget)}:",
+            f"  dense weights  {f(self.dense):>10} "
             f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
-            f"  KV cache       {self.kv / GIB:7.2f} GiB ({self.ctx} tokens)",
-            f"  workspace      {self.workspace / GIB:7.2f} GiB",
-            f"  staging        {self.staging / GIB:7.2f} GiB ({self.staging_slots} experts)",
-            f"  cache slots    {self.cache / GIB:7.2f} GiB ({n} slots, "
+            f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences)",
+            f"  workspace      {f(self.workspace):>10}",
+            f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
+            f"  streaming ring {f(self.ring):>10}",
+            f"  cache slots    {f(self.cache):>10} ({n} slots, "
             f"{min(self.slots_per_layer, default=0)}-{max(self.slots_per_layer, default=0)} "
             "per layer)",
-            f"  host arena     {self.arena / GIB:7.2f} GiB of {self.host_available / GIB:.1f} GiB "
-            "RAM available",
-            f"  left           {self.left / GIB:7.2f} GiB",
+            f"  host arena     {f(self.arena):>10} of {f(self.host_available)} RAM available",
+            f"  left           {f(self.left):>10}",
         ]
 
 
@@ -103,7 +104,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     else:
         budget = host_available() // 2
     ctx = min(ec.ctx or 4096, cfg.context_length)
-    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * 4
+    # float32 keys and values of every layer, for each sequence decoded together
+    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * 4 * max(1, ec.sequences)
     workspace = max(ec.workspace_mib << 20, 3 * cfg.d_model * cfg.d_expert * 4,
                     8192 * cfg.d_model * 4)
     max_stride = max(lay.stride for lay in layouts)
@@ -154,5 +156,5 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
-                      staging_slots, ring, slots, cache, arena, avail)
+                      staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail)
 

@@ -58,7 +58,8 @@ class ServeConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine flags as the engine takes them (checked as generate checks them)."""
-        return engine_config(argparse.Namespace(**self.engine, debug=False))
+        ec = engine_config(argparse.Namespace(**self.engine, debug=False))
+        return replace(ec, sequences=self.batch)  # the plan counts every batched KV cache
 
     @property
     def served_name(self) -> str:
