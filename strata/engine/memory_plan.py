@@ -20,7 +20,7 @@ from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
 from strata.gguf import ModelFile
-from strata.units import fmt_bytes
+from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30
 MARGIN = 256 << 20  # activations, allocator slack, kernels' own buffers
@@ -69,14 +69,9 @@ class MemoryPlan:
 
 
 def host_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    avail = proc_kib("/proc/meminfo", "MemAvailable")
+    return avail if avail is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_AVPHYS_PAGES")
 
 
 def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:

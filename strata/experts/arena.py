@@ -21,6 +21,7 @@ import torch
 
 from strata.experts.layout import ExpertLayout
 from strata.gguf import ModelFile
+from strata.units import proc_kib
 
 log = logging.getLogger("strata.arena")
 
@@ -50,14 +51,7 @@ def _anon_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
 
 def anon_huge_bytes() -> int:
     """AnonHugePages of this process (Linux), in bytes; 0 where unknown."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_kib("/proc/self/smaps_rollup", "AnonHugePages") or 0
 
 
 class Arena:
