@@ -211,3 +211,21 @@ def test_killed_engine_is_restarted(server, client):
     assert "killed by SIGKILL" in server.log()
     r = client.completions.create(model=MODEL, prompt="Back again", max_tokens=2)
     assert r.usage.completion_tokens >= 1 or r.choices[0].finish_reason == "stop"
+
+
+def test_serves_on_the_offload_runtime(synth, tmp_path):
+    """The engine child on the offload runtime (host arena, 3 cache slots, CPU misses): requests
+    are served, batched, and /metrics reports the expert cache's hit rate."""
+    args = ["--model-name", MODEL, "--offload", "on", "--expert-cache", "3", "--miss", "cpu",
+            "--cpu-kernels", "torch", "--batch", "2", "--report-dir", str(tmp_path)]
+    with ServerProcess(synth("qwen3moe", "IQ2_XS-MIX"), args,
+                       log_path=tmp_path / "server.log") as s:
+        s.wait_health(lambda h: h["status"] == "ok", what="a loaded engine")
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda seed: c.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=6, seed=seed), (1, 2)))
+        assert all(r.usage.completion_tokens > 0 for r in replies)
+        rate = _metrics(s)["strata_expert_cache_hit_rate"]
+        assert 0 < rate < 1  # 3 slots for 24 experts: some hits, some misses
+        assert "memory plan on cpu" in s.log() and "2 sequences" in s.log()
