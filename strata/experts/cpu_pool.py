@@ -12,6 +12,7 @@ import torch
 
 from strata.experts.arena import Arena
 from strata.experts.compute import Group, run_records
+from strata.experts.layout import ExpertLayout
 
 log = logging.getLogger("strata.cpu_pool")
 
@@ -22,6 +23,8 @@ class CpuPool:
         self.workspace_bytes = workspace_bytes
         self.kernels = None
         self.kind = "torch"
+        if threads:  # first: ggml shares torch's OpenMP runtime and wants the same thread count
+            torch.set_num_threads(threads)
         try:
             from strata.kernels.cpu import make_cpu_experts
         except ImportError:
@@ -30,21 +33,23 @@ class CpuPool:
         else:
             self.kernels = make_cpu_experts(kind, threads)
             self.kind = getattr(self.kernels, "name", kind)
-        if threads:
-            torch.set_num_threads(threads)
 
     def run(self, layer: int, arena: Arena, groups: list[Group], h: torch.Tensor,
             out: torch.Tensor) -> None:
         """out[t] += Σ w * expert(h[t]) over the groups' experts, read from the arena."""
-        lay = arena.layouts[layer]
+        records = [arena.record(layer, g.expert) for g in groups]
+        self.run_records(arena.layouts[layer], records, groups, h, out)
+
+    def run_records(self, lay: ExpertLayout, records: list[torch.Tensor], groups: list[Group],
+                    h: torch.Tensor, out: torch.Tensor) -> None:
+        """The same for experts in any host records (arena rows, or cache slots on the CPU)."""
         if self.kernels is None:
-            records = arena.layers[layer][torch.tensor([g.expert for g in groups])]
-            run_records(lay, records, groups, h, out, self.workspace_bytes)
+            run_records(lay, torch.stack(records), groups, h, out, self.workspace_bytes)
             return
         from strata.kernels.cpu import ExpertJob
 
         jobs = []
-        for g in groups:
-            gate, up, down = lay.views(arena.record(layer, g.expert))
+        for g, rec in zip(groups, records, strict=True):
+            gate, up, down = lay.views(rec)
             jobs.append(ExpertJob(gate, up, down, lay.qtypes, g.tokens, g.weights))
         self.kernels.run(h, jobs, out)

@@ -100,9 +100,13 @@ class OffloadExperts:
         if self.fused.covers(layer, h.shape[0]):
             self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, out)
             return
+        groups = [by_expert[e] for e in hits]
+        if self.device.type == "cpu":  # slots are host memory: the CPU kernel library runs them
+            records = [ls.slots[int(ls.slot_of[e])] for e in hits]
+            self.pool.run_records(ls.layout, records, groups, h, out)
+            return
         slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)
-        run_records(ls.layout, ls.slots[slots], [by_expert[e] for e in hits], h, out,
-                    self.workspace_bytes)
+        run_records(ls.layout, ls.slots[slots], groups, h, out, self.workspace_bytes)
 
     def _run_streamed(self, layer: int, hits: list[int], misses: list[int],
                       by_expert: dict[int, Group], h: torch.Tensor, ids: torch.Tensor,
