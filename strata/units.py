@@ -18,3 +18,14 @@ def proc_kib(path: str, key: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `123`, `500M`, `4G` (powers of 1024); ValueError otherwise."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper()
+    unit = t[-1] if t and t[-1] in "KMG" else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * units[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size like 4G or 500M") from None

@@ -6,6 +6,7 @@ import argparse
 
 from strata.config import EngineConfig
 from strata.errors import StrataError
+from strata.units import parse_size
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,11 +59,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _int_flag(flag: str, text: str) -> int:
-    from strata.cli.synth import parse_size
-
-    n = parse_size(text) if flag == "--ring-bytes" else None
+    """A positive count (--stream-min) or size (--ring-bytes: 123, 500M, 4G)."""
     try:
-        n = int(text) if n is None else n
+        n = parse_size(text) if flag == "--ring-bytes" else int(text)
     except ValueError:
         n = 0
     if n < 1:

@@ -12,7 +12,7 @@ from strata.synth.balance import routing_balance
 from strata.synth.presets import PRESETS, get_preset
 from strata.synth.recipes import RECIPES, Recipe
 from strata.synth.writer import write_model
-from strata.units import fmt_bytes
+from strata.units import fmt_bytes, parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,16 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
-def parse_size(text: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper()
-    unit = t[-1] if t and t[-1] in "KMG" else ""
-    try:
-        return int(float(t[: len(t) - len(unit)]) * units[unit])
-    except ValueError:
-        raise StrataError(f"--split-max-size {text!r}: give a size like 4G or 500M") from None
-
-
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix != ".gguf":
@@ -52,8 +42,13 @@ def run(args: argparse.Namespace) -> int:
         if args.layers < 1:
             raise StrataError(f"--layers {args.layers}: give at least 1")
         preset = replace(preset, n_layers=args.layers)
-    tensors = write_model(out, preset, recipe, args.seed, args.split_max_tensors,
-                          parse_size(args.split_max_size), progress=sys.stderr.isatty())
+    try:
+        split_size = parse_size(args.split_max_size)
+    except ValueError:
+        raise StrataError(f"--split-max-size {args.split_max_size!r}: give a size like 4G or "
+                          "500M") from None
+    tensors = write_model(out, preset, recipe, args.seed, args.split_max_tensors, split_size,
+                          progress=sys.stderr.isatty())
     total = sum(t.nbytes for t in tensors)
     print(f"strata: wrote {out} ({preset.arch} {args.preset}, {recipe.name}, "
           f"{fmt_bytes(total)})", file=sys.stderr)

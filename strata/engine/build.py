@@ -17,7 +17,7 @@ from strata.experts.cpu_pool import CpuPool
 from strata.experts.layout import expert_layouts
 from strata.experts.links import measure_links
 from strata.experts.offload import OffloadExperts
-from strata.experts.planner import MISS_MODES, LinkCosts, MissPlanner
+from strata.experts.planner import LinkCosts, MissPlanner, check_miss_mode
 from strata.experts.policy import make_policy
 from strata.experts.profile import load_profile
 from strata.experts.ring import Ring
@@ -54,8 +54,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         return MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
     from strata.engine.memory_plan import make_plan
 
-    if ec.miss not in MISS_MODES:
-        MissPlanner(ec.miss, None)  # raises the flag's error
+    check_miss_mode(ec.miss)  # before the arena is filled
     layouts = expert_layouts(mf, cfg)
     plan = make_plan(mf, cfg, ec, layouts)
     for line in plan.lines():

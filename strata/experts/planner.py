@@ -31,10 +31,14 @@ class LinkCosts:
         return nbytes / (self.pcie_gbs * 1e9)
 
 
+def check_miss_mode(mode: str) -> None:
+    if mode not in MISS_MODES:
+        raise StrataError(f"--miss {mode}: choose from {', '.join(MISS_MODES)}")
+
+
 class MissPlanner:
     def __init__(self, mode: str, costs: LinkCosts | None):
-        if mode not in MISS_MODES:
-            raise StrataError(f"--miss {mode}: choose from {', '.join(MISS_MODES)}")
+        check_miss_mode(mode)
         if mode == "auto" and costs is None:
             raise ValueError("auto needs measured link costs")
         self.mode, self.costs = mode, costs
