@@ -10,7 +10,10 @@ the same shape. Calls are captured in a CUDA graph that cycles through enough co
 weights (>= 256 MB) that the 60 MB L2 cannot hold them, and triton.testing.do_bench times graph
 replays (median); launch overhead is therefore not in the kernel times. The decode MoE layer of
 Qwen3-30B-A3B (128 experts, 8 routed, gate + up + down, one token) is timed the same way and also
-eagerly (host wall time per call, launches included).
+eagerly (host wall time per call, launches included). The prompt MoE layer of the same model
+(512 and 4096 tokens, every expert resident) is timed eagerly through both prompt paths: the
+grouped one (dequantize to bf16 -> torch._grouped_mm, moe_grouped.py) and the fused tl.dot
+kernels (moe._prompt); --moe-prompt-only runs just that.
 
 quant_matmul runs the FMA GEMV up to 4 tokens, the fused tensor-core kernel up to 63 and
 dequantize -> cuBLAS from 64 (matmul.DEQUANT_MIN_M); the fused kernel is also timed alone at
@@ -55,6 +58,8 @@ ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5
              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
              "IQ4_XS", "MXFP4"]
 TOKENS = [1, 4, 16, 512, 4096]
+MOE_PROMPT_TOKENS = [512, 4096]
+MOE_PROMPT_TYPES = ("Q4_K", "Q4_K", "Q6_K")
 FUSED_GEMM = ["Q4_K", "Q6_K", "Q8_0", "IQ2_XS"]  # also timed without the cuBLAS route
 ROTATE_BYTES = 256 << 20  # weight copies per timed graph: well past the H200's 60 MB L2
 # candidate GEMV tiles (BN, BK, pipeline stages, warps) tried by --tune on the 14336 x 4096
@@ -226,6 +231,63 @@ def moe_decode(types: tuple[str, str, str], rep_ms: int, timed: bool = True,
                 weight_bytes=topk * per_expert, gbs=topk * per_expert / sec / 1e9)
 
 
+def moe_prompt(types: tuple[str, str, str], tokens: int, grouped: bool, rep_ms: int,
+               timed: bool = True) -> dict:
+    """Qwen3-30B-A3B prompt MoE layer: 128 experts all resident, top-8 (random, distinct),
+    D=2048, F=768, `tokens` tokens, through moe_forward with the grouped path (grouped) or the
+    fused tl.dot kernels. Timed eagerly (do_bench median: launches, allocations and the bf16
+    dequantize included). TFLOP/s counts the useful 2·3·T·K·D·F."""
+    from strata.kernels.gpu import moe as moe_mod
+
+    e, topk, d, f = 128, 8, 2048, 768
+    qg, qu, qd = (QType[t] for t in types)
+    rng = np.random.default_rng(2)
+
+    def slots(q: QType, rows: int, cols: int) -> torch.Tensor:
+        one = torch.from_numpy(random_rows(q, rows, cols, rng, 0.02)).cuda()
+        return one.unsqueeze(0).repeat(e, 1, 1)
+
+    gate, up, down = slots(qg, f, d), slots(qu, f, d), slots(qd, d, f)
+    slot_of = torch.arange(e, dtype=torch.int32, device="cuda")
+    ids = torch.rand(tokens, e, device="cuda").argsort(1)[:, :topk]
+    wts = torch.softmax(torch.randn(tokens, topk, device="cuda"), -1)
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(tokens, d, device="cuda")
+    keep = moe_mod.GROUPED_MIN_TOKENS
+    moe_mod.GROUPED_MIN_TOKENS = 0 if grouped else 1 << 30
+    try:
+        def call() -> None:
+            moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
+                                out=out)
+
+        call()
+        torch.cuda.synchronize()
+        if not timed:
+            return {}
+        import triton.testing
+
+        sec = triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median") / 1e3
+    finally:
+        moe_mod.GROUPED_MIN_TOKENS = keep
+    return dict(types=list(types), tokens=tokens, path="grouped" if grouped else "tl.dot",
+                us=sec * 1e6, tflops=2 * 3 * tokens * topk * d * f / sec / 1e12,
+                tok_s_48_layers=tokens / (48 * sec))
+
+
+def moe_prompt_rows(report: dict, rep_ms: int) -> None:
+    for t in MOE_PROMPT_TOKENS:
+        pair = {}
+        for grouped in (True, False):
+            r = moe_prompt(MOE_PROMPT_TYPES, t, grouped, rep_ms)
+            report["moe_prompt"].append(r)
+            pair[grouped] = r
+            print(f"MoE 30B-A3B prompt layer {'/'.join(MOE_PROMPT_TYPES)} T={t:5d} "
+                  f"{r['path']:8s}: {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
+                  f"({r['tok_s_48_layers']:7.0f} tok/s for 48 layers, MoE only)", flush=True)
+        print(f"  grouped / tl.dot speed-up at T={t}: {pair[False]['us'] / pair[True]['us']:.2f}x",
+              flush=True)
+
+
 # ---- parallel compile ---------------------------------------------------------------------------
 
 
@@ -236,6 +298,8 @@ def _compile_worker(job: tuple) -> str:
             run_case(payload, 0, timed=False)
         elif kind == "fused":
             fused_gemm_row(payload, 4096, 0, timed=False)
+        elif kind == "moe_prompt":
+            moe_prompt(MOE_PROMPT_TYPES, payload[0], payload[1], 0, timed=False)
         else:
             moe_decode(payload[0], 0, timed=False, table=payload[1])
         return ""
@@ -267,6 +331,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--moe-prompt-only", action="store_true",
+                    help="only the 30B-A3B prompt MoE layer, grouped vs tl.dot")
     args = ap.parse_args()
     types = args.types.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -276,7 +342,14 @@ def main() -> None:
     from strata.kernels.gpu import formats
 
     report: dict = dict(device=torch.cuda.get_device_name(), rows=[], cublas=[], tune=[],
-                        moe=[], fused_gemm=[])
+                        moe=[], fused_gemm=[], moe_prompt=[])
+    prompt_jobs = [("moe_prompt", (t, g)) for t in MOE_PROMPT_TOKENS for g in (True, False)]
+    if args.moe_prompt_only:
+        if args.workers > 1:
+            precompile(prompt_jobs, args.workers)
+        moe_prompt_rows(report, args.rep_ms)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        return
     table = {t: formats.FORMATS[QType[t]].gemv for t in types}
     if args.tune:  # time the GEMV tile candidates first, then use the fastest per type
         tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t]
@@ -296,7 +369,8 @@ def main() -> None:
     todo = cases(types, tokens, full, table)
     if args.workers > 1:
         precompile([("case", c) for c in todo] + [("moe", (m, table)) for m in moes]
-                   + [("fused", t) for t in FUSED_GEMM if t in types], args.workers)
+                   + [("fused", t) for t in FUSED_GEMM if t in types] + prompt_jobs,
+                   args.workers)
     hbm = hbm_copy_gbs()
     report["hbm_copy_gbs"] = hbm
     print(f"{torch.cuda.get_device_name()}: HBM copy {hbm:.0f} GB/s (read + write)", flush=True)
@@ -334,6 +408,7 @@ def main() -> None:
         report["moe"].append(r)
         print(f"MoE 30B-A3B decode layer {'/'.join(mt)}: {r['us_graph']:.1f} us (graph), "
               f"{r['us_eager']:.1f} us eager, {r['gbs']:.0f} GB/s of expert weights", flush=True)
+    moe_prompt_rows(report, args.rep_ms)
     report["targets"] = targets(report)
     for k, v in report["targets"].items():
         print(f"target {k}: {v}")
@@ -355,6 +430,9 @@ def targets(report: dict) -> dict:
     for r in report["moe"]:
         out[f"MoE decode {'/'.join(r['types'])} <= 30 us"] = \
             f"{r['us_graph']:.1f} us graph, {r['us_eager']:.1f} us eager"
+    for r in report["moe_prompt"]:
+        out[f"MoE prompt layer {r['tokens']} tokens, {r['path']}"] = \
+            f"{r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s"
     return out
 
 

@@ -174,6 +174,7 @@ class EngineConfig:
     ring_bytes: int | None = None  # streaming ring budget (None: auto from the memory plan)
     stream_min: int | None = None  # chunk tokens from which misses stream (None: auto)
     kernels: str = "fused"  # fused | exact (fused only for <= 4 tokens, float32-exact) | off
+    decode_step: str = "graphs"  # graphs | eager | off: one-sequence decode (offload runtime)
     debug: bool = False  # check cache invariants after every layer
 
     @property

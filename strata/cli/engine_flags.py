@@ -36,6 +36,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", default="fused", choices=["fused", "exact", "off"],
                    help="GPU kernels on GGUF blocks: fused everywhere (prompt chunks on bf16 "
                    "tensor cores), exact (fused only where float32-exact: up to 4 tokens), off")
+    g.add_argument("--decode-step", default="graphs", choices=["graphs", "eager", "off"],
+                   help="one sequence's decode token on the offload runtime: static buffers "
+                   "captured as CUDA graphs (graphs; eager on the CPU), the same pieces run "
+                   "eagerly, or off (the plain batched forward)")
     g.add_argument("--stream-min", default="auto", metavar="auto|T",
                    help="chunk tokens from which missed experts are streamed (auto: measured)")
 
@@ -55,7 +59,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
         cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
-        stream_min=stream_min, kernels=args.kernels, debug=getattr(args, "debug", False))
+        stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
+        debug=getattr(args, "debug", False))
 
 
 def _int_flag(flag: str, text: str) -> int:

@@ -10,6 +10,7 @@ import os
 import torch
 
 from strata.config import EngineConfig, ModelConfig
+from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
@@ -83,6 +84,14 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
              f"{fmt_bytes(plan.ring)} ring")
     executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, plan.workspace,
-                              [staging], Ring(plan.ring, dev), stream_min, debug=ec.debug,
-                              fused_max_t=fused_max_t)
-    return MoETransformer(cfg, weights, dev, executor)
+                              [staging], Ring(plan.ring, dev, grouped=ec.kernels == "fused"),
+                              stream_min, debug=ec.debug, fused_max_t=fused_max_t,
+                              prompt_scratch=plan.prompt_weights)
+    model = MoETransformer(cfg, weights, dev, executor)
+    model.max_chunk = plan.chunk
+    if ec.decode_step not in DECODE_STEP_MODES:
+        raise StrataError(f"--decode-step {ec.decode_step}: choose from "
+                          f"{', '.join(DECODE_STEP_MODES)}")
+    if ec.decode_step != "off":
+        model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)
+    return model

@@ -12,6 +12,7 @@ import torch
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.build import build_model
 from strata.engine.kv_cache import KVCache
+from strata.engine.memory_plan import auto_chunk
 from strata.engine.sampling import SamplingParams, sample
 from strata.engine.waits import PROGRESS
 from strata.errors import StrataError
@@ -81,15 +82,14 @@ class Engine:
                               f"model's context of {self.config.context_length} tokens")
 
     def prefill_chunk(self, n_prompt: int) -> int:
-        """Tokens per prompt chunk: --prefill auto|auto:N|N|off. auto keeps a chunk's MoE
-        intermediates (K experts x (D + F) floats per token) within the workspace, at most 4096:
-        larger chunks copy each streamed expert fewer times per prompt."""
+        """Tokens per prompt chunk: --prefill auto|auto:N|N|off. auto: what the memory plan
+        allows (auto_chunk), at most 4096: larger chunks copy each streamed expert fewer times
+        per prompt."""
         spec = self.engine_config.prefill
         if spec == "off":
             return max(n_prompt, 1)
-        cfg, ec = self.config, self.engine_config
-        per_token = cfg.n_experts_used * (cfg.d_model + cfg.d_expert) * 4
-        auto = max(16, min(4096, (ec.workspace_mib << 20) // per_token))
+        auto = self.model.max_chunk or auto_chunk(self.config,
+                                                  self.engine_config.workspace_mib << 20)
         try:
             if spec == "auto":
                 return auto
@@ -128,7 +128,7 @@ class Engine:
         for i in range(params.max_tokens):
             if i:
                 PROGRESS.at("decode", position=kv.length)
-                logits = self.model.forward(torch.tensor([token]), [Segment(kv, 1)])[0]
+                logits = self.model.decode(token, kv)[0]
                 PROGRESS.steps += 1
             token = sample(logits, params, gen)
             now = time.perf_counter()

@@ -1,32 +1,65 @@
-"""Per-sequence KV cache: one key and one value tensor per layer, grown by doubling.
+"""Per-sequence KV cache: keys and values of every layer in one float32 tensor, grown by doubling.
 
-    k[layer]: [capacity, Hkv, hd]   rows 0 .. length-1 hold the sequence's keys so far
+    store: [2, L, capacity, Hkv, hd]     k[layer] = store[0, layer], v[layer] = store[1, layer]
+           rows 0 .. length-1 hold the sequence's keys and values so far
+
+One storage tensor means one address identifies every layer's rows: a captured decode step
+(strata.engine.decode_step) is valid for a cache as long as `store` has not moved. A KVPool hands
+a finished sequence's storage to the next cache of the same shape, so the steps of one request
+after another replay the same graphs.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+
+class KVPool:
+    """Storage tensors of dropped caches, reused by new caches of the same shape."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+
+    def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        for i, t in enumerate(self.free):
+            if tuple(t.shape) == shape and t.device == device:
+                return self.free.pop(i)
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    def give(self, store: torch.Tensor) -> None:
+        self.free.append(store)
 
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, device: torch.device,
-                 capacity: int = 256):
+                 capacity: int = 256, pool: KVPool | None = None):
         self.shape = (n_kv_heads, head_dim)
+        self.n_layers = n_layers
         self.device = device
         self.length = 0
-        self.k = [self._alloc(capacity) for _ in range(n_layers)]
-        self.v = [self._alloc(capacity) for _ in range(n_layers)]
+        self.pool = pool
+        self._release = None
+        self._alloc(capacity)
 
-    def _alloc(self, capacity: int) -> torch.Tensor:
-        return torch.empty(capacity, *self.shape, dtype=torch.float32, device=self.device)
+    def _alloc(self, capacity: int) -> None:
+        shape = (2, self.n_layers, capacity, *self.shape)
+        if self.pool is None:
+            self.store = torch.empty(shape, dtype=torch.float32, device=self.device)
+        else:
+            self.store = self.pool.take(shape, self.device)
+            self._release = weakref.finalize(self, self.pool.give, self.store)
+        self.k = list(self.store[0].unbind(0))
+        self.v = list(self.store[1].unbind(0))
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[0]
+        return self.store.shape[2]
 
     @property
     def nbytes(self) -> int:
-        return 2 * len(self.k) * self.k[0].numel() * 4
+        return self.store.numel() * 4
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Write k, v [t, Hkv, hd] at rows length.. (not yet committed); return all keys/values
@@ -46,10 +79,14 @@ class KVCache:
         """Forget everything after `length` tokens (e.g. rejected draft tokens)."""
         self.length = min(self.length, length)
 
+    def reserve(self, need: int) -> None:
+        """Make room for `need` rows now (a decode step must not move the storage)."""
+        if need > self.capacity:
+            self._grow(need)
+
     def _grow(self, need: int) -> None:
-        cap = max(need, 2 * self.capacity)
-        for kv in (self.k, self.v):
-            for i, old in enumerate(kv):
-                new = self._alloc(cap)
-                new[: self.length] = old[: self.length]
-                kv[i] = new
+        old, release = self.store, self._release
+        self._alloc(max(need, 2 * self.capacity))
+        self.store[:, :, : self.length] = old[:, :, : self.length]
+        if release is not None:
+            release()  # the old storage back to the pool

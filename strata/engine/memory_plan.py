@@ -44,6 +44,8 @@ class MemoryPlan:
     cache: int
     arena: int
     host_available: int
+    chunk: int = 4096  # prompt tokens per forward at most
+    prompt_weights: int | None = None  # bf16 weight scratch of the grouped prompt path
 
     @property
     def left(self) -> int:
@@ -57,7 +59,8 @@ class MemoryPlan:
             f"  dense weights  {f(self.dense):>10} "
             f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
             f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences)",
-            f"  workspace      {f(self.workspace):>10}",
+            f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
+            "tokens)",
             f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
             f"  streaming ring {f(self.ring):>10}",
             f"  cache slots    {f(self.cache):>10} ({n} slots, "
@@ -66,6 +69,32 @@ class MemoryPlan:
             f"  host arena     {f(self.arena):>10} of {f(self.host_available)} RAM available",
             f"  left           {f(self.left):>10}",
         ]
+
+
+def auto_chunk(cfg: ModelConfig, workspace: int) -> int:
+    """Prompt tokens per chunk whose float32 MoE intermediates (K experts x (D + F) floats per
+    token) fit the workspace: 16 .. 4096."""
+    per_token = cfg.n_experts_used * (cfg.d_model + cfg.d_expert) * 4
+    return max(16, min(4096, workspace // per_token))
+
+
+def prompt_scratch(cfg: ModelConfig, layouts: list[ExpertLayout], budget: int,
+                   chunk: int) -> tuple[int, int, int]:
+    """The grouped prompt path's scratch on CUDA (strata.kernels.gpu.moe_grouped): (bytes, chunk,
+    weight scratch). Its weights take at most an eighth of the budget; the chunk is halved
+    (not below 256 tokens) until the whole scratch fits a quarter of it."""
+    from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, grouped_scratch_bytes
+
+    lay = max(layouts, key=lambda la: la.d_model * la.d_expert)
+    one = 3 * lay.d_model * lay.d_expert * 2  # one expert in bf16
+    weights = max(one, min(GROUPED_SCRATCH_BYTES, budget // 8))
+
+    def need(t: int) -> int:
+        return grouped_scratch_bytes(lay, cfg.n_experts, t, cfg.n_experts_used, weights)
+
+    while chunk > 256 and need(chunk) > budget // 4:
+        chunk //= 2
+    return need(chunk), chunk, weights
 
 
 def host_available() -> int:
@@ -103,13 +132,23 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * 4 * max(1, ec.sequences)
     workspace = max(ec.workspace_mib << 20, 3 * cfg.d_model * cfg.d_expert * 4,
                     8192 * cfg.d_model * 4)
+    chunk, prompt_weights = auto_chunk(cfg, workspace), None
+    if dev.type == "cuda" and ec.kernels == "fused":  # the grouped prompt path's scratch; it
+        # and the float32 dequantizing paths never run at once, so they share the workspace
+        grouped, chunk, prompt_weights = prompt_scratch(cfg, layouts, budget, 4096)
+        workspace = max(workspace, grouped)
     max_stride = max(lay.stride for lay in layouts)
     staging_slots = cfg.n_experts_used
     staging = staging_slots * max_stride
     quant_dense = dev.type == "cuda" and dense_bytes(mf, cfg, False) > budget // 4
     dense = dense_bytes(mf, cfg, quant_dense)
-    # the ring: by default four of the largest records (double buffering with room to spare)
-    ring = ring_size(ec.ring_bytes, layouts, 4 * max_stride)
+    # the ring: by default four of the largest records (double buffering with room to spare);
+    # with the grouped prompt path, up to 64 (two banks of 32 experts computed per launch
+    # sequence), at most a sixteenth of the budget
+    n_ring = 4
+    if dev.type == "cuda" and ec.kernels == "fused":
+        n_ring = max(4, min(64, budget // 16 // max_stride))
+    ring = ring_size(ec.ring_bytes, layouts, n_ring * max_stride)
     fixed = dense + workspace + staging + ring + MARGIN
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
@@ -151,5 +190,6 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
-                      staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail)
+                      staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
+                      chunk, prompt_weights)
 

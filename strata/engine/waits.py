@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("STRATA_WAIT_TIMEOUT", "60"))
+_SPIN_S = 2e-3  # waits this short are polled without sleeping: a decode step waits ~50 per token
 
 
 @dataclass
@@ -54,14 +55,17 @@ class StallError(RuntimeError):
 def wait_event(event: torch.cuda.Event, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Wait for a CUDA event without blocking inside the driver, up to timeout_s."""
     PROGRESS.last_wait = what
-    deadline = time.monotonic() + timeout_s
-    delay = 0.0
+    start = time.monotonic()
+    deadline, spin_until = start + timeout_s, start + _SPIN_S
+    delay = 50e-6
     while not event.query():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise StallError(f"waited {timeout_s:.0f} s for {what} ({PROGRESS.describe()}); "
                              "the GPU never signalled it")
-        time.sleep(delay)
-        delay = min(delay * 2 or 20e-6, 1e-3)  # spin briefly, then back off to 1 ms
+        if now > spin_until:  # spin first (a sleep costs ~60 us), then back off to 1 ms
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
 
 
 def to_host(t: torch.Tensor, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:

@@ -124,6 +124,13 @@ class ExpertCache:
             ev.record(torch.cuda.current_stream(self.device))
             self.layers[layer].used = ev
 
+    def flush(self) -> None:
+        """Bring every layer's device table and finished copies to the compute stream (a decode
+        step's graphs then read tables that agree with the host maps for the whole step)."""
+        for i, ls in enumerate(self.layers):
+            if ls.dirty or ls.ready is not None:
+                self.before_compute(i)
+
     def sync(self) -> None:
         if self.cuda:
             self.copy_stream.synchronize()

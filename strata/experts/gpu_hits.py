@@ -28,9 +28,10 @@ def fused_kernels_available(device: torch.device) -> bool:
 
 class FusedHits:
     def __init__(self, layouts: list[ExpertLayout], device: torch.device,
-                 max_t: int = 1 << 30):
-        """max_t: the most tokens a call may have for the fused kernels (0: never)."""
-        self.max_t = max_t
+                 max_t: int = 1 << 30, scratch_bytes: int | None = None):
+        """max_t: the most tokens a call may have for the fused kernels (0: never);
+        scratch_bytes: the prompt path's bf16 weight scratch (the memory plan's)."""
+        self.max_t, self.scratch_bytes = max_t, scratch_bytes
         self.on = max_t > 0 and fused_kernels_available(device)
         self.covered = [False] * len(layouts)
         if self.on:
@@ -53,4 +54,5 @@ class FusedHits:
 
         gate, up, down = layout.views(slots)
         return moe_forward(h, ids, weights.float(), table, gate, up, down, layout.qtypes,
-                           layout.d_model, layout.d_expert, out=out)
+                           layout.d_model, layout.d_expert, out=out,
+                           scratch_bytes=self.scratch_bytes)

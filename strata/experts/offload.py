@@ -29,22 +29,27 @@ from strata.model.weights import ExpertWeights
 class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
                  workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
-                 stream_min: int = 1 << 30, debug: bool = False, fused_max_t: int = 1 << 30):
+                 stream_min: int = 1 << 30, debug: bool = False, fused_max_t: int = 1 << 30,
+                 prompt_scratch: int | None = None):
         self.arena, self.cache, self.planner, self.pool = arena, cache, planner, cpu_pool
         self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
         self.ring, self.stream_min = ring, stream_min
         self.device = cache.device
-        self.fused = FusedHits(arena.layouts, self.device, fused_max_t)
+        self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
-            weights: torch.Tensor) -> torch.Tensor:
+            weights: torch.Tensor, host: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """host: (ids, weights, h) already copied to the host (the decode step's pinned
+        buffers), saving the syncs of copying them here."""
         lay = self.arena.layouts[layer]
         ls = self.cache.layers[layer]
-        if ls.capacity == self.arena.n_experts and self.fused.covers(layer, h.shape[0]):
+        if self.resident(layer, h.shape[0]):
             return self._run_resident(layer, h, ids, weights)
-        groups = group_pairs(to_host(ids, f"layer {layer} routing ids"),
-                             to_host(weights.float(), f"layer {layer} routing weights"))
+        if host is None:
+            host = (to_host(ids, f"layer {layer} routing ids"),
+                    to_host(weights.float(), f"layer {layer} routing weights"), None)
+        groups = group_pairs(host[0], host[1])
         by_expert = {g.expert: g for g in groups}
         ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
         self.stats.count(layer, list(by_expert), [len(g.tokens) for g in groups])
@@ -62,7 +67,9 @@ class OffloadExperts:
             (hits if slot is not None else staged).append(e)
             self.stats.bytes_h2d += lay.nbytes
         out = torch.zeros_like(h)
-        h_host = h.to("cpu", non_blocking=False) if to_cpu and self.device.type != "cpu" else h
+        h_host = h
+        if to_cpu and self.device.type != "cpu":
+            h_host = host[2] if host[2] is not None else to_host(h, f"layer {layer} activations")
         self.cache.before_compute(layer)
         self._run_hits(layer, hits, by_expert, h, ids, weights, out)
         self._run_staged(layer, [by_expert[e] for e in staged], h, out)
@@ -79,15 +86,71 @@ class OffloadExperts:
             self.cache.check_integrity()
         return out
 
+    def resident(self, layer: int, tokens: int) -> bool:
+        """Every expert of the layer has a slot (for good: a full layer never evicts) and the
+        fused kernels cover its types: the layer runs without the host."""
+        return (self.cache.layers[layer].capacity == self.arena.n_experts
+                and self.fused.covers(layer, tokens))
+
     def _run_resident(self, layer: int, h: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
         """Every expert of the layer has a slot: the fused kernels read the slot table on the
         device, with no routing sync to the host."""
-        ls = self.cache.before_compute(layer)
-        out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, torch.zeros_like(h))
+        self.cache.before_compute(layer)
+        out = self.device_hits(layer, h, ids, weights, count=True)
         self.cache.after_compute(layer)
         self.stats.hits[layer] += ids.numel()
-        self.stats.count_on_device(layer, ids)
+        return out
+
+    def device_hits(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    count: bool) -> torch.Tensor:
+        """The pairs whose expert has a slot in the device table, with device work only (safe
+        to capture in a CUDA graph; the caller counts hits on the host). count: also count the
+        routing on the device (layers whose routing the host never reads)."""
+        ls = self.cache.layers[layer]
+        out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, torch.zeros_like(h))
+        if count:
+            self.stats.count_on_device(layer, ids)
+        return out
+
+    def misses(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               host: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """What device_hits left out of a decode step's layer (it ran on the table as the step
+        began: the host map agrees, ExpertCache.flush): the misses, split between the CPU pool
+        and copies as in run(). host: (ids, weights, h) on the host. None when all hit."""
+        lay, ls = self.arena.layouts[layer], self.cache.layers[layer]
+        groups = group_pairs(host[0], host[1])
+        by_expert = {g.expert: g for g in groups}
+        ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
+        self.stats.count(layer, list(by_expert), [len(g.tokens) for g in groups])
+        hits = [e for e in by_expert if ls.slot_of[e] >= 0]
+        self.stats.hits[layer] += sum(len(by_expert[e].tokens) for e in hits)
+        misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
+        if not misses:
+            return None
+        to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
+        keep = set(hits) | set(to_copy)
+        copied, staged = [], []
+        for e in to_copy:
+            slot = self.cache.admit(layer, e, self.arena.record(layer, e), keep, force=True)
+            (copied if slot is not None else staged).append(e)
+            self.stats.bytes_h2d += lay.nbytes
+        out = torch.zeros_like(h)
+        if copied:  # only the just-copied experts: the step's hits are in already
+            self.cache.before_compute(layer)  # waits for the copies, uploads the table
+            only = torch.full((self.arena.n_experts,), -1, dtype=torch.int32)
+            only[copied] = torch.from_numpy(ls.slot_of[copied])
+            self.fused.run(lay, ls.slots, only.to(self.device, non_blocking=True), h, ids,
+                           weights, out)
+        self._run_staged(layer, [by_expert[e] for e in staged], h, out)
+        self.cache.after_compute(layer)
+        if to_cpu:
+            out += self._run_cpu(layer, [by_expert[e] for e in to_cpu], host[2]).to(self.device)
+            self._admit_after(layer, to_cpu, keep)
+        self.stats.streamed[layer] += sum(len(by_expert[e].tokens) for e in to_copy)
+        self.stats.cpu[layer] += sum(len(by_expert[e].tokens) for e in to_cpu)
+        if self.debug:
+            self.cache.check_integrity()
         return out
 
     def _run_hits(self, layer: int, hits: list[int], by_expert: dict[int, Group],

@@ -20,7 +20,7 @@ import torch
 from strata.config import ModelConfig
 from strata.engine.kv_cache import KVCache
 from strata.experts import ExpertExecutor, ReferenceExperts
-from strata.model.layers import apply_rope, attention, rms_norm, rope_tables, route, swiglu
+from strata.model.layers import apply_rope, attention, rms_norm, rope_tables, route
 from strata.model.weights import LayerWeights, ModelWeights, linear
 
 
@@ -37,10 +37,24 @@ class MoETransformer:
                  experts: ExpertExecutor | None = None):
         self.cfg, self.w, self.device = cfg, weights, device
         self.experts = experts or ReferenceExperts()
+        self.step = None  # a DecodeStep (strata.engine.decode_step) when the engine made one
+        self.max_chunk: int | None = None  # prompt tokens per forward the memory plan allows
+
+    def decode(self, token: int, kv: KVCache) -> torch.Tensor:
+        """One new token of one sequence -> logits [1, V] float32: the decode step (captured as
+        CUDA graphs where it can be) when the engine built one, else a plain forward."""
+        if self.step is not None:
+            return self.step(token, kv)
+        return self.forward(torch.tensor([token]), [Segment(kv, 1)])
 
     def new_cache(self, capacity: int = 256) -> KVCache:
+        """A KV cache for `capacity` tokens (it grows past them). With a decode step, caches of
+        at least the planned context come from one pool, so its graphs serve every request."""
         c = self.cfg
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity)
+        if self.step is None:
+            return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device,
+                       max(capacity, self.step.kv_capacity), self.step.kv_pool)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
@@ -94,6 +108,12 @@ class MoETransformer:
         ids, weights = route(h, lw.router, cfg.n_experts_used, cfg.norm_topk)  # [T, K]
         out = self.experts.run(i, lw.experts, h, ids, weights)
         if lw.shared_w1 is not None:
-            gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
-            out = out + gate * swiglu(h, lw.shared_w1, lw.shared_w3, lw.shared_w2)
+            out = out + shared_expert(lw, h)
         return out
+
+
+def shared_expert(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h). h: [T, D] -> [T, D]"""
+    gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
+    act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
+    return gate * linear(act, lw.shared_w2)

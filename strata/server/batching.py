@@ -109,7 +109,10 @@ class BatchRunner:
         try:
             for s in batch:  # injected faults strike inside the step, as real ones would
                 self.faults.at(*(("decode", s.decode_steps + 1) if s.prefilled else ("prefill",)))
-            logits = self.engine.model.forward(tokens, segments)  # [B, V]
+            if len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
+                logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
+            else:
+                logits = self.engine.model.forward(tokens, segments)  # [B, V]
         except StallError as e:  # a bounded wait ran out: the GPU or a worker is stuck
             self.send(Stalled(str(e), self.state()))
             while True:  # keep every thread as it is for the report; the server stops us

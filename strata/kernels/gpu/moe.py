@@ -19,7 +19,8 @@ steps are in flight across expert boundaries.
 Prompt chunks: pairs are sorted by expert (torch, on the device, no host sync); one CTA per
 (expert, BM tokens, BN rows) multiplies on tensor cores, h is kept in bf16, the down kernel
 writes each pair's weighted row into y [P, D] and `out += y.sum(K)`: a fixed-order
-(deterministic) reduction.
+(deterministic) reduction. Chunks with GROUPED_MIN_TOKENS tokens per expert or more on average
+go to moe_grouped.py instead: the experts dequantized to bf16, then torch._grouped_mm.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ from strata.kernels.gpu.tiles import dequant_tile
 from strata.quant import QType, dequantize
 
 DECODE_MAX_T = 4  # up to here each pair reads its expert itself; beyond, pairs are grouped
+# From this many tokens per expert on average (T·K / E), prompt chunks take the grouped path
+# (moe_grouped.py: the layer's experts dequantized to bf16, then torch._grouped_mm) instead of
+# the fused tl.dot kernels. Dequantizing costs one pass over the experts whatever T is, so it
+# pays once each expert's GEMM has rows enough. At 16 tokens, on one 14336 x 4096 matrix (H200,
+# docs/kernels.md), the fused kernel took 95.7 us for Q4_K (464 us for IQ2_XS) against ~70 us
+# estimated for the bf16 route (33.7 us measured for cuBLAS at 16 tokens, plus ~36 us to write
+# the bf16 copy at copy bandwidth); from 512 tokens the bf16 route measured 3-5x faster.
+# Qwen3-30B-A3B (E=128, K=8) switches at 256 tokens. An estimate, not a measured crossover:
+# scripts/bench_kernels.py --moe-prompt-only times both paths on that layer.
+GROUPED_MIN_TOKENS = 16
 
 _SIZES = ["T", "P", "D", "F", "NC"]
 
@@ -167,13 +178,13 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
     return slot_of_expert[ids.long()] >= 0
 
 
-def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                slot_of_expert: torch.Tensor, gate_slots: torch.Tensor, up_slots: torch.Tensor,
-                down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
-                d_expert: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
-    x [T, D] bf16/f32; ids [T, K] int32/int64 < E; weights [T, K]; slot_of_expert int32 [E];
-    gate/up slots uint8 [n_slots, F, row_nbytes(D)], down uint8 [n_slots, D, row_nbytes(F)]."""
+def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   slot_of_expert: torch.Tensor, gate_slots: torch.Tensor,
+                   up_slots: torch.Tensor, down_slots: torch.Tensor, qtypes: tuple[int, int, int],
+                   d_model: int, d_expert: int,
+                   out: torch.Tensor | None) -> tuple[tuple[QType, QType, QType], torch.Tensor]:
+    """The (gate, up, down) QTypes and `out` (zeros when None), after checking every argument
+    of moe_forward (shared by the grouped path, moe_grouped.py)."""
     qg, qu, qd = (QType(q) for q in qtypes)
     t, d = x.shape if x.dim() == 2 else (-1, -1)
     if d != d_model or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
@@ -195,8 +206,34 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         out = torch.zeros(t, d_model, dtype=torch.float32, device=x.device)
     elif out.shape != (t, d_model) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{t}, {d_model}] with contiguous rows")
+    return (qg, qu, qd), out
+
+
+def use_grouped(t: int, topk: int, n_experts: int) -> bool:
+    """True when moe_forward hands a call to the grouped path (moe_grouped.py)."""
+    return t > DECODE_MAX_T and t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1)
+
+
+def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                slot_of_expert: torch.Tensor, gate_slots: torch.Tensor, up_slots: torch.Tensor,
+                down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
+                d_expert: int, out: torch.Tensor | None = None,
+                scratch_bytes: int | None = None) -> torch.Tensor:
+    """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
+    x [T, D] bf16/f32; ids [T, K] int32/int64 < E; weights [T, K]; slot_of_expert int32 [E];
+    gate/up slots uint8 [n_slots, F, row_nbytes(D)], down uint8 [n_slots, D, row_nbytes(F)].
+    scratch_bytes: the grouped path's bf16 weight scratch (None: its default)."""
+    (qg, qu, qd), out = check_moe_args(x, ids, weights, slot_of_expert, gate_slots, up_slots,
+                                       down_slots, qtypes, d_model, d_expert, out)
+    t = x.shape[0]
     if t == 0 or ids.shape[1] == 0:
         return out
+    if use_grouped(t, ids.shape[1], slot_of_expert.shape[0]):
+        from strata.kernels.gpu.moe_grouped import moe_forward_grouped  # imports this module
+
+        kw = {} if scratch_bytes is None else {"scratch_bytes": scratch_bytes}
+        return moe_forward_grouped(x, ids, weights, slot_of_expert, gate_slots, up_slots,
+                                   down_slots, (qg, qu, qd), d_model, d_expert, out=out, **kw)
     fmts = [kernel_format(q) for q in (qg, qu, qd)]
     if any(f is None for f in fmts):
         for q, f in zip((qg, qu, qd), fmts, strict=True):

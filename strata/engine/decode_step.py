@@ -1,0 +1,245 @@
+"""One decode token of one sequence, captured as CUDA graphs where the plan allows.
+
+The step is cut into pieces at the layers whose experts need the host: a layer with experts
+outside the VRAM cache must read its routing on the host to plan its misses. A piece runs, for
+its layers, attention and the router and, for a layer whose every expert is resident, the fused
+MoE kernels (they read the slot table on the device); it ends after the routing of the next host
+layer, its ids, weights and activations copied to pinned host buffers. The offload executor runs
+that layer (CPU pool, copies, hits) eagerly; the next piece starts by adding its output.
+
+    piece 0: embed; layers 0 .. m0 (m0's experts left out)     host: experts of m0
+    piece 1: x += moe(m0); layers m0+1 .. m1                   host: experts of m1
+    ...
+    last:    x += moe(mk); layers .. L-1; norm; logits
+
+With every expert resident the step is one graph: one launch per token. Each tensor that crosses
+a piece boundary is static; the token, position and KV length are device tensors, so a piece is
+captured once per KV storage (KVCache.store) and replayed for every later token. A step whose
+capture fails runs eagerly, with one warning. On the CPU (or with --decode-step eager) the same
+pieces run eagerly: CI checks them against the plain forward.
+
+Legend: D hidden, H heads, Hkv kv heads, hd head dim, K experts per token, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata.engine.kv_cache import KVCache, KVPool
+from strata.engine.waits import wait_event
+from strata.kernels.gpu import decode_ops as ops
+from strata.model.transformer import shared_expert
+from strata.model.weights import LayerWeights, linear
+
+log = logging.getLogger("strata")
+
+DECODE_STEP_MODES = ("graphs", "eager", "off")
+
+
+@dataclass(frozen=True)
+class Piece:
+    layers: range  # the layers whose attention and routing this piece runs
+    host_layer: int  # the last of them when its experts run on the host after the piece; else -1
+    first: bool  # embeds the token
+    after_host: bool  # starts by adding the previous host layer's expert output
+
+
+def cut_pieces(n_layers: int, host: list[bool]) -> list[Piece]:
+    """Pieces for the layers whose experts need the host (`host[l]`)."""
+    pieces, start = [], 0
+    for layer in range(n_layers):
+        if host[layer]:
+            pieces.append(Piece(range(start, layer + 1), layer, start == 0,
+                                bool(pieces)))
+            start = layer + 1
+    pieces.append(Piece(range(start, n_layers), -1, start == 0, bool(pieces)))
+    return pieces
+
+
+class DecodeStep:
+    def __init__(self, model, mode: str = "graphs", kv_capacity: int = 0):  # noqa: ANN001
+        """model: the MoETransformer; kv_capacity: the planned context (caches at least this
+        large share one storage pool, see KVPool)."""
+        from strata.experts.offload import OffloadExperts
+
+        if mode not in DECODE_STEP_MODES[:2]:
+            raise ValueError(f"decode step mode {mode!r}")
+        ex = model.experts
+        if not isinstance(ex, OffloadExperts):
+            raise TypeError("the decode step runs on the offload runtime")
+        self.model, self.ex, self.cfg = model, ex, model.cfg
+        self.kv_capacity, self.kv_pool = kv_capacity, KVPool()
+        cfg, dev = model.cfg, model.device
+        self.device = dev
+        self.graphs = mode == "graphs" and dev.type == "cuda"
+        self.host = [not (dev.type == "cuda" and ex.resident(i, 1)) and
+                     not (dev.type == "cpu" and ex.cache.layers[i].capacity == cfg.n_experts)
+                     for i in range(cfg.n_layers)]
+        # host layers whose hits the piece computes on the device (the host adds the misses)
+        self.hits_in_piece = [h and dev.type == "cuda" and ex.fused.covers(i, 1)
+                              for i, h in enumerate(self.host)]
+        self.pieces = cut_pieces(cfg.n_layers, self.host)
+        self.resident_layers = np.array([i for i in range(cfg.n_layers) if not self.host[i]],
+                                        dtype=np.int64)
+        f32 = dict(dtype=torch.float32, device=dev)
+        K = cfg.n_experts_used
+        # inputs: token, position of the new token, KV length after it
+        self.inputs_host = torch.zeros(3, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.inputs = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.x = torch.zeros(1, cfg.d_model, **f32)  # the residual stream
+        self.h = torch.zeros(1, cfg.d_model, **f32)  # a host layer's expert input
+        self.ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
+        self.wts = torch.zeros(1, K, **f32)
+        self.moe_out = torch.zeros(1, cfg.d_model, **f32)  # a host layer's part, from the host
+        self.carry = torch.zeros(1, cfg.d_model, **f32)  # its part done in the piece
+        self.logits = torch.zeros(1, cfg.n_vocab, **f32)
+        pin = dev.type == "cuda"
+        self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
+                          torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
+                          torch.zeros(1, cfg.d_model, dtype=torch.float32, pin_memory=pin))
+        self.inv_freq = ops.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dev)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None
+        self._warm: tuple[int, int] | None = None  # the storage whose eager step ran
+        self._inputs_read: torch.cuda.Event | None = None
+        self._failed = False
+        log.info(f"decode step: {len(self.pieces)} piece(s), {len(self.resident_layers)} of "
+                 f"{cfg.n_layers} layers without the host; "
+                 + ("CUDA graphs" if self.graphs else "eager"))
+
+    # ---- one token --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def __call__(self, token: int, kv: KVCache) -> torch.Tensor:
+        """logits [1, V] of `token` at position kv.length (a static buffer: copy to keep)."""
+        kv.reserve(kv.length + 1)
+        if self._inputs_read is not None:  # the last step's copy has read the pinned buffer
+            wait_event(self._inputs_read, "the decode step's input copy")
+        self.inputs_host[0], self.inputs_host[1], self.inputs_host[2] = token, kv.length, \
+            kv.length + 1
+        self.inputs.copy_(self.inputs_host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._inputs_read = torch.cuda.Event()
+            self._inputs_read.record(torch.cuda.current_stream(self.device))
+        self.ex.cache.flush()  # the graphs read tables that hold for the whole step
+        key = (kv.store.data_ptr(), kv.capacity)
+        graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
+        for i, piece in enumerate(self.pieces):
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                self._piece(piece, kv)
+            if piece.host_layer >= 0:
+                self._host_layer(piece.host_layer)
+        if self.device.type == "cuda":  # device_hits leaves the counting to the host
+            self.ex.stats.hits[self.resident_layers] += self.cfg.n_experts_used
+        kv.advance(1)
+        return self.logits
+
+    def _graphs(self, key: tuple[int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
+        """The pieces captured for this KV storage. The first step on a storage runs eagerly
+        (that compiles and warms up every kernel); the second captures, then replays."""
+        if self._captured is not None and self._captured[0] == key:
+            return self._captured[1]
+        if self._warm == key:
+            return self._capture(key, kv)
+        self._warm = key
+        return None
+
+    def _capture(self, key: tuple[int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
+        self._captured = None
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        try:
+            for piece in self.pieces:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._piece(piece, kv)
+                graphs.append(g)
+        except Exception as e:  # noqa: BLE001 (any capture failure: run eagerly, say why)
+            log.warning(f"decode step: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                        "decoding eagerly")
+            self._failed = True
+            torch.cuda.synchronize(self.device)
+            return None
+        self._captured = (key, graphs)
+        return graphs
+
+    # ---- pieces (captured or eager) ---------------------------------------------------------
+
+    def _piece(self, piece: Piece, kv: KVCache) -> None:
+        cfg, w, x = self.cfg, self.model.w, self.x
+        layers = w.layers
+        if piece.first:
+            x.copy_(w.embed.rows(self.inputs[0:1]))
+        delta = None
+        if piece.after_host:
+            delta = self.moe_out + self.carry
+        for i in piece.layers:
+            lw = layers[i]
+            h = (ops.rms_norm(x, lw.attn_norm, cfg.rms_eps) if delta is None
+                 else ops.add_rms_norm(x, delta, lw.attn_norm, cfg.rms_eps))
+            attn = self._attention(i, lw, h, kv)
+            h = ops.add_rms_norm(x, attn, lw.ffn_norm, cfg.rms_eps)
+            ids, wts = ops.route_topk(h @ lw.router.T, cfg.n_experts_used, cfg.norm_topk)
+            if i == piece.host_layer:
+                self.h.copy_(h)
+                self.ids.copy_(ids)
+                self.wts.copy_(wts)
+                for buf, src in zip(self.host_bufs, (ids, wts, h), strict=True):
+                    buf.copy_(src, non_blocking=True)
+                carry = self._shared(lw, h)
+                if self.hits_in_piece[i]:
+                    carry = carry + self.ex.device_hits(i, h, ids, wts, count=False)
+                self.carry.copy_(carry)
+                return
+            if self.device.type == "cuda":
+                delta = self.ex.device_hits(i, h, ids, wts, count=True)
+            else:
+                delta = self.ex.run(i, None, h, ids, wts)
+            if lw.shared_w1 is not None:
+                delta = delta + shared_expert(lw, h)
+        x.add_(delta)
+        self.logits.copy_(linear(ops.rms_norm(x, w.output_norm, cfg.rms_eps), w.output))
+
+    def _shared(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        return shared_expert(lw, h) if lw.shared_w1 is not None else torch.zeros_like(h)
+
+    def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = linear(h, lw.wq), linear(h, lw.wk), linear(h, lw.wv)
+        if cfg.qkv_bias:
+            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+        q = ops.qk_rope_store(
+            q.view(1, cfg.n_heads, cfg.head_dim), k.view(1, cfg.n_kv_heads, cfg.head_dim),
+            v.view(1, cfg.n_kv_heads, cfg.head_dim), lw.q_norm if cfg.qk_norm else None,
+            lw.k_norm if cfg.qk_norm else None, cfg.rms_eps, self.inputs[1:2], self.inv_freq,
+            cfg.rope_style, kv.k[i], kv.v[i])
+        out = ops.decode_attention(q, kv.k[i], kv.v[i], self.inputs[2:3], self.scale)
+        return linear(out, lw.wo)
+
+    def _host_layer(self, layer: int) -> None:
+        """The experts of a layer with misses, run by the offload executor: only the misses
+        when the piece computed the hits."""
+        if self.device.type != "cuda":
+            host = (self.ids, self.wts, self.h)
+            self.moe_out.copy_(self.ex.run(layer, None, self.h, self.ids, self.wts, host=host))
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        wait_event(ev, f"layer {layer} routing (decode step)")
+        if not self.hits_in_piece[layer]:
+            self.moe_out.copy_(self.ex.run(layer, None, self.h, self.ids, self.wts,
+                                           host=self.host_bufs))
+            return
+        out = self.ex.misses(layer, self.h, self.ids, self.wts, self.host_bufs)
+        if out is None:
+            self.moe_out.zero_()
+        else:
+            self.moe_out.copy_(out)

@@ -1,0 +1,524 @@
+"""Fused float32 kernels for the non-expert part of a decode step (T = 1..4 tokens of ONE sequence),
+built to be captured in a CUDA graph.
+
+    inv_freq = rope_inv_freq(rope_dim, theta, device)            # once per model
+    h = add_rms_norm(x, delta, attn_norm, eps)                   # x += delta; h = rms_norm(x)
+    q = qk_rope_store(q, k, v, q_norm, k_norm, eps, pos, inv_freq, "neox", k_cache, v_cache)
+    o = decode_attention(q, k_cache, v_cache, length, hd ** -0.5)             # [T, H*hd]
+    ids, weights = route_topk(h @ router.T, n_used, norm_topk)
+
+Every op computes the float32 reference op of strata.model.layers (rms_norm, rope_tables +
+apply_rope, attention, route) in another summation order: 1e-7..1e-6 of the output's scale under
+the interpreter, tests/test_decode_ops.py holds 1e-5. Graph safety: no host sync, no `.item()`, no
+Python branch on a device value and no allocation whose size depends on one; the decode position
+(`pos`) and the number of valid cache rows (`length`) are read on the device, so a captured graph
+is replayed with `pos.fill_(p)`, `length.fill_(p + T)`. Every launch grid is fixed by shapes and
+the cache capacity. Tensors not on CUDA take a torch path built from the reference ops (the same
+semantics, also graph safe), except under Triton's interpreter (TRITON_INTERPRET=1), which runs
+the kernels on CPU tensors.
+
+Kernels and launches:
+  rms_norm, add_rms_norm  `_rms_norm_kernel`, one CTA per token row (the whole row in
+      registers), 1 launch. add_rms_norm stores x + delta back into x before normalizing.
+  qk_rope_store  `_qk_rope_kernel`, one CTA per (token, head) of the H query and Hkv kv heads,
+      1 launch: optional per-head RMS norm, RoPE on the first rope_dim dims (cos/sin computed
+      from the float32 inv_freq table exactly as rope_tables does, then __nv_cosf/__nv_sinf),
+      q to its output, k and v to cache rows pos + t. Rows past the capacity are not written
+      (a guard against corrupting memory; the torch path raises instead).
+  decode_attention  flash decoding, 2 launches. `_attn_split_kernel`, grid (Hkv·RB, S): one CTA
+      per kv head, block of 16 of the T·G query rows that read that head (G = H / Hkv,
+      RB = cdiv(T·G, 16): 1 for T·G <= 16, so each key and value row is read from memory once;
+      2 for T = 4 with G = 8, the second read mostly from L2) and key split. Scores and p·V go
+      through tl.dot in exact float32 (input_precision "ieee": FMA, no TF32), online softmax in
+      float32. S is fixed from the capacity (`attention_splits`); the split size is derived on
+      the device from `length`: chunk = max(MIN_CHUNK, roundup(cdiv(length, S), BLOCK_N)), so
+      the work spreads over the splits at every length, and splits starting past `length` exit
+      at once. Each split writes (max, sum, unnormalized output) per query row;
+      `_attn_reduce_kernel`, grid (H, T), combines the live splits (cdiv(length, chunk) of
+      them). Keys at or past `length` are never read (masked loads), so stale or garbage rows
+      do not matter.
+  route_topk  `_route_kernel`, one CTA per token, 1 launch: softmax over E, k rounds of argmax,
+      optional renormalization. Selection is on the logits (softmax is monotone, so this is
+      the order of the exact probabilities); ties go to the lower expert id. torch.topk, which
+      the reference uses, promises no order among ties.
+
+Legend: T new tokens (1..4), D hidden, H query heads, Hkv kv heads, G = H / Hkv, hd head dim,
+C cache capacity (rows), E experts, K experts used per token, S attention key splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from strata.model import layers
+
+ROPE_STYLES = ("neox", "normal")
+ATTN_MIN_CHUNK = 128  # keys per split at least: a split's partial output costs T·G·hd floats
+ATTN_TARGET_CTAS = 256  # Hkv·S aimed at: ~2 CTAs per SM of an H200 when every split is live
+# query rows per split CTA: tl.dot's smallest tile. The float32 FMA dot keeps [16, hd] operands
+# in registers; 32 rows spilled in the offline sm_90a builds (docs/kernels.md)
+ATTN_BLOCK_M = 16
+# the running max before the first key: finite, so exp(m_old - m_new) never computes inf - inf
+_NEG = tl.constexpr(-1.0e30)
+
+
+def fused_decode_available(device: torch.device | str) -> bool:
+    """True when the Triton kernels run for tensors on `device` (CUDA with a driver)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda or bool(knobs.runtime.interpret)
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Attention partials: left uninitialized; tests swap in a NaN-filled version so a read of
+    anything the split kernel did not write shows up in the output."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _f32(t: torch.Tensor, name: str, shape: tuple[int, ...] | None = None) -> None:
+    _check(t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}")
+    if shape is not None:
+        _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {list(t.shape)}")
+    _check(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1,
+           f"{name} must be contiguous in its last dim")
+
+
+def _device_int(t: torch.Tensor, name: str, device: torch.device) -> None:
+    _check(t.dtype in (torch.int32, torch.int64) and t.numel() == 1 and t.device == device,
+           f"{name} must be an int32/int64 tensor of one element on {device}, got "
+           f"{t.dtype} {list(t.shape)} on {t.device}")
+
+
+# ---- rms_norm / add_rms_norm ---------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_o, eps,
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    # [x[t] += delta[t]]; out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    dm = d < D
+    xr = x + t * stride_x
+    v = tl.load(xr + d, mask=dm, other=0.0)
+    if HAS_DELTA:
+        v = v + tl.load(delta + t * stride_d + d, mask=dm, other=0.0)
+        tl.store(xr + d, v, mask=dm)
+    r = tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+    tl.store(out + t * stride_o + d, v * r * tl.load(w + d, mask=dm, other=0.0), mask=dm)
+
+
+def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor) -> None:
+    t, d = x.shape
+    block = triton.next_power_of_2(d)
+    warps = min(16, max(1, block // 512))
+    _rms_norm_kernel[(t,)](
+        x, x if delta is None else delta, weight, out, d, x.stride(0),
+        0 if delta is None else delta.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None,
+        BLOCK=block, num_warps=warps)
+
+
+def _norm_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    _check(x.dim() == 2, f"x must be [T, D], got {list(x.shape)}")
+    _f32(x, "x")
+    _f32(weight, "weight", (x.shape[1],))
+    _check(weight.is_contiguous() and weight.device == x.device, "weight must be contiguous, "
+           "on x's device")
+    if out is None:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    _f32(out, "out", tuple(x.shape))
+    _check(out.device == x.device, "out must be on x's device")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight per row. x [T, D] f32 (rows contiguous), weight [D]
+    f32 -> out [T, D] f32 (new, or `out`; out may be x). One launch."""
+    out = _norm_args(x, weight, out)
+    if x.shape[0] == 0:
+        return out
+    if _use_kernels(x):
+        _norm_launch(x, None, weight, eps, out)
+    else:
+        out.copy_(layers.rms_norm(x, weight, eps))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The residual step: x += delta in place, then returns rms_norm(x, weight, eps).
+    x, delta [T, D] f32 (rows contiguous), weight [D] f32 -> [T, D] f32. One launch."""
+    out = _norm_args(x, weight, out)
+    _f32(delta, "delta", tuple(x.shape))
+    _check(delta.device == x.device, "delta must be on x's device")
+    if x.shape[0] == 0:
+        return out
+    if _use_kernels(x):
+        _norm_launch(x, delta, weight, eps, out)
+    else:
+        x.add_(delta)
+        out.copy_(layers.rms_norm(x, weight, eps))
+    return out
+
+
+# ---- q/k norm + RoPE + KV cache store ------------------------------------------------------------
+
+
+def rope_inv_freq(rope_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
+    """float32 [rope_dim/2]: theta^(-2i/rope_dim), computed exactly as layers.rope_tables does
+    (on `device`, so the table matches the reference run there)."""
+    _check(rope_dim > 0 and rope_dim % 2 == 0, f"rope_dim must be even, got {rope_dim}")
+    return 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32,
+                                        device=device) / rope_dim)
+
+
+@triton.jit
+def _norm_rope(src, w, eps, pos_f, inv_freq, HAS_NORM: tl.constexpr, HD: tl.constexpr,
+               ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head row [BLOCK_D] of src: rms-normed with w (if HAS_NORM), then rotated.
+
+    out[d] = x[d]·cos(a_i) + sign·x[d']·sin(a_i) for d < ROPE_DIM, x[d] beyond, where d' is d's
+    partner (neox: d ± ROPE_DIM/2; normal: d ^ 1), i the pair index and sign -1 on the pair's
+    first element: the a·c - b·s, b·c + a·s of apply_rope."""
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HD
+    if NEOX:
+        first = d < ROPE_DIM // 2
+        partner = tl.where(first, d + ROPE_DIM // 2, d - ROPE_DIM // 2)
+        i = tl.where(first, d, d - ROPE_DIM // 2)
+    else:
+        first = d % 2 == 0
+        partner = d ^ 1
+        i = d // 2
+    rot = d < ROPE_DIM
+    x = tl.load(src + d, mask=dm, other=0.0)
+    xp = tl.load(src + partner, mask=rot, other=0.0)
+    if HAS_NORM:
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+        x = x * r * tl.load(w + d, mask=dm, other=0.0)
+        xp = xp * r * tl.load(w + partner, mask=rot, other=0.0)
+    ang = pos_f * tl.load(inv_freq + i, mask=rot, other=0.0)
+    sign = tl.where(first, -1.0, 1.0)
+    return tl.where(rot, x * tl.cos(ang) + sign * xp * tl.sin(ang), x)
+
+
+@triton.jit
+def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, eps, H, C,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_qot, stride_qoh, stride_kcr, stride_kch, stride_vcr, stride_vch,
+                    HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HD: tl.constexpr,
+                    ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
+    # program (t, j): j < H: query head j -> qo[t, j]; else kv head g = j - H -> cache row pos + t
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    row = tl.load(pos).to(tl.int64) + t
+    pos_f = row.to(tl.float32)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HD
+    if j < H:
+        y = _norm_rope(q + t * stride_qt + j * stride_qh, qn, eps, pos_f, inv_freq, HAS_QN, HD,
+                       ROPE_DIM, NEOX, BLOCK_D)
+        tl.store(qo + t * stride_qot + j * stride_qoh + d, y, mask=dm)
+    else:
+        g = j - H
+        y = _norm_rope(k + t * stride_kt + g * stride_kh, kn, eps, pos_f, inv_freq, HAS_KN, HD,
+                       ROPE_DIM, NEOX, BLOCK_D)
+        ok = dm & (row < C)
+        tl.store(kc + row * stride_kcr + g * stride_kch + d, y, mask=ok)
+        vv = tl.load(v + t * stride_vt + g * stride_vh + d, mask=dm, other=0.0)
+        tl.store(vc + row * stride_vcr + g * stride_vch + d, vv, mask=ok)
+
+
+def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                  pos: torch.Tensor, inv_freq: torch.Tensor, style: str,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head RMS norm (q_norm, k_norm: f32 [hd] or None), RoPE at positions pos + t on the
+    first rope_dim = 2·len(inv_freq) dims ("neox" or "normal" pairs), k and v written to cache
+    rows pos + t; returns the rotated q. One launch.
+
+    q [T, H, hd], k, v [T, Hkv, hd] f32 (any strides with the last dim contiguous: views of one
+    fused qkv tensor are fine); pos int32/int64 [1] on the device; inv_freq f32 [rope_dim/2]
+    (rope_inv_freq); k_cache, v_cache f32 [C, Hkv, hd], last dim contiguous -> [T, H, hd] f32
+    (new, or `out`). The caller keeps pos + T <= C."""
+    _check(q.dim() == 3 and k.dim() == 3, "q must be [T, H, hd] and k [T, Hkv, hd]")
+    t, h, hd = q.shape
+    hkv = k.shape[1]
+    for name, x, shape in (("q", q, (t, h, hd)), ("k", k, (t, hkv, hd)), ("v", v, (t, hkv, hd)),
+                           ("k_cache", k_cache, (k_cache.shape[0], hkv, hd)),
+                           ("v_cache", v_cache, (k_cache.shape[0], hkv, hd))):
+        _f32(x, name, shape)
+        _check(x.device == q.device, f"{name} must be on q's device")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            _f32(w, name, (hd,))
+            _check(w.is_contiguous() and w.device == q.device, f"{name} must be contiguous")
+    _f32(inv_freq, "inv_freq")
+    rope_dim = 2 * inv_freq.numel()
+    _check(inv_freq.dim() == 1 and inv_freq.is_contiguous() and 0 < rope_dim <= hd
+           and inv_freq.device == q.device, f"inv_freq must be contiguous [rope_dim/2] with "
+           f"rope_dim <= hd = {hd}, got {list(inv_freq.shape)}")
+    _check(style in ROPE_STYLES, f"style must be one of {ROPE_STYLES}, got {style!r}")
+    _device_int(pos, "pos", q.device)
+    if out is None:
+        out = torch.empty((t, h, hd), dtype=torch.float32, device=q.device)
+    _f32(out, "out", (t, h, hd))
+    if t == 0:
+        return out
+    if _use_kernels(q):
+        _qk_rope_kernel[(t, h + hkv)](
+            q, k, v, q if q_norm is None else q_norm, q if k_norm is None else k_norm, inv_freq,
+            pos, out, k_cache, v_cache, eps, h, k_cache.shape[0], q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HD=hd, ROPE_DIM=rope_dim,
+            NEOX=style == "neox", BLOCK_D=triton.next_power_of_2(hd), num_warps=1)
+        return out
+    positions = pos.reshape(1).long() + torch.arange(t, device=q.device)  # [T], on the device
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
+    cos, sin = angles.cos(), angles.sin()
+    if q_norm is not None:
+        q = layers.rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = layers.rms_norm(k, k_norm, eps)
+    out.copy_(layers.apply_rope(q, cos, sin, style))
+    k_cache.index_copy_(0, positions, layers.apply_rope(k, cos, sin, style))
+    v_cache.index_copy_(0, positions, v.contiguous())
+    return out
+
+
+# ---- decode attention (flash decoding) ----------------------------------------------------------
+
+
+def attention_splits(capacity: int, n_kv_heads: int) -> int:
+    """S, the number of key splits (grid axis 1 of the split kernel): fixed by the capacity, so
+    one captured graph serves every length; enough for ~ATTN_TARGET_CTAS CTAs at full length,
+    no more than capacity / ATTN_MIN_CHUNK."""
+    return max(1, min(triton.cdiv(capacity, ATTN_MIN_CHUNK), ATTN_TARGET_CTAS // n_kv_heads))
+
+
+@triton.jit
+def _split_chunk(n, S, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split for n valid keys: a multiple of BLOCK_N, at least MIN_CHUNK, and at most S
+    splits needed (both kernels compute it the same way)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(n, S), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+
+
+@triton.jit
+def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
+                       stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                       HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       STAGES: tl.constexpr):
+    # program (g·RB + b, s): query rows r = b·BLOCK_M + i of kv head g, r = t·G + (h - g·G), against
+    # keys [s·chunk, min((s+1)·chunk, n)); row r sees keys j <= n - T + t.
+    # Writes part_o[s, t, h] = Σ_j p_j v_j and part_ml[s, t, h] = (max score, Σ_j p_j),
+    # p_j = exp(score_j - max) (max = _NEG, sum 0, o 0 for a row that sees none of the keys).
+    g = tl.program_id(0) // RB
+    s = tl.program_id(1)
+    n = tl.load(length).to(tl.int32)
+    chunk = _split_chunk(n, S, MIN_CHUNK, BLOCK_N)
+    start = s * chunk
+    if start < n:
+        end = tl.minimum(start + chunk, n)
+        r = (tl.program_id(0) % RB) * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = r // G
+        h = g * G + r % G
+        rm = r < T * G
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HD
+        qt = tl.load(q + (t * stride_qt + h * stride_qh)[:, None] + d[None, :],
+                     mask=rm[:, None] & dm[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        last = n - T + t  # [BLOCK_M]
+        m_i = tl.full((BLOCK_M,), _NEG, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        kbase = kc + g.to(tl.int64) * stride_kh
+        vbase = vc + g.to(tl.int64) * stride_vh
+        for j0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+            j = j0 + tl.arange(0, BLOCK_N)
+            jm = j < end
+            ld = jm[:, None] & dm[None, :]
+            kt = tl.load(kbase + j.to(tl.int64)[:, None] * stride_kr + d[None, :], mask=ld,
+                         other=0.0)  # [BLOCK_N, BLOCK_D]; rows >= n never read
+            # exact float32 products ("ieee": FMA, no TF32 rounding)
+            sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+            sc = tl.where(jm[None, :] & (j[None, :] <= last[:, None]), sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(vbase + j.to(tl.int64)[:, None] * stride_vr + d[None, :], mask=ld,
+                         other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            m_i = m_new
+        row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
+        tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
+        tl.store(part_ml + row * 2, m_i, mask=rm)
+        tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
+
+
+@triton.jit
+def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot,
+                        HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # program (h, t): out[t, h] = Σ_s w_s o_s / Σ_s w_s l_s, w_s = exp(m_s - max_s m_s), over
+    # the live splits only (the others were never written)
+    h = tl.program_id(0)
+    t = tl.program_id(1)
+    n = tl.load(length).to(tl.int32)
+    live = tl.cdiv(n, _split_chunk(n, S, MIN_CHUNK, BLOCK_N))
+    sv = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HD
+    mx = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for s0 in tl.range(0, live, BLOCK_S):
+        s = s0 + sv
+        row = (s * T + t) * H + h
+        mx = tl.maximum(mx, tl.load(part_ml + row * 2, mask=s < live, other=float("-inf")))
+    m = tl.max(mx, axis=0)
+    lsum = tl.zeros((BLOCK_S,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in tl.range(0, live, BLOCK_S):
+        s = s0 + sv
+        sm = s < live
+        row = ((s * T + t) * H + h).to(tl.int64)
+        w = tl.exp(tl.load(part_ml + row * 2, mask=sm, other=float("-inf")) - m)
+        lsum += w * tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
+        o = tl.load(part_o + row[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    tl.store(out + t * stride_ot + h * HD + d, acc / tl.sum(lsum, axis=0), mask=dm)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     length: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     n_splits: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of T new tokens at positions length-T .. length-1 over cache rows
+    0 .. length-1: query t sees keys j <= length - T + t; head h reads kv head h // (H / Hkv).
+    softmax(q k^T · scale) v, as layers.attention (whose scale is hd^-0.5).
+
+    q [T, H, hd] f32 (last dim contiguous); k_cache, v_cache f32 [C, Hkv, hd] (last dim
+    contiguous); length int32/int64 [1] on the device, T <= length <= C (the new tokens' rows
+    included) -> [T, H·hd] f32 (new, or `out`, rows contiguous). Two launches; n_splits
+    overrides attention_splits(C, Hkv) (tests, tuning). Rows >= length are never read."""
+    _check(q.dim() == 3 and k_cache.dim() == 3, "q must be [T, H, hd], caches [C, Hkv, hd]")
+    t, h, hd = q.shape
+    cap, hkv = k_cache.shape[:2]
+    _f32(q, "q")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _f32(c, name, (cap, hkv, hd))
+        _check(c.device == q.device, f"{name} must be on q's device")
+    _check(hkv > 0 and h % hkv == 0, f"H = {h} must be a multiple of Hkv = {hkv}")
+    _device_int(length, "length", q.device)
+    if out is None:
+        out = torch.empty((t, h * hd), dtype=torch.float32, device=q.device)
+    _f32(out, "out", (t, h * hd))
+    if t == 0:
+        return out
+    if not _use_kernels(q):
+        return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale))
+    s = n_splits or attention_splits(cap, hkv)
+    g = h // hkv
+    rb = triton.cdiv(t * g, ATTN_BLOCK_M)  # row blocks per kv head
+    block_d = triton.next_power_of_2(hd)
+    block_n = max(16, min(32, 4096 // block_d))
+    part_o = scratch((s, t, h, hd), torch.float32, q.device)
+    part_ml = scratch((s, t, h, 2), torch.float32, q.device)
+    _attn_split_kernel[(hkv * rb, s)](
+        q, k_cache, v_cache, length, part_o, part_ml, scale, t, h, s, rb, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HD=hd, G=g, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=block_n,
+        BLOCK_D=block_d, STAGES=2, num_warps=8)
+    block_s = min(triton.next_power_of_2(s), max(1, 4096 // block_d))
+    _attn_reduce_kernel[(h, t)](
+        part_o, part_ml, length, out, t, h, s, out.stride(0), HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK,
+        BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     length: torch.Tensor, scale: float) -> torch.Tensor:
+    """layers.attention over the whole cache with the causal mask built on the device; rows at
+    and past `length` are zeroed first (they are masked, but a NaN there would still poison
+    SDPA's sums)."""
+    t, h, hd = q.shape
+    n = length.reshape(1).long()
+    keys = torch.arange(k_cache.shape[0], device=q.device)
+    valid = (keys < n)[:, None, None]
+    k = torch.where(valid, k_cache, 0.0)
+    v = torch.where(valid, v_cache, 0.0)
+    last = n - t + torch.arange(t, device=q.device)  # [T]
+    mask = keys[None, :] <= last[:, None]  # [T, C]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=True)  # [H, T, hd]
+    return o.transpose(0, 1).reshape(t, h * hd)
+
+
+# ---- routing -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_kernel(logits, ids, wts, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # p = softmax(logits[t]); K rounds: the largest logit not yet taken (lowest id on ties)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    x = tl.load(logits + t * stride_l + e, mask=em, other=float("-inf"))
+    ex = tl.exp(x - tl.max(x, axis=0))
+    p = ex / tl.sum(ex, axis=0)
+    kk = tl.arange(0, BLOCK_K)
+    sel_w = tl.zeros((BLOCK_K,), tl.float32)
+    sel_i = tl.zeros((BLOCK_K,), tl.int32)
+    free = em
+    for i in tl.static_range(K):
+        best = tl.max(tl.where(free, x, float("-inf")), axis=0)
+        idx = tl.min(tl.where(free & (x == best), e, BLOCK_E), axis=0)
+        sel_w = tl.where(kk == i, tl.sum(tl.where(e == idx, p, 0.0), axis=0), sel_w)
+        sel_i = tl.where(kk == i, idx, sel_i)
+        free = free & (e != idx)
+    if NORM:
+        sel_w = sel_w / tl.sum(sel_w, axis=0)
+    tl.store(ids + t * K + kk, sel_i.to(tl.int64), mask=kk < K)
+    tl.store(wts + t * K + kk, sel_w, mask=kk < K)
+
+
+def route_topk(logits: torch.Tensor, k: int,
+               norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() after its matmul: softmax over E, the top k, optionally renormalized to sum 1.
+    logits [T, E] f32 (rows contiguous; = h @ router.T) -> ids int64 [T, k], weights f32 [T, k],
+    largest first. Ties: the lower expert id first (see the module doc). One launch."""
+    _check(logits.dim() == 2, f"logits must be [T, E], got {list(logits.shape)}")
+    _f32(logits, "logits")
+    t, e = logits.shape
+    _check(0 < k <= e, f"k must be in 1..E = {e}, got {k}")
+    if not _use_kernels(logits):
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights
+    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    if t == 0:
+        return ids, weights
+    block_e = triton.next_power_of_2(e)
+    _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), K=k, NORM=bool(norm_topk),
+                        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+                        num_warps=max(1, min(4, block_e // 256)))
+    return ids, weights

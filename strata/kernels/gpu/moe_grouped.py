@@ -1,0 +1,321 @@
+"""Prompt-chunk MoE on cuBLAS-class tensor cores: dequantize the experts to bf16, then two
+grouped GEMMs (torch._grouped_mm).
+
+    out = moe_forward_grouped(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots,
+                              (QType.Q4_K, QType.Q4_K, QType.Q6_K), d_model, d_expert)
+
+Same contract as moe.moe_forward: out [T, D] float32 += Σ over the resident pairs (slot >= 0)
+of weights[t, k] · down_e(silu(gate_e x_t) ⊙ up_e x_t); other pairs add nothing.
+
+1. Pairs (P = T·K) are sorted by expert on the device (stable argsort; pairs whose expert has no
+   slot get the key E and sort last), counted with scatter_add and turned into cumulative int32
+   group ends: no host sync (no .item(), .tolist() or bincount).
+2. The experts of a batch are dequantized into a bf16 scratch, one launch per part
+   (`_dequant_slots_kernel`: matmul.py's dequantize kernel over the tiles of tiles.py, reading
+   the slot table, so the slot views' record stride and any slot order work): gate and up into
+   one [n, 2F, D] buffer, so one grouped GEMM gives g | u, down into [n, D, F]. Experts
+   without a slot are skipped (their groups are empty and never read). Types without a tile go
+   through strata.quant.dequantize.
+3. h = grouped_mm(x[tok] [P, D], W_gu^T [n, D, 2F]); act = silu(g) · u · w (float32 math, the
+   routing weight folded in before rounding to bf16); y = grouped_mm(act, W_d^T [n, F, D]);
+   each pair's row lands at its pair id and out += y.view(T, K, D).sum(1) in float32: a fixed
+   order, deterministic.
+
+Scratch (bounded): the bf16 weights of `experts_per_batch` experts, at most `scratch_bytes`
+(default GROUPED_SCRATCH_BYTES; never less than one expert), plus P·(6D + 10F) bytes of
+activations; `grouped_scratch_bytes` gives the total for a memory plan. A layer that needs more
+than one batch gathers all P rows once per batch (a batch's pair count is on the device), so
+its row-wise work (not its GEMMs) repeats per batch.
+
+torch._grouped_mm (2D x 3D with offs), as read in torch's GroupedBlas.cpp and GroupMM.cu:
+bf16 operands and output; sm90/sm100 take the CUTLASS kernel with no host sync, other GPUs a
+torch loop that reads offs on the host; rows [P, D] row-major, the weights "column-major"
+(W^T views of [n, N, K] buffers: stride(-2) == 1), row strides multiples of 16 bytes (D and F are
+multiples of 32 for every GGML type), 16-byte aligned pointers, offs int32 on the device,
+fewer than 1024 groups (batches are capped at 1023 experts); empty groups are allowed, output
+rows past offs[-1] are left unwritten (masked here). Where torch has no _grouped_mm or it
+refuses, a per-expert loop of torch.mm runs instead (reading offs on the host: a sync on CUDA),
+logged once.
+
+On the CPU (and under Triton's interpreter) the same code runs in float32 (`compute_dtype`);
+torch._grouped_mm has CPU kernels for float32 and bf16.
+
+`experts_forward_grouped` is the same computation for groups known on the host (the streaming
+ring, strata/experts/ring.py): no sorting, and out gets one index_add_ per expert (each token
+once per expert, so the sums are deterministic).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from strata.kernels.gpu.formats import kernel_format
+from strata.kernels.gpu.matmul import log_fallback
+from strata.kernels.gpu.moe import check_moe_args
+from strata.kernels.gpu.skeletons import group_mask, rows
+from strata.kernels.gpu.tiles import dequant_tile
+from strata.quant import QType, dequantize
+
+log = logging.getLogger("strata.kernels")
+
+# bf16 expert weights dequantized at a time: fits one whole Qwen3-30B-A3B layer (128 experts x
+# 3 x 768 x 2048 x 2 bytes = 1.125 GiB), so that layer runs as one batch; larger layers run in
+# batches of experts (e.g. 4 for Qwen3-235B-A22B's 4.5 GiB).
+GROUPED_SCRATCH_BYTES = 1280 << 20
+MAX_GROUPS = 1023  # torch._grouped_mm's CUTLASS kernel takes fewer than 1024 groups
+
+
+# ---- dequantize slots -------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _dequant_slots_kernel(w, slots, out, tab, tab2, N, K, row_bytes, stride_ws, stride_oe,
+                          stride_on, QT: tl.constexpr, S: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, EVEN_K: tl.constexpr):
+    # out[j, n, k] = W_{slots[j]}[n, k]; nothing is written where slots[j] < 0
+    j = tl.program_id(2)
+    slot = tl.load(slots + j)
+    if slot >= 0:
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        wr = rows(w + slot.to(tl.int64) * stride_ws, n, N, row_bytes)
+        k0 = tl.program_id(1) * BK
+        g = tl.arange(0, BK // S)[None, :, None]  # [1, G, 1]
+        s = tl.arange(0, S)[None, None, :]  # [1, 1, S]
+        v = dequant_tile(QT, wr, k0, g, s, group_mask(k0, g, K, S, EVEN_K), tab, tab2)
+        ptrs = (out + j.to(tl.int64) * stride_oe + n.to(tl.int64)[:, None, None] * stride_on
+                + (k0 + g * S + s))
+        tl.store(ptrs, v.to(out.dtype.element_ty),
+                 mask=(n < N)[:, None, None] & (k0 + g * S < K))
+
+
+def dequantize_slots(w: torch.Tensor, slots: torch.Tensor, qtype: int | QType, n_cols: int,
+                     out: torch.Tensor) -> torch.Tensor:
+    """out[j] = the dequantized rows of w[slots[j]] for every j with slots[j] >= 0 (out[j] is
+    left as it was where slots[j] < 0). w: uint8 [n_slots, N, row_nbytes(n_cols)] (a strided
+    slot view), slots: int32 [n] on w's device, out: [n, N, n_cols] with contiguous rows (any
+    stride between experts, e.g. a slice of a wider buffer). One launch on CUDA (and under
+    Triton's interpreter); strata.quant.dequantize per expert elsewhere or for types without a
+    tile (exact)."""
+    qtype = QType(qtype)
+    n, rows_n = slots.shape[0], w.shape[1]
+    if out.shape != (n, rows_n, n_cols) or out.stride(2) != 1:
+        raise ValueError(f"out must be [{n}, {rows_n}, {n_cols}] with contiguous rows, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    if n == 0 or w.shape[0] == 0:
+        return out
+    fmt = kernel_format(qtype)
+    if fmt is None or not (w.is_cuda or knobs.runtime.interpret):
+        if fmt is None:
+            log_fallback("dequantize_slots", qtype)
+        idx = slots.long()
+        for j in range(n):  # one expert's float32 values at a time
+            vals = dequantize(w[idx[j].clamp(min=0)], qtype, n_cols)  # slot -1: a spare read
+            out[j].copy_(torch.where(idx[j] >= 0, vals.to(out.dtype), out[j]))
+        return out
+    bn, bk = 16, 256
+    tab, tab2 = fmt.tables(w.device)
+    grid = (triton.cdiv(rows_n, bn), triton.cdiv(n_cols, bk), n)
+    _dequant_slots_kernel[grid](w, slots, out, tab, tab2, rows_n, n_cols, w.stride(1),
+                                w.stride(0), out.stride(0), out.stride(1), QT=int(qtype),
+                                S=fmt.group, BN=bn, BK=bk, EVEN_K=n_cols % bk == 0,
+                                num_warps=4)
+    return out
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 tensor-core operands on CUDA; float32 on the CPU (exact weights, the CI path)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def experts_per_batch(n_experts: int, d_model: int, d_expert: int,
+                      scratch_bytes: int = GROUPED_SCRATCH_BYTES, itemsize: int = 2) -> int:
+    """Experts dequantized at once: as many as `scratch_bytes` holds (at least one, at most
+    MAX_GROUPS), then evened out over the batches that takes."""
+    per_expert = 3 * d_model * d_expert * itemsize
+    fit = max(1, min(n_experts, scratch_bytes // per_expert, MAX_GROUPS))
+    n_batches = triton.cdiv(max(n_experts, 1), fit)
+    return triton.cdiv(max(n_experts, 1), n_batches)
+
+
+def grouped_scratch_bytes(layout_or_dims: object, n_experts: int, tokens: int, topk: int,
+                          scratch_bytes: int = GROUPED_SCRATCH_BYTES) -> int:
+    """Device bytes one moe_forward_grouped call allocates at most (bf16, CUDA): the weight
+    scratch of one batch of experts plus every activation buffer, counted as if all were live
+    at once. layout_or_dims: an ExpertLayout (d_model, d_expert attributes) or (d_model,
+    d_expert). Qwen3-30B-A3B, 4096 tokens, top-8: 1.125 GiB of weights + 0.66 GiB (1.78 GiB)."""
+    if isinstance(layout_or_dims, tuple):
+        d, f = layout_or_dims
+    else:
+        d, f = layout_or_dims.d_model, layout_or_dims.d_expert
+    weights = experts_per_batch(n_experts, d, f, scratch_bytes) * 3 * d * f * 2
+    p = tokens * topk
+    # x[tok] 2D, h 4F, silu(g)·u float32 4F, act 2F, y per batch 2D, y by pair 2D (bf16 bytes);
+    # int64 sort keys, order, rows, tokens, float32 weights: ~40 bytes per pair
+    rows_bytes = p * (6 * d + 10 * f + 40) + 2 * d
+    tokens_bytes = tokens * d * (2 + 4)  # x in bf16, the float32 sum over K
+    return weights + rows_bytes + tokens_bytes
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The weight scratch and the by-pair output: left uninitialized; tests swap in a NaN-filled
+    version so a read of anything not written shows up in the output."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---- grouped GEMM ------------------------------------------------------------------------------
+
+_LOGGED: list[bool] = []  # the torch.mm loop was logged
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[P, N]: rows offs[g-1]:offs[g] of a [P, K] times b[g] [K, N] (offs int32 cumulative group
+    ends on a's device, offs[-1] <= P; rows past offs[-1] are undefined)."""
+    try:
+        return torch._grouped_mm(a, b, offs=offs)
+    except torch.OutOfMemoryError:
+        raise
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        if not _LOGGED:
+            _LOGGED.append(True)
+            log.info("torch._grouped_mm refused (%s): a loop of torch.mm per expert, which "
+                     "reads the group sizes on the host", str(e).splitlines()[0][:200])
+    y = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end], b[g], out=y[start:end])
+        start = end
+    return y
+
+
+def _experts(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+             slots: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             qtypes: tuple[QType, QType, QType], d: int, f: int,
+             wbuf: torch.Tensor) -> torch.Tensor:
+    """y [R, D] in wbuf's dtype: row r = w[r] · expert(x[tok[r]]) for the rows r < offs[-1],
+    expert j (slot slots[j]) taking rows offs[j-1]:offs[j]; rows past offs[-1] undefined.
+    wbuf: the weight scratch, at least n·3·F·D elements."""
+    n = slots.shape[0]
+    gate, up, down = parts
+    qg, qu, qd = qtypes
+    w_gu = wbuf[: n * 2 * f * d].view(n, 2 * f, d)  # gate rows, then up rows, per expert
+    w_d = wbuf[n * 2 * f * d: n * 3 * f * d].view(n, d, f)
+    dequantize_slots(gate, slots, qg, d, w_gu[:, :f])
+    dequantize_slots(up, slots, qu, d, w_gu[:, f:])
+    dequantize_slots(down, slots, qd, f, w_d)
+    # [R, D] in bf16: convert x first when it has fewer rows than gathered
+    a = (x.to(wbuf.dtype).index_select(0, tok) if x.shape[0] <= tok.shape[0]
+         else x.index_select(0, tok).to(wbuf.dtype))
+    h = grouped_mm(a, w_gu.transpose(1, 2), offs)  # [R, 2F]: g | u
+    del a
+    g = h[:, :f].float()
+    torch.nn.functional.silu(g, inplace=True)
+    g.mul_(h[:, f:]).mul_(w[:, None])  # the routing weight, before rounding to bf16
+    del h
+    return grouped_mm(g.to(wbuf.dtype), w_d.transpose(1, 2), offs)  # [R, D]
+
+
+def _weight_buffer(n: int, d: int, f: int, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    return scratch((n * 3 * f * d,), dtype, device)
+
+
+# ---- entry points ------------------------------------------------------------------------------
+
+
+def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        slot_of_expert: torch.Tensor, gate_slots: torch.Tensor,
+                        up_slots: torch.Tensor, down_slots: torch.Tensor,
+                        qtypes: tuple[int, int, int], d_model: int, d_expert: int,
+                        out: torch.Tensor | None = None,
+                        scratch_bytes: int = GROUPED_SCRATCH_BYTES) -> torch.Tensor:
+    """out [T, D] float32 (+)= the resident experts' weighted outputs; arguments as
+    moe.moe_forward (see the module doc). No host sync on sm90/sm100."""
+    qtypes, out = check_moe_args(x, ids, weights, slot_of_expert, gate_slots, up_slots,
+                                 down_slots, qtypes, d_model, d_expert, out)
+    t, topk = ids.shape
+    e = slot_of_expert.shape[0]
+    p = t * topk
+    if p == 0:
+        return out
+    dev, d, f = x.device, d_model, d_expert
+    dtype = compute_dtype(dev)
+    flat = ids.reshape(-1).long()  # [P] pair p = token p // K, its k-th expert
+    key = torch.where(slot_of_expert[flat] >= 0, flat, e)  # not resident: sorts last, key E
+    order = torch.argsort(key, stable=True)  # pair ids sorted by expert
+    counts = torch.zeros(e + 2, dtype=torch.int32, device=dev)  # counts[i + 1]: expert i's
+    counts.scatter_add_(0, key + 1, torch.ones_like(key, dtype=torch.int32))
+    bounds = torch.cumsum(counts[:e + 1], 0, dtype=torch.int32)  # expert i: bounds[i]:[i + 1]
+    wflat = weights.reshape(-1).float()
+    nb = experts_per_batch(e, d, f, scratch_bytes, dtype.itemsize)
+    wbuf = _weight_buffer(min(nb, e), d, f, dtype, dev)
+    parts = (gate_slots, up_slots, down_slots)
+    idx = torch.arange(p, device=dev)
+    if nb >= e:  # one batch: every position's pair is written, non-resident ones as zeros
+        offs = bounds[1:]
+        y_sorted = _experts(x, order // topk, wflat[order], offs, slot_of_expert, parts,
+                            qtypes, d, f, wbuf)
+        y_sorted.masked_fill_((idx >= offs[-1])[:, None], 0)
+        y = scratch((p, d), dtype, dev)
+        y.index_copy_(0, order, y_sorted)  # order is a permutation of the pairs
+    else:  # a batch's pairs start on the device: gather P rows from there, write the valid
+        y = torch.zeros(p + 1, d, dtype=dtype, device=dev)  # row P: where the rest go
+        for e0 in range(0, e, nb):
+            e1 = min(e, e0 + nb)
+            offs = bounds[e0 + 1:e1 + 1] - bounds[e0]
+            pairs = order[(idx + bounds[e0]).clamp_(max=p - 1)]
+            y_b = _experts(x, pairs // topk, wflat[pairs], offs, slot_of_expert[e0:e1], parts,
+                           qtypes, d, f, wbuf)
+            y.index_copy_(0, torch.where(idx < offs[-1], pairs, p), y_b)
+        y = y[:p]
+    out += y.view(t, topk, d).sum(1, dtype=torch.float32)
+    return out
+
+
+def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor,
+                            counts: list[int], slots: torch.Tensor, gate_slots: torch.Tensor,
+                            up_slots: torch.Tensor, down_slots: torch.Tensor,
+                            qtypes: tuple[int, int, int], d_model: int, d_expert: int,
+                            out: torch.Tensor,
+                            scratch_bytes: int = GROUPED_SCRATCH_BYTES) -> torch.Tensor:
+    """out[tokens[r]] += weights[r] · expert_j(x[tokens[r]]) for groups known on the host:
+    expert j (slot slots[j] >= 0 of the slot views) takes the next counts[j] rows of tokens
+    (int64 [R]) and weights (float32 [R]), both on x's device; slots int32 [n]. x [T, D]
+    bf16/f32, out float32 [T, D]. A token appears at most once per expert."""
+    qtypes = tuple(QType(q) for q in qtypes)
+    if sum(counts) != tokens.shape[0] or weights.shape != tokens.shape:
+        raise ValueError(f"counts add up to {sum(counts)} rows, tokens has {tokens.shape[0]} "
+                         f"and weights {tuple(weights.shape)}")
+    if len(counts) != slots.shape[0]:
+        raise ValueError(f"{len(counts)} groups but {slots.shape[0]} slots")
+    if not counts:
+        return out
+    dev, d, f = x.device, d_model, d_expert
+    dtype = compute_dtype(dev)
+    nb = experts_per_batch(len(counts), d, f, scratch_bytes, dtype.itemsize)
+    wbuf = _weight_buffer(min(nb, len(counts)), d, f, dtype, dev)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    for j0 in range(0, len(counts), nb):
+        j1 = min(len(counts), j0 + nb)
+        r0, r1 = starts[j0], starts[j1]
+        if r1 == r0:
+            continue
+        ends = [s - r0 for s in starts[j0 + 1:j1 + 1]]
+        offs = torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True)
+        y = _experts(x, tokens[r0:r1], weights[r0:r1].float(), offs, slots[j0:j1],
+                     (gate_slots, up_slots, down_slots), qtypes, d, f, wbuf)
+        for j in range(j0, j1):  # one index_add_ per expert: each token once, deterministic
+            if counts[j]:
+                a, b = starts[j] - r0, starts[j + 1] - r0
+                out.index_add_(0, tokens[starts[j]:starts[j + 1]], y[a:b].to(out.dtype))
+    return out

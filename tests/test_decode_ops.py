@@ -1,0 +1,488 @@
+"""The fused decode ops (strata.kernels.gpu.decode_ops) against the float32 reference ops of
+strata.model.layers: rms_norm, rope_tables + apply_rope, attention, route.
+
+Every run draws fresh random inputs (the seed is in each failure message). Outputs taken through
+`out=` start as NaN, cache rows the op must not touch or read are NaN or 1e30 (a read of one shows
+up as a NaN or a huge error in the output), and the attention partials start as NaN (`scratch`),
+so a reduce over a split that was never written is caught too.
+
+Tolerance, TOL = 1e-5 as max |out - ref| / max |ref| over the tensor: the kernels compute the same
+float32 expressions as the reference, in another summation order (norms, scores, p·V, softmax
+sums), with FMA contraction, and with different exp/rsqrt/cos/sin implementations (1-2 ulp);
+1e-7..1e-6 is what the interpreter shows. The residual x + delta and the v cache rows are exact
+(bit for bit); routing ids are exact away from ties (`check_route`).
+
+The `device` fixture (tests/conftest.py) runs each op test on the CPU (the torch path of
+decode_ops) and, with a GPU, on CUDA (the Triton kernels). One CPU test runs the Triton kernels
+under Triton's interpreter in a subprocess; one CUDA test replays a captured graph of the ops
+with `pos`/`length` advanced between replays.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")  # strata.kernels.gpu needs triton even for the torch path
+
+from strata.kernels.gpu import decode_ops as ops  # noqa: E402
+from strata.model import layers  # noqa: E402
+
+TOL = 1e-5
+EPS = 1e-6
+NAN = float("nan")
+
+
+def fresh_rng() -> tuple[torch.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def randn(gen: torch.Generator, *shape: int, device: str = "cpu",
+          std: float = 1.0) -> torch.Tensor:
+    """Drawn on the CPU (the same numbers for a seed on every device), then moved."""
+    return (torch.randn(*shape, generator=gen) * std).to(device)
+
+
+def max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|; NaN anywhere in out gives NaN (fails every `<`)."""
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN rows included)."""
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def nan_scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, NAN, dtype=dtype, device=device)
+
+
+def check_route(ids: torch.Tensor, w: torch.Tensor, ref_ids: torch.Tensor, ref_w: torch.Tensor,
+                msg: str) -> None:
+    """Weights to TOL; ids equal, except that a pair of slots whose reference weights agree to
+    1e-6 (a tie, where torch.topk promises no order) may come swapped."""
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32, msg
+    assert ids.shape == ref_ids.shape and w.shape == ref_w.shape, msg
+    err = max_rel(w, ref_w)
+    assert err < TOL, f"{msg}: weights rel err {err:.2e}"
+    for t in range(ids.shape[0]):
+        for i in torch.nonzero(ids[t] != ref_ids[t]).flatten().tolist():
+            near = (ref_w[t] - ref_w[t, i]).abs() <= 1e-6 * ref_w[t, i]
+            assert near.sum() > 1 and int(ids[t, i]) in ref_ids[t][near].tolist(), \
+                f"{msg}: token {t} slot {i}: id {int(ids[t, i])}, reference {ref_ids[t].tolist()}"
+
+
+# ---- rms_norm / add_rms_norm ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1, 3, 4])
+@pytest.mark.parametrize("d", [2048, 4096, 96])  # Qwen3-30B-A3B, Mixtral, not a power of two
+def test_rms_norm(device: str, t: int, d: int) -> None:
+    gen, seed = fresh_rng()
+    x = randn(gen, t, d, device=device, std=3.0)
+    w = randn(gen, d, device=device)
+    ref = layers.rms_norm(x, w, EPS)
+    out = torch.full_like(x, NAN)
+    assert ops.rms_norm(x, w, EPS, out=out) is out
+    assert max_rel(out, ref) < TOL, f"seed={seed}: rel err {max_rel(out, ref):.2e}"
+    assert max_rel(ops.rms_norm(x, w, EPS), ref) < TOL, f"seed={seed}"
+    y = x.clone()
+    ops.rms_norm(y, w, EPS, out=y)  # in place
+    assert max_rel(y, ref) < TOL, f"seed={seed}: in place"
+
+
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("d", [2048, 96])
+def test_add_rms_norm(device: str, t: int, d: int) -> None:
+    gen, seed = fresh_rng()
+    x = randn(gen, t, 2 * d, device=device)[:, :d]  # rows with a stride: a view
+    delta = randn(gen, t, d, device=device)
+    w = randn(gen, d, device=device)
+    want_x = x + delta
+    ref = layers.rms_norm(want_x, w, EPS)
+    out = torch.full((t, d), NAN, device=device)
+    h = ops.add_rms_norm(x, delta, w, EPS, out=out)
+    assert h is out
+    assert same_bits(x, want_x), f"seed={seed}: residual not x + delta"
+    assert max_rel(h, ref) < TOL, f"seed={seed}: rel err {max_rel(h, ref):.2e}"
+
+
+# ---- q/k norm + RoPE + cache store -------------------------------------------------------------
+
+# (H, Hkv, hd, rope_dim, style, qk norm, theta)
+ROPE_CASES = {
+    "qwen3-30b-a3b": (32, 4, 128, 128, "neox", True, 1e6),
+    "mixtral": (32, 8, 128, 128, "normal", False, 1e6),
+    "qwen2moe": (28, 4, 128, 128, "neox", False, 1e6),
+    "odd-partial": (6, 2, 64, 32, "normal", True, 1e4),  # rope on the first 32 of 64 dims
+    "odd-partial-neox": (5, 1, 64, 48, "neox", True, 5e5),
+}
+
+
+def rope_reference(q, k, qn, kn, positions, rope_dim, theta, style):  # noqa: ANN001, ANN201
+    cos, sin = layers.rope_tables(positions, rope_dim, theta)
+    if qn is not None:
+        q, k = layers.rms_norm(q, qn, EPS), layers.rms_norm(k, kn, EPS)
+    return layers.apply_rope(q, cos, sin, style), layers.apply_rope(k, cos, sin, style)
+
+
+@pytest.mark.parametrize("t", [1, 3, 4])
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+def test_qk_rope_store(device: str, name: str, t: int) -> None:
+    gen, seed = fresh_rng()
+    h, hkv, hd, rope_dim, style, qk_norm, theta = ROPE_CASES[name]
+    cap = 1000
+    # q, k, v as views of one fused projection [T, (H + 2 Hkv) hd]
+    qkv = randn(gen, t, (h + 2 * hkv) * hd, device=device, std=2.0)
+    q = qkv[:, : h * hd].view(t, h, hd)
+    k = qkv[:, h * hd: (h + hkv) * hd].view(t, hkv, hd)
+    v = qkv[:, (h + hkv) * hd:].view(t, hkv, hd)
+    qn = randn(gen, hd, device=device) if qk_norm else None
+    kn = randn(gen, hd, device=device) if qk_norm else None
+    inv_freq = ops.rope_inv_freq(rope_dim, theta, device)
+    for p, dtype in ((0, torch.int64), (int(torch.randint(1, cap - t, (), generator=gen)),
+                                        torch.int32), (cap - t, torch.int64)):
+        kc = torch.full((cap, hkv, hd), NAN, device=device)
+        vc = torch.full((cap, hkv, hd), NAN, device=device)
+        out = torch.full((t, h, hd), NAN, device=device)
+        pos = torch.tensor([p], dtype=dtype, device=device)
+        got = ops.qk_rope_store(q, k, v, qn, kn, EPS, pos, inv_freq, style, kc, vc, out=out)
+        assert got is out
+        q_ref, k_ref = rope_reference(q, k, qn, kn, torch.arange(p, p + t, device=device),
+                                      rope_dim, theta, style)
+        msg = f"{name} t={t} pos={p} seed={seed}"
+        assert max_rel(out, q_ref) < TOL, f"{msg}: q rel err {max_rel(out, q_ref):.2e}"
+        assert max_rel(kc[p:p + t], k_ref) < TOL, f"{msg}: k rel err"
+        assert same_bits(vc[p:p + t], v), f"{msg}: v rows differ"
+        rest = torch.ones(cap, dtype=torch.bool, device=device)
+        rest[p:p + t] = False
+        assert kc[rest].isnan().all() and vc[rest].isnan().all(), f"{msg}: other rows written"
+
+
+def test_qk_rope_far_positions(device: str) -> None:
+    """Positions near 2^17: angles of 1e5 radians, where cos/sin need a full range reduction."""
+    gen, seed = fresh_rng()
+    t, h, hkv, hd, cap = 2, 2, 1, 64, 131072
+    q, k, v = (randn(gen, t, n, hd, device=device) for n in (h, hkv, hkv))
+    kc = torch.zeros(cap, hkv, hd, device=device)
+    vc = torch.zeros(cap, hkv, hd, device=device)
+    p = cap - t - int(torch.randint(0, 1000, (), generator=gen))
+    inv_freq = ops.rope_inv_freq(hd, 1e6, device)
+    out = ops.qk_rope_store(q, k, v, None, None, EPS, torch.tensor([p], device=device), inv_freq,
+                            "neox", kc, vc)
+    q_ref, k_ref = rope_reference(q, k, None, None, torch.arange(p, p + t, device=device), hd,
+                                  1e6, "neox")
+    assert max_rel(out, q_ref) < TOL, f"seed={seed} pos={p}: {max_rel(out, q_ref):.2e}"
+    assert max_rel(kc[p:p + t], k_ref) < TOL, f"seed={seed} pos={p}"
+
+
+def test_rope_inv_freq_is_rope_tables() -> None:
+    positions = torch.tensor([0, 1, 7, 4097])
+    cos, sin = layers.rope_tables(positions, 128, 1e6)
+    angles = positions.float()[:, None] * ops.rope_inv_freq(128, 1e6, "cpu")[None, :]
+    assert same_bits(angles.cos(), cos) and same_bits(angles.sin(), sin)
+
+
+# ---- decode attention ----------------------------------------------------------------------------
+
+# (T, H, Hkv, hd, capacity, lengths, n_splits); None: attention_splits(capacity, Hkv)
+ATTN_CASES = {
+    "qwen3-30b-a3b": (1, 32, 4, 128, 4096, (1, 17, 128, 129, 1000, 4096), None),
+    "qwen3-4tok": (4, 32, 4, 128, 4000, (4, 130, 2049, 4000), None),  # 2 row blocks of 16
+    "mixtral-3tok": (3, 32, 8, 128, 1000, (3, 257, 999, 1000), None),
+    "qwen2moe-g7": (4, 28, 4, 128, 700, (5, 300, 700), None),  # G = 7, T·G = 28
+    "hd64-odd-cap": (3, 6, 2, 64, 333, (3, 128, 129, 333), 3),
+    "hd256": (2, 8, 2, 256, 600, (2, 256, 600), None),
+    "one-split": (2, 8, 2, 128, 500, (2, 300, 500), 1),
+    "many-splits": (1, 4, 4, 64, 2000, (1, 1999, 2000), 64),  # S > live splits
+}
+
+
+def fill_cache(gen: torch.Generator, cap: int, hkv: int, hd: int, n: int, device: str,
+               junk: float) -> torch.Tensor:
+    """Rows 0..n-1 random, the rest `junk` (NaN or huge), which no correct kernel reads."""
+    c = torch.full((cap, hkv, hd), junk)
+    c[:n] = torch.randn(n, hkv, hd, generator=gen)
+    return c.to(device)
+
+
+@pytest.mark.parametrize("name", list(ATTN_CASES))
+def test_decode_attention(device: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen, seed = fresh_rng()
+    monkeypatch.setattr(ops, "scratch", nan_scratch)
+    t, h, hkv, hd, cap, lengths, n_splits = ATTN_CASES[name]
+    for i, n in enumerate(lengths):
+        junk = NAN if i % 2 == 0 else 1e30
+        kc = fill_cache(gen, cap, hkv, hd, n, device, junk)
+        vc = fill_cache(gen, cap, hkv, hd, n, device, junk)
+        q = randn(gen, t, h, hd, device=device, std=0.5)
+        length = torch.tensor([n], dtype=torch.int32 if i % 2 else torch.int64, device=device)
+        out = torch.full((t, h * hd), NAN, device=device)
+        got = ops.decode_attention(q, kc, vc, length, hd ** -0.5, out=out, n_splits=n_splits)
+        assert got is out
+        ref = layers.attention(q, kc[:n], vc[:n], n - t)
+        err = max_rel(out, ref)
+        assert err < TOL, f"{name} length={n} junk={junk} seed={seed}: rel err {err:.2e}"
+
+
+def test_attention_splits() -> None:
+    assert ops.attention_splits(4096, 4) == 32  # capacity / 128
+    assert ops.attention_splits(32768, 4) == 64  # 256 CTAs / Hkv
+    assert ops.attention_splits(32768, 8) == 32
+    assert ops.attention_splits(100, 8) == 1
+
+
+# ---- routing -------------------------------------------------------------------------------------
+
+# (E, K, renormalize)
+ROUTE_CASES = [(128, 8, True), (128, 8, False), (8, 2, True), (60, 4, False), (256, 16, True),
+               (7, 7, True)]
+
+
+def distinct_router(gen: torch.Generator, t: int, d: int, e: int, k: int, device: str):  # noqa: ANN201
+    """h [T, D], router [E, D] whose logits have no near ties among each row's top k + 1."""
+    for _ in range(100):
+        h, router = randn(gen, t, d), randn(gen, e, d, std=d ** -0.5)
+        top = torch.sort(h @ router.T, dim=-1, descending=True).values[:, : k + 1]
+        if (top[:, :-1] - top[:, 1:]).min() > 1e-4:
+            return h.to(device), router.to(device)
+    raise AssertionError("could not draw logits without near ties")
+
+
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("e,k,norm", ROUTE_CASES)
+def test_route_topk(device: str, t: int, e: int, k: int, norm: bool) -> None:
+    gen, seed = fresh_rng()
+    h, router = distinct_router(gen, t, 64, e, k, device)
+    ids, w = ops.route_topk(h @ router.T, k, norm)
+    ref_ids, ref_w = layers.route(h, router, k, norm)
+    assert torch.equal(ids, ref_ids), f"seed={seed}: {ids.tolist()} vs {ref_ids.tolist()}"
+    check_route(ids, w, ref_ids, ref_w, f"E={e} k={k} seed={seed}")
+
+
+def test_route_ties_go_to_the_lower_id(device: str) -> None:
+    if device == "cpu":
+        pytest.skip("the tie rule is the kernel's; torch.topk promises no order")
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]], device=device)
+    ids, w = ops.route_topk(logits, 4, False)
+    assert ids.tolist() == [[1, 3, 2, 4]]
+    assert w[0, 0] == w[0, 1] and w[0, 2] == w[0, 3]
+
+
+# ---- argument checks (no GPU needed) -------------------------------------------------------------
+
+
+def test_bad_arguments() -> None:
+    x, w = torch.zeros(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="float32"):
+        ops.rms_norm(x.double(), w, EPS)
+    with pytest.raises(ValueError, match="weight must be"):
+        ops.rms_norm(x, torch.ones(7), EPS)
+    with pytest.raises(ValueError, match="delta must be"):
+        ops.add_rms_norm(x, torch.zeros(3, 8), w, EPS)
+    q, kv, cache = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(16, 2, 8)
+    inv = ops.rope_inv_freq(8, 1e4, "cpu")
+    pos = torch.tensor([0])
+    with pytest.raises(ValueError, match="style"):
+        ops.qk_rope_store(q, kv, kv, None, None, EPS, pos, inv, "llama", cache, cache)
+    with pytest.raises(ValueError, match="pos must be"):
+        ops.qk_rope_store(q, kv, kv, None, None, EPS, torch.tensor([0.0]), inv, "neox", cache,
+                          cache)
+    with pytest.raises(ValueError, match="rope_dim"):
+        ops.qk_rope_store(q, kv, kv, None, None, EPS, pos, ops.rope_inv_freq(16, 1e4, "cpu"),
+                          "neox", cache, cache)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        ops.decode_attention(torch.zeros(1, 3, 8), cache, cache, pos, 1.0)
+    with pytest.raises(ValueError, match="length must be"):
+        ops.decode_attention(q, cache, cache, torch.tensor([1, 2]), 1.0)
+    with pytest.raises(ValueError, match="k must be"):
+        ops.route_topk(torch.zeros(2, 4), 5, True)
+    assert not ops.fused_decode_available("cpu")
+    assert ops.fused_decode_available("cuda") == torch.cuda.is_available()
+
+
+# ---- CUDA graph: one capture, replayed at advancing positions ------------------------------------
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_follow_pos_and_length() -> None:
+    """add_rms_norm -> qkv matmul -> qk_rope_store -> decode_attention -> rms_norm -> router
+    matmul -> route_topk, captured once; each replay moves pos/length (fill_) and gets fresh
+    inputs (copy_). Each stage is checked against the reference applied to the graph's own input
+    of that stage, so an error points at one op, and a value baked in at capture (a position, a
+    length, a split count) shows up at the first replay that differs from the capture."""
+    gen, seed = fresh_rng()
+    dev = "cuda"
+    t, d, h, hkv, hd, e, k, cap = 2, 256, 8, 2, 64, 16, 4, 700
+    w_norm, w_onorm = randn(gen, d, device=dev), randn(gen, h * hd, device=dev)
+    wqkv = randn(gen, (h + 2 * hkv) * hd, d, device=dev, std=d ** -0.5)
+    qn, kn = randn(gen, hd, device=dev), randn(gen, hd, device=dev)
+    router = randn(gen, e, h * hd, device=dev, std=(h * hd) ** -0.5)
+    inv_freq = ops.rope_inv_freq(hd, 1e6, dev)
+    x, delta = torch.zeros(t, d, device=dev), torch.zeros(t, d, device=dev)
+    pos = torch.zeros(1, dtype=torch.int64, device=dev)
+    length = torch.full((1,), t, dtype=torch.int64, device=dev)
+    kc = torch.full((cap, hkv, hd), NAN, device=dev)
+    vc = torch.full((cap, hkv, hd), NAN, device=dev)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        hh = ops.add_rms_norm(x, delta, w_norm, EPS)
+        qkv = hh @ wqkv.T
+        q = qkv[:, : h * hd].view(t, h, hd)
+        kk = qkv[:, h * hd: (h + hkv) * hd].view(t, hkv, hd)
+        v = qkv[:, (h + hkv) * hd:].view(t, hkv, hd)
+        qr = ops.qk_rope_store(q, kk, v, qn, kn, EPS, pos, inv_freq, "neox", kc, vc)
+        o = ops.decode_attention(qr, kc, vc, length, hd ** -0.5)
+        on = ops.rms_norm(o, w_onorm, EPS)
+        ids, wts = ops.route_topk(on @ router.T, k, True)
+        return hh, qkv, qr, o, on, ids, wts
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile every kernel before the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+
+    written = 0  # rows 0..written-1 hold keys/values
+    for p in (0, 2, 4, 6, 129, 131, 400, cap - 2 * t, cap - t):
+        if p > written:  # a jump: fill the skipped rows as a prompt would
+            kc[written:p] = randn(gen, p - written, hkv, hd, device=dev)
+            vc[written:p] = randn(gen, p - written, hkv, hd, device=dev)
+        kc[p:], vc[p:] = NAN, NAN  # anything read past the new rows poisons the output
+        x_in, d_in = randn(gen, t, d, device=dev), randn(gen, t, d, device=dev)
+        x.copy_(x_in)
+        delta.copy_(d_in)
+        pos.fill_(p)
+        length.fill_(p + t)
+        graph.replay()
+        torch.cuda.synchronize()
+        written = p + t
+        hh, qkv, qr, o, on, ids, wts = outs
+        msg = f"pos={p} seed={seed}"
+        assert same_bits(x, x_in + d_in), f"{msg}: residual"
+        assert max_rel(hh, layers.rms_norm(x_in + d_in, w_norm, EPS)) < TOL, f"{msg}: norm"
+        q = qkv[:, : h * hd].view(t, h, hd)
+        kk = qkv[:, h * hd: (h + hkv) * hd].view(t, hkv, hd)
+        q_ref, k_ref = rope_reference(q, kk, qn, kn, torch.arange(p, p + t, device=dev), hd, 1e6,
+                                      "neox")
+        assert max_rel(qr, q_ref) < TOL, f"{msg}: q rope {max_rel(qr, q_ref):.2e}"
+        assert max_rel(kc[p:p + t], k_ref) < TOL, f"{msg}: k rope / cache row"
+        assert same_bits(vc[p:p + t], qkv[:, (h + hkv) * hd:].view(t, hkv, hd)), f"{msg}: v"
+        assert kc[p + t:].isnan().all(), f"{msg}: rows past length written"
+        o_ref = layers.attention(qr, kc[:p + t], vc[:p + t], p)
+        assert max_rel(o, o_ref) < TOL, f"{msg}: attention {max_rel(o, o_ref):.2e}"
+        assert max_rel(on, layers.rms_norm(o, w_onorm, EPS)) < TOL, f"{msg}: rms_norm"
+        ref_ids, ref_w = layers.route(on, router, k, True)
+        check_route(ids, wts, ref_ids, ref_w, msg)
+
+
+# ---- the kernels on the CPU, under Triton's interpreter ------------------------------------------
+
+_INTERPRETED = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np
+    from triton.runtime import interpreter
+
+    # Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which NumPy 2.4
+    # refuses; read them with .item() instead.
+    _patch = interpreter._patch_lang_tensor
+    def _patched(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).item()))
+    interpreter._patch_lang_tensor = _patched
+
+    import torch
+    from strata.kernels.gpu import decode_ops as ops
+    from strata.model import layers
+
+    seed = int(sys.argv[1])
+    gen = torch.Generator().manual_seed(seed)
+    nan = float("nan")
+    ops.scratch = lambda shape, dtype, device: torch.full(shape, nan, dtype=dtype, device=device)
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+    def rel(a, b):
+        return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+    TOL, EPS = 1e-5, 1e-6
+
+    for t, d in ((1, 96), (3, 256)):
+        x, dl, w = rnd(t, d), rnd(t, d), rnd(d)
+        out = torch.full((t, d), nan)
+        assert rel(ops.rms_norm(x, w, EPS, out=out), layers.rms_norm(x, w, EPS)) < TOL
+        y = x.clone()
+        h = ops.add_rms_norm(y, dl, w, EPS, out=out)
+        assert torch.equal(y, x + dl) and rel(h, layers.rms_norm(x + dl, w, EPS)) < TOL
+
+    cap = 300
+    for h, hkv, hd, rope_dim, style, norm, t in ((4, 2, 64, 64, "neox", True, 3),
+                                                 (3, 1, 64, 32, "normal", True, 1),
+                                                 (4, 4, 32, 24, "neox", False, 2),
+                                                 (2, 2, 32, 32, "normal", False, 3)):
+        qkv = rnd(t, (h + 2 * hkv) * hd)
+        q = qkv[:, :h * hd].view(t, h, hd)
+        k = qkv[:, h * hd:(h + hkv) * hd].view(t, hkv, hd)
+        v = qkv[:, (h + hkv) * hd:].view(t, hkv, hd)
+        qn, kn = (rnd(hd), rnd(hd)) if norm else (None, None)
+        for p, dt in ((0, torch.int64), (117, torch.int32), (cap - t, torch.int64)):
+            kc, vc, out = torch.full((cap, hkv, hd), nan), torch.full((cap, hkv, hd), nan), \\
+                torch.full((t, h, hd), nan)
+            ops.qk_rope_store(q, k, v, qn, kn, EPS, torch.tensor([p], dtype=dt),
+                              ops.rope_inv_freq(rope_dim, 1e4, "cpu"), style, kc, vc, out=out)
+            cos, sin = layers.rope_tables(torch.arange(p, p + t), rope_dim, 1e4)
+            qr, kr = (q, k) if not norm else (layers.rms_norm(q, qn, EPS),
+                                              layers.rms_norm(k, kn, EPS))
+            assert rel(out, layers.apply_rope(qr, cos, sin, style)) < TOL, (style, p)
+            assert rel(kc[p:p + t], layers.apply_rope(kr, cos, sin, style)) < TOL, (style, p)
+            assert torch.equal(vc[p:p + t], v), (style, p)
+            assert kc[:p].isnan().all() and kc[p + t:].isnan().all() and vc[p + t:].isnan().all()
+
+    # (T, H, Hkv, hd, capacity, lengths, n_splits)
+    for t, h, hkv, hd, cap, lengths, splits in ((1, 4, 2, 64, 300, (1, 128, 129, 300), None),
+                                                (3, 6, 2, 64, 333, (3, 130, 333), None),
+                                                (3, 8, 1, 32, 200, (3, 200), 1),  # T·G = 24
+                                                (2, 4, 4, 32, 260, (2, 259), 8)):
+        for i, n in enumerate(lengths):
+            junk = nan if i % 2 == 0 else 1e30
+            kc, vc = torch.full((cap, hkv, hd), junk), torch.full((cap, hkv, hd), junk)
+            kc[:n], vc[:n] = rnd(n, hkv, hd), rnd(n, hkv, hd)
+            q = rnd(t, h, hd) * 0.5
+            out = torch.full((t, h * hd), nan)
+            ops.decode_attention(q, kc, vc, torch.tensor([n]), hd ** -0.5, out=out,
+                                 n_splits=splits)
+            err = rel(out, layers.attention(q, kc[:n], vc[:n], n - t))
+            assert err < TOL, (t, h, hkv, hd, n, err)
+
+    for e, k, norm in ((60, 4, False), (8, 2, True), (128, 8, True), (256, 16, True)):
+        logits = torch.stack([(torch.randperm(e, generator=gen) + 0.5 * torch.rand(
+            e, generator=gen)) * 0.1 for _ in range(3)])  # distinct, with gaps >= 0.05
+        ids, w = ops.route_topk(logits, k, norm)
+        ref_ids, ref_w = layers.route(logits, torch.eye(e), k, norm)
+        assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k)
+    ids, w = ops.route_topk(torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]), 4, False)
+    assert ids.tolist() == [[1, 3, 2, 4]], ids  # ties: the lower id first
+    print("ok")
+""")
+
+
+def test_kernels_under_the_interpreter() -> None:
+    """Every kernel (rms_norm, add_rms_norm, qk_rope_store, both attention kernels, route_topk)
+    on small odd shapes, on the CPU under TRITON_INTERPRET=1 (~10 s)."""
+    _, seed = fresh_rng()
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, \
+        f"seed={seed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

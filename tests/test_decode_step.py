@@ -1,0 +1,127 @@
+"""The decode step (static buffers, pieces cut at host layers, CUDA graphs on the GPU) gives the
+reference logits token after token, for every cache size and architecture; pieces are cut where
+the plan says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_offload import TOKENS, assert_same, offload
+
+from strata.cli.logits import compute_logits
+from strata.engine.decode_step import cut_pieces
+from strata.engine.generator import Engine
+from strata.engine.sampling import SamplingParams
+
+PROMPT = 4  # tokens of TOKENS run as the prompt; the rest go through decode steps
+
+
+def decoded_logits(engine: Engine, tokens: list[int]) -> np.ndarray:
+    """Teacher-forced: the prompt, then one decode step per remaining token -> [n - PROMPT, V]."""
+    kv = engine.model.new_cache(len(tokens))
+    engine.run_prompt(tokens[:PROMPT], kv)
+    out = [engine.model.decode(t, kv).float().cpu().numpy().copy() for t in tokens[PROMPT:]]
+    assert kv.length == len(tokens)
+    return np.concatenate(out)
+
+
+def test_pieces_are_cut_after_each_host_layer() -> None:
+    p = cut_pieces(5, [False, True, False, False, True])
+    assert [(list(x.layers), x.host_layer, x.first, x.after_host) for x in p] == [
+        ([0, 1], 1, True, False), ([2, 3, 4], 4, False, True), ([], -1, False, True)]
+    (one,) = cut_pieces(3, [False] * 3)  # every expert resident: one piece, one graph
+    assert (list(one.layers), one.host_layer, one.first, one.after_host) == ([0, 1, 2], -1,
+                                                                            True, False)
+    assert len(cut_pieces(3, [True] * 3)) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama"])
+@pytest.mark.parametrize("cache", ["0", "5", "24"])  # 3 layers x 8 experts: none, some, all
+def test_decode_step_gives_reference_logits(synth, arch, cache, device):
+    path = synth(arch, "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, device, expert_cache=cache, miss="auto")
+    step = engine.model.step
+    assert step is not None and step.graphs == (device == "cuda")
+    assert_same(decoded_logits(engine, TOKENS), ref)
+    if device == "cuda":  # steps after the first replayed captured pieces
+        assert not step._failed and step._captured is not None
+        assert len(step._captured[1]) == len(step.pieces)
+    st = engine.model.experts.stats
+    steps = len(TOKENS) - PROMPT
+    pairs = st.hits.sum() + st.cpu.sum() + st.streamed.sum()
+    assert pairs == len(TOKENS) * engine.config.n_layers * engine.config.n_experts_used
+    if cache == "24":
+        assert len(step.pieces) == 1 and st.hit_rate == 1.0
+    if cache == "0":
+        assert len(step.pieces) == engine.config.n_layers + 1 and st.hits.sum() == 0
+    assert steps > 2  # eager, capture, replays
+
+
+def test_eager_step_equals_the_plain_forward(synth, device):
+    """--decode-step eager and off give the same greedy text on a mixed pack whose cache changes
+    between steps."""
+    path = synth("qwen3moe", "IQ2_XS-MIX,blk.0.ffn_down_exps=Q6_K")
+    params = SamplingParams(temperature=0, max_tokens=10)
+    runs = {mode: list(offload(path, device, expert_cache="4", miss="cpu", cache_policy="lfu",
+                               decode_step=mode).generate(TOKENS[:4], params))
+            for mode in ("eager", "off")}
+    assert runs["eager"] == runs["off"] and len(runs["eager"]) > 0
+
+
+def test_a_growing_cache_moves_the_storage_and_stays_right(synth, device):
+    """A KV cache too small for the sequence grows in the middle of decoding: the step sees a
+    new storage (a new capture on CUDA) and the logits stay the reference."""
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, device, expert_cache="24")
+    kv = engine.model.new_cache(PROMPT + 1)  # grows at the second decode step
+    engine.run_prompt(TOKENS[:PROMPT], kv)
+    first = kv.store.data_ptr()
+    out = [engine.model.decode(t, kv).float().cpu().numpy().copy() for t in TOKENS[PROMPT:]]
+    assert kv.store.data_ptr() != first
+    assert_same(np.concatenate(out), ref)
+
+
+@pytest.mark.cuda
+def test_graph_capture_failure_falls_back_to_eager(synth, monkeypatch, caplog):
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, "cuda", expert_cache="24")
+
+    def fail(*a, **k):
+        raise RuntimeError("injected capture failure")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", fail)
+    assert_same(decoded_logits(engine, TOKENS), ref)
+    assert engine.model.step._failed and "capture failed" in caplog.text
+
+
+def test_caches_reuse_a_dropped_storage(synth, device):
+    """One request after another gets the same KV storage (so the captured graphs stay valid);
+    a cache that grows hands its old storage back; two live caches never share one."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), device, expert_cache="24")
+    model = engine.model
+    a = model.new_cache(16)
+    first = a.store.data_ptr()
+    b = model.new_cache(16)
+    assert b.store.data_ptr() != first
+    del a
+    c = model.new_cache(16)
+    assert c.store.data_ptr() == first
+    c.reserve(c.capacity + 1)  # grows: the old storage returns to the pool
+    assert c.store.data_ptr() != first
+    assert model.new_cache(16).store.data_ptr() == first
+
+
+@pytest.mark.cuda
+def test_consecutive_requests_replay_the_same_graphs(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    engine = offload(path, "cuda", expert_cache="5")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = list(engine.generate(TOKENS[:4], params))
+    graphs = engine.model.step._captured
+    assert graphs is not None
+    assert list(engine.generate(TOKENS[:4], params)) == first
+    assert engine.model.step._captured is graphs  # no new capture for the second request
