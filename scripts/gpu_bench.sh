@@ -56,10 +56,14 @@ if [[ $STAGES == *decode* ]]; then
     --plot "$OUT/sweep.png"
 fi
 if [[ $STAGES == *prompt* ]]; then
-  for b in ${PROMPT_BUDGETS:-40 2}; do
-    echo "== prompt ${PROMPT_LEN:-8192} tokens at --vram-budget $b"
-    bench "prompt_$b" --vram-budget $b --ctx ${PROMPT_LEN:-8192} --prompt-len ${PROMPT_LEN:-8192} \
-      --gen-len 0 --runs 1
+  # budget[:expert cache]: 40 = all resident; 10; 6:0 = every expert streamed from host RAM
+  for spec in ${PROMPT_BUDGETS:-40 6:0}; do
+    b=${spec%%:*}; cache=auto; [[ $spec == *:* ]] && cache=${spec##*:}
+    for n in ${PROMPT_LEN:-8192}; do
+      echo "== prompt $n tokens at --vram-budget $b --expert-cache $cache"
+      bench "prompt_${n}_${b}_$cache" --vram-budget $b --expert-cache $cache --ctx $n \
+        --prompt-len $n --gen-len 0 --runs 1
+    done
   done
 fi
 if [[ $STAGES == *check* ]]; then
