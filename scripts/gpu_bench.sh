@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STAGES=${STAGES:-"tests decode prompt check"}
+STAGES=${STAGES:-"tests profile decode prompt check"}
 BUDGETS=${BUDGETS:-"2,10,40"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -31,16 +31,16 @@ if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && which gcc g++ >/dev/null; the
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 M=/tmp/q30.gguf
-if [[ $STAGES == *decode* || $STAGES == *prompt* || $STAGES == *check* ]]; then
+if [[ $STAGES == *decode* || $STAGES == *prompt* || $STAGES == *check* || $STAGES == *profile* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant Q4_K_M --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
 fi
 if [[ $STAGES == *tests* ]]; then
   echo "== CUDA tests: decode step, decode ops, grouped prompt MoE, offload, prompt"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_decode_ops.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
-    tests/test_prompt.py 2>&1 | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
+    tests/test_prompt.py} 2>&1 | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
 fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }
 [[ -n ${GGML_PID:-} ]] && { wait $GGML_PID; tail -1 /tmp/ggml.log;
@@ -50,6 +50,13 @@ bench() {  # name, then strata bench arguments
   timeout 300 python3 -m strata bench $M --device cuda "$@" --json "$OUT/$name.json" 2>&1 \
     | grep -v "^strata:  " | tee "$OUT/$name.txt"
 }
+if [[ $STAGES == *profile* ]]; then
+  for b in ${PROFILE_BUDGETS:-40 10}; do
+    echo "== decode profile at --vram-budget $b"
+    timeout 200 python3 scripts/profile_decode.py $M --vram-budget $b --json "$OUT/profile_$b.json" \
+      2>&1 | grep -v "^strata:  " | head -40
+  done
+fi
 if [[ $STAGES == *decode* ]]; then
   echo "== decode, VRAM sweep $BUDGETS"
   bench decode --sweep-vram "$BUDGETS" --prompt-len 128 --gen-len 64 --runs 2 \

@@ -127,3 +127,23 @@ def test_check_command_passes_equal_and_fails_different(pack, capsys):
     diff = main(["check", path, "--b", "--offload on --expert-cache 0 --miss cpu --cpu-kernels "
                  "ggml --stream-min 100000", "--prompt-len", "40", "--max-kl", "1e-9"])
     assert diff == 1
+
+
+@pytest.mark.parametrize("tq,tk", [(5, 5), (7, 19), (64, 200)])
+def test_bf16_chunk_attention_is_the_causal_attention_within_bf16_rounding(tq, tk, device):
+    """The --kernels fused prompt attention (bf16 flash attention, queries aligned to the last
+    keys) against the float32 reference, for a first chunk and later chunks, with GQA."""
+    import torch
+
+    from strata.model.layers import attention, attention_bf16
+
+    g = torch.Generator().manual_seed(tq * 1000 + tk)
+    q = torch.randn(tq, 8, 64, generator=g).to(device)
+    k, v = (torch.randn(tk, 2, 64, generator=g).to(device) for _ in range(2))
+    ref = attention(q, k, v, tk - tq)
+    ours = attention_bf16(q, k, v)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert float((ours - ref).norm() / ref.norm()) < 1e-2
+    if tq < tk:  # the first query sees keys 0 .. tk - tq only: a top-left mask would differ
+        ahead = attention(q, k, v, 0)
+        assert float((ours - ahead).norm() / ref.norm()) > 5e-2

@@ -89,6 +89,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               prompt_scratch=plan.prompt_weights)
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
+    model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"
     if ec.decode_step not in DECODE_STEP_MODES:
         raise StrataError(f"--decode-step {ec.decode_step}: choose from "
                           f"{', '.join(DECODE_STEP_MODES)}")

@@ -23,8 +23,10 @@ class KVPool:
         self.free: list[torch.Tensor] = []
 
     def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A free storage of this shape (one pool serves one model, so one device), or a new
+        one."""
         for i, t in enumerate(self.free):
-            if tuple(t.shape) == shape and t.device == device:
+            if tuple(t.shape) == shape:
                 return self.free.pop(i)
         return torch.empty(shape, dtype=torch.float32, device=device)
 

@@ -72,7 +72,7 @@ class OffloadExperts:
             h_host = host[2] if host[2] is not None else to_host(h, f"layer {layer} activations")
         self.cache.before_compute(layer)
         self._run_hits(layer, hits, by_expert, h, ids, weights, out)
-        self._run_staged(layer, [by_expert[e] for e in staged], h, out)
+        self._run_staged(layer, [by_expert[e] for e in staged], h, out, ids, weights)
         self.cache.after_compute(layer)
         if to_cpu:
             out += self._run_cpu(layer, [by_expert[e] for e in to_cpu], h_host).to(self.device)
@@ -142,7 +142,7 @@ class OffloadExperts:
             only[copied] = torch.from_numpy(ls.slot_of[copied])
             self.fused.run(lay, ls.slots, only.to(self.device, non_blocking=True), h, ids,
                            weights, out)
-        self._run_staged(layer, [by_expert[e] for e in staged], h, out)
+        self._run_staged(layer, [by_expert[e] for e in staged], h, out, ids, weights)
         self.cache.after_compute(layer)
         if to_cpu:
             out += self._run_cpu(layer, [by_expert[e] for e in to_cpu], host[2]).to(self.device)
@@ -190,17 +190,27 @@ class OffloadExperts:
             self.cache.check_integrity()
         return out
 
-    def _run_staged(self, layer: int, groups: list[Group], h: torch.Tensor,
-                    out: torch.Tensor) -> None:
-        """Experts with no slot to land in go through the staging buffer, a round at a time."""
+    def _run_staged(self, layer: int, groups: list[Group], h: torch.Tensor, out: torch.Tensor,
+                    ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Experts with no slot to land in go through the staging buffer, a round at a time:
+        on the fused kernels (a table of the round's experts) where they cover the layer."""
+        if not groups:
+            return
         lay = self.arena.layouts[layer]
         cap = self.staging[0].shape[0] if self.staging else 0
+        fused = self.fused.covers(layer, h.shape[0])
         for s in range(0, len(groups), max(cap, 1)):
             chunk = groups[s:s + cap]
             buf = self.staging[0][: len(chunk), : lay.stride]
             for j, g in enumerate(chunk):
                 buf[j].copy_(self.arena.record(layer, g.expert), non_blocking=True)
-            run_records(lay, buf, chunk, h, out, self.workspace_bytes)
+            if not fused:
+                run_records(lay, buf, chunk, h, out, self.workspace_bytes)
+                continue
+            table = torch.full((self.arena.n_experts,), -1, dtype=torch.int32)
+            table[[g.expert for g in chunk]] = torch.arange(len(chunk), dtype=torch.int32)
+            self.fused.run(lay, buf, table.to(self.device, non_blocking=True), h, ids, weights,
+                           out)
 
     def _run_cpu(self, layer: int, groups: list[Group], h_host: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()

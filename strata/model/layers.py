@@ -56,6 +56,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int) ->
     return out.transpose(0, 1).reshape(Tq, H * hd)
 
 
+def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same causal attention for a prompt chunk whose queries are the last Tq of the Tk
+    keys, on bf16 tensor cores (flash attention; float32 out): the --kernels fused prompt path.
+    At a long context float32 attention costs more than all the chunk's experts.
+    q: [Tq, H, hd]; k, v: [Tk, Hkv, hd] -> [Tq, H*hd]"""
+    from torch.nn.attention.bias import causal_lower_right
+
+    Tq, H, hd = q.shape
+    Tk, Hkv = k.shape[:2]
+    qb, kb, vb = (t.transpose(0, 1).to(torch.bfloat16)[None] for t in (q, k, v))
+    if Hkv != H:  # the flash kernel takes equal head counts
+        kb, vb = kb.repeat_interleave(H // Hkv, 1), vb.repeat_interleave(H // Hkv, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=causal_lower_right(Tq, Tk))  # [1, H, Tq, hd]
+    return out[0].transpose(0, 1).reshape(Tq, H * hd).float()
+
+
 def route(h: torch.Tensor, router: torch.Tensor, k: int,
           norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, keep the top k, optionally renormalize them to sum to 1.

@@ -20,8 +20,10 @@ import torch
 from strata.config import ModelConfig
 from strata.engine.kv_cache import KVCache
 from strata.experts import ExpertExecutor, ReferenceExperts
-from strata.model.layers import apply_rope, attention, rms_norm, rope_tables, route
+from strata.model.layers import apply_rope, attention, attention_bf16, rms_norm, rope_tables, route
 from strata.model.weights import LayerWeights, ModelWeights, linear
+
+BF16_ATTENTION_MIN_T = 4  # longer segments (prompt chunks) may attend on bf16 tensor cores
 
 
 @dataclass
@@ -39,6 +41,7 @@ class MoETransformer:
         self.experts = experts or ReferenceExperts()
         self.step = None  # a DecodeStep (strata.engine.decode_step) when the engine made one
         self.max_chunk: int | None = None  # prompt tokens per forward the memory plan allows
+        self.prompt_bf16 = False  # prompt chunks' attention on bf16 tensor cores (--kernels fused)
 
     def decode(self, token: int, kv: KVCache) -> torch.Tensor:
         """One new token of one sequence -> logits [1, V] float32: the decode step (captured as
@@ -99,7 +102,10 @@ class MoETransformer:
         for s in segments:
             sl = slice(start, start + s.length)
             keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
-            out.append(attention(q[sl], keys, values, s.kv.length))
+            if self.prompt_bf16 and s.length > BF16_ATTENTION_MIN_T:
+                out.append(attention_bf16(q[sl], keys, values))
+            else:
+                out.append(attention(q[sl], keys, values, s.kv.length))
             start += s.length
         return linear(torch.cat(out), lw.wo)
 
