@@ -69,7 +69,7 @@ if [[ $STAGES == *prompt* ]]; then
     for n in ${PROMPT_LEN:-8192}; do
       echo "== prompt $n tokens at --vram-budget $b --expert-cache $cache"
       bench "prompt_${n}_${b}_$cache" --vram-budget $b --expert-cache $cache --ctx $n \
-        --prompt-len $n --gen-len 0 --runs 1
+        --prompt-len $n --gen-len 0 --runs 1 ${PROMPT_FLAGS:-}
     done
   done
 fi

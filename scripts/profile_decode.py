@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from strata.config import EngineConfig
@@ -22,12 +23,16 @@ from strata.engine.decode_step import DecodeStep
 from strata.engine.generator import Engine
 
 
-def timed_steps(engine: Engine, n: int, token: int = 100) -> list[float]:
-    kv = engine.model.new_cache(64 + n)
-    engine.run_prompt(list(range(1, 33)), kv)
+def timed_steps(engine: Engine, n: int, seed: int = 0) -> list[float]:
+    """n decode steps after a 128-token random prompt (as strata bench runs them)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, engine.config.n_vocab, 128).tolist()
+    kv = engine.model.new_cache(len(prompt) + n)
+    token = int(engine.run_prompt(prompt, kv)[0].argmax())
     out = []
     for _ in range(n):
-        torch.cuda.synchronize()
+        if engine.model.device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         logits = engine.model.decode(token, kv)
         token = int(logits[0].argmax())
@@ -36,11 +41,18 @@ def timed_steps(engine: Engine, n: int, token: int = 100) -> list[float]:
 
 
 def host_share(engine: Engine, n: int) -> dict[str, float]:
-    """Seconds per step inside the executor's host-layer calls (wrapped with timers)."""
+    """Milliseconds per step inside the executor's host-side calls (wrapped with timers), and
+    the pairs computed on the CPU and copied per step."""
     ex = engine.model.experts
-    spent = {"misses": 0.0, "run": 0.0, "cpu_pool": 0.0}
-    for name in ("misses", "run"):
-        fn = getattr(ex, name)
+    targets = {"misses": ex, "run": ex, "cpu_pool": ex.pool, "admit": ex.cache,
+               "before_compute": ex.cache, "fused_run": ex.fused, "staged": ex,
+               "admit_after": ex, "flush": ex.cache}
+    attrs = {"cpu_pool": "run", "fused_run": "run", "staged": "_run_staged",
+             "admit_after": "_admit_after"}
+    spent = dict.fromkeys(targets, 0.0)
+    for name, obj in targets.items():
+        attr = attrs.get(name, name)
+        fn = getattr(obj, attr)
 
         def wrap(*a, _fn=fn, _name=name, **k):
             t0 = time.perf_counter()
@@ -48,13 +60,16 @@ def host_share(engine: Engine, n: int) -> dict[str, float]:
                 return _fn(*a, **k)
             finally:
                 spent[_name] += time.perf_counter() - t0
-        setattr(ex, name, wrap)
-    cpu0 = ex.stats.cpu_s
+        setattr(obj, attr, wrap)
+    st = ex.stats
+    before = (st.cpu.sum(), st.streamed.sum(), st.hits.sum())
     timed_steps(engine, n)
-    spent["cpu_pool"] = ex.stats.cpu_s - cpu0
-    for name in ("misses", "run"):
-        delattr(ex, name)
-    return {k: v / n for k, v in spent.items()}
+    for name, obj in targets.items():
+        delattr(obj, attrs.get(name, name))
+    out = {f"{k}_ms": 1e3 * v / n for k, v in spent.items()}
+    out.update(cpu_pairs=float(st.cpu.sum() - before[0]) / n,
+               copied_pairs=float(st.streamed.sum() - before[1]) / n)
+    return out
 
 
 def main() -> None:
@@ -63,33 +78,36 @@ def main() -> None:
     p.add_argument("--vram-budget", type=float, default=None)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda")
     a = p.parse_args()
-    engine = Engine.load(a.model, config=EngineConfig(device="cuda", vram_budget_gib=a.vram_budget,
+    engine = Engine.load(a.model, config=EngineConfig(device=a.device, offload="on",
+                                                      vram_budget_gib=a.vram_budget,
                                                       decode_step="eager"))
     step: DecodeStep = engine.model.step
     timed_steps(engine, 4)  # warm up (compiles)
     eager = timed_steps(engine, a.steps)
     host = host_share(engine, a.steps)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    act = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[act.CUDA if a.device == "cuda" else act.CPU]) as prof:
         timed_steps(engine, a.steps)
     rows = []
     for ev in prof.key_averages():
-        gpu_us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        gpu_us = (getattr(ev, "device_time_total", 0.0) if a.device == "cuda"
+                  else ev.self_cpu_time_total)
         if gpu_us > 0:
             rows.append((gpu_us / a.steps, ev.count / a.steps, ev.key))
     rows.sort(reverse=True)
     gpu_total = sum(r[0] for r in rows)
-    step.graphs = True
+    step.graphs = a.device == "cuda"
     graphs = timed_steps(engine, a.steps + 2)[2:]  # an eager step, a capture, then replays
     res = {"budget": a.vram_budget, "pieces": len(step.pieces),
            "eager_ms": 1e3 * statistics.median(eager), "graphs_ms": 1e3 * statistics.median(graphs),
-           "gpu_kernels_ms": gpu_total / 1e3, "host_ms": {k: 1e3 * v for k, v in host.items()},
+           "gpu_kernels_ms": gpu_total / 1e3, "host": host,
            "kernels": [{"us_per_step": round(u, 1), "launches_per_step": c, "name": k[:120]}
                        for u, c, k in rows[:30]]}
     print(f"budget {a.vram_budget} GiB, {len(step.pieces)} pieces: step {res['eager_ms']:.2f} ms "
           f"eager, {res['graphs_ms']:.2f} ms with graphs; GPU kernels {res['gpu_kernels_ms']:.2f} "
-          "ms per step; host layers " + ", ".join(f"{k} {v:.2f} ms" for k, v in
-                                                  res["host_ms"].items()))
+          "ms per step; per step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
     for r in res["kernels"]:
         print(f"  {r['us_per_step']:9.1f} us  {r['launches_per_step']:6.1f}x  {r['name']}")
     if a.json:

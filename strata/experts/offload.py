@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from strata.engine.waits import to_host
@@ -75,7 +76,7 @@ class OffloadExperts:
         self._run_staged(layer, [by_expert[e] for e in staged], h, out, ids, weights)
         self.cache.after_compute(layer)
         if to_cpu:
-            out += self._run_cpu(layer, [by_expert[e] for e in to_cpu], h_host).to(self.device)
+            out += self._to_device(self._run_cpu(layer, [by_expert[e] for e in to_cpu], h_host))
             self._admit_after(layer, to_cpu, keep)
         n_copy = sum(len(by_expert[e].tokens) for e in to_copy)
         self.stats.hits[layer] += sum(len(g.tokens) for g in groups) - n_copy - sum(
@@ -119,6 +120,13 @@ class OffloadExperts:
         began: the host map agrees, ExpertCache.flush): the misses, split between the CPU pool
         and copies as in run(). host: (ids, weights, h) on the host. None when all hit."""
         lay, ls = self.arena.layouts[layer], self.cache.layers[layer]
+        flat = host[0].numpy().ravel()
+        if (ls.slot_of[flat] >= 0).all():  # every pair hits: count and leave (the common case)
+            experts, counts = np.unique(flat, return_counts=True)
+            ls.policy.touch(experts.tolist(), counts.tolist())
+            self.stats.count(layer, experts, counts)
+            self.stats.hits[layer] += flat.size
+            return None
         groups = group_pairs(host[0], host[1])
         by_expert = {g.expert: g for g in groups}
         ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
@@ -138,14 +146,15 @@ class OffloadExperts:
         out = torch.zeros_like(h)
         if copied:  # only the just-copied experts: the step's hits are in already
             self.cache.before_compute(layer)  # waits for the copies, uploads the table
-            only = torch.full((self.arena.n_experts,), -1, dtype=torch.int32)
-            only[copied] = torch.from_numpy(ls.slot_of[copied])
-            self.fused.run(lay, ls.slots, only.to(self.device, non_blocking=True), h, ids,
+            only = np.full(self.arena.n_experts, -1, dtype=np.int32)
+            only[copied] = ls.slot_of[copied]
+            self.fused.run(lay, ls.slots, self._to_device(torch.from_numpy(only)), h, ids,
                            weights, out)
         self._run_staged(layer, [by_expert[e] for e in staged], h, out, ids, weights)
         self.cache.after_compute(layer)
         if to_cpu:
-            out += self._run_cpu(layer, [by_expert[e] for e in to_cpu], host[2]).to(self.device)
+            cpu_out = self._run_cpu(layer, [by_expert[e] for e in to_cpu], host[2])
+            out += self._to_device(cpu_out)
             self._admit_after(layer, to_cpu, keep)
         self.stats.streamed[layer] += sum(len(by_expert[e].tokens) for e in to_copy)
         self.stats.cpu[layer] += sum(len(by_expert[e].tokens) for e in to_cpu)
@@ -207,10 +216,17 @@ class OffloadExperts:
             if not fused:
                 run_records(lay, buf, chunk, h, out, self.workspace_bytes)
                 continue
-            table = torch.full((self.arena.n_experts,), -1, dtype=torch.int32)
-            table[[g.expert for g in chunk]] = torch.arange(len(chunk), dtype=torch.int32)
-            self.fused.run(lay, buf, table.to(self.device, non_blocking=True), h, ids, weights,
+            table = np.full(self.arena.n_experts, -1, dtype=np.int32)
+            table[[g.expert for g in chunk]] = np.arange(len(chunk), dtype=np.int32)
+            self.fused.run(lay, buf, self._to_device(torch.from_numpy(table)), h, ids, weights,
                            out)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without a host sync: through pinned memory,
+        whose buffer the caching host allocator keeps until the copy has run."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _run_cpu(self, layer: int, groups: list[Group], h_host: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
