@@ -44,7 +44,7 @@ def host_share(engine: Engine, n: int) -> dict[str, float]:
     """Milliseconds per step inside the executor's host-side calls (wrapped with timers), and
     the pairs computed on the CPU and copied per step."""
     ex = engine.model.experts
-    targets = {"misses": ex, "run": ex, "cpu_pool": ex.pool, "admit": ex.cache,
+    targets = {"decode_misses": ex, "run": ex, "cpu_pool": ex.pool, "admit": ex.cache,
                "before_compute": ex.cache, "fused_run": ex.fused, "staged": ex,
                "admit_after": ex, "flush": ex.cache}
     attrs = {"cpu_pool": "run", "fused_run": "run", "staged": "_run_staged",

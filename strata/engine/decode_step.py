@@ -106,11 +106,19 @@ class DecodeStep:
         self.wts = torch.zeros(1, K, **f32)
         self.moe_out = torch.zeros(1, cfg.d_model, **f32)  # a host layer's part, from the host
         self.carry = torch.zeros(1, cfg.d_model, **f32)  # its part done in the piece
+        # a host layer's misses: copied ones are computed at the start of the next piece from
+        # the staging rows its table names; the CPU pool's sum arrives in cpu_out
+        self.staging = ex.staging[0] if ex.staging else None
+        self.staged_table = torch.full((cfg.n_experts,), -1, dtype=torch.int32, device=dev)
+        self.cpu_out = torch.zeros(1, cfg.d_model, **f32)
         self.logits = torch.zeros(1, cfg.n_vocab, **f32)
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
                           torch.zeros(1, cfg.d_model, dtype=torch.float32, pin_memory=pin))
+        self.table_host = torch.full((cfg.n_experts,), -1, dtype=torch.int32, pin_memory=pin)
+        self.cpu_out_host = torch.zeros(1, cfg.d_model, dtype=torch.float32, pin_memory=pin)
+        self._host_read: torch.cuda.Event | None = None  # the last uploads read the buffers
         self.inv_freq = ops.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dev)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None
@@ -189,7 +197,16 @@ class DecodeStep:
             x.copy_(w.embed.rows(self.inputs[0:1]))
         delta = None
         if piece.after_host:
-            delta = self.moe_out + self.carry
+            prev = piece.layers.start - 1  # the host layer before this piece
+            if self.hits_in_piece[prev]:
+                lay = self.ex.arena.layouts[prev]
+                delta = self.carry + self.cpu_out
+                if self.staging is not None:
+                    delta = self.ex.fused.run(lay, self.staging[:, : lay.stride],
+                                              self.staged_table, self.h, self.ids, self.wts,
+                                              delta)
+            else:
+                delta = self.moe_out + self.carry
         for i in piece.layers:
             lw = layers[i]
             h = (ops.rms_norm(x, lw.attn_norm, cfg.rms_eps) if delta is None
@@ -236,7 +253,8 @@ class DecodeStep:
 
     def _host_layer(self, layer: int) -> None:
         """The experts of a layer with misses, run by the offload executor: only the misses
-        when the piece computed the hits."""
+        when the piece computed the hits. Copied misses land in the staging rows and are
+        computed by the next piece (its table uploaded here); CPU misses are summed here."""
         if self.device.type != "cuda":
             host = (self.ids, self.wts, self.h)
             self.moe_out.copy_(self.ex.run(layer, None, self.h, self.ids, self.wts, host=host))
@@ -248,8 +266,16 @@ class DecodeStep:
             self.moe_out.copy_(self.ex.run(layer, None, self.h, self.ids, self.wts,
                                            host=self.host_bufs))
             return
-        out = self.ex.misses(layer, self.h, self.ids, self.wts, self.host_bufs)
-        if out is None:
-            self.moe_out.zero_()
+        if self._host_read is not None:  # (done: the piece after the last upload has run)
+            wait_event(self._host_read, "the decode step's miss uploads")
+        table = self.table_host.numpy()
+        cpu = self.ex.decode_misses(layer, self.host_bufs, self.staging, table)
+        if cpu is None:
+            self.cpu_out_host.zero_()
         else:
-            self.moe_out.copy_(out)
+            self.cpu_out_host.copy_(cpu)
+        stream = torch.cuda.current_stream(self.device)
+        self.staged_table.copy_(self.table_host, non_blocking=True)
+        self.cpu_out.copy_(self.cpu_out_host, non_blocking=True)
+        self._host_read = torch.cuda.Event()
+        self._host_read.record(stream)

@@ -110,7 +110,9 @@ class ExpertCache:
         """Make the compute stream see this layer's finished copies and current table."""
         ls = self.layers[layer]
         if ls.dirty:
-            ls.table.copy_(torch.from_numpy(ls.slot_of), non_blocking=False)
+            src = torch.from_numpy(ls.slot_of)  # pinned: an upload without a host sync (the
+            ls.table.copy_(src.pin_memory() if self.cuda else src,  # host allocator keeps
+                           non_blocking=self.cuda)  # the buffer until the copy has run)
             ls.dirty = False
         if self.cuda and ls.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ls.ready)

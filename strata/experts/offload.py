@@ -114,14 +114,19 @@ class OffloadExperts:
             self.stats.count_on_device(layer, ids)
         return out
 
-    def misses(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               host: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """What device_hits left out of a decode step's layer (it ran on the table as the step
-        began: the host map agrees, ExpertCache.flush): the misses, split between the CPU pool
-        and copies as in run(). host: (ids, weights, h) on the host. None when all hit."""
+    def decode_misses(self, layer: int, host: tuple[torch.Tensor, ...],
+                      staging: torch.Tensor | None, table: np.ndarray) -> torch.Tensor | None:
+        """The misses of one decode token in a layer whose hits the decode step computed on the
+        device (the table as the step began: ExpertCache.flush). Copied misses go to staging
+        rows (copies queued on the compute stream; `table` [E] gets expert -> row, -1
+        elsewhere) for the next piece to compute; CPU misses are computed here and returned
+        summed (host [1, D]), or None when the CPU had none. One missed expert per layer and
+        step may then enter the cache for later steps (policy permitting).
+        host: (ids, weights, h) on the host."""
         lay, ls = self.arena.layouts[layer], self.cache.layers[layer]
+        table.fill(-1)
         flat = host[0].numpy().ravel()
-        if (ls.slot_of[flat] >= 0).all():  # every pair hits: count and leave (the common case)
+        if (ls.slot_of[flat] >= 0).all():  # every pair hits (the common case)
             experts, counts = np.unique(flat, return_counts=True)
             ls.policy.touch(experts.tolist(), counts.tolist())
             self.stats.count(layer, experts, counts)
@@ -132,32 +137,22 @@ class OffloadExperts:
         ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
         self.stats.count(layer, list(by_expert), [len(g.tokens) for g in groups])
         hits = [e for e in by_expert if ls.slot_of[e] >= 0]
-        self.stats.hits[layer] += sum(len(by_expert[e].tokens) for e in hits)
         misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
-        if not misses:
-            return None
         to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
-        keep = set(hits) | set(to_copy)
-        copied, staged = [], []
-        for e in to_copy:
-            slot = self.cache.admit(layer, e, self.arena.record(layer, e), keep, force=True)
-            (copied if slot is not None else staged).append(e)
-            self.stats.bytes_h2d += lay.nbytes
-        out = torch.zeros_like(h)
-        if copied:  # only the just-copied experts: the step's hits are in already
-            self.cache.before_compute(layer)  # waits for the copies, uploads the table
-            only = np.full(self.arena.n_experts, -1, dtype=np.int32)
-            only[copied] = ls.slot_of[copied]
-            self.fused.run(lay, ls.slots, self._to_device(torch.from_numpy(only)), h, ids,
-                           weights, out)
-        self._run_staged(layer, [by_expert[e] for e in staged], h, out, ids, weights)
-        self.cache.after_compute(layer)
+        rows = 0 if staging is None else staging.shape[0]
+        to_cpu, to_copy = to_cpu + to_copy[rows:], to_copy[:rows]  # (rows >= K in the plan)
+        for j, e in enumerate(to_copy):
+            staging[j, : lay.stride].copy_(self.arena.record(layer, e), non_blocking=True)
+            table[e] = j
+        n = {e: len(by_expert[e].tokens) for e in by_expert}
+        self.stats.hits[layer] += sum(n[e] for e in hits)
+        self.stats.streamed[layer] += sum(n[e] for e in to_copy)
+        self.stats.cpu[layer] += sum(n[e] for e in to_cpu)
+        self.stats.bytes_h2d += len(to_copy) * lay.nbytes
+        out = None
         if to_cpu:
-            cpu_out = self._run_cpu(layer, [by_expert[e] for e in to_cpu], host[2])
-            out += self._to_device(cpu_out)
-            self._admit_after(layer, to_cpu, keep)
-        self.stats.streamed[layer] += sum(len(by_expert[e].tokens) for e in to_copy)
-        self.stats.cpu[layer] += sum(len(by_expert[e].tokens) for e in to_cpu)
+            out = self._run_cpu(layer, [by_expert[e] for e in to_cpu], host[2])
+        self._admit_after(layer, to_cpu + to_copy, set(hits) | set(to_cpu) | set(to_copy))
         if self.debug:
             self.cache.check_integrity()
         return out
