@@ -31,7 +31,8 @@ if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && which gcc g++ >/dev/null; the
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 M=/tmp/q30.gguf
-if [[ $STAGES == *decode* || $STAGES == *prompt* || $STAGES == *check* || $STAGES == *profile* ]]; then
+if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
+      $STAGES == *check* || $STAGES == *profile* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant Q4_K_M --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
