@@ -73,6 +73,10 @@ def plot_sweep(path: str, budgets: list[float], rates: list[float], title: str) 
         import matplotlib.pyplot as plt
     except ImportError:
         raise StrataError("--sweep-vram draws with matplotlib: pip install matplotlib") from None
+    except Exception as e:  # a broken install fails in its own ways (the numbers are printed)
+        raise StrataError(f"--plot {path}: matplotlib failed to load ({type(e).__name__}: {e}); "
+                          "the results above (and --json) are complete; reinstall matplotlib "
+                          "to draw the plot") from None
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(budgets, rates, marker="o")
     ax.set_xlabel("VRAM budget (GiB)")
