@@ -179,3 +179,35 @@ def test_plan_counts_a_kv_cache_per_batched_sequence(synth):
     one = make_plan(mf, cfg, EngineConfig(ctx=512), layouts)
     four = make_plan(mf, cfg, EngineConfig(ctx=512, sequences=4), layouts)
     assert one.kv == 512 * 2 * cfg.n_layers * cfg.kv_dim * 4 and four.kv == 4 * one.kv
+
+
+def test_plan_sizes_the_prompt_scratch_and_chunk_from_the_budget(synth):
+    """The grouped bf16 prompt path's scratch (CUDA, --kernels fused) is planned without a GPU:
+    its weights take at most an eighth of the budget, the chunk halves until the whole scratch
+    fits a quarter (Qwen3-30B-A3B dims), and the workspace holds it; --kernels exact plans none."""
+    from types import SimpleNamespace
+
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import GIB, make_plan, prompt_scratch
+    from strata.experts.layout import ExpertLayout, expert_layouts
+    from strata.gguf import open_model
+    from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, grouped_scratch_bytes
+
+    cfg30 = SimpleNamespace(n_experts=128, n_experts_used=8)
+    lay30 = [ExpertLayout(0, (12, 12, 14), 2048, 768)]  # Q4_K gate/up, Q6_K down
+    for budget, chunk in ((2, 1024), (6, 4096), (40, 4096)):
+        need, got, weights = prompt_scratch(cfg30, lay30, budget * GIB, 4096)
+        assert got == chunk and weights <= max(budget * GIB // 8, 3 * 2048 * 768 * 2)
+        assert weights <= GROUPED_SCRATCH_BYTES and need <= budget * GIB // 4
+        assert need == grouped_scratch_bytes(lay30[0], 128, got, 8, weights)
+    mf = open_model(synth("qwen3moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    plan = make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=1, kernels="fused"),
+                     layouts)
+    need = grouped_scratch_bytes(layouts[0], cfg.n_experts, plan.chunk, cfg.n_experts_used,
+                                 plan.prompt_weights)
+    assert plan.prompt_weights is not None and plan.workspace >= need
+    exact = make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=1, kernels="exact"),
+                      layouts)
+    assert exact.prompt_weights is None

@@ -227,7 +227,10 @@ class OffloadExperts:
         t0 = time.perf_counter()
         out = torch.zeros_like(h_host)
         self.pool.run(layer, self.arena, groups, h_host, out)
-        self.stats.cpu_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.stats.cpu_s += spent
+        self.planner.observe_cpu(self.arena.layouts[layer].nbytes, len(groups),
+                                 sum(len(g.tokens) for g in groups), spent)
         return out
 
     def _admit_after(self, layer: int, experts: list[int], keep: set[int]) -> None:
