@@ -129,6 +129,21 @@ def test_check_command_passes_equal_and_fails_different(pack, capsys):
     assert diff == 1
 
 
+def test_check_compares_decode_steps(pack, capsys, device):
+    """--decode N runs the last N tokens through the decode step (CUDA graphs on the GPU) and
+    reports them apart; an impossible N is refused with exit code 2."""
+    from strata.cli.main import main
+
+    path = str(pack[0])
+    flags = f"--device {device} --offload on --expert-cache 5 --cpu-kernels torch --kernels exact"
+    assert main(["check", path, "--a", f"--device {device} --offload off", "--b", flags,
+                 "--prompt-len", "24", "--decode", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "10 decode steps: KL max" in out and "top-1 agree 100.0%" in out
+    assert main(["check", path, "--b", flags, "--prompt-len", "24", "--decode", "24"]) == 2
+    assert "--decode 24: give 0 .. 23" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tq,tk", [(5, 5), (7, 19), (64, 200)])
 def test_bf16_chunk_attention_is_the_causal_attention_within_bf16_rounding(tq, tk, device):
     """The --kernels fused prompt attention (bf16 flash attention, queries aligned to the last
