@@ -3,14 +3,15 @@ share (the offload executor's host layers), then the step time with CUDA graphs.
 
     python scripts/profile_decode.py MODEL --vram-budget 40 [--steps 16] [--json F]
 
-Prints the kernels by total GPU time per step, the host time per step spent in the executor's
-host layers (`OffloadExperts.misses`, `OffloadExperts.run`), and the median step time with and
-without graphs (same engine, same tokens).
+Prints the kernels of the decode steps by total GPU time per step, the host time per step spent
+in the executor's calls (`OffloadExperts.decode_misses`, the CPU pool, cache admissions...,
+prompt included), and the median step time with and without graphs (same engine, same tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -23,20 +24,23 @@ from strata.engine.decode_step import DecodeStep
 from strata.engine.generator import Engine
 
 
-def timed_steps(engine: Engine, n: int, seed: int = 0) -> list[float]:
-    """n decode steps after a 128-token random prompt (as strata bench runs them)."""
+def timed_steps(engine: Engine, n: int, seed: int = 0,
+                around: contextlib.AbstractContextManager | None = None) -> list[float]:
+    """n decode steps after a 128-token random prompt (as strata bench runs them); `around`
+    (a profiler) is entered for the decode steps only."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, engine.config.n_vocab, 128).tolist()
     kv = engine.model.new_cache(len(prompt) + n)
     token = int(engine.run_prompt(prompt, kv)[0].argmax())
     out = []
-    for _ in range(n):
-        if engine.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        logits = engine.model.decode(token, kv)
-        token = int(logits[0].argmax())
-        out.append(time.perf_counter() - t0)
+    with around or contextlib.nullcontext():
+        for _ in range(n):
+            if engine.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = engine.model.decode(token, kv)
+            token = int(logits[0].argmax())
+            out.append(time.perf_counter() - t0)
     return out
 
 
@@ -88,8 +92,8 @@ def main() -> None:
     eager = timed_steps(engine, a.steps)
     host = host_share(engine, a.steps)
     act = torch.profiler.ProfilerActivity
-    with torch.profiler.profile(activities=[act.CUDA if a.device == "cuda" else act.CPU]) as prof:
-        timed_steps(engine, a.steps)
+    prof = torch.profiler.profile(activities=[act.CUDA if a.device == "cuda" else act.CPU])
+    timed_steps(engine, a.steps, around=prof)
     rows = []
     for ev in prof.key_averages():
         gpu_us = (getattr(ev, "device_time_total", 0.0) if a.device == "cuda"
