@@ -445,3 +445,14 @@ def test_slot_kernel_under_the_interpreter() -> None:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ok" in done.stdout, \
         f"seed={seed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+def test_token_rounds_cover_every_row_once_with_distinct_tokens() -> None:
+    rng, seed = fresh_rng()
+    tok = rng.integers(0, 9, 60)
+    rounds = mg.token_rounds(tok)
+    rows = np.concatenate(rounds)
+    assert sorted(rows.tolist()) == list(range(60)), seed
+    assert all(len(np.unique(tok[r])) == len(r) for r in rounds), seed
+    assert len(rounds) == np.bincount(tok).max(), seed
+    assert mg.token_rounds(np.zeros(0, dtype=np.int64)) == []

@@ -123,13 +123,15 @@ class Ring:
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
             compute.wait_event(ready)
-            tokens = torch.cat([g.tokens for g in chunk]).to(self.device, non_blocking=True)
-            wts = torch.cat([g.weights for g in chunk]).float().to(self.device,
-                                                                    non_blocking=True)
+            tokens_host = torch.cat([g.tokens for g in chunk])
+            tokens = tokens_host.pin_memory().to(self.device, non_blocking=True)
+            wts = torch.cat([g.weights for g in chunk]).float().pin_memory().to(
+                self.device, non_blocking=True)
             slots = torch.arange(k * m, k * m + len(chunk), dtype=torch.int32,
                                  device=self.device)
             experts_forward_grouped(h, tokens, wts, [len(g.tokens) for g in chunk], slots, gate,
-                                    up, down, lay.qtypes, lay.d_model, lay.d_expert, out)
+                                    up, down, lay.qtypes, lay.d_model, lay.d_expert, out,
+                                    tokens_host=tokens_host)
             free[k] = torch.cuda.Event()
             free[k].record(compute)
             self.streamed_bytes += len(chunk) * lay.nbytes

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -285,11 +286,14 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
                             up_slots: torch.Tensor, down_slots: torch.Tensor,
                             qtypes: tuple[int, int, int], d_model: int, d_expert: int,
                             out: torch.Tensor,
-                            scratch_bytes: int = GROUPED_SCRATCH_BYTES) -> torch.Tensor:
+                            scratch_bytes: int = GROUPED_SCRATCH_BYTES,
+                            tokens_host: torch.Tensor | None = None) -> torch.Tensor:
     """out[tokens[r]] += weights[r] · expert_j(x[tokens[r]]) for groups known on the host:
     expert j (slot slots[j] >= 0 of the slot views) takes the next counts[j] rows of tokens
     (int64 [R]) and weights (float32 [R]), both on x's device; slots int32 [n]. x [T, D]
-    bf16/f32, out float32 [T, D]. A token appears at most once per expert."""
+    bf16/f32, out float32 [T, D]. A token appears at most once per expert. tokens_host: the
+    same tokens on the host (CPU tensors are their own): the sums then go in a few rounds of
+    distinct tokens (`token_rounds`) instead of one index_add_ per expert."""
     qtypes = tuple(QType(q) for q in qtypes)
     if sum(counts) != tokens.shape[0] or weights.shape != tokens.shape:
         raise ValueError(f"counts add up to {sum(counts)} rows, tokens has {tokens.shape[0]} "
@@ -314,8 +318,35 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
         offs = torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True)
         y = _experts(x, tokens[r0:r1], weights[r0:r1].float(), offs, slots[j0:j1],
                      (gate_slots, up_slots, down_slots), qtypes, d, f, wbuf)
-        for j in range(j0, j1):  # one index_add_ per expert: each token once, deterministic
-            if counts[j]:
-                a, b = starts[j] - r0, starts[j + 1] - r0
-                out.index_add_(0, tokens[starts[j]:starts[j + 1]], y[a:b].to(out.dtype))
+        host = tokens_host if tokens.device.type != "cpu" else tokens
+        if host is None:
+            for j in range(j0, j1):  # one index_add_ per expert: each token once
+                if counts[j]:
+                    a, b = starts[j] - r0, starts[j + 1] - r0
+                    out.index_add_(0, tokens[starts[j]:starts[j + 1]], y[a:b].to(out.dtype))
+            continue
+        y = y.to(out.dtype)
+        tok = host[r0:r1].numpy()
+        for sel in token_rounds(tok):  # distinct tokens in each round: no two adds meet
+            idx = _on(torch.from_numpy(sel), dev)
+            out.index_add_(0, _on(torch.from_numpy(tok[sel]), dev), y.index_select(0, idx))
     return out
+
+
+def token_rounds(tokens: np.ndarray) -> list[np.ndarray]:
+    """Row indices of `tokens` in rounds: round r holds each token's r-th row, so no token
+    appears twice in a round and adding a round with index_add_ is deterministic (distinct
+    targets), as is the order of the rounds. As many rounds as a token has rows at most."""
+    order = np.argsort(tokens, kind="stable")
+    ranked = tokens[order]
+    n = len(ranked)
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    first = np.repeat(starts, np.diff(np.r_[starts, n]))  # segment start of each sorted row
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n) - first
+    return [np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1)] if n else []
+
+
+def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on dev without a host sync (pinned, then an async copy)."""
+    return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
