@@ -32,7 +32,7 @@ fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 M=/tmp/q30.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
-      $STAGES == *check* || $STAGES == *profile* ]]; then
+      $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant Q4_K_M --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -57,6 +57,11 @@ if [[ $STAGES == *profile* ]]; then
     timeout 200 python3 scripts/profile_decode.py $M --vram-budget $b --json "$OUT/profile_$b.json" \
       2>&1 | grep -v "^strata:  " | head -40
   done
+fi
+if [[ $STAGES == *streaming* ]]; then
+  echo "== copy engine and compute while an 8K prompt streams every expert (6 GiB, no cache)"
+  timeout 200 python3 scripts/profile_prompt.py $M --vram-budget 6 --expert-cache 0 \
+    --prompt-len 8192 --json "$OUT/streaming.json" 2>&1 | grep -v "^strata:  " | tail -3
 fi
 if [[ $STAGES == *decode* ]]; then
   echo "== decode, VRAM sweep $BUDGETS"
