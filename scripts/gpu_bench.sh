@@ -2,7 +2,10 @@
 # Run on the GPU machine, from the repo root: sets up, runs the CUDA tests of the fast paths, then
 # the decode and prompt benchmarks on a synthetic Qwen3-30B-A3B Q4_K_M (ceilings measured in the
 # same runs), then a correctness check of the fast paths on those shapes; results under $OUT.
-#   STAGES="tests decode prompt check" bash scripts/gpu_bench.sh     (OUT defaults to ./out)
+#   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
+# Stages: tests (CUDA tests of the fast paths; TESTS= picks files), profile (profile_decode.py at
+# PROFILE_BUDGETS), streaming (profile_prompt.py), decode (sweep over BUDGETS), prompt
+# (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check.
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
 set -uo pipefail
