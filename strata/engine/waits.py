@@ -68,6 +68,14 @@ def wait_event(event: torch.cuda.Event, what: str, timeout_s: float = DEFAULT_TI
             delay = min(delay * 2, 1e-3)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without a host sync: through pinned memory, whose block
+    the caching host allocator keeps until the copy has run. (Itself on the CPU.)"""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_host(t: torch.Tensor, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """Copy a small device tensor to the host with a bounded wait (a plain .cpu() could block
     forever inside the driver)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from strata.engine.waits import to_device
 from strata.experts.layout import ExpertLayout
 from strata.experts.policy import Policy
 
@@ -110,9 +111,7 @@ class ExpertCache:
         """Make the compute stream see this layer's finished copies and current table."""
         ls = self.layers[layer]
         if ls.dirty:
-            src = torch.from_numpy(ls.slot_of)  # pinned: an upload without a host sync (the
-            ls.table.copy_(src.pin_memory() if self.cuda else src,  # host allocator keeps
-                           non_blocking=self.cuda)  # the buffer until the copy has run)
+            ls.table.copy_(to_device(torch.from_numpy(ls.slot_of), self.device))
             ls.dirty = False
         if self.cuda and ls.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ls.ready)

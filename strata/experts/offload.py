@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from strata.engine.waits import to_host
+from strata.engine.waits import to_device, to_host
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.compute import Group, group_pairs, run_records
@@ -50,10 +50,7 @@ class OffloadExperts:
         if host is None:
             host = (to_host(ids, f"layer {layer} routing ids"),
                     to_host(weights.float(), f"layer {layer} routing weights"), None)
-        groups = group_pairs(host[0], host[1])
-        by_expert = {g.expert: g for g in groups}
-        ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
-        self.stats.count(layer, list(by_expert), [len(g.tokens) for g in groups])
+        by_expert = self._routed(layer, host[0], host[1])
         hits = [e for e in by_expert if ls.slot_of[e] >= 0]
         misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
         if self.ring is not None and h.shape[0] >= self.stream_min:
@@ -76,16 +73,26 @@ class OffloadExperts:
         self._run_staged(layer, [by_expert[e] for e in staged], h, out, ids, weights)
         self.cache.after_compute(layer)
         if to_cpu:
-            out += self._to_device(self._run_cpu(layer, [by_expert[e] for e in to_cpu], h_host))
+            out += to_device(self._run_cpu(layer, [by_expert[e] for e in to_cpu], h_host),
+                             self.device)
             self._admit_after(layer, to_cpu, keep)
         n_copy = sum(len(by_expert[e].tokens) for e in to_copy)
-        self.stats.hits[layer] += sum(len(g.tokens) for g in groups) - n_copy - sum(
+        self.stats.hits[layer] += sum(len(g.tokens) for g in by_expert.values()) - n_copy - sum(
             len(by_expert[e].tokens) for e in to_cpu)
         self.stats.streamed[layer] += n_copy
         self.stats.cpu[layer] += sum(len(by_expert[e].tokens) for e in to_cpu)
         if self.debug:
             self.cache.check_integrity()
         return out
+
+    def _routed(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> dict[int, Group]:
+        """A step's pairs of one layer grouped by expert (host tensors); the policy and the
+        routing counters see them."""
+        groups = group_pairs(ids, weights)
+        experts, counts = [g.expert for g in groups], [len(g.tokens) for g in groups]
+        self.cache.layers[layer].policy.touch(experts, counts)
+        self.stats.count(layer, experts, counts)
+        return {g.expert: g for g in groups}
 
     def resident(self, layer: int, tokens: int) -> bool:
         """Every expert of the layer has a slot (for good: a full layer never evicts) and the
@@ -132,10 +139,7 @@ class OffloadExperts:
             self.stats.count(layer, experts, counts)
             self.stats.hits[layer] += flat.size
             return None
-        groups = group_pairs(host[0], host[1])
-        by_expert = {g.expert: g for g in groups}
-        ls.policy.touch(list(by_expert), [len(g.tokens) for g in groups])
-        self.stats.count(layer, list(by_expert), [len(g.tokens) for g in groups])
+        by_expert = self._routed(layer, host[0], host[1])
         hits = [e for e in by_expert if ls.slot_of[e] >= 0]
         misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
         to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
@@ -213,15 +217,8 @@ class OffloadExperts:
                 continue
             table = np.full(self.arena.n_experts, -1, dtype=np.int32)
             table[[g.expert for g in chunk]] = np.arange(len(chunk), dtype=np.int32)
-            self.fused.run(lay, buf, self._to_device(torch.from_numpy(table)), h, ids, weights,
-                           out)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the device without a host sync: through pinned memory,
-        whose buffer the caching host allocator keeps until the copy has run."""
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+            self.fused.run(lay, buf, to_device(torch.from_numpy(table), self.device), h, ids,
+                           weights, out)
 
     def _run_cpu(self, layer: int, groups: list[Group], h_host: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -234,8 +231,9 @@ class OffloadExperts:
         return out
 
     def _admit_after(self, layer: int, experts: list[int], keep: set[int]) -> None:
-        """Let the policy pull one CPU-computed expert into the cache per layer and step; the
-        copy runs on the copy stream and is first used by a later step."""
+        """Let the policy pull one missed expert (computed on the CPU or from staging) into the
+        cache per layer and step; the copy runs on the copy stream and is first used by a later
+        step."""
         ls = self.cache.layers[layer]
         if ls.capacity == 0:
             return

@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from strata.engine.waits import to_device
 from strata.experts.arena import Arena
 from strata.experts.compute import Group, run_records
 from strata.experts.layout import ExpertLayout
@@ -124,9 +125,8 @@ class Ring:
                 ready.record(self.copy_stream)
             compute.wait_event(ready)
             tokens_host = torch.cat([g.tokens for g in chunk])
-            tokens = tokens_host.pin_memory().to(self.device, non_blocking=True)
-            wts = torch.cat([g.weights for g in chunk]).float().pin_memory().to(
-                self.device, non_blocking=True)
+            tokens = to_device(tokens_host, self.device)
+            wts = to_device(torch.cat([g.weights for g in chunk]).float(), self.device)
             slots = torch.arange(k * m, k * m + len(chunk), dtype=torch.int32,
                                  device=self.device)
             experts_forward_grouped(h, tokens, wts, [len(g.tokens) for g in chunk], slots, gate,

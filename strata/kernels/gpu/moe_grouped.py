@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from strata.engine.waits import to_device
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
 from strata.kernels.gpu.moe import check_moe_args
@@ -328,8 +329,8 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
         y = y.to(out.dtype)
         tok = host[r0:r1].numpy()
         for sel in token_rounds(tok):  # distinct tokens in each round: no two adds meet
-            idx = _on(torch.from_numpy(sel), dev)
-            out.index_add_(0, _on(torch.from_numpy(tok[sel]), dev), y.index_select(0, idx))
+            idx = to_device(torch.from_numpy(sel), dev)
+            out.index_add_(0, to_device(torch.from_numpy(tok[sel]), dev), y.index_select(0, idx))
     return out
 
 
@@ -346,7 +347,3 @@ def token_rounds(tokens: np.ndarray) -> list[np.ndarray]:
     rank[order] = np.arange(n) - first
     return [np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1)] if n else []
 
-
-def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A small host tensor on dev without a host sync (pinned, then an async copy)."""
-    return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
