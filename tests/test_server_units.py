@@ -146,6 +146,7 @@ def test_print_config_is_a_config_file(tmp_path, capsys):
     ('{"port": "x"}', "'port' must be an integer"),
     ('{"watchdog": -1}', "--watchdog -1"),
     ('{"offload": "maybe"}', "invalid choice: 'maybe'"),
+    ('{"decode-step": "fast"}', "invalid choice: 'fast'"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, capsys, content, words):
     path = tmp_path / "strata-bad.json"

@@ -50,6 +50,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 dev: torch.device) -> MoETransformer:
     if ec.kernels not in FUSED_MAX_T:
         raise StrataError(f"--kernels {ec.kernels}: choose from {', '.join(FUSED_MAX_T)}")
+    if ec.decode_step not in DECODE_STEP_MODES:  # before the arena is filled
+        raise StrataError(f"--decode-step {ec.decode_step}: choose from "
+                          f"{', '.join(DECODE_STEP_MODES)}")
     fused_max_t = FUSED_MAX_T[ec.kernels]
     if not ec.use_offload:
         return MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
@@ -90,9 +93,6 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"
-    if ec.decode_step not in DECODE_STEP_MODES:
-        raise StrataError(f"--decode-step {ec.decode_step}: choose from "
-                          f"{', '.join(DECODE_STEP_MODES)}")
     if ec.decode_step != "off":
         model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)
     return model
