@@ -45,9 +45,12 @@ def test_decode_step_gives_reference_logits(synth, arch, cache, device):
     step = engine.model.step
     assert step is not None and step.graphs == (device == "cuda")
     assert_same(decoded_logits(engine, TOKENS), ref)
+    n_steps = len(TOKENS) - PROMPT
+    assert step.steps["eager"] + step.steps["replayed"] == n_steps
     if device == "cuda":  # steps after the first replayed captured pieces
         assert not step._failed and step._captured is not None
         assert len(step._captured[1]) == len(step.pieces)
+        assert step.steps["replayed"] == n_steps - 1 and "replayed" in step.line()
     st = engine.model.experts.stats
     steps = len(TOKENS) - PROMPT
     pairs = st.hits.sum() + st.cpu.sum() + st.streamed.sum()

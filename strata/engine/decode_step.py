@@ -125,6 +125,7 @@ class DecodeStep:
         self._warm: tuple[int, int] | None = None  # the storage whose eager step ran
         self._inputs_read: torch.cuda.Event | None = None
         self._failed = False
+        self.steps = {"replayed": 0, "eager": 0}  # decode steps run each way
         log.info(f"decode step: {len(self.pieces)} piece(s), {len(self.resident_layers)} of "
                  f"{cfg.n_layers} layers without the host; "
                  + ("CUDA graphs" if self.graphs else "eager"))
@@ -146,6 +147,7 @@ class DecodeStep:
         self.ex.cache.flush()  # the graphs read tables that hold for the whole step
         key = (kv.store.data_ptr(), kv.capacity)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
+        self.steps["replayed" if graphs is not None else "eager"] += 1
         for i, piece in enumerate(self.pieces):
             if graphs is not None:
                 graphs[i].replay()
@@ -157,6 +159,14 @@ class DecodeStep:
             self.ex.stats.hits[self.resident_layers] += self.cfg.n_experts_used
         kv.advance(1)
         return self.logits
+
+    def line(self) -> str:
+        """One line for --stats."""
+        host = len(self.pieces) - 1
+        why = "; capture failed" if self._failed else ""
+        return (f"decode step: {len(self.pieces)} piece(s) ({host} layer(s) waiting on the "
+                f"host), {self.steps['replayed']} step(s) replayed from CUDA graphs, "
+                f"{self.steps['eager']} eager{why}")
 
     def _graphs(self, key: tuple[int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
         """The pieces captured for this KV storage. The first step on a storage runs eagerly
