@@ -4,8 +4,9 @@ The step is cut into pieces at the layers whose experts need the host: a layer w
 outside the VRAM cache must read its routing on the host to plan its misses. A piece runs, for
 its layers, attention and the router and, for a layer whose every expert is resident, the fused
 MoE kernels (they read the slot table on the device); it ends after the routing of the next host
-layer, its ids, weights and activations copied to pinned host buffers. The offload executor runs
-that layer (CPU pool, copies, hits) eagerly; the next piece starts by adding its output.
+layer, its ids, weights and activations copied to pinned host buffers. A short second graph (the
+tail) computes that layer's hits and shared expert while the host plans its misses (CPU pool,
+staging copies); the next piece starts by adding both.
 
     piece 0: embed; layers 0 .. m0 (m0's experts left out)     host: experts of m0
     piece 1: x += moe(m0); layers m0+1 .. m1                   host: experts of m1
@@ -142,19 +143,26 @@ class DecodeStep:
             kv.length + 1
         self.inputs.copy_(self.inputs_host, non_blocking=True)
         if self.device.type == "cuda":
-            self._inputs_read = torch.cuda.Event()
-            self._inputs_read.record(torch.cuda.current_stream(self.device))
+            self._inputs_read = self._record()
         self.ex.cache.flush()  # the graphs read tables that hold for the whole step
         key = (kv.store.data_ptr(), kv.capacity)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         for i, piece in enumerate(self.pieces):
             if graphs is not None:
-                graphs[i].replay()
+                graphs[i][0].replay()
             else:
                 self._piece(piece, kv)
-            if piece.host_layer >= 0:
-                self._host_layer(piece.host_layer)
+            if piece.host_layer < 0:
+                continue
+            routed = self._record() if self.device.type == "cuda" else None
+            if graphs is not None:  # the layer's hits run while the host plans its misses
+                graphs[i][1].replay()
+            else:
+                self._tail(piece.host_layer)
+            if routed is not None:  # a slot the hits read is overwritten only after them
+                self.ex.cache.layers[piece.host_layer].used = self._record()
+            self._host_layer(piece.host_layer, routed)
         if self.device.type == "cuda":  # device_hits leaves the counting to the host
             self.ex.stats.hits[self.resident_layers] += self.cfg.n_experts_used
         kv.advance(1)
@@ -185,10 +193,15 @@ class DecodeStep:
         graphs = []
         try:
             for piece in self.pieces:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                main = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(main, pool=pool):
                     self._piece(piece, kv)
-                graphs.append(g)
+                tail = None
+                if piece.host_layer >= 0:
+                    tail = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(tail, pool=pool):
+                        self._tail(piece.host_layer)
+                graphs.append((main, tail))
         except Exception as e:  # noqa: BLE001 (any capture failure: run eagerly, say why)
             log.warning(f"decode step: CUDA graph capture failed ({type(e).__name__}: {e}); "
                         "decoding eagerly")
@@ -231,11 +244,7 @@ class DecodeStep:
                 self.wts.copy_(wts)
                 for buf, src in zip(self.host_bufs, (ids, wts, h), strict=True):
                     buf.copy_(src, non_blocking=True)
-                carry = self._shared(lw, h)
-                if self.hits_in_piece[i]:
-                    carry = carry + self.ex.device_hits(i, h, ids, wts, count=False)
-                self.carry.copy_(carry)
-                return
+                return  # the layer's hits and shared expert: _tail
             if self.device.type == "cuda":
                 delta = self.ex.device_hits(i, h, ids, wts, count=True)
             else:
@@ -245,8 +254,21 @@ class DecodeStep:
         x.add_(delta)
         self.logits.copy_(linear(ops.rms_norm(x, w.output_norm, cfg.rms_eps), w.output))
 
-    def _shared(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        return shared_expert(lw, h) if lw.shared_w1 is not None else torch.zeros_like(h)
+    def _tail(self, layer: int) -> None:
+        """A host layer's device part, after its routing went to the host: the shared expert and
+        (where the fused kernels cover it) the hits, into `carry` for the next piece. Its own
+        graph, so the host plans the misses meanwhile."""
+        lw = self.model.w.layers[layer]
+        carry = (shared_expert(lw, self.h) if lw.shared_w1 is not None
+                 else torch.zeros_like(self.h))
+        if self.hits_in_piece[layer]:
+            carry = carry + self.ex.device_hits(layer, self.h, self.ids, self.wts, count=False)
+        self.carry.copy_(carry)
+
+    def _record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
@@ -261,7 +283,7 @@ class DecodeStep:
         out = ops.decode_attention(q, kv.k[i], kv.v[i], self.inputs[2:3], self.scale)
         return linear(out, lw.wo)
 
-    def _host_layer(self, layer: int) -> None:
+    def _host_layer(self, layer: int, routed: torch.cuda.Event | None) -> None:
         """The experts of a layer with misses, run by the offload executor: only the misses
         when the piece computed the hits. Copied misses land in the staging rows and are
         computed by the next piece (its table uploaded here); CPU misses are summed here."""
@@ -269,9 +291,7 @@ class DecodeStep:
             host = (self.ids, self.wts, self.h)
             self.moe_out.copy_(self.ex.run(layer, None, self.h, self.ids, self.wts, host=host))
             return
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        wait_event(ev, f"layer {layer} routing (decode step)")
+        wait_event(routed, f"layer {layer} routing (decode step)")
         if not self.hits_in_piece[layer]:
             self.moe_out.copy_(self.ex.run(layer, None, self.h, self.ids, self.wts,
                                            host=self.host_bufs))
@@ -284,8 +304,6 @@ class DecodeStep:
             self.cpu_out_host.zero_()
         else:
             self.cpu_out_host.copy_(cpu)
-        stream = torch.cuda.current_stream(self.device)
         self.staged_table.copy_(self.table_host, non_blocking=True)
         self.cpu_out.copy_(self.cpu_out_host, non_blocking=True)
-        self._host_read = torch.cuda.Event()
-        self._host_read.record(stream)
+        self._host_read = self._record()
