@@ -133,13 +133,18 @@ def test_cache_larger_than_budget_is_refused(synth):
     assert 0 < sum(auto.slots_per_layer) < 24 and auto.left >= 0
 
 
-def test_generate_stats_cli(synth, capsys):
+def test_generate_stats_cli(synth, capsys, device):
     code = main(["generate", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on", "-n", "4",
-                 "--expert-cache", "3", "--miss", "cpu", "--stats", "--prompt", "hello"])
+                 "--expert-cache", "3", "--miss", "cpu", "--stats", "--prompt", "hello",
+                 "--device", device])
     err = capsys.readouterr().err
     assert code == 0
-    assert "memory plan on cpu" in err and "expert cache: 3 slots" in err
-    assert "hit rate" in err and "layer   2:" in err
+    assert f"memory plan on {device}" in err and "expert cache: 3 slots" in err
+    assert "hit rate" in err and "layer   2:" in err and "decode step:" in err
+    if device == "cuda":  # spans of the forward passes and decode steps, from CUDA events
+        assert "passes (CUDA events" in err and "ms on the GPU timeline" in err
+    else:
+        assert "GPU timeline" not in err
 
 
 def test_ggml_cpu_path_within_q8_rounding(mixed):

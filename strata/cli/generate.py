@@ -9,6 +9,7 @@ from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import StrataError
+from strata.experts.stats import GpuTimer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(text)
     if not ids:
         raise StrataError("--prompt: the prompt is empty")
+    experts = engine.model.experts
+    if args.stats and hasattr(experts, "stats") and engine.model.device.type == "cuda":
+        experts.stats.timer = GpuTimer(engine.config.n_layers)
     sys.stdout.write(text if args.chat is None else "")
     sys.stdout.flush()
     stream = tok.stream()
@@ -64,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"strata: loaded in {engine.load_s:.2f} s; prompt {st.prompt_tokens} tokens at "
           f"{st.prompt_tok_s:.1f} tok/s; generated {st.generated_tokens} tokens at "
           f"{st.decode_tok_s:.1f} tok/s ({st.finish_reason})", file=sys.stderr)
-    experts = engine.model.experts
     if args.stats and hasattr(experts, "stats"):
         print("\n".join(experts.stats.lines()), file=sys.stderr)
         if engine.model.step is not None:

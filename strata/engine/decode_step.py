@@ -148,6 +148,8 @@ class DecodeStep:
         key = (kv.store.data_ptr(), kv.capacity)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
+        timer = self.ex.stats.timer
+        t0 = timer.start() if timer else None
         for i, piece in enumerate(self.pieces):
             if graphs is not None:
                 graphs[i][0].replay()
@@ -165,6 +167,8 @@ class DecodeStep:
             self._host_layer(piece.host_layer, routed)
         if self.device.type == "cuda":  # device_hits leaves the counting to the host
             self.ex.stats.hits[self.resident_layers] += self.cfg.n_experts_used
+        if timer:
+            timer.stop(t0)
         kv.advance(1)
         return self.logits
 

@@ -8,6 +8,32 @@ import numpy as np
 import torch
 
 
+class GpuTimer:
+    """Spans of the GPU timeline from CUDA events recorded around each forward pass or decode
+    step, and around each layer's experts in plain forward passes (not inside CUDA graphs): the
+    GPU's time including any wait for the host. Read (one sync) when printed."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.layers: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [
+            [] for _ in range(n_layers)]
+
+    @staticmethod
+    def start() -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, start: torch.cuda.Event, layer: int | None = None) -> None:
+        (self.steps if layer is None else self.layers[layer]).append((start, self.start()))
+
+    @staticmethod
+    def seconds(spans: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+        if spans:
+            spans[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+
+
 @dataclass
 class OffloadStats:
     n_layers: int
@@ -19,6 +45,7 @@ class OffloadStats:
     admissions: int = 0
     cpu_s: float = 0.0  # host time in the CPU pool
     steps: int = 0
+    timer: GpuTimer | None = None  # set by --stats on CUDA
 
     def __post_init__(self) -> None:
         L, E = self.n_layers, self.n_experts
@@ -59,12 +86,19 @@ class OffloadStats:
         out = [f"experts: hit rate {100 * s['hit_rate']:.1f}%; pairs: {s['pairs_hit']} hit, "
                f"{s['pairs_cpu']} on the CPU, {s['pairs_streamed']} streamed; "
                f"{self.bytes_h2d / 2**20:.1f} MiB copied to the device ({self.admissions} cache "
-               f"admissions); CPU pool {self.cpu_s:.3f} s"]
+               f"admissions); CPU pool {self.cpu_s:.3f} s"
+               + (f"; GPU timeline {GpuTimer.seconds(self.timer.steps):.3f} s over "
+                  f"{len(self.timer.steps)} passes (CUDA events at each pass's start and end, "
+                  "host waits included)" if self.timer else "")]
         for i in range(self.n_layers):
             tot = self.hits[i] + self.cpu[i] + self.streamed[i]
             r = self.routed[i]
             bal = f"{r.max() / r.mean():.2f}" if r.sum() else "-"
+            gpu = ""
+            if self.timer is not None and self.timer.layers[i]:
+                gpu = (f"  experts {1e3 * GpuTimer.seconds(self.timer.layers[i]):.1f} ms on the "
+                       "GPU timeline")
             out.append(f"  layer {i:>3}: hit {100 * self.hits[i] / max(tot, 1):5.1f}%  cpu "
                        f"{self.cpu[i]:>6}  streamed {self.streamed[i]:>6}  busiest expert / "
-                       f"mean {bal}")
+                       f"mean {bal}{gpu}")
         return out

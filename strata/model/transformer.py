@@ -70,6 +70,8 @@ class MoETransformer:
         cfg = self.cfg
         if sum(s.length for s in segments) != tokens.shape[0]:
             raise ValueError("segments do not cover the tokens")
+        timer = self.gpu_timer()
+        t0 = timer.start() if timer else None
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
@@ -83,7 +85,14 @@ class MoETransformer:
         if not all_logits:
             ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
             x = x[ends]
-        return linear(rms_norm(x, self.w.output_norm, cfg.rms_eps), self.w.output)
+        logits = linear(rms_norm(x, self.w.output_norm, cfg.rms_eps), self.w.output)
+        if timer:
+            timer.stop(t0)
+        return logits
+
+    def gpu_timer(self):  # noqa: ANN201 (GpuTimer | None)
+        """The experts' GPU timer when --stats asked for one (CUDA only)."""
+        return getattr(getattr(self.experts, "stats", None), "timer", None)
 
     def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
@@ -112,7 +121,11 @@ class MoETransformer:
     def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         ids, weights = route(h, lw.router, cfg.n_experts_used, cfg.norm_topk)  # [T, K]
+        timer = self.gpu_timer()
+        t0 = timer.start() if timer else None
         out = self.experts.run(i, lw.experts, h, ids, weights)
+        if timer:
+            timer.stop(t0, layer=i)
         if lw.shared_w1 is not None:
             out = out + shared_expert(lw, h)
         return out
