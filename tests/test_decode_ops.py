@@ -20,17 +20,12 @@ with `pos`/`length` advanced between replays.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")  # strata.kernels.gpu needs triton even for the torch path
+
+from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 from strata.kernels.gpu import decode_ops as ops  # noqa: E402
 from strata.model import layers  # noqa: E402
@@ -41,7 +36,7 @@ NAN = float("nan")
 
 
 def fresh_rng() -> tuple[torch.Generator, int]:
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     return torch.Generator().manual_seed(seed), seed
 
 
@@ -389,25 +384,11 @@ def test_cuda_graph_replays_follow_pos_and_length() -> None:
 
 # ---- the kernels on the CPU, under Triton's interpreter ------------------------------------------
 
-_INTERPRETED = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import numpy as np
-    from triton.runtime import interpreter
-
-    # Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which NumPy 2.4
-    # refuses; read them with .item() instead.
-    _patch = interpreter._patch_lang_tensor
-    def _patched(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).item()))
-    interpreter._patch_lang_tensor = _patched
-
+_INTERPRETED = """
     import torch
     from strata.kernels.gpu import decode_ops as ops
     from strata.model import layers
 
-    seed = int(sys.argv[1])
     gen = torch.Generator().manual_seed(seed)
     nan = float("nan")
     ops.scratch = lambda shape, dtype, device: torch.full(shape, nan, dtype=dtype, device=device)
@@ -473,16 +454,11 @@ _INTERPRETED = textwrap.dedent("""
     ids, w = ops.route_topk(torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]), 4, False)
     assert ids.tolist() == [[1, 3, 2, 4]], ids  # ties: the lower id first
     print("ok")
-""")
+"""
 
 
 def test_kernels_under_the_interpreter() -> None:
     """Every kernel (rms_norm, add_rms_norm, qk_rope_store, both attention kernels, route_topk)
     on small odd shapes, on the CPU under TRITON_INTERPRET=1 (~10 s)."""
     _, seed = fresh_rng()
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, \
-        f"seed={seed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    run_interpreted(_INTERPRETED, seed, timeout=300)

@@ -27,17 +27,14 @@ before triton is imported).
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")  # the whole module needs triton; CUDA tests also need a GPU
+
+from interpreted import fresh_rng, rel_err, run_interpreted  # noqa: E402
 
 from strata.kernels.gpu import FUSED_TYPES, dequantize_gpu, moe_forward, quant_matmul  # noqa: E402
 from strata.kernels.gpu import moe as moe_mod  # noqa: E402
@@ -51,15 +48,6 @@ DEQ_TOL = 2.0**-22
 PRIORITY = [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ2_XS, QType.IQ3_XXS, QType.Q5_K,
             QType.IQ4_XS]
 ALL = list(FUSED_TYPES)
-
-
-def fresh_rng() -> tuple[np.random.Generator, int]:
-    seed = int(np.random.SeedSequence().entropy % 2**63)
-    return np.random.default_rng(seed), seed
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 def k_for(qtype: QType, n_blocks: int) -> int:
@@ -236,26 +224,12 @@ def test_unfused_type_falls_back_with_a_log_line(caplog: pytest.LogCaptureFixtur
 
 # ---- the same kernels on the CPU, under Triton's interpreter ------------------------------------
 
-_INTERPRETED = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import numpy as np
-    from triton.runtime import interpreter
-
-    # Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which NumPy 2.4
-    # refuses; read them with .item() instead.
-    _patch = interpreter._patch_lang_tensor
-    def _patched(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).item()))
-    interpreter._patch_lang_tensor = _patched
-
+_INTERPRETED = """
     import torch
     from strata.kernels.gpu import dequantize_gpu, moe_forward, quant_matmul
     from strata.kernels.gpu.reference import matmul_ref, moe_ref
     from strata.quant import QType, dequantize, random_rows, row_nbytes
 
-    seed = int(sys.argv[1])
     rng = np.random.default_rng(seed)
     def rel(a, b):
         return float((a - b).norm() / b.norm())
@@ -283,15 +257,10 @@ _INTERPRETED = textwrap.dedent("""
         out = moe_forward(x, ids, wts, **layer)
         assert rel(out, moe_ref(x, ids, wts, **layer)) < tol, t
     print("ok")
-""")
+"""
 
 
 def test_kernels_under_the_interpreter() -> None:
     """Q4_K, Q6_K, IQ2_XS, Q8_0 tiles, both matmul skeletons and both MoE paths on the CPU."""
     _, seed = fresh_rng()
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "ok" in done.stdout, \
-        f"seed={seed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    run_interpreted(_INTERPRETED, seed, timeout=600)

@@ -20,17 +20,13 @@ dequantize kernel and the whole grouped path under TRITON_INTERPRET=1 in a subpr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from interpreted import fresh_rng, rel_err, run_interpreted  # noqa: E402
 
 from strata.experts.compute import group_pairs, run_records  # noqa: E402
 from strata.experts.layout import ExpertLayout  # noqa: E402
@@ -43,15 +39,6 @@ from strata.quant import QType, dequantize, get_quant, random_rows, row_nbytes  
 EXACT_TOL = 2e-5
 GROUPED_TOL = 1.5e-2
 DEQ_TOL = 2.0**-22  # the tiles' d·(q - c) as one FMA: a rounding of the block scale
-
-
-def fresh_rng() -> tuple[np.random.Generator, int]:
-    seed = int(np.random.SeedSequence().entropy % 2**63)
-    return np.random.default_rng(seed), seed
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 def nan_scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -377,26 +364,12 @@ def test_qwen3_30b_a3b_layer() -> None:
 
 # ---- the slot kernel and the grouped path under Triton's interpreter ----------------------------
 
-_INTERPRETED = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import numpy as np
-    from triton.runtime import interpreter
-
-    # Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which NumPy 2.4
-    # refuses; read them with .item() instead.
-    _patch = interpreter._patch_lang_tensor
-    def _patched(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).item()))
-    interpreter._patch_lang_tensor = _patched
-
+_INTERPRETED = """
     import torch
     from strata.kernels.gpu import moe_grouped as mg
     from strata.kernels.gpu.reference import moe_ref
     from strata.quant import QType, dequantize, random_rows
 
-    seed = int(sys.argv[1])
     rng = np.random.default_rng(seed)
     def rows(q, n, k):
         return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
@@ -432,19 +405,14 @@ _INTERPRETED = textwrap.dedent("""
             assert err < 2e-5, (t, scratch_bytes, err)
     assert len(calls) == 4 + 2 * 3 * (1 + 5), len(calls)
     print("ok")
-""")
+"""
 
 
 def test_slot_kernel_under_the_interpreter() -> None:
     """_dequant_slots_kernel (Q4_K, Q6_K, IQ2_XS, Q8_0; a slot -1 left unwritten) and the whole
     grouped path on it, in float32, under TRITON_INTERPRET=1."""
     _, seed = fresh_rng()
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "ok" in done.stdout, \
-        f"seed={seed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    run_interpreted(_INTERPRETED, seed, timeout=600)
 
 
 def test_token_rounds_cover_every_row_once_with_distinct_tokens() -> None:
