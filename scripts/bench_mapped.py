@@ -7,8 +7,10 @@ One Qwen3-30B-A3B MoE layer (128 experts, 8 routed, Q4_K gate/up, Q6_K down, one
 experts' records live in VRAM slots and, as the arena keeps them, in host memory registered with
 cudaHostRegister. Each timed call routes the token to 8 experts of a rotating set (so neither
 the L2 nor a previous call holds them) and runs moe_forward with the slot table pointing at
-VRAM, or at the host records. Also: 1, 2 and 4 missed experts (the rest resident), and the
-pinned copy of the same bytes with cudaMemcpyAsync, for comparison.
+VRAM, or at the host records. Then the decode step's gathered layer: 0, 1, 2, 4 or 8 of the
+routed experts missing, gathered from the arena by gather_misses into staging rows and computed
+with the hits in one moe_forward (and the gather alone); and the pinned copy of 8 records with
+cudaMemcpyAsync, for comparison. Every figure is a CUDA-graph replay of 16 calls.
 """
 
 from __future__ import annotations
@@ -48,16 +50,22 @@ def records(lay: ExpertLayout, rng: np.random.Generator) -> np.ndarray:
 
 
 def time_calls(fn, n: int = 64) -> float:  # noqa: ANN001
-    """Median seconds of one call, timed with CUDA events around batches of 16 calls."""
-    for _ in range(3):
-        fn(0)
+    """Median seconds of one call: 16 calls (call i gets its own routing) captured in a CUDA
+    graph, the replays timed with CUDA events, so launch overhead is not in the figure."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(16):
+            fn(i)
+    graph.replay()
     torch.cuda.synchronize()
     times = []
-    for r in range(n // 16):
+    for _ in range(n // 16):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for i in range(16):
-            fn(r * 16 + i)
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3 / 16)
@@ -84,7 +92,6 @@ def main() -> None:
     id_sets = [torch.tensor(p[j * K:(j + 1) * K][None], dtype=torch.int64, device=dev)
                for p in perm for j in range(E // K)]
     identity = torch.arange(E, dtype=torch.int32, device=dev)
-    none = torch.full((E,), -1, dtype=torch.int32, device=dev)
     out = torch.zeros(1, D, device=dev)
 
     def run(storage: torch.Tensor, table: torch.Tensor, i: int) -> None:
@@ -107,18 +114,34 @@ def main() -> None:
     res["layer_8_of_8_vram_us"] = t_vram * 1e6
     res["layer_8_of_8_mapped_us"] = t_map * 1e6
     res["mapped_gb_s"] = K * lay.nbytes / t_map / 1e9
-    # some misses: the layer as the decode step runs it (hits from VRAM, misses mapped)
-    for n_miss in (1, 2, 4):
-        def mixed(i: int, n_miss: int = n_miss) -> None:
-            ids = id_sets[i % len(id_sets)]
-            hit_t = identity.clone()
-            hit_t[ids[0, :n_miss]] = -1
-            miss_t = none.clone()
-            miss_t[ids[0, :n_miss]] = ids[0, :n_miss].int()
-            for storage, table in ((slots, hit_t), (arena.layers[0], miss_t)):
-                g, u, d = lay.views(storage)
-                moe_forward(x, ids, wts, table, g, u, d, lay.qtypes, D, F, out=out)
-        res[f"layer_{n_miss}_missed_mapped_us"] = time_calls(mixed) * 1e6
+    # the decode step's gathered layer: n of the 8 routed experts missing from VRAM, their
+    # records gathered from the arena into staging rows by gather_misses, then one
+    # moe_forward over slots and rows
+    from strata.kernels.gpu import gather_misses
+
+    rows = torch.empty(K, lay.stride, dtype=torch.uint8, device=dev)
+    for n_miss in (0, 1, 2, 4, 8):
+        tables = []
+        for ids in id_sets:
+            t = identity.clone()
+            t[ids[0, :n_miss]] = -1
+            tables.append(t)
+
+        def gathered(i: int, tables: list = tables) -> None:
+            ids, table = id_sets[i % len(id_sets)], tables[i % len(tables)]
+            gather_misses(ids, table, arena.layers[0], rows, lay.nbytes)
+            g, u, d = lay.views(slots)
+            moe_forward(x, ids, wts, table, g, u, d, lay.qtypes, D, F, out=out,
+                        miss=lay.views(rows))
+
+        def gather_only(i: int, tables: list = tables) -> None:
+            gather_misses(id_sets[i % len(id_sets)], tables[i % len(tables)], arena.layers[0],
+                          rows, lay.nbytes)
+        t_layer, t_gather = time_calls(gathered), time_calls(gather_only)
+        res[f"gathered_layer_{n_miss}_missed_us"] = t_layer * 1e6
+        res[f"gather_{n_miss}_missed_us"] = t_gather * 1e6
+        if n_miss:
+            res[f"gather_{n_miss}_missed_gb_s"] = n_miss * lay.nbytes / t_gather / 1e9
     # the same bytes copied (8 records) with the copy engine
     dst = torch.empty(K, lay.stride, dtype=torch.uint8, device=dev)
     t_copy = time_calls(lambda i: dst.copy_(arena.layers[0][(i % 16) * 8:(i % 16) * 8 + 8],

@@ -229,10 +229,12 @@ def test_decode_attention(device: str, name: str, monkeypatch: pytest.MonkeyPatc
 
 
 def test_attention_splits() -> None:
-    assert ops.attention_splits(4096, 4) == 32  # capacity / 128
+    assert ops.ATTN_MIN_CHUNK == 32
+    assert ops.attention_splits(1024, 8) == 32  # capacity / 32 = 256 CTAs / Hkv
+    assert ops.attention_splits(1024, 4) == 32  # capacity / 32
     assert ops.attention_splits(32768, 4) == 64  # 256 CTAs / Hkv
     assert ops.attention_splits(32768, 8) == 32
-    assert ops.attention_splits(100, 8) == 1
+    assert ops.attention_splits(20, 8) == 1
 
 
 # ---- routing -------------------------------------------------------------------------------------

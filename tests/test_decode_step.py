@@ -38,11 +38,14 @@ def test_pieces_are_cut_after_each_host_layer() -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama"])
 @pytest.mark.parametrize("cache", ["0", "5", "24"])  # 3 layers x 8 experts: none, some, all
-def test_decode_step_gives_reference_logits(synth, arch, cache, device):
+@pytest.mark.parametrize("miss", ["cpu", "dma"])  # CUDA: host layers / misses gathered on the GPU
+def test_decode_step_gives_reference_logits(synth, arch, cache, miss, device):
     path = synth(arch, "Q4_K_M")
     ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
-    engine = offload(path, device, expert_cache=cache, miss="auto")
+    engine = offload(path, device, expert_cache=cache, miss=miss)
     step = engine.model.step
+    gathered = device == "cuda" and miss == "dma" and cache != "24"
+    assert bool(len(step.gathered_layers)) == gathered
     assert step is not None and step.graphs == (device == "cuda")
     assert_same(decoded_logits(engine, TOKENS), ref)
     n_steps = len(TOKENS) - PROMPT
@@ -52,13 +55,17 @@ def test_decode_step_gives_reference_logits(synth, arch, cache, device):
         assert len(step._captured[1]) == len(step.pieces)
         assert step.steps["replayed"] == n_steps - 1 and "replayed" in step.line()
     st = engine.model.experts.stats
+    st.settle()  # the last step's gathered layers are counted one step late
     steps = len(TOKENS) - PROMPT
     pairs = st.hits.sum() + st.cpu.sum() + st.streamed.sum()
     assert pairs == len(TOKENS) * engine.config.n_layers * engine.config.n_experts_used
     if cache == "24":
         assert len(step.pieces) == 1 and st.hit_rate == 1.0
     if cache == "0":
-        assert len(step.pieces) == engine.config.n_layers + 1 and st.hits.sum() == 0
+        host_layers = 0 if gathered else engine.config.n_layers
+        assert len(step.pieces) == host_layers + 1 and st.hits.sum() == 0
+    if gathered:  # one graph per token; every miss counted as streamed, its bytes as copied
+        assert len(step.pieces) == 1 and st.cpu.sum() == 0 and st.bytes_h2d > 0
     assert steps > 2  # eager, capture, replays
 
 

@@ -195,6 +195,49 @@ def test_moe_one_token_per_expert() -> None:
     assert err < MOE_DOT_TOL, f"seed={seed}: rel err {err:.2e}"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 4])
+def test_misses_gathered_from_mapped_host_records(t: int) -> None:
+    """A layer's records in pinned host memory (as the arena), a few of them in VRAM slots:
+    gather_misses copies the missed pairs' records over PCIe into rows, inside a CUDA graph,
+    and moe_forward with those rows equals the reference with every expert resident."""
+    from strata.experts.layout import ExpertLayout
+    from strata.kernels.gpu import gather_misses
+
+    rng, seed = fresh_rng()
+    e, topk, d, f = 11, 3, 512, 256
+    qt = (QType.Q4_K, QType.IQ2_XS, QType.Q6_K)
+    lay = ExpertLayout(0, tuple(int(q) for q in qt), d, f)
+    records = torch.zeros(e, lay.stride, dtype=torch.uint8).pin_memory()
+    for part, (q, n, k) in zip(lay.views(records), ((qt[0], f, d), (qt[1], f, d), (qt[2], d, f)),
+                               strict=True):
+        part[:] = torch.from_numpy(random_rows(q, e * n, k, rng, 0.05)).view(e, n, -1)
+    resident = rng.permutation(e)[:4]
+    slot_of = torch.full((e,), -1, dtype=torch.int32)
+    slot_of[torch.from_numpy(resident)] = torch.arange(4, dtype=torch.int32)
+    slots = records[torch.from_numpy(resident)].cuda()
+    slot_of = slot_of.cuda()
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:topk] for _ in range(t)])).cuda()
+    x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, topk, device="cuda")
+    rows = torch.full((t * topk, lay.stride), 255, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(t, d, device="cuda")
+    run = lambda: (out.zero_(), gather_misses(ids, slot_of, records, rows, lay.nbytes),  # noqa: E731
+                   moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, out=out,
+                               miss=lay.views(rows)))
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    ids.copy_(torch.from_numpy(np.stack([rng.permutation(e)[:topk] for _ in range(t)])))
+    graph.replay()
+    full = records.cuda()
+    ref = moe_ref(x, ids, wts, torch.arange(e, dtype=torch.int32, device="cuda"),
+                  *lay.views(full), qt, d, f)
+    err = rel_err(out, ref)
+    assert err < FMA_TOL, f"t={t} seed={seed}: rel err {err:.2e}"
+
+
 # ---- launcher checks and fallbacks (no GPU needed) ----------------------------------------------
 
 
@@ -256,6 +299,30 @@ _INTERPRETED = """
         x, wts = torch.randn(t, d), torch.rand(t, 2)
         out = moe_forward(x, ids, wts, **layer)
         assert rel(out, moe_ref(x, ids, wts, **layer)) < tol, t
+    # misses gathered from the records into rows, then every pair computed
+    from strata.experts.layout import ExpertLayout
+    from strata.kernels.gpu import gather_misses
+    lay = ExpertLayout(0, tuple(int(q) for q in qt), d, f)
+    records = torch.zeros(e, lay.stride, dtype=torch.uint8)
+    for part, src, (q, n, k) in zip(lay.views(records), (layer["gate_slots"], layer["up_slots"],
+                                    layer["down_slots"]), ((qt[0], f, d), (qt[1], f, d),
+                                                           (qt[2], d, f))):
+        # expert 0 in slot 1, expert 2 in slot 0 (as slot_of says), expert 1 only here
+        part[:] = torch.stack([src[1], rows(q, n, k), src[0]])
+    slots = records[[2, 0]]
+    full = dict(layer, slot_of_expert=torch.arange(e, dtype=torch.int32),
+                **dict(zip(("gate_slots", "up_slots", "down_slots"), lay.views(records))))
+    for t in (1, 3):
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+        x, wts = torch.randn(t, d), torch.rand(t, 2)
+        rows_ = torch.full((2 * t + 1, lay.stride), 255, dtype=torch.uint8)
+        gather_misses(ids, slot_of, records, rows_, lay.nbytes)
+        for p_, ex in enumerate(ids.reshape(-1).tolist()):
+            want = records[ex] if slot_of[ex] < 0 else torch.full_like(records[ex], 255)
+            assert torch.equal(rows_[p_, :lay.nbytes], want[:lay.nbytes]), (t, p_)
+        out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f,
+                          miss=lay.views(rows_))
+        assert rel(out, moe_ref(x, ids, wts, **full)) < 2e-5, ("miss rows", t)
     print("ok")
 """
 

@@ -87,15 +87,26 @@ class DecodeStep:
         cfg, dev = model.cfg, model.device
         self.device = dev
         self.graphs = mode == "graphs" and dev.type == "cuda"
-        self.host = [not (dev.type == "cuda" and ex.resident(i, 1)) and
-                     not (dev.type == "cpu" and ex.cache.layers[i].capacity == cfg.n_experts)
+        # layers with experts outside VRAM whose misses the GPU gathers itself: the step reads
+        # their records from the mapped arena (no host round trip; see _gathered)
+        self.gathered = [dev.type == "cuda" and not ex.resident(i, 1) and ex.gathers(i)
+                         for i in range(cfg.n_layers)]
+        self.host = [not (dev.type == "cuda" and ex.resident(i, 1)) and not self.gathered[i]
+                     and not (dev.type == "cpu" and ex.cache.layers[i].capacity == cfg.n_experts)
                      for i in range(cfg.n_layers)]
+        self.gathered_layers = np.flatnonzero(self.gathered).astype(np.int64)
+        # the gathered layers' routing counts of the last step, read on the host at the next
+        self._counts_host = torch.zeros(len(self.gathered_layers), cfg.n_experts,
+                                        dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._gathered_rows = torch.from_numpy(self.gathered_layers).to(dev)
+        self._counts_copied: tuple[torch.cuda.Event, np.ndarray] | None = None
+        ex.stats.settlers.append(self.settle)  # counters are complete whenever read
         # host layers whose hits the piece computes on the device (the host adds the misses)
         self.hits_in_piece = [h and dev.type == "cuda" and ex.fused.covers(i, 1)
                               for i, h in enumerate(self.host)]
         self.pieces = cut_pieces(cfg.n_layers, self.host)
-        self.resident_layers = np.array([i for i in range(cfg.n_layers) if not self.host[i]],
-                                        dtype=np.int64)
+        self.resident_layers = np.array([i for i in range(cfg.n_layers) if not self.host[i]
+                                         and not self.gathered[i]], dtype=np.int64)
         f32 = dict(dtype=torch.float32, device=dev)
         K = cfg.n_experts_used
         # inputs: token, position of the new token, KV length after it
@@ -128,7 +139,8 @@ class DecodeStep:
         self._failed = False
         self.steps = {"replayed": 0, "eager": 0}  # decode steps run each way
         log.info(f"decode step: {len(self.pieces)} piece(s), {len(self.resident_layers)} of "
-                 f"{cfg.n_layers} layers without the host; "
+                 f"{cfg.n_layers} layers without the host ({len(self.gathered_layers)} of them "
+                 "gathering their missed experts from the arena over PCIe); "
                  + ("CUDA graphs" if self.graphs else "eager"))
 
     # ---- one token --------------------------------------------------------------------------
@@ -145,6 +157,8 @@ class DecodeStep:
         if self.device.type == "cuda":
             self._inputs_read = self._record()
         self.ex.cache.flush()  # the graphs read tables that hold for the whole step
+        if len(self.gathered_layers):  # the tables this step reads, for its counters
+            tables = np.stack([self.ex.cache.layers[i].slot_of for i in self.gathered_layers])
         key = (kv.store.data_ptr(), kv.capacity)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
@@ -167,6 +181,12 @@ class DecodeStep:
             self._host_layer(piece.host_layer, routed)
         if self.device.type == "cuda":  # device_hits leaves the counting to the host
             self.ex.stats.hits[self.resident_layers] += self.cfg.n_experts_used
+            if len(self.gathered_layers):
+                done = self._record()  # slots this step reads are overwritten after it
+                for i in self.gathered_layers:
+                    self.ex.cache.layers[i].used = done
+                self.settle()  # the last step's routing, while the GPU runs this one
+                self._copy_counts(tables)
         if timer:
             timer.stop(t0)
         kv.advance(1)
@@ -177,7 +197,8 @@ class DecodeStep:
         host = len(self.pieces) - 1
         why = "; capture failed" if self._failed else ""
         return (f"decode step: {len(self.pieces)} piece(s) ({host} layer(s) waiting on the "
-                f"host), {self.steps['replayed']} step(s) replayed from CUDA graphs, "
+                f"host, {len(self.gathered_layers)} gathering misses over PCIe), "
+                f"{self.steps['replayed']} step(s) replayed from CUDA graphs, "
                 f"{self.steps['eager']} eager{why}")
 
     def _graphs(self, key: tuple[int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
@@ -249,7 +270,9 @@ class DecodeStep:
                 for buf, src in zip(self.host_bufs, (ids, wts, h), strict=True):
                     buf.copy_(src, non_blocking=True)
                 return  # the layer's hits and shared expert: _tail
-            if self.device.type == "cuda":
+            if self.gathered[i]:
+                delta = self.ex.gathered(i, h, ids, wts, self.staging)
+            elif self.device.type == "cuda":
                 delta = self.ex.device_hits(i, h, ids, wts, count=True)
             else:
                 delta = self.ex.run(i, None, h, ids, wts)
@@ -268,6 +291,27 @@ class DecodeStep:
         if self.hits_in_piece[layer]:
             carry = carry + self.ex.device_hits(layer, self.h, self.ids, self.wts, count=False)
         self.carry.copy_(carry)
+
+    def _copy_counts(self, tables: np.ndarray) -> None:
+        """The gathered layers' routing counts of the step just queued go to the host (read by
+        settle at the next step, or by the counters' reader), with the slot tables it read."""
+        counts = self.ex.stats.routed_on_device(self.device)
+        self._counts_host.copy_(counts[self._gathered_rows], non_blocking=True)
+        counts.index_fill_(0, self._gathered_rows, 0)  # the host adds them to its counters
+        self._counts_copied = (self._record(), tables)
+
+    def settle(self) -> None:
+        """The routing of the last step's gathered layers, on the host: hit and gather
+        counters, the policy's view, and up to one admission per layer (copied on the copy
+        stream after the slots' last reader; the next flush makes the step wait for it)."""
+        if self._counts_copied is None:
+            return
+        event, tables = self._counts_copied
+        self._counts_copied = None
+        wait_event(event, "the decode step's routing counts")
+        for i, counts, table in zip(self.gathered_layers, self._counts_host.numpy(), tables,
+                                    strict=True):
+            self.ex.after_gathered(int(i), counts, table)
 
     def _record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()

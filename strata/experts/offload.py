@@ -121,6 +121,53 @@ class OffloadExperts:
             self.stats.count_on_device(layer, ids)
         return out
 
+    def gathers(self, layer: int, topk: int) -> bool:
+        """A decode token's misses in this layer can be gathered by the GPU itself (gathered):
+        the fused kernels cover the layer, the arena is page-locked (so mapped for the
+        device), the staging rows hold topk records of it, and the planner sends one-token
+        misses over PCIe rather than to the CPU."""
+        lay = self.arena.layouts[layer]
+        st = self.staging[0] if self.staging else None
+        return (self.device.type == "cuda" and self.fused.covers(layer, 1)
+                and self.arena.layers[layer].is_pinned() and st is not None
+                and st.shape[0] >= topk and st.shape[1] >= lay.stride
+                and self.planner.copies_one_token(lay.nbytes))
+
+    def gathered(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 staging: torch.Tensor) -> torch.Tensor:
+        """One decode token's experts of a layer, with device work only (a CUDA graph holds
+        it): hits from their slots; each missed pair's record read from the mapped arena over
+        PCIe into staging row p by a kernel that reads the slot table, then computed from
+        there. The routing is counted on the device; the host reads it after the step
+        (after_gathered)."""
+        from strata.kernels.gpu import gather_misses
+
+        ls = self.cache.layers[layer]
+        lay = ls.layout
+        rows = staging[:, : lay.stride]
+        gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes)
+        self.stats.count_on_device(layer, ids)
+        slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
+        return self.fused.run(lay, slots, ls.table, h, ids, weights, torch.zeros_like(h),
+                              miss=lay.views(rows))
+
+    def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray) -> None:
+        """The host's part of a gathered layer, one step late: counters, the policy's view of
+        the routing (counts [E] of that step, slot_of [E] the table it read) and up to one
+        admission."""
+        ls = self.cache.layers[layer]
+        experts = np.flatnonzero(counts)
+        n = counts[experts]
+        ls.policy.touch(experts.tolist(), n.tolist())
+        self.stats.count(layer, experts, n)
+        hit = slot_of[experts] >= 0
+        self.stats.hits[layer] += int(n[hit].sum())
+        self.stats.streamed[layer] += int(n[~hit].sum())
+        missed = experts[~hit].tolist()
+        self.stats.bytes_h2d += len(missed) * ls.layout.nbytes
+        if missed:
+            self._admit_after(layer, missed, set(experts.tolist()))
+
     def decode_misses(self, layer: int, host: tuple[torch.Tensor, ...],
                       staging: torch.Tensor | None, table: np.ndarray) -> torch.Tensor | None:
         """The misses of one decode token in a layer whose hits the decode step computed on the
@@ -183,8 +230,15 @@ class OffloadExperts:
                       by_expert: dict[int, Group], h: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
         """A prompt chunk: hits from their slots, every miss through the ring; the cache is left
-        as it is for decode."""
-        lay = self.arena.layouts[layer]
+        as it is for decode (so an expert with no slot now is still a miss in the next layers'
+        turn: what the ring prefetches for the next layer)."""
+        copied = self.ring.streamed_bytes
+        # this layer's banks first in the ring's queue, then the next layer's, whose copies run
+        # as this layer's banks free and while the host waits for the next routing
+        self.ring.prefetch(self.arena, layer, misses)
+        if self._prefetch_next(layer, h.shape[0] * ids.shape[1]):
+            uncached = np.flatnonzero(self.cache.layers[layer + 1].slot_of < 0)
+            self.ring.prefetch(self.arena, layer + 1, uncached.tolist())
         out = torch.zeros_like(h)
         self.cache.before_compute(layer)
         self._run_hits(layer, hits, by_expert, h, ids, weights, out)
@@ -193,10 +247,15 @@ class OffloadExperts:
         self.cache.after_compute(layer)
         self.stats.hits[layer] += sum(len(by_expert[e].tokens) for e in hits)
         self.stats.streamed[layer] += sum(len(by_expert[e].tokens) for e in misses)
-        self.stats.bytes_h2d += len(misses) * lay.nbytes
+        self.stats.bytes_h2d += self.ring.streamed_bytes - copied  # prefetched copies too
         if self.debug:
             self.cache.check_integrity()
         return out
+
+    def _prefetch_next(self, layer: int, pairs: int) -> bool:
+        """The chunk routes so many pairs that nearly every expert of the next layer is used
+        (4 pairs per expert on average): copy its uncached experts ahead of its routing."""
+        return pairs >= 4 * self.arena.n_experts and layer + 1 < len(self.arena.layouts)
 
     def _run_staged(self, layer: int, groups: list[Group], h: torch.Tensor, out: torch.Tensor,
                     ids: torch.Tensor, weights: torch.Tensor) -> None:

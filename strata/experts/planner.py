@@ -65,6 +65,13 @@ class MissPlanner:
         ratio = min(hi, max(lo, seconds / predicted))
         self.cpu_scale += self.SCALE_WEIGHT * (ratio - self.cpu_scale)
 
+    def copies_one_token(self, nbytes: int) -> bool:
+        """A missed expert with one token goes over PCIe (not to the CPU) under this mode and
+        the costs measured so far."""
+        if self.mode != "auto":
+            return self.mode == "dma"
+        return self.costs.dma(nbytes) <= self.costs.cpu(nbytes, 1) * self.cpu_scale
+
     def split(self, misses: list[tuple[int, int]], nbytes: int) -> tuple[list[int], list[int]]:
         """misses: (expert, tokens routed to it) -> (experts for the CPU, experts to copy)."""
         if self.mode == "cpu":

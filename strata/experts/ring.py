@@ -1,27 +1,42 @@
-"""The streaming ring: prompt chunks stream every missed expert through a few VRAM buffers, the copy
-of expert i+1 overlapping the compute of expert i.
+"""The streaming ring: prompt chunks stream every missed expert through a VRAM buffer, the copies
+running ahead of the compute.
 
-    ring: uint8 [nbytes]     carved per layer into n_l = nbytes // stride_l buffers
-                             (the layer's own record size: a mixed pack gets a different n_l
-                             per layer, never a buffer sized for another layer's format)
+    ring: uint8 [nbytes]     with grouped compute (CUDA): a circular run of banks, each bank
+                             m records of one layer (m × that layer's stride, 256-aligned, m
+                             chosen so a layer gets ~4 banks in the ring; a mixed pack sizes
+                             each bank from its own layer, never from another layer's format)
 
-Buffer b of a layer is written on the copy stream only after the compute that last read it is done
-(`free[b]`), and computed on only after its copy landed (`ready[b]`). With one buffer (a budget of
-one expert) copies and computes alternate; with two or more they overlap.
+The bank path (`grouped`): the ring keeps a FIFO of banks across calls and layers, first those
+issued (copy enqueued on the copy stream), then those queued (experts decided, no space yet).
+`prefetch(layer, experts)` queues banks and issues what fits; `stream(layer, ...)` computes the
+layer's banks in FIFO order (queuing banks for routed misses not covered yet), each one as a
+group on tensor cores (strata.kernels.gpu.moe_grouped.experts_forward_grouped, reading the
+bank's records through ExpertLayout.views like cache slots), and issues more as banks free.
+Before streaming layer l, the executor queues l's misses, then (chunks large enough to route
+nearly every expert) layer l + 1's uncached experts: their copies run as l's banks free, and
+the copy engine keeps working while the host waits for l + 1's routing and attention runs.
 
-With `grouped` (CUDA), the buffers are split into two banks of n_l // 2 (one bank when n_l = 1;
-an odd last buffer idles) and a bank's experts are computed together on tensor cores:
-dequantized to bf16 and multiplied by two grouped GEMMs
-(strata.kernels.gpu.moe_grouped.experts_forward_grouped, reading the bank's records through
-ExpertLayout.views like cache slots). The events are per bank: the copy of bank k's next batch
-waits for the compute that last read bank k, so batch j + 1 is copied while batch j is computed,
-as with single buffers. Otherwise each buffer is computed alone by run_records (dequantize to
-float32 + bmm): exact weights, which `--kernels exact` asks for.
+What waits on what: a bank's compute waits for its `ready` event (copy stream). A bank is
+placed at the write position, or at 0 when it does not fit before the end (`Regions`); every
+bank it overwrites must be *consumed* (its compute enqueued and a `free` event recorded on the
+compute stream after it), and the copy stream waits on those `free` events. A copy never waits
+on a compute the host has not enqueued yet (stream.wait_event only sees records already made):
+when an overlapping bank is not consumed, issuing stops until the next consume. Copies from the
+arena need no other ordering (pinned host memory, written once). Banks of another layer standing
+before the current layer's banks (a prefetch left by an exception) are dropped, never computed;
+an expert is only computed when it is in the call's groups, once.
+
+Otherwise (CPU, or `--kernels exact` on CUDA) the ring is carved per layer into
+n_l = nbytes // stride_l single buffers within one call: buffer b is written only after the
+compute that last read it (`free[b]`) and computed after its copy (`ready[b]`), each computed
+alone by run_records (dequantize to float32 + bmm: exact weights). `prefetch` is a no-op there.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +46,8 @@ from strata.experts.compute import Group, run_records
 from strata.experts.layout import ExpertLayout
 
 log = logging.getLogger("strata.ring")
+
+_ALIGN = 256  # bank starts; record strides are multiples of it (strata.experts.layout)
 
 
 def ring_size(requested: int | None, layouts: list[ExpertLayout], default: int) -> int:
@@ -46,6 +63,80 @@ def ring_size(requested: int | None, layouts: list[ExpertLayout], default: int) 
     return size
 
 
+def bank_records(nbytes: int, stride: int) -> int:
+    """Records per bank of a layer: about 4 banks in the ring (2 when fewer than 4 records fit,
+    1 record when only one fits: copies and computes then alternate)."""
+    n = nbytes // stride
+    if n < 1:
+        raise ValueError(f"a ring of {nbytes} bytes holds no record of {stride} bytes")
+    return n // 4 if n >= 4 else max(1, n // 2)
+
+
+@dataclass
+class _Span:
+    start: int
+    end: int
+    key: object
+    consumed: bool = False
+
+
+class Regions:
+    """Circular placement of banks in the ring's bytes (pure bookkeeping, no device work).
+
+    A bank goes at the write position, or at 0 when it does not fit before the end. It may only
+    overwrite banks already consumed; those then leave the bookkeeping (the copy stream waited
+    on their `free` once, and later copies on the same stream come after that wait)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.head = 0  # the write position
+        self.spans: list[_Span] = []  # placed and not yet overwritten, in placement order
+
+    def place(self, size: int, key: object) -> tuple[int, list[object]] | None:
+        """(start, keys of the consumed banks it overwrites), or None (nothing changes) when an
+        overlapping bank is not consumed yet."""
+        if not 0 < size <= self.nbytes:
+            raise ValueError(f"a bank of {size} bytes in a ring of {self.nbytes}")
+        start = self.head if self.head + size <= self.nbytes else 0
+        end = start + size
+        over = [s for s in self.spans if s.start < end and start < s.end]
+        if not all(s.consumed for s in over):
+            return None
+        self.spans = [s for s in self.spans if not (s.start < end and start < s.end)]
+        self.spans.append(_Span(start, end, key))
+        self.head = -(-end // _ALIGN) * _ALIGN
+        return start, [s.key for s in over]
+
+    def consume(self, key: object) -> None:
+        """The bank's compute is enqueued (or it was dropped): it may be overwritten."""
+        for s in self.spans:
+            if s.key is key:
+                s.consumed = True
+
+
+@dataclass(eq=False)
+class Bank:
+    """m records of one layer's experts at one place in the ring."""
+
+    lay: ExpertLayout
+    experts: list[int]
+    start: int = -1  # byte offset in the ring once issued
+    ready: torch.cuda.Event | None = field(default=None, repr=False)  # the copy landed
+    free: torch.cuda.Event | None = field(default=None, repr=False)  # the compute read it
+
+    @property
+    def layer(self) -> int:
+        return self.lay.layer
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.experts) * self.lay.stride
+
+    @property
+    def issued(self) -> bool:
+        return self.start >= 0
+
+
 class Ring:
     def __init__(self, nbytes: int, device: torch.device, grouped: bool = False):
         """grouped: compute banks of streamed experts in bf16 on tensor cores (CUDA with triton
@@ -54,21 +145,94 @@ class Ring:
         self.device = device
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # buf's memory may still be read by kernels queued before it was allocated
+            self.copy_stream.wait_stream(torch.cuda.current_stream(device))
         self.streamed_bytes = 0
         self.grouped = grouped and self.cuda and _grouped_available()
+        self.banks: list[Bank] = []  # FIFO, not yet consumed: issued ones first, then queued
+        self.regions = Regions(nbytes)
 
     @property
     def nbytes(self) -> int:
         return self.buf.numel()
 
     def buffers(self, layout: ExpertLayout) -> torch.Tensor:
-        """This layer's view of the ring: uint8 [n_l, stride_l], n_l >= 1."""
+        """This layer's view of the ring for the per-buffer path: uint8 [n_l, stride_l]."""
         n = self.nbytes // layout.stride
         return self.buf[: n * layout.stride].view(n, layout.stride)
+
+    # ---- the bank path: state across calls -----------------------------------------------------
+
+    def prefetch(self, arena: Arena, layer: int, experts: list[int]) -> None:
+        """Queue banks for these experts of `layer` (in this order; those already queued or
+        issued for it are skipped) and issue what fits. A no-op off the bank path."""
+        if not self.grouped:
+            return
+        self._queue(arena.layouts[layer], [e for e in experts if e not in self._covered(layer)])
+        self._issue(arena)
+
+    def reset(self) -> None:
+        """Drop every bank not yet consumed (none is computed); their `free` events keep later
+        copies into their places ordered."""
+        while self.banks:
+            self._consume(self.banks[0])
+
+    def _covered(self, layer: int) -> set[int]:
+        return {e for b in self.banks if b.layer == layer for e in b.experts}
+
+    def _queue(self, lay: ExpertLayout, experts: list[int]) -> None:
+        m = bank_records(self.nbytes, lay.stride)
+        for i in range(0, len(experts), m):
+            self.banks.append(Bank(lay, experts[i:i + m]))
+
+    def _issue(self, arena: Arena) -> None:
+        """Issue queued banks in FIFO order until one finds no consumed place."""
+        for bank in self.banks:
+            if bank.issued:
+                continue
+            placed = self.regions.place(bank.nbytes, bank)
+            if placed is None:
+                return
+            bank.start, overwritten = placed
+            self._copy(arena, bank, [b.free for b in overwritten])
+
+    def _copy(self, arena: Arena, bank: Bank, waits: list[torch.cuda.Event | None]) -> None:
+        view = self._view(bank)
+        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
+        with ctx:
+            for ev in waits:
+                if ev is not None:
+                    self.copy_stream.wait_event(ev)
+            for j, e in enumerate(bank.experts):
+                view[j].copy_(arena.record(bank.layer, e), non_blocking=self.cuda)
+            if self.cuda:
+                bank.ready = torch.cuda.Event()
+                bank.ready.record(self.copy_stream)
+        self.streamed_bytes += len(bank.experts) * bank.lay.nbytes
+
+    def _consume(self, bank: Bank) -> None:
+        """Take the head bank off the FIFO once its compute is enqueued (or to drop it)."""
+        assert self.banks and self.banks[0] is bank
+        self.banks.pop(0)
+        if not bank.issued:
+            return
+        if self.cuda:
+            bank.free = torch.cuda.Event()
+            bank.free.record(torch.cuda.current_stream(self.device))
+        self.regions.consume(bank)
+
+    def _view(self, bank: Bank) -> torch.Tensor:
+        return self.buf[bank.start: bank.start + bank.nbytes].view(len(bank.experts),
+                                                                   bank.lay.stride)
+
+    # ---- streaming -----------------------------------------------------------------------------
 
     def stream(self, arena: Arena, layer: int, groups: list[Group], h: torch.Tensor,
                out: torch.Tensor, workspace_bytes: int) -> None:
         """out += Σ over the groups' experts, each copied into the ring and computed there."""
+        if self.grouped:
+            self._stream_banks(arena, layer, groups, h, out)
+            return
         lay = arena.layouts[layer]
         bufs = self.buffers(lay)
         n = bufs.shape[0]
@@ -79,9 +243,6 @@ class Ring:
                     bufs[j].copy_(arena.record(layer, g.expert))
                 run_records(lay, bufs[: len(chunk)], chunk, h, out, workspace_bytes)
                 self.streamed_bytes += len(chunk) * lay.nbytes
-            return
-        if self.grouped:
-            self._stream_banks(arena, layer, groups, h, out)
             return
         compute = torch.cuda.current_stream(self.device)
         free: list[torch.cuda.Event | None] = [None] * n
@@ -102,39 +263,43 @@ class Ring:
 
     def _stream_banks(self, arena: Arena, layer: int, groups: list[Group], h: torch.Tensor,
                       out: torch.Tensor) -> None:
-        """The CUDA loop of `stream` with a bank of buffers per step, computed as one group."""
+        """The bank path of `stream`: this layer's banks in FIFO order (prefetched ones first,
+        then banks for the routed misses they do not cover), each computed as one group."""
+        routed = {g.expert: g for g in groups}
+        covered = self._covered(layer)
+        self._queue(arena.layouts[layer], [g.expert for g in groups if g.expert not in covered])
+        done: set[int] = set()
+        while any(b.layer == layer for b in self.banks):
+            bank = self.banks[0]
+            if bank.layer != layer:  # stale, or ahead of this layer's banks: dropped
+                self._consume(bank)
+                continue
+            self._issue(arena)  # every bank before it is consumed: it finds a place
+            assert bank.issued
+            todo = [e for e in bank.experts if e in routed and e not in done]
+            if todo:  # prefetched experts nobody routed to are not computed
+                self._compute(bank, [routed[e] for e in todo], h, out)
+                done.update(todo)
+            self._consume(bank)
+            self._issue(arena)
+
+    def _compute(self, bank: Bank, groups: list[Group], h: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """out += the groups' experts, read from the bank's records (once its copy landed)."""
         from strata.kernels.gpu.moe_grouped import experts_forward_grouped
 
-        lay = arena.layouts[layer]
-        bufs = self.buffers(lay)
-        n_banks = 2 if bufs.shape[0] >= 2 else 1
-        m = bufs.shape[0] // n_banks  # buffers per bank
-        gate, up, down = lay.views(bufs)
-        compute = torch.cuda.current_stream(self.device)
-        free: list[torch.cuda.Event | None] = [None] * n_banks
-        start = torch.cuda.Event()
-        start.record(compute)  # h is ready
-        for j, i in enumerate(range(0, len(groups), m)):
-            chunk = groups[i:i + m]
-            k = j % n_banks
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(free[k] if free[k] is not None else start)
-                for q, g in enumerate(chunk):
-                    bufs[k * m + q].copy_(arena.record(layer, g.expert), non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.copy_stream)
-            compute.wait_event(ready)
-            tokens_host = torch.cat([g.tokens for g in chunk])
-            tokens = to_device(tokens_host, self.device)
-            wts = to_device(torch.cat([g.weights for g in chunk]).float(), self.device)
-            slots = torch.arange(k * m, k * m + len(chunk), dtype=torch.int32,
-                                 device=self.device)
-            experts_forward_grouped(h, tokens, wts, [len(g.tokens) for g in chunk], slots, gate,
-                                    up, down, lay.qtypes, lay.d_model, lay.d_expert, out,
-                                    tokens_host=tokens_host)
-            free[k] = torch.cuda.Event()
-            free[k].record(compute)
-            self.streamed_bytes += len(chunk) * lay.nbytes
+        if bank.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(bank.ready)
+        lay = bank.lay
+        gate, up, down = lay.views(self._view(bank))
+        index = [bank.experts.index(g.expert) for g in groups]
+        slots = to_device(torch.tensor(index, dtype=torch.int32), self.device)
+        tokens_host = torch.cat([g.tokens for g in groups])
+        tokens = to_device(tokens_host, self.device)
+        wts = to_device(torch.cat([g.weights for g in groups]).float(), self.device)
+        experts_forward_grouped(h, tokens, wts, [len(g.tokens) for g in groups], slots, gate, up,
+                                down, lay.qtypes, lay.d_model, lay.d_expert, out,
+                                tokens_host=tokens_host)
 
 
 def _grouped_available() -> bool:

@@ -46,6 +46,8 @@ class OffloadStats:
     cpu_s: float = 0.0  # host time in the CPU pool
     steps: int = 0
     timer: GpuTimer | None = None  # set by --stats on CUDA
+    # called before the counters are read: work counted on the device, not yet added here
+    settlers: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         L, E = self.n_layers, self.n_experts
@@ -56,26 +58,37 @@ class OffloadStats:
     def count(self, layer: int, experts: list[int], counts: list[int]) -> None:
         self._routed[layer, experts] += counts
 
-    def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
+    def routed_on_device(self, device: torch.device) -> torch.Tensor:
+        """[L, E] int64 counters on the device (pairs counted there, not yet on the host)."""
         if self._routed_dev is None:
-            self._routed_dev = torch.zeros(self._routed.shape, dtype=torch.int64,
-                                           device=ids.device)
+            self._routed_dev = torch.zeros(self._routed.shape, dtype=torch.int64, device=device)
+        return self._routed_dev
+
+    def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
+        self.routed_on_device(ids.device)
         flat = ids.flatten().long()  # scatter_add_, not bincount: bincount syncs to size its output
         self._routed_dev[layer].scatter_add_(0, flat, torch.ones_like(flat))
+
+    def settle(self) -> None:
+        for fn in self.settlers:
+            fn()
 
     @property
     def routed(self) -> np.ndarray:
         """[L, E] pairs routed to each expert (syncs with the device when it counted there)."""
+        self.settle()
         if self._routed_dev is not None:
             return self._routed + self._routed_dev.cpu().numpy()
         return self._routed
 
     @property
     def hit_rate(self) -> float:
+        self.settle()
         total = self.hits.sum() + self.cpu.sum() + self.streamed.sum()
         return float(self.hits.sum() / total) if total else 0.0
 
     def summary(self) -> dict[str, float]:
+        self.settle()
         return {"hit_rate": round(self.hit_rate, 4), "pairs_hit": int(self.hits.sum()),
                 "pairs_cpu": int(self.cpu.sum()), "pairs_streamed": int(self.streamed.sum()),
                 "bytes_h2d": self.bytes_h2d, "admissions": self.admissions,

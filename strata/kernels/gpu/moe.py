@@ -54,20 +54,30 @@ _SIZES = ["T", "P", "D", "F", "NC"]
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, D, F, stride_x,
-                          stride_gs, stride_us, rb_g, rb_u,
+def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, D, F,
+                          stride_x, stride_gs, stride_us, stride_ms, rb_g, rb_u,
                           TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
                           QU: tl.constexpr, SU: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr):
+                          BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr,
+                          MISS: tl.constexpr):
     # h[p, n] = wts[p] · silu(Σ_d x[t, d] · G_e[n, d]) · Σ_d x[t, d] · U_e[n, d],  t = p // TOPK
-    # (0 where e is not resident)
+    # (0 where e is not resident, unless MISS: then e's record is in the miss rows, row p)
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    if slot >= 0:
+    if MISS:
+        live = slot > -(1 << 30)  # every pair: misses from their row
+    else:
+        live = slot >= 0
+    if live:
         xr = x + (p // TOPK).to(tl.int64) * stride_x
-        wg = rows(gate + slot.to(tl.int64) * stride_gs, n, F, rb_g)
-        wu = rows(up + slot.to(tl.int64) * stride_us, n, F, rb_u)
+        gb = gate + tl.maximum(slot, 0).to(tl.int64) * stride_gs
+        ub = up + tl.maximum(slot, 0).to(tl.int64) * stride_us
+        if MISS:
+            gb = tl.where(slot >= 0, gb, mg + p.to(tl.int64) * stride_ms)
+            ub = tl.where(slot >= 0, ub, mu + p.to(tl.int64) * stride_ms)
+        wg = rows(gb, n, F, rb_g)
+        wu = rows(ub, n, F, rb_u)
         ag = gemv_tile(QG, SG, BK, EVEN_D, STAGES, wg, xr, D, tg, tg2,
                        tl.zeros((BN, BK // SG, SG), dtype=tl.float32))
         au = gemv_tile(QU, SU, BK, EVEN_D, STAGES, wu, xr, D, tu, tu2,
@@ -81,11 +91,13 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, D
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _down_tokens_kernel(h, ids, slot_of, down, out, td, td2, D, F, stride_ds, rb_d, stride_o,
-                        TOPK: tl.constexpr, QD: tl.constexpr, SD: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+def _down_tokens_kernel(h, ids, slot_of, down, out, td, td2, md, D, F, stride_ds, stride_ms,
+                        rb_d, stride_o, TOPK: tl.constexpr, QD: tl.constexpr,
+                        SD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        STAGES: tl.constexpr, MISS: tl.constexpr):
     # out[t, n] += Σ_k Σ_f h[p, f] · D_e[n, f],  p = t · TOPK + k: one GEMV over the TOPK · F
     # values of the token's h rows (contiguous), switching expert every F. BK divides F.
+    # MISS: a pair whose expert is not resident reads its record from miss row p.
     t = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     g = tl.arange(0, BK // SD)[None, :, None]
@@ -95,12 +107,30 @@ def _down_tokens_kernel(h, ids, slot_of, down, out, td, td2, D, F, stride_ds, rb
     for kf in tl.range(0, TOPK * F, BK, num_stages=STAGES):
         k = kf // F
         slot = tl.load(slot_of + tl.load(ids + t * TOPK + k))
-        m = (tl.zeros((1, BK // SD, 1), tl.int32) + slot) >= 0  # not resident: read nothing
-        wd = rows(down + tl.maximum(slot, 0).to(tl.int64) * stride_ds, n, D, rb_d)
+        base = down + tl.maximum(slot, 0).to(tl.int64) * stride_ds
+        if MISS:
+            m = None
+            base = tl.where(slot >= 0, base, md + (t * TOPK + k).to(tl.int64) * stride_ms)
+        else:
+            m = (tl.zeros((1, BK // SD, 1), tl.int32) + slot) >= 0  # not resident: read nothing
+        wd = rows(base, n, D, rb_d)
         acc += dequant_tile(QD, wd, kf - k * F, g, s, m, td, td2) * x_tile(hr + kf, g, s, m, BN)
     optr = out + t.to(tl.int64) * stride_o + n
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(optr, tl.load(optr, mask=n < D, other=0.0) + total, mask=n < D)
+
+
+@triton.jit
+def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst,
+                   BLOCK: tl.constexpr):
+    # dst[p, :nwords] = src[e, :nwords] for pairs p whose expert e = ids[p] is not resident
+    # (int32 words). One load of BLOCK words per program, all in flight before the store.
+    p = tl.program_id(0)
+    e = tl.load(ids + p)
+    if tl.load(slot_of + e) < 0:
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(src + e.to(tl.int64) * stride_src + o, mask=o < nwords)
+        tl.store(dst + p.to(tl.int64) * stride_dst + o, v, mask=o < nwords)
 
 
 # ---- prompt chunks: grouped by expert, tensor cores ------------------------------------------
@@ -218,14 +248,26 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 slot_of_expert: torch.Tensor, gate_slots: torch.Tensor, up_slots: torch.Tensor,
                 down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
                 d_expert: int, out: torch.Tensor | None = None,
-                scratch_bytes: int | None = None) -> torch.Tensor:
+                scratch_bytes: int | None = None,
+                miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
     x [T, D] bf16/f32; ids [T, K] int32/int64 < E; weights [T, K]; slot_of_expert int32 [E];
     gate/up slots uint8 [n_slots, F, row_nbytes(D)], down uint8 [n_slots, D, row_nbytes(F)].
-    scratch_bytes: the grouped path's bf16 weight scratch (None: its default)."""
+    scratch_bytes: the grouped path's bf16 weight scratch (None: its default).
+    miss: (gate, up, down) views of at least T·K rows laid out as the slots, row p holding the
+    record of pair p's expert when it is not resident (gather_misses writes them): every pair
+    is then computed. Decode sizes only (T <= DECODE_MAX_T) with fused kernels for the types."""
     (qg, qu, qd), out = check_moe_args(x, ids, weights, slot_of_expert, gate_slots, up_slots,
                                        down_slots, qtypes, d_model, d_expert, out)
     t = x.shape[0]
+    if miss is not None:
+        if t > DECODE_MAX_T or any(kernel_format(q) is None for q in (qg, qu, qd)):
+            raise ValueError(f"miss rows are for up to {DECODE_MAX_T} tokens of fused types")
+        if miss[0].shape[0] < t * ids.shape[1] or any(
+                m.shape[1:] != s.shape[1:] for m, s in zip(miss, (gate_slots, up_slots,
+                                                                   down_slots), strict=True)):
+            raise ValueError(f"miss rows must be [>= {t * ids.shape[1]}, ...] like the slots")
     if t == 0 or ids.shape[1] == 0:
         return out
     if use_grouped(t, ids.shape[1], slot_of_expert.shape[0]):
@@ -244,14 +286,48 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     ids = ids.contiguous()
     weights = weights.contiguous()
     if t <= DECODE_MAX_T:
-        _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
+        _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out,
+                miss)
     else:
         _prompt(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
     return out
 
 
+GATHER_BLOCK = 4096  # int32 words per program: 16 KB in flight each
+
+
+def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torch.Tensor,
+                  rows: torch.Tensor, nbytes: int) -> None:
+    """rows[p, :nbytes] = records[ids[p], :nbytes] for every pair p whose expert has no slot
+    (slot_of_expert < 0); other rows are left as they are. records uint8 [E, stride]: the
+    layer's arena, host memory mapped for the device (cudaHostRegister), read over PCIe by
+    the kernel (so a CUDA graph can hold it: which experts move is read on the device); rows
+    uint8 [>= P, >= nbytes] on the device; whole int32 words are copied (rows and records are
+    padded to a multiple of 4 bytes: ExpertLayout.stride)."""
+    p = ids.numel()
+    nwords = triton.cdiv(nbytes, 4)  # whole words: records are padded to their stride
+    if rows.shape[0] < p or min(rows.shape[1], records.shape[1]) < 4 * nwords:
+        raise ValueError(f"gather_misses: {p} pairs of {nbytes} bytes into rows "
+                         f"{tuple(rows.shape)} from records {tuple(records.shape)}")
+    if records.stride(0) % 4 or rows.stride(0) % 4 or records.stride(1) != 1 or \
+            rows.stride(1) != 1:
+        raise ValueError("gather_misses: rows of contiguous bytes, 4-byte aligned strides")
+    if p == 0:
+        return
+    src, dst = _words(records), _words(rows)
+    _gather_kernel[(p, triton.cdiv(nwords, GATHER_BLOCK))](
+        ids.reshape(-1), slot_of_expert, src, dst, nwords, src.stride(0), dst.stride(0),
+        BLOCK=GATHER_BLOCK, num_warps=8)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 [n, m] tensor with 4-byte aligned rows seen as int32 [n, m // 4]."""
+    return t[:, : t.shape[1] // 4 * 4].view(torch.int32) if t.shape[1] % 4 else \
+        t.view(torch.int32)
+
+
 def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, miss: tuple[torch.Tensor, ...] | None = None) -> None:
     fg, fu, fd = fmts
     t, d = x.shape
     topk = ids.shape[1]
@@ -261,18 +337,21 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     tg, tg2 = fg.tables(x.device)
     tu, tu2 = fu.tables(x.device)
     td, td2 = fd.tables(x.device)
+    mg, mu, md = miss if miss is not None else (gate, up, down)
     (bn_g, bk_g, st_g, w_g) = gemv_config(fg, 1, f, d, p)
     (bn_u, bk_u, st_u, w_u) = gemv_config(fu, 1, f, d, p)
     bn, bk = min(bn_g, bn_u), min(bk_g, bk_u)
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
-        x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, d, f, x.stride(0),
-        gate.stride(0), up.stride(0), gate.shape[2], up.shape[2], TOPK=topk, QG=int(fg.qtype),
-        SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk, EVEN_D=d % bk == 0,
-        STAGES=max(st_g, st_u), num_warps=max(w_g, w_u))
+        x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
+        gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
+        QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
+        EVEN_D=d % bk == 0, STAGES=max(st_g, st_u), MISS=miss is not None,
+        num_warps=max(w_g, w_u))
     bn, bk, stages, warps = gemv_config(fd, 1, d, f, t)
     _down_tokens_kernel[(triton.cdiv(d, bn), t)](
-        h, ids, slot_of, down, out, td, td2, d, f, down.stride(0), down.shape[2], out.stride(0),
-        TOPK=topk, QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
+        h, ids, slot_of, down, out, td, td2, md, d, f, down.stride(0), md.stride(0),
+        down.shape[2], out.stride(0), TOPK=topk, QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk,
+        STAGES=stages, MISS=miss is not None, num_warps=warps)
 
 
 def group_config(t: int, topk: int, n_experts: int) -> tuple[int, int, int, int]:

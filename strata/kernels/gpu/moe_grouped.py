@@ -116,7 +116,9 @@ def dequantize_slots(w: torch.Tensor, slots: torch.Tensor, qtype: int | QType, n
             log_fallback("dequantize_slots", qtype)
         idx = slots.long()
         for j in range(n):  # one expert's float32 values at a time
-            vals = dequantize(w[idx[j].clamp(min=0)], qtype, n_cols)  # slot -1: a spare read
+            # index_select, not w[idx[j]]: indexing by a 0-d device tensor reads it on the host
+            rec = w.index_select(0, idx[j:j + 1].clamp(min=0))[0]  # slot -1: a spare read
+            vals = dequantize(rec, qtype, n_cols)
             out[j].copy_(torch.where(idx[j] >= 0, vals.to(out.dtype), out[j]))
         return out
     bn, bk = 16, 256
@@ -316,7 +318,7 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
         if r1 == r0:
             continue
         ends = [s - r0 for s in starts[j0 + 1:j1 + 1]]
-        offs = torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True)
+        offs = to_device(torch.tensor(ends, dtype=torch.int32), dev)  # pinned: no host sync
         y = _experts(x, tokens[r0:r1], weights[r0:r1].float(), offs, slots[j0:j1],
                      (gate_slots, up_slots, down_slots), qtypes, d, f, wbuf)
         host = tokens_host if tokens.device.type != "cpu" else tokens
