@@ -89,7 +89,8 @@ class DecodeStep:
         self.graphs = mode == "graphs" and dev.type == "cuda"
         # layers with experts outside VRAM whose misses the GPU gathers itself: the step reads
         # their records from the mapped arena (no host round trip; see _gathered)
-        self.gathered = [dev.type == "cuda" and not ex.resident(i, 1) and ex.gathers(i)
+        self.gathered = [dev.type == "cuda" and not ex.resident(i, 1)
+                         and ex.gathers(i, cfg.n_experts_used)
                          for i in range(cfg.n_layers)]
         self.host = [not (dev.type == "cuda" and ex.resident(i, 1)) and not self.gathered[i]
                      and not (dev.type == "cpu" and ex.cache.layers[i].capacity == cfg.n_experts)
