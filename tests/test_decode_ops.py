@@ -453,6 +453,9 @@ _INTERPRETED = """
         ids, w = ops.route_topk(logits, k, norm)
         ref_ids, ref_w = layers.route(logits, torch.eye(e), k, norm)
         assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k)
+    for e, d in ((128, 2048), (7, 96), (60, 1500)):
+        hh, rw = rnd(1, d), rnd(e, d)
+        assert rel(ops.router_logits(hh, rw), hh @ rw.T) < TOL, (e, d)
     ids, w = ops.route_topk(torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]), 4, False)
     assert ids.tolist() == [[1, 3, 2, 4]], ids  # ties: the lower id first
     print("ok")
@@ -460,7 +463,8 @@ _INTERPRETED = """
 
 
 def test_kernels_under_the_interpreter() -> None:
-    """Every kernel (rms_norm, add_rms_norm, qk_rope_store, both attention kernels, route_topk)
+    """Every kernel (rms_norm, add_rms_norm, qk_rope_store, both attention kernels,
+    router_logits, route_topk)
     on small odd shapes, on the CPU under TRITON_INTERPRET=1 (~10 s)."""
     _, seed = fresh_rng()
     run_interpreted(_INTERPRETED, seed, timeout=300)

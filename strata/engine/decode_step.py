@@ -50,15 +50,6 @@ class Piece:
     after_host: bool  # starts by adding the previous host layer's expert output
 
 
-def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """h @ router.T for one token [1, D] x [E, D]: a product and a row sum. cuBLAS picks a
-    GEMV for E = 128 outputs that takes ~18 us on an H200 (a few blocks for 1 MB); these two
-    kernels read the router at full bandwidth."""
-    if h.shape[0] != 1:
-        return h @ router.T
-    return (router * h).sum(-1)[None]
-
-
 def cut_pieces(n_layers: int, host: list[bool]) -> list[Piece]:
     """Pieces for the layers whose experts need the host (`host[l]`)."""
     pieces, start = [], 0
@@ -262,7 +253,7 @@ class DecodeStep:
                  else ops.add_rms_norm(x, delta, lw.attn_norm, cfg.rms_eps))
             attn = self._attention(i, lw, h, kv)
             h = ops.add_rms_norm(x, attn, lw.ffn_norm, cfg.rms_eps)
-            ids, wts = ops.route_topk(router_logits(h, lw.router), cfg.n_experts_used,
+            ids, wts = ops.route_topk(ops.router_logits(h, lw.router), cfg.n_experts_used,
                                       cfg.norm_topk)
             if i == piece.host_layer:
                 self.h.copy_(h)

@@ -33,6 +33,10 @@ GEMV_MAX_M = 4  # past 4 tokens the FMA kernel is compute-bound (2 FLOP per weig
 # It needs an N x K bf16 scratch matrix.
 DEQUANT_MIN_M = 64
 
+# (GGML type, N, K) -> (BN, BK, stages, warps) for one token: the tile timed fastest on that
+# shape (scripts/bench_moe_decode.py sets candidates here to time them)
+GEMV_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
 # Sizes are not specialized (one compile serves every shape); row_bytes and strides are, so the
 # compiler knows when row starts are 16-byte aligned and can vectorize the byte reads.
 _SIZES = ["M", "N", "K"]
@@ -140,6 +144,9 @@ def gemv_config(fmt: KernelFormat, m: int, n: int, k: int = 0,
     type's tile (formats.py), BN divided by the tokens (each keeps its own accumulator) and by
     what it takes to give every SM four CTAs when N (times `ctas` independent problems) is
     short; BK halves until it divides K."""
+    tuned = GEMV_TUNE.get((int(fmt.qtype), n, k)) if m == 1 else None
+    if tuned is not None:
+        return tuned
     bn, bk, stages, warps = fmt.gemv
     bn = max(1, bn // triton.next_power_of_2(m))
     while bn > 1 and triton.cdiv(n, bn) * ctas < 4 * sm_count():

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
 from strata.kernels.gpu.matmul import check_weights, dot_dtype, gemv_config, log_fallback
-from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, rows, x_tile
+from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows, x_tile
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.quant import QType, dequantize
 
@@ -48,6 +48,11 @@ DECODE_MAX_T = 4  # up to here each pair reads its expert itself; beyond, pairs 
 GROUPED_MIN_TOKENS = 16
 
 _SIZES = ["T", "P", "D", "F", "NC"]
+# decode launch choices, overridden by scripts/bench_moe_decode.py to time the alternatives:
+# one_loop (gate and up in one K loop), split_down (the down GEMV split over pairs, then a sum
+# over each token's K partial rows), and (BN, BK, stages, warps) for "gate_up", "down_pairs"
+# or "down" (None: gemv_config's)
+DECODE_TUNE: dict = {}
 
 
 # ---- decode: per pair, FMA -------------------------------------------------------------------
@@ -59,7 +64,7 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
                           TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
                           QU: tl.constexpr, SU: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr,
-                          MISS: tl.constexpr):
+                          MISS: tl.constexpr, ONE_LOOP: tl.constexpr):
     # h[p, n] = wts[p] · silu(Σ_d x[t, d] · G_e[n, d]) · Σ_d x[t, d] · U_e[n, d],  t = p // TOPK
     # (0 where e is not resident, unless MISS: then e's record is in the miss rows, row p)
     p = tl.program_id(1)
@@ -78,10 +83,14 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
             ub = tl.where(slot >= 0, ub, mu + p.to(tl.int64) * stride_ms)
         wg = rows(gb, n, F, rb_g)
         wu = rows(ub, n, F, rb_u)
-        ag = gemv_tile(QG, SG, BK, EVEN_D, STAGES, wg, xr, D, tg, tg2,
-                       tl.zeros((BN, BK // SG, SG), dtype=tl.float32))
-        au = gemv_tile(QU, SU, BK, EVEN_D, STAGES, wu, xr, D, tu, tu2,
-                       tl.zeros((BN, BK // SU, SU), dtype=tl.float32))
+        ag0 = tl.zeros((BN, BK // SG, SG), dtype=tl.float32)
+        au0 = tl.zeros((BN, BK // SU, SU), dtype=tl.float32)
+        if ONE_LOOP:
+            ag, au = gemv_tile2(QG, SG, QU, SU, BK, EVEN_D, STAGES, wg, wu, xr, D, tg, tg2, tu,
+                                tu2, ag0, au0)
+        else:
+            ag = gemv_tile(QG, SG, BK, EVEN_D, STAGES, wg, xr, D, tg, tg2, ag0)
+            au = gemv_tile(QU, SU, BK, EVEN_D, STAGES, wu, xr, D, tu, tu2, au0)
         g = tl.sum(tl.sum(ag, axis=2), axis=1)  # [BN]
         u = tl.sum(tl.sum(au, axis=2), axis=1)
         hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
@@ -118,6 +127,33 @@ def _down_tokens_kernel(h, ids, slot_of, down, out, td, td2, md, D, F, stride_ds
     optr = out + t.to(tl.int64) * stride_o + n
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(optr, tl.load(optr, mask=n < D, other=0.0) + total, mask=n < D)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds, stride_ms,
+                       rb_d, QD: tl.constexpr, SD: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, EVEN_F: tl.constexpr, STAGES: tl.constexpr,
+                       MISS: tl.constexpr):
+    # part[p, n] = Σ_f h[p, f] · D_e[n, f] for pair p (its expert e = ids[p]; 0 when e is not
+    # resident, unless MISS: then from miss row p). The launcher sums part over each token's
+    # pairs in a fixed order: K times the CTAs of _down_tokens_kernel, each K times shorter.
+    p = tl.program_id(1)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    slot = tl.load(slot_of + tl.load(ids + p))
+    if MISS:
+        live = slot > -(1 << 30)
+    else:
+        live = slot >= 0
+    total = tl.zeros((BN,), dtype=tl.float32)
+    if live:
+        base = down + tl.maximum(slot, 0).to(tl.int64) * stride_ds
+        if MISS:
+            base = tl.where(slot >= 0, base, md + p.to(tl.int64) * stride_ms)
+        acc = gemv_tile(QD, SD, BK, EVEN_F, STAGES, rows(base, n, D, rb_d),
+                        h + p.to(tl.int64) * F, F, td, td2,
+                        tl.zeros((BN, BK // SD, SD), dtype=tl.float32))
+        total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
 
 
 @triton.jit
@@ -338,16 +374,28 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     tu, tu2 = fu.tables(x.device)
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
+    tune = DECODE_TUNE
     (bn_g, bk_g, st_g, w_g) = gemv_config(fg, 1, f, d, p)
     (bn_u, bk_u, st_u, w_u) = gemv_config(fu, 1, f, d, p)
-    bn, bk = min(bn_g, bn_u), min(bk_g, bk_u)
+    bn, bk, st, w = min(bn_g, bn_u), min(bk_g, bk_u), max(st_g, st_u), max(w_g, w_u)
+    if tune.get("gate_up"):
+        bn, bk, st, w = tune["gate_up"]
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
         x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
         gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
-        EVEN_D=d % bk == 0, STAGES=max(st_g, st_u), MISS=miss is not None,
-        num_warps=max(w_g, w_u))
-    bn, bk, stages, warps = gemv_config(fd, 1, d, f, t)
+        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None,
+        ONE_LOOP=tune.get("one_loop", True), num_warps=w)
+    if tune.get("split_down", True):
+        bn, bk, stages, warps = tune.get("down_pairs") or gemv_config(fd, 1, d, f, p)
+        part = scratch((p, d), torch.float32, x.device)
+        _down_pairs_kernel[(triton.cdiv(d, bn), p)](
+            h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
+            down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
+            STAGES=stages, MISS=miss is not None, num_warps=warps)
+        out += part.view(t, topk, d).sum(1)
+        return
+    bn, bk, stages, warps = tune.get("down") or gemv_config(fd, 1, d, f, t)
     _down_tokens_kernel[(triton.cdiv(d, bn), t)](
         h, ids, slot_of, down, out, td, td2, md, d, f, down.stride(0), md.stride(0),
         down.shape[2], out.stride(0), TOPK=topk, QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk,

@@ -1,6 +1,7 @@
 """The two loops every quantized matmul here is built from, shared by matmul.py and moe.py.
 
-    gemv_tile   one token (or up to four, gemv_tile4) against BN weight rows, float32 FMA:
+    gemv_tile   one token (or up to four, gemv_tile4) against BN weight rows, float32 FMA
+                (gemv_tile2: two matrices in one loop):
                 acc [BN, G, S] += W[n, k] * x[k]   over the whole row, reduced by the caller.
     dot_tile    BM tokens against BN rows on tensor cores:
                 acc [BM, BN] += x[rows, k0:k0+BK] @ W[n, k0:k0+BK].T   (bf16 operands, f32 acc)
@@ -60,6 +61,27 @@ def gemv_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.co
         m = group_mask(k0, g, K, S, EVEN_K)
         acc += dequant_tile(QT, wr, k0, g, s, m, tab, tab2) * x_tile(xr + k0, g, s, m, BN)
     return acc
+
+
+@triton.jit
+def gemv_tile2(QA: tl.constexpr, SA: tl.constexpr, QB: tl.constexpr, SB: tl.constexpr,
+               BK: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, wa, wb, xr, K,
+               ta, ta2, tb, tb2, acc_a, acc_b):
+    """gemv_tile over two matrices of the same shape (gate and up) in one K loop: both tiles'
+    loads are issued before either is used, so a step waits one memory latency, not two."""
+    BN: tl.constexpr = acc_a.shape[0]
+    ga = tl.arange(0, BK // SA)[None, :, None]
+    sa = tl.arange(0, SA)[None, None, :]
+    gb = tl.arange(0, BK // SB)[None, :, None]
+    sb = tl.arange(0, SB)[None, None, :]
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        ma = group_mask(k0, ga, K, SA, EVEN_K)
+        mb = group_mask(k0, gb, K, SB, EVEN_K)
+        va = dequant_tile(QA, wa, k0, ga, sa, ma, ta, ta2)
+        vb = dequant_tile(QB, wb, k0, gb, sb, mb, tb, tb2)
+        acc_a += va * x_tile(xr + k0, ga, sa, ma, BN)
+        acc_b += vb * x_tile(xr + k0, gb, sb, mb, BN)
+    return acc_a, acc_b
 
 
 @triton.jit

@@ -1,0 +1,170 @@
+"""Time the one-token kernels of a decode step on the GPU, with the launch choices to pick from:
+the Qwen3-30B-A3B MoE layer (moe.DECODE_TUNE: gate and up in one loop or two, the down GEMV per
+token or split over pairs, tiles) and the dense GEMVs of that model and of a 14336 x 4096 matrix
+(matmul.GEMV_TUNE tiles), against float32 cuBLAS on the same shapes and the HBM copy ceiling.
+
+    python scripts/bench_moe_decode.py [--json F]
+
+Every figure is the median over CUDA-graph replays of 16 calls, each call on its own copy of the
+weights (rotated so that the L2 cannot hold them; the MoE layer's 8 experts change every call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata.bench.ceilings import hbm_copy_gbs  # noqa: E402
+from strata.experts.layout import ExpertLayout  # noqa: E402
+from strata.kernels.gpu import matmul as mm  # noqa: E402
+from strata.kernels.gpu import moe as moe_mod  # noqa: E402
+from strata.quant import QType, random_rows, row_nbytes  # noqa: E402
+
+E, K, D, F = 128, 8, 2048, 768
+CALLS = 16
+
+
+def time_graph(fn, reps: int = 8) -> float:  # noqa: ANN001
+    """Median seconds per call of fn(i), i < CALLS, replayed from one CUDA graph."""
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(CALLS):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / CALLS)
+    return statistics.median(out)
+
+
+def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device) -> dict:
+    lay = ExpertLayout(0, (int(QType.Q4_K), int(QType.Q4_K), int(qdown)), D, F)
+    rec = torch.empty(E, lay.stride, dtype=torch.uint8)
+    for part, (q, n, k) in zip(lay.views(rec), ((QType.Q4_K, F, D), (QType.Q4_K, F, D),
+                                                (qdown, D, F)), strict=True):
+        part[:] = torch.from_numpy(random_rows(q, E * n, k, rng, 0.02)).view(E, n, -1)
+    slots = rec.to(dev)
+    perm = np.concatenate([rng.permutation(E) for _ in range(2)])
+    ids = [torch.tensor(perm[i * K:(i + 1) * K][None], device=dev) for i in range(CALLS)]
+    return dict(lay=lay, slots=slots, ids=ids, x=torch.randn(1, D, device=dev),
+                wts=torch.full((1, K), 1.0 / K, device=dev),
+                table=torch.arange(E, dtype=torch.int32, device=dev),
+                out=torch.zeros(1, D, device=dev))
+
+
+def time_moe(layer: dict, tune: dict) -> float:
+    lay = layer["lay"]
+    moe_mod.DECODE_TUNE = tune
+    g, u, d = lay.views(layer["slots"])
+    try:
+        return time_graph(lambda i: moe_mod.moe_forward(
+            layer["x"], layer["ids"][i], layer["wts"], layer["table"], g, u, d, lay.qtypes, D,
+            F, out=layer["out"]))
+    finally:
+        moe_mod.DECODE_TUNE = {}
+
+
+def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Generator,
+              dev: torch.device, copies: list | None = None) -> tuple[float, list]:
+    if copies is None:
+        one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
+        count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
+        copies = [one] + [one.clone() for _ in range(count - 1)]
+    x = torch.randn(1, k, device=dev)
+    out = torch.empty(1, n, device=dev)
+    key = (int(q), n, k)
+    if tile is not None:
+        mm.GEMV_TUNE[key] = tile
+    try:
+        t = time_graph(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out))
+    finally:
+        mm.GEMV_TUNE.pop(key, None)
+    return t, copies
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(0)
+    res: dict = {"hbm_copy_GBs": hbm_copy_gbs(), "moe": {}, "gemv": {}}
+    print(f"HBM copy {res['hbm_copy_GBs']:.0f} GB/s")
+    variants = {
+        "per-token down, two loops": {"one_loop": False, "split_down": False},
+        "per-token down, one loop": {"one_loop": True, "split_down": False},
+        "split down, two loops": {"one_loop": False, "split_down": True},
+        "split down, one loop (default)": {},
+    }
+    for gu in [(1, 1024, 1, 2), (1, 2048, 1, 4), (2, 2048, 1, 4), (2, 1024, 1, 4),
+               (4, 2048, 1, 8), (2, 2048, 1, 8), (4, 1024, 1, 4), (1, 512, 1, 2)]:
+        variants[f"gate_up {gu}"] = {"gate_up": gu}
+    for dn in [(2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 4), (2, 256, 2, 4), (4, 256, 1, 2),
+               (16, 256, 1, 8), (1, 256, 1, 2), (8, 256, 1, 8)]:
+        variants[f"down_pairs {dn}"] = {"down_pairs": dn}
+    for qdown in (QType.Q6_K, QType.Q4_K):
+        layer = moe_layer(qdown, rng, dev)
+        nbytes = K * layer["lay"].nbytes
+        for name, tune in variants.items():
+            try:
+                t = time_moe(layer, tune)
+            except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
+                print(f"moe down {qdown.name} {name}: failed ({type(e).__name__}: "
+                      f"{str(e)[:120]})")
+                continue
+            res["moe"][f"{qdown.name} {name}"] = t * 1e6
+            print(f"moe layer (down {qdown.name}) {name}: {t * 1e6:.1f} us, "
+                  f"{nbytes / t / 1e9:.0f} GB/s")
+    shapes = [(QType.Q4_K, 4096, 2048, "q_proj"), (QType.Q4_K, 512, 2048, "k_proj"),
+              (QType.Q6_K, 512, 2048, "v_proj"), (QType.Q4_K, 2048, 4096, "o_proj"),
+              (QType.Q6_K, 151936, 2048, "lm_head"), (QType.Q4_K, 14336, 4096, "14336x4096"),
+              (QType.Q6_K, 14336, 4096, "14336x4096"), (QType.IQ2_XS, 14336, 4096, "14336x4096"),
+              (QType.IQ3_XXS, 14336, 4096, "14336x4096")]
+    tiles = [None, (1, 1024, 1, 2), (1, 2048, 1, 4), (2, 2048, 1, 4), (2, 1024, 1, 4),
+             (4, 1024, 1, 4), (1, 4096, 1, 8), (2, 512, 1, 4), (4, 512, 1, 4)]
+    for q, n, k, what in shapes:
+        nbytes = n * row_nbytes(q, k)
+        copies = None
+        for tile in tiles:
+            if tile is not None and tile[1] > k:
+                continue
+            try:
+                t, copies = time_gemv(q, n, k, tile, rng, dev, copies)
+            except Exception as e:  # noqa: BLE001
+                print(f"gemv {q.name} {n}x{k} {tile}: failed ({type(e).__name__})")
+                continue
+            key = f"{q.name} {n}x{k} {tile or 'default'}"
+            res["gemv"][key] = t * 1e6
+            print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
+                  f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
+        if n * k * 4 <= (1 << 30):  # float32 cuBLAS on the same shape (the dense f32 route)
+            wf = [torch.randn(n, k, device=dev) for _ in range(max(2, (256 << 20) // (n * k * 4)
+                                                                   + 1))]
+            x = torch.randn(1, k, device=dev)
+            t = time_graph(lambda i, wf=wf, x=x: x @ wf[i % len(wf)].T)
+            res["gemv"][f"F32 cuBLAS {n}x{k}"] = t * 1e6
+            print(f"gemv {what} F32 cuBLAS {n}x{k}: {t * 1e6:.1f} us, "
+                  f"{n * k * 4 / t / 1e9:.0f} GB/s")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
