@@ -3,7 +3,8 @@
 # the decode and prompt benchmarks on a synthetic Qwen3-30B-A3B Q4_K_M (ceilings measured in the
 # same runs), then a correctness check of the fast paths on those shapes; results under $OUT.
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
-# Stages: tests (CUDA tests of the fast paths; TESTS= picks files), mapped (bench_mapped.py),
+# Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
+# (bench_moe_decode.py), mapped (bench_mapped.py),
 # profile (profile_decode.py at
 # PROFILE_BUDGETS), streaming (profile_prompt.py), decode (sweep over BUDGETS), prompt
 # (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check.
@@ -55,6 +56,10 @@ bench() {  # name, then strata bench arguments
   timeout 300 python3 -m strata bench $M --device cuda "$@" --json "$OUT/$name.json" 2>&1 \
     | grep -v "^strata:  " | tee "$OUT/$name.txt"
 }
+if [[ $STAGES == *kernels* ]]; then
+  echo "== decode kernels: MoE layer and GEMV launch choices"
+  timeout 300 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" 2>&1 | tail -90
+fi
 if [[ $STAGES == *mapped* ]]; then
   echo "== decode MoE layer reading experts from the mapped host arena"
   timeout 200 python3 scripts/bench_mapped.py --json "$OUT/mapped.json" 2>&1 | tail -20
