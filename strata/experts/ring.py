@@ -168,7 +168,8 @@ class Ring:
         issued for it are skipped) and issue what fits. A no-op off the bank path."""
         if not self.grouped:
             return
-        self._queue(arena.layouts[layer], [e for e in experts if e not in self._covered(layer)])
+        covered = self._covered(layer)
+        self._queue(arena.layouts[layer], [e for e in experts if e not in covered])
         self._issue(arena)
 
     def reset(self) -> None:
@@ -203,8 +204,8 @@ class Ring:
             for ev in waits:
                 if ev is not None:
                     self.copy_stream.wait_event(ev)
-            for j, e in enumerate(bank.experts):
-                view[j].copy_(arena.record(bank.layer, e), non_blocking=self.cuda)
+            for j, src in _pieces(arena, bank.layer, bank.experts):
+                view[j:j + src.shape[0]].copy_(src, non_blocking=self.cuda)
             if self.cuda:
                 bank.ready = torch.cuda.Event()
                 bank.ready.record(self.copy_stream)
@@ -300,6 +301,28 @@ class Ring:
         experts_forward_grouped(h, tokens, wts, [len(g.tokens) for g in groups], slots, gate, up,
                                 down, lay.qtypes, lay.d_model, lay.d_expert, out,
                                 tokens_host=tokens_host)
+
+
+def _pieces(arena: Arena, layer: int, experts: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """(position in the bank, records [n, stride]) to copy: a slice per run of consecutive
+    experts where the arena has a [E, stride] table per layer (Arena.layers; a bank is mostly
+    one run, and the host's time per bank is what the copy engine waits on), else a record
+    each."""
+    table = getattr(arena, "layers", None)
+    if table is None:
+        return [(j, arena.record(layer, e)[None]) for j, e in enumerate(experts)]
+    return [(j, table[layer][a:b]) for j, a, b in _runs(experts)]
+
+
+def _runs(experts: list[int]) -> list[tuple[int, int, int]]:
+    """(position in the list, first expert, end expert) of each run of consecutive experts."""
+    runs: list[tuple[int, int, int]] = []
+    for j, e in enumerate(experts):
+        if runs and e == runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], e + 1)
+        else:
+            runs.append((j, e, e + 1))
+    return runs
 
 
 def _grouped_available() -> bool:

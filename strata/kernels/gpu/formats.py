@@ -57,7 +57,10 @@ def _dummy(device: torch.device) -> torch.Tensor:
 # --tune, 14336 x 4096, one token). 2 rows x 512 values per step, 4 warps, no software
 # pipelining won for every type among the first candidates; a second round (8 candidates, 5
 # types) moved Q4_K, IQ2_XS and IQ3_XXS. Pipelining the loads through shared memory
-# (stages=3) made every type slower, the i-quants (table lookups) 10x slower.
+# (stages=3) made every type slower, the i-quants (table lookups) 10x slower. A third round
+# (scripts/bench_moe_decode.py, CUDA-graph replays, 2026-11-30) moved Q4_K to 2 x 1024 x 4 warps
+# (29.1 against 39.4 us on 14336 x 4096, faster on every Qwen3-30B-A3B dense shape too) and Q6_K
+# to 1 x 1024 x 2 warps (41.9 against 48.8 us; the 151936-row output head 222 against 250 us).
 FORMATS: dict[QType, KernelFormat] = {
     f.qtype: f
     for f in (
@@ -68,9 +71,9 @@ FORMATS: dict[QType, KernelFormat] = {
         KernelFormat(QType.Q8_0, 32),
         KernelFormat(QType.Q2_K, 16),
         KernelFormat(QType.Q3_K, 16),
-        KernelFormat(QType.Q4_K, 32, (1, 1024, 1, 2)),
+        KernelFormat(QType.Q4_K, 32, (2, 1024, 1, 4)),
         KernelFormat(QType.Q5_K, 32),
-        KernelFormat(QType.Q6_K, 16),
+        KernelFormat(QType.Q6_K, 16, (1, 1024, 1, 2)),
         KernelFormat(QType.IQ1_S, 8, grid=gq.IQ1_S),
         KernelFormat(QType.IQ1_M, 8, grid=gq.IQ1_M),
         KernelFormat(QType.IQ2_XXS, 8, grid=gq.IQ2_XXS, signs=True),

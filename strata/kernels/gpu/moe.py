@@ -10,11 +10,11 @@ and are left to the miss path (`resident_pairs` gives the mask). Shapes: T token
 experts per token, E experts, D d_model, F d_expert, P = T·K pairs.
 
 Decode (T <= 4): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F) with the FMA
-skeleton (gate and up share x), writing h [P, F] already scaled by the routing weight (zero for
-pairs not resident); `_down_tokens_kernel` runs one CTA per (token, BN rows of D) as one GEMV
-over the K·F values of the token's h rows, switching expert every F, so the K experts are summed
-in a fixed order, `out` is written once per element (no atomics) and the loads of the next
-steps are in flight across expert boundaries.
+skeleton (gate and up share x and one K loop), writing h [P, F] already scaled by the routing
+weight (zero for pairs not resident); `_down_pairs_kernel` runs one CTA per (pair, BN rows of
+D) into partial rows [P, D], and each token's K partial rows are summed in a fixed order (no
+atomics). With `miss` rows (gather_misses), pairs whose expert has no slot read their record
+from their own row instead, so one call computes every pair.
 
 Prompt chunks: pairs are sorted by expert (torch, on the device, no host sync); one CTA per
 (expert, BM tokens, BN rows) multiplies on tensor cores, h is kept in bf16, the down kernel
@@ -30,9 +30,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
-from strata.kernels.gpu.matmul import check_weights, dot_dtype, gemv_config, log_fallback
-from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows, x_tile
-from strata.kernels.gpu.tiles import dequant_tile
+from strata.kernels.gpu.matmul import check_weights, dot_dtype, log_fallback
+from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
 from strata.quant import QType, dequantize
 
 DECODE_MAX_T = 4  # up to here each pair reads its expert itself; beyond, pairs are grouped
@@ -48,10 +47,14 @@ DECODE_MAX_T = 4  # up to here each pair reads its expert itself; beyond, pairs 
 GROUPED_MIN_TOKENS = 16
 
 _SIZES = ["T", "P", "D", "F", "NC"]
-# decode launch choices, overridden by scripts/bench_moe_decode.py to time the alternatives:
-# one_loop (gate and up in one K loop), split_down (the down GEMV split over pairs, then a sum
-# over each token's K partial rows), and (BN, BK, stages, warps) for "gate_up", "down_pairs"
-# or "down" (None: gemv_config's)
+# decode tiles (BN rows, BK values per step, stages, warps), the fastest timed on the H200 for
+# the Qwen3-30B-A3B layer (scripts/bench_moe_decode.py, bench/2026-11-30-h200-offload.md): gate
+# and up share one K loop; the down GEMV runs one CTA per (pair, BN rows), then each token's K
+# partial rows are summed (split over pairs: 42.8 against 46.8 us for one CTA per (token, BN
+# rows) looping over all K experts)
+GATE_UP_TILE = (1, 512, 1, 2)
+DOWN_TILE = (4, 256, 1, 4)
+# "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others)
 DECODE_TUNE: dict = {}
 
 
@@ -64,7 +67,7 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
                           TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
                           QU: tl.constexpr, SU: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr,
-                          MISS: tl.constexpr, ONE_LOOP: tl.constexpr):
+                          MISS: tl.constexpr):
     # h[p, n] = wts[p] · silu(Σ_d x[t, d] · G_e[n, d]) · Σ_d x[t, d] · U_e[n, d],  t = p // TOPK
     # (0 where e is not resident, unless MISS: then e's record is in the miss rows, row p)
     p = tl.program_id(1)
@@ -83,14 +86,9 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
             ub = tl.where(slot >= 0, ub, mu + p.to(tl.int64) * stride_ms)
         wg = rows(gb, n, F, rb_g)
         wu = rows(ub, n, F, rb_u)
-        ag0 = tl.zeros((BN, BK // SG, SG), dtype=tl.float32)
-        au0 = tl.zeros((BN, BK // SU, SU), dtype=tl.float32)
-        if ONE_LOOP:
-            ag, au = gemv_tile2(QG, SG, QU, SU, BK, EVEN_D, STAGES, wg, wu, xr, D, tg, tg2, tu,
-                                tu2, ag0, au0)
-        else:
-            ag = gemv_tile(QG, SG, BK, EVEN_D, STAGES, wg, xr, D, tg, tg2, ag0)
-            au = gemv_tile(QU, SU, BK, EVEN_D, STAGES, wu, xr, D, tu, tu2, au0)
+        ag, au = gemv_tile2(QG, SG, QU, SU, BK, EVEN_D, STAGES, wg, wu, xr, D, tg, tg2, tu,
+                            tu2, tl.zeros((BN, BK // SG, SG), dtype=tl.float32),
+                            tl.zeros((BN, BK // SU, SU), dtype=tl.float32))
         g = tl.sum(tl.sum(ag, axis=2), axis=1)  # [BN]
         u = tl.sum(tl.sum(au, axis=2), axis=1)
         hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
@@ -100,43 +98,13 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _down_tokens_kernel(h, ids, slot_of, down, out, td, td2, md, D, F, stride_ds, stride_ms,
-                        rb_d, stride_o, TOPK: tl.constexpr, QD: tl.constexpr,
-                        SD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        STAGES: tl.constexpr, MISS: tl.constexpr):
-    # out[t, n] += Σ_k Σ_f h[p, f] · D_e[n, f],  p = t · TOPK + k: one GEMV over the TOPK · F
-    # values of the token's h rows (contiguous), switching expert every F. BK divides F.
-    # MISS: a pair whose expert is not resident reads its record from miss row p.
-    t = tl.program_id(1)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    g = tl.arange(0, BK // SD)[None, :, None]
-    s = tl.arange(0, SD)[None, None, :]
-    acc = tl.zeros((BN, BK // SD, SD), dtype=tl.float32)
-    hr = h + (t * TOPK).to(tl.int64) * F
-    for kf in tl.range(0, TOPK * F, BK, num_stages=STAGES):
-        k = kf // F
-        slot = tl.load(slot_of + tl.load(ids + t * TOPK + k))
-        base = down + tl.maximum(slot, 0).to(tl.int64) * stride_ds
-        if MISS:
-            m = None
-            base = tl.where(slot >= 0, base, md + (t * TOPK + k).to(tl.int64) * stride_ms)
-        else:
-            m = (tl.zeros((1, BK // SD, 1), tl.int32) + slot) >= 0  # not resident: read nothing
-        wd = rows(base, n, D, rb_d)
-        acc += dequant_tile(QD, wd, kf - k * F, g, s, m, td, td2) * x_tile(hr + kf, g, s, m, BN)
-    optr = out + t.to(tl.int64) * stride_o + n
-    total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(optr, tl.load(optr, mask=n < D, other=0.0) + total, mask=n < D)
-
-
-@triton.jit(do_not_specialize=_SIZES)
 def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds, stride_ms,
                        rb_d, QD: tl.constexpr, SD: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, EVEN_F: tl.constexpr, STAGES: tl.constexpr,
                        MISS: tl.constexpr):
     # part[p, n] = Σ_f h[p, f] · D_e[n, f] for pair p (its expert e = ids[p]; 0 when e is not
     # resident, unless MISS: then from miss row p). The launcher sums part over each token's
-    # pairs in a fixed order: K times the CTAs of _down_tokens_kernel, each K times shorter.
+    # pairs in a fixed order.
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
@@ -375,31 +343,30 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
     tune = DECODE_TUNE
-    (bn_g, bk_g, st_g, w_g) = gemv_config(fg, 1, f, d, p)
-    (bn_u, bk_u, st_u, w_u) = gemv_config(fu, 1, f, d, p)
-    bn, bk, st, w = min(bn_g, bn_u), min(bk_g, bk_u), max(st_g, st_u), max(w_g, w_u)
-    if tune.get("gate_up"):
-        bn, bk, st, w = tune["gate_up"]
+    bn, bk, st, w = tune.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
         x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
         gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
-        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None,
-        ONE_LOOP=tune.get("one_loop", True), num_warps=w)
-    if tune.get("split_down", True):
-        bn, bk, stages, warps = tune.get("down_pairs") or gemv_config(fd, 1, d, f, p)
-        part = scratch((p, d), torch.float32, x.device)
-        _down_pairs_kernel[(triton.cdiv(d, bn), p)](
-            h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
-            down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-            STAGES=stages, MISS=miss is not None, num_warps=warps)
-        out += part.view(t, topk, d).sum(1)
-        return
-    bn, bk, stages, warps = tune.get("down") or gemv_config(fd, 1, d, f, t)
-    _down_tokens_kernel[(triton.cdiv(d, bn), t)](
-        h, ids, slot_of, down, out, td, td2, md, d, f, down.stride(0), md.stride(0),
-        down.shape[2], out.stride(0), TOPK=topk, QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk,
+        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, num_warps=w)
+    bn, bk, stages, warps = tune.get("down_pairs") or decode_tile(DOWN_TILE, (fd,), f)
+    part = scratch((p, d), torch.float32, x.device)
+    _down_pairs_kernel[(triton.cdiv(d, bn), p)](
+        h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
+        down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
         STAGES=stages, MISS=miss is not None, num_warps=warps)
+    out += part.view(t, topk, d).sum(1)  # each token's K pairs, in a fixed order
+
+
+def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
+                k: int) -> tuple[int, int, int, int]:
+    """(BN, BK, stages, warps) of a decode kernel: BK no smaller than the types' groups and
+    halved until it divides the row length k (the last step is masked otherwise)."""
+    bn, bk, stages, warps = tile
+    group = max(f.group for f in fmts)
+    while k % bk and bk > group:
+        bk //= 2
+    return bn, max(bk, group), stages, warps
 
 
 def group_config(t: int, topk: int, n_experts: int) -> tuple[int, int, int, int]:
