@@ -7,11 +7,15 @@ running ahead of the compute.
                              each bank from its own layer, never from another layer's format)
 
 The bank path (`grouped`): the ring keeps a FIFO of banks across calls and layers, first those
-issued (copy enqueued on the copy stream), then those queued (experts decided, no space yet).
-`prefetch(layer, experts)` queues banks and issues what fits; `stream(layer, ...)` computes the
-layer's banks in FIFO order (queuing banks for routed misses not covered yet), each one as a
-group on tensor cores (strata.kernels.gpu.moe_grouped.experts_forward_grouped, reading the
-bank's records through ExpertLayout.views like cache slots), and issues more as banks free.
+issued (copy enqueued on the copy stream), then those queued (experts decided, not copied yet).
+`prefetch(layer, experts)` queues banks; `stream(layer, ...)` queues banks for routed misses
+not covered yet, sends the layer's small index tensors (tokens, weights, slots, group ends) to
+the device in one go, then computes the layer's banks in FIFO order, each one as a group on
+tensor cores (strata.kernels.gpu.moe_grouped.experts_forward_grouped, reading the bank's
+records through ExpertLayout.views like cache slots, with no copy to the device of its own),
+issuing copies as banks free. The small copies go before any bank copy of the call because the
+copy engine takes host-to-device copies in issue order, across streams (seen on the H200): a
+small copy on the compute stream queued behind prefetched banks would hold up the compute.
 Before streaming layer l, the executor queues l's misses, then (chunks large enough to route
 nearly every expert) layer l + 1's uncached experts: their copies run as l's banks free, and
 the copy engine keeps working while the host waits for l + 1's routing and attention runs.
@@ -137,6 +141,9 @@ class Bank:
         return self.start >= 0
 
 
+_Plan = tuple[Bank, list[Group], int, int]  # bank, groups it computes, first row, first slot
+
+
 class Ring:
     def __init__(self, nbytes: int, device: torch.device, grouped: bool = False):
         """grouped: compute banks of streamed experts in bf16 on tensor cores (CUDA with triton
@@ -165,12 +172,12 @@ class Ring:
 
     def prefetch(self, arena: Arena, layer: int, experts: list[int]) -> None:
         """Queue banks for these experts of `layer` (in this order; those already queued or
-        issued for it are skipped) and issue what fits. A no-op off the bank path."""
+        issued for it are skipped). `stream` issues their copies, after its layer's small
+        copies, as space frees. A no-op off the bank path."""
         if not self.grouped:
             return
         covered = self._covered(layer)
         self._queue(arena.layouts[layer], [e for e in experts if e not in covered])
-        self._issue(arena)
 
     def reset(self) -> None:
         """Drop every bank not yet consumed (none is computed); their `free` events keep later
@@ -266,41 +273,75 @@ class Ring:
                       out: torch.Tensor) -> None:
         """The bank path of `stream`: this layer's banks in FIFO order (prefetched ones first,
         then banks for the routed misses they do not cover), each computed as one group."""
-        routed = {g.expert: g for g in groups}
         covered = self._covered(layer)
         self._queue(arena.layouts[layer], [g.expert for g in groups if g.expert not in covered])
-        done: set[int] = set()
-        while any(b.layer == layer for b in self.banks):
+        plans = self._plan(layer, {g.expert: g for g in groups})
+        # the layer's small copies go first: the copy engine takes host-to-device copies in
+        # issue order across streams, so behind a bank's copy they would hold up the compute
+        rows = self._upload(plans)
+        while plans:
             bank = self.banks[0]
             if bank.layer != layer:  # stale, or ahead of this layer's banks: dropped
                 self._consume(bank)
                 continue
             self._issue(arena)  # every bank before it is consumed: it finds a place
-            assert bank.issued
-            todo = [e for e in bank.experts if e in routed and e not in done]
+            assert bank.issued and plans[0][0] is bank
+            _, todo, r, s = plans.pop(0)
             if todo:  # prefetched experts nobody routed to are not computed
-                self._compute(bank, [routed[e] for e in todo], h, out)
-                done.update(todo)
+                self._compute(bank, todo, rows, r, s, h, out)
             self._consume(bank)
-            self._issue(arena)
+        self._issue(arena)
 
-    def _compute(self, bank: Bank, groups: list[Group], h: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        """out += the groups' experts, read from the bank's records (once its copy landed)."""
+    def _plan(self, layer: int, routed: dict[int, Group]) -> list[_Plan]:
+        """Per bank of the layer, in FIFO order: the routed experts it computes (each expert
+        once) and where their rows and slots start in the layer's upload."""
+        plans, done, r, s = [], set(), 0, 0
+        for bank in self.banks:
+            if bank.layer != layer:
+                continue
+            todo = [routed[e] for e in bank.experts if e in routed and e not in done]
+            done.update(g.expert for g in todo)
+            plans.append((bank, todo, r, s))
+            r += sum(len(g.tokens) for g in todo)
+            s += len(todo)
+        return plans
+
+    def _upload(self, plans: list[_Plan]) -> tuple[torch.Tensor, ...] | None:
+        """tokens (int64), weights (float32) of every computed group's rows, and per group its
+        record in the bank's view (int32) and the end of its rows within the bank (int32), on
+        the device in one go."""
+        groups = [g for _, todo, _, _ in plans for g in todo]
+        if not groups:
+            return None
+        slots, ends = [], []
+        for bank, todo, _, _ in plans:
+            slots += [bank.experts.index(g.expert) for g in todo]
+            end = 0
+            for g in todo:
+                end += len(g.tokens)
+                ends.append(end)
+        host = (torch.cat([g.tokens for g in groups]),
+                torch.cat([g.weights for g in groups]).float(),
+                torch.tensor(slots, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32))
+        return tuple(to_device(t, self.device) for t in host)
+
+    def _compute(self, bank: Bank, groups: list[Group], rows: tuple[torch.Tensor, ...], r: int,
+                 s: int, h: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the groups' experts, read from the bank's records (once its copy landed);
+        their rows start at r and their slots at s in the layer's upload (`rows`)."""
         from strata.kernels.gpu.moe_grouped import experts_forward_grouped
 
         if bank.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(bank.ready)
         lay = bank.lay
         gate, up, down = lay.views(self._view(bank))
-        index = [bank.experts.index(g.expert) for g in groups]
-        slots = to_device(torch.tensor(index, dtype=torch.int32), self.device)
-        tokens_host = torch.cat([g.tokens for g in groups])
-        tokens = to_device(tokens_host, self.device)
-        wts = to_device(torch.cat([g.weights for g in groups]).float(), self.device)
-        experts_forward_grouped(h, tokens, wts, [len(g.tokens) for g in groups], slots, gate, up,
-                                down, lay.qtypes, lay.d_model, lay.d_expert, out,
-                                tokens_host=tokens_host)
+        counts = [len(g.tokens) for g in groups]
+        tokens, weights, slots, ends = rows
+        n, r1 = len(groups), r + sum(counts)
+        # no tokens_host: one index_add_ per expert, no copy to the device inside the call
+        experts_forward_grouped(h, tokens[r:r1], weights[r:r1], counts, slots[s:s + n], gate,
+                                up, down, lay.qtypes, lay.d_model, lay.d_expert, out,
+                                offs=ends[s:s + n])
 
 
 def _pieces(arena: Arena, layer: int, experts: list[int]) -> list[tuple[int, torch.Tensor]]:

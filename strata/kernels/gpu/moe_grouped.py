@@ -290,13 +290,18 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
                             qtypes: tuple[int, int, int], d_model: int, d_expert: int,
                             out: torch.Tensor,
                             scratch_bytes: int = GROUPED_SCRATCH_BYTES,
-                            tokens_host: torch.Tensor | None = None) -> torch.Tensor:
+                            tokens_host: torch.Tensor | None = None,
+                            offs: torch.Tensor | None = None) -> torch.Tensor:
     """out[tokens[r]] += weights[r] · expert_j(x[tokens[r]]) for groups known on the host:
     expert j (slot slots[j] >= 0 of the slot views) takes the next counts[j] rows of tokens
     (int64 [R]) and weights (float32 [R]), both on x's device; slots int32 [n]. x [T, D]
     bf16/f32, out float32 [T, D]. A token appears at most once per expert. tokens_host: the
     same tokens on the host (CPU tensors are their own): the sums then go in a few rounds of
-    distinct tokens (`token_rounds`) instead of one index_add_ per expert."""
+    distinct tokens (`token_rounds`) instead of one index_add_ per expert (the same sums, in
+    the same order per token). offs: the cumulative counts (int32 [n], on x's device), sent
+    by the caller; with it and no tokens_host the call copies nothing to the device (a small
+    copy here would queue behind any large host-to-device copy issued before it, on another
+    stream too: the copy engine takes them in issue order)."""
     qtypes = tuple(QType(q) for q in qtypes)
     if sum(counts) != tokens.shape[0] or weights.shape != tokens.shape:
         raise ValueError(f"counts add up to {sum(counts)} rows, tokens has {tokens.shape[0]} "
@@ -317,18 +322,21 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
         r0, r1 = starts[j0], starts[j1]
         if r1 == r0:
             continue
-        ends = [s - r0 for s in starts[j0 + 1:j1 + 1]]
-        offs = to_device(torch.tensor(ends, dtype=torch.int32), dev)  # pinned: no host sync
-        y = _experts(x, tokens[r0:r1], weights[r0:r1].float(), offs, slots[j0:j1],
+        if offs is not None:
+            batch_offs = offs[j0:j1] - r0 if r0 else offs[j0:j1]
+        else:
+            ends = [s - r0 for s in starts[j0 + 1:j1 + 1]]
+            batch_offs = to_device(torch.tensor(ends, dtype=torch.int32), dev)  # pinned: async
+        y = _experts(x, tokens[r0:r1], weights[r0:r1].float(), batch_offs, slots[j0:j1],
                      (gate_slots, up_slots, down_slots), qtypes, d, f, wbuf)
+        y = y.to(out.dtype)
         host = tokens_host if tokens.device.type != "cpu" else tokens
         if host is None:
             for j in range(j0, j1):  # one index_add_ per expert: each token once
                 if counts[j]:
                     a, b = starts[j] - r0, starts[j + 1] - r0
-                    out.index_add_(0, tokens[starts[j]:starts[j + 1]], y[a:b].to(out.dtype))
+                    out.index_add_(0, tokens[starts[j]:starts[j + 1]], y[a:b])
             continue
-        y = y.to(out.dtype)
         tok = host[r0:r1].numpy()
         for sel in token_rounds(tok):  # distinct tokens in each round: no two adds meet
             idx = to_device(torch.from_numpy(sel), dev)
