@@ -24,7 +24,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-profile", default=None, metavar="P",
                    help="routing profile from `strata profile`: seeds the cache")
     g.add_argument("--miss", default="auto", choices=["auto", "cpu", "dma"],
-                   help="missed experts: CPU pool, copy to the GPU, or split by measured cost")
+                   help="missed experts: CPU pool, copy to the GPU (in a CUDA decode step: "
+                   "gathered from the pinned arena by the GPU inside the step's graph), or "
+                   "split by measured cost")
     g.add_argument("--threads", type=int, default=None, help="CPU pool threads (cores - 1)")
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
