@@ -287,7 +287,7 @@ class DecodeStep:
     def _copy_counts(self, tables: np.ndarray) -> None:
         """The gathered layers' routing counts of the step just queued go to the host (read by
         settle at the next step, or by the counters' reader), with the slot tables it read."""
-        counts = self.ex.stats.routed_on_device(self.device)
+        counts = self.ex.gather_counts(self.device)
         self._counts_host.copy_(counts[self._gathered_rows], non_blocking=True)
         counts.index_fill_(0, self._gathered_rows, 0)  # the host adds them to its counters
         self._counts_copied = (self._record(), tables)

@@ -38,6 +38,11 @@ class OffloadExperts:
         self.device = cache.device
         self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
+        # device-routed prompt chunks: counts kept on the device until the stats are read
+        self._dev_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dev_pending = False
+        self._gathered_dev: torch.Tensor | None = None  # see gather_counts
+        self.stats.settlers.append(self._settle)
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor, host: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
@@ -47,6 +52,8 @@ class OffloadExperts:
         ls = self.cache.layers[layer]
         if self.resident(layer, h.shape[0]):
             return self._run_resident(layer, h, ids, weights)
+        if self._streams_routed(layer, h.shape[0], ids.shape[1]):
+            return self._run_streamed_routed(layer, h, ids, weights)
         if host is None:
             host = (to_host(ids, f"layer {layer} routing ids"),
                     to_host(weights.float(), f"layer {layer} routing weights"), None)
@@ -138,18 +145,27 @@ class OffloadExperts:
         """One decode token's experts of a layer, with device work only (a CUDA graph holds
         it): hits from their slots; each missed pair's record read from the mapped arena over
         PCIe into staging row p by a kernel that reads the slot table, then computed from
-        there. The routing is counted on the device; the host reads it after the step
-        (after_gathered)."""
+        there. The routing is counted on the device (gather_counts); the host reads it after
+        the step (after_gathered)."""
         from strata.kernels.gpu import gather_misses
 
         ls = self.cache.layers[layer]
         lay = ls.layout
         rows = staging[:, : lay.stride]
         gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes)
-        self.stats.count_on_device(layer, ids)
+        flat = ids.reshape(-1).long()
+        self.gather_counts(ids.device)[layer].scatter_add_(0, flat, torch.ones_like(flat))
         slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
         return self.fused.run(lay, slots, ls.table, h, ids, weights, torch.zeros_like(h),
                               miss=lay.views(rows))
+
+    def gather_counts(self, device: torch.device) -> torch.Tensor:
+        """[L, E] int64 on the device: gathered layers' routing since the decode step last read
+        it (its own counter: after_gathered adds it to the stats)."""
+        if self._gathered_dev is None:
+            self._gathered_dev = torch.zeros(len(self.arena.layouts), self.arena.n_experts,
+                                             dtype=torch.int64, device=device)
+        return self._gathered_dev
 
     def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray) -> None:
         """The host's part of a gathered layer, one step late: counters, the policy's view of
@@ -229,16 +245,10 @@ class OffloadExperts:
     def _run_streamed(self, layer: int, hits: list[int], misses: list[int],
                       by_expert: dict[int, Group], h: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk: hits from their slots, every miss through the ring; the cache is left
-        as it is for decode (so an expert with no slot now is still a miss in the next layers'
-        turn: what the ring prefetches for the next layer)."""
+        """A prompt chunk whose routing the host reads (chunks too small for _streams_routed, or
+        the ring's per-buffer path): hits from their slots, every routed miss through the ring;
+        the cache is left as it is for decode."""
         copied = self.ring.streamed_bytes
-        # this layer's banks first in the ring's queue, then the next layer's, whose copies run
-        # as this layer's banks free and while the host waits for the next routing
-        self.ring.prefetch(self.arena, layer, misses)
-        if self._prefetch_next(layer, h.shape[0] * ids.shape[1]):
-            uncached = np.flatnonzero(self.cache.layers[layer + 1].slot_of < 0)
-            self.ring.prefetch(self.arena, layer + 1, uncached.tolist())
         out = torch.zeros_like(h)
         self.cache.before_compute(layer)
         self._run_hits(layer, hits, by_expert, h, ids, weights, out)
@@ -252,10 +262,79 @@ class OffloadExperts:
             self.cache.check_integrity()
         return out
 
-    def _prefetch_next(self, layer: int, pairs: int) -> bool:
-        """The chunk routes so many pairs that nearly every expert of the next layer is used
-        (4 pairs per expert on average): copy its uncached experts ahead of its routing."""
-        return pairs >= 4 * self.arena.n_experts and layer + 1 < len(self.arena.layouts)
+    def _streams_routed(self, layer: int, tokens: int, topk: int) -> bool:
+        """A prompt chunk so large that nearly every expert is routed to (4 pairs per expert on
+        average), on the ring's bank path: the layer's uncached experts are all streamed, the
+        next layer's are queued behind them (copied as this layer's banks free, while attention
+        runs), and the routing stays on the device."""
+        return (self.ring is not None and self.ring.grouped and tokens >= self.stream_min
+                and tokens * topk >= 4 * self.arena.n_experts)
+
+    def _run_streamed_routed(self, layer: int, h: torch.Tensor, ids: torch.Tensor,
+                             weights: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk with no host sync: hits from their slots and every uncached expert
+        through the ring (moe_forward_grouped for both, which sort the pairs on the device);
+        the counters and the policy see the routing when they are read (_settle)."""
+        from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, moe_forward_grouped
+
+        ls = self.cache.layers[layer]
+        lay = ls.layout
+        copied = self.ring.streamed_bytes
+        self.ring.prefetch(self.arena, layer, np.flatnonzero(ls.slot_of < 0).tolist())
+        if layer + 1 < len(self.arena.layouts):
+            uncached = np.flatnonzero(self.cache.layers[layer + 1].slot_of < 0)
+            self.ring.prefetch(self.arena, layer + 1, uncached.tolist())
+        out = torch.zeros_like(h)
+        scratch = self.fused.scratch_bytes
+        kw = {} if scratch is None else {"scratch_bytes": scratch}
+        self.cache.before_compute(layer)
+        if ls.capacity:
+            moe_forward_grouped(h, ids, weights.float(), ls.table, *lay.views(ls.slots),
+                                lay.qtypes, lay.d_model, lay.d_expert, out=out, **kw)
+        self.ring.stream_routed(self.arena, layer, h, ids, weights.float(), out,
+                                scratch if scratch is not None else GROUPED_SCRATCH_BYTES)
+        self.cache.after_compute(layer)
+        self._count_routed(layer, ids, ls.table)
+        self.stats.bytes_h2d += self.ring.streamed_bytes - copied
+        if self.debug:
+            self.cache.check_integrity()
+        return out
+
+    def _count_routed(self, layer: int, ids: torch.Tensor, table: torch.Tensor) -> None:
+        """Count a device-routed layer's pairs on the device: routed per expert (the stats'
+        routing counters and, at _settle, the policy) and hits / streamed per layer."""
+        self.stats.count_on_device(layer, ids)
+        flat = ids.reshape(-1).long()
+        if self._dev_counts is None:
+            n_layers, n_experts = len(self.arena.layouts), self.arena.n_experts
+            self._dev_counts = (torch.zeros(n_layers, n_experts, dtype=torch.int64,
+                                            device=ids.device),
+                                torch.zeros(2, n_layers, dtype=torch.int64, device=ids.device))
+        touch, split = self._dev_counts
+        touch[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        hit = (table[flat] >= 0).long().sum()
+        split[0, layer] += hit
+        split[1, layer] += flat.numel() - hit
+        self._dev_pending = True
+
+    def _settle(self) -> None:
+        """Device-routed layers' counts to the host: hits and streamed pairs per layer, and
+        the routing for the policies (one bounded wait)."""
+        if not self._dev_pending:
+            return
+        self._dev_pending = False
+        touch_dev, split_dev = self._dev_counts
+        # copies: on the CPU device to_host returns the tensor itself, zeroed next
+        touch = to_host(touch_dev, "the prompt's routing counts").numpy().copy()
+        split = to_host(split_dev, "the prompt's hit counts").numpy().copy()
+        with torch.inference_mode():  # the counters were made in it
+            touch_dev.zero_()
+            split_dev.zero_()
+        self.stats.hits += split[0]
+        self.stats.streamed += split[1]
+        for layer in np.flatnonzero(touch.sum(1)):
+            experts = np.flatnonzero(touch[layer])
+            self.cache.layers[layer].policy.touch(experts.tolist(), touch[layer][experts].tolist())
 
     def _run_staged(self, layer: int, groups: list[Group], h: torch.Tensor, out: torch.Tensor,
                     ids: torch.Tensor, weights: torch.Tensor) -> None:

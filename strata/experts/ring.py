@@ -18,7 +18,10 @@ copy engine takes host-to-device copies in issue order, across streams (seen on 
 small copy on the compute stream queued behind prefetched banks would hold up the compute.
 Before streaming layer l, the executor queues l's misses, then (chunks large enough to route
 nearly every expert) layer l + 1's uncached experts: their copies run as l's banks free, and
-the copy engine keeps working while the host waits for l + 1's routing and attention runs.
+the copy engine keeps working while attention runs. Such chunks do not read the routing on the
+host at all (`stream_routed`): every uncached expert is queued, and each bank's pairs are found
+on the device (moe_forward_grouped with the bank's slot table), so the host queues a whole
+chunk without waiting on the GPU.
 
 What waits on what: a bank's compute waits for its `ready` event (copy stream). A bank is
 placed at the write position, or at 0 when it does not fit before the end (`Regions`); every
@@ -158,6 +161,7 @@ class Ring:
         self.grouped = grouped and self.cuda and _grouped_available()
         self.banks: list[Bank] = []  # FIFO, not yet consumed: issued ones first, then queued
         self.regions = Regions(nbytes)
+        self._tables: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -291,6 +295,47 @@ class Ring:
                 self._compute(bank, todo, rows, r, s, h, out)
             self._consume(bank)
         self._issue(arena)
+
+    def stream_routed(self, arena: Arena, layer: int, h: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor, out: torch.Tensor, scratch_bytes: int) -> None:
+        """out += every pair whose expert is in one of this layer's queued banks, with the
+        routing read on the device (no host sync): each bank runs moe_forward_grouped over its
+        records, with ids mapped to positions in the bank (the bank's slot table; any other
+        expert maps to a last entry that has no slot). The caller queued the layer's uncached
+        experts (`prefetch`), each in one bank. Bank path only."""
+        from strata.kernels.gpu.moe_grouped import moe_forward_grouped
+
+        lay = arena.layouts[layer]
+        while self.banks and self.banks[0].layer != layer:  # stale: dropped
+            self._consume(self.banks[0])
+        while self.banks and self.banks[0].layer == layer:
+            bank = self.banks[0]
+            self._issue(arena)  # every bank before it is consumed: it finds a place
+            assert bank.issued
+            if bank.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(bank.ready)
+            position, table = self._bank_tables(bank, arena.n_experts)
+            gate, up, down = lay.views(self._view(bank))
+            moe_forward_grouped(h, position[ids], weights, table, gate, up, down, lay.qtypes,
+                                lay.d_model, lay.d_expert, out=out, scratch_bytes=scratch_bytes)
+            self._consume(bank)
+        self._issue(arena)
+
+    def _bank_tables(self, bank: Bank, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position [E] int64: expert -> its index in the bank, m for any other; table
+        [m + 1] int32: 0..m-1, then -1) on the device, kept for the next chunk (the same layer
+        gets the same banks while the cache stays as it is)."""
+        key = (bank.layer, tuple(bank.experts))
+        got = self._tables.get(key)
+        if got is None:
+            m = len(bank.experts)
+            position = torch.full((n_experts,), m, dtype=torch.int64)
+            position[torch.tensor(bank.experts, dtype=torch.int64)] = torch.arange(m)
+            table = torch.cat([torch.arange(m, dtype=torch.int32),
+                               torch.tensor([-1], dtype=torch.int32)])
+            got = self._tables[key] = (to_device(position, self.device),
+                                       to_device(table, self.device))
+        return got
 
     def _plan(self, layer: int, routed: dict[int, Group]) -> list[_Plan]:
         """Per bank of the layer, in FIFO order: the routed experts it computes (each expert
