@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.bench.ceilings import measure  # noqa: E402
+from strata.bench.graph_timing import graph_seconds  # noqa: E402
 from strata.experts.arena import Arena  # noqa: E402
 from strata.experts.layout import ExpertLayout  # noqa: E402
 from strata.quant import QType, random_rows  # noqa: E402
@@ -47,29 +47,6 @@ def records(lay: ExpertLayout, rng: np.random.Generator) -> np.ndarray:
             out[e, start:start + n] = p[off:off + n]
             start += n
     return out
-
-
-def time_calls(fn, n: int = 64) -> float:  # noqa: ANN001
-    """Median seconds of one call: 16 calls (call i gets its own routing) captured in a CUDA
-    graph, the replays timed with CUDA events, so launch overhead is not in the figure."""
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(16):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n // 16):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / 16)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -109,8 +86,8 @@ def main() -> None:
     ceil = measure()
     res = {"pinned": arena.pinned, "mapped_equals_vram": same, "expert_bytes": lay.nbytes,
            "ceilings": ceil}
-    t_vram = time_calls(lambda i: run(slots, identity, i))
-    t_map = time_calls(lambda i: run(arena.layers[0], identity, i))
+    t_vram = graph_seconds(lambda i: run(slots, identity, i))
+    t_map = graph_seconds(lambda i: run(arena.layers[0], identity, i))
     res["layer_8_of_8_vram_us"] = t_vram * 1e6
     res["layer_8_of_8_mapped_us"] = t_map * 1e6
     res["mapped_gb_s"] = K * lay.nbytes / t_map / 1e9
@@ -137,14 +114,14 @@ def main() -> None:
         def gather_only(i: int, tables: list = tables) -> None:
             gather_misses(id_sets[i % len(id_sets)], tables[i % len(tables)], arena.layers[0],
                           rows, lay.nbytes)
-        t_layer, t_gather = time_calls(gathered), time_calls(gather_only)
+        t_layer, t_gather = graph_seconds(gathered), graph_seconds(gather_only)
         res[f"gathered_layer_{n_miss}_missed_us"] = t_layer * 1e6
         res[f"gather_{n_miss}_missed_us"] = t_gather * 1e6
         if n_miss:
             res[f"gather_{n_miss}_missed_gb_s"] = n_miss * lay.nbytes / t_gather / 1e9
     # the same bytes copied (8 records) with the copy engine
     dst = torch.empty(K, lay.stride, dtype=torch.uint8, device=dev)
-    t_copy = time_calls(lambda i: dst.copy_(arena.layers[0][(i % 16) * 8:(i % 16) * 8 + 8],
+    t_copy = graph_seconds(lambda i: dst.copy_(arena.layers[0][(i % 16) * 8:(i % 16) * 8 + 8],
                                             non_blocking=True))
     res["copy_8_records_us"] = t_copy * 1e6
     res["copy_gb_s"] = K * lay.stride / t_copy / 1e9

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.bench.ceilings import hbm_copy_gbs  # noqa: E402
+from strata.bench.graph_timing import graph_seconds  # noqa: E402
 from strata.experts.layout import ExpertLayout  # noqa: E402
 from strata.kernels.gpu import matmul as mm  # noqa: E402
 from strata.kernels.gpu import moe as moe_mod  # noqa: E402
@@ -30,28 +30,6 @@ from strata.quant import QType, random_rows, row_nbytes  # noqa: E402
 
 E, K, D, F = 128, 8, 2048, 768
 CALLS = 16
-
-
-def time_graph(fn, reps: int = 8) -> float:  # noqa: ANN001
-    """Median seconds per call of fn(i), i < CALLS, replayed from one CUDA graph."""
-    for i in range(2):
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(CALLS):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / CALLS)
-    return statistics.median(out)
 
 
 def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device) -> dict:
@@ -74,7 +52,7 @@ def time_moe(layer: dict, tune: dict) -> float:
     moe_mod.DECODE_TUNE = tune
     g, u, d = lay.views(layer["slots"])
     try:
-        return time_graph(lambda i: moe_mod.moe_forward(
+        return graph_seconds(lambda i: moe_mod.moe_forward(
             layer["x"], layer["ids"][i], layer["wts"], layer["table"], g, u, d, lay.qtypes, D,
             F, out=layer["out"]))
     finally:
@@ -93,7 +71,7 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
     if tile is not None:
         mm.GEMV_TUNE[key] = tile
     try:
-        t = time_graph(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out))
+        t = graph_seconds(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out), CALLS)
     finally:
         mm.GEMV_TUNE.pop(key, None)
     return t, copies
@@ -151,7 +129,7 @@ def main() -> None:
             wf = [torch.randn(n, k, device=dev) for _ in range(max(2, (256 << 20) // (n * k * 4)
                                                                    + 1))]
             x = torch.randn(1, k, device=dev)
-            t = time_graph(lambda i, wf=wf, x=x: x @ wf[i % len(wf)].T)
+            t = graph_seconds(lambda i, wf=wf, x=x: x @ wf[i % len(wf)].T)
             res["gemv"][f"F32 cuBLAS {n}x{k}"] = t * 1e6
             print(f"gemv {what} F32 cuBLAS {n}x{k}: {t * 1e6:.1f} us, "
                   f"{n * k * 4 / t / 1e9:.0f} GB/s")

@@ -409,6 +409,13 @@ def test_the_bank_path_makes_no_host_sync() -> None:
         ring.stream(arena, 1, g1, h, out, 1 << 30)
         return out
 
+    twice_without_sync(run)
+    assert not ring.banks
+
+
+def twice_without_sync(run) -> torch.Tensor:  # noqa: ANN001
+    """run() once (compiling the kernels), then again under set_sync_debug_mode('error'): no
+    .item(), .tolist(), .cpu() or synchronize; both give the same result, returned."""
     first = run()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -417,7 +424,8 @@ def test_the_bank_path_makes_no_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert torch.equal(first, again) and not ring.banks
+    assert torch.equal(first, again)
+    return first
 
 
 def routed_ids(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,15 +475,8 @@ def test_stream_routed_makes_no_host_sync() -> None:
             ring.stream_routed(arena, layer, h, ids, wts, out, 1 << 30)
         return out
 
-    first = run()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert torch.equal(first, again) and not ring.banks
+    first = twice_without_sync(run)
+    assert not ring.banks
     want = torch.zeros(T, 256, device="cuda")
     for layer, (ids, wts) in enumerate(routes):
         host_ring.stream(arena, layer, group_pairs(ids, wts), h, want, 1 << 30)
