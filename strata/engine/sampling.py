@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.waits import to_host
 from strata.errors import StrataError
 
 
@@ -32,9 +33,11 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token id from logits [V] (float32)."""
+    """One token id from logits [V] (float32). What comes back from the device comes through a
+    bounded wait (to_host): with the decode step and prompt chunks queued without host syncs,
+    this is where the host waits for the GPU's work on a token."""
     if p.temperature == 0:
-        return int(torch.argmax(logits))
+        return int(to_host(torch.argmax(logits).view(1), "the next token (argmax)")[0])
     probs = torch.softmax(logits.float() / p.temperature, dim=-1)
     probs, ids = torch.sort(probs, descending=True)
     keep = torch.ones_like(probs, dtype=torch.bool)
@@ -47,5 +50,6 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
         keep &= probs >= p.min_p * probs[0]
     keep[0] = True
     probs = torch.where(keep, probs, 0)
-    choice = torch.multinomial(probs.cpu(), 1, generator=gen)
-    return int(ids[choice.to(ids.device)])
+    host = to_host(probs, "the sampling probabilities")
+    choice = int(torch.multinomial(host, 1, generator=gen)[0])
+    return int(to_host(ids[choice:choice + 1], "the sampled token id")[0])
