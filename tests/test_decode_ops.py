@@ -259,10 +259,13 @@ def distinct_router(gen: torch.Generator, t: int, d: int, e: int, k: int, device
 def test_route_topk(device: str, t: int, e: int, k: int, norm: bool) -> None:
     gen, seed = fresh_rng()
     h, router = distinct_router(gen, t, 64, e, k, device)
-    ids, w = ops.route_topk(h @ router.T, k, norm)
+    counts = torch.full((e,), 3, dtype=torch.int32, device=device)
+    ids, w = ops.route_topk(h @ router.T, k, norm, counts=counts)
     ref_ids, ref_w = layers.route(h, router, k, norm)
     assert torch.equal(ids, ref_ids), f"seed={seed}: {ids.tolist()} vs {ref_ids.tolist()}"
     check_route(ids, w, ref_ids, ref_w, f"E={e} k={k} seed={seed}")
+    want = 3 + torch.bincount(ref_ids.reshape(-1).cpu(), minlength=e).int()
+    assert torch.equal(counts.cpu(), want), f"seed={seed}: routed pairs counted per expert"
 
 
 def test_route_ties_go_to_the_lower_id(device: str) -> None:
@@ -450,9 +453,12 @@ _INTERPRETED = """
     for e, k, norm in ((60, 4, False), (8, 2, True), (128, 8, True), (256, 16, True)):
         logits = torch.stack([(torch.randperm(e, generator=gen) + 0.5 * torch.rand(
             e, generator=gen)) * 0.1 for _ in range(3)])  # distinct, with gaps >= 0.05
-        ids, w = ops.route_topk(logits, k, norm)
+        counts = torch.full((e,), 5, dtype=torch.int32)
+        ids, w = ops.route_topk(logits, k, norm, counts=counts)
         ref_ids, ref_w = layers.route(logits, torch.eye(e), k, norm)
         assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k)
+        want = 5 + torch.bincount(ref_ids.reshape(-1), minlength=e).int()
+        assert torch.equal(counts, want), (e, k)
     for e, d in ((128, 2048), (7, 96), (60, 1500)):
         hh, rw = rnd(1, d), rnd(e, d)
         assert rel(ops.router_logits(hh, rw), hh @ rw.T) < TOL, (e, d)

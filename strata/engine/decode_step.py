@@ -89,7 +89,7 @@ class DecodeStep:
         self.gathered_layers = np.flatnonzero(self.gathered).astype(np.int64)
         # the gathered layers' routing counts of the last step, read on the host at the next
         self._counts_host = torch.zeros(len(self.gathered_layers), cfg.n_experts,
-                                        dtype=torch.int64, pin_memory=dev.type == "cuda")
+                                        dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._gathered_rows = torch.from_numpy(self.gathered_layers).to(dev)
         self._counts_copied: tuple[torch.cuda.Event, np.ndarray] | None = None
         ex.stats.settlers.append(self.settle)  # counters are complete whenever read
@@ -254,7 +254,7 @@ class DecodeStep:
             attn = self._attention(i, lw, h, kv)
             h = ops.add_rms_norm(x, attn, lw.ffn_norm, cfg.rms_eps)
             ids, wts = ops.route_topk(ops.router_logits(h, lw.router), cfg.n_experts_used,
-                                      cfg.norm_topk)
+                                      cfg.norm_topk, counts=self._counter(i, piece))
             if i == piece.host_layer:
                 self.h.copy_(h)
                 self.ids.copy_(ids)
@@ -264,14 +264,24 @@ class DecodeStep:
                 return  # the layer's hits and shared expert: _tail
             if self.gathered[i]:
                 delta = self.ex.gathered(i, h, ids, wts, self.staging)
-            elif self.device.type == "cuda":
-                delta = self.ex.device_hits(i, h, ids, wts, count=True)
+            elif self.device.type == "cuda":  # (routing counted by route_topk)
+                delta = self.ex.device_hits(i, h, ids, wts, count=False)
             else:
                 delta = self.ex.run(i, None, h, ids, wts)
             if lw.shared_w1 is not None:
                 delta = delta + shared_expert(lw, h)
         x.add_(delta)
         self.logits.copy_(linear(ops.rms_norm(x, w.output_norm, cfg.rms_eps), w.output))
+
+    def _counter(self, layer: int, piece: Piece) -> torch.Tensor | None:
+        """Where route_topk counts a layer's routing on the device: the gathered layers' own
+        counter (read by settle), the stats' for layers whose routing the host never reads;
+        None where the host counts (host layers, the CPU)."""
+        if self.gathered[layer]:
+            return self.ex.gather_counts(self.device)[layer]
+        if self.device.type == "cuda" and layer != piece.host_layer:
+            return self.ex.stats.routed_on_device(self.device)[layer]
+        return None
 
     def _tail(self, layer: int) -> None:
         """A host layer's device part, after its routing went to the host: the shared expert and

@@ -48,9 +48,11 @@ class FusedHits:
 
     def run(self, layout: ExpertLayout, slots: torch.Tensor, table: torch.Tensor,
             h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            out: torch.Tensor, miss: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """out += every resident pair's weighted expert output. slots: uint8 [n, stride].
-        miss: views of rows holding each non-resident pair's record (moe_forward)."""
+            out: torch.Tensor | None, miss: tuple[torch.Tensor, ...] | None = None
+            ) -> torch.Tensor:
+        """out += every resident pair's weighted expert output (out None: a new tensor).
+        slots: uint8 [n, stride]. miss: views of rows holding each non-resident pair's record
+        (moe_forward)."""
         from strata.kernels.gpu import moe_forward
 
         gate, up, down = layout.views(slots)

@@ -123,7 +123,7 @@ class OffloadExperts:
         to capture in a CUDA graph; the caller counts hits on the host). count: also count the
         routing on the device (layers whose routing the host never reads)."""
         ls = self.cache.layers[layer]
-        out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, torch.zeros_like(h))
+        out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, None)
         if count:
             self.stats.count_on_device(layer, ids)
         return out
@@ -145,26 +145,24 @@ class OffloadExperts:
         """One decode token's experts of a layer, with device work only (a CUDA graph holds
         it): hits from their slots; each missed pair's record read from the mapped arena over
         PCIe into staging row p by a kernel that reads the slot table, then computed from
-        there. The routing is counted on the device (gather_counts); the host reads it after
-        the step (after_gathered)."""
+        there. The caller counts the routing on the device (gather_counts: the decode step's
+        route_topk); the host reads it after the step (after_gathered)."""
         from strata.kernels.gpu import gather_misses
 
         ls = self.cache.layers[layer]
         lay = ls.layout
         rows = staging[:, : lay.stride]
         gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes)
-        flat = ids.reshape(-1).long()
-        self.gather_counts(ids.device)[layer].scatter_add_(0, flat, torch.ones_like(flat))
         slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
-        return self.fused.run(lay, slots, ls.table, h, ids, weights, torch.zeros_like(h),
+        return self.fused.run(lay, slots, ls.table, h, ids, weights, None,
                               miss=lay.views(rows))
 
     def gather_counts(self, device: torch.device) -> torch.Tensor:
-        """[L, E] int64 on the device: gathered layers' routing since the decode step last read
+        """[L, E] int32 on the device: gathered layers' routing since the decode step last read
         it (its own counter: after_gathered adds it to the stats)."""
         if self._gathered_dev is None:
             self._gathered_dev = torch.zeros(len(self.arena.layouts), self.arena.n_experts,
-                                             dtype=torch.int64, device=device)
+                                             dtype=torch.int32, device=device)
         return self._gathered_dev
 
     def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray) -> None:

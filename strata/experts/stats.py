@@ -59,15 +59,16 @@ class OffloadStats:
         self._routed[layer, experts] += counts
 
     def routed_on_device(self, device: torch.device) -> torch.Tensor:
-        """[L, E] int64 counters on the device (pairs counted there, not yet on the host)."""
+        """[L, E] int32 counters on the device (pairs counted there, not yet on the host;
+        decode_ops.route_topk adds to a row)."""
         if self._routed_dev is None:
-            self._routed_dev = torch.zeros(self._routed.shape, dtype=torch.int64, device=device)
+            self._routed_dev = torch.zeros(self._routed.shape, dtype=torch.int32, device=device)
         return self._routed_dev
 
     def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
         self.routed_on_device(ids.device)
         flat = ids.flatten().long()  # scatter_add_, not bincount: bincount syncs to size its output
-        self._routed_dev[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        self._routed_dev[layer].scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def settle(self) -> None:
         for fn in self.settlers:

@@ -41,9 +41,10 @@ Kernels and launches:
       E / BN CTAs (cuBLAS picked a GEMV taking ~18 us for 128 x 2048 on an H200; a product and
       a row sum took two kernels), float32 sums in a fixed order.
   route_topk  `_route_kernel`, one CTA per token, 1 launch: softmax over E, k rounds of argmax,
-      optional renormalization. Selection is on the logits (softmax is monotone, so this is
-      the order of the exact probabilities); ties go to the lower expert id. torch.topk, which
-      the reference uses, promises no order among ties.
+      optional renormalization, optionally an atomic count per routed expert. Selection is on
+      the logits (softmax is monotone, so this is the order of the exact probabilities); ties
+      go to the lower expert id. torch.topk, which the reference uses, promises no order among
+      ties.
 
 Legend: T new tokens (1..4), D hidden, H query heads, Hkv kv heads, G = H / Hkv, hd head dim,
 C cache capacity (rows), E experts, K experts used per token, S attention key splits.
@@ -512,8 +513,8 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _route_kernel(logits, ids, wts, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _route_kernel(logits, ids, wts, counts, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
+                  COUNT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     # p = softmax(logits[t]); K rounds: the largest logit not yet taken (lowest id on ties)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -535,13 +536,19 @@ def _route_kernel(logits, ids, wts, E, stride_l, K: tl.constexpr, NORM: tl.const
         sel_w = sel_w / tl.sum(sel_w, axis=0)
     tl.store(ids + t * K + kk, sel_i.to(tl.int64), mask=kk < K)
     tl.store(wts + t * K + kk, sel_w, mask=kk < K)
+    if COUNT:
+        tl.atomic_add(counts + sel_i, tl.full((BLOCK_K,), 1, tl.int32), mask=kk < K)
 
 
-def route_topk(logits: torch.Tensor, k: int,
-               norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
+               counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """route() after its matmul: softmax over E, the top k, optionally renormalized to sum 1.
     logits [T, E] f32 (rows contiguous; = h @ router.T) -> ids int64 [T, k], weights f32 [T, k],
-    largest first. Ties: the lower expert id first (see the module doc). One launch."""
+    largest first. Ties: the lower expert id first (see the module doc). One launch.
+    counts: int32 [E] on the device, += 1 for every pair routed to an expert (atomics)."""
+    if counts is not None:
+        _check(counts.dtype == torch.int32 and counts.shape == (logits.shape[-1],)
+               and counts.is_contiguous(), "counts must be int32 [E], contiguous")
     _check(logits.dim() == 2, f"logits must be [T, E], got {list(logits.shape)}")
     _f32(logits, "logits")
     t, e = logits.shape
@@ -551,13 +558,17 @@ def route_topk(logits: torch.Tensor, k: int,
         weights, ids = torch.topk(probs, k, dim=-1)
         if norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
+        if counts is not None:
+            flat = ids.reshape(-1)
+            counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         return ids, weights
     ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
     if t == 0:
         return ids, weights
     block_e = triton.next_power_of_2(e)
-    _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), K=k, NORM=bool(norm_topk),
+    _route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts, e,
+                        logits.stride(0), K=k, NORM=bool(norm_topk), COUNT=counts is not None,
                         BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
                         num_warps=max(1, min(4, block_e // 256)))
     return ids, weights

@@ -215,10 +215,11 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
 def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    slot_of_expert: torch.Tensor, gate_slots: torch.Tensor,
                    up_slots: torch.Tensor, down_slots: torch.Tensor, qtypes: tuple[int, int, int],
-                   d_model: int, d_expert: int,
-                   out: torch.Tensor | None) -> tuple[tuple[QType, QType, QType], torch.Tensor]:
-    """The (gate, up, down) QTypes and `out` (zeros when None), after checking every argument
-    of moe_forward (shared by the grouped path, moe_grouped.py)."""
+                   d_model: int, d_expert: int, out: torch.Tensor | None,
+                   zero: bool = True) -> tuple[tuple[QType, QType, QType], torch.Tensor]:
+    """The (gate, up, down) QTypes and `out` (when None: zeros, or uninitialized with
+    zero=False), after checking every argument of moe_forward (shared by the grouped path,
+    moe_grouped.py)."""
     qg, qu, qd = (QType(q) for q in qtypes)
     t, d = x.shape if x.dim() == 2 else (-1, -1)
     if d != d_model or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
@@ -237,7 +238,8 @@ def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             raise ValueError(f"{name} slots must hold {n_rows} rows per expert, got "
                              f"{tuple(sl.shape)}")
     if out is None:
-        out = torch.zeros(t, d_model, dtype=torch.float32, device=x.device)
+        out = (torch.zeros if zero else torch.empty)(t, d_model, dtype=torch.float32,
+                                                     device=x.device)
     elif out.shape != (t, d_model) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{t}, {d_model}] with contiguous rows")
     return (qg, qu, qd), out
@@ -262,9 +264,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     miss: (gate, up, down) views of at least T·K rows laid out as the slots, row p holding the
     record of pair p's expert when it is not resident (gather_misses writes them): every pair
     is then computed. Decode sizes only (T <= DECODE_MAX_T) with fused kernels for the types."""
+    t = x.shape[0] if x.dim() == 2 else 0
+    # a decode call with no `out` writes the sums straight into a new one (no zero fill + add)
+    direct = (out is None and 0 < t <= DECODE_MAX_T and ids.dim() == 2 and ids.shape[1] > 0
+              and all(kernel_format(q) is not None for q in qtypes))
     (qg, qu, qd), out = check_moe_args(x, ids, weights, slot_of_expert, gate_slots, up_slots,
-                                       down_slots, qtypes, d_model, d_expert, out)
-    t = x.shape[0]
+                                       down_slots, qtypes, d_model, d_expert, out,
+                                       zero=not direct)
     if miss is not None:
         if t > DECODE_MAX_T or any(kernel_format(q) is None for q in (qg, qu, qd)):
             raise ValueError(f"miss rows are for up to {DECODE_MAX_T} tokens of fused types")
@@ -291,7 +297,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     weights = weights.contiguous()
     if t <= DECODE_MAX_T:
         _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out,
-                miss)
+                miss, accumulate=not direct)
     else:
         _prompt(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
     return out
@@ -331,7 +337,8 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
-            out: torch.Tensor, miss: tuple[torch.Tensor, ...] | None = None) -> None:
+            out: torch.Tensor, miss: tuple[torch.Tensor, ...] | None = None,
+            accumulate: bool = True) -> None:
     fg, fu, fd = fmts
     t, d = x.shape
     topk = ids.shape[1]
@@ -355,7 +362,10 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
         down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
         STAGES=stages, MISS=miss is not None, num_warps=warps)
-    out += part.view(t, topk, d).sum(1)  # each token's K pairs, in a fixed order
+    if accumulate:  # each token's K pairs, in a fixed order
+        out += part.view(t, topk, d).sum(1)
+    else:
+        torch.sum(part.view(t, topk, d), dim=1, out=out)
 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
