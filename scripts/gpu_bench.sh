@@ -43,10 +43,12 @@ if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *pro
   SYNTH_PID=$!
 fi
 if [[ $STAGES == *tests* ]]; then
-  echo "== CUDA tests: decode step, decode ops, grouped prompt MoE, offload, prompt"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda ${TESTS:-tests/test_decode_ops.py \
+  echo "== CUDA tests: decode step, decode ops, MoE kernels, grouped prompt MoE, ring, offload, prompt"
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m cuda ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
-    tests/test_prompt.py} 2>&1 | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
+    tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
+    tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records} 2>&1 \
+    | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
 fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }
 [[ -n ${GGML_PID:-} ]] && { wait $GGML_PID; tail -1 /tmp/ggml.log;
