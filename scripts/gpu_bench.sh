@@ -77,6 +77,11 @@ if [[ $STAGES == *streaming* ]]; then
   echo "== copy engine and compute while an 8K prompt streams every expert (6 GiB, no cache)"
   timeout 200 python3 scripts/profile_prompt.py $M --vram-budget 6 --expert-cache 0 \
     --prompt-len 8192 --json "$OUT/streaming.json" 2>&1 | grep -v "^strata:  " | tail -3
+  if [[ -n ${HOST_ROUTING:-} ]]; then  # the same with the routing read on the host per layer
+    timeout 200 python3 scripts/profile_prompt.py $M --vram-budget 6 --expert-cache 0 \
+      --prompt-len 8192 --host-routing --json "$OUT/streaming_host.json" 2>&1 \
+      | grep -v "^strata:  " | tail -3
+  fi
 fi
 if [[ $STAGES == *decode* ]]; then
   echo "== decode, VRAM sweep $BUDGETS"

@@ -1,7 +1,7 @@
 """How busy the copy engine and the compute stream are while a prompt streams experts.
 
     python scripts/profile_prompt.py MODEL --vram-budget 6 --expert-cache 0 --prompt-len 8192 \
-        [--trace trace.json] [--json F]
+        [--host-routing] [--trace trace.json] [--json F]
 
 Runs the prompt once to warm up, then once under torch.profiler, and prints the wall time, the
 time host-to-device copies were in flight (the union of their intervals: copies on the ring's
@@ -76,12 +76,19 @@ def main() -> None:
     p.add_argument("--expert-cache", default="auto")
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--ring-bytes", type=int, default=None)
+    p.add_argument("--host-routing", action="store_true",
+                   help="read every chunk's routing on the host (OffloadExperts._streams_routed "
+                   "off), to compare with the device-routed streaming")
     p.add_argument("--trace", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     ec = EngineConfig(device=a.device, offload="on", vram_budget_gib=a.vram_budget,
                       expert_cache=a.expert_cache, ring_bytes=a.ring_bytes, ctx=a.prompt_len)
     engine = Engine.load(a.model, config=ec)
+    if a.host_routing:
+        from strata.experts.offload import OffloadExperts
+
+        OffloadExperts._streams_routed = lambda *args: False
     prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, a.prompt_len).tolist()
     ring = engine.model.experts.ring
 
