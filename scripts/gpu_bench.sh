@@ -4,10 +4,10 @@
 # same runs), then a correctness check of the fast paths on those shapes; results under $OUT.
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
-# (bench_moe_decode.py), mapped (bench_mapped.py),
-# profile (profile_decode.py at
-# PROFILE_BUDGETS), streaming (profile_prompt.py), decode (sweep over BUDGETS), prompt
-# (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check.
+# (bench_moe_decode.py), mapped (bench_mapped.py), profile (profile_decode.py at
+# PROFILE_BUDGETS), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
+# decode (sweep over BUDGETS), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache],
+# PROMPT_FLAGS added), check.
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
 set -uo pipefail
