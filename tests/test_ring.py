@@ -22,7 +22,7 @@ from strata.config import EngineConfig  # noqa: E402
 from strata.engine.generator import Engine  # noqa: E402
 from strata.experts.compute import group_pairs, run_records  # noqa: E402
 from strata.experts.layout import ExpertLayout  # noqa: E402
-from strata.experts.offload import OffloadExperts  # noqa: E402
+from strata.experts.offload import ROUTED_MIN, OffloadExperts  # noqa: E402
 from strata.experts.ring import Regions, Ring, bank_records  # noqa: E402
 from strata.quant import QType, random_rows  # noqa: E402
 
@@ -334,6 +334,27 @@ def test_prompt_routed_on_the_device_equals_host_routing(pack, records, monkeypa
     for i, ls in enumerate(on.model.experts.cache.layers):  # the LRU policy saw the routing
         routed = set(np.flatnonzero(st_on.routed[i]).tolist())
         assert set(list(ls.policy.order)[-len(routed):]) == routed
+
+
+def test_a_layer_whose_chunks_route_few_experts_reads_its_routing(pack, monkeypatch) -> None:
+    """Settled counts give each layer the fraction of its uncached experts the chunks routed
+    to; below ROUTED_MIN the layer goes back to host routing (copying only the routed experts,
+    and measuring the fraction of that chunk), and the logits stay the same."""
+    path, ref = pack
+    layers = count_routed(monkeypatch)
+    e = engine(path, "cpu", 2.5, True, monkeypatch, expert_cache="3")
+    first = compute_logits(e, PROMPT)
+    ex = e.model.experts
+    ex.stats.settle()
+    assert set(ex.routed_fraction) == {0, 1, 2}
+    assert all(0 < f <= 1 for f in ex.routed_fraction.values())
+    ex.routed_fraction[1] = ROUTED_MIN / 2  # say layer 1's chunks used half its experts
+    layers.clear()
+    again = compute_logits(e, PROMPT)
+    # layer 1's first chunk read its routing on the host, which measured the fraction again
+    assert layers.count(1) < layers.count(0) == layers.count(2) > 0
+    np.testing.assert_allclose(again, first, rtol=1e-5, atol=1e-5)
+    assert kl_per_position(ref, again).max() < 1e-4
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
