@@ -35,7 +35,7 @@ from strata.engine.kv_cache import KVCache, KVPool
 from strata.engine.waits import wait_event
 from strata.kernels.gpu import decode_ops as ops
 from strata.model.transformer import shared_expert
-from strata.model.weights import LayerWeights, linear
+from strata.model.weights import LayerWeights, linear, qkv_linear
 
 log = logging.getLogger("strata")
 
@@ -322,7 +322,7 @@ class DecodeStep:
 
     def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = linear(h, lw.wq), linear(h, lw.wk), linear(h, lw.wv)
+        q, k, v = qkv_linear(h, lw)
         if cfg.qkv_bias:
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         q = ops.qk_rope_store(

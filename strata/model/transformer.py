@@ -21,7 +21,7 @@ from strata.config import ModelConfig
 from strata.engine.kv_cache import KVCache
 from strata.experts import ExpertExecutor, ReferenceExperts
 from strata.model.layers import apply_rope, attention, attention_bf16, rms_norm, rope_tables, route
-from strata.model.weights import LayerWeights, ModelWeights, linear
+from strata.model.weights import LayerWeights, ModelWeights, linear, qkv_linear
 
 BF16_ATTENTION_MIN_T = 4  # longer segments (prompt chunks) may attend on bf16 tensor cores
 
@@ -98,7 +98,7 @@ class MoETransformer:
                    sin: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
-        q, k, v = linear(h, lw.wq), linear(h, lw.wk), linear(h, lw.wv)
+        q, k, v = qkv_linear(h, lw)
         if cfg.qkv_bias:
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         q = q.view(T, cfg.n_heads, cfg.head_dim)

@@ -9,7 +9,7 @@ dequantized on demand, one routed expert or a handful of embedding rows at a tim
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,6 +64,54 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return x @ w.T if isinstance(w, torch.Tensor) else w.matmul_t(x)
 
 
+def qkv_linear(x: torch.Tensor, lw: LayerWeights) -> tuple[torch.Tensor, ...]:
+    """x @ wq.T, x @ wk.T, x @ wv.T, with one matmul for those fused into lw.qkv."""
+    if lw.qkv is None:
+        return linear(x, lw.wq), linear(x, lw.wk), linear(x, lw.wv)
+    w, n = lw.qkv
+    mats = (lw.wq, lw.wk, lw.wv)
+    # contiguous: a no-op for one token (its row is), a copy for longer inputs
+    out = [y.contiguous() for y in linear(x, w).split([_rows(m) for m in mats[:n]], dim=1)]
+    return (*out, *(linear(x, m) for m in mats[n:]))
+
+
+def _rows(w: Weight) -> int:
+    return w.shape[0] if isinstance(w, torch.Tensor) else w.raw.shape[0]
+
+
+def _same_format(a: Weight, b: Weight) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape[1:] == b.shape[1:])
+    return a.qtype == b.qtype and a.n_cols == b.n_cols and a.raw.shape[1:] == b.raw.shape[1:]
+
+
+def fuse_qkv(lw: LayerWeights) -> None:
+    """Put the leading q, k (and v) projections that share a format into one matrix (lw.qkv)
+    and make wq, wk (wv) row views of it: the same bytes, one GEMV for a decode token."""
+    mats = [lw.wq, lw.wk, lw.wv]
+    n = 1
+    while n < 3 and _same_format(mats[0], mats[n]):
+        n += 1
+    if n < 2:
+        return
+    if isinstance(mats[0], torch.Tensor):
+        fused: Weight = torch.cat(mats[:n])
+        data = fused
+    else:
+        fused = replace(mats[0], raw=torch.cat([m.raw for m in mats[:n]]))
+        data = fused.raw
+    start, views = 0, []
+    for m in mats[:n]:
+        rows = data[start:start + _rows(m)]
+        views.append(rows if isinstance(m, torch.Tensor) else replace(m, raw=rows))
+        start += _rows(m)
+    lw.wq, lw.wk = views[0], views[1]
+    if n == 3:
+        lw.wv = views[2]
+    lw.qkv = (fused, n)
+
+
 @functools.cache
 def fused_matmul_available(qtype: int) -> bool:
     try:
@@ -116,6 +164,9 @@ class LayerWeights:
     shared_w1: Weight | None = None  # gate [S, D]
     shared_w3: Weight | None = None  # up [S, D]
     shared_w2: Weight | None = None  # down [D, S]
+    # the leading n of q, k, v in one matrix (n = 2 or 3) when they share a format, so a decode
+    # token runs one GEMV for them; wq/wk/wv are then row views of it (fuse_qkv)
+    qkv: tuple[Weight, int] | None = None
 
 
 @dataclass
@@ -163,6 +214,9 @@ class ModelWeights:
                 shared_w3=opt(p + "ffn_up_shexp.weight", True),
                 shared_w2=opt(p + "ffn_down_shexp.weight", True),
             ))
+        if device.type == "cuda":  # (on the CPU the matrices stay views of the file's pages)
+            for lw in layers:
+                fuse_qkv(lw)
         embed = QuantTensor.load(t["token_embd.weight"], device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
         return cls(embed, layers, d("output_norm.weight"), output)
