@@ -1,7 +1,8 @@
 """Time the one-token kernels of a decode step on the GPU, with the launch choices to pick from:
 the Qwen3-30B-A3B MoE layer (moe.DECODE_TUNE: the tiles of the gate/up and down kernels) and the
-dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles), against float32
-cuBLAS on the same shapes and the HBM copy ceiling.
+dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles, and for Q4_K the
+block-streaming gemv_q4k.py with matmul.Q4K_BLOCKS tiles), against float32 cuBLAS on the same
+shapes and the HBM copy ceiling.
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -60,7 +61,10 @@ def time_moe(layer: dict, tune: dict) -> float:
 
 
 def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Generator,
-              dev: torch.device, copies: list | None = None) -> tuple[float, list]:
+              dev: torch.device, copies: list | None = None,
+              blocks: tuple | None = None) -> tuple[float, list]:
+    """tile: the shared skeleton's (BN, BK, stages, warps); blocks: gemv_q4k's (BN, NB,
+    warps) instead (Q4_K)."""
     if copies is None:
         one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
         count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
@@ -70,10 +74,12 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
     key = (int(q), n, k)
     if tile is not None:
         mm.GEMV_TUNE[key] = tile
+    mm.Q4K_BLOCKS = blocks
     try:
         t = graph_seconds(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out), CALLS)
     finally:
         mm.GEMV_TUNE.pop(key, None)
+        mm.Q4K_BLOCKS = None
     return t, copies
 
 
@@ -122,6 +128,17 @@ def main() -> None:
                 print(f"gemv {q.name} {n}x{k} {tile}: failed ({type(e).__name__})")
                 continue
             key = f"{q.name} {n}x{k} {tile or 'default'}"
+            res["gemv"][key] = t * 1e6
+            print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
+                  f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
+        for blocks in ([(2, 2, 4), (4, 2, 4), (2, 4, 4), (4, 4, 4), (1, 8, 4), (2, 8, 8),
+                        (4, 4, 8), (8, 2, 4)] if q == QType.Q4_K else []):
+            try:
+                t, copies = time_gemv(q, n, k, None, rng, dev, copies, blocks=blocks)
+            except Exception as e:  # noqa: BLE001
+                print(f"gemv_q4k {n}x{k} {blocks}: failed ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            key = f"{q.name} {n}x{k} gemv_q4k {blocks}"
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")

@@ -37,6 +37,7 @@ triton = pytest.importorskip("triton")  # the whole module needs triton; CUDA te
 from interpreted import fresh_rng, rel_err, run_interpreted  # noqa: E402
 
 from strata.kernels.gpu import FUSED_TYPES, dequantize_gpu, moe_forward, quant_matmul  # noqa: E402
+from strata.kernels.gpu import matmul as mm  # noqa: E402
 from strata.kernels.gpu import moe as moe_mod  # noqa: E402
 from strata.kernels.gpu.reference import matmul_ref, moe_ref  # noqa: E402
 from strata.quant import QType, dequantize, get_quant, random_rows, row_nbytes  # noqa: E402
@@ -196,6 +197,20 @@ def test_moe_one_token_per_expert() -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tile", [(2, 2, 4), (4, 4, 4), (1, 8, 4), (8, 2, 4)])
+def test_block_streaming_q4k_gemv(tile: tuple[int, int, int],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemv_q4k (matmul.Q4K_BLOCKS) on odd rows and block counts, the model shapes too."""
+    rng, seed = fresh_rng()
+    monkeypatch.setattr(mm, "Q4K_BLOCKS", tile)
+    for n, k in ((7, 256), (13, 1280), (4096, 2048), (2048, 4096), (333, 2304)):
+        w = cuda_rows(QType.Q4_K, n, k, rng)
+        x = torch.randn(1, k, device="cuda")
+        err = rel_err(quant_matmul(x, w, QType.Q4_K), matmul_ref(x, w, QType.Q4_K))
+        assert err < FMA_TOL, f"tile {tile} {n}x{k} seed={seed}: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("t", [1, 4])
 def test_misses_gathered_from_mapped_host_records(t: int) -> None:
     """A layer's records in pinned host memory (as the arena), a few of them in VRAM slots:
@@ -299,6 +314,18 @@ _INTERPRETED = """
         x, wts = torch.randn(t, d), torch.rand(t, 2)
         out = moe_forward(x, ids, wts, **layer)
         assert rel(out, moe_ref(x, ids, wts, **layer)) < tol, t
+    # the block-streaming Q4_K GEMV (matmul.Q4K_BLOCKS): rows and blocks not multiples of the
+    # tile, bf16 and float32 x
+    from strata.kernels.gpu import matmul as mm
+    for tile in ((2, 2, 4), (4, 4, 4), (1, 8, 2)):
+        mm.Q4K_BLOCKS = tile
+        for n, k in ((7, 256), (13, 1280), (5, 2304)):
+            w = rows(QType.Q4_K, n, k)
+            for dt in (torch.float32, torch.bfloat16):
+                x = torch.randn(1, k).to(dt)
+                err = rel(quant_matmul(x, w, QType.Q4_K), matmul_ref(x, w, QType.Q4_K))
+                assert err < 2e-5, ("gemv_q4k", tile, n, k, dt, err)
+    mm.Q4K_BLOCKS = None
     # misses gathered from the records into rows, then every pair computed
     from strata.experts.layout import ExpertLayout
     from strata.kernels.gpu import gather_misses
