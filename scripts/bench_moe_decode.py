@@ -96,6 +96,12 @@ def main() -> None:
         variants[f"gate_up {gu}"] = {"gate_up": gu}
     for dn in [(2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 4), (4, 256, 1, 2), (8, 256, 1, 8)]:
         variants[f"down_pairs {dn}"] = {"down_pairs": dn}
+    # the block-streaming Q4_K dot (gemv_q4k.py) in the MoE kernels: (BN, NB, warps)
+    for gu in [(1, 8, 4), (2, 8, 4), (2, 4, 4), (4, 4, 8), (4, 8, 8), (1, 4, 2)]:
+        variants[f"q4k gate_up {gu}"] = {"q4k_gate_up": gu}
+    for dn in [(2, 4, 4), (4, 4, 4), (8, 4, 8), (4, 2, 4)]:
+        variants[f"q4k gate_up (2, 8, 4) + q4k down {dn}"] = {"q4k_gate_up": (2, 8, 4),
+                                                               "q4k_down": dn}
     for qdown in (QType.Q6_K, QType.Q4_K):
         layer = moe_layer(qdown, rng, dev)
         nbytes = K * layer["lay"].nbytes

@@ -39,15 +39,14 @@ def _sub_scales(w1, w2, w3, p, h: tl.constexpr):
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q4k_kernel(x, w, y, N, K, row_bytes, BN: tl.constexpr, NB: tl.constexpr):
-    # y[n] = Σ_k x[k] · W[n, k] for BN rows n, NB blocks of each row per step
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    rows = w + tl.minimum(n, N - 1).to(tl.int64) * row_bytes  # [BN]
+@triton.jit
+def q4k_rows_dot(rows, x, K, BN: tl.constexpr, NB: tl.constexpr):
+    """float32 [BN]: Σ_k x[k] · W[r, k] for the BN Q4_K rows starting at the uint8 pointers
+    `rows` [BN] (K values each), x a pointer to K values (bf16/f32); NB blocks a step."""
     blk = tl.arange(0, NB)
     p = tl.arange(0, 4)
     lane = tl.arange(0, 32)
-    quad = tl.arange(0, 4)
+    quad = tl.arange(0, 4)[None, None, :]
     pp = p[None, None, :]  # [1, 1, 4]
     acc = tl.zeros((BN, NB), tl.float32)
     n_blocks = K // 256
@@ -55,11 +54,11 @@ def _gemv_q4k_kernel(x, w, y, N, K, row_bytes, BN: tl.constexpr, NB: tl.constexp
         bi = b0 + blk  # [NB]
         bm = bi < n_blocks
         base = rows[:, None] + (tl.minimum(bi, n_blocks - 1).to(tl.int64) * 144)[None, :]
-        hdr = tl.load(base[:, :, None].to(tl.pointer_type(tl.int32)) + quad[None, None, :])
-        w0 = tl.sum(tl.where(quad[None, None, :] == 0, hdr, 0), axis=2)  # [BN, NB]
-        w1 = tl.sum(tl.where(quad[None, None, :] == 1, hdr, 0), axis=2)[:, :, None]
-        w2 = tl.sum(tl.where(quad[None, None, :] == 2, hdr, 0), axis=2)[:, :, None]
-        w3 = tl.sum(tl.where(quad[None, None, :] == 3, hdr, 0), axis=2)[:, :, None]
+        hdr = tl.load(base[:, :, None].to(tl.pointer_type(tl.int32)) + quad)  # [BN, NB, 4]
+        w0 = tl.sum(tl.where(quad == 0, hdr, 0), axis=2)  # [BN, NB]
+        w1 = tl.sum(tl.where(quad == 1, hdr, 0), axis=2)[:, :, None]
+        w2 = tl.sum(tl.where(quad == 2, hdr, 0), axis=2)[:, :, None]
+        w3 = tl.sum(tl.where(quad == 3, hdr, 0), axis=2)[:, :, None]
         d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         sc_lo, mn_lo = _sub_scales(w1, w2, w3, pp, 0)  # sub-blocks 2p: low nibbles
@@ -80,7 +79,15 @@ def _gemv_q4k_kernel(x, w, y, N, K, row_bytes, BN: tl.constexpr, NB: tl.constexp
         dots = sc_lo * ((s_lo - xs_lo) * 16.0) + sc_hi * ((s_hi - xs_hi) * 16.0)
         mins = mn_lo * xs_lo + mn_hi * xs_hi
         acc += d * tl.sum(dots, axis=2) - dmin * tl.sum(mins, axis=2)
-    tl.store(y + n, tl.sum(acc, axis=1), mask=n < N)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_q4k_kernel(x, w, y, N, K, row_bytes, BN: tl.constexpr, NB: tl.constexpr):
+    # y[n] = Σ_k x[k] · W[n, k] for BN rows n
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = w + tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+    tl.store(y + n, q4k_rows_dot(rows, x, K, BN, NB), mask=n < N)
 
 
 def gemv_q4k(x: torch.Tensor, w: torch.Tensor, tile: tuple[int, int, int],
