@@ -317,9 +317,9 @@ class OffloadExperts:
         return out
 
     def _count_routed(self, layer: int, ids: torch.Tensor, table: torch.Tensor) -> None:
-        """Count a device-routed layer's pairs on the device: routed per expert (the stats'
-        routing counters and, at _settle, the policy) and hits / streamed per layer."""
-        self.stats.count_on_device(layer, ids)
+        """Count a device-routed layer's pairs on the device: routed per expert (for the stats'
+        routing counters and the policy, at _settle) and hits / streamed per layer (against
+        the table of the chunk: the cache may change before the counts are read)."""
         flat = ids.reshape(-1).long()
         if self._dev_counts is None:
             n_layers, n_experts = len(self.arena.layouts), self.arena.n_experts
@@ -351,6 +351,7 @@ class OffloadExperts:
         for layer in np.flatnonzero(touch.sum(1)):
             experts = np.flatnonzero(touch[layer])
             ls = self.cache.layers[layer]
+            self.stats.count(layer, experts, touch[layer][experts])
             ls.policy.touch(experts.tolist(), touch[layer][experts].tolist())
             uncached = ls.slot_of < 0
             if uncached.any():  # (the chunks since the last settle, together)
