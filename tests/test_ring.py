@@ -226,18 +226,6 @@ def test_prefetched_experts_compute_only_when_routed() -> None:
     torch.testing.assert_close(out, reference(arena, 0, some, h), rtol=1e-5, atol=1e-5)
 
 
-def test_reset_drops_everything_queued() -> None:
-    arena, ring = _Arena(), bank_ring(2)
-    h = torch.randn(T, 256, generator=torch.Generator().manual_seed(5))
-    ring.prefetch(arena, 0, list(range(E)))
-    ring.prefetch(arena, 1, list(range(E)))
-    ring.reset()
-    assert not ring.banks
-    g1 = routing(50)
-    torch.testing.assert_close(streamed(ring, arena, 1, g1, h), reference(arena, 1, g1, h),
-                               rtol=1e-5, atol=1e-5)
-
-
 def test_banks_copy_runs_of_consecutive_experts() -> None:
     """An Arena copies a run of consecutive records at once; an arena with only `record` (no
     per-layer table) one record at a time: the same bytes land."""

@@ -183,12 +183,6 @@ class Ring:
         covered = self._covered(layer)
         self._queue(arena.layouts[layer], [e for e in experts if e not in covered])
 
-    def reset(self) -> None:
-        """Drop every bank not yet consumed (none is computed); their `free` events keep later
-        copies into their places ordered."""
-        while self.banks:
-            self._consume(self.banks[0])
-
     def _covered(self, layer: int) -> set[int]:
         return {e for b in self.banks if b.layer == layer for e in b.experts}
 
