@@ -66,6 +66,27 @@ DECODE_TUNE: dict = {}
 # ---- decode: per pair, FMA -------------------------------------------------------------------
 
 
+@triton.jit
+def _computed(slot, MISS: tl.constexpr):
+    """Whether a pair is computed: its expert has a slot, or every pair with MISS (the record of
+    one without a slot is in its miss row)."""
+    if MISS:
+        live = slot > -(1 << 30)
+    else:
+        live = slot >= 0
+    return live
+
+
+@triton.jit
+def _record_part(slots, slot, stride_s, miss_rows, p, stride_m, MISS: tl.constexpr):
+    """uint8 pointer to pair p's part (gate, up or down) of its expert's record: in slot `slot`
+    of `slots`, or with MISS and no slot (slot < 0) in row p of `miss_rows`."""
+    base = slots + tl.maximum(slot, 0).to(tl.int64) * stride_s
+    if MISS:
+        base = tl.where(slot >= 0, base, miss_rows + p.to(tl.int64) * stride_m)
+    return base
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, D, F,
                           stride_x, stride_gs, stride_us, stride_ms, rb_g, rb_u,
@@ -78,17 +99,11 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    if MISS:
-        live = slot > -(1 << 30)  # every pair: misses from their row
-    else:
-        live = slot >= 0
+    live = _computed(slot, MISS)
     if live:
         xr = x + (p // TOPK).to(tl.int64) * stride_x
-        gb = gate + tl.maximum(slot, 0).to(tl.int64) * stride_gs
-        ub = up + tl.maximum(slot, 0).to(tl.int64) * stride_us
-        if MISS:
-            gb = tl.where(slot >= 0, gb, mg + p.to(tl.int64) * stride_ms)
-            ub = tl.where(slot >= 0, ub, mu + p.to(tl.int64) * stride_ms)
+        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
         wg = rows(gb, n, F, rb_g)
         wu = rows(ub, n, F, rb_u)
         ag, au = gemv_tile2(QG, SG, QU, SU, BK, EVEN_D, STAGES, wg, wu, xr, D, tg, tg2, tu,
@@ -113,15 +128,10 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    if MISS:
-        live = slot > -(1 << 30)
-    else:
-        live = slot >= 0
+    live = _computed(slot, MISS)
     total = tl.zeros((BN,), dtype=tl.float32)
     if live:
-        base = down + tl.maximum(slot, 0).to(tl.int64) * stride_ds
-        if MISS:
-            base = tl.where(slot >= 0, base, md + p.to(tl.int64) * stride_ms)
+        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         acc = gemv_tile(QD, SD, BK, EVEN_F, STAGES, rows(base, n, D, rb_d),
                         h + p.to(tl.int64) * F, F, td, td2,
                         tl.zeros((BN, BK // SD, SD), dtype=tl.float32))
@@ -137,17 +147,11 @@ def _gate_up_pairs_q4k_kernel(x, ids, wts, slot_of, gate, up, h, mg, mu, D, F, s
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    if MISS:
-        live = slot > -(1 << 30)
-    else:
-        live = slot >= 0
+    live = _computed(slot, MISS)
     if live:
         xr = x + (p // TOPK).to(tl.int64) * stride_x
-        gb = gate + tl.maximum(slot, 0).to(tl.int64) * stride_gs
-        ub = up + tl.maximum(slot, 0).to(tl.int64) * stride_us
-        if MISS:
-            gb = tl.where(slot >= 0, gb, mg + p.to(tl.int64) * stride_ms)
-            ub = tl.where(slot >= 0, ub, mu + p.to(tl.int64) * stride_ms)
+        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
         r = tl.minimum(n, F - 1).to(tl.int64) * rb
         g = q4k_rows_dot(gb + r, xr, D, BN, NB)
         u = q4k_rows_dot(ub + r, xr, D, BN, NB)
@@ -164,15 +168,10 @@ def _down_pairs_q4k_kernel(h, ids, slot_of, down, part, md, D, F, stride_ds, str
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    if MISS:
-        live = slot > -(1 << 30)
-    else:
-        live = slot >= 0
+    live = _computed(slot, MISS)
     total = tl.zeros((BN,), dtype=tl.float32)
     if live:
-        base = down + tl.maximum(slot, 0).to(tl.int64) * stride_ds
-        if MISS:
-            base = tl.where(slot >= 0, base, md + p.to(tl.int64) * stride_ms)
+        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         rows = base + tl.minimum(n, D - 1).to(tl.int64) * rb
         total = q4k_rows_dot(rows, h + p.to(tl.int64) * F, F, BN, NB)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
