@@ -79,7 +79,7 @@ class DecodeStep:
         self.device = dev
         self.graphs = mode == "graphs" and dev.type == "cuda"
         # layers with experts outside VRAM whose misses the GPU gathers itself: the step reads
-        # their records from the mapped arena (no host round trip; see _gathered)
+        # their records from the mapped arena (no host round trip; OffloadExperts.gathered)
         self.gathered = [dev.type == "cuda" and not ex.resident(i, 1)
                          and ex.gathers(i, cfg.n_experts_used)
                          for i in range(cfg.n_layers)]
