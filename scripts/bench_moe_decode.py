@@ -125,26 +125,20 @@ def main() -> None:
     for q, n, k, what in shapes:
         nbytes = n * row_nbytes(q, k)
         copies = None
-        for tile in tiles:
-            if tile is not None and tile[1] > k:
-                continue
+        # (label, shared-skeleton tile, gemv_q4k tile): every variant timed the same way
+        variants = [(str(tile or "default"), tile, None) for tile in tiles
+                    if tile is None or tile[1] <= k]
+        if q == QType.Q4_K:
+            variants += [(f"gemv_q4k {b}", None, b) for b in [
+                (2, 2, 4), (4, 2, 4), (2, 4, 4), (4, 4, 4), (1, 8, 4), (2, 8, 8), (4, 4, 8),
+                (8, 2, 4)]]
+        for label, tile, blocks in variants:
+            key = f"{q.name} {n}x{k} {label}"
             try:
-                t, copies = time_gemv(q, n, k, tile, rng, dev, copies)
-            except Exception as e:  # noqa: BLE001
-                print(f"gemv {q.name} {n}x{k} {tile}: failed ({type(e).__name__})")
+                t, copies = time_gemv(q, n, k, tile, rng, dev, copies, blocks=blocks)
+            except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
+                print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
                 continue
-            key = f"{q.name} {n}x{k} {tile or 'default'}"
-            res["gemv"][key] = t * 1e6
-            print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
-                  f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
-        for blocks in ([(2, 2, 4), (4, 2, 4), (2, 4, 4), (4, 4, 4), (1, 8, 4), (2, 8, 8),
-                        (4, 4, 8), (8, 2, 4)] if q == QType.Q4_K else []):
-            try:
-                t, copies = time_gemv(q, n, k, None, rng, dev, copies, blocks=blocks)
-            except Exception as e:  # noqa: BLE001
-                print(f"gemv_q4k {n}x{k} {blocks}: failed ({type(e).__name__}: {str(e)[:120]})")
-                continue
-            key = f"{q.name} {n}x{k} gemv_q4k {blocks}"
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
