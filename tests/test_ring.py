@@ -364,14 +364,20 @@ def test_prompt_routed_on_the_device_on_cuda(pack, records, monkeypatch) -> None
     with monkeypatch.context() as m:
         off = engine(path, "cuda", records, False, m, expert_cache="3", kernels="fused")
         plain = compute_logits(off, PROMPT)
-    np.testing.assert_allclose(ours, plain, rtol=2e-3, atol=2e-3)
     st_on, st_off = on.model.experts.stats, off.model.experts.stats
     assert (st_on.streamed == st_off.streamed).all() and (st_on.hits == st_off.hits).all()
     exact = engine(path, "cuda", records, False, monkeypatch, expert_cache="3",
                    kernels="fused")
     exact.model.experts.ring.grouped = False  # run_records per buffer, float32
-    kl = kl_per_position(compute_logits(exact, PROMPT), ours)
-    assert kl.max() < 2e-2 and kl.mean() < 2e-3, kl
+    truth = compute_logits(exact, PROMPT)
+    # the two bank paths round each pair's output to bf16 alike but add them in another order
+    # (and cuBLAS groups them differently), so they differ by bf16 rounding carried through
+    # the layers: as far from each other as each is from the float32 ring, and no further
+    kl_on, kl_off = kl_per_position(truth, ours), kl_per_position(truth, plain)
+    kl = kl_per_position(plain, ours)
+    assert kl_off.max() < 2e-2 and kl_on.max() < 2e-2 and kl.max() < 2e-2, (kl_on, kl_off, kl)
+    assert kl_on.mean() < 2 * kl_off.mean() + 1e-4, (kl_on, kl_off)
+    assert (ours.argmax(-1) == plain.argmax(-1)).mean() >= 0.9
 
 
 @pytest.mark.cuda
