@@ -8,6 +8,7 @@
 # PROFILE_BUDGETS), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache],
 # PROMPT_FLAGS added), check.
+# Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
 set -uo pipefail
@@ -16,6 +17,10 @@ OUT=${OUT:-out}
 STAGES=${STAGES:-"tests profile decode prompt check"}
 BUDGETS=${BUDGETS:-"2,10,40"}
 mkdir -p "$OUT"
+# everything but machine.txt goes back in one archive (a run returns a few files at most)
+pack() { (cd "$OUT" && ls | grep -vx -e machine.txt -e results.tgz >/tmp/packed \
+  && tar czf results.tgz -T /tmp/packed && xargs rm -f </tmp/packed); }
+trap pack EXIT
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   .whl/*.whl && export PYTHONPATH=/tmp/site

@@ -31,8 +31,10 @@ class BenchResult:
     hit_rate: float | None
     h2d_bytes_per_token: float | None
     cpu_pairs_per_token: float | None
-    vram_peak_gib: float | None
+    vram_peak_gib: float | None  # the larger of the two below
     host_peak_gib: float
+    vram_peak_prompt_gib: float | None = None  # allocated by torch during the prompts
+    vram_peak_decode_gib: float | None = None  # during the decode steps
     prompt_chunks: int = 1
     prompt_streamed_gib: float | None = None  # expert bytes streamed through the ring per prompt
     prompt_stream_gbs: float | None = None  # those bytes over the prompt's time
@@ -57,7 +59,9 @@ class BenchResult:
                        f"{100 * self.bound_fraction:.1f}%")
         mem = f"host RAM peak {self.host_peak_gib:.2f} GiB"
         if self.vram_peak_gib is not None:
-            mem = f"VRAM peak {self.vram_peak_gib:.2f} GiB, " + mem
+            mem = (f"VRAM peak {self.vram_peak_gib:.2f} GiB (prompt "
+                   f"{self.vram_peak_prompt_gib:.2f}, decode {self.vram_peak_decode_gib:.2f}), "
+                   + mem)
         out.append(mem)
         return out
 
@@ -77,7 +81,14 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     prompt = torch.from_numpy(rng.integers(0, cfg.n_vocab, prompt_len)).long()
     experts = getattr(model.experts, "stats", None)
     dev = model.device
-    if dev.type == "cuda":
+    peaks = [0, 0]  # bytes allocated at most during the prompts, during the decode steps
+
+    def peak(phase: int) -> None:
+        if dev.type == "cuda":
+            peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated(dev))
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    if dev.type == "cuda":  # (what loading left allocated is in both phases' peaks)
         torch.cuda.reset_peak_memory_stats(dev)
     p_times, d_rates, p_streamed = [], [], []
     decode = _Counters(cfg.n_layers)  # expert counters over the measured decode steps only
@@ -90,6 +101,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         logits = engine.run_prompt(prompt.tolist(), kv)
         _sync(engine)
         t1 = time.perf_counter()
+        peak(0)
         streamed = (ring.streamed_bytes if ring is not None else 0) - streamed0
         before = _Counters.of(experts) if r and experts is not None else None
         token = int(logits[0].argmax())
@@ -97,6 +109,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
             logits = model.decode(token, kv)
             token = int(logits[0].argmax())  # the host needs the token: a real sync per step
         t2 = time.perf_counter()
+        peak(1)
         if before is not None:
             decode.add(_Counters.of(experts), before)
         del kv  # its storage goes back to the pool: the next run's cache reuses it
@@ -109,10 +122,11 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         prompt_tok_s=prompt_len / statistics.median(p_times),
         decode_tok_s=statistics.median(d_rates), decode_tok_s_all=[round(x, 3) for x in d_rates],
         hit_rate=None, h2d_bytes_per_token=None, cpu_pairs_per_token=None,
-        vram_peak_gib=(torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
-                       else None),
+        vram_peak_gib=max(peaks) / 2**30 if dev.type == "cuda" else None,
         host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         ceilings=ceilings or {})
+    if dev.type == "cuda":
+        res.vram_peak_prompt_gib, res.vram_peak_decode_gib = (x / 2**30 for x in peaks)
     res.prompt_chunks = -(-prompt_len // engine.prefill_chunk(prompt_len))
     if p_streamed and p_streamed[0]:
         i = p_times.index(statistics.median_low(p_times))

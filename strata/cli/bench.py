@@ -4,6 +4,7 @@ the fraction of the bandwidth bound, with the machine's ceilings measured in the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from dataclasses import asdict, replace
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         results.append(res)
         head = f"strata bench ({'budget ' + str(budget) + ' GiB' if budget else 'default'}): "
         print(head + "\n  ".join(res.lines()), file=sys.stderr)
-        del engine
+        del engine  # the engine holds cycles: collect them, or the next budget's arena is
+        gc.collect()  # filled while this one is still mapped (host RAM peak twice the arena)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "ceilings": ceilings,
