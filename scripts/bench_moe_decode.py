@@ -1,8 +1,7 @@
 """Time the one-token kernels of a decode step on the GPU, with the launch choices to pick from:
 the Qwen3-30B-A3B MoE layer (moe.DECODE_TUNE: the tiles of the gate/up and down kernels) and the
-dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles, and for Q4_K the
-block-streaming gemv_q4k.py with matmul.Q4K_BLOCKS tiles), against float32 cuBLAS on the same
-shapes and the HBM copy ceiling.
+dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles), against float32
+cuBLAS on the same shapes and the HBM copy ceiling.
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -61,10 +60,8 @@ def time_moe(layer: dict, tune: dict) -> float:
 
 
 def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Generator,
-              dev: torch.device, copies: list | None = None,
-              blocks: tuple | None = None) -> tuple[float, list]:
-    """tile: the shared skeleton's (BN, BK, stages, warps); blocks: gemv_q4k's (BN, NB,
-    warps) instead (Q4_K)."""
+              dev: torch.device, copies: list | None = None) -> tuple[float, list]:
+    """tile: the shared skeleton's (BN, BK, stages, warps); None: its default."""
     if copies is None:
         one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
         count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
@@ -74,12 +71,10 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
     key = (int(q), n, k)
     if tile is not None:
         mm.GEMV_TUNE[key] = tile
-    mm.Q4K_BLOCKS = blocks
     try:
         t = graph_seconds(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out), CALLS)
     finally:
         mm.GEMV_TUNE.pop(key, None)
-        mm.Q4K_BLOCKS = None
     return t, copies
 
 
@@ -96,12 +91,6 @@ def main() -> None:
         variants[f"gate_up {gu}"] = {"gate_up": gu}
     for dn in [(2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 4), (4, 256, 1, 2), (8, 256, 1, 8)]:
         variants[f"down_pairs {dn}"] = {"down_pairs": dn}
-    # the block-streaming Q4_K dot (gemv_q4k.py) in the MoE kernels: (BN, NB, warps)
-    for gu in [(1, 8, 4), (2, 8, 4), (2, 4, 4), (4, 4, 8), (4, 8, 8), (1, 4, 2)]:
-        variants[f"q4k gate_up {gu}"] = {"q4k_gate_up": gu}
-    for dn in [(2, 4, 4), (4, 4, 4), (8, 4, 8), (4, 2, 4)]:
-        variants[f"q4k gate_up (2, 8, 4) + q4k down {dn}"] = {"q4k_gate_up": (2, 8, 4),
-                                                               "q4k_down": dn}
     for qdown in (QType.Q6_K, QType.Q4_K):
         layer = moe_layer(qdown, rng, dev)
         nbytes = K * layer["lay"].nbytes
@@ -125,17 +114,10 @@ def main() -> None:
     for q, n, k, what in shapes:
         nbytes = n * row_nbytes(q, k)
         copies = None
-        # (label, shared-skeleton tile, gemv_q4k tile): every variant timed the same way
-        variants = [(str(tile or "default"), tile, None) for tile in tiles
-                    if tile is None or tile[1] <= k]
-        if q == QType.Q4_K:
-            variants += [(f"gemv_q4k {b}", None, b) for b in [
-                (2, 2, 4), (4, 2, 4), (2, 4, 4), (4, 4, 4), (1, 8, 4), (2, 8, 8), (4, 4, 8),
-                (8, 2, 4)]]
-        for label, tile, blocks in variants:
-            key = f"{q.name} {n}x{k} {label}"
+        for tile in [t for t in tiles if t is None or t[1] <= k]:
+            key = f"{q.name} {n}x{k} {tile or 'default'}"
             try:
-                t, copies = time_gemv(q, n, k, tile, rng, dev, copies, blocks=blocks)
+                t, copies = time_gemv(q, n, k, tile, rng, dev, copies)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
                 print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
                 continue

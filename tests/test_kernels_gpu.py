@@ -37,7 +37,6 @@ triton = pytest.importorskip("triton")  # the whole module needs triton; CUDA te
 from interpreted import fresh_rng, rel_err, run_interpreted  # noqa: E402
 
 from strata.kernels.gpu import FUSED_TYPES, dequantize_gpu, moe_forward, quant_matmul  # noqa: E402
-from strata.kernels.gpu import matmul as mm  # noqa: E402
 from strata.kernels.gpu import moe as moe_mod  # noqa: E402
 from strata.kernels.gpu.reference import matmul_ref, moe_ref  # noqa: E402
 from strata.quant import QType, dequantize, get_quant, random_rows, row_nbytes  # noqa: E402
@@ -197,44 +196,6 @@ def test_moe_one_token_per_expert() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tile", [(2, 2, 4), (4, 4, 4), (1, 8, 4), (8, 2, 4)])
-def test_block_streaming_q4k_gemv(tile: tuple[int, int, int],
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """gemv_q4k (matmul.Q4K_BLOCKS) on odd rows and block counts, the model shapes too."""
-    rng, seed = fresh_rng()
-    monkeypatch.setattr(mm, "Q4K_BLOCKS", tile)
-    for n, k in ((7, 256), (13, 1280), (4096, 2048), (2048, 4096), (333, 2304)):
-        w = cuda_rows(QType.Q4_K, n, k, rng)
-        x = torch.randn(1, k, device="cuda")
-        err = rel_err(quant_matmul(x, w, QType.Q4_K), matmul_ref(x, w, QType.Q4_K))
-        assert err < FMA_TOL, f"tile {tile} {n}x{k} seed={seed}: rel err {err:.2e}"
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("gu,dn", [((1, 8, 4), (4, 4, 4)), ((2, 4, 4), (2, 2, 4))])
-@pytest.mark.parametrize("name", ["decode", "none-resident"])
-def test_block_streaming_q4k_moe(gu, dn, name, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode MoE kernels with the block-streaming Q4_K dot (moe.Q4K_GATE_UP/Q4K_DOWN) on
-    a Q4_K layer, the output poisoned first; and the Qwen3-30B-A3B shape."""
-    rng, seed = fresh_rng()
-    monkeypatch.setattr(moe_mod, "scratch", nan_scratch)
-    monkeypatch.setattr(moe_mod, "Q4K_GATE_UP", gu)
-    monkeypatch.setattr(moe_mod, "Q4K_DOWN", dn)
-    for case in ((1, 7, 2, 512, 256, (QType.Q4_K,) * 3, 5 if name == "decode" else 0),
-                 (1, 128, 8, 2048, 768, (QType.Q4_K,) * 3, 128), (4, 13, 3, 768, 512,
-                                                                  (QType.Q4_K,) * 3, 11)):
-        layer = make_layer(case, rng)
-        out = moe_forward(**layer)
-        ref = moe_ref(**layer)
-        assert torch.isfinite(out).all(), f"{case} seed={seed}"
-        if not ref.abs().any():
-            assert not out.any()
-            continue
-        err = rel_err(out, ref)
-        assert err < FMA_TOL, f"{case} {gu} {dn} seed={seed}: rel err {err:.2e}"
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("t", [1, 4])
 def test_misses_gathered_from_mapped_host_records(t: int) -> None:
     """A layer's records in pinned host memory (as the arena), a few of them in VRAM slots:
@@ -338,37 +299,6 @@ _INTERPRETED = """
         x, wts = torch.randn(t, d), torch.rand(t, 2)
         out = moe_forward(x, ids, wts, **layer)
         assert rel(out, moe_ref(x, ids, wts, **layer)) < tol, t
-    # the block-streaming Q4_K GEMV (matmul.Q4K_BLOCKS): rows and blocks not multiples of the
-    # tile, bf16 and float32 x
-    from strata.kernels.gpu import matmul as mm
-    for tile in ((2, 2, 4), (4, 4, 4), (1, 8, 2)):
-        mm.Q4K_BLOCKS = tile
-        for n, k in ((7, 256), (13, 1280), (5, 2304)):
-            w = rows(QType.Q4_K, n, k)
-            for dt in (torch.float32, torch.bfloat16):
-                x = torch.randn(1, k).to(dt)
-                err = rel(quant_matmul(x, w, QType.Q4_K), matmul_ref(x, w, QType.Q4_K))
-                assert err < 2e-5, ("gemv_q4k", tile, n, k, dt, err)
-    mm.Q4K_BLOCKS = None
-    # the same dot in the decode MoE kernels (moe.Q4K_GATE_UP, moe.Q4K_DOWN): Q4_K gate, up
-    # and down with 2 and 1 blocks a row, fewer blocks than a step takes (few, large programs:
-    # the interpreter's time goes by program)
-    from strata.kernels.gpu import moe as moe_mod
-    from strata.kernels.gpu.reference import moe_ref as ref_moe
-    e4, d4, f4 = 5, 512, 256
-    lay4 = dict(slot_of_expert=torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32),
-                gate_slots=rows(QType.Q4_K, 3 * f4, d4).view(3, f4, -1),
-                up_slots=rows(QType.Q4_K, 3 * f4, d4).view(3, f4, -1),
-                down_slots=rows(QType.Q4_K, 3 * d4, f4).view(3, d4, -1),
-                qtypes=(QType.Q4_K,) * 3, d_model=d4, d_expert=f4)
-    for gu, dn in (((32, 4, 4), (64, 2, 4)), ((64, 1, 4), (32, 1, 4))):
-        moe_mod.Q4K_GATE_UP, moe_mod.Q4K_DOWN = gu, dn
-        for t in (1, 2):
-            ids = torch.from_numpy(np.stack([rng.permutation(e4)[:2] for _ in range(t)]))
-            x, wts = torch.randn(t, d4), torch.rand(t, 2)
-            err = rel(moe_forward(x, ids, wts, **lay4), ref_moe(x, ids, wts, **lay4))
-            assert err < 2e-5, ("q4k moe", gu, dn, t, err)
-    moe_mod.Q4K_GATE_UP = moe_mod.Q4K_DOWN = None
     # misses gathered from the records into rows, then every pair computed
     from strata.experts.layout import ExpertLayout
     from strata.kernels.gpu import gather_misses

@@ -365,6 +365,7 @@ def test_prompt_routed_on_the_device_on_cuda(pack, records, monkeypatch) -> None
         off = engine(path, "cuda", records, False, m, expert_cache="3", kernels="fused")
         plain = compute_logits(off, PROMPT)
     st_on, st_off = on.model.experts.stats, off.model.experts.stats
+    st_on.settle()  # the device-routed layers' counts are on the device until read
     assert (st_on.streamed == st_off.streamed).all() and (st_on.hits == st_off.hits).all()
     exact = engine(path, "cuda", records, False, monkeypatch, expert_cache="3",
                    kernels="fused")
@@ -496,3 +497,41 @@ def test_stream_routed_makes_no_host_sync() -> None:
     for layer, (ids, wts) in enumerate(routes):
         host_ring.stream(arena, layer, group_pairs(ids, wts), h, want, 1 << 30)
     torch.testing.assert_close(first, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_the_ring_borrows_for_streamed_chunks_and_gives_it_back(pack, routed,
+                                                                monkeypatch) -> None:
+    """With --ring-bytes auto the ring grows by what the plan leaves (ring_borrow) for the
+    passes that stream and shrinks back before a decode step; banks are larger meanwhile, and
+    the logits are those of the reference."""
+    path, ref = pack
+    config = EngineConfig(device="cpu", offload="on", debug=True, cpu_kernels="torch",
+                          prefill="16", stream_min=2, expert_cache="3", kernels="exact")
+    e = Engine.load(path, config=config)
+    ex = e.model.experts
+    ring = ex.ring
+    ring.grouped = True  # the bank path on the CPU (see the module doc)
+    if not routed:
+        monkeypatch.setattr(OffloadExperts, "_streams_routed", lambda *a: False)
+    base = ring.nbytes
+    assert ex.ring_base == base and ex.ring_borrow > 0
+    sizes = []
+    real = Ring._issue
+
+    def spy(self, arena):  # noqa: ANN001, ANN202
+        sizes.append(self.nbytes)
+        return real(self, arena)
+
+    monkeypatch.setattr(Ring, "_issue", spy)
+    ours = compute_logits(e, PROMPT)
+    assert sizes and set(sizes) == {base + ex.ring_borrow}
+    assert kl_per_position(ref, ours).max() < 1e-4
+    kv = e.model.new_cache(8)
+    e.run_prompt(PROMPT[:8], kv)
+    assert ring.nbytes == base + ex.ring_borrow and not ring.banks
+    e.model.decode(PROMPT[8], kv)
+    assert ring.nbytes == base and ring.buf.numel() == base  # given back
+    ring.prefetch(ex.arena, 0, [0, 1])  # left queued (say, by an exception): dropped
+    e.run_prompt(PROMPT[9:30], kv)
+    assert not ring.banks and ring.nbytes == base + ex.ring_borrow

@@ -151,6 +151,7 @@ class _Counters:
 
     @classmethod
     def of(cls, st) -> _Counters:  # noqa: ANN001 - OffloadStats
+        st.settle()  # counts kept on the device (device-routed prompt chunks) land here first
         c = cls(len(st.hits))
         c.hits, c.cpu, c.streamed, c.bytes_h2d = (st.hits.copy(), st.cpu.copy(),
                                                   st.streamed.copy(), st.bytes_h2d)

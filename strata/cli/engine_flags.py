@@ -34,7 +34,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill", default="auto", metavar="auto|auto:N|N|off",
                    help="prompt chunk size (auto: from the workspace)")
     g.add_argument("--ring-bytes", default="auto", metavar="auto|BYTES",
-                   help="byte budget of the ring that prompt chunks stream experts through")
+                   help="byte budget of the ring that prompt chunks stream experts through "
+                   "(auto: from the plan, and it borrows the VRAM the plan leaves unused while a "
+                   "prompt streams)")
     g.add_argument("--kernels", default="fused", choices=["fused", "exact", "off"],
                    help="GPU kernels on GGUF blocks: fused everywhere (prompt chunks on bf16 "
                    "tensor cores), exact (fused only where float32-exact: up to 4 tokens), off")

@@ -89,7 +89,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, plan.workspace,
                               [staging], Ring(plan.ring, dev, grouped=ec.kernels == "fused"),
                               stream_min, debug=ec.debug, fused_max_t=fused_max_t,
-                              prompt_scratch=plan.prompt_weights)
+                              prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"

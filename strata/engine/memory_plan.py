@@ -26,6 +26,7 @@ from strata.units import fmt_bytes, proc_kib
 GIB = 1 << 30
 MARGIN = 256 << 20  # activations, allocator slack, kernels' own buffers
 MIN_KV_TOKENS = 256
+BORROW_RECORDS = 512  # the ring with what it borrows: at most this many of the largest records
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class MemoryPlan:
     host_available: int
     chunk: int = 4096  # prompt tokens per forward at most
     prompt_weights: int | None = None  # bf16 weight scratch of the grouped prompt path
+    ring_borrow: int = 0  # bytes of `left` the ring may add to itself during streamed chunks
 
     @property
     def left(self) -> int:
@@ -63,7 +65,9 @@ class MemoryPlan:
             f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
             "tokens)",
             f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
-            f"  streaming ring {f(self.ring):>10}",
+            f"  streaming ring {f(self.ring):>10}"
+            + (f" (+ up to {f(self.ring_borrow)} of what is left, during prompt chunks that "
+               "stream)" if self.ring_borrow else ""),
             f"  cache slots    {f(self.cache):>10} ({n} slots, "
             f"{min(self.slots_per_layer, default=0)}-{max(self.slots_per_layer, default=0)} "
             "per layer)",
@@ -208,7 +212,14 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         raise StrataError(f"the expert arena needs {fmt_bytes(arena)} of host RAM but "
                           f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
+    # --ring-bytes auto: during prompt chunks that stream, the ring grows into the VRAM the
+    # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
+    # shrinks back before any other pass (OffloadExperts.before_pass)
+    borrow = 0
+    if ec.ring_bytes is None:
+        left = budget - fixed - kv - cache
+        borrow = max(0, min(left, BORROW_RECORDS * max_stride - ring)) // 256 * 256
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
-                      chunk, prompt_weights)
+                      chunk, prompt_weights, borrow)
 

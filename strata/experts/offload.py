@@ -39,10 +39,12 @@ class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
                  workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
                  stream_min: int = 1 << 30, debug: bool = False, fused_max_t: int = 1 << 30,
-                 prompt_scratch: int | None = None):
+                 prompt_scratch: int | None = None, ring_borrow: int = 0):
+        """ring_borrow: VRAM the ring may add to itself for passes that stream (before_pass)."""
         self.arena, self.cache, self.planner, self.pool = arena, cache, planner, cpu_pool
         self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
         self.ring, self.stream_min = ring, stream_min
+        self.ring_base, self.ring_borrow = (ring.nbytes if ring else 0), ring_borrow
         self.device = cache.device
         self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
@@ -54,6 +56,15 @@ class OffloadExperts:
         # (_streams_routed copies them all only when nearly all are used)
         self.routed_fraction: dict[int, float] = {}
         self.stats.settlers.append(self._settle)
+
+    def before_pass(self, tokens: int) -> None:
+        """Called before each forward pass or decode step of `tokens` tokens: a pass whose
+        chunks stream (tokens >= stream_min) gets the ring with what it may borrow, any other
+        the ring's own size (the borrowed bytes go back to the allocator for the decode steps,
+        the cache and the KV cache)."""
+        if self.ring is None or not self.ring_borrow:
+            return
+        self.ring.resize(self.ring_base + (self.ring_borrow if tokens >= self.stream_min else 0))
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor, host: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

@@ -167,6 +167,22 @@ class Ring:
     def nbytes(self) -> int:
         return self.buf.numel()
 
+    def resize(self, nbytes: int) -> None:
+        """Make the ring nbytes large (borrowing VRAM for a prompt, or giving it back), between
+        passes: banks still queued or issued are stale then (an exception left them) and are
+        dropped. The old buffer goes back to the allocator once every copy into it landed."""
+        if nbytes == self.nbytes:
+            return
+        while self.banks:
+            self._consume(self.banks[0])
+        if self.cuda:  # kernels reading the old buffer are ordered before any later use
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self.buf = None
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.regions = Regions(nbytes)
+
     def buffers(self, layout: ExpertLayout) -> torch.Tensor:
         """This layer's view of the ring for the per-buffer path: uint8 [n_l, stride_l]."""
         n = self.nbytes // layout.stride

@@ -47,6 +47,7 @@ class MoETransformer:
         """One new token of one sequence -> logits [1, V] float32: the decode step (captured as
         CUDA graphs where it can be) when the engine built one, else a plain forward."""
         if self.step is not None:
+            self.experts.before_pass(1)
             return self.step(token, kv)
         return self.forward(torch.tensor([token]), [Segment(kv, 1)])
 
@@ -70,6 +71,7 @@ class MoETransformer:
         cfg = self.cfg
         if sum(s.length for s in segments) != tokens.shape[0]:
             raise ValueError("segments do not cover the tokens")
+        self.experts.before_pass(tokens.shape[0])
         timer = self.gpu_timer()
         t0 = timer.start() if timer else None
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)

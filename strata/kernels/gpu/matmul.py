@@ -33,11 +33,6 @@ GEMV_MAX_M = 4  # past 4 tokens the FMA kernel is compute-bound (2 FLOP per weig
 # It needs an N x K bf16 scratch matrix.
 DEQUANT_MIN_M = 64
 
-# one-token Q4_K through gemv_q4k.py (block-streaming, scales per sub-block) with this tile
-# (BN rows, NB blocks, warps); None: the shared skeleton. Off until timed faster on the GPU
-# (scripts/bench_moe_decode.py times both)
-Q4K_BLOCKS: tuple[int, int, int] | None = None
-
 # (GGML type, N, K) -> (BN, BK, stages, warps) for one token: the tile timed fastest on that
 # shape (scripts/bench_moe_decode.py sets candidates here to time them)
 GEMV_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
@@ -243,11 +238,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
     n = w.shape[0]
     tab, tab2 = fmt.tables(x.device)
     args = (x, w, out, tab, tab2, m, n, k, nbytes, x.stride(0), out.stride(0))
-    if m == 1 and fmt.qtype == QType.Q4_K and Q4K_BLOCKS is not None:
-        from strata.kernels.gpu.gemv_q4k import gemv_q4k
-
-        gemv_q4k(x, w, Q4K_BLOCKS, out=out)
-    elif m <= GEMV_MAX_M:
+    if m <= GEMV_MAX_M:
         bn, bk, stages, warps = gemv_config(fmt, m, n, k)
         _gemv_kernel[(triton.cdiv(n, bn),)](*args, QT=int(fmt.qtype), S=fmt.group,
                                             BM=triton.next_power_of_2(m), BN=bn, BK=bk,

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
-from strata.kernels.gpu.gemv_q4k import q4k_rows_dot
 from strata.kernels.gpu.matmul import check_weights, dot_dtype, log_fallback
 from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
 from strata.quant import QType, dequantize
@@ -55,10 +54,6 @@ _SIZES = ["T", "P", "D", "F", "NC"]
 # rows) looping over all K experts)
 GATE_UP_TILE = (1, 512, 1, 2)
 DOWN_TILE = (4, 256, 1, 4)
-# Q4_K gate/up and Q4_K down through the block-streaming dot of gemv_q4k.py, with these tiles
-# (BN rows, NB blocks, warps); None: the shared skeleton. Off until timed faster (as Q4K_BLOCKS)
-Q4K_GATE_UP: tuple[int, int, int] | None = None
-Q4K_DOWN: tuple[int, int, int] | None = None
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others)
 DECODE_TUNE: dict = {}
 
@@ -136,44 +131,6 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
                         h + p.to(tl.int64) * F, F, td, td2,
                         tl.zeros((BN, BK // SD, SD), dtype=tl.float32))
         total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
-
-
-@triton.jit(do_not_specialize=_SIZES)
-def _gate_up_pairs_q4k_kernel(x, ids, wts, slot_of, gate, up, h, mg, mu, D, F, stride_x,
-                              stride_gs, stride_us, stride_ms, rb, TOPK: tl.constexpr,
-                              BN: tl.constexpr, NB: tl.constexpr, MISS: tl.constexpr):
-    # _gate_up_pairs_kernel for Q4_K gate and up, through gemv_q4k.q4k_rows_dot
-    p = tl.program_id(1)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, MISS)
-    if live:
-        xr = x + (p // TOPK).to(tl.int64) * stride_x
-        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
-        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
-        r = tl.minimum(n, F - 1).to(tl.int64) * rb
-        g = q4k_rows_dot(gb + r, xr, D, BN, NB)
-        u = q4k_rows_dot(ub + r, xr, D, BN, NB)
-        hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
-    else:
-        hv = tl.zeros((BN,), dtype=tl.float32)
-    tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
-
-
-@triton.jit(do_not_specialize=_SIZES)
-def _down_pairs_q4k_kernel(h, ids, slot_of, down, part, md, D, F, stride_ds, stride_ms, rb,
-                           BN: tl.constexpr, NB: tl.constexpr, MISS: tl.constexpr):
-    # _down_pairs_kernel for a Q4_K down, through gemv_q4k.q4k_rows_dot
-    p = tl.program_id(1)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, MISS)
-    total = tl.zeros((BN,), dtype=tl.float32)
-    if live:
-        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
-        rows = base + tl.minimum(n, D - 1).to(tl.int64) * rb
-        total = q4k_rows_dot(rows, h + p.to(tl.int64) * F, F, BN, NB)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
 
 
@@ -402,42 +359,26 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     tu, tu2 = fu.tables(x.device)
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
-    tune = DECODE_TUNE
-    q4k_gu, q4k_down = tune.get("q4k_gate_up", Q4K_GATE_UP), tune.get("q4k_down", Q4K_DOWN)
-    if q4k_gu is not None and fg.qtype == fu.qtype == QType.Q4_K:
-        bn, nb, w = q4k_gu
-        _gate_up_pairs_q4k_kernel[(triton.cdiv(f, bn), p)](
-            x, ids, weights, slot_of, gate, up, h, mg, mu, d, f, x.stride(0), gate.stride(0),
-            up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, BN=bn, NB=nb,
-            MISS=miss is not None, num_warps=w)
-    else:
-        bn, bk, st, w = tune.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
-        _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
-            x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
-            gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
-            QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
-            EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, num_warps=w)
-    _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss, accumulate,
-                 q4k_down)
+    bn, bk, st, w = DECODE_TUNE.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
+    _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
+        x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
+        gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
+        QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
+        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, num_warps=w)
+    _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss, accumulate)
 
 
 def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: ANN001
-                 out: torch.Tensor, t: int, topk: int, d: int, f: int, miss, accumulate: bool,
-                 q4k: tuple[int, int, int] | None) -> None:
+                 out: torch.Tensor, t: int, topk: int, d: int, f: int, miss,
+                 accumulate: bool) -> None:
     """The down half of _decode: partial rows per pair, then each token's K rows summed."""
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
-    if q4k is not None and fd.qtype == QType.Q4_K:
-        bn, nb, warps = q4k
-        _down_pairs_q4k_kernel[(triton.cdiv(d, bn), p)](
-            h, ids, slot_of, down, part, md, d, f, down.stride(0), md.stride(0), down.shape[2],
-            BN=bn, NB=nb, MISS=miss is not None, num_warps=warps)
-    else:
-        bn, bk, stages, warps = DECODE_TUNE.get("down_pairs") or decode_tile(DOWN_TILE, (fd,), f)
-        _down_pairs_kernel[(triton.cdiv(d, bn), p)](
-            h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
-            down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-            STAGES=stages, MISS=miss is not None, num_warps=warps)
+    bn, bk, stages, warps = DECODE_TUNE.get("down_pairs") or decode_tile(DOWN_TILE, (fd,), f)
+    _down_pairs_kernel[(triton.cdiv(d, bn), p)](
+        h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
+        down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
+        STAGES=stages, MISS=miss is not None, num_warps=warps)
     if accumulate:  # each token's K pairs, in a fixed order
         out += part.view(t, topk, d).sum(1)
     else:
