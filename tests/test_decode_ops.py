@@ -110,6 +110,28 @@ def test_add_rms_norm(device: str, t: int, d: int) -> None:
     assert max_rel(h, ref) < TOL, f"seed={seed}: rel err {max_rel(h, ref):.2e}"
 
 
+@pytest.mark.parametrize("t,r", [(1, 8), (4, 3), (2, 1)])
+def test_add_rms_norm_sums_rows_of_delta(device: str, t: int, r: int) -> None:
+    """delta [T, R, D] (a token's K expert outputs, unsummed): its rows are added to each other
+    in order, then to x, bit for bit as that loop in float32."""
+    gen, seed = fresh_rng()
+    d = 96
+    x = randn(gen, t, d, device=device, std=3.0)
+    rows = randn(gen, t, r, d, device=device)
+    w = randn(gen, d, device=device)
+    total = rows[:, 0].clone()
+    for i in range(1, r):
+        total = total + rows[:, i]
+    want_x = x + total
+    out = torch.full((t, d), NAN, device=device)
+    h = ops.add_rms_norm(x, rows, w, EPS, out=out)
+    assert same_bits(x, want_x), f"seed={seed}: residual not x + the rows' sum"
+    ref = layers.rms_norm(want_x, w, EPS)
+    assert max_rel(h, ref) < TOL, f"seed={seed}: rel err {max_rel(h, ref):.2e}"
+    with pytest.raises(ValueError, match="delta"):
+        ops.add_rms_norm(x, rows[:, :, : d - 1], w, EPS)
+
+
 # ---- q/k norm + RoPE + cache store -------------------------------------------------------------
 
 # (H, Hkv, hd, rope_dim, style, qk norm, theta)
@@ -410,6 +432,11 @@ _INTERPRETED = """
         y = x.clone()
         h = ops.add_rms_norm(y, dl, w, EPS, out=out)
         assert torch.equal(y, x + dl) and rel(h, layers.rms_norm(x + dl, w, EPS)) < TOL
+        rows = rnd(t, 5, d)  # K rows per token, unsummed: added in order, then to x
+        total = rows[:, 0] + rows[:, 1] + rows[:, 2] + rows[:, 3] + rows[:, 4]
+        y = x.clone()
+        h = ops.add_rms_norm(y, rows, w, EPS, out=out)
+        assert torch.equal(y, x + total) and rel(h, layers.rms_norm(x + total, w, EPS)) < TOL
 
     cap = 300
     for h, hkv, hd, rope_dim, style, norm, t in ((4, 2, 64, 64, "neox", True, 3),

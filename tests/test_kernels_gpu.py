@@ -181,6 +181,12 @@ def test_moe_forward(name: str, xdtype: torch.dtype, monkeypatch: pytest.MonkeyP
     tol = FMA_TOL if t <= moe_mod.DECODE_MAX_T else MOE_DOT_TOL
     err = rel_err(added, ref)
     assert err < tol, f"{name} {xdtype} seed={seed}: rel err {err:.2e}"
+    if t <= moe_mod.DECODE_MAX_T:  # each pair's row unsummed: [T, K, D], summing to ref
+        rows = moe_forward(**layer, sum_pairs=False)
+        assert rows.shape == (t, layer["ids"].shape[1], layer["d_model"]), rows.shape
+        assert torch.isfinite(rows).all(), f"{name} seed={seed}: unwritten rows"
+        err = rel_err(rows.sum(1), ref)
+        assert err < tol, f"{name} {xdtype} seed={seed}: rows rel err {err:.2e}"
 
 
 @pytest.mark.cuda
@@ -299,6 +305,10 @@ _INTERPRETED = """
         x, wts = torch.randn(t, d), torch.rand(t, 2)
         out = moe_forward(x, ids, wts, **layer)
         assert rel(out, moe_ref(x, ids, wts, **layer)) < tol, t
+        if t == 1:  # the pairs' rows unsummed (non-resident pairs' rows zero)
+            parts = moe_forward(x, ids, wts, **layer, sum_pairs=False)
+            assert parts.shape == (1, 2, d) and torch.isfinite(parts).all()
+            assert rel(parts.sum(1), moe_ref(x, ids, wts, **layer)) < tol
     # misses gathered from the records into rows, then every pair computed
     from strata.experts.layout import ExpertLayout
     from strata.kernels.gpu import gather_misses

@@ -262,16 +262,20 @@ class DecodeStep:
                 for buf, src in zip(self.host_bufs, (ids, wts, h), strict=True):
                     buf.copy_(src, non_blocking=True)
                 return  # the layer's hits and shared expert: _tail
+            # the experts' K rows of the token may come back unsummed: the next residual
+            # step (add_rms_norm) adds them, one launch fewer a layer
+            rows = lw.shared_w1 is None
             if self.gathered[i]:
-                delta = self.ex.gathered(i, h, ids, wts, self.staging)
+                delta = self.ex.gathered(i, h, ids, wts, self.staging, sum_pairs=not rows)
             elif self.device.type == "cuda":  # (routing counted by route_topk)
-                delta = self.ex.device_hits(i, h, ids, wts, count=False)
+                delta = self.ex.device_hits(i, h, ids, wts, count=False, sum_pairs=not rows)
             else:
                 delta = self.ex.run(i, None, h, ids, wts)
             if lw.shared_w1 is not None:
                 delta = delta + shared_expert(lw, h)
-        x.add_(delta)
-        self.logits.copy_(linear(ops.rms_norm(x, w.output_norm, cfg.rms_eps), w.output))
+        h = (ops.rms_norm(x, w.output_norm, cfg.rms_eps) if delta is None
+             else ops.add_rms_norm(x, delta, w.output_norm, cfg.rms_eps))
+        self.logits.copy_(linear(h, w.output))
 
     def _counter(self, layer: int, piece: Piece) -> torch.Tensor | None:
         """Where route_topk counts a layer's routing on the device: the gathered layers' own

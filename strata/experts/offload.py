@@ -140,12 +140,14 @@ class OffloadExperts:
         return out
 
     def device_hits(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    count: bool) -> torch.Tensor:
+                    count: bool, sum_pairs: bool = True) -> torch.Tensor:
         """The pairs whose expert has a slot in the device table, with device work only (safe
         to capture in a CUDA graph; the caller counts hits on the host). count: also count the
-        routing on the device (layers whose routing the host never reads)."""
+        routing on the device (layers whose routing the host never reads). sum_pairs=False:
+        [T, K, D] rows may come back for the caller to sum (FusedHits.run)."""
         ls = self.cache.layers[layer]
-        out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, None)
+        out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, None,
+                             sum_pairs=sum_pairs)
         if count:
             self.stats.count_on_device(layer, ids)
         return out
@@ -163,7 +165,7 @@ class OffloadExperts:
                 and self.planner.copies_one_token(lay.nbytes))
 
     def gathered(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 staging: torch.Tensor) -> torch.Tensor:
+                 staging: torch.Tensor, sum_pairs: bool = True) -> torch.Tensor:
         """One decode token's experts of a layer, with device work only (a CUDA graph holds
         it): hits from their slots; each missed pair's record read from the mapped arena over
         PCIe into staging row p by a kernel that reads the slot table, then computed from
@@ -177,7 +179,7 @@ class OffloadExperts:
         gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes)
         slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
         return self.fused.run(lay, slots, ls.table, h, ids, weights, None,
-                              miss=lay.views(rows))
+                              miss=lay.views(rows), sum_pairs=sum_pairs)
 
     def gather_counts(self, device: torch.device) -> torch.Tensor:
         """[L, E] int32 on the device: gathered layers' routing since the decode step last read

@@ -110,16 +110,21 @@ def _device_int(t: torch.Tensor, name: str, device: torch.device) -> None:
 
 
 @triton.jit
-def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_o, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    # [x[t] += delta[t]]; out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
+def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o, eps,
+                     HAS_DELTA: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    # [x[t] += Σ_r delta[t, r], the rows added to each other in order first];
+    # out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     dm = d < D
     xr = x + t * stride_x
     v = tl.load(xr + d, mask=dm, other=0.0)
     if HAS_DELTA:
-        v = v + tl.load(delta + t * stride_d + d, mask=dm, other=0.0)
+        dr = delta + t * stride_d + d
+        s = tl.load(dr, mask=dm, other=0.0)
+        for r in tl.static_range(1, R):
+            s = s + tl.load(dr + r * stride_r, mask=dm, other=0.0)
+        v = v + s
         tl.store(xr + d, v, mask=dm)
     r = tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps)
     tl.store(out + t * stride_o + d, v * r * tl.load(w + d, mask=dm, other=0.0), mask=dm)
@@ -130,10 +135,11 @@ def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     t, d = x.shape
     block = triton.next_power_of_2(d)
     warps = min(16, max(1, block // 512))
+    rows = 1 if delta is None or delta.dim() == 2 else delta.shape[1]
     _rms_norm_kernel[(t,)](
         x, x if delta is None else delta, weight, out, d, x.stride(0),
-        0 if delta is None else delta.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None,
-        BLOCK=block, num_warps=warps)
+        0 if delta is None else delta.stride(0), delta.stride(1) if rows > 1 else 0,
+        out.stride(0), eps, HAS_DELTA=delta is not None, R=rows, BLOCK=block, num_warps=warps)
 
 
 def _norm_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -166,15 +172,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The residual step: x += delta in place, then returns rms_norm(x, weight, eps).
-    x, delta [T, D] f32 (rows contiguous), weight [D] f32 -> [T, D] f32. One launch."""
+    x [T, D] f32 (rows contiguous), weight [D] f32 -> [T, D] f32. One launch. delta: [T, D]
+    f32, or [T, R, D] (rows of D contiguous; a token's K expert outputs, moe_forward's
+    sum_pairs=False) whose R rows are added to each other in order, then to x."""
     out = _norm_args(x, weight, out)
-    _f32(delta, "delta", tuple(x.shape))
+    if delta.dim() == 3:
+        _f32(delta, "delta", (x.shape[0], delta.shape[1], x.shape[1]))
+        _check(delta.stride(2) == 1, "delta's rows must be contiguous")
+    else:
+        _f32(delta, "delta", tuple(x.shape))
     _check(delta.device == x.device, "delta must be on x's device")
     if x.shape[0] == 0:
         return out
     if _use_kernels(x):
         _norm_launch(x, delta, weight, eps, out)
     else:
+        if delta.dim() == 3:  # the same order as the kernel's
+            total = delta[:, 0].clone()
+            for r in range(1, delta.shape[1]):
+                total += delta[:, r]
+            delta = total
         x.add_(delta)
         out.copy_(layers.rms_norm(x, weight, eps))
     return out

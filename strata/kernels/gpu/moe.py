@@ -265,9 +265,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
                 d_expert: int, out: torch.Tensor | None = None,
                 scratch_bytes: int | None = None,
-                miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                sum_pairs: bool = True) -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
+    sum_pairs=False with no `out`: a decode call on fused kernels returns each pair's weighted
+    output, [T, K, D] float32 (the caller sums a token's K rows, as decode_ops.add_rms_norm
+    does in the next layer's residual step: one launch fewer a layer); other calls sum anyway.
     x [T, D] bf16/f32; ids [T, K] int32/int64 < E; weights [T, K]; slot_of_expert int32 [E];
     gate/up slots uint8 [n_slots, F, row_nbytes(D)], down uint8 [n_slots, D, row_nbytes(F)].
     scratch_bytes: the grouped path's bf16 weight scratch (None: its default).
@@ -306,8 +309,10 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     ids = ids.contiguous()
     weights = weights.contiguous()
     if t <= DECODE_MAX_T:
-        _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out,
-                miss, accumulate=not direct)
+        parts = _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts,
+                        None if direct and not sum_pairs else out, miss, accumulate=not direct)
+        if parts is not None:
+            return parts
     else:
         _prompt(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
     return out
@@ -347,8 +352,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
-            out: torch.Tensor, miss: tuple[torch.Tensor, ...] | None = None,
-            accumulate: bool = True) -> None:
+            out: torch.Tensor | None, miss: tuple[torch.Tensor, ...] | None = None,
+            accumulate: bool = True) -> torch.Tensor | None:
+    """Into out (accumulate: +=), or with out None the pairs' rows [T, K, D], returned."""
     fg, fu, fd = fmts
     t, d = x.shape
     topk = ids.shape[1]
@@ -365,13 +371,15 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
         EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, num_warps=w)
-    _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss, accumulate)
+    return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
+                        accumulate)
 
 
 def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: ANN001
-                 out: torch.Tensor, t: int, topk: int, d: int, f: int, miss,
-                 accumulate: bool) -> None:
-    """The down half of _decode: partial rows per pair, then each token's K rows summed."""
+                 out: torch.Tensor | None, t: int, topk: int, d: int, f: int, miss,
+                 accumulate: bool) -> torch.Tensor | None:
+    """The down half of _decode: partial rows per pair, then each token's K rows summed into
+    out (or, out None, the rows returned as [T, K, D])."""
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
     bn, bk, stages, warps = DECODE_TUNE.get("down_pairs") or decode_tile(DOWN_TILE, (fd,), f)
@@ -379,10 +387,13 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
         down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
         STAGES=stages, MISS=miss is not None, num_warps=warps)
+    if out is None:
+        return part.view(t, topk, d)
     if accumulate:  # each token's K pairs, in a fixed order
         out += part.view(t, topk, d).sum(1)
     else:
         torch.sum(part.view(t, topk, d), dim=1, out=out)
+    return None
 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
