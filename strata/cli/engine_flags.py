@@ -46,6 +46,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "eagerly, or off (the plain batched forward)")
     g.add_argument("--stream-min", default="auto", metavar="auto|T",
                    help="chunk tokens from which missed experts are streamed (auto: measured)")
+    g.add_argument("--cpu-share", type=int, default=0, metavar="N",
+                   help="CUDA decode steps whose layers gather their misses over PCIe: the CPU "
+                   "pool computes each token's last N missed pairs meanwhile (0: off; not yet "
+                   "measured, see docs/offload.md)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -64,7 +68,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
         cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
-        debug=getattr(args, "debug", False))
+        cpu_share=args.cpu_share, debug=getattr(args, "debug", False))
 
 
 def _int_flag(flag: str, text: str) -> int:

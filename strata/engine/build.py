@@ -59,6 +59,10 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     from strata.engine.memory_plan import make_plan
 
     check_miss_mode(ec.miss)  # before the arena is filled
+    if not 0 <= ec.cpu_share < cfg.n_experts_used:
+        raise StrataError(f"--cpu-share {ec.cpu_share}: give 0 (off) to "
+                          f"{cfg.n_experts_used - 1} of the {cfg.n_experts_used} experts a "
+                          "token is routed to")
     layouts = expert_layouts(mf, cfg)
     plan = make_plan(mf, cfg, ec, layouts)
     for line in plan.lines():
@@ -90,6 +94,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               [staging], Ring(plan.ring, dev, grouped=ec.kernels == "fused"),
                               stream_min, debug=ec.debug, fused_max_t=fused_max_t,
                               prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
+    executor.cpu_share = ec.cpu_share
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"

@@ -116,6 +116,17 @@ class DecodeStep:
         self.staged_table = torch.full((cfg.n_experts,), -1, dtype=torch.int32, device=dev)
         self.cpu_out = torch.zeros(1, cfg.d_model, **f32)
         self.logits = torch.zeros(1, cfg.n_vocab, **f32)
+        # --cpu-share: the CPU pool computes a gathered layer's last missed pairs meanwhile
+        self.share = None
+        if ex.cpu_share and len(self.gathered_layers):
+            if any(self.host):  # the pool would serve two threads at once
+                log.warning("--cpu-share %d: off, %d layer(s) of this plan wait on the host",
+                            ex.cpu_share, sum(self.host))
+            else:
+                from strata.experts.cpu_share import CpuShare
+
+                self.share = CpuShare(ex, self.gathered_layers.tolist(), ex.cpu_share, K,
+                                      cfg.d_model, dev)
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
@@ -132,7 +143,9 @@ class DecodeStep:
         self.steps = {"replayed": 0, "eager": 0}  # decode steps run each way
         log.info(f"decode step: {len(self.pieces)} piece(s), {len(self.resident_layers)} of "
                  f"{cfg.n_layers} layers without the host ({len(self.gathered_layers)} of them "
-                 "gathering their missed experts from the arena over PCIe); "
+                 "gathering their missed experts from the arena over PCIe"
+                 + (f", the last {self.share.pairs} missed pairs of each on the CPU pool"
+                    if self.share is not None else "") + "); "
                  + ("CUDA graphs" if self.graphs else "eager"))
 
     # ---- one token --------------------------------------------------------------------------
@@ -156,6 +169,7 @@ class DecodeStep:
         self.steps["replayed" if graphs is not None else "eager"] += 1
         timer = self.ex.stats.timer
         t0 = timer.start() if timer else None
+        step = self.share.begin() if self.share is not None else 0
         for i, piece in enumerate(self.pieces):
             if graphs is not None:
                 graphs[i][0].replay()
@@ -178,7 +192,9 @@ class DecodeStep:
                 for i in self.gathered_layers:
                     self.ex.cache.layers[i].used = done
                 self.settle()  # the last step's routing, while the GPU runs this one
-                self._copy_counts(tables)
+                self._copy_counts(tables, step)
+        if self.share is not None:
+            self.share.end(self._record() if self.device.type == "cuda" else None)
         if timer:
             timer.stop(t0)
         kv.advance(1)
@@ -235,6 +251,8 @@ class DecodeStep:
         layers = w.layers
         if piece.first:
             x.copy_(w.embed.rows(self.inputs[0:1]))
+            if self.share is not None:
+                self.share.tick()
         delta = None
         if piece.after_host:
             prev = piece.layers.start - 1  # the host layer before this piece
@@ -265,7 +283,12 @@ class DecodeStep:
             # the experts' K rows of the token may come back unsummed: the next residual
             # step (add_rms_norm) adds them, one launch fewer a layer
             rows = lw.shared_w1 is None
-            if self.gathered[i]:
+            if self.gathered[i] and self.share is not None:  # the CPU takes the last misses
+                self.share.post(i, ids, wts, h)
+                delta = self.ex.gathered(i, h, ids, wts, self.staging, sum_pairs=not rows,
+                                         host_from=self.share.host_from)
+                self.share.take(i, delta[0, -1] if delta.dim() == 3 else delta[0])
+            elif self.gathered[i]:
                 delta = self.ex.gathered(i, h, ids, wts, self.staging, sum_pairs=not rows)
             elif self.device.type == "cuda":  # (routing counted by route_topk)
                 delta = self.ex.device_hits(i, h, ids, wts, count=False, sum_pairs=not rows)
@@ -298,13 +321,14 @@ class DecodeStep:
             carry = carry + self.ex.device_hits(layer, self.h, self.ids, self.wts, count=False)
         self.carry.copy_(carry)
 
-    def _copy_counts(self, tables: np.ndarray) -> None:
+    def _copy_counts(self, tables: np.ndarray, step: int) -> None:
         """The gathered layers' routing counts of the step just queued go to the host (read by
-        settle at the next step, or by the counters' reader), with the slot tables it read."""
+        settle at the next step, or by the counters' reader), with the slot tables it read
+        (and the step's number for the CPU share's record of what it computed)."""
         counts = self.ex.gather_counts(self.device)
         self._counts_host.copy_(counts[self._gathered_rows], non_blocking=True)
         counts.index_fill_(0, self._gathered_rows, 0)  # the host adds them to its counters
-        self._counts_copied = (self._record(), tables)
+        self._counts_copied = (self._record(), tables, step)
 
     def settle(self) -> None:
         """The routing of the last step's gathered layers, on the host: hit and gather
@@ -312,12 +336,13 @@ class DecodeStep:
         stream after the slots' last reader; the next flush makes the step wait for it)."""
         if self._counts_copied is None:
             return
-        event, tables = self._counts_copied
+        event, tables, step = self._counts_copied
         self._counts_copied = None
         wait_event(event, "the decode step's routing counts")
+        taken = self.share.taken.get(step, {}) if self.share is not None else {}
         for i, counts, table in zip(self.gathered_layers, self._counts_host.numpy(), tables,
                                     strict=True):
-            self.ex.after_gathered(int(i), counts, table)
+            self.ex.after_gathered(int(i), counts, table, taken.get(int(i), []))
 
     def _record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()

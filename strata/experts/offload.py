@@ -45,6 +45,7 @@ class OffloadExperts:
         self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
         self.ring, self.stream_min = ring, stream_min
         self.ring_base, self.ring_borrow = (ring.nbytes if ring else 0), ring_borrow
+        self.cpu_share = 0  # a decode token's last missed pairs the CPU takes (--cpu-share)
         self.device = cache.device
         self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
@@ -165,21 +166,23 @@ class OffloadExperts:
                 and self.planner.copies_one_token(lay.nbytes))
 
     def gathered(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 staging: torch.Tensor, sum_pairs: bool = True) -> torch.Tensor:
+                 staging: torch.Tensor, sum_pairs: bool = True,
+                 host_from: int | None = None) -> torch.Tensor:
         """One decode token's experts of a layer, with device work only (a CUDA graph holds
         it): hits from their slots; each missed pair's record read from the mapped arena over
         PCIe into staging row p by a kernel that reads the slot table, then computed from
         there. The caller counts the routing on the device (gather_counts: the decode step's
-        route_topk); the host reads it after the step (after_gathered)."""
+        route_topk); the host reads it after the step (after_gathered). host_from: the token's
+        missed pairs from there on are the CPU's (strata.experts.cpu_share): not gathered."""
         from strata.kernels.gpu import gather_misses
 
         ls = self.cache.layers[layer]
         lay = ls.layout
         rows = staging[:, : lay.stride]
-        gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes)
+        gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes, host_from)
         slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
         return self.fused.run(lay, slots, ls.table, h, ids, weights, None,
-                              miss=lay.views(rows), sum_pairs=sum_pairs)
+                              miss=lay.views(rows), sum_pairs=sum_pairs, host_from=host_from)
 
     def gather_counts(self, device: torch.device) -> torch.Tensor:
         """[L, E] int32 on the device: gathered layers' routing since the decode step last read
@@ -189,10 +192,11 @@ class OffloadExperts:
                                              dtype=torch.int32, device=device)
         return self._gathered_dev
 
-    def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray) -> None:
+    def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray,
+                       on_cpu: list[int] = ()) -> None:
         """The host's part of a gathered layer, one step late: counters, the policy's view of
         the routing (counts [E] of that step, slot_of [E] the table it read) and up to one
-        admission."""
+        admission. on_cpu: the missed experts the CPU pool computed (one token each)."""
         ls = self.cache.layers[layer]
         experts = np.flatnonzero(counts)
         n = counts[experts]
@@ -200,9 +204,10 @@ class OffloadExperts:
         self.stats.count(layer, experts, n)
         hit = slot_of[experts] >= 0
         self.stats.hits[layer] += int(n[hit].sum())
-        self.stats.streamed[layer] += int(n[~hit].sum())
+        self.stats.streamed[layer] += int(n[~hit].sum()) - len(on_cpu)
+        self.stats.cpu[layer] += len(on_cpu)
         missed = experts[~hit].tolist()
-        self.stats.bytes_h2d += len(missed) * ls.layout.nbytes
+        self.stats.bytes_h2d += (len(missed) - len(on_cpu)) * ls.layout.nbytes
         if missed:
             self._admit_after(layer, missed, set(experts.tolist()))
 

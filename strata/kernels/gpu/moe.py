@@ -62,11 +62,14 @@ DECODE_TUNE: dict = {}
 
 
 @triton.jit
-def _computed(slot, MISS: tl.constexpr):
-    """Whether a pair is computed: its expert has a slot, or every pair with MISS (the record of
-    one without a slot is in its miss row)."""
+def _computed(slot, p, MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
+    """Whether pair p is computed: its expert has a slot, or every pair with MISS (the record of
+    one without a slot is in its miss row) except the token's pairs from HOST_FROM on that have
+    no slot (the host computes those: strata.experts.cpu_share; HOST_FROM = TOPK: none)."""
     if MISS:
         live = slot > -(1 << 30)
+        if HOST_FROM < TOPK:
+            live = live & ((slot >= 0) | (p % TOPK < HOST_FROM))
     else:
         live = slot >= 0
     return live
@@ -88,13 +91,13 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
                           TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
                           QU: tl.constexpr, SU: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr,
-                          MISS: tl.constexpr):
+                          MISS: tl.constexpr, HOST_FROM: tl.constexpr):
     # h[p, n] = wts[p] · silu(Σ_d x[t, d] · G_e[n, d]) · Σ_d x[t, d] · U_e[n, d],  t = p // TOPK
     # (0 where e is not resident, unless MISS: then e's record is in the miss rows, row p)
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, MISS)
+    live = _computed(slot, p, MISS, TOPK, HOST_FROM)
     if live:
         xr = x + (p // TOPK).to(tl.int64) * stride_x
         gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
@@ -116,14 +119,14 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
 def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds, stride_ms,
                        rb_d, QD: tl.constexpr, SD: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, EVEN_F: tl.constexpr, STAGES: tl.constexpr,
-                       MISS: tl.constexpr):
+                       MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
     # part[p, n] = Σ_f h[p, f] · D_e[n, f] for pair p (its expert e = ids[p]; 0 when e is not
     # resident, unless MISS: then from miss row p). The launcher sums part over each token's
     # pairs in a fixed order.
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, MISS)
+    live = _computed(slot, p, MISS, TOPK, HOST_FROM)
     total = tl.zeros((BN,), dtype=tl.float32)
     if live:
         base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
@@ -136,12 +139,13 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
 
 @triton.jit
 def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
     # dst[p, :nwords] = src[e, :nwords] for pairs p whose expert e = ids[p] is not resident
-    # (int32 words). One load of BLOCK words per program, all in flight before the store.
+    # (int32 words), except a token's pairs from HOST_FROM on (the host computes those). One
+    # load of BLOCK words per program, all in flight before the store.
     p = tl.program_id(0)
     e = tl.load(ids + p)
-    if tl.load(slot_of + e) < 0:
+    if (tl.load(slot_of + e) < 0) & (p % TOPK < HOST_FROM):
         o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(src + e.to(tl.int64) * stride_src + o, mask=o < nwords)
         tl.store(dst + p.to(tl.int64) * stride_dst + o, v, mask=o < nwords)
@@ -266,11 +270,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 d_expert: int, out: torch.Tensor | None = None,
                 scratch_bytes: int | None = None,
                 miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                sum_pairs: bool = True) -> torch.Tensor:
+                sum_pairs: bool = True, host_from: int | None = None) -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
     sum_pairs=False with no `out`: a decode call on fused kernels returns each pair's weighted
     output, [T, K, D] float32 (the caller sums a token's K rows, as decode_ops.add_rms_norm
     does in the next layer's residual step: one launch fewer a layer); other calls sum anyway.
+    host_from (with miss): a token's pairs k >= host_from whose expert has no slot are left to
+    the host (their rows are zero; gather_misses skips them too).
     x [T, D] bf16/f32; ids [T, K] int32/int64 < E; weights [T, K]; slot_of_expert int32 [E];
     gate/up slots uint8 [n_slots, F, row_nbytes(D)], down uint8 [n_slots, D, row_nbytes(F)].
     scratch_bytes: the grouped path's bf16 weight scratch (None: its default).
@@ -291,6 +297,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 m.shape[1:] != s.shape[1:] for m, s in zip(miss, (gate_slots, up_slots,
                                                                    down_slots), strict=True)):
             raise ValueError(f"miss rows must be [>= {t * ids.shape[1]}, ...] like the slots")
+    elif host_from is not None:
+        raise ValueError("host_from is for calls with miss rows")
     if t == 0 or ids.shape[1] == 0:
         return out
     if use_grouped(t, ids.shape[1], slot_of_expert.shape[0]):
@@ -310,7 +318,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     weights = weights.contiguous()
     if t <= DECODE_MAX_T:
         parts = _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts,
-                        None if direct and not sum_pairs else out, miss, accumulate=not direct)
+                        None if direct and not sum_pairs else out, miss, accumulate=not direct,
+                        host_from=host_from)
         if parts is not None:
             return parts
     else:
@@ -322,9 +331,10 @@ GATHER_BLOCK = 4096  # int32 words per program: 16 KB in flight each
 
 
 def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torch.Tensor,
-                  rows: torch.Tensor, nbytes: int) -> None:
+                  rows: torch.Tensor, nbytes: int, host_from: int | None = None) -> None:
     """rows[p, :nbytes] = records[ids[p], :nbytes] for every pair p whose expert has no slot
-    (slot_of_expert < 0); other rows are left as they are. records uint8 [E, stride]: the
+    (slot_of_expert < 0), except a token's pairs k >= host_from (ids [T, K]; the host computes
+    those, moe_forward's host_from); other rows are left as they are. records uint8 [E, stride]: the
     layer's arena, host memory mapped for the device (cudaHostRegister), read over PCIe by
     the kernel (so a CUDA graph can hold it: which experts move is read on the device); rows
     uint8 [>= P, >= nbytes] on the device; whole int32 words are copied (rows and records are
@@ -340,9 +350,11 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
     if p == 0:
         return
     src, dst = _words(records), _words(rows)
+    topk = ids.shape[-1] if ids.dim() == 2 else 1
     _gather_kernel[(p, triton.cdiv(nwords, GATHER_BLOCK))](
         ids.reshape(-1), slot_of_expert, src, dst, nwords, src.stride(0), dst.stride(0),
-        BLOCK=GATHER_BLOCK, num_warps=8)
+        BLOCK=GATHER_BLOCK, TOPK=topk, HOST_FROM=topk if host_from is None else host_from,
+        num_warps=8)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -353,7 +365,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
             out: torch.Tensor | None, miss: tuple[torch.Tensor, ...] | None = None,
-            accumulate: bool = True) -> torch.Tensor | None:
+            accumulate: bool = True, host_from: int | None = None) -> torch.Tensor | None:
     """Into out (accumulate: +=), or with out None the pairs' rows [T, K, D], returned."""
     fg, fu, fd = fmts
     t, d = x.shape
@@ -365,19 +377,20 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     tu, tu2 = fu.tables(x.device)
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
+    host = topk if host_from is None else host_from
     bn, bk, st, w = DECODE_TUNE.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
         x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
         gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
-        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, num_warps=w)
+        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, HOST_FROM=host, num_warps=w)
     return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
-                        accumulate)
+                        accumulate, host)
 
 
 def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: ANN001
                  out: torch.Tensor | None, t: int, topk: int, d: int, f: int, miss,
-                 accumulate: bool) -> torch.Tensor | None:
+                 accumulate: bool, host_from: int) -> torch.Tensor | None:
     """The down half of _decode: partial rows per pair, then each token's K rows summed into
     out (or, out None, the rows returned as [T, K, D])."""
     p = t * topk
@@ -386,7 +399,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     _down_pairs_kernel[(triton.cdiv(d, bn), p)](
         h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
         down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-        STAGES=stages, MISS=miss is not None, num_warps=warps)
+        STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from, num_warps=warps)
     if out is None:
         return part.view(t, topk, d)
     if accumulate:  # each token's K pairs, in a fixed order
