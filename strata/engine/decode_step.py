@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +128,8 @@ class DecodeStep:
 
                 self.share = CpuShare(ex, self.gathered_layers.tolist(), ex.cpu_share, K,
                                       cfg.d_model, dev)
+                # its worker thread and mapped mailbox go with the step
+                weakref.finalize(self, self.share.close)
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
