@@ -6,7 +6,8 @@
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
 # (bench_moe_decode.py), mapped (bench_mapped.py), profile (profile_decode.py at
 # PROFILE_BUDGETS), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
-# decode (sweep over BUDGETS), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache],
+# decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
+# for each N of SHARES), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache],
 # PROMPT_FLAGS added), check.
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
@@ -42,7 +43,8 @@ fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 M=/tmp/q30.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
-      $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ]]; then
+      $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
+      $STAGES == *share* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant Q4_K_M --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -52,7 +54,8 @@ if [[ $STAGES == *tests* ]]; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m cuda ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
-    tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records} 2>&1 \
+    tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
+    tests/test_cpu_share.py} 2>&1 \
     | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
 fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }
@@ -61,7 +64,8 @@ fi
 bench() {  # name, then strata bench arguments
   local name=$1; shift
   timeout 300 python3 -m strata bench $M --device cuda "$@" --json "$OUT/$name.json" 2>&1 \
-    | grep -v "^strata:  " | tee "$OUT/$name.txt"
+    | grep -vE "^strata:  +(dense|KV|workspace|staging|cache slots|host arena|left)" \
+    | tee "$OUT/$name.txt"
 }
 if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
@@ -91,7 +95,13 @@ fi
 if [[ $STAGES == *decode* ]]; then
   echo "== decode, VRAM sweep $BUDGETS"
   bench decode --sweep-vram "$BUDGETS" --prompt-len 128 --gen-len 64 --runs 2 \
-    --plot "$OUT/sweep.png"
+    --plot "$OUT/sweep.png" ${DECODE_FLAGS:-}
+fi
+if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token's last N misses
+  for n in ${SHARES:-1 2 3}; do
+    echo "== decode at --vram-budget 2 with --cpu-share $n"
+    bench "share_$n" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 --cpu-share $n
+  done
 fi
 if [[ $STAGES == *prompt* ]]; then
   # budget[:expert cache]: 40 = all resident; 10; 6:0 = every expert streamed from host RAM
