@@ -20,7 +20,7 @@ log = logging.getLogger("strata.cpu_pool")
 class CpuPool:
     def __init__(self, kind: str = "auto", threads: int | None = None,
                  workspace_bytes: int = 256 << 20):
-        self.workspace_bytes = workspace_bytes
+        self.workspace_bytes, self.threads = workspace_bytes, threads
         self.kernels = None
         self.kind = "torch"
         if threads:  # first: ggml shares torch's OpenMP runtime and wants the same thread count

@@ -27,6 +27,7 @@ import torch
 
 from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_event
 from strata.experts.compute import Group
+from strata.experts.cpu_pool import CpuPool
 
 log = logging.getLogger("strata.cpu_share")
 
@@ -134,10 +135,23 @@ class CpuShare:
     # ---- the worker --------------------------------------------------------------------------
 
     def _work(self) -> None:
+        # its own pool (kernel library instance and threads): ggml's is one per calling thread
+        broken: BaseException | None = None
+        try:
+            self.pool = CpuPool(self.ex.pool.kind, self.ex.pool.threads,
+                                self.ex.pool.workspace_bytes)
+        except Exception as e:  # noqa: BLE001 (every step then reports it)
+            broken = RuntimeError(f"the CPU share's pool failed to start: {e}")
         while True:
             step = self._todo.get()
             if step is None:
+                kernels = getattr(getattr(self, "pool", None), "kernels", None)
+                if hasattr(kernels, "close"):
+                    kernels.close()
                 return
+            if broken is not None:
+                self._done.put(broken)
+                continue
             try:
                 self.taken[step] = {}
                 for layer in self.layers:
@@ -169,7 +183,7 @@ class CpuShare:
             groups = [Group(int(ids[k]), torch.zeros(1, dtype=torch.int64),
                             torch.tensor([wts[k]], dtype=torch.float32)) for k in mine]
             out = torch.zeros(1, h.shape[0])
-            self.ex.pool.run(layer, self.ex.arena, groups, torch.from_numpy(h)[None], out)
+            self.pool.run(layer, self.ex.arena, groups, torch.from_numpy(h)[None], out)
             rows[:] = out[0].numpy()
             spent = time.perf_counter() - t0
             self.ex.stats.cpu_s += spent
