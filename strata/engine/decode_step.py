@@ -286,13 +286,14 @@ class DecodeStep:
             # the experts' K rows of the token may come back unsummed: the next residual
             # step (add_rms_norm) adds them, one launch fewer a layer
             rows = lw.shared_w1 is None
-            if self.gathered[i] and self.share is not None:  # the CPU takes the last misses
-                self.share.post(i, ids, wts, h)
+            if self.gathered[i]:
+                share = self.share  # (with one, the CPU takes the token's last misses)
+                if share is not None:
+                    share.post(i, ids, wts, h)
                 delta = self.ex.gathered(i, h, ids, wts, self.staging, sum_pairs=not rows,
-                                         host_from=self.share.host_from)
-                self.share.take(i, delta[0, -1] if delta.dim() == 3 else delta[0])
-            elif self.gathered[i]:
-                delta = self.ex.gathered(i, h, ids, wts, self.staging, sum_pairs=not rows)
+                                         host_from=share.host_from if share else None)
+                if share is not None:
+                    share.take(i, delta[0, -1] if delta.dim() == 3 else delta[0])
             elif self.device.type == "cuda":  # (routing counted by route_topk)
                 delta = self.ex.device_hits(i, h, ids, wts, count=False, sum_pairs=not rows)
             else:

@@ -17,7 +17,6 @@ and OffloadExperts.after_gathered takes them off the pairs and bytes that crosse
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -28,8 +27,6 @@ import torch
 from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_event
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
-
-log = logging.getLogger("strata.cpu_share")
 
 
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, register: bool) -> torch.Tensor:
