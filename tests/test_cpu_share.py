@@ -186,6 +186,10 @@ def test_mailbox_kernels_compile_for_sm90() -> None:
     ptx = take_k.asm["ptx"]
     assert ptx.count("ld.acquire.sys.global.b32") >= 2 and "ld.volatile.global" in ptx
     assert take_k.asm["cubin"]
+    # at launch Triton turns an int argument equal to 1 into a constant unless told not to: the
+    # layer number (and the poll limit) must stay i32 values for `.to` and the graph's replays
+    for kern, names in ((mb._post_kernel, {"layer"}), (mb._take_kernel, {"layer", "LIMIT"})):
+        assert names <= {p.name for p in kern.params if p.do_not_specialize}, kern
 
 
 _HOST_FROM = """
@@ -242,12 +246,12 @@ def test_host_pairs_are_left_out_under_the_interpreter() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cache", ["0", "5"])
-@pytest.mark.parametrize("pairs", [1, 3])
-def test_decode_steps_with_a_cpu_share_give_reference_logits(synth, cache, pairs):
+def test_decode_steps_with_a_cpu_share_give_reference_logits(synth, cache):
     """Every layer gathers its misses; the CPU takes each token's last `pairs` missed pairs
     inside the graph's wait: the same logits, the CPU's pairs counted as CPU pairs and not as
     copied bytes."""
     path = synth("qwen3moe", "Q4_K_M")
+    pairs = 1  # of the tiny model's 2 (more pairs on the host: the interpreter test above)
     ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
     engine = offload(path, "cuda", expert_cache=cache, miss="dma", cpu_share=pairs)
     step = engine.model.step

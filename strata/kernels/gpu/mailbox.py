@@ -56,7 +56,7 @@ def _fence_sys(x):
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])  # layer 1 would become a Python int otherwise
 def _post_kernel(seq, req, b_ids, b_slots, b_wts, b_h, ids, wts, h, slot_of, layer, D,
                  K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.load(seq)
@@ -75,7 +75,7 @@ def _post_kernel(seq, req, b_ids, b_slots, b_wts, b_h, ids, wts, h, slot_of, lay
     _store_release(req + layer, s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "LIMIT"])
 def _take_kernel(seq, done, b_rows, err, out, layer, D, LIMIT, BLOCK: tl.constexpr):
     s = tl.load(seq)
     got = _load_acquire(done + layer)
