@@ -7,7 +7,7 @@
 # (bench_moe_decode.py), mapped (bench_mapped.py), profile (profile_decode.py at
 # PROFILE_BUDGETS), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
-# for each N of SHARES), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache],
+# for each N of SHARES; N:T also --threads T), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache],
 # PROMPT_FLAGS added), check.
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
@@ -98,9 +98,11 @@ if [[ $STAGES == *decode* ]]; then
     --plot "$OUT/sweep.png" ${DECODE_FLAGS:-}
 fi
 if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token's last N misses
-  for n in ${SHARES:-1 2 3}; do
-    echo "== decode at --vram-budget 2 with --cpu-share $n"
-    bench "share_$n" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 --cpu-share $n
+  for spec in ${SHARES:-1 2 3}; do  # N, or N:T for T threads in the CPU pool
+    n=${spec%%:*}; thr=(); [[ $spec == *:* ]] && thr=(--threads "${spec##*:}")
+    echo "== decode at --vram-budget 2 with --cpu-share $n ${thr[*]}"
+    bench "share_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \
+      --cpu-share "$n" "${thr[@]}"
   done
 fi
 if [[ $STAGES == *prompt* ]]; then

@@ -71,6 +71,8 @@ def test_the_worker_computes_its_pairs_and_answers(engine) -> None:
                 assert share._np["done"][layer] == step
                 assert share.taken[step].get(layer, []) == experts
             assert share.taken[step][0] and 2 not in share.taken[step]
+        tm = share.timing  # two steps of two layers timed; the pool ran on layer 0's posts only
+        assert tm["layers"] == 4 and 0 < tm["pool_s"] <= tm["answer_s"]
     finally:
         share.close()
 

@@ -40,6 +40,7 @@ class BenchResult:
     prompt_stream_gbs: float | None = None  # those bytes over the prompt's time
     bound_tok_s: float | None = None
     bound_fraction: float | None = None
+    share_us: dict | None = None  # --cpu-share: the worker's µs per layer (decode steps measured)
     ceilings: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
@@ -54,6 +55,11 @@ class BenchResult:
             out.append(f"expert hit rate {100 * self.hit_rate:.1f}%; "
                        f"{self.h2d_bytes_per_token / 2**20:.1f} MiB copied to the device and "
                        f"{self.cpu_pairs_per_token:.1f} experts computed on the CPU per token")
+        if self.share_us:
+            u = self.share_us
+            out.append(f"cpu share, per layer: {u['idle']:.0f} us waiting for the GPU's post, "
+                       f"{u['answer']:.0f} us from the post to the answer ({u['pool']:.0f} us "
+                       f"in the CPU pool)")
         if self.bound_tok_s:
             out.append(f"bandwidth bound {self.bound_tok_s:.1f} tok/s: reached "
                        f"{100 * self.bound_fraction:.1f}%")
@@ -92,6 +98,8 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         torch.cuda.reset_peak_memory_stats(dev)
     p_times, d_rates, p_streamed = [], [], []
     decode = _Counters(cfg.n_layers)  # expert counters over the measured decode steps only
+    share = getattr(getattr(model, "step", None), "share", None)
+    share_sum = dict.fromkeys(("layers", "idle_s", "answer_s", "pool_s"), 0.0)
     for r in range(runs + 1):  # the first run warms up and is not counted
         kv = model.new_cache(prompt_len + gen_len)
         ring = getattr(model.experts, "ring", None)
@@ -104,6 +112,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         peak(0)
         streamed = (ring.streamed_bytes if ring is not None else 0) - streamed0
         before = _Counters.of(experts) if r and experts is not None else None
+        share_before = dict(share.timing) if share is not None else None
         token = int(logits[0].argmax())
         for _ in range(gen_len):
             logits = model.decode(token, kv)
@@ -112,6 +121,9 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         peak(1)
         if before is not None:
             decode.add(_Counters.of(experts), before)
+        if r and share_before is not None:
+            for k in share_sum:
+                share_sum[k] += share.timing[k] - share_before[k]
         del kv  # its storage goes back to the pool: the next run's cache reuses it
         if r:
             p_times.append(t1 - t0)
@@ -127,6 +139,9 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         ceilings=ceilings or {})
     if dev.type == "cuda":
         res.vram_peak_prompt_gib, res.vram_peak_decode_gib = (x / 2**30 for x in peaks)
+    if share_sum["layers"]:
+        n = share_sum["layers"] / 1e6
+        res.share_us = {k[:-2]: share_sum[k] / n for k in ("idle_s", "answer_s", "pool_s")}
     res.prompt_chunks = -(-prompt_len // engine.prefill_chunk(prompt_len))
     if p_streamed and p_streamed[0]:
         i = p_times.index(statistics.median_low(p_times))

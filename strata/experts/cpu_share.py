@@ -65,6 +65,9 @@ class CpuShare:
         self.seq = torch.zeros(1, dtype=i32, device=device)  # the step number, on the device
         self.step = 0  # the same on the host: steps run (eager or replayed), not captures
         self.taken: dict[int, dict[int, list[int]]] = {}  # step -> layer -> experts computed
+        # the worker's time, summed over layers: waiting for the GPU's post, from the post to the
+        # answer, and of that in the CPU pool (strata bench prints them per layer)
+        self.timing = {"layers": 0, "idle_s": 0.0, "answer_s": 0.0, "pool_s": 0.0}
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="strata-cpu-share", daemon=True)
@@ -161,6 +164,7 @@ class CpuShare:
         """Wait for the step's post of `layer`, compute the CPU's pairs, answer."""
         box = self._np
         stamp = np.int32(step)  # (int32 on the device: the same wrap)
+        t_enter = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         polls = 0
         while box["req"][layer] != stamp:
@@ -171,10 +175,12 @@ class CpuShare:
                                      f"{layer} of decode step {step} to be posted "
                                      f"({PROGRESS.describe()})")
                 time.sleep(0)
+        t_seen = time.perf_counter()
         ids, slots = box["ids"][layer].copy(), box["slots"][layer].copy()
         wts, h = box["wts"][layer].copy(), box["h"][layer].copy()
         mine = [k for k in range(self.host_from, self.topk) if slots[k] < 0]
         rows = box["rows"][layer]
+        spent = 0.0
         if mine:
             t0 = time.perf_counter()
             groups = [Group(int(ids[k]), torch.zeros(1, dtype=torch.int64),
@@ -190,3 +196,8 @@ class CpuShare:
         else:
             rows[:] = 0.0
         box["done"][layer] = stamp  # after the rows (x86 keeps stores in order)
+        tm = self.timing
+        tm["layers"] += 1
+        tm["idle_s"] += t_seen - t_enter
+        tm["answer_s"] += time.perf_counter() - t_seen
+        tm["pool_s"] += spent
