@@ -122,6 +122,38 @@ def test_graph_reuse_with_other_experts(backend) -> None:
         check(backend, h, [job(experts[a], q, [0, 2], rng), job(experts[b], q, [1], rng)], seed)
 
 
+def test_ggml_strided_one_token() -> None:
+    """The CPU share's lean call: one token through experts picked by slot in arena records
+    (each part one strided tensor), for two layers of other types in turn, against the float
+    reference and against the general call (the same ggml arithmetic: equal but for order)."""
+    pytest.importorskip("ggml", reason="ggml-python not installed: the ggml backend is skipped")
+    rng, seed = fresh_rng()
+    experts = make_cpu_experts("ggml")
+    try:
+        layers = [(q, arena(rng, q, 8)) for q in ((QType.Q4_K, QType.IQ3_S, QType.Q6_K),
+                                                  (QType.Q8_0, QType.Q8_0, QType.Q5_K))]
+        for picks in ([3], [5, 0], [2, 7, 2], [6]):
+            for q, recs in layers:
+                x = rng.normal(size=D).astype(np.float32)
+                w = rng.uniform(0.1, 1.0, len(picks)).astype(np.float32)
+                stride = recs[1][0].data_ptr() - recs[0][0].data_ptr()
+                got = experts.run_strided(x, tuple(int(t) for t in q), F,
+                                          tuple(m.data_ptr() for m in recs[0]), stride, 8,
+                                          np.array(picks, np.int32), w)
+                h = torch.from_numpy(x)[None]
+                jobs = [ExpertJob(*recs[e], tuple(int(t) for t in q), torch.tensor([0]),
+                                  torch.tensor([wk])) for e, wk in zip(picks, w, strict=True)]
+                ref, out = torch.zeros(1, D), torch.zeros(1, D)
+                reference_run(h, jobs, ref)
+                experts.run(h, jobs, out)
+                err = float(np.linalg.norm(got - ref[0].numpy()) / ref.norm())
+                assert err < tolerance("ggml", q), (picks, q, err, seed)
+                np.testing.assert_allclose(got, out[0].numpy(), rtol=1e-5, atol=1e-6 * float(
+                    out.abs().max()), err_msg=f"seed {seed}")
+    finally:
+        experts.close()
+
+
 def test_no_work_leaves_out_alone(backend) -> None:
     rng, _ = fresh_rng()
     q = (QType.Q8_0,) * 3

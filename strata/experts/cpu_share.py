@@ -28,6 +28,10 @@ from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_ev
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 
+# threads of the share's own pool at most: one token's expert (3 MB at 30B-A3B) took 362 us in
+# the pool with 8 threads and 666 us with 15 on a 16-core host (bench/2026-11-30-h200-cpu-share.md)
+SHARE_THREADS = 8
+
 
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, register: bool) -> torch.Tensor:
     """Zeros in host memory, page-locked and mapped for the device when `register`."""
@@ -68,6 +72,7 @@ class CpuShare:
         # the worker's time, summed over layers: waiting for the GPU's post, from the post to the
         # answer, and of that in the CPU pool (strata bench prints them per layer)
         self.timing = {"layers": 0, "idle_s": 0.0, "answer_s": 0.0, "pool_s": 0.0}
+        self._strided: dict[int, tuple] = {}  # set by the worker with its pool
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="strata-cpu-share", daemon=True)
@@ -138,8 +143,9 @@ class CpuShare:
         # its own pool (kernel library instance and threads): ggml's is one per calling thread
         broken: BaseException | None = None
         try:
-            self.pool = CpuPool(self.ex.pool.kind, self.ex.pool.threads,
+            self.pool = CpuPool(self.ex.pool.kind, min(self.ex.pool.threads, SHARE_THREADS),
                                 self.ex.pool.workspace_bytes)
+            self._strided = self._strided_layers()
         except Exception as e:  # noqa: BLE001 (every step then reports it)
             broken = RuntimeError(f"the CPU share's pool failed to start: {e}")
         while True:
@@ -159,6 +165,38 @@ class CpuShare:
                 self._done.put(step)
             except BaseException as e:  # noqa: BLE001 (handed to the step's thread)
                 self._done.put(e)
+
+    def _strided_layers(self) -> dict[int, tuple]:
+        """The layers whose experts ggml computes straight from the arena's records (each part
+        one strided tensor over the layer's records): layer -> run_strided's fixed arguments."""
+        kernels = self.pool.kernels
+        if not hasattr(kernels, "run_strided"):
+            return {}
+        from strata.kernels.cpu.ggml_lib import supported
+
+        out = {}
+        arena = self.ex.arena
+        for layer in self.layers:
+            lay, recs = arena.layouts[layer], arena.layers[layer]  # uint8 [E, stride]
+            if not all(supported(q) for q in lay.qtypes) or not recs.is_contiguous():
+                continue
+            parts = lay.views(recs[0])
+            bases = tuple(p.data_ptr() for p in parts)
+            out[layer] = (tuple(lay.qtypes), parts[0].shape[0], bases, recs.stride(0),
+                          recs.shape[0])
+        return out
+
+    def _compute(self, layer: int, ids: np.ndarray, wts: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """Σ_k wts[k] * expert(ids[k])(h) over the CPU's pairs: [D] f32."""
+        fixed = self._strided.get(layer)
+        if fixed is not None:
+            qtypes, f, bases, stride, n = fixed
+            return self.pool.kernels.run_strided(h, qtypes, f, bases, stride, n, ids, wts)
+        groups = [Group(int(e), torch.zeros(1, dtype=torch.int64),
+                        torch.tensor([w], dtype=torch.float32)) for e, w in zip(ids, wts, strict=True)]
+        out = torch.zeros(1, h.shape[0])
+        self.pool.run(layer, self.ex.arena, groups, torch.from_numpy(h)[None], out)
+        return out[0].numpy()
 
     def _layer(self, step: int, layer: int) -> None:
         """Wait for the step's post of `layer`, compute the CPU's pairs, answer."""
@@ -183,15 +221,11 @@ class CpuShare:
         spent = 0.0
         if mine:
             t0 = time.perf_counter()
-            groups = [Group(int(ids[k]), torch.zeros(1, dtype=torch.int64),
-                            torch.tensor([wts[k]], dtype=torch.float32)) for k in mine]
-            out = torch.zeros(1, h.shape[0])
-            self.pool.run(layer, self.ex.arena, groups, torch.from_numpy(h)[None], out)
-            rows[:] = out[0].numpy()
+            rows[:] = self._compute(layer, ids[mine], wts[mine], h)
             spent = time.perf_counter() - t0
             self.ex.stats.cpu_s += spent
             nbytes = self.ex.arena.layouts[layer].nbytes
-            self.ex.planner.observe_cpu(nbytes, len(groups), len(groups), spent)
+            self.ex.planner.observe_cpu(nbytes, len(mine), len(mine), spent)
             self.taken[step][layer] = [int(ids[k]) for k in mine]
         else:
             rows[:] = 0.0

@@ -86,6 +86,25 @@ class GgmlExperts:
         graph.compute()
         out.index_add_(0, tokens, graph.out)
 
+    def run_strided(self, x: np.ndarray, qtypes: tuple[int, int, int], d_expert: int,
+                    bases: tuple[int, int, int], stride: int, n_slots: int, slots: np.ndarray,
+                    weights: np.ndarray) -> np.ndarray:
+        """Σ_n weights[n] * expert(slots[n])(x): [D] f32, for one row x [D] f32 and experts
+        whose matrices lie at bases[part] + slot * stride (a layer's arena records), with no
+        per-call tensors: three header writes, the inputs copied, one ggml call. The lean path
+        of a decode step's CPU share, where the general run's planning cost more than the
+        expert (types ggml lacks: the caller's to route elsewhere, see `supported`)."""
+        n = len(slots)
+        shape = GroupShape(qtypes, x.shape[0], d_expert, (n_slots,) * 3, n)
+        graph = self._graph((shape,))
+        for part in range(3):
+            graph.point_weights(0, part, bases[part], stride)
+        graph.x_np[:] = x
+        graph.w_np[:] = weights
+        graph.ids_np[:] = slots
+        graph.compute()
+        return graph.out_np[0].copy() if n == 1 else graph.out_np.sum(0)
+
     def close(self) -> None:
         for graph in self._graphs.values():
             graph.close()

@@ -64,6 +64,7 @@ class ExpertGraph:
         self.ids_np = self.ids.numpy()  # the same memory, for cheap scalar fills
         self.w = torch.empty(n)  # [N] routing weight of each row
         self.out = torch.empty(n, d_model)  # [N, D] weighted expert outputs
+        self.x_np, self.w_np, self.out_np = self.x.numpy(), self.w.numpy(), self.out.numpy()
         self._buffers: list[torch.Tensor] = []  # intermediates g, u, a, y
         self._ctx = Context(_TENSORS_PER_GROUP * len(shapes), 16 * len(shapes))
         self._headers: list[np.ndarray] = []  # per group: uint64 [3, words] gate/up/down headers
