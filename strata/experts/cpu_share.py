@@ -193,7 +193,8 @@ class CpuShare:
             qtypes, f, bases, stride, n = fixed
             return self.pool.kernels.run_strided(h, qtypes, f, bases, stride, n, ids, wts)
         groups = [Group(int(e), torch.zeros(1, dtype=torch.int64),
-                        torch.tensor([w], dtype=torch.float32)) for e, w in zip(ids, wts, strict=True)]
+                        torch.tensor([w], dtype=torch.float32))
+                  for e, w in zip(ids, wts, strict=True)]
         out = torch.zeros(1, h.shape[0])
         self.pool.run(layer, self.ex.arena, groups, torch.from_numpy(h)[None], out)
         return out[0].numpy()
