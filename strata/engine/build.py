@@ -95,6 +95,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               stream_min, debug=ec.debug, fused_max_t=fused_max_t,
                               prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
     executor.cpu_share = ec.cpu_share
+    # the share's own pool: --threads as given, else at most SHARE_THREADS (cpu_share.py)
+    executor.cpu_share_threads = ec.threads
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"

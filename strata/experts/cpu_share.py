@@ -28,8 +28,9 @@ from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_ev
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 
-# threads of the share's own pool at most: one token's expert (3 MB at 30B-A3B) took 362 us in
-# the pool with 8 threads and 666 us with 15 on a 16-core host (bench/2026-11-30-h200-cpu-share.md)
+# threads of the share's own pool at most, unless --threads says: one token's expert (3 MB at
+# 30B-A3B) took 362 us with 8 threads and 666 us with 15 on a 16-core host, through the general
+# pool call (bench/2026-11-30-h200-cpu-share.md)
 SHARE_THREADS = 8
 
 
@@ -143,8 +144,9 @@ class CpuShare:
         # its own pool (kernel library instance and threads): ggml's is one per calling thread
         broken: BaseException | None = None
         try:
-            self.pool = CpuPool(self.ex.pool.kind, min(self.ex.pool.threads, SHARE_THREADS),
-                                self.ex.pool.workspace_bytes)
+            threads = (getattr(self.ex, "cpu_share_threads", None)
+                       or min(self.ex.pool.threads, SHARE_THREADS))
+            self.pool = CpuPool(self.ex.pool.kind, threads, self.ex.pool.workspace_bytes)
             self._strided = self._strided_layers()
         except Exception as e:  # noqa: BLE001 (every step then reports it)
             broken = RuntimeError(f"the CPU share's pool failed to start: {e}")

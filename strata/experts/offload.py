@@ -46,6 +46,7 @@ class OffloadExperts:
         self.ring, self.stream_min = ring, stream_min
         self.ring_base, self.ring_borrow = (ring.nbytes if ring else 0), ring_borrow
         self.cpu_share = 0  # a decode token's last missed pairs the CPU takes (--cpu-share)
+        self.cpu_share_threads: int | None = None  # its pool's threads (--threads, if given)
         self.device = cache.device
         self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
