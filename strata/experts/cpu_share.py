@@ -29,9 +29,9 @@ from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 
 # threads of the share's own pool at most, unless --threads says: one token's expert (3 MB at
-# 30B-A3B) took 362 us with 8 threads and 666 us with 15 on a 16-core host, through the general
-# pool call (bench/2026-11-30-h200-cpu-share.md)
-SHARE_THREADS = 8
+# 30B-A3B) took 210-260 us in ggml with 3 to 6 threads and 310-340 us with 8 to 15 on a 16-core
+# host (bench/2026-11-30-h200-cpu-share.md): the threads' meeting points cost more than they read
+SHARE_THREADS = 4
 
 
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, register: bool) -> torch.Tensor:
