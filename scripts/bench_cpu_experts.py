@@ -9,6 +9,11 @@ RAM read (strata.bench.ceilings.host_read_gbs) at each thread count, and the per
 other processes' load, most of all at thread counts near the core count.
 
     .venv/bin/python scripts/bench_cpu_experts.py --json bench/cpu_experts.json
+
+--share times, instead, the call of a decode step's CPU share (GgmlExperts.run_strided: one
+token through 1 or 2 experts picked by slot in a layer's records), back to back and with a
+--gap-us pause between calls (busy-waited), as the share makes them once a layer: a pool whose
+threads fall asleep between calls pays their wake-up in every call.
 """
 
 from __future__ import annotations
@@ -111,6 +116,60 @@ def bench(args: argparse.Namespace) -> dict:
     return result
 
 
+def bench_share(args: argparse.Namespace) -> dict:
+    cores = len(os.sched_getaffinity(0))
+    thread_counts = [int(t) for t in args.threads.replace("all", str(cores)).split(",")]
+    result = {"machine": {"cores": cores, "cpu": platform.processor() or platform.machine(),
+                          "env": {k: v for k, v in os.environ.items()
+                                  if k.startswith(("OMP_", "GOMP_"))}},
+              "shape": {"d_model": args.d_model, "d_expert": args.d_expert}, "share": []}
+    from strata.kernels.cpu.ggml_lib import uses_openmp
+
+    result["machine"]["ggml_openmp"] = uses_openmp()
+    rng = np.random.default_rng(0)
+    q = (QType.Q4_K, QType.Q4_K, QType.Q6_K)  # Q4_K_M's usual expert mix
+    arena, _ = make_arena(QType.Q4_K, args.d_model, args.d_expert, args.arena, rng)
+    # down as Q6_K: its own records (the layout packs each layer with its own types)
+    parts = (args.d_expert * row_nbytes(q[0], args.d_model),) * 2 + (
+        args.d_model * row_nbytes(q[2], args.d_expert),)
+    stride = (sum(parts) + 255) // 256 * 256
+    buf = torch.zeros(args.arena, stride, dtype=torch.uint8)
+    for e in range(min(args.arena, 8)):
+        rows = [random_rows(q[0], args.d_expert, args.d_model, rng, 0.02),
+                random_rows(q[1], args.d_expert, args.d_model, rng, 0.02),
+                random_rows(q[2], args.d_model, args.d_expert, rng, 0.02)]
+        buf[e, :sum(parts)] = torch.from_numpy(np.concatenate([r.reshape(-1) for r in rows]))
+    buf[8:] = buf[:8].repeat(args.arena // 8, 1)[:args.arena - 8]
+    bases = (buf.data_ptr(), buf.data_ptr() + parts[0], buf.data_ptr() + parts[0] + parts[1])
+    x = rng.standard_normal(args.d_model).astype(np.float32)
+    for t in thread_counts:
+        experts = make_cpu_experts("ggml", threads=t)
+        for n in (1, 2):
+            w = np.full(n, 0.5, np.float32)
+            for gap in (0.0, args.gap_us * 1e-6):
+                times = []
+                for i in range(args.repeats * 10 + 5):
+                    slots = np.array([(i * 7 + j * 13) % args.arena for j in range(n)],
+                                     np.int32)
+                    t0 = time.perf_counter()
+                    experts.run_strided(x, tuple(int(v) for v in q), args.d_expert, bases,
+                                        stride, args.arena, slots, w)
+                    t1 = time.perf_counter()
+                    if i >= 5:
+                        times.append(t1 - t0)
+                    while time.perf_counter() - t1 < gap:
+                        pass
+                us = statistics.median(times) * 1e6
+                row = {"threads": t, "experts": n, "gap_us": gap * 1e6, "us_per_call": us,
+                       "best_us": min(times) * 1e6, "GBs": sum(parts) * n / us / 1e3}
+                result["share"].append(row)
+                print(f"share call: {t:3d} thr {n} expert(s) gap {gap * 1e6:4.0f} us  "
+                      f"{us:7.1f} us (best {row['best_us']:6.1f})  {row['GBs']:5.1f} GB/s",
+                      flush=True)
+        experts.close()
+    return result
+
+
 def print_table(r: dict) -> None:
     reads = ", ".join(f"{t} thr {g:.1f} GB/s" for t, g in r["host_read_GBs"].items())
     print(f"\nhost RAM read: {reads}; ggml OpenMP: {r['machine'].get('ggml_openmp')}")
@@ -135,10 +194,17 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--d-expert", type=int, default=768)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--share", action="store_true",
+                   help="time the CPU share's one-token call instead (ggml; --threads)")
+    p.add_argument("--gap-us", type=float, default=400.0,
+                   help="--share: pause between calls, as between a decode step's layers")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    result = bench(args)
-    print_table(result)
+    if args.share:
+        result = bench_share(args)
+    else:
+        result = bench(args)
+        print_table(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

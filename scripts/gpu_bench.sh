@@ -7,8 +7,10 @@
 # (bench_moe_decode.py), mapped (bench_mapped.py), profile (profile_decode.py at
 # PROFILE_BUDGETS), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
-# for each N of SHARES; N:T also --threads T), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache],
-# PROMPT_FLAGS added), check.
+# for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment),
+# cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
+# OMP_WAIT_POLICY), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS
+# added), check.
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
@@ -97,12 +99,21 @@ if [[ $STAGES == *decode* ]]; then
   bench decode --sweep-vram "$BUDGETS" --prompt-len 128 --gen-len 64 --runs 2 \
     --plot "$OUT/sweep.png" ${DECODE_FLAGS:-}
 fi
+if [[ $STAGES == *cpu* ]]; then  # the CPU share's one-token call, by threads and OpenMP's wait
+  for pol in default ACTIVE PASSIVE; do
+    echo "== the CPU share's call (one token, 1-2 experts), OMP_WAIT_POLICY $pol"
+    ( [[ $pol != default ]] && export OMP_WAIT_POLICY=$pol
+      timeout 200 python3 scripts/bench_cpu_experts.py --share --threads ${CPU_THREADS:-1,2,4,8,15} \
+        --json "$OUT/cpu_share_call_$pol.json" 2>&1 | grep "^share call" )
+  done
+fi
 if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token's last N misses
   for spec in ${SHARES:-1 2 3}; do  # N, or N:T for T threads in the CPU pool
     n=${spec%%:*}; thr=(); [[ $spec == *:* ]] && thr=(--threads "${spec##*:}")
     echo "== decode at --vram-budget 2 with --cpu-share $n ${thr[*]}"
-    bench "share_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \
-      --cpu-share "$n" "${thr[@]}"
+    ( [[ -n ${SHARE_ENV:-} ]] && export ${SHARE_ENV}
+      bench "share_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \
+        --cpu-share "$n" "${thr[@]}" )
   done
 fi
 if [[ $STAGES == *prompt* ]]; then
