@@ -9,8 +9,8 @@
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
 # for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment),
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
-# OMP_WAIT_POLICY), prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS
-# added), check.
+# OMP_WAIT_POLICY), prefetch (decode at 2 GiB with --prefetch N for each N of PREFETCHES),
+# prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check.
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
@@ -46,7 +46,7 @@ export PYTHONPATH="$PWD:$PYTHONPATH"
 M=/tmp/q30.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
-      $STAGES == *share* ]]; then
+      $STAGES == *share* || $STAGES == *prefetch* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant Q4_K_M --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -57,7 +57,7 @@ if [[ $STAGES == *tests* ]]; then
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
-    tests/test_cpu_share.py} 2>&1 \
+    tests/test_cpu_share.py tests/test_prefetch.py} 2>&1 \
     | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
 fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }
@@ -114,6 +114,12 @@ if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token'
     ( [[ -n ${SHARE_ENV:-} ]] && export ${SHARE_ENV}
       bench "share_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \
         --cpu-share "$n" "${thr[@]}" )
+  done
+fi
+if [[ $STAGES == *prefetch* ]]; then  # the next layer's likely experts copied ahead, at 2 GiB
+  for n in ${PREFETCHES:-1 2 4}; do
+    echo "== decode at --vram-budget 2 with --prefetch $n"
+    bench "prefetch_$n" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 --prefetch "$n"
   done
 fi
 if [[ $STAGES == *prompt* ]]; then

@@ -166,6 +166,7 @@ class EngineConfig:
     expert_profile: str | None = None  # routing profile written by `strata profile`
     miss: str = "auto"  # auto | cpu | dma
     cpu_share: int = 0  # a decode token's last missed pairs of gathered layers the CPU takes
+    prefetch: int = 0  # experts of the next gathered layer copied ahead of its routing (decode)
     threads: int | None = None  # CPU pool threads (default: cores - 1)
     ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
     sequences: int = 1  # sequences decoded together (strata serve --batch): each has a KV cache

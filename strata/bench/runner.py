@@ -41,6 +41,8 @@ class BenchResult:
     bound_tok_s: float | None = None
     bound_fraction: float | None = None
     share_us: dict | None = None  # --cpu-share: the worker's µs per layer (decode steps measured)
+    ahead_used: float = 0.0  # --prefetch: experts copied ahead that their layer used, per token
+    ahead_copied: float = 0.0  # and all it copied ahead, per token (summed over layers)
     ceilings: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
@@ -55,6 +57,9 @@ class BenchResult:
             out.append(f"expert hit rate {100 * self.hit_rate:.1f}%; "
                        f"{self.h2d_bytes_per_token / 2**20:.1f} MiB copied to the device and "
                        f"{self.cpu_pairs_per_token:.1f} experts computed on the CPU per token")
+        if self.ahead_copied:
+            out.append(f"prefetch: {self.ahead_used:.1f} of {self.ahead_copied:.1f} experts "
+                       "copied ahead per token were routed to")
         if self.share_us:
             u = self.share_us
             out.append(f"cpu share, per layer: {u['idle']:.0f} us waiting for the GPU's post, "
@@ -153,6 +158,8 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         res.hit_rate = float(decode.hits.sum() / pairs) if pairs else 0.0
         res.h2d_bytes_per_token = decode.bytes_h2d / tokens
         res.cpu_pairs_per_token = float(decode.cpu.sum()) / tokens
+        res.ahead_used = float(decode.ahead_used.sum()) / tokens
+        res.ahead_copied = float(decode.ahead_used.sum() + decode.ahead_unused.sum()) / tokens
         if ceilings and dev.type == "cuda":
             res.bound_tok_s = _decode_bound(engine, decode, ceilings, tokens)
             res.bound_fraction = res.decode_tok_s / res.bound_tok_s
@@ -161,7 +168,8 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
 
 class _Counters:
     def __init__(self, n_layers: int):
-        self.hits, self.cpu, self.streamed = (np.zeros(n_layers, np.int64) for _ in range(3))
+        self.hits, self.cpu, self.streamed, self.ahead_used, self.ahead_unused = (
+            np.zeros(n_layers, np.int64) for _ in range(5))
         self.bytes_h2d = 0
 
     @classmethod
@@ -170,12 +178,15 @@ class _Counters:
         c = cls(len(st.hits))
         c.hits, c.cpu, c.streamed, c.bytes_h2d = (st.hits.copy(), st.cpu.copy(),
                                                   st.streamed.copy(), st.bytes_h2d)
+        c.ahead_used, c.ahead_unused = st.ahead_used.copy(), st.ahead_unused.copy()
         return c
 
     def add(self, after: _Counters, before: _Counters) -> None:
         self.hits += after.hits - before.hits
         self.cpu += after.cpu - before.cpu
         self.streamed += after.streamed - before.streamed
+        self.ahead_used += after.ahead_used - before.ahead_used
+        self.ahead_unused += after.ahead_unused - before.ahead_unused
         self.bytes_h2d += after.bytes_h2d - before.bytes_h2d
 
 
@@ -192,5 +203,5 @@ def _decode_bound(engine: Engine, st: _Counters, ceilings: dict, tokens: int) ->
         dense = sum(x.nbytes for x in (lw.wq, lw.wk, lw.wv, lw.wo))
         eb = lay.nbytes
         t += max((dense + st.hits[i] / tokens * eb) / hbm, st.cpu[i] / tokens * eb / host,
-                 st.streamed[i] / tokens * eb / pcie)
+                 (st.streamed[i] + st.ahead_unused[i]) / tokens * eb / pcie)
     return 1.0 / t

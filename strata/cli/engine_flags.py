@@ -51,6 +51,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "pool of its own (4 threads unless --threads) computes each token's last N "
                    "missed pairs meanwhile (0: off; at 2 GiB measured from 15%% slower to 7%% "
                    "faster: docs/offload.md)")
+    g.add_argument("--prefetch", type=int, default=0, metavar="N",
+                   help="CUDA decode steps whose layers gather their misses over PCIe: while a "
+                   "layer computes, copy the N experts the next layer's router gives the "
+                   "current hidden state, so its gather finds them in VRAM (0: off)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -69,7 +73,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
         cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
-        cpu_share=args.cpu_share, debug=getattr(args, "debug", False))
+        cpu_share=args.cpu_share, prefetch=args.prefetch, debug=getattr(args, "debug", False))
 
 
 def _int_flag(flag: str, text: str) -> int:

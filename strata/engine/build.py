@@ -63,6 +63,12 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         raise StrataError(f"--cpu-share {ec.cpu_share}: give 0 (off) to "
                           f"{cfg.n_experts_used - 1} of the {cfg.n_experts_used} experts a "
                           "token is routed to")
+    if not 0 <= ec.prefetch <= cfg.n_experts_used:
+        raise StrataError(f"--prefetch {ec.prefetch}: give 0 (off) to {cfg.n_experts_used} "
+                          "(the experts a token is routed to)")
+    if ec.prefetch and ec.cpu_share:
+        raise StrataError("--prefetch and --cpu-share: give one of them (the CPU's pairs "
+                          "would be copied ahead for nothing)")
     layouts = expert_layouts(mf, cfg)
     plan = make_plan(mf, cfg, ec, layouts)
     for line in plan.lines():
@@ -95,6 +101,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               stream_min, debug=ec.debug, fused_max_t=fused_max_t,
                               prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
     executor.cpu_share = ec.cpu_share
+    executor.prefetch = ec.prefetch if dev.type == "cuda" else 0
     # the share's own pool: --threads as given, else at most SHARE_THREADS (cpu_share.py)
     executor.cpu_share_threads = ec.threads
     model = MoETransformer(cfg, weights, dev, executor)

@@ -130,6 +130,19 @@ class DecodeStep:
                                       cfg.d_model, dev)
                 # its worker thread and mapped mailbox go with the step
                 weakref.finalize(self, self.share.close)
+        # --prefetch: the next gathered layer's likely experts copied while a layer computes
+        self.prefetch = None
+        if ex.prefetch and len(self.gathered_layers) > 1:
+            if any(self.host):  # (a piece ends at a host layer: the side stream would dangle)
+                log.warning("--prefetch %d: off, %d layer(s) of this plan wait on the host",
+                            ex.prefetch, sum(self.host))
+            else:
+                from strata.engine.decode_prefetch import DecodePrefetch
+
+                self.prefetch = DecodePrefetch(model, self.gathered_layers.tolist(),
+                                               ex.prefetch, self.staging)
+        self._ahead_host = torch.full((len(self.gathered_layers), max(ex.prefetch, 1)), -1,
+                                      dtype=torch.int64, pin_memory=dev.type == "cuda")
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
@@ -148,7 +161,9 @@ class DecodeStep:
                  f"{cfg.n_layers} layers without the host ({len(self.gathered_layers)} of them "
                  "gathering their missed experts from the arena over PCIe"
                  + (f", the last {self.share.pairs} missed pairs of each on the CPU pool"
-                    if self.share is not None else "") + "); "
+                    if self.share is not None else "")
+                 + (f", {self.prefetch.n} expert(s) of each copied ahead while the layer "
+                    "before computes" if self.prefetch is not None else "") + "); "
                  + ("CUDA graphs" if self.graphs else "eager"))
 
     # ---- one token --------------------------------------------------------------------------
@@ -268,12 +283,15 @@ class DecodeStep:
                                               delta)
             else:
                 delta = self.moe_out + self.carry
+        pf = self.prefetch
         for i in piece.layers:
             lw = layers[i]
             h = (ops.rms_norm(x, lw.attn_norm, cfg.rms_eps) if delta is None
                  else ops.add_rms_norm(x, delta, lw.attn_norm, cfg.rms_eps))
             attn = self._attention(i, lw, h, kv)
             h = ops.add_rms_norm(x, attn, lw.ffn_norm, cfg.rms_eps)
+            if pf is not None:
+                pf.snapshot(i, x)
             ids, wts = ops.route_topk(ops.router_logits(h, lw.router), cfg.n_experts_used,
                                       cfg.norm_topk, counts=self._counter(i, piece))
             if i == piece.host_layer:
@@ -290,8 +308,11 @@ class DecodeStep:
                 share = self.share  # (with one, the CPU takes the token's last misses)
                 if share is not None:
                     share.post(i, ids, wts, h)
-                delta = self.ex.gathered(i, h, ids, wts, self.staging, sum_pairs=not rows,
-                                         host_from=share.host_from if share else None)
+                delta = self.ex.gathered(
+                    i, h, ids, wts, self.staging, sum_pairs=not rows,
+                    host_from=share.host_from if share else None,
+                    prefetched=pf.ready(i) if pf is not None else None,
+                    then=(lambda i=i, pf=pf: pf.issue(i)) if pf is not None else None)
                 if share is not None:
                     share.take(i, delta[0, -1] if delta.dim() == 3 else delta[0])
             elif self.device.type == "cuda":  # (routing counted by route_topk)
@@ -331,6 +352,8 @@ class DecodeStep:
         (and the step's number for the CPU share's record of what it computed)."""
         counts = self.ex.gather_counts(self.device)
         self._counts_host.copy_(counts[self._gathered_rows], non_blocking=True)
+        if self.prefetch is not None:  # the experts copied ahead for each layer
+            self._ahead_host.copy_(self.prefetch.pred[self._gathered_rows], non_blocking=True)
         counts.index_fill_(0, self._gathered_rows, 0)  # the host adds them to its counters
         self._counts_copied = (self._record(), tables, step)
 
@@ -344,9 +367,12 @@ class DecodeStep:
         self._counts_copied = None
         wait_event(event, "the decode step's routing counts")
         taken = self.share.taken.get(step, {}) if self.share is not None else {}
-        for i, counts, table in zip(self.gathered_layers, self._counts_host.numpy(), tables,
-                                    strict=True):
-            self.ex.after_gathered(int(i), counts, table, taken.get(int(i), []))
+        ahead = self._ahead_host.numpy() if self.prefetch is not None else None
+        for j, (i, counts, table) in enumerate(zip(self.gathered_layers,
+                                                   self._counts_host.numpy(), tables,
+                                                   strict=True)):
+            self.ex.after_gathered(int(i), counts, table, taken.get(int(i), []),
+                                   ahead[j] if ahead is not None else None)
 
     def _record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()

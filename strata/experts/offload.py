@@ -12,6 +12,7 @@ One layer of one step (`run`):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ class OffloadExperts:
         self.ring_base, self.ring_borrow = (ring.nbytes if ring else 0), ring_borrow
         self.cpu_share = 0  # a decode token's last missed pairs the CPU takes (--cpu-share)
         self.cpu_share_threads: int | None = None  # its pool's threads (--threads, if given)
+        self.prefetch = 0  # experts of the next gathered layer copied ahead (--prefetch)
         self.device = cache.device
         self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
@@ -167,20 +169,27 @@ class OffloadExperts:
                 and self.planner.copies_one_token(lay.nbytes))
 
     def gathered(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 staging: torch.Tensor, sum_pairs: bool = True,
-                 host_from: int | None = None) -> torch.Tensor:
+                 staging: torch.Tensor, sum_pairs: bool = True, host_from: int | None = None,
+                 prefetched: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 then: Callable[[], None] | None = None) -> torch.Tensor:
         """One decode token's experts of a layer, with device work only (a CUDA graph holds
         it): hits from their slots; each missed pair's record read from the mapped arena over
         PCIe into staging row p by a kernel that reads the slot table, then computed from
         there. The caller counts the routing on the device (gather_counts: the decode step's
         route_topk); the host reads it after the step (after_gathered). host_from: the token's
-        missed pairs from there on are the CPU's (strata.experts.cpu_share): not gathered."""
+        missed pairs from there on are the CPU's (strata.experts.cpu_share): not gathered.
+        prefetched: records copied ahead (strata.engine.decode_prefetch), taken from there;
+        then: called once the gather is queued (the next layer's prefetch starts there)."""
         from strata.kernels.gpu import gather_misses
 
         ls = self.cache.layers[layer]
         lay = ls.layout
-        rows = staging[:, : lay.stride]
-        gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes, host_from)
+        k = ids.shape[-1]
+        rows = staging[:k, : lay.stride]
+        gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes, host_from,
+                      prefetched=prefetched)
+        if then is not None:
+            then()
         slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
         return self.fused.run(lay, slots, ls.table, h, ids, weights, None,
                               miss=lay.views(rows), sum_pairs=sum_pairs, host_from=host_from)
@@ -194,10 +203,11 @@ class OffloadExperts:
         return self._gathered_dev
 
     def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray,
-                       on_cpu: list[int] = ()) -> None:
+                       on_cpu: list[int] = (), ahead: np.ndarray | None = None) -> None:
         """The host's part of a gathered layer, one step late: counters, the policy's view of
         the routing (counts [E] of that step, slot_of [E] the table it read) and up to one
-        admission. on_cpu: the missed experts the CPU pool computed (one token each)."""
+        admission. on_cpu: the missed experts the CPU pool computed (one token each); ahead:
+        the experts a prefetch copied for this layer in that step (-1: none)."""
         ls = self.cache.layers[layer]
         experts = np.flatnonzero(counts)
         n = counts[experts]
@@ -208,7 +218,14 @@ class OffloadExperts:
         self.stats.streamed[layer] += int(n[~hit].sum()) - len(on_cpu)
         self.stats.cpu[layer] += len(on_cpu)
         missed = experts[~hit].tolist()
-        self.stats.bytes_h2d += (len(missed) - len(on_cpu)) * ls.layout.nbytes
+        copied = len(missed) - len(on_cpu)  # records that crossed PCIe for this layer
+        if ahead is not None:
+            ahead = {int(e) for e in ahead if e >= 0 and slot_of[e] < 0}
+            used = len(ahead.intersection(missed))
+            self.stats.ahead_used[layer] += used
+            self.stats.ahead_unused[layer] += len(ahead) - used
+            copied += len(ahead) - used
+        self.stats.bytes_h2d += copied * ls.layout.nbytes
         if missed:
             self._admit_after(layer, missed, set(experts.tolist()))
 

@@ -52,6 +52,8 @@ class OffloadStats:
     def __post_init__(self) -> None:
         L, E = self.n_layers, self.n_experts
         self.hits, self.cpu, self.streamed = (np.zeros(L, np.int64) for _ in range(3))
+        # --prefetch: experts copied ahead of a decode layer's routing that it then used / not
+        self.ahead_used, self.ahead_unused = np.zeros(L, np.int64), np.zeros(L, np.int64)
         self._routed = np.zeros((L, E), np.int64)
         self._routed_dev: torch.Tensor | None = None  # counted without a host sync
 
@@ -93,7 +95,8 @@ class OffloadStats:
         return {"hit_rate": round(self.hit_rate, 4), "pairs_hit": int(self.hits.sum()),
                 "pairs_cpu": int(self.cpu.sum()), "pairs_streamed": int(self.streamed.sum()),
                 "bytes_h2d": self.bytes_h2d, "admissions": self.admissions,
-                "cpu_pool_s": round(self.cpu_s, 4)}
+                "cpu_pool_s": round(self.cpu_s, 4), "ahead_used": int(self.ahead_used.sum()),
+                "ahead_unused": int(self.ahead_unused.sum())}
 
     def lines(self) -> list[str]:
         s = self.summary()
@@ -104,6 +107,10 @@ class OffloadStats:
                + (f"; GPU timeline {GpuTimer.seconds(self.timer.steps):.3f} s over "
                   f"{len(self.timer.steps)} passes (CUDA events at each pass's start and end, "
                   "host waits included)" if self.timer else "")]
+        if s["ahead_used"] + s["ahead_unused"]:
+            out.append(f"prefetch: {s['ahead_used']} of {s['ahead_used'] + s['ahead_unused']} "
+                       "experts copied ahead of their layer's routing were routed to (the "
+                       "others' bytes are in the MiB copied)")
         for i in range(self.n_layers):
             tot = self.hits[i] + self.cpu[i] + self.streamed[i]
             r = self.routed[i]

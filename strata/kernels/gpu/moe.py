@@ -138,17 +138,27 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
 
 
 @triton.jit
-def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst,
-                   BLOCK: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
+def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
+                   stride_pre, BLOCK: tl.constexpr, TOPK: tl.constexpr,
+                   HOST_FROM: tl.constexpr, PRE: tl.constexpr):
     # dst[p, :nwords] = src[e, :nwords] for pairs p whose expert e = ids[p] is not resident
-    # (int32 words), except a token's pairs from HOST_FROM on (the host computes those). One
-    # load of BLOCK words per program, all in flight before the store.
+    # (int32 words), except a token's pairs from HOST_FROM on (the host computes those); with
+    # PRE, from pre[pre_of[e]] (device rows a prefetch filled) where pre_of[e] >= 0. One load
+    # of BLOCK words per program, all in flight before the store.
     p = tl.program_id(0)
     e = tl.load(ids + p)
     if (tl.load(slot_of + e) < 0) & (p % TOPK < HOST_FROM):
         o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(src + e.to(tl.int64) * stride_src + o, mask=o < nwords)
-        tl.store(dst + p.to(tl.int64) * stride_dst + o, v, mask=o < nwords)
+        m = o < nwords
+        if PRE:
+            j = tl.load(pre_of + e)
+            if j >= 0:
+                v = tl.load(pre + j.to(tl.int64) * stride_pre + o, mask=m)
+            else:
+                v = tl.load(src + e.to(tl.int64) * stride_src + o, mask=m)
+        else:
+            v = tl.load(src + e.to(tl.int64) * stride_src + o, mask=m)
+        tl.store(dst + p.to(tl.int64) * stride_dst + o, v, mask=m)
 
 
 # ---- prompt chunks: grouped by expert, tensor cores ------------------------------------------
@@ -331,14 +341,17 @@ GATHER_BLOCK = 4096  # int32 words per program: 16 KB in flight each
 
 
 def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torch.Tensor,
-                  rows: torch.Tensor, nbytes: int, host_from: int | None = None) -> None:
+                  rows: torch.Tensor, nbytes: int, host_from: int | None = None,
+                  prefetched: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """rows[p, :nbytes] = records[ids[p], :nbytes] for every pair p whose expert has no slot
     (slot_of_expert < 0), except a token's pairs k >= host_from (ids [T, K]; the host computes
     those, moe_forward's host_from); other rows are left as they are. records uint8 [E, stride]: the
     layer's arena, host memory mapped for the device (cudaHostRegister), read over PCIe by
     the kernel (so a CUDA graph can hold it: which experts move is read on the device); rows
     uint8 [>= P, >= nbytes] on the device; whole int32 words are copied (rows and records are
-    padded to a multiple of 4 bytes: ExpertLayout.stride)."""
+    padded to a multiple of 4 bytes: ExpertLayout.stride). prefetched: (pre_of [E] int32,
+    pre uint8 [R, >= nbytes] on the device): an expert with pre_of[e] = j >= 0 is copied from
+    pre[j] instead (a prefetch brought its record there already)."""
     p = ids.numel()
     nwords = triton.cdiv(nbytes, 4)  # whole words: records are padded to their stride
     if rows.shape[0] < p or min(rows.shape[1], records.shape[1]) < 4 * nwords:
@@ -347,13 +360,17 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
     if records.stride(0) % 4 or rows.stride(0) % 4 or records.stride(1) != 1 or \
             rows.stride(1) != 1:
         raise ValueError("gather_misses: rows of contiguous bytes, 4-byte aligned strides")
+    pre_of, pre = prefetched if prefetched is not None else (slot_of_expert, rows)
+    if pre.shape[1] < 4 * nwords or pre.stride(0) % 4 or pre.stride(1) != 1:
+        raise ValueError(f"gather_misses: prefetched rows {tuple(pre.shape)} for {nbytes} bytes")
     if p == 0:
         return
-    src, dst = _words(records), _words(rows)
+    src, dst, pre = _words(records), _words(rows), _words(pre)
     topk = ids.shape[-1] if ids.dim() == 2 else 1
     _gather_kernel[(p, triton.cdiv(nwords, GATHER_BLOCK))](
-        ids.reshape(-1), slot_of_expert, src, dst, nwords, src.stride(0), dst.stride(0),
-        BLOCK=GATHER_BLOCK, TOPK=topk, HOST_FROM=topk if host_from is None else host_from,
+        ids.reshape(-1), slot_of_expert, src, dst, nwords, src.stride(0), dst.stride(0), pre_of,
+        pre, pre.stride(0), BLOCK=GATHER_BLOCK, TOPK=topk,
+        HOST_FROM=topk if host_from is None else host_from, PRE=prefetched is not None,
         num_warps=8)
 
 

@@ -1,0 +1,89 @@
+"""--prefetch N: while a gathered layer computes, the GPU copies over PCIe the N experts the next
+layer will most likely route to, so that the next layer's gather finds them in VRAM.
+
+At a small VRAM budget a decode layer's time is mostly its gather (the missed experts' records
+read from the mapped arena over PCIe, strata.kernels.gpu.gather_misses); between two gathers,
+while a layer's experts, the next layer's attention and its router run, PCIe idles. A side stream
+inside the step's CUDA graph fills that gap:
+
+    main:  norm_l -> snap[l % 2]   router_l   [join] gather_l   moe_l   attn_l+1   [join] gather_l+1
+    side:                                       (after gather_l) predict_l+1 -> copy_l+1
+
+predict_l+1: layer l+1's router on rms_norm(x_l, ffn_norm_l+1), x_l the residual after layer l's
+attention (what layer l+1's router will see, less layer l's experts and layer l+1's attention);
+experts with a cache slot are left out; the N best. copy_l+1: those records from the arena into
+the staging rows K .. K+N-1 (after the K rows of the token's own misses), pre_of[e] = their row.
+gather_l+1 then takes a predicted expert from VRAM and the rest over PCIe. The side stream starts
+after gather_l (PCIe carries that until then) and gather_l+1 waits for it: a wrong guess costs
+its copy's time. Every buffer the side stream shares with the main stream is written again only
+after the main stream has waited for the side stream's use of it (`snap` is double-buffered: the
+prediction of l+1 reads snap[l % 2] while layer l+1 writes snap[(l+1) % 2]).
+
+Counting: the experts copied ahead per layer (`pred`, [L, N]; -1 where nothing was) go to the host
+with the step's routing counts; OffloadExperts.after_gathered counts the ones used and the ones
+copied for nothing (their bytes crossed PCIe too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.gpu import decode_ops as ops
+
+
+class DecodePrefetch:
+    def __init__(self, model, layers: list[int], n: int, staging: torch.Tensor):  # noqa: ANN001
+        """layers: the gathered layers (a prefetch serves a gathered layer after another);
+        staging: the decode staging rows, K for the token's misses and n more for this."""
+        cfg, ex = model.cfg, model.experts
+        k = cfg.n_experts_used
+        if staging.shape[0] < k + n:
+            raise ValueError(f"prefetch: {staging.shape[0]} staging rows for {k} + {n}")
+        self.model, self.ex, self.n = model, ex, n
+        gathered = set(layers)
+        self.next = {i: i + 1 for i in layers if i + 1 in gathered}  # layer -> the one it serves
+        self.targets = set(self.next.values())
+        dev = staging.device
+        self.stream = torch.cuda.Stream(dev)
+        self.snap = torch.zeros(2, 1, cfg.d_model, dtype=torch.float32, device=dev)
+        self.pre_of = torch.full((cfg.n_experts,), -1, dtype=torch.int32, device=dev)
+        self.rows = staging[k:k + n]
+        self.order = torch.arange(n, dtype=torch.int32, device=dev)
+        self.pred = torch.full((cfg.n_layers, n), -1, dtype=torch.int64, device=dev)
+
+    def snapshot(self, layer: int, x: torch.Tensor) -> None:
+        """Main stream, after layer's attention: the residual the next layer's guess reads."""
+        if layer in self.next:
+            self.snap[layer % 2].copy_(x)
+
+    def ready(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Main stream, before layer's gather: wait for its prefetch; (pre_of, rows) for
+        gather_misses, or None when nothing was copied ahead for it."""
+        if layer not in self.targets:
+            return None
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        return self.pre_of, self.rows
+
+    def issue(self, layer: int) -> None:
+        """Main stream, right after layer's gather was queued: guess and copy the next layer's
+        experts on the side stream."""
+        nxt = self.next.get(layer)
+        if nxt is None:
+            return
+        from strata.kernels.gpu import gather_misses
+
+        cfg, ex = self.model.cfg, self.ex
+        lw = self.model.w.layers[nxt]
+        table = ex.cache.layers[nxt].table  # (the step's tables hold for the whole step)
+        lay = ex.arena.layouts[nxt]
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            h = ops.rms_norm(self.snap[layer % 2], lw.ffn_norm, cfg.rms_eps)
+            logits = ops.router_logits(h, lw.router)
+            logits = logits.masked_fill(table[None] >= 0, float("-inf"))
+            pred = torch.topk(logits, self.n, dim=1).indices  # [1, n]
+            self.pred[nxt].copy_(pred[0])
+            self.pre_of.fill_(-1)
+            self.pre_of.scatter_(0, pred[0], self.order)
+            gather_misses(pred, table, ex.arena.layers[nxt], self.rows[:, : lay.stride],
+                          lay.nbytes)

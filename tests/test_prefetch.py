@@ -1,0 +1,128 @@
+"""--prefetch N: while a gathered decode layer computes, the next one's likely experts are copied
+ahead into VRAM rows, and its gather takes them from there (strata/engine/decode_prefetch.py).
+On the CPU: gather_misses' prefetched source under Triton's interpreter, and the refusals; on
+CUDA: decode steps with prefetch give the reference logits, capture as graphs and count what
+was copied ahead."""
+
+from __future__ import annotations
+
+import pytest
+from test_decode_step import PROMPT, decoded_logits
+from test_offload import TOKENS, assert_same, offload
+
+from strata.cli.logits import compute_logits
+from strata.cli.main import main
+from strata.engine.generator import Engine
+
+triton = pytest.importorskip("triton")
+
+from interpreted import fresh_seed, run_interpreted  # noqa: E402
+
+_GATHER = """
+    import torch
+    from strata.kernels.gpu import gather_misses
+
+    rng = np.random.default_rng(seed)
+    e, stride, nbytes = 13, 96, 90  # records padded to whole words; 90 bytes copied (23 words)
+    records = torch.from_numpy(rng.integers(0, 256, (e, stride), dtype=np.uint8))
+    slot_of = torch.full((e,), -1, dtype=torch.int32)
+    slot_of[[2, 7]] = torch.tensor([0, 1], dtype=torch.int32)  # two resident experts
+    # two rows copied ahead: expert 4 in row 1, expert 9 in row 0, with other bytes than the
+    # arena's, so that the test sees where each row came from
+    pre = torch.from_numpy(rng.integers(0, 256, (2, stride), dtype=np.uint8))
+    pre_of = torch.full((e,), -1, dtype=torch.int32)
+    pre_of[4], pre_of[9] = 1, 0
+    pre_of[7] = 0  # a resident expert with a prefetch row: its slot wins, nothing is copied
+    ids = torch.tensor([[4, 2, 11, 9, 7, 0]])
+    rows = torch.full((6, stride), 255, dtype=torch.uint8)
+    gather_misses(ids, slot_of, records, rows, nbytes, prefetched=(pre_of, pre))
+    words = 4 * ((nbytes + 3) // 4)
+    for p, ex in enumerate(ids[0].tolist()):
+        if slot_of[ex] >= 0:
+            assert (rows[p] == 255).all(), (p, ex)  # a hit: left as it was
+        else:
+            src = pre[pre_of[ex]] if pre_of[ex] >= 0 else records[ex]
+            assert torch.equal(rows[p, :words], src[:words]), (p, ex)
+            assert (rows[p, words:] == 255).all(), (p, ex)
+    # without prefetched rows every miss comes from the arena (and host_from still holds)
+    rows2 = torch.full((6, stride), 255, dtype=torch.uint8)
+    gather_misses(ids, slot_of, records, rows2, nbytes, host_from=4)
+    for p, ex in enumerate(ids[0].tolist()):
+        want = records[ex][:words] if slot_of[ex] < 0 and p < 4 else torch.full((words,), 255,
+                                                                                 dtype=torch.uint8)
+        assert torch.equal(rows2[p, :words], want), (p, ex)
+    # rows too short for the record are refused
+    try:
+        gather_misses(ids, slot_of, records, rows, nbytes, prefetched=(pre_of, pre[:, :64]))
+    except ValueError as err:
+        assert "prefetched rows" in str(err)
+    else:
+        raise AssertionError("short prefetched rows accepted")
+    print("ok")
+"""
+
+
+def test_gather_takes_prefetched_rows_under_the_interpreter() -> None:
+    run_interpreted(_GATHER, fresh_seed(), timeout=300)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefetch", "3"], "--prefetch 3: give 0 (off) to 2"),
+    (["--prefetch", "-1"], "--prefetch -1: give 0 (off) to 2"),
+    (["--prefetch", "1", "--cpu-share", "1"], "--prefetch and --cpu-share: give one of them"),
+])
+def test_prefetch_out_of_range_is_refused(synth, capsys, flags, message) -> None:
+    path = synth("qwen3moe", "Q4_K_M")
+    assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "1",
+                 "--offload", "on", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cache", ["0", "5"])
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_decode_steps_with_prefetch_give_reference_logits(synth, cache, ahead):
+    """Every layer gathers its misses; the next layer's guessed experts are copied ahead on a
+    side stream inside the graph: the same logits, every step replayed after the capture, and
+    every guess counted as used or not (the tiny model routes 2 of 8: some guesses land)."""
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, "cuda", expert_cache=cache, miss="dma", prefetch=ahead)
+    step = engine.model.step
+    cfg = engine.config
+    assert len(step.gathered_layers) == cfg.n_layers and step.prefetch is not None
+    assert step.prefetch.next == {i: i + 1 for i in range(cfg.n_layers - 1)}
+    assert_same(decoded_logits(engine, TOKENS), ref)
+    assert not step._failed and step.steps["replayed"] == len(TOKENS) - PROMPT - 1
+    st = engine.model.experts.stats
+    st.settle()
+    steps = len(TOKENS) - PROMPT
+    guesses = st.ahead_used + st.ahead_unused
+    assert guesses[0] == 0  # nothing is guessed for the first layer
+    # each later layer: `ahead` guesses a step among its experts without a slot
+    assert (guesses[1:] == steps * ahead).all(), guesses
+    assert st.ahead_used.sum() > 0 and (st.ahead_used <= st.streamed).all()
+    pairs_all = st.hits.sum() + st.cpu.sum() + st.streamed.sum()
+    assert pairs_all == len(TOKENS) * cfg.n_layers * cfg.n_experts_used
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_gather_kernel_compiles_for_sm90(pre: bool) -> None:
+    """Without a GPU: Triton compiles the gather for sm_90 (its bundled ptxas), with and without
+    the prefetched source (the interpreter runs neither Triton's front end nor its types)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import moe
+
+    sig = {"ids": "*i64", "slot_of": "*i32", "src": "*i32", "dst": "*i32", "nwords": "i32",
+           "stride_src": "i32", "stride_dst": "i32", "pre_of": "*i32", "pre": "*i32",
+           "stride_pre": "i32", "BLOCK": "constexpr", "TOPK": "constexpr",
+           "HOST_FROM": "constexpr", "PRE": "constexpr"}
+    k = triton.compile(ASTSource(moe._gather_kernel, sig, constexprs={
+        "BLOCK": moe.GATHER_BLOCK, "TOPK": 8, "HOST_FROM": 8, "PRE": pre}),
+        target=GPUTarget("cuda", 90, 32))
+    assert k.asm["cubin"]
+    # ids, slot_of, the arena; with the prefetched source also pre_of and the rows in VRAM
+    assert k.asm["ttir"].count("tt.load") == (5 if pre else 3)
