@@ -6,7 +6,9 @@ was copied ahead."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 from test_decode_step import PROMPT, decoded_logits
 from test_offload import TOKENS, assert_same, offload
 
@@ -102,9 +104,60 @@ def test_decode_steps_with_prefetch_give_reference_logits(synth, cache, ahead):
     assert guesses[0] == 0  # nothing is guessed for the first layer
     # each later layer: `ahead` guesses a step among its experts without a slot
     assert (guesses[1:] == steps * ahead).all(), guesses
-    assert st.ahead_used.sum() > 0 and (st.ahead_used <= st.streamed).all()
+    assert st.ahead_used.sum() > 0
     pairs_all = st.hits.sum() + st.cpu.sum() + st.streamed.sum()
     assert pairs_all == len(TOKENS) * cfg.n_layers * cfg.n_experts_used
+    check_rows(engine)
+
+
+def check_rows(engine) -> None:  # noqa: ANN001
+    """After the last step: the last layer's guessed records sit in the prefetch rows that
+    pre_of names, byte for byte as in the arena."""
+    pf, ex = engine.model.step.prefetch, engine.model.experts
+    last = engine.config.n_layers - 1
+    table = ex.cache.layers[last].table.cpu()  # (the device table the step read)
+    pre_of, nbytes = pf.pre_of.cpu(), ex.arena.layouts[last].nbytes
+    guessed = [e for e in pf.pred[last].tolist() if table[e] < 0]
+    assert guessed
+    for j, e in enumerate(pf.pred[last].tolist()):
+        if table[e] < 0:
+            assert pre_of[e] == j
+            assert torch.equal(pf.rows[j, :nbytes].cpu(), ex.arena.layers[last][e, :nbytes])
+
+
+@pytest.mark.cuda
+def test_prefetch_in_eager_decode_steps(synth):
+    """The same without graphs (--decode-step eager): real side streams, the same logits."""
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, "cuda", expert_cache="0", miss="dma", prefetch=2,
+                     decode_step="eager")
+    assert_same(decoded_logits(engine, TOKENS), ref)
+    assert engine.model.step.steps["replayed"] == 0
+    check_rows(engine)
+
+
+@pytest.mark.cuda
+def test_the_gather_reads_the_prefetched_rows(synth, monkeypatch):
+    """Rows copied ahead and then zeroed on the side stream: the logits move. A gather that
+    ignored the prefetch (or read it before the copy) would still give the reference."""
+    from strata.engine.decode_prefetch import DecodePrefetch
+
+    issue = DecodePrefetch.issue
+
+    def spoiled(self, layer):  # noqa: ANN001
+        issue(self, layer)
+        with torch.cuda.stream(self.stream):
+            self.rows.zero_()
+
+    monkeypatch.setattr(DecodePrefetch, "issue", spoiled)
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, "cuda", expert_cache="0", miss="dma", prefetch=2)
+    got = decoded_logits(engine, TOKENS)
+    engine.model.experts.stats.settle()
+    assert engine.model.experts.stats.ahead_used.sum() > 0
+    assert max(float(np.abs(g - r).max()) for g, r in zip(got, ref, strict=True)) > 1e-3
 
 
 @pytest.mark.parametrize("pre", [False, True])
@@ -126,3 +179,24 @@ def test_gather_kernel_compiles_for_sm90(pre: bool) -> None:
     assert k.asm["cubin"]
     # ids, slot_of, the arena; with the prefetched source also pre_of and the rows in VRAM
     assert k.asm["ttir"].count("tt.load") == (5 if pre else 3)
+
+
+def test_the_plan_counts_the_prefetch_rows(synth) -> None:
+    """The staging rows the memory plan counts: K for a token's misses, N more with --prefetch
+    on CUDA decode steps; none more on the CPU or without decode steps."""
+    from strata.config import EngineConfig, ModelConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+
+    mf = open_model(synth("qwen3moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    stride = max(lay.stride for lay in layouts)
+    for device, decode_step, prefetch, rows in (("cuda", "graphs", 2, 4), ("cuda", "eager", 1, 3),
+                                                ("cuda", "off", 2, 2), ("cpu", "eager", 2, 2),
+                                                ("cuda", "graphs", 0, 2)):
+        plan = make_plan(mf, cfg, EngineConfig(device=device, vram_budget_gib=1, ctx=256,
+                                               decode_step=decode_step, prefetch=prefetch),
+                         layouts)
+        assert (plan.staging_slots, plan.staging) == (rows, rows * stride), (device, prefetch)

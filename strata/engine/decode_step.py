@@ -132,10 +132,14 @@ class DecodeStep:
                 weakref.finalize(self, self.share.close)
         # --prefetch: the next gathered layer's likely experts copied while a layer computes
         self.prefetch = None
-        if ex.prefetch and len(self.gathered_layers) > 1:
+        if ex.prefetch and dev.type == "cuda":
+            pairs = np.intersect1d(self.gathered_layers, self.gathered_layers + 1).size
             if any(self.host):  # (a piece ends at a host layer: the side stream would dangle)
                 log.warning("--prefetch %d: off, %d layer(s) of this plan wait on the host",
                             ex.prefetch, sum(self.host))
+            elif not pairs:
+                log.warning("--prefetch %d: off, no layer gathering its misses follows another "
+                            "(%d of them)", ex.prefetch, len(self.gathered_layers))
             else:
                 from strata.engine.decode_prefetch import DecodePrefetch
 
@@ -257,6 +261,8 @@ class DecodeStep:
             log.warning(f"decode step: CUDA graph capture failed ({type(e).__name__}: {e}); "
                         "decoding eagerly")
             self._failed = True
+            if self.prefetch is not None:  # its stream may be left in the failed capture
+                self.prefetch.stream = torch.cuda.Stream(self.device)
             torch.cuda.synchronize(self.device)
             return None
         self._captured = (key, graphs)

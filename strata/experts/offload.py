@@ -184,8 +184,7 @@ class OffloadExperts:
 
         ls = self.cache.layers[layer]
         lay = ls.layout
-        k = ids.shape[-1]
-        rows = staging[:k, : lay.stride]
+        rows = staging[: ids.numel(), : lay.stride]  # (rows after them: --prefetch's)
         gather_misses(ids, ls.table, self.arena.layers[layer], rows, lay.nbytes, host_from,
                       prefetched=prefetched)
         if then is not None:

@@ -361,8 +361,13 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
             rows.stride(1) != 1:
         raise ValueError("gather_misses: rows of contiguous bytes, 4-byte aligned strides")
     pre_of, pre = prefetched if prefetched is not None else (slot_of_expert, rows)
-    if pre.shape[1] < 4 * nwords or pre.stride(0) % 4 or pre.stride(1) != 1:
-        raise ValueError(f"gather_misses: prefetched rows {tuple(pre.shape)} for {nbytes} bytes")
+    if prefetched is not None and (
+            pre_of.dtype != torch.int32 or pre_of.numel() < records.shape[0]
+            or pre_of.device != rows.device or pre.device != rows.device
+            or pre.shape[1] < 4 * nwords or pre.stride(0) % 4 or pre.stride(1) != 1):
+        raise ValueError(f"gather_misses: prefetched rows {tuple(pre.shape)} ({pre.device}) with "
+                         f"pre_of {pre_of.dtype} [{pre_of.numel()}] ({pre_of.device}) for "
+                         f"{records.shape[0]} experts of {nbytes} bytes into {rows.device}")
     if p == 0:
         return
     src, dst, pre = _words(records), _words(rows), _words(pre)
