@@ -9,7 +9,8 @@
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
 # for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment),
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
-# OMP_WAIT_POLICY), prefetch (decode at 2 GiB with --prefetch N for each N of PREFETCHES),
+# OMP_WAIT_POLICY), prefetch (decode at 2 GiB with --prefetch N for each N of PREFETCHES; N:S also
+# --cpu-share S),
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check.
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
@@ -117,9 +118,11 @@ if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token'
   done
 fi
 if [[ $STAGES == *prefetch* ]]; then  # the next layer's likely experts copied ahead, at 2 GiB
-  for n in ${PREFETCHES:-1 2 4}; do
-    echo "== decode at --vram-budget 2 with --prefetch $n"
-    bench "prefetch_$n" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 --prefetch "$n"
+  for spec in ${PREFETCHES:-1 2 4}; do  # N, or N:S with --cpu-share S too
+    n=${spec%%:*}; share=(); [[ $spec == *:* ]] && share=(--cpu-share "${spec##*:}")
+    echo "== decode at --vram-budget 2 with --prefetch $n ${share[*]}"
+    bench "prefetch_${spec/:/_s}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \
+      --prefetch "$n" "${share[@]}"
   done
 fi
 if [[ $STAGES == *prompt* ]]; then

@@ -71,7 +71,6 @@ def test_gather_takes_prefetched_rows_under_the_interpreter() -> None:
 @pytest.mark.parametrize("flags, message", [
     (["--prefetch", "3"], "--prefetch 3: give 0 (off) to 2"),
     (["--prefetch", "-1"], "--prefetch -1: give 0 (off) to 2"),
-    (["--prefetch", "1", "--cpu-share", "1"], "--prefetch and --cpu-share: give one of them"),
 ])
 def test_prefetch_out_of_range_is_refused(synth, capsys, flags, message) -> None:
     path = synth("qwen3moe", "Q4_K_M")
@@ -200,3 +199,42 @@ def test_the_plan_counts_the_prefetch_rows(synth) -> None:
                                                decode_step=decode_step, prefetch=prefetch),
                          layouts)
         assert (plan.staging_slots, plan.staging) == (rows, rows * stride), (device, prefetch)
+
+
+def test_guesses_are_counted_used_or_not(synth) -> None:
+    """after_gathered's count of a step with guesses: a guess the layer routed to and gathered
+    is used; one it did not route to, or one the CPU share computed, crossed PCIe for nothing;
+    a guess with a slot (or none, -1) is not a copy at all."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cpu", expert_cache="0", decode_step="off")
+    ex = engine.model.experts
+    e, nbytes = engine.config.n_experts, ex.arena.layouts[1].nbytes
+    slot_of = np.full(e, -1, np.int32)
+    slot_of[5] = 0  # expert 5 has a slot: a hit, and no copy when guessed
+    counts = np.zeros(e, np.int32)
+    counts[[1, 3, 5, 6]] = 1  # the token's routing (4 pairs here)
+    assert ex.cache.layers[1].capacity == 0
+    before = (ex.stats.bytes_h2d, ex.stats.streamed[1], ex.stats.cpu[1], ex.stats.hits[1])
+    ex.after_gathered(1, counts, slot_of, on_cpu=[6], ahead=np.array([3, 6, 7, 5, -1]))
+    st = ex.stats
+    assert (st.ahead_used[1], st.ahead_unused[1]) == (1, 2)  # 3 used; 6 (the CPU's), 7 not
+    assert st.hits[1] - before[3] == 1 and st.cpu[1] - before[2] == 1
+    assert st.streamed[1] - before[1] == 2  # 1 and 3: computed from copied records
+    # over PCIe: 1 (gathered), 3 (copied ahead), 6 and 7 (copied ahead for nothing); no cache
+    # slots, so no admission adds a copy
+    assert st.bytes_h2d - before[0] == 4 * nbytes and st.admissions == 0
+
+
+@pytest.mark.cuda
+def test_prefetch_with_a_cpu_share(synth):
+    """Both at once: the CPU takes each token's last missed pair, the side stream copies one
+    guess ahead: the reference logits, and the share's pairs are not counted as used guesses."""
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, "cuda", expert_cache="0", miss="dma", prefetch=1, cpu_share=1)
+    step = engine.model.step
+    assert step.prefetch is not None and step.share is not None
+    assert_same(decoded_logits(engine, TOKENS), ref)
+    st = engine.model.experts.stats
+    st.settle()
+    assert st.cpu.sum() > 0 and (st.ahead_used <= st.streamed).all()
+    step.share.close()

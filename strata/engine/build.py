@@ -66,9 +66,6 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if not 0 <= ec.prefetch <= cfg.n_experts_used:
         raise StrataError(f"--prefetch {ec.prefetch}: give 0 (off) to {cfg.n_experts_used} "
                           "(the experts a token is routed to)")
-    if ec.prefetch and ec.cpu_share:
-        raise StrataError("--prefetch and --cpu-share: give one of them (the CPU's pairs "
-                          "would be copied ahead for nothing)")
     layouts = expert_layouts(mf, cfg)
     plan = make_plan(mf, cfg, ec, layouts)
     for line in plan.lines():

@@ -218,9 +218,9 @@ class OffloadExperts:
         self.stats.cpu[layer] += len(on_cpu)
         missed = experts[~hit].tolist()
         copied = len(missed) - len(on_cpu)  # records that crossed PCIe for this layer
-        if ahead is not None:
+        if ahead is not None:  # (a guess the CPU share computed was copied for nothing)
             ahead = {int(e) for e in ahead if e >= 0 and slot_of[e] < 0}
-            used = len(ahead.intersection(missed))
+            used = len(ahead.intersection(missed).difference(on_cpu))
             self.stats.ahead_used[layer] += used
             self.stats.ahead_unused[layer] += len(ahead) - used
             copied += len(ahead) - used
