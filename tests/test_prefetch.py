@@ -222,6 +222,8 @@ def test_guesses_are_counted_used_or_not(synth) -> None:
     # over PCIe: 1 (gathered), 3 (copied ahead), 6 and 7 (copied ahead for nothing); no cache
     # slots, so no admission adds a copy
     assert st.bytes_h2d - before[0] == 4 * nbytes and st.admissions == 0
+    text = "\n".join(st.lines())  # --stats: the run's line and layer 1's
+    assert "prefetch: 1 of 3 experts copied ahead" in text and "ahead 1/3 used" in text
 
 
 @pytest.mark.cuda

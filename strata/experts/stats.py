@@ -119,7 +119,9 @@ class OffloadStats:
             if self.timer is not None and self.timer.layers[i]:
                 gpu = (f"  experts {1e3 * GpuTimer.seconds(self.timer.layers[i]):.1f} ms on the "
                        "GPU timeline")
+            ahead = self.ahead_used[i] + self.ahead_unused[i]
+            pre = f"  ahead {self.ahead_used[i]}/{ahead} used" if ahead else ""
             out.append(f"  layer {i:>3}: hit {100 * self.hits[i] / max(tot, 1):5.1f}%  cpu "
-                       f"{self.cpu[i]:>6}  streamed {self.streamed[i]:>6}  busiest expert / "
-                       f"mean {bal}{gpu}")
+                       f"{self.cpu[i]:>6}  streamed {self.streamed[i]:>6}{pre}  busiest "
+                       f"expert / mean {bal}{gpu}")
         return out
