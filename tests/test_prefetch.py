@@ -240,3 +240,14 @@ def test_prefetch_with_a_cpu_share(synth):
     st.settle()
     assert st.cpu.sum() > 0 and (st.ahead_used <= st.streamed).all()
     step.share.close()
+
+
+def test_prefetch_on_the_cpu_says_it_is_off(synth, caplog) -> None:
+    """--prefetch and --cpu-share serve CUDA decode steps: on the CPU each says it is off."""
+    with caplog.at_level("WARNING", logger="strata"):
+        engine = offload(synth("qwen3moe", "Q4_K_M"), "cpu", prefetch=2, cpu_share=1)
+    assert engine.model.experts.prefetch == 0
+    assert engine.model.step is None or engine.model.step.prefetch is None
+    for flag in ("--prefetch 2: off", "--cpu-share 1: off"):
+        assert any(flag in r.getMessage() and "on the CPU" in r.getMessage()
+                   for r in caplog.records), flag

@@ -99,6 +99,10 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
     executor.cpu_share = ec.cpu_share
     executor.prefetch = ec.prefetch if dev.type == "cuda" else 0
+    for flag, n in (("--cpu-share", ec.cpu_share), ("--prefetch", ec.prefetch)):
+        if n and (dev.type != "cuda" or ec.decode_step == "off"):
+            log.warning(f"{flag} {n}: off (it serves CUDA decode steps; this engine runs "
+                        f"{'on the CPU' if dev.type != 'cuda' else 'without them'})")
     # the share's own pool: --threads as given, else at most SHARE_THREADS (cpu_share.py)
     executor.cpu_share_threads = ec.threads
     model = MoETransformer(cfg, weights, dev, executor)
