@@ -33,21 +33,25 @@ from strata.kernels.cpu import ExpertJob, ggml_available, make_cpu_experts
 from strata.quant import QType, random_rows, row_nbytes
 
 
-def make_arena(qtype: QType, d: int, f: int, n: int, rng: np.random.Generator):
-    """n experts as packed records (8 distinct ones, tiled): per expert (gate, up, down) views."""
-    parts = (f * row_nbytes(qtype, d), f * row_nbytes(qtype, d), d * row_nbytes(qtype, f))
+def make_arena(qtypes: tuple[QType, QType, QType], d: int, f: int, n: int,
+               rng: np.random.Generator):
+    """n experts as packed records (8 distinct ones, tiled): (per expert (gate, up, down) views,
+    an expert's weight bytes, the records uint8 [n, stride], the parts' offsets in a record)."""
+    parts = (f * row_nbytes(qtypes[0], d), f * row_nbytes(qtypes[1], d),
+             d * row_nbytes(qtypes[2], f))
     stride = (sum(parts) + 255) // 256 * 256
     buf = torch.zeros(n, stride, dtype=torch.uint8)
     for e in range(min(n, 8)):
-        rows = [random_rows(qtype, f, d, rng, 0.02), random_rows(qtype, f, d, rng, 0.02),
-                random_rows(qtype, d, f, rng, 0.02)]
+        rows = [random_rows(qtypes[0], f, d, rng, 0.02), random_rows(qtypes[1], f, d, rng, 0.02),
+                random_rows(qtypes[2], d, f, rng, 0.02)]
         buf[e, :sum(parts)] = torch.from_numpy(np.concatenate([r.reshape(-1) for r in rows]))
     for e in range(8, n):
         buf[e] = buf[e % 8]
     offs = np.cumsum((0,) + parts)
     shapes = ((f, parts[0] // f), (f, parts[1] // f), (d, parts[2] // d))
-    return [tuple(buf[e, offs[i]:offs[i + 1]].view(shapes[i]) for i in range(3))
-            for e in range(n)], sum(parts)
+    views = [tuple(buf[e, offs[i]:offs[i + 1]].view(shapes[i]) for i in range(3))
+             for e in range(n)]
+    return views, sum(parts), buf, offs[:3]
 
 
 def time_calls(experts, h, calls: list[list[ExpertJob]], repeats: int) -> tuple[float, float]:
@@ -81,7 +85,8 @@ def bench(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     for name in args.types.split(","):
         qtype = QType[name]
-        arena, expert_bytes = make_arena(qtype, args.d_model, args.d_expert, args.arena, rng)
+        arena, expert_bytes, _, _ = make_arena((qtype,) * 3, args.d_model, args.d_expert,
+                                               args.arena, rng)
         for backend in backends:
             for t in thread_counts:
                 torch.set_num_threads(t)  # torch ops in both backends share these threads
@@ -103,7 +108,7 @@ def bench(args: argparse.Namespace) -> dict:
                           f"{gbs:6.2f} GB/s (best {row['best_GBs']:5.2f})  "
                           f"{row['of_host_read']:6.1%} of host read", flush=True)
                 experts.close()
-    tiny, _ = make_arena(QType.Q4_K, 256, 256, 1, rng)
+    tiny = make_arena((QType.Q4_K,) * 3, 256, 256, 1, rng)[0]
     for backend in backends:
         for t in thread_counts:
             torch.set_num_threads(t)
@@ -128,19 +133,9 @@ def bench_share(args: argparse.Namespace) -> dict:
     result["machine"]["ggml_openmp"] = uses_openmp()
     rng = np.random.default_rng(0)
     q = (QType.Q4_K, QType.Q4_K, QType.Q6_K)  # Q4_K_M's usual expert mix
-    arena, _ = make_arena(QType.Q4_K, args.d_model, args.d_expert, args.arena, rng)
-    # down as Q6_K: its own records (the layout packs each layer with its own types)
-    parts = (args.d_expert * row_nbytes(q[0], args.d_model),) * 2 + (
-        args.d_model * row_nbytes(q[2], args.d_expert),)
-    stride = (sum(parts) + 255) // 256 * 256
-    buf = torch.zeros(args.arena, stride, dtype=torch.uint8)
-    for e in range(min(args.arena, 8)):
-        rows = [random_rows(q[0], args.d_expert, args.d_model, rng, 0.02),
-                random_rows(q[1], args.d_expert, args.d_model, rng, 0.02),
-                random_rows(q[2], args.d_model, args.d_expert, rng, 0.02)]
-        buf[e, :sum(parts)] = torch.from_numpy(np.concatenate([r.reshape(-1) for r in rows]))
-    buf[8:] = buf[:8].repeat(args.arena // 8, 1)[:args.arena - 8]
-    bases = (buf.data_ptr(), buf.data_ptr() + parts[0], buf.data_ptr() + parts[0] + parts[1])
+    _, expert_bytes, buf, offs = make_arena(q, args.d_model, args.d_expert, args.arena, rng)
+    bases = tuple(buf.data_ptr() + int(o) for o in offs)
+    stride = buf.stride(0)
     x = rng.standard_normal(args.d_model).astype(np.float32)
     for t in thread_counts:
         experts = make_cpu_experts("ggml", threads=t)
@@ -161,7 +156,7 @@ def bench_share(args: argparse.Namespace) -> dict:
                         pass
                 us = statistics.median(times) * 1e6
                 row = {"threads": t, "experts": n, "gap_us": gap * 1e6, "us_per_call": us,
-                       "best_us": min(times) * 1e6, "GBs": sum(parts) * n / us / 1e3}
+                       "best_us": min(times) * 1e6, "GBs": expert_bytes * n / us / 1e3}
                 result["share"].append(row)
                 print(f"share call: {t:3d} thr {n} expert(s) gap {gap * 1e6:4.0f} us  "
                       f"{us:7.1f} us (best {row['best_us']:6.1f})  {row['GBs']:5.1f} GB/s",

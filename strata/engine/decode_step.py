@@ -145,8 +145,9 @@ class DecodeStep:
 
                 self.prefetch = DecodePrefetch(model, self.gathered_layers.tolist(),
                                                ex.prefetch, self.staging)
-        self._ahead_host = torch.full((len(self.gathered_layers), max(ex.prefetch, 1)), -1,
-                                      dtype=torch.int64, pin_memory=dev.type == "cuda")
+                # the experts copied ahead for each gathered layer, read with the counts
+                self._ahead_host = torch.full((len(self.gathered_layers), ex.prefetch), -1,
+                                              dtype=torch.int64, pin_memory=True)
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
