@@ -1,0 +1,123 @@
+"""An experiment for the one-token GEMV (issue 3): Q4_K weights against activations rounded to
+8 bits, multiplied four at a time by the integer dot-product instruction (dp4a), as ggml does on
+the CPU. Not used by the engine: `scripts/bench_moe_decode.py` times it against the float32 FMA
+kernel of matmul.py, whose ~5 instructions per weight (unpack, place in a mantissa, two FMAs)
+may bound it below the memory bandwidth.
+
+    quantize_x(x)            x [K] f32 -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32): per
+                             32 values dx = max|x| / 127, xq = round(x / dx), sx = dx * Σ xq
+    gemv_q4k_q8(xq, dx, sx, w, N, K) -> y [N] f32, y[n] = Σ_k W[n, k] * dx[k/32] * xq[k]
+
+For a Q4_K sub-block i (32 values, 6-bit scale sc and min mn, super-block d and dmin) of a row,
+w = d sc q - dmin mn with q the nibbles, so Σ w x̂ = d sc dx Σ q xq - dmin mn sx: one dp4a per 4
+values for Σ q xq (a u32 of qs bytes holds, in its low nibbles, 4 consecutive values of
+sub-block 2j and, in its high nibbles, the same 4 of sub-block 2j + 1). The result equals the
+float32 product of the dequantized weights with x̂ = dx * xq up to float rounding; against x
+itself it differs by the rounding of x to 8 bits (~1e-2 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.gpu.bits import ASM, f16
+from strata.kernels.gpu.tiles_kquants import _scale_min_k4
+
+Q4K_BYTES = 144  # per 256-value super-block: d, dmin, scales[12], qs[128]
+
+
+@triton.jit
+def _dp4a(a, b, c):
+    """c + Σ_k ubyte_k(a) * sbyte_k(b), int32 (a: unsigned bytes, b: signed bytes)."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, c],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = c
+        for k in tl.static_range(4):
+            ua = (a >> (8 * k)) & 0xFF
+            sb = (b >> (8 * k)) & 0xFF
+            out += ua * (sb - ((sb & 0x80) << 1))
+    return out
+
+
+@triton.jit
+def _quantize_kernel(x, xq, dx, sx, NB, G: tl.constexpr):
+    # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx), sx = dx * Σ xq
+    blk = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # [G, 1]
+    v = tl.load(x + blk * 32 + tl.arange(0, 32)[None, :], mask=blk < NB, other=0.0)  # [G, 32]
+    amax = tl.max(tl.abs(v), axis=1)  # [G]
+    d = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    if ASM:
+        q = tl.extra.cuda.libdevice.rint(v * inv[:, None])  # (round half to even)
+    else:
+        q = tl.floor(v * inv[:, None] + 0.5)
+    qi = q.to(tl.int32)
+    tl.store(xq + blk * 32 + tl.arange(0, 32)[None, :], qi.to(tl.int8), mask=blk < NB)
+    b1 = tl.program_id(0) * G + tl.arange(0, G)
+    tl.store(dx + b1, d, mask=b1 < NB)
+    tl.store(sx + b1, d * tl.sum(qi, axis=1).to(tl.float32), mask=b1 < NB)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_q4k_kernel(xq, dx, sx, w, y, N, K, row_bytes, BN: tl.constexpr,
+                     STAGES: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for BN rows, one Q4_K super-block per step
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    wr = w + (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[:, None]  # [BN, 1] row bytes
+    p = tl.arange(0, 4)[None, :, None]  # sub-block pair (2p, 2p + 1)
+    wd = tl.arange(0, 8)[None, None, :]  # u32 word inside the pair's 32 bytes
+    pe = tl.arange(0, 4)[None, :]  # [1, 4]
+    xw = xq.to(tl.pointer_type(tl.int32))
+    total = tl.zeros((BN, 4), dtype=tl.float32)
+    for j in tl.range(0, K // 256, num_stages=STAGES):
+        b = wr + j * 144  # [BN, 1]
+        qs = tl.load((b[:, :, None] + 16).to(tl.pointer_type(tl.int32)) + p * 8 + wd)
+        lo = qs & 0x0F0F0F0F  # [BN, 4, 8] low nibbles: sub-block 2p
+        hi = (qs >> 4) & 0x0F0F0F0F  # high nibbles: sub-block 2p + 1
+        x_even = tl.load(xw + j * 64 + p * 16 + wd)  # [1, 4, 8] int8 x 4
+        x_odd = tl.load(xw + j * 64 + p * 16 + 8 + wd)
+        ie = tl.sum(_dp4a(lo, x_even, tl.zeros(lo.shape, tl.int32)), axis=2)  # [BN, 4]
+        io = tl.sum(_dp4a(hi, x_odd, tl.zeros(hi.shape, tl.int32)), axis=2)
+        sc_e, mn_e = _scale_min_k4(b, 2 * pe, None)  # [BN, 4]
+        sc_o, mn_o = _scale_min_k4(b, 2 * pe + 1, None)
+        d = f16(b, None)  # [BN, 1]
+        dmin = f16(b + 2, None)
+        s8 = j * 8 + 2 * pe  # x sub-block index of the even sub-blocks
+        total += d * (sc_e.to(tl.float32) * tl.load(dx + s8) * ie.to(tl.float32)
+                      + sc_o.to(tl.float32) * tl.load(dx + s8 + 1) * io.to(tl.float32))
+        total -= dmin * (mn_e.to(tl.float32) * tl.load(sx + s8)
+                         + mn_o.to(tl.float32) * tl.load(sx + s8 + 1))
+    tl.store(y + n, tl.sum(total, axis=1), mask=n < N)
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [K] f32 (K a multiple of 32) -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32)."""
+    k = x.numel()
+    if k % 32 or x.dtype != torch.float32:
+        raise ValueError(f"quantize_x: float32 x of a multiple of 32 values, got {x.dtype} [{k}]")
+    nb = k // 32
+    xq = torch.empty(k, dtype=torch.int8, device=x.device)
+    dx = torch.empty(nb, dtype=torch.float32, device=x.device)
+    sx = torch.empty(nb, dtype=torch.float32, device=x.device)
+    g = 8
+    _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, nb, G=g, num_warps=2)
+    return xq, dx, sx
+
+
+def gemv_q4k_q8(xq: torch.Tensor, dx: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, n: int,
+                k: int, out: torch.Tensor | None = None, bn: int = 4, stages: int = 2,
+                warps: int = 2) -> torch.Tensor:
+    """y [N] f32 = W x̂ for Q4_K rows w (uint8 [N, K / 256 * 144]) and quantize_x's x̂."""
+    rb = k // 256 * Q4K_BYTES
+    if k % 256 or tuple(w.shape) != (n, rb) or w.dtype != torch.uint8 or xq.numel() != k:
+        raise ValueError(f"gemv_q4k_q8: Q4_K rows [{n}, {rb}] for K = {k} (a multiple of 256) "
+                         f"and x of K values, got {tuple(w.shape)} {w.dtype}, x [{xq.numel()}]")
+    y = out if out is not None else torch.empty(n, dtype=torch.float32, device=w.device)
+    _gemv_q4k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx, w, y, n, k, w.stride(0), BN=bn,
+                                            STAGES=stages, num_warps=warps)
+    return y

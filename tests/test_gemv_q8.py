@@ -1,0 +1,87 @@
+"""The int8-activation Q4_K GEMV experiment (strata/kernels/gpu/gemv_q8.py): under Triton's
+interpreter against the dequantized weights (strata.quant.dequantize) times x rounded to 8
+bits, and compiled for sm_90 with its dp4a; on CUDA the same check with fresh inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from interpreted import fresh_seed, run_interpreted  # noqa: E402
+
+
+def check(rng: np.random.Generator, n: int, k: int, dev: str) -> None:
+    """Q4_K rows [n, k] and a fresh x through quantize_x and gemv_q4k_q8 on `dev`."""
+    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, quantize_x
+    from strata.quant import QType, dequantize, random_rows
+
+    w = torch.from_numpy(random_rows(QType.Q4_K, n, k, rng, 0.05))
+    x = torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 3)
+    x[5] = 0.0
+    x[32:64] = 0.0  # a block of zeros: dx = 0, nothing divided by it
+    xq, dx, sx = (t.cpu() for t in quantize_x(x.to(dev)))
+    d = np.repeat(dx.double().numpy(), 32)
+    xh = d * xq.double().numpy()  # x rounded to 8 bits
+    assert (np.abs(xh - x.double().numpy()) <= d / 2 + 1e-6 * np.abs(x.numpy())).all()
+    assert (np.abs(xq.numpy().astype(int)) <= 127).all() and (xq[32:64] == 0).all()
+    np.testing.assert_allclose(sx.numpy(), dx.numpy() * xq.numpy().reshape(-1, 32).sum(1),
+                               rtol=1e-6)
+    y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
+    gemv_q4k_q8(xq.to(dev), dx.to(dev), sx.to(dev), w.to(dev), n, k, out=y, bn=4)
+    wf = dequantize(w, QType.Q4_K, k).double().numpy()  # [N, K]
+    xf = x.double().numpy()
+    exact, ref = wf @ xh, wf @ xf
+    scale = np.abs(wf) @ np.abs(xh)  # per row: what float rounding is relative to
+    y = y.cpu().double().numpy()
+    # the same sum as W x̂ but for float rounding (row by row: one row may cancel)
+    assert (np.abs(y - exact) <= 1e-5 * scale + 1e-30).all(), (n, k)
+    # against x itself, within what rounding x to 8 bits can move each row
+    assert (np.abs(y - ref) <= np.abs(wf) @ np.abs(xf - xh) + 1e-5 * scale).all(), (n, k)
+    if n >= 32:  # and typically about 1e-2 of the output's norm
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 2e-2, (n, k)
+
+
+_INTERPRETED = f"""
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    from test_gemv_q8 import check
+    rng = np.random.default_rng(seed)
+    for n, k in ((37, 512), (5, 256), (1, 768)):  # rows not a multiple of BN; one row
+        check(rng, n, k, "cpu")
+    print("ok")
+"""
+
+
+def test_gemv_q4k_q8_under_the_interpreter() -> None:
+    run_interpreted(_INTERPRETED, fresh_seed(), timeout=600)
+
+
+def test_gemv_q4k_q8_compiles_for_sm90() -> None:
+    """Without a GPU: both kernels compile for sm_90, the GEMV with its dp4a."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import gemv_q8
+
+    target = GPUTarget("cuda", 90, 32)
+    sig = {"xq": "*i8", "dx": "*fp32", "sx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32",
+           "K": "i32", "row_bytes": "i32", "BN": "constexpr", "STAGES": "constexpr"}
+    k = triton.compile(ASTSource(gemv_q8._gemv_q4k_kernel, sig,
+                                 constexprs={"BN": 4, "STAGES": 2}), target=target)
+    assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+    sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "sx": "*fp32", "NB": "i32",
+           "G": "constexpr"}
+    k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),
+                       target=target)
+    assert k.asm["cubin"]
+
+
+@pytest.mark.cuda
+def test_gemv_q4k_q8_on_cuda() -> None:
+    rng = np.random.default_rng(fresh_seed())
+    for n, k in ((37, 512), (4096, 2048), (14336, 4096)):
+        check(rng, n, k, "cuda")
