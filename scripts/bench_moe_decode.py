@@ -142,8 +142,8 @@ def main() -> None:
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
         if q == QType.Q4_K and k % 256 == 0:  # the int8-activation dp4a experiment (gemv_q8.py)
-            for bn, stages, warps in ((1, 2, 1), (2, 2, 2), (4, 2, 2), (4, 3, 4), (8, 2, 4),
-                                      (16, 2, 4)):
+            for bn, stages, warps in ((4, 2, 2), (8, 1, 1), (8, 2, 1), (16, 1, 1), (16, 1, 2),
+                                      (16, 2, 2), (32, 1, 2), (32, 1, 4)):
                 key = f"{q.name} {n}x{k} q8 dp4a (BN {bn}, stages {stages}, warps {warps})"
                 try:
                     t = time_gemv_q8(n, k, copies, bn, stages, warps, dev)

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 
-def check(rng: np.random.Generator, n: int, k: int, dev: str) -> None:
+def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4) -> None:
     """Q4_K rows [n, k] and a fresh x through quantize_x and gemv_q4k_q8 on `dev`."""
     from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, quantize_x
     from strata.quant import QType, dequantize, random_rows
@@ -32,7 +32,7 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str) -> None:
     np.testing.assert_allclose(sx.numpy(), dx.numpy() * xq.numpy().reshape(-1, 32).sum(1),
                                rtol=1e-6)
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    gemv_q4k_q8(xq.to(dev), dx.to(dev), sx.to(dev), w.to(dev), n, k, out=y, bn=4)
+    gemv_q4k_q8(xq.to(dev), dx.to(dev), sx.to(dev), w.to(dev), n, k, out=y, bn=bn)
     wf = dequantize(w, QType.Q4_K, k).double().numpy()  # [N, K]
     xf = x.double().numpy()
     exact, ref = wf @ xh, wf @ xf
@@ -50,8 +50,8 @@ _INTERPRETED = f"""
     sys.path.insert(0, {str(Path(__file__).parent)!r})
     from test_gemv_q8 import check
     rng = np.random.default_rng(seed)
-    for n, k in ((37, 512), (5, 256), (1, 768)):  # rows not a multiple of BN; one row
-        check(rng, n, k, "cpu")
+    for n, k, bn in ((37, 512, 4), (37, 256, 16), (5, 256, 4), (1, 768, 16)):  # rows not a
+        check(rng, n, k, "cpu", bn)  # multiple of BN; one row
     print("ok")
 """
 
@@ -83,5 +83,5 @@ def test_gemv_q4k_q8_compiles_for_sm90() -> None:
 @pytest.mark.cuda
 def test_gemv_q4k_q8_on_cuda() -> None:
     rng = np.random.default_rng(fresh_seed())
-    for n, k in ((37, 512), (4096, 2048), (14336, 4096)):
-        check(rng, n, k, "cuda")
+    for n, k, bn in ((37, 512, 4), (4096, 2048, 16), (14336, 4096, 32)):
+        check(rng, n, k, "cuda", bn)

@@ -11,7 +11,9 @@ may bound it below the memory bandwidth.
 For a Q4_K sub-block i (32 values, 6-bit scale sc and min mn, super-block d and dmin) of a row,
 w = d sc q - dmin mn with q the nibbles, so Σ w x̂ = d sc dx Σ q xq - dmin mn sx: one dp4a per 4
 values for Σ q xq (a u32 of qs bytes holds, in its low nibbles, 4 consecutive values of
-sub-block 2j and, in its high nibbles, the same 4 of sub-block 2j + 1). The result equals the
+sub-block 2j and, in its high nibbles, the same 4 of sub-block 2j + 1); each word's dot product
+is scaled into a float accumulator of its own, summed once at the end (a per-step sum across
+threads cost more shuffles than it saved). The result equals the
 float32 product of the dequantized weights with x̂ = dx * xq up to float rounding; against x
 itself it differs by the rounding of x to 8 bits (~1e-2 relative).
 """
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import ASM, f16
+from strata.kernels.gpu.bits import ASM, f16, i2f
 from strata.kernels.gpu.tiles_kquants import _scale_min_k4
 
 Q4K_BYTES = 144  # per 256-value super-block: d, dmin, scales[12], qs[128]
@@ -73,26 +75,32 @@ def _gemv_q4k_kernel(xq, dx, sx, w, y, N, K, row_bytes, BN: tl.constexpr,
     wd = tl.arange(0, 8)[None, None, :]  # u32 word inside the pair's 32 bytes
     pe = tl.arange(0, 4)[None, :]  # [1, 4]
     xw = xq.to(tl.pointer_type(tl.int32))
-    total = tl.zeros((BN, 4), dtype=tl.float32)
+    acc = tl.zeros((BN, 4, 8), dtype=tl.float32)  # Σ over steps of scaled word dot products
+    mins = tl.zeros((BN, 4), dtype=tl.float32)  # the sub-blocks' min terms
+    zero = tl.zeros((BN, 4, 8), dtype=tl.int32)
     for j in tl.range(0, K // 256, num_stages=STAGES):
         b = wr + j * 144  # [BN, 1]
         qs = tl.load((b[:, :, None] + 16).to(tl.pointer_type(tl.int32)) + p * 8 + wd)
-        lo = qs & 0x0F0F0F0F  # [BN, 4, 8] low nibbles: sub-block 2p
-        hi = (qs >> 4) & 0x0F0F0F0F  # high nibbles: sub-block 2p + 1
         x_even = tl.load(xw + j * 64 + p * 16 + wd)  # [1, 4, 8] int8 x 4
         x_odd = tl.load(xw + j * 64 + p * 16 + 8 + wd)
-        ie = tl.sum(_dp4a(lo, x_even, tl.zeros(lo.shape, tl.int32)), axis=2)  # [BN, 4]
-        io = tl.sum(_dp4a(hi, x_odd, tl.zeros(hi.shape, tl.int32)), axis=2)
+        ie = _dp4a(qs & 0x0F0F0F0F, x_even, zero)  # [BN, 4, 8]: low nibbles, sub-block 2p
+        io = _dp4a((qs >> 4) & 0x0F0F0F0F, x_odd, zero)  # high nibbles, sub-block 2p + 1
         sc_e, mn_e = _scale_min_k4(b, 2 * pe, None)  # [BN, 4]
         sc_o, mn_o = _scale_min_k4(b, 2 * pe + 1, None)
         d = f16(b, None)  # [BN, 1]
         dmin = f16(b + 2, None)
         s8 = j * 8 + 2 * pe  # x sub-block index of the even sub-blocks
-        total += d * (sc_e.to(tl.float32) * tl.load(dx + s8) * ie.to(tl.float32)
-                      + sc_o.to(tl.float32) * tl.load(dx + s8 + 1) * io.to(tl.float32))
-        total -= dmin * (mn_e.to(tl.float32) * tl.load(sx + s8)
-                         + mn_o.to(tl.float32) * tl.load(sx + s8 + 1))
-    tl.store(y + n, tl.sum(total, axis=1), mask=n < N)
+        se = d * i2f(sc_e, 0.0) * tl.load(dx + s8)  # [BN, 4]
+        so = d * i2f(sc_o, 0.0) * tl.load(dx + s8 + 1)
+        acc += se[:, :, None] * _i2f_signed(ie) + so[:, :, None] * _i2f_signed(io)
+        mins += dmin * (i2f(mn_e, 0.0) * tl.load(sx + s8) + i2f(mn_o, 0.0) * tl.load(sx + s8 + 1))
+    tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(mins, axis=1), mask=n < N)
+
+
+@triton.jit
+def _i2f_signed(v):
+    """Exact float32 of int32 |v| < 2**22: v added to the bits of 1.5 * 2**23, less that."""
+    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +118,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def gemv_q4k_q8(xq: torch.Tensor, dx: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, n: int,
-                k: int, out: torch.Tensor | None = None, bn: int = 4, stages: int = 2,
+                k: int, out: torch.Tensor | None = None, bn: int = 16, stages: int = 1,
                 warps: int = 2) -> torch.Tensor:
     """y [N] f32 = W x̂ for Q4_K rows w (uint8 [N, K / 256 * 144]) and quantize_x's x̂."""
     rb = k // 256 * Q4K_BYTES
