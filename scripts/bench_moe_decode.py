@@ -1,8 +1,8 @@
 """Time the one-token kernels of a decode step on the GPU, with the launch choices to pick from:
 the Qwen3-30B-A3B MoE layer (moe.DECODE_TUNE: the tiles of the gate/up and down kernels) and the
 dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles), against float32
-cuBLAS on the same shapes and the HBM copy ceiling; for Q4_K also the int8-activation dp4a
-experiment (gemv_q8.py: x rounded to 8 bits, then one dp4a per 4 weights), by tile.
+cuBLAS on the same shapes and the HBM copy ceiling; for Q4_K and Q6_K also the int8-activation
+dp4a experiment (gemv_q8.py: x rounded to 8 bits, then one dp4a per 4 weights), by tile.
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -79,18 +79,23 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
     return t, copies
 
 
-def time_gemv_q8(n: int, k: int, copies: list, bn: int, stages: int, warps: int,
+def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, warps: int,
                  dev: torch.device) -> float:
-    """quantize_x then gemv_q4k_q8 (strata/kernels/gpu/gemv_q8.py) on the rotated Q4_K copies."""
-    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, quantize_x
+    """quantize_x then the type's dp4a GEMV (strata/kernels/gpu/gemv_q8.py) on the rotated
+    copies of Q4_K or Q6_K rows."""
+    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q6k_q8, quantize_x
 
     x = torch.randn(k, device=dev)
     out = torch.empty(n, device=dev)
 
     def call(i: int) -> None:
-        xq, dx, sx = quantize_x(x)
-        gemv_q4k_q8(xq, dx, sx, copies[i % len(copies)], n, k, out=out, bn=bn, stages=stages,
-                    warps=warps)
+        xq, dx, sx, sx16 = quantize_x(x)
+        if q == QType.Q4_K:
+            gemv_q4k_q8(xq, dx, sx, copies[i % len(copies)], n, k, out=out, bn=bn,
+                        stages=stages, warps=warps)
+        else:
+            gemv_q6k_q8(xq, dx, sx16, copies[i % len(copies)], n, k, out=out, bn=bn,
+                        stages=stages, warps=warps)
 
     return graph_seconds(call, CALLS)
 
@@ -141,12 +146,12 @@ def main() -> None:
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
-        if q == QType.Q4_K and k % 256 == 0:  # the int8-activation dp4a experiment (gemv_q8.py)
+        if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0:  # the dp4a experiment (gemv_q8.py)
             for bn, stages, warps in ((4, 2, 2), (8, 1, 1), (8, 2, 1), (16, 1, 1), (16, 1, 2),
                                       (16, 2, 2), (32, 1, 2), (32, 1, 4)):
                 key = f"{q.name} {n}x{k} q8 dp4a (BN {bn}, stages {stages}, warps {warps})"
                 try:
-                    t = time_gemv_q8(n, k, copies, bn, stages, warps, dev)
+                    t = time_gemv_q8(q, n, k, copies, bn, stages, warps, dev)
                 except Exception as e:  # noqa: BLE001 (a variant that does not compile)
                     print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
                     continue

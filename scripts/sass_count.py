@@ -1,8 +1,9 @@
-"""Instructions per weight in the K loop of the one-token Q4_K GEMV kernels, counted in their
-sm_90 SASS without a GPU: Triton compiles each for sm_90 with its bundled ptxas, nvdisasm lists
-the cubin, and the longest loop (a label and the backward branch to it) is one thread's K step.
-Pointers and row bytes get the 16-byte divisibility they have at launch (so loads vectorize as
-they do there). An instruction count, not a time: the kernel benchmark times them.
+"""Instructions per weight in the K loop of the one-token Q4_K and Q6_K GEMV kernels, counted
+in their sm_90 SASS without a GPU: Triton compiles each for sm_90 with its bundled ptxas,
+nvdisasm lists the cubin, and the longest loop (a label and the backward branch to it) is one
+thread's K step. Pointers and row bytes get the 16-byte divisibility they have at launch (so
+loads vectorize as they do there). An instruction count, not a time: the kernel benchmark
+times them.
 
     python scripts/sass_count.py
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata.kernels.gpu import gemv_q8  # noqa: E402
 from strata.kernels.gpu import matmul as mm  # noqa: E402
+from strata.kernels.gpu.formats import kernel_format  # noqa: E402
 from strata.quant import QType  # noqa: E402
 
 ALIGNED = [["tt.divisibility", 16]]
@@ -59,21 +61,26 @@ def main() -> None:
                "stride_ym": "i32", "QT": "constexpr", "S": "constexpr", "BM": "constexpr",
                "BN": "constexpr", "BK": "constexpr", "EVEN_K": "constexpr",
                "STAGES": "constexpr"}
-    for bn, bk, stages, warps in ((2, 1024, 1, 4), (1, 1024, 1, 2)):
-        n = loop_length(mm._gemv_kernel, fma_sig, {"QT": int(QType.Q4_K), "S": 32, "BM": 1,
+    for q in (QType.Q4_K, QType.Q6_K):
+        fmt = kernel_format(q)
+        bn, bk, stages, warps = fmt.gemv  # the type's tuned tile
+        n = loop_length(mm._gemv_kernel, fma_sig, {"QT": int(q), "S": fmt.group, "BM": 1,
                                                    "BN": bn, "BK": bk, "EVEN_K": True,
                                                    "STAGES": stages}, (0, 1, 2, 3, 4, 8), warps)
         per = bn * bk / (32 * warps)
-        print(f"FMA GEMV (matmul.py) BN {bn} BK {bk} warps {warps}: {n} instructions per "
-              f"thread step, {per:.0f} weights: {n / per:.2f} per weight")
+        print(f"FMA GEMV (matmul.py) {q.name} BN {bn} BK {bk} warps {warps}: {n} instructions "
+              f"per thread step, {per:.0f} weights: {n / per:.2f} per weight")
     q8_sig = {"xq": "*i8", "dx": "*fp32", "sx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32",
               "K": "i32", "row_bytes": "i32", "BN": "constexpr", "STAGES": "constexpr"}
-    for bn, warps in ((4, 2), (8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
-        n = loop_length(gemv_q8._gemv_q4k_kernel, q8_sig, {"BN": bn, "STAGES": 1},
-                        (0, 1, 2, 3, 4, 7), warps)
-        per = bn * 256 / (32 * warps)
-        print(f"dp4a GEMV (gemv_q8.py) BN {bn} warps {warps}: {n} instructions per thread "
-              f"step, {per:.0f} weights: {n / per:.2f} per weight")
+    q6_sig = {"xq": "*i8", "dx": "*fp32", "sx16": "*fp32",
+              **{a: t for a, t in q8_sig.items() if a not in ("xq", "dx", "sx")}}
+    for name, fn, sig in (("Q4_K", gemv_q8._gemv_q4k_kernel, q8_sig),
+                          ("Q6_K", gemv_q8._gemv_q6k_kernel, q6_sig)):
+        for bn, warps in ((4, 2), (8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
+            n = loop_length(fn, sig, {"BN": bn, "STAGES": 1}, (0, 1, 2, 3, 4, 7), warps)
+            per = bn * 256 / (32 * warps)
+            print(f"dp4a GEMV (gemv_q8.py) {name} BN {bn} warps {warps}: {n} instructions per "
+                  f"thread step, {per:.0f} weights: {n / per:.2f} per weight")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The int8-activation Q4_K GEMV experiment (strata/kernels/gpu/gemv_q8.py): under Triton's
+"""The int8-activation Q4_K / Q6_K GEMV experiment (strata/kernels/gpu/gemv_q8.py): under Triton's
 interpreter against the dequantized weights (strata.quant.dequantize) times x rounded to 8
 bits, and compiled for sm_90 with its dp4a; on CUDA the same check with fresh inputs."""
 
@@ -15,25 +15,30 @@ triton = pytest.importorskip("triton")
 from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 
-def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4) -> None:
-    """Q4_K rows [n, k] and a fresh x through quantize_x and gemv_q4k_q8 on `dev`."""
-    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, quantize_x
+def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
+          qtype: str = "Q4_K") -> None:
+    """Q4_K or Q6_K rows [n, k] and a fresh x through quantize_x and the type's GEMV on `dev`."""
+    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q6k_q8, quantize_x
     from strata.quant import QType, dequantize, random_rows
 
-    w = torch.from_numpy(random_rows(QType.Q4_K, n, k, rng, 0.05))
+    qt = QType[qtype]
+    w = torch.from_numpy(random_rows(qt, n, k, rng, 0.05))
     x = torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 3)
     x[5] = 0.0
     x[32:64] = 0.0  # a block of zeros: dx = 0, nothing divided by it
-    xq, dx, sx = (t.cpu() for t in quantize_x(x.to(dev)))
+    xq, dx, sx, sx16 = (t.cpu() for t in quantize_x(x.to(dev)))
     d = np.repeat(dx.double().numpy(), 32)
     xh = d * xq.double().numpy()  # x rounded to 8 bits
     assert (np.abs(xh - x.double().numpy()) <= d / 2 + 1e-6 * np.abs(x.numpy())).all()
     assert (np.abs(xq.numpy().astype(int)) <= 127).all() and (xq[32:64] == 0).all()
     np.testing.assert_allclose(sx.numpy(), dx.numpy() * xq.numpy().reshape(-1, 32).sum(1),
                                rtol=1e-6)
+    np.testing.assert_allclose(sx16.numpy(), np.repeat(dx.numpy(), 2)
+                               * xq.numpy().reshape(-1, 16).sum(1), rtol=1e-6)
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    gemv_q4k_q8(xq.to(dev), dx.to(dev), sx.to(dev), w.to(dev), n, k, out=y, bn=bn)
-    wf = dequantize(w, QType.Q4_K, k).double().numpy()  # [N, K]
+    gemv, sums = (gemv_q4k_q8, sx) if qt == QType.Q4_K else (gemv_q6k_q8, sx16)
+    gemv(xq.to(dev), dx.to(dev), sums.to(dev), w.to(dev), n, k, out=y, bn=bn)
+    wf = dequantize(w, qt, k).double().numpy()  # [N, K]
     xf = x.double().numpy()
     exact, ref = wf @ xh, wf @ xf
     scale = np.abs(wf) @ np.abs(xh)  # per row: what float rounding is relative to
@@ -50,8 +55,9 @@ _INTERPRETED = f"""
     sys.path.insert(0, {str(Path(__file__).parent)!r})
     from test_gemv_q8 import check
     rng = np.random.default_rng(seed)
-    for n, k, bn in ((37, 512, 4), (37, 256, 16), (5, 256, 4), (1, 768, 16)):  # rows not a
-        check(rng, n, k, "cpu", bn)  # multiple of BN; one row
+    for qtype in ("Q4_K", "Q6_K"):
+        for n, k, bn in ((37, 512, 4), (37, 256, 16), (5, 256, 4), (1, 768, 16)):  # rows not
+            check(rng, n, k, "cpu", bn, qtype)  # a multiple of BN; one row
     print("ok")
 """
 
@@ -73,8 +79,15 @@ def test_gemv_q4k_q8_compiles_for_sm90() -> None:
     k = triton.compile(ASTSource(gemv_q8._gemv_q4k_kernel, sig,
                                  constexprs={"BN": 4, "STAGES": 2}), target=target)
     assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
-    sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "sx": "*fp32", "NB": "i32",
-           "G": "constexpr"}
+    sig6 = dict(sig)
+    del sig6["sx"]
+    sig6 = {"xq": "*i8", "dx": "*fp32", "sx16": "*fp32", **{a: t for a, t in sig6.items()
+                                                              if a not in ("xq", "dx")}}
+    k = triton.compile(ASTSource(gemv_q8._gemv_q6k_kernel, sig6,
+                                 constexprs={"BN": 16, "STAGES": 1}), target=target)
+    assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+    sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "sx": "*fp32", "sx16": "*fp32",
+           "NB": "i32", "G": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),
                        target=target)
     assert k.asm["cubin"]
@@ -83,5 +96,6 @@ def test_gemv_q4k_q8_compiles_for_sm90() -> None:
 @pytest.mark.cuda
 def test_gemv_q4k_q8_on_cuda() -> None:
     rng = np.random.default_rng(fresh_seed())
-    for n, k, bn in ((37, 512, 4), (4096, 2048, 16), (14336, 4096, 32)):
-        check(rng, n, k, "cuda", bn)
+    for qtype in ("Q4_K", "Q6_K"):
+        for n, k, bn in ((37, 512, 4), (4096, 2048, 16), (14336, 4096, 32)):
+            check(rng, n, k, "cuda", bn, qtype)

@@ -1,12 +1,15 @@
-"""An experiment for the one-token GEMV (issue 3): Q4_K weights against activations rounded to
-8 bits, multiplied four at a time by the integer dot-product instruction (dp4a), as ggml does on
-the CPU. Not used by the engine: `scripts/bench_moe_decode.py` times it against the float32 FMA
-kernel of matmul.py, whose ~5 instructions per weight (unpack, place in a mantissa, two FMAs)
-may bound it below the memory bandwidth.
+"""An experiment for the one-token GEMV (issue 3): Q4_K and Q6_K weights against activations
+rounded to 8 bits, multiplied four at a time by the integer dot-product instruction (dp4a), as
+ggml does on the CPU. Not used by the engine: `scripts/bench_moe_decode.py` times it against the
+float32 FMA kernel of matmul.py, whose K loop spends 7.9 (Q4_K) and 12.9 (Q6_K) instructions
+per weight against 2.4-5.1 here (`scripts/sass_count.py`), which may bound it below the memory
+bandwidth.
 
-    quantize_x(x)            x [K] f32 -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32): per
-                             32 values dx = max|x| / 127, xq = round(x / dx), sx = dx * Σ xq
+    quantize_x(x)            x [K] f32 -> (xq int8 [K], dx [K/32] f32, sx [K/32], sx16 [K/16]):
+                             per 32 values dx = max|x| / 127, xq = round(x / dx), sx = dx Σ xq
+                             (sx16: the same per 16)
     gemv_q4k_q8(xq, dx, sx, w, N, K) -> y [N] f32, y[n] = Σ_k W[n, k] * dx[k/32] * xq[k]
+    gemv_q6k_q8(xq, dx, sx16, w, N, K)   the same for Q6_K rows
 
 For a Q4_K sub-block i (32 values, 6-bit scale sc and min mn, super-block d and dmin) of a row,
 w = d sc q - dmin mn with q the nibbles, so Σ w x̂ = d sc dx Σ q xq - dmin mn sx: one dp4a per 4
@@ -28,6 +31,7 @@ from strata.kernels.gpu.bits import ASM, f16, i2f
 from strata.kernels.gpu.tiles_kquants import _scale_min_k4
 
 Q4K_BYTES = 144  # per 256-value super-block: d, dmin, scales[12], qs[128]
+Q6K_BYTES = 210  # ql[128], qh[64], scales int8[16], d
 
 
 @triton.jit
@@ -47,8 +51,9 @@ def _dp4a(a, b, c):
 
 
 @triton.jit
-def _quantize_kernel(x, xq, dx, sx, NB, G: tl.constexpr):
-    # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx), sx = dx * Σ xq
+def _quantize_kernel(x, xq, dx, sx, sx16, NB, G: tl.constexpr):
+    # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx), sx = dx * Σ xq, and
+    # sx16 the same per half block
     blk = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # [G, 1]
     v = tl.load(x + blk * 32 + tl.arange(0, 32)[None, :], mask=blk < NB, other=0.0)  # [G, 32]
     amax = tl.max(tl.abs(v), axis=1)  # [G]
@@ -63,6 +68,9 @@ def _quantize_kernel(x, xq, dx, sx, NB, G: tl.constexpr):
     b1 = tl.program_id(0) * G + tl.arange(0, G)
     tl.store(dx + b1, d, mask=b1 < NB)
     tl.store(sx + b1, d * tl.sum(qi, axis=1).to(tl.float32), mask=b1 < NB)
+    halves = tl.sum(tl.reshape(qi, (G, 2, 16)), axis=2).to(tl.float32) * d[:, None]  # [G, 2]
+    h2 = tl.program_id(0) * G * 2 + tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :]
+    tl.store(sx16 + h2, halves, mask=h2 < 2 * NB)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -97,14 +105,57 @@ def _gemv_q4k_kernel(xq, dx, sx, w, y, N, K, row_bytes, BN: tl.constexpr,
     tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(mins, axis=1), mask=n < N)
 
 
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_q6k_kernel(xq, dx, sx16, w, y, N, K, row_bytes, BN: tl.constexpr,
+                     STAGES: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for BN rows of Q6_K, one super-block per step. Values
+    # h * 128 + c * 32 + 4 wd .. + 3 (half h, quarter c) are nibble c // 2 of the ql word
+    # h * 16 + (c % 2) * 8 + wd and bits 2c of the qh word 32 + h * 8 + wd, byte by byte
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    wr = w + (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[:, None]  # [BN, 1] row bytes
+    hc = tl.arange(0, 8)[None, :, None]  # h * 4 + c
+    h = hc // 4
+    c = hc % 4
+    wd = tl.arange(0, 8)[None, None, :]
+    sub = h * 8 + 2 * c + wd // 4  # the word's 16-value sub-block, 0..15
+    i16 = tl.arange(0, 16)[None, :]  # [1, 16]
+    xw = xq.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros((BN, 8, 8), dtype=tl.float32)
+    mins = tl.zeros((BN, 16), dtype=tl.float32)
+    zero = tl.zeros((BN, 8, 8), dtype=tl.int32)
+    for j in tl.range(0, K // 256, num_stages=STAGES):
+        b = wr + j * 210  # [BN, 1]
+        ql = _u32_at(b[:, :, None], (h * 64 + (c % 2) * 32 + 4 * wd))
+        qh = _u32_at(b[:, :, None], 128 + h * 32 + 4 * wd)
+        q = ((ql >> (4 * (c // 2))) & 0x0F0F0F0F) | (((qh >> (2 * c)) & 0x03030303) << 4)
+        dot = _dp4a(q, tl.load(xw + j * 64 + hc * 8 + wd), zero)  # [BN, 8, 8]
+        d = f16(b + 208, None)  # [BN, 1]
+        sc = tl.load((b[:, :, None] + 192 + sub).to(tl.pointer_type(tl.int8))).to(tl.float32)
+        xs = tl.load(dx + j * 8 + hc)  # [1, 8, 1]: the x block of 32 of each (h, c)
+        acc += (d[:, :, None] * sc * xs) * _i2f_signed(dot)
+        sc16 = tl.load((b + 192 + i16).to(tl.pointer_type(tl.int8))).to(tl.float32)  # [BN, 16]
+        mins += d * sc16 * tl.load(sx16 + j * 16 + i16)
+    tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1) - 32.0 * tl.sum(mins, axis=1),
+             mask=n < N)
+
+
+@triton.jit
+def _u32_at(b, off):
+    """The little-endian u32 at byte offset `off` (even) of each block b, from two u16 reads:
+    Q6_K's 210-byte blocks leave a row's words only 2-byte aligned."""
+    p = (b + off).to(tl.pointer_type(tl.int16))
+    return (tl.load(p).to(tl.int32) & 0xFFFF) | (tl.load(p + 1).to(tl.int32) << 16)
+
+
 @triton.jit
 def _i2f_signed(v):
     """Exact float32 of int32 |v| < 2**22: v added to the bits of 1.5 * 2**23, less that."""
     return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [K] f32 (K a multiple of 32) -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32)."""
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [K] f32 (K a multiple of 32) -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32,
+    sx16 [K/16] f32)."""
     k = x.numel()
     if k % 32 or x.dtype != torch.float32:
         raise ValueError(f"quantize_x: float32 x of a multiple of 32 values, got {x.dtype} [{k}]")
@@ -112,20 +163,38 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     xq = torch.empty(k, dtype=torch.int8, device=x.device)
     dx = torch.empty(nb, dtype=torch.float32, device=x.device)
     sx = torch.empty(nb, dtype=torch.float32, device=x.device)
+    sx16 = torch.empty(2 * nb, dtype=torch.float32, device=x.device)
     g = 8
-    _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, nb, G=g, num_warps=2)
-    return xq, dx, sx
+    _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, sx16, nb, G=g,
+                                            num_warps=2)
+    return xq, dx, sx, sx16
+
+
+def gemv_q6k_q8(xq: torch.Tensor, dx: torch.Tensor, sx16: torch.Tensor, w: torch.Tensor,
+                n: int, k: int, out: torch.Tensor | None = None, bn: int = 16, stages: int = 1,
+                warps: int = 2) -> torch.Tensor:
+    """y [N] f32 = W x̂ for Q6_K rows w (uint8 [N, K / 256 * 210]) and quantize_x's x̂
+    (Σ d sc (q - 32) x̂ = d sc (dx Σ q xq - 32 sx16) per 16-value sub-block)."""
+    y = _rows_out(w, n, k, Q6K_BYTES, xq, out, "gemv_q6k_q8")
+    _gemv_q6k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx16, w, y, n, k, w.stride(0), BN=bn,
+                                            STAGES=stages, num_warps=warps)
+    return y
+
+
+def _rows_out(w: torch.Tensor, n: int, k: int, block: int, xq: torch.Tensor,
+              out: torch.Tensor | None, name: str) -> torch.Tensor:
+    rb = k // 256 * block
+    if k % 256 or tuple(w.shape) != (n, rb) or w.dtype != torch.uint8 or xq.numel() != k:
+        raise ValueError(f"{name}: rows [{n}, {rb}] for K = {k} (a multiple of 256) and x of "
+                         f"K values, got {tuple(w.shape)} {w.dtype}, x [{xq.numel()}]")
+    return out if out is not None else torch.empty(n, dtype=torch.float32, device=w.device)
 
 
 def gemv_q4k_q8(xq: torch.Tensor, dx: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, n: int,
                 k: int, out: torch.Tensor | None = None, bn: int = 16, stages: int = 1,
                 warps: int = 2) -> torch.Tensor:
     """y [N] f32 = W x̂ for Q4_K rows w (uint8 [N, K / 256 * 144]) and quantize_x's x̂."""
-    rb = k // 256 * Q4K_BYTES
-    if k % 256 or tuple(w.shape) != (n, rb) or w.dtype != torch.uint8 or xq.numel() != k:
-        raise ValueError(f"gemv_q4k_q8: Q4_K rows [{n}, {rb}] for K = {k} (a multiple of 256) "
-                         f"and x of K values, got {tuple(w.shape)} {w.dtype}, x [{xq.numel()}]")
-    y = out if out is not None else torch.empty(n, dtype=torch.float32, device=w.device)
+    y = _rows_out(w, n, k, Q4K_BYTES, xq, out, "gemv_q4k_q8")
     _gemv_q4k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx, w, y, n, k, w.stride(0), BN=bn,
                                             STAGES=stages, num_warps=warps)
     return y
