@@ -107,6 +107,10 @@ def main() -> None:
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
     res: dict = {"hbm_copy_GBs": hbm_copy_gbs(), "moe": {}, "gemv": {}}
+
+    def save() -> None:  # after each part, so a run cut short keeps what it timed
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
     print(f"HBM copy {res['hbm_copy_GBs']:.0f} GB/s")
     variants = {"default tiles": {}}
     for gu in [(1, 1024, 1, 2), (2, 1024, 1, 4), (1, 512, 1, 2), (2, 512, 1, 4)]:
@@ -126,6 +130,7 @@ def main() -> None:
             res["moe"][f"{qdown.name} {name}"] = t * 1e6
             print(f"moe layer (down {qdown.name}) {name}: {t * 1e6:.1f} us, "
                   f"{nbytes / t / 1e9:.0f} GB/s")
+    save()
     shapes = [(QType.Q4_K, 4096, 2048, "q_proj"), (QType.Q4_K, 512, 2048, "k_proj"),
               (QType.Q6_K, 512, 2048, "v_proj"), (QType.Q4_K, 2048, 4096, "o_proj"),
               (QType.Q6_K, 151936, 2048, "lm_head"), (QType.Q4_K, 14336, 4096, "14336x4096"),
@@ -159,6 +164,7 @@ def main() -> None:
                 print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                       f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy), "
                       "x rounded to 8 bits inside the time")
+        save()
         if n * k * 4 <= (1 << 30):  # float32 cuBLAS on the same shape (the dense f32 route)
             wf = [torch.randn(n, k, device=dev) for _ in range(max(2, (256 << 20) // (n * k * 4)
                                                                    + 1))]
@@ -167,8 +173,7 @@ def main() -> None:
             res["gemv"][f"F32 cuBLAS {n}x{k}"] = t * 1e6
             print(f"gemv {what} F32 cuBLAS {n}x{k}: {t * 1e6:.1f} us, "
                   f"{n * k * 4 / t / 1e9:.0f} GB/s")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    save()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ bench() {  # name, then strata bench arguments
 }
 if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
-  timeout 300 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" 2>&1 | tail -90
+  timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" 2>&1 | tail -90
 fi
 if [[ $STAGES == *mapped* ]]; then
   echo "== decode MoE layer reading experts from the mapped host arena"
