@@ -111,6 +111,7 @@ def main() -> None:
     def save() -> None:  # after each part, so a run cut short keeps what it timed
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
+
     print(f"HBM copy {res['hbm_copy_GBs']:.0f} GB/s")
     variants = {"default tiles": {}}
     for gu in [(1, 1024, 1, 2), (2, 1024, 1, 4), (1, 512, 1, 2), (2, 512, 1, 4)]:
