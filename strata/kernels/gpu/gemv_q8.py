@@ -27,11 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import ASM, f16, i2f
+from strata.kernels.gpu.bits import ASM, f16, i2f, u32
 from strata.kernels.gpu.tiles_kquants import _scale_min_k4
-
-Q4K_BYTES = 144  # per 256-value super-block: d, dmin, scales[12], qs[128]
-Q6K_BYTES = 210  # ql[128], qh[64], scales int8[16], d
+from strata.quant import QType, row_nbytes
 
 
 @triton.jit
@@ -125,8 +123,9 @@ def _gemv_q6k_kernel(xq, dx, sx16, w, y, N, K, row_bytes, BN: tl.constexpr,
     zero = tl.zeros((BN, 8, 8), dtype=tl.int32)
     for j in tl.range(0, K // 256, num_stages=STAGES):
         b = wr + j * 210  # [BN, 1]
-        ql = _u32_at(b[:, :, None], (h * 64 + (c % 2) * 32 + 4 * wd))
-        qh = _u32_at(b[:, :, None], 128 + h * 32 + 4 * wd)
+        # (210-byte blocks leave a row's words only 2-byte aligned: u32 reads two u16)
+        ql = u32(b[:, :, None] + h * 64 + (c % 2) * 32 + 4 * wd, None)
+        qh = u32(b[:, :, None] + 128 + h * 32 + 4 * wd, None)
         q = ((ql >> (4 * (c // 2))) & 0x0F0F0F0F) | (((qh >> (2 * c)) & 0x03030303) << 4)
         dot = _dp4a(q, tl.load(xw + j * 64 + hc * 8 + wd), zero)  # [BN, 8, 8]
         d = f16(b + 208, None)  # [BN, 1]
@@ -137,14 +136,6 @@ def _gemv_q6k_kernel(xq, dx, sx16, w, y, N, K, row_bytes, BN: tl.constexpr,
         mins += d * sc16 * tl.load(sx16 + j * 16 + i16)
     tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1) - 32.0 * tl.sum(mins, axis=1),
              mask=n < N)
-
-
-@triton.jit
-def _u32_at(b, off):
-    """The little-endian u32 at byte offset `off` (even) of each block b, from two u16 reads:
-    Q6_K's 210-byte blocks leave a row's words only 2-byte aligned."""
-    p = (b + off).to(tl.pointer_type(tl.int16))
-    return (tl.load(p).to(tl.int32) & 0xFFFF) | (tl.load(p + 1).to(tl.int32) << 16)
 
 
 @triton.jit
@@ -175,15 +166,15 @@ def gemv_q6k_q8(xq: torch.Tensor, dx: torch.Tensor, sx16: torch.Tensor, w: torch
                 warps: int = 2) -> torch.Tensor:
     """y [N] f32 = W x̂ for Q6_K rows w (uint8 [N, K / 256 * 210]) and quantize_x's x̂
     (Σ d sc (q - 32) x̂ = d sc (dx Σ q xq - 32 sx16) per 16-value sub-block)."""
-    y = _rows_out(w, n, k, Q6K_BYTES, xq, out, "gemv_q6k_q8")
+    y = _rows_out(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_q8")
     _gemv_q6k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx16, w, y, n, k, w.stride(0), BN=bn,
                                             STAGES=stages, num_warps=warps)
     return y
 
 
-def _rows_out(w: torch.Tensor, n: int, k: int, block: int, xq: torch.Tensor,
+def _rows_out(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
               out: torch.Tensor | None, name: str) -> torch.Tensor:
-    rb = k // 256 * block
+    rb = row_nbytes(qtype, k) if k % 256 == 0 else -1
     if k % 256 or tuple(w.shape) != (n, rb) or w.dtype != torch.uint8 or xq.numel() != k:
         raise ValueError(f"{name}: rows [{n}, {rb}] for K = {k} (a multiple of 256) and x of "
                          f"K values, got {tuple(w.shape)} {w.dtype}, x [{xq.numel()}]")
@@ -194,7 +185,7 @@ def gemv_q4k_q8(xq: torch.Tensor, dx: torch.Tensor, sx: torch.Tensor, w: torch.T
                 k: int, out: torch.Tensor | None = None, bn: int = 16, stages: int = 1,
                 warps: int = 2) -> torch.Tensor:
     """y [N] f32 = W x̂ for Q4_K rows w (uint8 [N, K / 256 * 144]) and quantize_x's x̂."""
-    y = _rows_out(w, n, k, Q4K_BYTES, xq, out, "gemv_q4k_q8")
+    y = _rows_out(w, n, k, QType.Q4_K, xq, out, "gemv_q4k_q8")
     _gemv_q4k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx, w, y, n, k, w.stride(0), BN=bn,
                                             STAGES=stages, num_warps=warps)
     return y
