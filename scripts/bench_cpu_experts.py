@@ -13,7 +13,9 @@ other processes' load, most of all at thread counts near the core count.
 --share times, instead, the call of a decode step's CPU share (GgmlExperts.run_strided: one
 token through 1 or 2 experts picked by slot in a layer's records), back to back and with a
 --gap-us pause between calls (busy-waited), as the share makes them once a layer: a pool whose
-threads fall asleep between calls pays their wake-up in every call.
+threads fall asleep between calls pays their wake-up in every call. --pcie-load times each case
+also while a thread copies page-locked host memory to the GPU without pause, as a decode step's
+gathers read the arena while the share computes (both read host RAM).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -121,6 +124,39 @@ def bench(args: argparse.Namespace) -> dict:
     return result
 
 
+class PcieLoad:
+    """A thread copying 256 MiB of page-locked host memory to the GPU over and over, while on;
+    `gbs()` is what it moved per second of being on."""
+
+    def __init__(self) -> None:
+        self.src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+        self.dst = torch.empty_like(self.src, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.on, self.quit = threading.Event(), False
+        self.moved, self.busy_s = 0, 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.quit:
+            if not self.on.wait(timeout=0.1):
+                continue
+            t0 = time.perf_counter()
+            with torch.cuda.stream(self.stream):
+                self.dst.copy_(self.src, non_blocking=True)
+            self.stream.synchronize()
+            self.moved += self.src.numel()
+            self.busy_s += time.perf_counter() - t0
+
+    def gbs(self) -> float:
+        return self.moved / max(self.busy_s, 1e-9) / 1e9
+
+    def close(self) -> None:
+        self.quit = True
+        self.on.clear()
+        self.thread.join()
+
+
 def bench_share(args: argparse.Namespace) -> dict:
     cores = len(os.sched_getaffinity(0))
     thread_counts = [int(t) for t in args.threads.replace("all", str(cores)).split(",")]
@@ -137,11 +173,18 @@ def bench_share(args: argparse.Namespace) -> dict:
     bases = tuple(buf.data_ptr() + int(o) for o in offs)
     stride = buf.stride(0)
     x = rng.standard_normal(args.d_model).astype(np.float32)
+    load = PcieLoad() if args.pcie_load else None
+    cases = [(gap, loaded) for loaded in ((False, True) if load else (False,))
+             for gap in (0.0, args.gap_us * 1e-6)]
     for t in thread_counts:
         experts = make_cpu_experts("ggml", threads=t)
         for n in (1, 2):
             w = np.full(n, 0.5, np.float32)
-            for gap in (0.0, args.gap_us * 1e-6):
+            for gap, loaded in cases:
+                if loaded:
+                    load.moved, load.busy_s = 0, 0.0
+                    load.on.set()
+                    time.sleep(0.05)
                 times = []
                 for i in range(args.repeats * 10 + 5):
                     slots = np.array([(i * 7 + j * 13) % args.arena for j in range(n)],
@@ -157,11 +200,18 @@ def bench_share(args: argparse.Namespace) -> dict:
                 us = statistics.median(times) * 1e6
                 row = {"threads": t, "experts": n, "gap_us": gap * 1e6, "us_per_call": us,
                        "best_us": min(times) * 1e6, "GBs": expert_bytes * n / us / 1e3}
+                note = ""
+                if loaded:
+                    load.on.clear()
+                    row["pcie_load_GBs"] = load.gbs()
+                    note = f"  while host->GPU copies ran at {row['pcie_load_GBs']:.1f} GB/s"
                 result["share"].append(row)
                 print(f"share call: {t:3d} thr {n} expert(s) gap {gap * 1e6:4.0f} us  "
-                      f"{us:7.1f} us (best {row['best_us']:6.1f})  {row['GBs']:5.1f} GB/s",
+                      f"{us:7.1f} us (best {row['best_us']:6.1f})  {row['GBs']:5.1f} GB/s{note}",
                       flush=True)
         experts.close()
+    if load is not None:
+        load.close()
     return result
 
 
@@ -193,6 +243,8 @@ def main() -> None:
                    help="time the CPU share's one-token call instead (ggml; --threads)")
     p.add_argument("--gap-us", type=float, default=400.0,
                    help="--share: pause between calls, as between a decode step's layers")
+    p.add_argument("--pcie-load", action="store_true",
+                   help="--share: time each case also while host->GPU copies run (CUDA)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.share:

@@ -9,8 +9,8 @@
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
 # for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment),
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
-# OMP_WAIT_POLICY), prefetch (decode at 2 GiB with --prefetch N for each N of PREFETCHES; N:S also
-# --cpu-share S),
+# OMP_WAIT_POLICY of CPU_POLICIES, CPU_ARGS added), prefetch (decode at 2 GiB with --prefetch N
+# for each N of PREFETCHES; N:S also --cpu-share S),
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check.
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
@@ -101,11 +101,11 @@ if [[ $STAGES == *decode* ]]; then
     --plot "$OUT/sweep.png" ${DECODE_FLAGS:-}
 fi
 if [[ $STAGES == *cpu* ]]; then  # the CPU share's one-token call, by threads and OpenMP's wait
-  for pol in default ACTIVE PASSIVE; do
+  for pol in ${CPU_POLICIES:-default ACTIVE PASSIVE}; do
     echo "== the CPU share's call (one token, 1-2 experts), OMP_WAIT_POLICY $pol"
     ( [[ $pol != default ]] && export OMP_WAIT_POLICY=$pol
       timeout 200 python3 scripts/bench_cpu_experts.py --share --threads ${CPU_THREADS:-1,2,4,8,15} \
-        --json "$OUT/cpu_share_call_$pol.json" 2>&1 | grep "^share call" )
+        ${CPU_ARGS:-} --json "$OUT/cpu_share_call_$pol.json" 2>&1 | grep "^share call" )
   done
 fi
 if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token's last N misses
