@@ -7,7 +7,8 @@
 # (bench_moe_decode.py), mapped (bench_mapped.py), profile (profile_decode.py at
 # PROFILE_BUDGETS), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
-# for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment),
+# for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment,
+# SHARE_FLAGS added),
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
 # OMP_WAIT_POLICY of CPU_POLICIES, CPU_ARGS added), prefetch (decode at 2 GiB with --prefetch N
 # for each N of PREFETCHES; N:S also --cpu-share S),
@@ -114,7 +115,7 @@ if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token'
     echo "== decode at --vram-budget 2 with --cpu-share $n ${thr[*]}"
     ( [[ -n ${SHARE_ENV:-} ]] && export ${SHARE_ENV}
       bench "share_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \
-        --cpu-share "$n" "${thr[@]}" )
+        --cpu-share "$n" "${thr[@]}" ${SHARE_FLAGS:-} )
   done
 fi
 if [[ $STAGES == *prefetch* ]]; then  # the next layer's likely experts copied ahead, at 2 GiB
