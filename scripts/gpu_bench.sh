@@ -5,7 +5,7 @@
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
 # (bench_moe_decode.py), mapped (bench_mapped.py), profile (profile_decode.py at
-# PROFILE_BUDGETS), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
+# PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
 # for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment,
 # SHARE_FLAGS added),
@@ -80,9 +80,12 @@ if [[ $STAGES == *mapped* ]]; then
   timeout 200 python3 scripts/bench_mapped.py --json "$OUT/mapped.json" 2>&1 | tail -20
 fi
 if [[ $STAGES == *profile* ]]; then
-  for b in ${PROFILE_BUDGETS:-40 10}; do
-    echo "== decode profile at --vram-budget $b"
-    timeout 200 python3 scripts/profile_decode.py $M --vram-budget $b --json "$OUT/profile_$b.json" \
+  for spec in ${PROFILE_BUDGETS:-40 10}; do  # budget, or budget:flags (--prefetch=2,--cpu-share=1)
+    b=${spec%%:*}; flags=(); [[ $spec == *:* ]] && IFS=, read -ra flags <<<"${spec#*:}"
+    name=${spec//[:,=-]/_}
+    echo "== decode profile at --vram-budget $b ${flags[*]}"
+    timeout 240 python3 scripts/profile_decode.py $M --vram-budget $b "${flags[@]}" \
+      --json "$OUT/profile_$name.json" ${PROFILE_TRACE:+--trace "$OUT/trace_$name.json"} \
       2>&1 | grep -v "^strata:  " | head -40
   done
 fi

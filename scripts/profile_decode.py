@@ -2,10 +2,13 @@
 share (the offload executor's host layers), then the step time with CUDA graphs.
 
     python scripts/profile_decode.py MODEL --vram-budget 40 [--steps 16] [--json F]
+        [--prefetch N] [--cpu-share N] [--trace F]
 
 Prints the kernels of the decode steps by total GPU time per step, the host time per step spent
 in the executor's calls (`OffloadExperts.decode_misses`, the CPU pool, cache admissions...,
 prompt included), and the median step time with and without graphs (same engine, same tokens).
+--trace writes a Chrome trace of a few replayed (graph) steps, every stream's kernels on one time
+line: where PCIe idles between a layer's gathers, and what overlaps them.
 """
 
 from __future__ import annotations
@@ -83,10 +86,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prefetch", type=int, default=0)
+    p.add_argument("--cpu-share", type=int, default=0)
+    p.add_argument("--trace", default=None, help="Chrome trace of 8 steps here (6 replayed)")
     a = p.parse_args()
     engine = Engine.load(a.model, config=EngineConfig(device=a.device, offload="on",
                                                       vram_budget_gib=a.vram_budget,
-                                                      decode_step="eager"))
+                                                      decode_step="eager", prefetch=a.prefetch,
+                                                      cpu_share=a.cpu_share))
     step: DecodeStep = engine.model.step
     timed_steps(engine, 4)  # warm up (compiles)
     eager = timed_steps(engine, a.steps)
@@ -104,6 +111,10 @@ def main() -> None:
     gpu_total = sum(r[0] for r in rows)
     step.graphs = a.device == "cuda"
     graphs = timed_steps(engine, a.steps + 2)[2:]  # an eager step, a capture, then replays
+    if a.trace:
+        prof = torch.profiler.profile(activities=[act.CPU, act.CUDA])
+        timed_steps(engine, 8, around=prof)  # an eager step, a capture, replays
+        prof.export_chrome_trace(a.trace)
     res = {"budget": a.vram_budget, "pieces": len(step.pieces),
            "eager_ms": 1e3 * statistics.median(eager), "graphs_ms": 1e3 * statistics.median(graphs),
            "gpu_kernels_ms": gpu_total / 1e3, "host": host,
