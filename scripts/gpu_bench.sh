@@ -4,8 +4,9 @@
 # same runs), then a correctness check of the fast paths on those shapes; results under $OUT.
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
-# (bench_moe_decode.py), mapped (bench_mapped.py), profile (profile_decode.py at
-# PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
+# (bench_moe_decode.py), mapped (bench_mapped.py), overlap (bench_gather_overlap.py), profile
+# (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
+# Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
 # for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment,
 # SHARE_FLAGS added),
@@ -74,6 +75,10 @@ bench() {  # name, then strata bench arguments
 if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
   timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" 2>&1 | tail -90
+fi
+if [[ $STAGES == *overlap* ]]; then
+  echo "== a gather from the mapped arena beside compute on another stream"
+  timeout 120 python3 scripts/bench_gather_overlap.py --json "$OUT/gather_overlap.json" 2>&1 | tail -8
 fi
 if [[ $STAGES == *mapped* ]]; then
   echo "== decode MoE layer reading experts from the mapped host arena"

@@ -53,6 +53,24 @@ _GATHER = """
         want = records[ex][:words] if slot_of[ex] < 0 and p < 4 else torch.full((words,), 255,
                                                                                  dtype=torch.uint8)
         assert torch.equal(rows2[p, :words], want), (p, ex)
+    # records of several blocks (GATHER_BLOCK words each) gathered by few programs, each looping
+    # over its share (as the prefetch's copy runs): the same rows as a program per block
+    from strata.kernels.gpu.moe import GATHER_BLOCK
+
+    big = 4 * GATHER_BLOCK * 2 + 4 * 9  # bytes: two whole blocks and part of a third
+    records = torch.from_numpy(rng.integers(0, 256, (e, big + 8), dtype=np.uint8))
+    pre = torch.from_numpy(rng.integers(0, 256, (2, big + 8), dtype=np.uint8))
+    want = torch.full((6, big + 8), 255, dtype=torch.uint8)
+    gather_misses(ids, slot_of, records, want, big - 2, prefetched=(pre_of, pre))
+    for p, ex in enumerate(ids[0].tolist()):
+        src = None if slot_of[ex] >= 0 else pre[pre_of[ex]] if pre_of[ex] >= 0 else records[ex]
+        assert torch.equal(want[p, :big], src[:big] if src is not None else want[p, :big])
+        assert (want[p, big:] == 255).all() and (src is not None or (want[p] == 255).all())
+    for programs in (1, 2, 5):
+        got = torch.full_like(want, 255)
+        gather_misses(ids, slot_of, records, got, big - 2, prefetched=(pre_of, pre),
+                      programs=programs)
+        assert torch.equal(got, want), programs
     # rows too short for the record are refused
     try:
         gather_misses(ids, slot_of, records, rows, nbytes, prefetched=(pre_of, pre[:, :64]))

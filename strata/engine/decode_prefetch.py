@@ -30,6 +30,11 @@ import torch
 
 from strata.kernels.gpu import decode_ops as ops
 
+# programs of the copy ahead (each looping over its blocks): a program per block would hold every
+# SM's loads behind PCIe and stall the compute beside it (a profile at 2 GiB: the next layer's
+# attention took 80-100 us instead of 8 while the copy ran); scripts/bench_gather_overlap.py
+PROGRAMS = 16
+
 
 class DecodePrefetch:
     def __init__(self, model, layers: list[int], n: int, staging: torch.Tensor):  # noqa: ANN001
@@ -86,4 +91,4 @@ class DecodePrefetch:
             self.pre_of.fill_(-1)
             self.pre_of.scatter_(0, pred[0], self.order)
             gather_misses(pred, table, ex.arena.layers[nxt], self.rows[:, : lay.stride],
-                          lay.nbytes)
+                          lay.nbytes, programs=PROGRAMS)

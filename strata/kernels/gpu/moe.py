@@ -139,16 +139,32 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
 
 @triton.jit
 def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
-                   stride_pre, BLOCK: tl.constexpr, TOPK: tl.constexpr,
-                   HOST_FROM: tl.constexpr, PRE: tl.constexpr):
+                   stride_pre, n_items, n_chunks, BLOCK: tl.constexpr, TOPK: tl.constexpr,
+                   HOST_FROM: tl.constexpr, PRE: tl.constexpr, LOOP: tl.constexpr):
     # dst[p, :nwords] = src[e, :nwords] for pairs p whose expert e = ids[p] is not resident
     # (int32 words), except a token's pairs from HOST_FROM on (the host computes those); with
-    # PRE, from pre[pre_of[e]] (device rows a prefetch filled) where pre_of[e] >= 0. One load
-    # of BLOCK words per program, all in flight before the store.
-    p = tl.program_id(0)
+    # PRE, from pre[pre_of[e]] (device rows a prefetch filled) where pre_of[e] >= 0. Work item
+    # i = (pair i // n_chunks, BLOCK words i % n_chunks): one load of BLOCK words, all in flight
+    # before the store. Without LOOP a program per item; with LOOP, the grid's programs take
+    # items i = pid, pid + grid, ... (few programs: a copy that leaves most SMs to the compute
+    # running beside it).
+    if LOOP:
+        for i in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            _gather_item(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
+                         stride_pre, i // n_chunks, i % n_chunks, BLOCK, TOPK, HOST_FROM, PRE)
+    else:
+        _gather_item(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
+                     stride_pre, tl.program_id(0), tl.program_id(1), BLOCK, TOPK, HOST_FROM,
+                     PRE)
+
+
+@triton.jit
+def _gather_item(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
+                 stride_pre, p, c, BLOCK: tl.constexpr, TOPK: tl.constexpr,
+                 HOST_FROM: tl.constexpr, PRE: tl.constexpr):
     e = tl.load(ids + p)
     if (tl.load(slot_of + e) < 0) & (p % TOPK < HOST_FROM):
-        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        o = c * BLOCK + tl.arange(0, BLOCK)
         m = o < nwords
         if PRE:
             j = tl.load(pre_of + e)
@@ -342,7 +358,8 @@ GATHER_BLOCK = 4096  # int32 words per program: 16 KB in flight each
 
 def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torch.Tensor,
                   rows: torch.Tensor, nbytes: int, host_from: int | None = None,
-                  prefetched: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                  prefetched: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  programs: int | None = None) -> None:
     """rows[p, :nbytes] = records[ids[p], :nbytes] for every pair p whose expert has no slot
     (slot_of_expert < 0), except a token's pairs k >= host_from (ids [T, K]; the host computes
     those, moe_forward's host_from); other rows are left as they are. records uint8 [E, stride]: the
@@ -351,7 +368,9 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
     uint8 [>= P, >= nbytes] on the device; whole int32 words are copied (rows and records are
     padded to a multiple of 4 bytes: ExpertLayout.stride). prefetched: (pre_of [E] int32,
     pre uint8 [R, >= nbytes] on the device): an expert with pre_of[e] = j >= 0 is copied from
-    pre[j] instead (a prefetch brought its record there already)."""
+    pre[j] instead (a prefetch brought its record there already). programs: at most this many
+    programs, each looping over its share of the work (a copy beside compute on another
+    stream: loads waiting on PCIe hold up every other load of their SM)."""
     p = ids.numel()
     nwords = triton.cdiv(nbytes, 4)  # whole words: records are padded to their stride
     if rows.shape[0] < p or min(rows.shape[1], records.shape[1]) < 4 * nwords:
@@ -372,11 +391,13 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
         return
     src, dst, pre = _words(records), _words(rows), _words(pre)
     topk = ids.shape[-1] if ids.dim() == 2 else 1
-    _gather_kernel[(p, triton.cdiv(nwords, GATHER_BLOCK))](
+    n_chunks = triton.cdiv(nwords, GATHER_BLOCK)
+    loop = programs is not None and programs < p * n_chunks
+    _gather_kernel[(programs,) if loop else (p, n_chunks)](
         ids.reshape(-1), slot_of_expert, src, dst, nwords, src.stride(0), dst.stride(0), pre_of,
-        pre, pre.stride(0), BLOCK=GATHER_BLOCK, TOPK=topk,
+        pre, pre.stride(0), p * n_chunks, n_chunks, BLOCK=GATHER_BLOCK, TOPK=topk,
         HOST_FROM=topk if host_from is None else host_from, PRE=prefetched is not None,
-        num_warps=8)
+        LOOP=loop, num_warps=8)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
