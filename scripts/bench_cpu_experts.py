@@ -2,10 +2,11 @@
 
 One call = one layer's missed experts: --experts experts (Qwen3-30B-A3B shapes by default,
 D=2048, F=768), each with n tokens, for n in --tokens. Calls rotate through an arena of
---arena experts packed as strata.experts.layout packs them (larger than the CPU caches), so the
-weights come from RAM. GB/s = weight bytes of one call / median call time. Also measured: host
-RAM read (strata.bench.ceilings.host_read_gbs) at each thread count, and the per-call overhead
-(one tiny expert, one token). "best" is the fastest call: on a shared machine the median carries
+--arena experts packed as strata.experts.layout packs them (64 by default: about 200 MB, which a
+large L3 partly holds; 1024 for figures read from RAM, the default of --share). GB/s = weight
+bytes of one call / median call time. Also measured: host RAM read
+(strata.bench.ceilings.host_read_gbs) at each thread count, and the per-call overhead (one tiny
+expert, one token). "best" is the fastest call: on a shared machine the median carries
 other processes' load, most of all at thread counts near the core count.
 
     .venv/bin/python scripts/bench_cpu_experts.py --json bench/cpu_experts.json
@@ -235,7 +236,8 @@ def main() -> None:
     p.add_argument("--threads", default="1,all", help='"1,all" or a list like 1,4,16')
     p.add_argument("--tokens", default="1,4,16", help="tokens per expert")
     p.add_argument("--experts", type=int, default=8, help="missed experts per call")
-    p.add_argument("--arena", type=int, default=64, help="experts the calls rotate through")
+    p.add_argument("--arena", type=int, default=None,
+                   help="experts the calls rotate through (64; 1024 with --share)")
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--d-expert", type=int, default=768)
     p.add_argument("--repeats", type=int, default=30)
@@ -247,6 +249,8 @@ def main() -> None:
                    help="--share: time each case also while host->GPU copies run (CUDA)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    if args.arena is None:
+        args.arena = 1024 if args.share else 64
     if args.share:
         result = bench_share(args)
     else:

@@ -48,13 +48,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunk tokens from which missed experts are streamed (auto: measured)")
     g.add_argument("--cpu-share", type=int, default=0, metavar="N",
                    help="CUDA decode steps whose layers gather their misses over PCIe: a CPU "
-                   "pool of its own (4 threads unless --threads) computes each token's last N "
-                   "missed pairs meanwhile (0: off; at 2 GiB measured from 15%% slower to 7%% "
-                   "faster: docs/offload.md)")
+                   "pool of its own (8 threads unless --threads) computes each token's last N "
+                   "missed pairs meanwhile (0: off; at 2 GiB, 2 on 8 threads measured 7-14%% "
+                   "faster than PCIe alone, other settings slower: docs/offload.md)")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="CUDA decode steps whose layers gather their misses over PCIe: while a "
                    "layer computes, copy the N experts the next layer's router gives the "
-                   "current hidden state, so its gather finds them in VRAM (0: off)")
+                   "current hidden state, so its gather finds them in VRAM (0: off; no gain "
+                   "measured yet: docs/offload.md)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -28,10 +28,11 @@ from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_ev
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 
-# threads of the share's own pool at most, unless --threads says: one token's expert (3 MB at
-# 30B-A3B) took 210-260 us in ggml with 3 to 6 threads and 310-340 us with 8 to 15 on a 16-core
-# host (bench/2026-11-30-h200-cpu-share.md): the threads' meeting points cost more than they read
-SHARE_THREADS = 4
+# threads of the share's own pool at most, unless --threads says: at 2 GiB on a 16-core host two
+# pairs on 8 threads were the only setting faster than PCIe alone (43.6-46.8 tok/s against
+# 40.6-40.9); 4 threads gave 18.8-44.1, 12 and 15 threads 16.7-37.6
+# (bench/2026-11-30-h200-prefetch.md)
+SHARE_THREADS = 8
 
 
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, register: bool) -> torch.Tensor:
