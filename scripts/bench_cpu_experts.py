@@ -165,9 +165,11 @@ def bench_share(args: argparse.Namespace) -> dict:
                           "env": {k: v for k, v in os.environ.items()
                                   if k.startswith(("OMP_", "GOMP_"))}},
               "shape": {"d_model": args.d_model, "d_expert": args.d_expert}, "share": []}
-    from strata.kernels.cpu.ggml_lib import uses_openmp
+    from strata.kernels.cpu.ggml_lib import cpu_features, uses_openmp
 
     result["machine"]["ggml_openmp"] = uses_openmp()
+    result["machine"]["ggml_cpu_features"] = cpu_features()
+    print(f"share call: ggml built with {', '.join(cpu_features())}; OpenMP {uses_openmp()}")
     rng = np.random.default_rng(0)
     q = (QType.Q4_K, QType.Q4_K, QType.Q6_K)  # Q4_K_M's usual expert mix
     _, expert_bytes, buf, offs = make_arena(q, args.d_model, args.d_expert, args.arena, rng)

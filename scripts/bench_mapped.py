@@ -119,6 +119,19 @@ def main() -> None:
         res[f"gather_{n_miss}_missed_us"] = t_gather * 1e6
         if n_miss:
             res[f"gather_{n_miss}_missed_gb_s"] = n_miss * lay.nbytes / t_gather / 1e9
+    # the gather alone in a few looping programs (gather_misses(programs=)), as a copy beside
+    # compute runs: what it costs in rate against a program per block
+    for n_miss in (1, 2, 6, 8):
+        tables = []
+        for ids in id_sets:
+            t = identity.clone()
+            t[ids[0, :n_miss]] = -1
+            tables.append(t)
+        for programs in (16, 32, 64, 132, 264):
+            t = graph_seconds(lambda i, tb=tables, pr=programs: gather_misses(
+                id_sets[i % len(id_sets)], tb[i % len(tb)], arena.layers[0], rows, lay.nbytes,
+                programs=pr))
+            res[f"gather_{n_miss}_missed_{programs}_programs_gb_s"] = n_miss * lay.nbytes / t / 1e9
     # the same bytes copied (8 records) with the copy engine
     dst = torch.empty(K, lay.stride, dtype=torch.uint8, device=dev)
     t_copy = graph_seconds(lambda i: dst.copy_(arena.layers[0][(i % 16) * 8:(i % 16) * 8 + 8],

@@ -177,10 +177,12 @@ def test_the_gather_reads_the_prefetched_rows(synth, monkeypatch):
     assert max(float(np.abs(g - r).max()) for g, r in zip(got, ref, strict=True)) > 1e-3
 
 
+@pytest.mark.parametrize("loop", [False, True])
 @pytest.mark.parametrize("pre", [False, True])
-def test_gather_kernel_compiles_for_sm90(pre: bool) -> None:
+def test_gather_kernel_compiles_for_sm90(pre: bool, loop: bool) -> None:
     """Without a GPU: Triton compiles the gather for sm_90 (its bundled ptxas), with and without
-    the prefetched source (the interpreter runs neither Triton's front end nor its types)."""
+    the prefetched source, a program per block or a few looping (the interpreter runs neither
+    Triton's front end nor its types)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -188,12 +190,14 @@ def test_gather_kernel_compiles_for_sm90(pre: bool) -> None:
 
     sig = {"ids": "*i64", "slot_of": "*i32", "src": "*i32", "dst": "*i32", "nwords": "i32",
            "stride_src": "i32", "stride_dst": "i32", "pre_of": "*i32", "pre": "*i32",
-           "stride_pre": "i32", "BLOCK": "constexpr", "TOPK": "constexpr",
-           "HOST_FROM": "constexpr", "PRE": "constexpr"}
+           "stride_pre": "i32", "n_items": "i32", "n_chunks": "i32", "BLOCK": "constexpr",
+           "TOPK": "constexpr", "HOST_FROM": "constexpr", "PRE": "constexpr",
+           "LOOP": "constexpr"}
     k = triton.compile(ASTSource(moe._gather_kernel, sig, constexprs={
-        "BLOCK": moe.GATHER_BLOCK, "TOPK": 8, "HOST_FROM": 8, "PRE": pre}),
+        "BLOCK": moe.GATHER_BLOCK, "TOPK": 8, "HOST_FROM": 8, "PRE": pre, "LOOP": loop}),
         target=GPUTarget("cuda", 90, 32))
     assert k.asm["cubin"]
+    assert ("scf.for" in k.asm["ttir"]) == loop
     # ids, slot_of, the arena; with the prefetched source also pre_of and the rows in VRAM
     assert k.asm["ttir"].count("tt.load") == (5 if pre else 3)
 

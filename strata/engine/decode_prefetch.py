@@ -6,18 +6,21 @@ read from the mapped arena over PCIe, strata.kernels.gpu.gather_misses); between
 while a layer's experts, the next layer's attention and its router run, PCIe idles. A side stream
 inside the step's CUDA graph fills that gap:
 
-    main:  norm_l -> snap[l % 2]   router_l   [join] gather_l   moe_l   attn_l+1   [join] gather_l+1
-    side:                                       (after gather_l) predict_l+1 -> copy_l+1
+    main:  attn_l -> snap[l % 2]  router_l  [join] gather_l  moe_l  attn_l+1 ... [join] gather_l+1
+    side:           predict_l+1 (beside gather_l)   (after gather_l) copy_l+1
 
 predict_l+1: layer l+1's router on rms_norm(x_l, ffn_norm_l+1), x_l the residual after layer l's
 attention (what layer l+1's router will see, less layer l's experts and layer l+1's attention);
-experts with a cache slot are left out; the N best. copy_l+1: those records from the arena into
-the staging rows K .. K+N-1 (after the K rows of the token's own misses), pre_of[e] = their row.
-gather_l+1 then takes a predicted expert from VRAM and the rest over PCIe. The side stream starts
-after gather_l (PCIe carries that until then) and gather_l+1 waits for it: a wrong guess costs
-its copy's time. Every buffer the side stream shares with the main stream is written again only
-after the main stream has waited for the side stream's use of it (`snap` is double-buffered: the
-prediction of l+1 reads snap[l % 2] while layer l+1 writes snap[(l+1) % 2]).
+experts with a cache slot are left out; the N best. It runs as soon as x_l exists, beside layer
+l's router and gather, so that only the copy is left when PCIe frees. copy_l+1: those records
+from the arena into the staging rows K .. K+N-1 (after the K rows of the token's own misses),
+pre_of[e] = their row, by a few looping programs (PROGRAMS). gather_l+1 then takes a predicted
+expert from VRAM and the rest over PCIe. The copy starts after gather_l (PCIe carries that
+until then) and gather_l+1 waits for it: a wrong guess costs its copy's time. Every buffer the
+side stream shares with the main stream is written again only after the main stream has waited
+for the side stream's use of it (`snap` is double-buffered: the prediction of l+1 reads
+snap[l % 2] while layer l+1 writes snap[(l+1) % 2]; pre_of, which gather_l reads, is rewritten
+only after gather_l).
 
 Counting: the experts copied ahead per layer (`pred`, [L, N]; -1 where nothing was) go to the host
 with the step's routing counts; OffloadExperts.after_gathered counts the ones used and the ones
@@ -56,10 +59,22 @@ class DecodePrefetch:
         self.order = torch.arange(n, dtype=torch.int32, device=dev)
         self.pred = torch.full((cfg.n_layers, n), -1, dtype=torch.int64, device=dev)
 
-    def snapshot(self, layer: int, x: torch.Tensor) -> None:
-        """Main stream, after layer's attention: the residual the next layer's guess reads."""
-        if layer in self.next:
-            self.snap[layer % 2].copy_(x)
+    def guess(self, layer: int, x: torch.Tensor) -> None:
+        """Main stream, after layer's attention (x: the residual): on the side stream, the experts
+        the next gathered layer will likely route to, into pred[next]."""
+        nxt = self.next.get(layer)
+        if nxt is None:
+            return
+        cfg = self.model.cfg
+        lw = self.model.w.layers[nxt]
+        table = self.ex.cache.layers[nxt].table  # (the step's tables hold for the whole step)
+        self.snap[layer % 2].copy_(x)
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            h = ops.rms_norm(self.snap[layer % 2], lw.ffn_norm, cfg.rms_eps)
+            logits = ops.router_logits(h, lw.router)
+            logits = logits.masked_fill(table[None] >= 0, float("-inf"))
+            self.pred[nxt].copy_(torch.topk(logits, self.n, dim=1).indices[0])
 
     def ready(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Main stream, before layer's gather: wait for its prefetch; (pre_of, rows) for
@@ -70,24 +85,19 @@ class DecodePrefetch:
         return self.pre_of, self.rows
 
     def issue(self, layer: int) -> None:
-        """Main stream, right after layer's gather was queued: guess and copy the next layer's
-        experts on the side stream."""
+        """Main stream, right after layer's gather was queued: copy the guessed experts of the
+        next layer on the side stream once that gather is done."""
         nxt = self.next.get(layer)
         if nxt is None:
             return
         from strata.kernels.gpu import gather_misses
 
-        cfg, ex = self.model.cfg, self.ex
-        lw = self.model.w.layers[nxt]
-        table = ex.cache.layers[nxt].table  # (the step's tables hold for the whole step)
+        ex = self.ex
+        table = ex.cache.layers[nxt].table
         lay = ex.arena.layouts[nxt]
+        pred = self.pred[nxt][None]  # [1, n]
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
-            h = ops.rms_norm(self.snap[layer % 2], lw.ffn_norm, cfg.rms_eps)
-            logits = ops.router_logits(h, lw.router)
-            logits = logits.masked_fill(table[None] >= 0, float("-inf"))
-            pred = torch.topk(logits, self.n, dim=1).indices  # [1, n]
-            self.pred[nxt].copy_(pred[0])
             self.pre_of.fill_(-1)
             self.pre_of.scatter_(0, pred[0], self.order)
             gather_misses(pred, table, ex.arena.layers[nxt], self.rows[:, : lay.stride],

@@ -298,7 +298,7 @@ class DecodeStep:
             attn = self._attention(i, lw, h, kv)
             h = ops.add_rms_norm(x, attn, lw.ffn_norm, cfg.rms_eps)
             if pf is not None:
-                pf.snapshot(i, x)
+                pf.guess(i, x)
             ids, wts = ops.route_topk(ops.router_logits(h, lw.router), cfg.n_experts_used,
                                       cfg.norm_topk, counts=self._counter(i, piece))
             if i == piece.host_layer:

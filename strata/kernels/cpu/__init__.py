@@ -49,7 +49,11 @@ def make_cpu_experts(kind: str = "auto", threads: int | None = None) -> CpuExper
     """A CPU expert backend. "auto" takes ggml when ggml-python imports, else torch."""
     if kind == "auto":
         kind = "ggml" if ggml_available() else "torch"
-        reason = "ggml-python found" if kind == "ggml" else "ggml-python not installed"
+        reason = "ggml-python not installed"
+        if kind == "ggml":
+            from strata.kernels.cpu.ggml_lib import cpu_features
+
+            reason = f"ggml-python found, built with {', '.join(cpu_features()) or 'no SIMD'}"
         log.info("cpu experts: %s backend (%s)", kind, reason)
     if kind not in BACKENDS:
         raise ValueError(f"unknown CPU expert backend {kind!r} (choose from auto, "

@@ -45,6 +45,14 @@ def uses_openmp() -> bool:
         return False
 
 
+def cpu_features() -> list[str]:
+    """The SIMD features ggml's CPU kernels were built with (ggml_cpu_has_*), e.g. ["avx2", "fma"]:
+    a build without the host's widest ones computes experts at a fraction of the memory rate."""
+    names = ("avx", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8",
+             "fma", "f16c", "neon", "sve")
+    return [n for n in names if getattr(ggml, f"ggml_cpu_has_{n}", lambda: 0)()]
+
+
 class ThreadPool:
     """ggml's compute threads, made once and reused by every graph (making them per call cost
     ~20 ms here). Built with OpenMP, ggml runs its graphs on OpenMP's own persistent threads and
