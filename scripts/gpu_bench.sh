@@ -4,7 +4,8 @@
 # same runs), then a correctness check of the fast paths on those shapes; results under $OUT.
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
-# (bench_moe_decode.py), mapped (bench_mapped.py), overlap (bench_gather_overlap.py), profile
+# (bench_moe_decode.py), ncu (Nsight Compute on the GEMVs: gemv_once.py), mapped
+# (bench_mapped.py), overlap (bench_gather_overlap.py), profile
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
@@ -75,6 +76,20 @@ bench() {  # name, then strata bench arguments
 if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
   timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" 2>&1 | tail -90
+fi
+if [[ $STAGES == *ncu* ]]; then  # hardware counters of the one-token GEMVs (where ncu can read them)
+  echo "== Nsight Compute: the one-token GEMVs, 14336 x 4096 Q4_K and Q6_K, FMA and dp4a"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  if [[ -n $NCU ]]; then
+    timeout 300 "$NCU" --clock-control none -k regex:gemv -c 12 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      --section LaunchStats --section SchedulerStats python3 scripts/gemv_once.py --q8 \
+      >"$OUT/ncu_gemv.txt" 2>&1
+    grep -E "^  [_a-z].*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|ERR|rror" \
+      "$OUT/ncu_gemv.txt" | head -80
+  else
+    echo "ncu not found"
+  fi
 fi
 if [[ $STAGES == *overlap* ]]; then
   echo "== a gather from the mapped arena beside compute on another stream"

@@ -1,0 +1,55 @@
+"""Launch the one-token GEMV kernels a few times each, eagerly, for a profiler to measure (Nsight
+Compute: `scripts/gpu_bench.sh`'s `ncu` stage). No timing here: the kernel benchmark
+(bench_moe_decode.py) times them; this gives ncu one plain launch of each to read counters from
+(memory throughput, stall reasons, occupancy).
+
+    python scripts/gemv_once.py [--shape 14336x4096] [--types Q4_K,Q6_K] [--q8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata.kernels.gpu import matmul as mm  # noqa: E402
+from strata.quant import QType, random_rows  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="14336x4096", help="rows x columns")
+    p.add_argument("--types", default="Q4_K,Q6_K")
+    p.add_argument("--q8", action="store_true", help="also the dp4a kernels (gemv_q8.py)")
+    p.add_argument("--launches", type=int, default=3)
+    a = p.parse_args()
+    n, k = (int(v) for v in a.shape.split("x"))
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(0)
+    x = torch.randn(1, k, device=dev)
+    out = torch.empty(1, n, device=dev)
+    for name in a.types.split(","):
+        q = QType[name]
+        w = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
+        for _ in range(a.launches):
+            mm.quant_matmul(x, w, q, out=out)
+        if a.q8 and q in (QType.Q4_K, QType.Q6_K):
+            from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q6k_q8, quantize_x
+
+            xq, dx, sx, sx16 = quantize_x(x[0])
+            for _ in range(a.launches):
+                if q == QType.Q4_K:
+                    gemv_q4k_q8(xq, dx, sx, w, n, k, out=out[0], bn=8, stages=2, warps=1)
+                else:
+                    gemv_q6k_q8(xq, dx, sx16, w, n, k, out=out[0], bn=8, stages=1, warps=1)
+        torch.cuda.synchronize()
+        print(f"{name} {n}x{k}: launched", flush=True)
+
+
+if __name__ == "__main__":
+    main()
