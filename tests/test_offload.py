@@ -133,6 +133,42 @@ def test_cache_larger_than_budget_is_refused(synth):
     assert 0 < sum(auto.slots_per_layer) < 24 and auto.left >= 0
 
 
+def test_auto_cache_fills_the_room_with_a_slot_more_in_some_layers(synth):
+    """--expert-cache auto gives every layer as many slots as a slot in every layer allows, then
+    one more to the layers with the smallest records while they fit: what is left is less than
+    the smallest record not taken, and the cache never exceeds the room."""
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import MARGIN, make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+
+    mf = open_model(synth("qwen3moe", "ALL-TYPES"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    strides = [lay.stride for lay in layouts]
+    assert len(set(strides)) > 1
+    base = make_plan(mf, cfg, EngineConfig(expert_cache="0", ctx=256), layouts)
+    used = base.dense + base.kv + base.workspace + base.staging + base.ring + MARGIN
+    rng = np.random.default_rng()
+    for _ in range(8):  # rooms of 0-3 slots in every layer and a fresh part of one more set
+        extra = int(rng.integers(0, 4)) * sum(strides) + int(rng.integers(0, sum(strides)))
+        budget = (used + extra) / 2**30
+        plan = make_plan(mf, cfg, EngineConfig(ctx=256, vram_budget_gib=budget), layouts)
+        room = int(budget * 2**30) - used
+        slots = plan.slots_per_layer
+        n = min(slots)
+        assert max(slots) - n <= 1
+        cache = sum(k * st for k, st in zip(slots, strides, strict=True))
+        assert cache == plan.cache <= room
+        # the layers with a slot more are the smallest records, and no other one fits
+        more = [i for i, k in enumerate(slots) if k > n]
+        rest = [strides[i] for i, k in enumerate(slots) if k == n]
+        if more and rest:
+            assert max(strides[i] for i in more) <= min(rest)
+        if rest:
+            assert room - cache < min(rest), (room, cache, slots)
+
+
 def test_generate_stats_cli(synth, capsys, device):
     code = main(["generate", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on", "-n", "4",
                  "--expert-cache", "3", "--miss", "cpu", "--stats", "--prompt", "hello",

@@ -193,6 +193,15 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if ec.expert_cache == "auto":
         n = min(E, max(0, room // per_layer_set))
         slots = [n] * cfg.n_layers
+        # what a slot in every layer no longer fits goes to one more slot in some layers,
+        # smallest records first (the most slots per byte): at a 2 GiB budget with 30B-A3B's
+        # 127 MiB a slot per layer, up to 47 slots more instead of VRAM left unused
+        spare = room - n * per_layer_set
+        for i in sorted(range(cfg.n_layers), key=lambda i: (layouts[i].stride, i)):
+            if n >= E or layouts[i].stride > spare:
+                break
+            slots[i] += 1
+            spare -= layouts[i].stride
     else:
         try:
             total = int(ec.expert_cache)
