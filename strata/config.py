@@ -169,6 +169,7 @@ class EngineConfig:
     prefetch: int = 0  # experts of the next gathered layer copied ahead of its routing (decode)
     threads: int | None = None  # CPU pool threads (default: cores - 1)
     ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
+    kv_type: str = "f32"  # KV cache elements: f32 | f16 | bf16
     sequences: int = 1  # sequences decoded together (strata serve --batch): each has a KV cache
     workspace_mib: int = 256  # float32 scratch of the dequantizing paths
     cpu_kernels: str = "auto"  # auto | ggml | torch

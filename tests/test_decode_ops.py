@@ -250,6 +250,48 @@ def test_decode_attention(device: str, name: str, monkeypatch: pytest.MonkeyPatc
         assert err < TOL, f"{name} length={n} junk={junk} seed={seed}: rel err {err:.2e}"
 
 
+# --kv-type f16 / bf16: one ulp of the type, relative to the largest value (RNE is half of it)
+KV_ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+@pytest.mark.parametrize("dtype", list(KV_ULP))
+def test_reduced_kv_types(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float16 / bfloat16 KV cache: qk_rope_store rounds k and v once into their rows (v is
+    exactly v.to(dtype), k the rotated keys rounded) and writes no other row; decode_attention
+    reads the rounded rows as float32, so it equals float32 attention over those rows."""
+    gen, seed = fresh_rng()
+    monkeypatch.setattr(ops, "scratch", nan_scratch)
+    t, h, hkv, hd, cap = 3, 8, 2, 128, 700
+    q, k, v = (randn(gen, t, n, hd, device=device) for n in (h, hkv, hkv))
+    qn, kn = randn(gen, hd, device=device), randn(gen, hd, device=device)
+    inv_freq = ops.rope_inv_freq(hd, 1e6, device)
+    for p in (0, 333, cap - t):
+        kc = torch.full((cap, hkv, hd), NAN, dtype=dtype, device=device)
+        vc = torch.full((cap, hkv, hd), NAN, dtype=dtype, device=device)
+        kc[:p] = randn(gen, p, hkv, hd, device=device).to(dtype)  # an earlier prompt's rows
+        vc[:p] = randn(gen, p, hkv, hd, device=device).to(dtype)
+        before = kc[:p].clone(), vc[:p].clone()
+        qr = ops.qk_rope_store(q, k, v, qn, kn, EPS, torch.tensor([p], device=device), inv_freq,
+                               "neox", kc, vc)
+        msg = f"{dtype} pos={p} seed={seed}"
+        q_ref, k_ref = rope_reference(q, k, qn, kn, torch.arange(p, p + t, device=device), hd,
+                                      1e6, "neox")
+        assert max_rel(qr, q_ref) < TOL, msg
+        assert kc.dtype == dtype and max_rel(kc[p:p + t].float(), k_ref) <= KV_ULP[dtype], msg
+        assert torch.equal(vc[p:p + t], v.to(dtype)), msg
+        assert torch.equal(kc[:p], before[0]) and torch.equal(vc[:p], before[1]), msg
+        assert kc[p + t:].isnan().all() and vc[p + t:].isnan().all(), msg
+        n = p + t
+        out = ops.decode_attention(qr, kc, vc, torch.tensor([n], device=device), hd ** -0.5)
+        ref = layers.attention(qr, kc[:n].float(), vc[:n].float(), n - t)
+        assert max_rel(out, ref) < TOL, f"{msg}: attention {max_rel(out, ref):.2e}"
+    with pytest.raises(ValueError, match="one type"):
+        ops.decode_attention(qr, kc, vc.float(), torch.tensor([t], device=device), 1.0)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        ops.decode_attention(qr, kc.to(torch.float64), vc.to(torch.float64),
+                             torch.tensor([t], device=device), 1.0)
+
+
 def test_attention_splits() -> None:
     assert ops.ATTN_MIN_CHUNK == 32
     assert ops.attention_splits(1024, 8) == 32  # capacity / 32 = 256 CTAs / Hkv
@@ -476,6 +518,25 @@ _INTERPRETED = """
                                  n_splits=splits)
             err = rel(out, layers.attention(q, kc[:n], vc[:n], n - t))
             assert err < TOL, (t, h, hkv, hd, n, err)
+
+    # float16 / bfloat16 caches (--kv-type): k and v rounded once when stored, read as float32
+    for dt, ulp in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
+        t, h, hkv, hd, cap, p = 2, 4, 2, 64, 300, 131
+        q, k, v = rnd(t, h, hd), rnd(t, hkv, hd), rnd(t, hkv, hd)
+        kc = torch.full((cap, hkv, hd), nan, dtype=dt)
+        vc = torch.full((cap, hkv, hd), nan, dtype=dt)
+        kc[:p], vc[:p] = rnd(p, hkv, hd).to(dt), rnd(p, hkv, hd).to(dt)
+        qr = ops.qk_rope_store(q, k, v, None, None, EPS, torch.tensor([p]),
+                               ops.rope_inv_freq(hd, 1e4, "cpu"), "neox", kc, vc)
+        cos, sin = layers.rope_tables(torch.arange(p, p + t), hd, 1e4)
+        assert rel(kc[p:p + t].float(), layers.apply_rope(k, cos, sin, "neox")) <= ulp, dt
+        # (the interpreter rounds to bfloat16 toward zero, the GPU to nearest as torch does:
+        # within one ulp here, bit-equal in test_reduced_kv_types on CUDA)
+        assert ((vc[p:p + t].float() - v).abs() <= ulp * v.abs()).all(), dt
+        assert kc[p + t:].isnan().all() and vc[p + t:].isnan().all(), dt
+        out = ops.decode_attention(qr, kc, vc, torch.tensor([p + t]), hd ** -0.5, n_splits=4)
+        ref = layers.attention(qr, kc[:p + t].float(), vc[:p + t].float(), p)
+        assert rel(out, ref) < TOL, (dt, rel(out, ref))
 
     for e, k, norm in ((60, 4, False), (8, 2, True), (128, 8, True), (256, 16, True)):
         logits = torch.stack([(torch.randperm(e, generator=gen) + 0.5 * torch.rand(

@@ -10,9 +10,13 @@ import torch
 from test_offload import TOKENS, assert_same, offload
 
 from strata.cli.logits import compute_logits
+from strata.config import EngineConfig
 from strata.engine.decode_step import cut_pieces
 from strata.engine.generator import Engine
+from strata.engine.kv_cache import KV_TYPES
 from strata.engine.sampling import SamplingParams
+
+from hf_reference import kl_per_position
 
 PROMPT = 4  # tokens of TOKENS run as the prompt; the rest go through decode steps
 
@@ -67,6 +71,29 @@ def test_decode_step_gives_reference_logits(synth, arch, cache, miss, device):
     if gathered:  # one graph per token; every miss counted as streamed, its bytes as copied
         assert len(step.pieces) == 1 and st.cpu.sum() == 0 and st.bytes_h2d > 0
     assert steps > 2  # eager, capture, replays
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "bf16"])
+@pytest.mark.parametrize("miss", ["cpu", "dma"])
+def test_reduced_kv_types_round_where_the_reference_does(synth, kv_type, miss, device):
+    """--kv-type f16 / bf16: the decode steps (eager on the CPU, graphs on CUDA) round keys and
+    values where the reference path with that type does, when they are stored, so the two agree
+    as tightly as with float32; against float32 keys and values the logits move, a little."""
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path, config=EngineConfig(kv_type=kv_type)), TOKENS)
+    ref32 = compute_logits(Engine.load(path), TOKENS)
+    engine = offload(path, device, expert_cache="5", miss=miss, kv_type=kv_type)
+    kv = engine.model.new_cache(4)
+    assert kv.store.dtype == KV_TYPES[kv_type] and kv.nbytes == kv.store.numel() * 2
+    ours = decoded_logits(engine, TOKENS)
+    moved = kl_per_position(ref32, ref).max()
+    assert 0 < moved < 1e-3, moved  # the type rounds (f16 ~5e-7, bf16 ~9e-5 here)
+    # the paths' float32 differences flip a rounding here and there (f16 ~1e-9, bf16 ~3e-7
+    # here); rounding at another point would move them as far as the type does
+    assert kl_per_position(ref[PROMPT:], ours).max() < moved / 30
+    assert (ours.argmax(-1) == ref[PROMPT:].argmax(-1)).all()
+    if device == "cuda":
+        assert engine.model.step.steps["replayed"] > 0
 
 
 def test_eager_step_equals_the_plain_forward(synth, device):

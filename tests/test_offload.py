@@ -169,6 +169,33 @@ def test_auto_cache_fills_the_room_with_a_slot_more_in_some_layers(synth):
             assert room - cache < min(rest), (room, cache, slots)
 
 
+def test_reduced_kv_types_halve_the_planned_kv_cache(synth, capsys):
+    """--kv-type f16 / bf16: the plan counts 2 bytes a key or value element (its KV line says
+    the type), and the cache slots take what that frees; an unknown type is refused by name."""
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+
+    path = synth("qwen3moe", "Q4_K_M")
+    mf = open_model(path)
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    plans = {t: make_plan(mf, cfg, EngineConfig(ctx=4096, kv_type=t, vram_budget_gib=0.6),
+                          layouts) for t in ("f32", "f16", "bf16")}
+    full = 2 * cfg.n_layers * cfg.kv_dim * 4096
+    assert plans["f32"].kv == 4 * full and plans["f16"].kv == plans["bf16"].kv == 2 * full
+    assert plans["f16"].cache >= plans["f32"].cache
+    assert any("4096 tokens x 1 sequences, f16)" in line for line in plans["f16"].lines())
+    with pytest.raises(StrataError, match="--kv-type f8: choose one of f32, f16, bf16"):
+        offload(path, kv_type="f8")
+    assert main(["generate", str(path), "--kv-type", "f16", "-n", "2", "--offload", "on"]) == 0
+    assert "sequences, f16)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        main(["generate", str(path), "--kv-type", "int8", "-n", "2"])
+    assert bad.value.code == 2 and "--kv-type" in capsys.readouterr().err
+
+
 def test_generate_stats_cli(synth, capsys, device):
     code = main(["generate", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on", "-n", "4",
                  "--expert-cache", "3", "--miss", "cpu", "--stats", "--prompt", "hello",

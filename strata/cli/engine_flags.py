@@ -29,6 +29,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "split by measured cost")
     g.add_argument("--threads", type=int, default=None, help="CPU pool threads (cores - 1)")
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
+    g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16"],
+                   help="KV cache elements: f16 or bf16 halve its memory, keys and values "
+                   "rounded once when stored (f32)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
                    help="CPU kernel library for missed experts (auto)")
     g.add_argument("--prefill", default="auto", metavar="auto|auto:N|N|off",
@@ -72,7 +75,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
-        cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
+        kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
         cpu_share=args.cpu_share, prefetch=args.prefetch, debug=getattr(args, "debug", False))
 

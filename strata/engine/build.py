@@ -11,6 +11,7 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
+from strata.engine.kv_cache import KV_TYPES
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
@@ -54,8 +55,12 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         raise StrataError(f"--decode-step {ec.decode_step}: choose from "
                           f"{', '.join(DECODE_STEP_MODES)}")
     fused_max_t = FUSED_MAX_T[ec.kernels]
+    if ec.kv_type not in KV_TYPES:
+        raise StrataError(f"--kv-type {ec.kv_type}: choose one of {', '.join(KV_TYPES)}")
     if not ec.use_offload:
-        return MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
+        model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
+        model.kv_dtype = KV_TYPES[ec.kv_type]
+        return model
     from strata.engine.memory_plan import make_plan
 
     check_miss_mode(ec.miss)  # before the arena is filled
@@ -108,6 +113,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"
+    model.kv_dtype = KV_TYPES[ec.kv_type]
     if ec.decode_step != "off":
         model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)
     return model

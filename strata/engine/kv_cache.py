@@ -1,4 +1,5 @@
-"""Per-sequence KV cache: keys and values of every layer in one float32 tensor, grown by doubling.
+"""Per-sequence KV cache: keys and values of every layer in one tensor (float32, or float16 /
+bfloat16 with --kv-type, half the bytes), grown by doubling.
 
     store: [2, L, capacity, Hkv, hd]     k[layer] = store[0, layer], v[layer] = store[1, layer]
            rows 0 .. length-1 hold the sequence's keys and values so far
@@ -15,6 +16,10 @@ import weakref
 
 import torch
 
+# --kv-type: the cache's element type. Keys and values are computed in float32 and rounded once,
+# when stored; attention reads them back as float32.
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
 
 class KVPool:
     """Storage tensors of dropped caches, reused by new caches of the same shape."""
@@ -22,13 +27,14 @@ class KVPool:
     def __init__(self) -> None:
         self.free: list[torch.Tensor] = []
 
-    def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """A free storage of this shape (one pool serves one model, so one device), or a new
-        one."""
+    def take(self, shape: tuple[int, ...], device: torch.device,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A free storage of this shape and type (one pool serves one model, so one device),
+        or a new one."""
         for i, t in enumerate(self.free):
-            if tuple(t.shape) == shape:
+            if tuple(t.shape) == shape and t.dtype == dtype:
                 return self.free.pop(i)
-        return torch.empty(shape, dtype=torch.float32, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def give(self, store: torch.Tensor) -> None:
         self.free.append(store)
@@ -36,8 +42,10 @@ class KVPool:
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, device: torch.device,
-                 capacity: int = 256, pool: KVPool | None = None):
+                 capacity: int = 256, pool: KVPool | None = None,
+                 dtype: torch.dtype = torch.float32):
         self.shape = (n_kv_heads, head_dim)
+        self.dtype = dtype
         self.n_layers = n_layers
         self.device = device
         self.length = 0
@@ -48,9 +56,9 @@ class KVCache:
     def _alloc(self, capacity: int) -> None:
         shape = (2, self.n_layers, capacity, *self.shape)
         if self.pool is None:
-            self.store = torch.empty(shape, dtype=torch.float32, device=self.device)
+            self.store = torch.empty(shape, dtype=self.dtype, device=self.device)
         else:
-            self.store = self.pool.take(shape, self.device)
+            self.store = self.pool.take(shape, self.device, self.dtype)
             self._release = weakref.finalize(self, self.pool.give, self.store)
         self.k = list(self.store[0].unbind(0))
         self.v = list(self.store[1].unbind(0))
@@ -61,11 +69,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.store.numel() * 4
+        return self.store.numel() * self.store.element_size()
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Write k, v [t, Hkv, hd] at rows length.. (not yet committed); return all keys/values
-        up to them, [length + t, Hkv, hd]."""
+        """Write k, v [t, Hkv, hd] at rows length.. (not yet committed, rounded to the cache's
+        type); return all keys/values up to them, [length + t, Hkv, hd] in the cache's type."""
         end = self.length + k.shape[0]
         if end > self.capacity:
             self._grow(end)

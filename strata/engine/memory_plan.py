@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig, ModelConfig, expected_tensors
+from strata.engine.kv_cache import KV_TYPES
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
@@ -49,6 +50,7 @@ class MemoryPlan:
     chunk: int = 4096  # prompt tokens per forward at most
     prompt_weights: int | None = None  # bf16 weight scratch of the grouped prompt path
     ring_borrow: int = 0  # bytes of `left` the ring may add to itself during streamed chunks
+    kv_type: str = "f32"  # the KV cache's elements (--kv-type)
 
     @property
     def left(self) -> int:
@@ -61,7 +63,8 @@ class MemoryPlan:
             f"memory plan on {self.device}, budget {f(self.budget)}:",
             f"  dense weights  {f(self.dense):>10} "
             f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
-            f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences)",
+            f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences, "
+            f"{self.kv_type})",
             f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
             "tokens)",
             f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
@@ -148,8 +151,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     else:
         budget = host_available() // 2
     ctx = min(ec.ctx or 4096, cfg.context_length)
-    # float32 keys and values of every layer, for each sequence decoded together
-    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * 4 * max(1, ec.sequences)
+    # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
+    # sequence decoded together
+    kv_size = KV_TYPES[ec.kv_type].itemsize if ec.kv_type in KV_TYPES else 4
+    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
     workspace = max(ec.workspace_mib << 20, 3 * cfg.d_model * cfg.d_expert * 4,
                     8192 * cfg.d_model * 4)
     chunk, prompt_weights = auto_chunk(cfg, workspace), None
@@ -232,5 +237,5 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         borrow = max(0, min(left, BORROW_RECORDS * max_stride - ring)) // 256 * 256
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
-                      chunk, prompt_weights, borrow)
+                      chunk, prompt_weights, borrow, ec.kv_type)
 

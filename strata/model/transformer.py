@@ -42,6 +42,7 @@ class MoETransformer:
         self.step = None  # a DecodeStep (strata.engine.decode_step) when the engine made one
         self.max_chunk: int | None = None  # prompt tokens per forward the memory plan allows
         self.prompt_bf16 = False  # prompt chunks' attention on bf16 tensor cores (--kernels fused)
+        self.kv_dtype = torch.float32  # the KV cache's elements (--kv-type)
 
     def decode(self, token: int, kv: KVCache) -> torch.Tensor:
         """One new token of one sequence -> logits [1, V] float32: the decode step (captured as
@@ -56,9 +57,10 @@ class MoETransformer:
         at least the planned context come from one pool, so its graphs serve every request."""
         c = self.cfg
         if self.step is None:
-            return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity)
+            return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
+                           dtype=self.kv_dtype)
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device,
-                       max(capacity, self.step.kv_capacity), self.step.kv_pool)
+                       max(capacity, self.step.kv_capacity), self.step.kv_pool, self.kv_dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
@@ -115,8 +117,8 @@ class MoETransformer:
             keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
             if self.prompt_bf16 and s.length > BF16_ATTENTION_MIN_T:
                 out.append(attention_bf16(q[sl], keys, values))
-            else:
-                out.append(attention(q[sl], keys, values, s.kv.length))
+            else:  # (keys and values as stored: rounded to --kv-type)
+                out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
             start += s.length
         return linear(torch.cat(out), lw.wo)
 

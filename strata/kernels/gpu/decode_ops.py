@@ -100,6 +100,16 @@ def _f32(t: torch.Tensor, name: str, shape: tuple[int, ...] | None = None) -> No
            f"{name} must be contiguous in its last dim")
 
 
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (--kv-type)
+
+
+def _kv(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+    """A KV cache tensor: float32, float16 or bfloat16, this shape, last dim contiguous."""
+    _check(t.dtype in KV_DTYPES, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {list(t.shape)}")
+    _check(t.stride(-1) == 1 or t.shape[-1] == 1, f"{name} must be contiguous in its last dim")
+
+
 def _device_int(t: torch.Tensor, name: str, device: torch.device) -> None:
     _check(t.dtype in (torch.int32, torch.int64) and t.numel() == 1 and t.device == device,
            f"{name} must be an int32/int64 tensor of one element on {device}, got "
@@ -259,10 +269,11 @@ def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, eps, H, C,
         g = j - H
         y = _norm_rope(k + t * stride_kt + g * stride_kh, kn, eps, pos_f, inv_freq, HAS_KN, HD,
                        ROPE_DIM, NEOX, BLOCK_D)
-        ok = dm & (row < C)
-        tl.store(kc + row * stride_kcr + g * stride_kch + d, y, mask=ok)
+        ok = dm & (row < C)  # (rounded to the cache's type: --kv-type)
+        tl.store(kc + row * stride_kcr + g * stride_kch + d, y.to(kc.dtype.element_ty), mask=ok)
         vv = tl.load(v + t * stride_vt + g * stride_vh + d, mask=dm, other=0.0)
-        tl.store(vc + row * stride_vcr + g * stride_vch + d, vv, mask=ok)
+        tl.store(vc + row * stride_vcr + g * stride_vch + d, vv.to(vc.dtype.element_ty),
+                 mask=ok)
 
 
 def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -276,16 +287,19 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q [T, H, hd], k, v [T, Hkv, hd] f32 (any strides with the last dim contiguous: views of one
     fused qkv tensor are fine); pos int32/int64 [1] on the device; inv_freq f32 [rope_dim/2]
-    (rope_inv_freq); k_cache, v_cache f32 [C, Hkv, hd], last dim contiguous -> [T, H, hd] f32
-    (new, or `out`). The caller keeps pos + T <= C."""
+    (rope_inv_freq); k_cache, v_cache [C, Hkv, hd] of one type, f32, f16 or bf16 (k and v
+    rounded to it), last dim contiguous -> [T, H, hd] f32 (new, or `out`). The caller keeps
+    pos + T <= C."""
     _check(q.dim() == 3 and k.dim() == 3, "q must be [T, H, hd] and k [T, Hkv, hd]")
     t, h, hd = q.shape
     hkv = k.shape[1]
     for name, x, shape in (("q", q, (t, h, hd)), ("k", k, (t, hkv, hd)), ("v", v, (t, hkv, hd)),
                            ("k_cache", k_cache, (k_cache.shape[0], hkv, hd)),
                            ("v_cache", v_cache, (k_cache.shape[0], hkv, hd))):
-        _f32(x, name, shape)
+        (_kv if name.endswith("cache") else _f32)(x, name, shape)
         _check(x.device == q.device, f"{name} must be on q's device")
+    _check(k_cache.dtype == v_cache.dtype, f"k_cache and v_cache must have one type, got "
+           f"{k_cache.dtype} and {v_cache.dtype}")
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None:
             _f32(w, name, (hd,))
@@ -319,8 +333,8 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k_norm is not None:
         k = layers.rms_norm(k, k_norm, eps)
     out.copy_(layers.apply_rope(q, cos, sin, style))
-    k_cache.index_copy_(0, positions, layers.apply_rope(k, cos, sin, style))
-    v_cache.index_copy_(0, positions, v.contiguous())
+    k_cache.index_copy_(0, positions, layers.apply_rope(k, cos, sin, style).to(k_cache.dtype))
+    v_cache.index_copy_(0, positions, v.to(v_cache.dtype).contiguous())
     return out
 
 
@@ -377,7 +391,7 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
             jm = j < end
             ld = jm[:, None] & dm[None, :]
             kt = tl.load(kbase + j.to(tl.int64)[:, None] * stride_kr + d[None, :], mask=ld,
-                         other=0.0)  # [BLOCK_N, BLOCK_D]; rows >= n never read
+                         other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]; rows >= n never read
             # exact float32 products ("ieee": FMA, no TF32 rounding)
             sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
             sc = tl.where(jm[None, :] & (j[None, :] <= last[:, None]), sc, float("-inf"))
@@ -386,7 +400,7 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
             p = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(vbase + j.to(tl.int64)[:, None] * stride_vr + d[None, :], mask=ld,
-                         other=0.0)
+                         other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
             m_i = m_new
         row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
@@ -435,17 +449,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     0 .. length-1: query t sees keys j <= length - T + t; head h reads kv head h // (H / Hkv).
     softmax(q k^T · scale) v, as layers.attention (whose scale is hd^-0.5).
 
-    q [T, H, hd] f32 (last dim contiguous); k_cache, v_cache f32 [C, Hkv, hd] (last dim
-    contiguous); length int32/int64 [1] on the device, T <= length <= C (the new tokens' rows
-    included) -> [T, H·hd] f32 (new, or `out`, rows contiguous). Two launches; n_splits
-    overrides attention_splits(C, Hkv) (tests, tuning). Rows >= length are never read."""
+    q [T, H, hd] f32 (last dim contiguous); k_cache, v_cache [C, Hkv, hd] of one type, f32, f16
+    or bf16 (read as f32; last dim contiguous); length int32/int64 [1] on the device,
+    T <= length <= C (the new tokens' rows included) -> [T, H·hd] f32 (new, or `out`, rows
+    contiguous). Two launches; n_splits overrides attention_splits(C, Hkv) (tests, tuning). Rows
+    >= length are never read."""
     _check(q.dim() == 3 and k_cache.dim() == 3, "q must be [T, H, hd], caches [C, Hkv, hd]")
     t, h, hd = q.shape
     cap, hkv = k_cache.shape[:2]
     _f32(q, "q")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _f32(c, name, (cap, hkv, hd))
+        _kv(c, name, (cap, hkv, hd))
         _check(c.device == q.device, f"{name} must be on q's device")
+    _check(k_cache.dtype == v_cache.dtype, f"k_cache and v_cache must have one type, got "
+           f"{k_cache.dtype} and {v_cache.dtype}")
     _check(hkv > 0 and h % hkv == 0, f"H = {h} must be a multiple of Hkv = {hkv}")
     _device_int(length, "length", q.device)
     if out is None:
@@ -483,8 +500,8 @@ def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n = length.reshape(1).long()
     keys = torch.arange(k_cache.shape[0], device=q.device)
     valid = (keys < n)[:, None, None]
-    k = torch.where(valid, k_cache, 0.0)
-    v = torch.where(valid, v_cache, 0.0)
+    k = torch.where(valid, k_cache.float(), 0.0)
+    v = torch.where(valid, v_cache.float(), 0.0)
     last = n - t + torch.arange(t, device=q.device)  # [T]
     mask = keys[None, :] <= last[:, None]  # [T, C]
     o = torch.nn.functional.scaled_dot_product_attention(
