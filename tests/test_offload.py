@@ -135,10 +135,11 @@ def test_cache_larger_than_budget_is_refused(synth):
 
 def test_auto_cache_fills_the_room_with_a_slot_more_in_some_layers(synth):
     """--expert-cache auto gives every layer as many slots as a slot in every layer allows, then
-    one more to the layers with the smallest records while they fit: what is left is less than
-    the smallest record not taken, and the cache never exceeds the room."""
+    one more to the layers with the smallest records while they fit in what the streaming ring
+    will not borrow: with a fixed --ring-bytes what is left is less than the smallest record not
+    taken; with --ring-bytes auto the ring keeps what it borrows during prompts."""
     from strata.config import ModelConfig
-    from strata.engine.memory_plan import MARGIN, make_plan
+    from strata.engine.memory_plan import BORROW_RECORDS, MARGIN, make_plan
     from strata.experts.layout import expert_layouts
     from strata.gguf import open_model
 
@@ -147,14 +148,17 @@ def test_auto_cache_fills_the_room_with_a_slot_more_in_some_layers(synth):
     layouts = expert_layouts(mf, cfg)
     strides = [lay.stride for lay in layouts]
     assert len(set(strides)) > 1
-    base = make_plan(mf, cfg, EngineConfig(expert_cache="0", ctx=256), layouts)
-    used = base.dense + base.kv + base.workspace + base.staging + base.ring + MARGIN
+    ring = 4 * max(strides)
+    base = make_plan(mf, cfg, EngineConfig(expert_cache="0", ctx=256, ring_bytes=ring), layouts)
+    assert base.ring == ring
+    used = base.dense + base.kv + base.workspace + base.staging + ring + MARGIN
     rng = np.random.default_rng()
     for _ in range(8):  # rooms of 0-3 slots in every layer and a fresh part of one more set
         extra = int(rng.integers(0, 4)) * sum(strides) + int(rng.integers(0, sum(strides)))
         budget = (used + extra) / 2**30
-        plan = make_plan(mf, cfg, EngineConfig(ctx=256, vram_budget_gib=budget), layouts)
         room = int(budget * 2**30) - used
+        plan = make_plan(mf, cfg, EngineConfig(ctx=256, vram_budget_gib=budget, ring_bytes=ring),
+                         layouts)
         slots = plan.slots_per_layer
         n = min(slots)
         assert max(slots) - n <= 1
@@ -167,6 +171,14 @@ def test_auto_cache_fills_the_room_with_a_slot_more_in_some_layers(synth):
             assert max(strides[i] for i in more) <= min(rest)
         if rest:
             assert room - cache < min(rest), (room, cache, slots)
+        # --ring-bytes auto: the ring borrows the spare during prompts, no slot takes it
+        auto = make_plan(mf, cfg, EngineConfig(ctx=256, vram_budget_gib=budget), layouts)
+        cap = BORROW_RECORDS * max(strides) - auto.ring
+        uniform = min(auto.slots_per_layer)
+        free = auto.left - MARGIN  # (the plan's `left` counts the margin)
+        assert free + auto.cache - uniform * sum(strides) <= cap  # (small models: always)
+        assert auto.slots_per_layer == [uniform] * len(strides)
+        assert auto.ring_borrow == free // 256 * 256
 
 
 def test_reduced_kv_types_halve_the_planned_kv_cache(synth, capsys):

@@ -71,6 +71,12 @@ _GATHER = """
         gather_misses(ids, slot_of, records, got, big - 2, prefetched=(pre_of, pre),
                       programs=programs)
         assert torch.equal(got, want), programs
+    try:
+        gather_misses(ids, slot_of, records, got, big - 2, programs=0)
+    except ValueError as err:
+        assert "programs=0" in str(err)
+    else:
+        raise AssertionError("programs=0 accepted")
     # rows too short for the record are refused
     try:
         gather_misses(ids, slot_of, records, rows, nbytes, prefetched=(pre_of, pre[:, :64]))
@@ -160,14 +166,13 @@ def test_the_gather_reads_the_prefetched_rows(synth, monkeypatch):
     ignored the prefetch (or read it before the copy) would still give the reference."""
     from strata.engine.decode_prefetch import DecodePrefetch
 
-    issue = DecodePrefetch.issue
+    copy = DecodePrefetch.copy
 
-    def spoiled(self, layer):  # noqa: ANN001
-        issue(self, layer)
-        with torch.cuda.stream(self.stream):
-            self.rows.zero_()
+    def spoiled(self, layer):  # noqa: ANN001 (on the copy stream, before its event)
+        copy(self, layer)
+        self.rows.zero_()
 
-    monkeypatch.setattr(DecodePrefetch, "issue", spoiled)
+    monkeypatch.setattr(DecodePrefetch, "copy", spoiled)
     path = synth("qwen3moe", "Q4_K_M")
     ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
     engine = offload(path, "cuda", expert_cache="0", miss="dma", prefetch=2)
@@ -177,9 +182,10 @@ def test_the_gather_reads_the_prefetched_rows(synth, monkeypatch):
     assert max(float(np.abs(g - r).max()) for g, r in zip(got, ref, strict=True)) > 1e-3
 
 
+@pytest.mark.parametrize("one_chunk", [False, True])
 @pytest.mark.parametrize("loop", [False, True])
 @pytest.mark.parametrize("pre", [False, True])
-def test_gather_kernel_compiles_for_sm90(pre: bool, loop: bool) -> None:
+def test_gather_kernel_compiles_for_sm90(pre: bool, loop: bool, one_chunk: bool) -> None:
     """Without a GPU: Triton compiles the gather for sm_90 (its bundled ptxas), with and without
     the prefetched source, a program per block or a few looping (the interpreter runs neither
     Triton's front end nor its types)."""
@@ -193,9 +199,12 @@ def test_gather_kernel_compiles_for_sm90(pre: bool, loop: bool) -> None:
            "stride_pre": "i32", "n_items": "i32", "n_chunks": "i32", "BLOCK": "constexpr",
            "TOPK": "constexpr", "HOST_FROM": "constexpr", "PRE": "constexpr",
            "LOOP": "constexpr"}
-    k = triton.compile(ASTSource(moe._gather_kernel, sig, constexprs={
-        "BLOCK": moe.GATHER_BLOCK, "TOPK": 8, "HOST_FROM": 8, "PRE": pre, "LOOP": loop}),
-        target=GPUTarget("cuda", 90, 32))
+    consts = {"BLOCK": moe.GATHER_BLOCK, "TOPK": 8, "HOST_FROM": 8, "PRE": pre, "LOOP": loop}
+    if one_chunk:  # records of one block: Triton makes the argument 1 a constant
+        sig["n_chunks"] = "constexpr"
+        consts["n_chunks"] = 1
+    k = triton.compile(ASTSource(moe._gather_kernel, sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32))
     assert k.asm["cubin"]
     assert ("scf.for" in k.asm["ttir"]) == loop
     # ids, slot_of, the arena; with the prefetched source also pre_of and the rows in VRAM

@@ -31,7 +31,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
     g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16"],
                    help="KV cache elements: f16 or bf16 halve its memory, keys and values "
-                   "rounded once when stored (f32)")
+                   "rounded once when stored; f16 holds magnitudes up to 65504, bf16 float32's "
+                   "range with less precision (f32)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
                    help="CPU kernel library for missed experts (auto)")
     g.add_argument("--prefill", default="auto", metavar="auto|auto:N|N|off",

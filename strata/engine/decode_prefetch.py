@@ -3,24 +3,28 @@ layer will most likely route to, so that the next layer's gather finds them in V
 
 At a small VRAM budget a decode layer's time is mostly its gather (the missed experts' records
 read from the mapped arena over PCIe, strata.kernels.gpu.gather_misses); between two gathers,
-while a layer's experts, the next layer's attention and its router run, PCIe idles. A side stream
-inside the step's CUDA graph fills that gap:
+while a layer's experts, the next layer's attention and its router run, PCIe idles. Two side
+streams inside the step's CUDA graph fill that gap:
 
-    main:  attn_l -> snap[l % 2]  router_l  [join] gather_l  moe_l  attn_l+1 ... [join] gather_l+1
-    side:           predict_l+1 (beside gather_l)   (after gather_l) copy_l+1
+    main:   attn_l -> snap[l % 2]  router_l  [wait copied_l] gather_l  moe_l  attn_l+1 ...
+    guess:          predict_l+1 (beside router_l and gather_l) -> guessed_l+1
+    copy:                      (after gather_l and guessed_l+1) copy_l+1 -> copied_l+1
 
 predict_l+1: layer l+1's router on rms_norm(x_l, ffn_norm_l+1), x_l the residual after layer l's
 attention (what layer l+1's router will see, less layer l's experts and layer l+1's attention);
-experts with a cache slot are left out; the N best. It runs as soon as x_l exists, beside layer
-l's router and gather, so that only the copy is left when PCIe frees. copy_l+1: those records
-from the arena into the staging rows K .. K+N-1 (after the K rows of the token's own misses),
-pre_of[e] = their row, by a few looping programs (PROGRAMS). gather_l+1 then takes a predicted
-expert from VRAM and the rest over PCIe. The copy starts after gather_l (PCIe carries that
-until then) and gather_l+1 waits for it: a wrong guess costs its copy's time. Every buffer the
-side stream shares with the main stream is written again only after the main stream has waited
-for the side stream's use of it (`snap` is double-buffered: the prediction of l+1 reads
-snap[l % 2] while layer l+1 writes snap[(l+1) % 2]; pre_of, which gather_l reads, is rewritten
-only after gather_l).
+experts with a cache slot are left out; the N best. It runs as soon as x_l exists, on a stream of
+its own, so that only the copy is left when PCIe frees. copy_l+1: those records from the arena
+into the staging rows K .. K+N-1 (after the K rows of the token's own misses), pre_of[e] = their
+row, by a few looping programs (PROGRAMS). gather_l+1 waits for that copy alone (an event per
+layer, not the whole stream: a later guess queued behind it is not waited for) and takes a
+predicted expert from VRAM, the rest over PCIe. A wrong guess costs its copy's time.
+
+Every buffer a side stream shares with the main stream is written again only after the main
+stream has waited for that use of it: snap is double-buffered (predict_l+1 reads snap[l % 2];
+the main stream writes it again at layer l+2, after waiting for copied_l+1, which waited for
+guessed_l+1); pre_of and the rows, which gather_l reads, are rewritten by copy_l+1, which
+follows gather_l. The last target layer joins both side streams, so a captured graph ends with
+every fork joined.
 
 Counting: the experts copied ahead per layer (`pred`, [L, N]; -1 where nothing was) go to the host
 with the step's routing counts; OffloadExperts.after_gathered counts the ones used and the ones
@@ -51,17 +55,26 @@ class DecodePrefetch:
         gathered = set(layers)
         self.next = {i: i + 1 for i in layers if i + 1 in gathered}  # layer -> the one it serves
         self.targets = set(self.next.values())
+        self.last = max(self.targets, default=-1)
         dev = staging.device
-        self.stream = torch.cuda.Stream(dev)
+        self.device = dev
+        self.new_streams()
+        self.guessed = {t: torch.cuda.Event() for t in self.targets}
+        self.copied = {t: torch.cuda.Event() for t in self.targets}
         self.snap = torch.zeros(2, 1, cfg.d_model, dtype=torch.float32, device=dev)
         self.pre_of = torch.full((cfg.n_experts,), -1, dtype=torch.int32, device=dev)
         self.rows = staging[k:k + n]
         self.order = torch.arange(n, dtype=torch.int32, device=dev)
         self.pred = torch.full((cfg.n_layers, n), -1, dtype=torch.int64, device=dev)
 
+    def new_streams(self) -> None:
+        """The guess and copy streams (new ones after a failed capture, which may hold them)."""
+        self.guess_stream = torch.cuda.Stream(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device)
+
     def guess(self, layer: int, x: torch.Tensor) -> None:
-        """Main stream, after layer's attention (x: the residual): on the side stream, the experts
-        the next gathered layer will likely route to, into pred[next]."""
+        """Main stream, after layer's attention (x: the residual): on the guess stream, the
+        experts the next gathered layer will likely route to, into pred[next]."""
         nxt = self.next.get(layer)
         if nxt is None:
             return
@@ -69,36 +82,48 @@ class DecodePrefetch:
         lw = self.model.w.layers[nxt]
         table = self.ex.cache.layers[nxt].table  # (the step's tables hold for the whole step)
         self.snap[layer % 2].copy_(x)
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
+        gs = self.guess_stream
+        gs.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(gs):
             h = ops.rms_norm(self.snap[layer % 2], lw.ffn_norm, cfg.rms_eps)
             logits = ops.router_logits(h, lw.router)
             logits = logits.masked_fill(table[None] >= 0, float("-inf"))
             self.pred[nxt].copy_(torch.topk(logits, self.n, dim=1).indices[0])
+            self.guessed[nxt].record(gs)
 
     def ready(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Main stream, before layer's gather: wait for its prefetch; (pre_of, rows) for
+        """Main stream, before layer's gather: wait for its copy; (pre_of, rows) for
         gather_misses, or None when nothing was copied ahead for it."""
         if layer not in self.targets:
             return None
-        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(self.copied[layer])
+        if layer == self.last:  # every fork joined (a captured graph must end so)
+            main.wait_stream(self.guess_stream)
+            main.wait_stream(self.copy_stream)
         return self.pre_of, self.rows
 
     def issue(self, layer: int) -> None:
-        """Main stream, right after layer's gather was queued: copy the guessed experts of the
-        next layer on the side stream once that gather is done."""
+        """Main stream, right after layer's gather was queued: on the copy stream, once that
+        gather and the next layer's guess are done, copy the guessed experts."""
         nxt = self.next.get(layer)
         if nxt is None:
             return
+        cs = self.copy_stream
+        cs.wait_stream(torch.cuda.current_stream(self.device))
+        cs.wait_event(self.guessed[nxt])
+        with torch.cuda.stream(cs):
+            self.pre_of.fill_(-1)
+            self.pre_of.scatter_(0, self.pred[nxt], self.order)
+            self.copy(nxt)
+            self.copied[nxt].record(cs)
+
+    def copy(self, layer: int) -> None:
+        """On the copy stream: layer's guessed records from the arena into the rows."""
         from strata.kernels.gpu import gather_misses
 
         ex = self.ex
-        table = ex.cache.layers[nxt].table
-        lay = ex.arena.layouts[nxt]
-        pred = self.pred[nxt][None]  # [1, n]
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            self.pre_of.fill_(-1)
-            self.pre_of.scatter_(0, pred[0], self.order)
-            gather_misses(pred, table, ex.arena.layers[nxt], self.rows[:, : lay.stride],
-                          lay.nbytes, programs=PROGRAMS)
+        lay = ex.arena.layouts[layer]
+        gather_misses(self.pred[layer][None], ex.cache.layers[layer].table,
+                      ex.arena.layers[layer], self.rows[:, : lay.stride], lay.nbytes,
+                      programs=PROGRAMS)

@@ -262,8 +262,8 @@ class DecodeStep:
             log.warning(f"decode step: CUDA graph capture failed ({type(e).__name__}: {e}); "
                         "decoding eagerly")
             self._failed = True
-            if self.prefetch is not None:  # its stream may be left in the failed capture
-                self.prefetch.stream = torch.cuda.Stream(self.device)
+            if self.prefetch is not None:  # its streams may be left in the failed capture
+                self.prefetch.new_streams()
             torch.cuda.synchronize(self.device)
             return None
         self._captured = (key, graphs)

@@ -5,8 +5,10 @@
 Dense weights stay in their GGUF blocks on the GPU when every dense matrix has a fused kernel
 (fewer bytes per decode GEMV, and faster), or when float32 copies would take more than a quarter
 of the budget. Cache slots are shared equally by the layers (each slot sized from its own
-layer's record). When the budget cannot hold the dense weights and a minimal KV cache, or host RAM
-cannot hold the arena, the plan refuses with the numbers and what to change.
+layer's record); what a slot in every layer no longer fits, and the streaming ring will not
+borrow during prompts, goes to one more slot in the layers with the smallest records. When the
+budget cannot hold the dense weights and a minimal KV cache, or host RAM cannot hold the arena,
+the plan refuses with the numbers and what to change.
 """
 
 from __future__ import annotations
@@ -153,7 +155,9 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     ctx = min(ec.ctx or 4096, cfg.context_length)
     # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
     # sequence decoded together
-    kv_size = KV_TYPES[ec.kv_type].itemsize if ec.kv_type in KV_TYPES else 4
+    if ec.kv_type not in KV_TYPES:
+        raise StrataError(f"--kv-type {ec.kv_type}: choose one of {', '.join(KV_TYPES)}")
+    kv_size = KV_TYPES[ec.kv_type].itemsize
     kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
     workspace = max(ec.workspace_mib << 20, 3 * cfg.d_model * cfg.d_expert * 4,
                     8192 * cfg.d_model * 4)
@@ -199,9 +203,12 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         n = min(E, max(0, room // per_layer_set))
         slots = [n] * cfg.n_layers
         # what a slot in every layer no longer fits goes to one more slot in some layers,
-        # smallest records first (the most slots per byte): at a 2 GiB budget with 30B-A3B's
-        # 127 MiB a slot per layer, up to 47 slots more instead of VRAM left unused
+        # smallest records first (the most slots per byte), less what the ring borrows for
+        # prompt chunks that stream (--ring-bytes auto: up to BORROW_RECORDS records, which
+        # at small budgets is all of it; with a fixed --ring-bytes that VRAM is unused)
         spare = room - n * per_layer_set
+        if ec.ring_bytes is None:
+            spare -= max(0, BORROW_RECORDS * max_stride - ring)
         for i in sorted(range(cfg.n_layers), key=lambda i: (layouts[i].stride, i)):
             if n >= E or layouts[i].stride > spare:
                 break

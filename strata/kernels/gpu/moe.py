@@ -391,6 +391,8 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
         return
     src, dst, pre = _words(records), _words(rows), _words(pre)
     topk = ids.shape[-1] if ids.dim() == 2 else 1
+    if programs is not None and programs < 1:
+        raise ValueError(f"gather_misses: programs={programs}, give at least 1")
     n_chunks = triton.cdiv(nwords, GATHER_BLOCK)
     loop = programs is not None and programs < p * n_chunks
     _gather_kernel[(programs,) if loop else (p, n_chunks)](
