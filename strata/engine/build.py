@@ -11,7 +11,7 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
-from strata.engine.kv_cache import KV_TYPES
+from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
@@ -55,11 +55,10 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         raise StrataError(f"--decode-step {ec.decode_step}: choose from "
                           f"{', '.join(DECODE_STEP_MODES)}")
     fused_max_t = FUSED_MAX_T[ec.kernels]
-    if ec.kv_type not in KV_TYPES:
-        raise StrataError(f"--kv-type {ec.kv_type}: choose one of {', '.join(KV_TYPES)}")
+    kv_elem = kv_dtype(ec.kv_type)  # (refused before anything loads)
     if not ec.use_offload:
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
-        model.kv_dtype = KV_TYPES[ec.kv_type]
+        model.kv_dtype = kv_elem
         return model
     from strata.engine.memory_plan import make_plan
 
@@ -113,7 +112,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"
-    model.kv_dtype = KV_TYPES[ec.kv_type]
+    model.kv_dtype = kv_elem
     if ec.decode_step != "off":
         model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)
     return model

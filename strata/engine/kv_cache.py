@@ -16,9 +16,18 @@ import weakref
 
 import torch
 
+from strata.errors import StrataError
+
 # --kv-type: the cache's element type. Keys and values are computed in float32 and rounded once,
 # when stored; attention reads them back as float32.
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def kv_dtype(kv_type: str) -> torch.dtype:
+    """--kv-type's element type; an unknown name is refused with the choices."""
+    if kv_type not in KV_TYPES:
+        raise StrataError(f"--kv-type {kv_type}: choose one of {', '.join(KV_TYPES)}")
+    return KV_TYPES[kv_type]
 
 
 class KVPool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig, ModelConfig, expected_tensors
-from strata.engine.kv_cache import KV_TYPES
+from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
@@ -155,9 +155,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     ctx = min(ec.ctx or 4096, cfg.context_length)
     # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
     # sequence decoded together
-    if ec.kv_type not in KV_TYPES:
-        raise StrataError(f"--kv-type {ec.kv_type}: choose one of {', '.join(KV_TYPES)}")
-    kv_size = KV_TYPES[ec.kv_type].itemsize
+    kv_size = kv_dtype(ec.kv_type).itemsize
     kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
     workspace = max(ec.workspace_mib << 20, 3 * cfg.d_model * cfg.d_expert * 4,
                     8192 * cfg.d_model * 4)
@@ -183,6 +181,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         share = budget // 8 if budget >= 4 * GIB else budget // 16
         n_ring = max(4, min(256, share // max_stride))
     ring = ring_size(ec.ring_bytes, layouts, n_ring * max_stride)
+    # --ring-bytes auto: during prompt chunks that stream, the ring grows into the VRAM the
+    # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
+    # shrinks back before any other pass (OffloadExperts.before_pass)
+    borrow_cap = max(0, BORROW_RECORDS * max_stride - ring) if ec.ring_bytes is None else 0
     fixed = dense + workspace + staging + ring + MARGIN
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
@@ -203,14 +205,12 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         n = min(E, max(0, room // per_layer_set))
         slots = [n] * cfg.n_layers
         # what a slot in every layer no longer fits goes to one more slot in some layers,
-        # smallest records first (the most slots per byte), less what the ring borrows for
-        # prompt chunks that stream (--ring-bytes auto: up to BORROW_RECORDS records, which
-        # at small budgets is all of it; with a fixed --ring-bytes that VRAM is unused)
-        spare = room - n * per_layer_set
-        if ec.ring_bytes is None:
-            spare -= max(0, BORROW_RECORDS * max_stride - ring)
-        for i in sorted(range(cfg.n_layers), key=lambda i: (layouts[i].stride, i)):
-            if n >= E or layouts[i].stride > spare:
+        # smallest records first (the most slots per byte), less what the ring may borrow (at
+        # small budgets all of it; with a fixed --ring-bytes that VRAM is otherwise unused)
+        spare = room - n * per_layer_set - borrow_cap
+        by_size = sorted(range(cfg.n_layers), key=lambda i: (layouts[i].stride, i))
+        for i in by_size if n < E else ():
+            if layouts[i].stride > spare:
                 break
             slots[i] += 1
             spare -= layouts[i].stride
@@ -235,13 +235,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         raise StrataError(f"the expert arena needs {fmt_bytes(arena)} of host RAM but "
                           f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
-    # --ring-bytes auto: during prompt chunks that stream, the ring grows into the VRAM the
-    # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
-    # shrinks back before any other pass (OffloadExperts.before_pass)
-    borrow = 0
-    if ec.ring_bytes is None:
-        left = budget - fixed - kv - cache
-        borrow = max(0, min(left, BORROW_RECORDS * max_stride - ring)) // 256 * 256
+    borrow = max(0, min(budget - fixed - kv - cache, borrow_cap)) // 256 * 256
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
                       chunk, prompt_weights, borrow, ec.kv_type)
