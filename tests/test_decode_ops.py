@@ -287,7 +287,7 @@ def test_reduced_kv_types(device: str, dtype: torch.dtype, monkeypatch: pytest.M
         assert max_rel(out, ref) < TOL, f"{msg}: attention {max_rel(out, ref):.2e}"
     with pytest.raises(ValueError, match="one type"):
         ops.decode_attention(qr, kc, vc.float(), torch.tensor([t], device=device), 1.0)
-    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, float16, bfloat16"):
         ops.decode_attention(qr, kc.to(torch.float64), vc.to(torch.float64),
                              torch.tensor([t], device=device), 1.0)
 

@@ -92,22 +92,18 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _f32(t: torch.Tensor, name: str, shape: tuple[int, ...] | None = None) -> None:
-    _check(t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}")
+KV_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _f32(t: torch.Tensor, name: str, shape: tuple[int, ...] | None = None,
+         dtypes: dict[torch.dtype, str] | None = None) -> None:
+    """float32 (or one of `dtypes`: {type: name}), this shape, contiguous in its last dim."""
+    dtypes = dtypes or {torch.float32: "float32"}
+    _check(t.dtype in dtypes, f"{name} must be {', '.join(dtypes.values())}, got {t.dtype}")
     if shape is not None:
         _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {list(t.shape)}")
     _check(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1,
            f"{name} must be contiguous in its last dim")
-
-
-KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # (--kv-type)
-
-
-def _kv(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
-    """A KV cache tensor: float32, float16 or bfloat16, this shape, last dim contiguous."""
-    _check(t.dtype in KV_DTYPES, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {list(t.shape)}")
-    _check(t.stride(-1) == 1 or t.shape[-1] == 1, f"{name} must be contiguous in its last dim")
 
 
 def _device_int(t: torch.Tensor, name: str, device: torch.device) -> None:
@@ -296,7 +292,7 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for name, x, shape in (("q", q, (t, h, hd)), ("k", k, (t, hkv, hd)), ("v", v, (t, hkv, hd)),
                            ("k_cache", k_cache, (k_cache.shape[0], hkv, hd)),
                            ("v_cache", v_cache, (k_cache.shape[0], hkv, hd))):
-        (_kv if name.endswith("cache") else _f32)(x, name, shape)
+        _f32(x, name, shape, KV_DTYPES if name.endswith("cache") else None)
         _check(x.device == q.device, f"{name} must be on q's device")
     _check(k_cache.dtype == v_cache.dtype, f"k_cache and v_cache must have one type, got "
            f"{k_cache.dtype} and {v_cache.dtype}")
@@ -459,7 +455,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cap, hkv = k_cache.shape[:2]
     _f32(q, "q")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _kv(c, name, (cap, hkv, hd))
+        _f32(c, name, (cap, hkv, hd), KV_DTYPES)
         _check(c.device == q.device, f"{name} must be on q's device")
     _check(k_cache.dtype == v_cache.dtype, f"k_cache and v_cache must have one type, got "
            f"{k_cache.dtype} and {v_cache.dtype}")
