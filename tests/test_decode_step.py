@@ -96,6 +96,96 @@ def test_reduced_kv_types_round_where_the_reference_does(synth, kv_type, miss, d
         assert engine.model.step.steps["replayed"] > 0
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_type", ["f16", "bf16"])
+def test_batched_forward_over_a_half_size_cache(synth, kv_type):
+    """Two sequences decoded together through the batched forward (as `strata serve --batch`
+    runs them) over a float16 / bfloat16 cache: their few-token segments attend through the
+    decode kernel, reading the rows as stored, and give the reference logits of that type."""
+    from strata.model.transformer import Segment
+
+    path = synth("qwen3moe", "Q4_K_M")
+    ref_engine = Engine.load(path, config=EngineConfig(kv_type=kv_type))
+    seqs = [TOKENS, TOKENS[3:] + TOKENS[:3]]
+    refs = [compute_logits(ref_engine, s)[PROMPT:] for s in seqs]
+    engine = offload(path, "cuda", expert_cache="24", kv_type=kv_type, decode_step="off",
+                     kernels="fused")
+    model = engine.model
+    assert model.fused_attention and model.kv_dtype == KV_TYPES[kv_type]
+    kvs = [model.new_cache(len(TOKENS)) for _ in seqs]
+    for s, kv in zip(seqs, kvs, strict=True):
+        engine.run_prompt(s[:PROMPT], kv)
+    got = [[], []]
+    for t in range(PROMPT, len(TOKENS)):
+        logits = model.forward(torch.tensor([seqs[0][t], seqs[1][t]]),
+                               [Segment(kvs[0], 1), Segment(kvs[1], 1)])
+        for j in range(2):
+            got[j].append(logits[j:j + 1].float().cpu().numpy())
+    for j in range(2):
+        assert_same(np.concatenate(got[j]), refs[j])
+
+
+_BATCHED_HALF_KV = """
+    import tempfile
+    from pathlib import Path
+    import torch
+    from strata.cli.logits import compute_logits
+    from strata.config import EngineConfig
+    from strata.engine.generator import Engine
+    from strata.model.transformer import Segment
+    from strata.synth.presets import get_preset
+    from strata.synth.recipes import Recipe
+    from strata.synth.writer import write_model
+
+    tokens = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777]
+    path = Path(tempfile.mkdtemp()) / "m.gguf"
+    write_model(path, get_preset("tiny", "qwen3moe"), Recipe("Q4_K_M"), seed % 1000)
+    for kv_type in ("f16", "bf16"):
+        ec = EngineConfig(kv_type=kv_type)
+        seqs = [tokens, tokens[3:] + tokens[:3]]
+        refs = [compute_logits(Engine.load(path, config=ec), s)[4:] for s in seqs]
+        engine = Engine.load(path, config=ec)
+        model = engine.model
+        model.fused_attention = True  # as on CUDA with --kernels fused (the kernel interpreted)
+        calls = []
+        from strata.kernels.gpu import decode_ops
+        real = decode_ops.decode_attention
+        decode_ops.decode_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+        kvs = [model.new_cache(len(tokens)) for _ in seqs]
+        for sq, kv in zip(seqs, kvs):
+            engine.run_prompt(sq[:4], kv)  # 4 tokens: the decode kernel too
+        got = [[], []]
+        for t in range(4, len(tokens)):
+            logits = model.forward(torch.tensor([seqs[0][t], seqs[1][t]]),
+                                   [Segment(kvs[0], 1), Segment(kvs[1], 1)])
+            for j in range(2):
+                got[j].append(logits[j].numpy())
+        decode_ops.decode_attention = real
+        n_layers = model.cfg.n_layers
+        assert len(calls) == n_layers * (2 + 2 * (len(tokens) - 4)), len(calls)
+        for j in range(2):
+            ours = np.stack(got[j])
+            p = np.exp(refs[j] - refs[j].max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            lq = ours - ours.max(-1, keepdims=True)
+            lq = lq - np.log(np.exp(lq).sum(-1, keepdims=True))
+            lp = np.log(p)
+            kl = (p * (lp - lq)).sum(-1).max()
+            assert kl < 1e-6 and (ours.argmax(-1) == refs[j].argmax(-1)).all(), (kv_type, j, kl)
+    print("ok")
+"""
+
+
+def test_batched_forward_over_a_half_size_cache_under_the_interpreter():
+    """The batched forward's few-token segments over a float16 / bfloat16 cache go through the
+    decode attention kernel when fused attention is on (CUDA), here run by Triton's
+    interpreter on the CPU: every layer of every segment takes it, and the logits are the
+    reference's of that type."""
+    from interpreted import fresh_seed, run_interpreted
+
+    run_interpreted(_BATCHED_HALF_KV, fresh_seed(), timeout=600)
+
+
 def test_eager_step_equals_the_plain_forward(synth, device):
     """--decode-step eager and off give the same greedy text on a mixed pack whose cache changes
     between steps."""

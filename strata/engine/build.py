@@ -111,7 +111,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     executor.cpu_share_threads = ec.threads
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
-    model.prompt_bf16 = dev.type == "cuda" and ec.kernels == "fused"
+    model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"
     model.kv_dtype = kv_elem
     if ec.decode_step != "off":
         model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)

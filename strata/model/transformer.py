@@ -41,7 +41,9 @@ class MoETransformer:
         self.experts = experts or ReferenceExperts()
         self.step = None  # a DecodeStep (strata.engine.decode_step) when the engine made one
         self.max_chunk: int | None = None  # prompt tokens per forward the memory plan allows
-        self.prompt_bf16 = False  # prompt chunks' attention on bf16 tensor cores (--kernels fused)
+        # CUDA with --kernels fused: prompt chunks attend on bf16 tensor cores, a few tokens
+        # over a float16 / bfloat16 KV cache through the decode kernel
+        self.fused_attention = False
         self.kv_dtype = torch.float32  # the KV cache's elements (--kv-type)
 
     def decode(self, token: int, kv: KVCache) -> torch.Tensor:
@@ -115,8 +117,16 @@ class MoETransformer:
         for s in segments:
             sl = slice(start, start + s.length)
             keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
-            if self.prompt_bf16 and s.length > BF16_ATTENTION_MIN_T:
+            if self.fused_attention and s.length > BF16_ATTENTION_MIN_T:
                 out.append(attention_bf16(q[sl], keys, values))
+            elif self.fused_attention and keys.dtype != torch.float32:
+                # a few tokens (batched decode) over a half-size cache: the decode kernel
+                # reads its rows as they are, where attention() would need a float32 copy
+                from strata.kernels.gpu import decode_ops
+
+                end = torch.full((1,), s.kv.length + s.length, device=q.device)
+                out.append(decode_ops.decode_attention(q[sl], s.kv.k[i], s.kv.v[i], end,
+                                                       cfg.head_dim ** -0.5))
             else:  # (keys and values as stored: rounded to --kv-type)
                 out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
             start += s.length
