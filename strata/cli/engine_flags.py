@@ -54,7 +54,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA decode steps whose layers gather their misses over PCIe: a CPU "
                    "pool of its own (8 threads unless --threads) computes each token's last N "
                    "missed pairs meanwhile (0: off; at 2 GiB, 2 on 8 threads measured 7-14%% "
-                   "faster than PCIe alone, other settings slower: docs/offload.md)")
+                   "faster than PCIe alone, other settings not reliably: docs/offload.md)")
     g.add_argument("--prefetch", type=int, default=0, metavar="N",
                    help="CUDA decode steps whose layers gather their misses over PCIe: while a "
                    "layer computes, copy the N experts the next layer's router gives the "

@@ -29,7 +29,7 @@ from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 
 # threads of the share's own pool at most, unless --threads says: at 2 GiB on a 16-core host two
-# pairs on 8 threads were the only setting faster than PCIe alone (43.6-46.8 tok/s against
+# pairs on 8 threads were faster than PCIe alone in both runs (43.6-46.8 tok/s against
 # 40.6-40.9); 4 threads gave 18.8-44.1, 12 and 15 threads 16.7-37.6
 # (bench/2026-11-30-h200-prefetch.md)
 SHARE_THREADS = 8
