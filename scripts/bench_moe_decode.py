@@ -137,8 +137,11 @@ def main() -> None:
               (QType.Q6_K, 151936, 2048, "lm_head"), (QType.Q4_K, 14336, 4096, "14336x4096"),
               (QType.Q6_K, 14336, 4096, "14336x4096"), (QType.IQ2_XS, 14336, 4096, "14336x4096"),
               (QType.IQ3_XXS, 14336, 4096, "14336x4096")]
+    # (BN, BK, stages, warps); the last five carry more weight bytes per CTA step (more rows
+    # or more warps on a row block): whether bytes in flight per SM is what bounds the GEMV
     tiles = [None, (1, 1024, 1, 2), (1, 2048, 1, 4), (2, 2048, 1, 4), (2, 1024, 1, 4),
-             (4, 1024, 1, 4), (1, 4096, 1, 8), (2, 512, 1, 4), (4, 512, 1, 4)]
+             (4, 1024, 1, 4), (1, 4096, 1, 8), (2, 512, 1, 4), (4, 512, 1, 4),
+             (4, 1024, 1, 8), (8, 512, 1, 8), (8, 256, 1, 4), (2, 1024, 1, 2), (4, 2048, 1, 8)]
     for q, n, k, what in shapes:
         nbytes = n * row_nbytes(q, k)
         copies = None
