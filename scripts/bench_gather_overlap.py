@@ -18,21 +18,8 @@ import statistics
 
 import torch
 
+from strata.bench.ceilings import cuda_seconds
 from strata.kernels.gpu import gather_misses
-
-
-def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    """Median microseconds of fn() between two events on the current stream."""
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -70,13 +57,13 @@ def main() -> None:
     def gather(programs: int | None) -> None:
         gather_misses(ids()[None], slot_of, records, rows, a.record_bytes, programs=programs)
 
-    compute_us = timed(compute, a.repeats)
+    compute_us = cuda_seconds(compute, a.repeats) * 1e6
     res = {"experts": a.experts, "record_bytes": a.record_bytes,
            "compute_alone_us": compute_us, "cases": []}
     print(f"compute alone: {compute_us:.1f} us ({a.gemvs} GEMVs 4096 x 4096 f32)")
     nbytes = a.experts * a.record_bytes
     for programs in [None] + [int(v) for v in a.programs.split(",")]:
-        alone = timed(lambda pr=programs: gather(pr), a.repeats)
+        alone = cuda_seconds(lambda pr=programs: gather(pr), a.repeats) * 1e6
         both_c, both_g = [], []
         for _ in range(a.repeats):
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]

@@ -34,7 +34,7 @@ def hbm_copy_gbs(nbytes: int = 2 << 30, repeats: int = 20) -> float:
     """Device-to-device copy, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / _cuda_time(lambda: dst.copy_(src), repeats) / GB
+    return 2 * nbytes / cuda_seconds(lambda: dst.copy_(src), repeats) / GB
 
 
 def pcie_h2d_gbs(nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -42,10 +42,12 @@ def pcie_h2d_gbs(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     src.random_()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return nbytes / _cuda_time(lambda: dst.copy_(src, non_blocking=True), repeats) / GB
+    return nbytes / cuda_seconds(lambda: dst.copy_(src, non_blocking=True), repeats) / GB
 
 
-def _cuda_time(fn, repeats: int) -> float:  # noqa: ANN001
+def cuda_seconds(fn, repeats: int) -> float:  # noqa: ANN001
+    """Median seconds of fn() on the current stream between two CUDA events, after a warm-up
+    call (eager: launch costs included)."""
     fn()
     torch.cuda.synchronize()
     times = []
