@@ -154,6 +154,11 @@ def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
                                    "which Strata does not support")
 
 
+# --prefetch auto on CUDA decode steps: at 2 GiB (30B-A3B, H200) 2 gave 44.5-45.1 tok/s
+# against 40.6-40.7 without, 1 gave 42.2 and 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md)
+AUTO_PREFETCH = 2
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to run a model: the flags of generate/logits/bench (and strata-*.json), normalized."""
@@ -166,7 +171,8 @@ class EngineConfig:
     expert_profile: str | None = None  # routing profile written by `strata profile`
     miss: str = "auto"  # auto | cpu | dma
     cpu_share: int = 0  # a decode token's last missed pairs of gathered layers the CPU takes
-    prefetch: int = 0  # experts of the next gathered layer copied ahead of its routing (decode)
+    # experts of the next gathered layer copied ahead of its routing (decode); None: auto
+    prefetch: int | None = None
     threads: int | None = None  # CPU pool threads (default: cores - 1)
     ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
     kv_type: str = "f32"  # KV cache elements: f32 | f16 | bf16
@@ -179,6 +185,13 @@ class EngineConfig:
     kernels: str = "fused"  # fused | exact (fused only for <= 4 tokens, float32-exact) | off
     decode_step: str = "graphs"  # graphs | eager | off: one-sequence decode (offload runtime)
     debug: bool = False  # check cache invariants after every layer
+
+    def prefetch_count(self, n_experts_used: int) -> int:
+        """--prefetch as a count: auto is AUTO_PREFETCH for CUDA decode steps, else off."""
+        if self.prefetch is not None:
+            return self.prefetch
+        cuda = self.device.startswith("cuda") and self.decode_step != "off"
+        return min(AUTO_PREFETCH, n_experts_used) if cuda else 0
 
     @property
     def use_offload(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from strata.config import EngineConfig
+from strata.config import AUTO_PREFETCH, EngineConfig
 from strata.errors import StrataError
 from strata.units import parse_size
 
@@ -55,11 +55,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "pool of its own (8 threads unless --threads) computes each token's last N "
                    "missed pairs meanwhile (0: off; at 2 GiB, 2 on 8 threads measured 7-14%% "
                    "faster than PCIe alone, other settings not reliably: docs/offload.md)")
-    g.add_argument("--prefetch", type=int, default=0, metavar="N",
+    g.add_argument("--prefetch", default="auto", metavar="auto|N",
                    help="CUDA decode steps whose layers gather their misses over PCIe: while a "
-                   "layer computes, copy the N experts the next layer's router gives the "
-                   "current hidden state, so its gather finds them in VRAM (0: off; no gain "
-                   "measured yet: docs/offload.md)")
+                   "layer computes, copy up to N of the experts the next layer's router picks "
+                   "for the current hidden state, so its gather finds them in VRAM (0: off; "
+                   f"auto: {AUTO_PREFETCH} on CUDA, measured 9-11%% faster at 2 GiB: "
+                   "docs/offload.md)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -72,13 +73,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     ring = None if args.ring_bytes == "auto" else _int_flag("--ring-bytes", args.ring_bytes)
     stream_min = None if args.stream_min == "auto" else _int_flag("--stream-min",
                                                                   args.stream_min)
+    if args.prefetch == "auto":
+        prefetch = None
+    else:
+        try:
+            prefetch = int(args.prefetch)
+        except ValueError:
+            raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
+                              "(0: off)") from None
     return EngineConfig(
         device=args.device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
         kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
-        cpu_share=args.cpu_share, prefetch=args.prefetch, debug=getattr(args, "debug", False))
+        cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False))
 
 
 def _int_flag(flag: str, text: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import replace
 
 import torch
 
@@ -67,6 +68,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         raise StrataError(f"--cpu-share {ec.cpu_share}: give 0 (off) to "
                           f"{cfg.n_experts_used - 1} of the {cfg.n_experts_used} experts a "
                           "token is routed to")
+    auto_prefetch = ec.prefetch is None
+    ec = replace(ec, prefetch=ec.prefetch_count(cfg.n_experts_used))
     if not 0 <= ec.prefetch <= cfg.n_experts_used:
         raise StrataError(f"--prefetch {ec.prefetch}: give 0 (off) to {cfg.n_experts_used} "
                           "(the experts a token is routed to)")
@@ -103,7 +106,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
     executor.cpu_share = ec.cpu_share
     executor.prefetch = ec.prefetch if dev.type == "cuda" else 0
-    for flag, n in (("--cpu-share", ec.cpu_share), ("--prefetch", ec.prefetch)):
+    executor.prefetch_auto = auto_prefetch  # (then it is off without a word where it cannot run)
+    for flag, n in (("--cpu-share", ec.cpu_share),
+                    ("--prefetch", 0 if auto_prefetch else ec.prefetch)):
         if n and (dev.type != "cuda" or ec.decode_step == "off"):
             log.warning(f"{flag} {n}: off (it serves CUDA decode steps; this engine runs "
                         f"{'on the CPU' if dev.type != 'cuda' else 'without them'})")

@@ -134,12 +134,14 @@ class DecodeStep:
         self.prefetch = None
         if ex.prefetch and dev.type == "cuda":
             pairs = np.intersect1d(self.gathered_layers, self.gathered_layers + 1).size
+            # --prefetch auto: said as a plan line, given N: a warning
+            say = log.info if ex.prefetch_auto else log.warning
+            flag = "--prefetch " + ("auto" if ex.prefetch_auto else str(ex.prefetch))
             if any(self.host):  # (a piece ends at a host layer: the side stream would dangle)
-                log.warning("--prefetch %d: off, %d layer(s) of this plan wait on the host",
-                            ex.prefetch, sum(self.host))
+                say("%s: off, %d layer(s) of this plan wait on the host", flag, sum(self.host))
             elif not pairs:
-                log.warning("--prefetch %d: off, no layer gathering its misses follows another "
-                            "(%d of them)", ex.prefetch, len(self.gathered_layers))
+                say("%s: off, no layer gathering its misses follows another (%d of them)", flag,
+                    len(self.gathered_layers))
             else:
                 from strata.engine.decode_prefetch import DecodePrefetch
 

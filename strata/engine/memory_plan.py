@@ -166,8 +166,9 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         workspace = max(workspace, grouped)
     max_stride = max(lay.stride for lay in layouts)
     # a decode token's missed pairs, and the rows --prefetch copies the next layer's into
-    staging_slots = cfg.n_experts_used + (ec.prefetch if dev.type == "cuda"
-                                          and ec.decode_step != "off" else 0)
+    staging_slots = cfg.n_experts_used + (ec.prefetch_count(cfg.n_experts_used)
+                                          if dev.type == "cuda" and ec.decode_step != "off"
+                                          else 0)
     staging = staging_slots * max_stride
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > budget // 4
                                           or fused_dense(mf, cfg, ec))

@@ -49,6 +49,7 @@ class OffloadExperts:
         self.cpu_share = 0  # a decode token's last missed pairs the CPU takes (--cpu-share)
         self.cpu_share_threads: int | None = None  # its pool's threads (--threads, if given)
         self.prefetch = 0  # experts of the next gathered layer copied ahead (--prefetch)
+        self.prefetch_auto = False  # --prefetch auto: off without a warning where it cannot run
         self.device = cache.device
         self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)

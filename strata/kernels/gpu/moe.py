@@ -162,8 +162,8 @@ def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_o
 def _gather_item(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
                  stride_pre, p, c, BLOCK: tl.constexpr, TOPK: tl.constexpr,
                  HOST_FROM: tl.constexpr, PRE: tl.constexpr):
-    e = tl.load(ids + p)
-    if (tl.load(slot_of + e) < 0) & (p % TOPK < HOST_FROM):
+    e = tl.load(ids + p)  # -1: no expert (a prefetch with fewer guesses than rows)
+    if (tl.load(slot_of + e, mask=e >= 0, other=0) < 0) & (p % TOPK < HOST_FROM):
         o = c * BLOCK + tl.arange(0, BLOCK)
         m = o < nwords
         if PRE:
@@ -361,15 +361,15 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
                   prefetched: tuple[torch.Tensor, torch.Tensor] | None = None,
                   programs: int | None = None) -> None:
     """rows[p, :nbytes] = records[ids[p], :nbytes] for every pair p whose expert has no slot
-    (slot_of_expert < 0), except a token's pairs k >= host_from (ids [T, K]; the host computes
-    those, moe_forward's host_from); other rows are left as they are. records uint8 [E, stride]: the
-    layer's arena, host memory mapped for the device (cudaHostRegister), read over PCIe by
-    the kernel (so a CUDA graph can hold it: which experts move is read on the device); rows
-    uint8 [>= P, >= nbytes] on the device; whole int32 words are copied (rows and records are
-    padded to a multiple of 4 bytes: ExpertLayout.stride). prefetched: (pre_of [E] int32,
-    pre uint8 [R, >= nbytes] on the device): an expert with pre_of[e] = j >= 0 is copied from
-    pre[j] instead (a prefetch brought its record there already). programs: at most this many
-    programs, each looping over its share of the work (a copy beside compute on another
+    (slot_of_expert < 0; ids[p] = -1: no expert, left alone), except a token's pairs k >= host_from
+    (ids [T, K]; the host computes those, moe_forward's host_from); other rows are left as they
+    are. records uint8 [E, stride]: the layer's arena, host memory mapped for the device
+    (cudaHostRegister), read over PCIe by the kernel (so a CUDA graph can hold it: which experts
+    move is read on the device); rows uint8 [>= P, >= nbytes] on the device; whole int32 words are
+    copied (rows and records are padded to a multiple of 4 bytes: ExpertLayout.stride). prefetched:
+    (pre_of [E] int32, pre uint8 [R, >= nbytes] on the device): an expert with pre_of[e] = j >= 0
+    is copied from pre[j] instead (a prefetch brought its record there already). programs: at most
+    this many programs, each looping over its share of the work (a copy beside compute on another
     stream: loads waiting on PCIe hold up every other load of their SM)."""
     p = ids.numel()
     nwords = triton.cdiv(nbytes, 4)  # whole words: records are padded to their stride
