@@ -1,8 +1,11 @@
 """Time the one-token kernels of a decode step on the GPU, with the launch choices to pick from:
 the Qwen3-30B-A3B MoE layer (moe.DECODE_TUNE: the tiles of the gate/up and down kernels) and the
 dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles), against float32
-cuBLAS on the same shapes and the HBM copy ceiling; for Q4_K and Q6_K also the int8-activation
-dp4a experiment (gemv_q8.py: x rounded to 8 bits, then one dp4a per 4 weights), by tile.
+cuBLAS on the same shapes and the HBM copy ceiling; the rows kernel on the same shapes
+(matmul.GEMV_ROWS_TUNE tiles: R rows a program sharing each x tile), with x float32 as the
+decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's default tile is timed
+on bf16 x too); for Q4_K and Q6_K also the int8-activation dp4a experiment (gemv_q8.py: x
+rounded to 8 bits, then one dp4a per 4 weights), by tile.
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -61,21 +64,24 @@ def time_moe(layer: dict, tune: dict) -> float:
 
 
 def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Generator,
-              dev: torch.device, copies: list | None = None) -> tuple[float, list]:
-    """tile: the shared skeleton's (BN, BK, stages, warps); None: its default."""
+              dev: torch.device, copies: list | None = None, rows: bool = False,
+              xdtype: torch.dtype = torch.float32) -> tuple[float, list]:
+    """tile: the shared skeleton's (BN, BK, stages, warps), None: its default; with rows, the
+    rows kernel's (R, BK, stages, warps)."""
     if copies is None:
         one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
         count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
         copies = [one] + [one.clone() for _ in range(count - 1)]
-    x = torch.randn(1, k, device=dev)
+    x = torch.randn(1, k, device=dev).to(xdtype)
     out = torch.empty(1, n, device=dev)
     key = (int(q), n, k)
+    tune = mm.GEMV_ROWS_TUNE if rows else mm.GEMV_TUNE
     if tile is not None:
-        mm.GEMV_TUNE[key] = tile
+        tune[key] = tile
     try:
         t = graph_seconds(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out), CALLS)
     finally:
-        mm.GEMV_TUNE.pop(key, None)
+        tune.pop(key, None)
     return t, copies
 
 
@@ -103,6 +109,9 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, w
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gemv-only", default=None, metavar="TEXT",
+                    help="only the GEMVs whose shape name contains TEXT (e.g. 14336x4096), no "
+                    "MoE layer, no dp4a experiment")
     a = ap.parse_args()
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
@@ -118,7 +127,7 @@ def main() -> None:
         variants[f"gate_up {gu}"] = {"gate_up": gu}
     for dn in [(2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 4), (4, 256, 1, 2), (8, 256, 1, 8)]:
         variants[f"down_pairs {dn}"] = {"down_pairs": dn}
-    for qdown in (QType.Q6_K, QType.Q4_K):
+    for qdown in (QType.Q6_K, QType.Q4_K) if a.gemv_only is None else ():
         layer = moe_layer(qdown, rng, dev)
         nbytes = K * layer["lay"].nbytes
         for name, tune in variants.items():
@@ -142,20 +151,28 @@ def main() -> None:
     tiles = [None, (1, 1024, 1, 2), (1, 2048, 1, 4), (2, 2048, 1, 4), (2, 1024, 1, 4),
              (4, 1024, 1, 4), (1, 4096, 1, 8), (2, 512, 1, 4), (4, 512, 1, 4),
              (4, 1024, 1, 8), (8, 512, 1, 8), (8, 256, 1, 4), (2, 1024, 1, 2), (4, 2048, 1, 8)]
-    for q, n, k, what in shapes:
+    # the rows kernel's (R, BK, stages, warps): the first five give a thread 16 values of each
+    # row a step, the next two 8 (fewer registers), the last is the second one pipelined
+    rows_tiles = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (4, 2048, 1, 4),
+                  (4, 512, 1, 1), (8, 512, 1, 2), (4, 1024, 1, 4), (4, 1024, 2, 2)]
+    runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
+    runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
+    for q, n, k, what in [s for s in shapes if a.gemv_only is None or a.gemv_only in s[3]]:
         nbytes = n * row_nbytes(q, k)
         copies = None
-        for tile in [t for t in tiles if t is None or t[1] <= k]:
-            key = f"{q.name} {n}x{k} {tile or 'default'}"
+        for tile, rows, xdtype in [r for r in runs if r[0] is None or r[0][1] <= k]:
+            key = (f"{q.name} {n}x{k} {'rows ' if rows else ''}{tile or 'default'}"
+                   f"{' x bf16' if xdtype == torch.bfloat16 else ''}")
             try:
-                t, copies = time_gemv(q, n, k, tile, rng, dev, copies)
+                t, copies = time_gemv(q, n, k, tile, rng, dev, copies, rows, xdtype)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
                 print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
                 continue
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
-        if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0:  # the dp4a experiment (gemv_q8.py)
+        if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0 and a.gemv_only is None:
+            # the dp4a experiment (gemv_q8.py)
             for bn, stages, warps in ((4, 2, 2), (8, 1, 1), (8, 2, 1), (16, 1, 1), (16, 1, 2),
                                       (16, 2, 2), (32, 1, 2), (32, 1, 4)):
                 key = f"{q.name} {n}x{k} q8 dp4a (BN {bn}, stages {stages}, warps {warps})"

@@ -4,7 +4,7 @@
 # same runs), then a correctness check of the fast paths on those shapes; results under $OUT.
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
-# (bench_moe_decode.py), ncu (Nsight Compute on the GEMVs: gemv_once.py), mapped
+# (bench_moe_decode.py; KERNEL_ARGS added, e.g. "--gemv-only 14336x4096"), ncu (Nsight Compute on the GEMVs: gemv_once.py), mapped
 # (bench_mapped.py), overlap (bench_gather_overlap.py), profile
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
@@ -75,7 +75,8 @@ bench() {  # name, then strata bench arguments
 }
 if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
-  timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" 2>&1 | tail -90
+  timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" \
+    ${KERNEL_ARGS:-} 2>&1 | tail -120
 fi
 if [[ $STAGES == *ncu* ]]; then  # hardware counters of the one-token GEMVs (where ncu can read them)
   echo "== Nsight Compute: the one-token GEMVs, 14336 x 4096 Q4_K and Q6_K, FMA and dp4a"

@@ -1,9 +1,16 @@
-"""Instructions per weight in the K loop of the one-token Q4_K and Q6_K GEMV kernels, counted
-in their sm_90 SASS without a GPU: Triton compiles each for sm_90 with its bundled ptxas,
-nvdisasm lists the cubin, and the longest loop (a label and the backward branch to it) is one
-thread's K step. Pointers and row bytes get the 16-byte divisibility they have at launch (so
-loads vectorize as they do there). An instruction count, not a time: the kernel benchmark
-times them.
+"""Instructions and global loads per weight in the K loop of the one-token Q4_K and Q6_K GEMV
+kernels, counted in their sm_90 SASS without a GPU: Triton compiles each for sm_90 with its
+bundled ptxas, nvdisasm lists the cubin, and the longest loop (a label and the backward branch
+to it) is one thread's K step; cuobjdump gives its registers. Pointers and row bytes get the
+16-byte divisibility they have at launch (so loads vectorize as they do there). Counts, not
+times: the kernel benchmark times them.
+
+Per kernel and tile, one line: registers; instructions per weight; the step's global loads
+(LDG) by width in bits (U8 / U16: one or two bytes); loads and bytes a thread requests through
+L1 per byte of weights the step streams from HBM (bytes that several lanes of a warp read, as
+block headers and, in the FMA kernel, x, count once per lane); shared-memory ops and barriers in
+the loop (layout conversions), if any. For the FMA and rows kernels with x float32 (as the
+decode step has it) and bfloat16.
 
     python scripts/sass_count.py
 """
@@ -15,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -29,58 +37,117 @@ from strata.kernels.gpu.formats import kernel_format  # noqa: E402
 from strata.quant import QType  # noqa: E402
 
 ALIGNED = [["tt.divisibility", 16]]
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+LDG_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # else 4
 
 
-def loop_length(fn, signature: dict, constexprs: dict, aligned: tuple[int, ...],  # noqa: ANN001
-                warps: int) -> int:
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple[int, ...],  # noqa: ANN001
+                 warps: int) -> tuple[list[str], int]:
+    """(SASS lines, registers a thread) of fn built for sm_90."""
     k = triton.compile(ASTSource(fn, signature, constexprs=constexprs,
                                  attrs={(i,): ALIGNED for i in aligned}),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     try:
-        sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout.splitlines()
+        sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout.splitlines()
+        usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+    return sass, int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def longest_loop(sass: list[str]) -> list[str]:
+    """The instructions of the longest loop: from a label to the last backward branch to it."""
     labels: dict[str, int] = {}
-    best = 0
+    best: list[str] = []
     for i, line in enumerate(sass):
         if m := re.match(r"^(\.L_x_\d+):", line):
             labels[m.group(1)] = i
         if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i:
-            body = sass[labels[m.group(1)]:i + 1]
-            best = max(best, sum(bool(re.search(r"/\*[0-9a-f]{4}\*/", x)) for x in body))
+            body = [x for x in sass[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+            best = max(best, body, key=len)
     return best
 
 
+def opcodes(body: list[str]) -> list[str]:
+    """The opcode with its modifiers (LDG.E.128, FFMA, ...) of each instruction, predicate off."""
+    ops = []
+    for line in body:
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            ops.append(m.group(1))
+    return ops
+
+
+def describe(name: str, sass: list[str], regs: int, weights: float, weight_bytes: float) -> str:
+    """One line for a kernel: instructions and loads of its K step (one thread's), per weight and
+    per byte of weights (`weights` values, `weight_bytes` bytes of them a thread step)."""
+    ops = opcodes(longest_loop(sass))
+    ldg = Counter(op.split(".")[-1] if op.split(".")[-1] in LDG_BYTES else "32"
+                  for op in ops if op.startswith("LDG"))
+    order = ["128", "64", "32", "U16", "S16", "U8", "S8"]
+    loads = " ".join(f"{ldg[w]}x{w}" for w in order if ldg[w])
+    n_ldg = sum(ldg.values())
+    nbytes = sum(LDG_BYTES.get(w, 4) * c for w, c in ldg.items())
+    shared = sum(op.startswith(("LDS", "STS", "BAR")) for op in ops)
+    return (f"{name}: {regs} registers; {len(ops)} instructions a thread step, {weights:.0f} "
+            f"weights: {len(ops) / weights:.2f} a weight; loads {loads} = {n_ldg} ({nbytes} B) "
+            f"for {weight_bytes:g} weight bytes: {n_ldg / weight_bytes:.2f} loads and "
+            f"{nbytes / weight_bytes:.1f} B a weight byte"
+            + (f"; {shared} shared-memory ops and barriers" if shared else ""))
+
+
+FMA_SIG = {"x": "*fp32", "w": "*u8", "y": "*fp32", "tab": "*fp32", "tab2": "*fp32", "M": "i32",
+           "N": "i32", "K": "i32", "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32",
+           "QT": "constexpr", "S": "constexpr", "BM": "constexpr", "BN": "constexpr",
+           "BK": "constexpr", "EVEN_K": "constexpr", "STAGES": "constexpr"}
+ROWS_SIG = {"x": "*fp32", "w": "*u8", "y": "*fp32", "tab": "*fp32", "tab2": "*fp32", "N": "i32",
+            "K": "i32", "row_bytes": "i32", "QT": "constexpr", "S": "constexpr",
+            "R": "constexpr", "BK": "constexpr", "EVEN_K": "constexpr", "STAGES": "constexpr",
+            "WIDE": "constexpr"}
+# (R, BK, stages, warps) of the rows kernel: the unpipelined ones scripts/bench_moe_decode.py
+# times
+ROWS_TILES = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (4, 2048, 1, 4),
+              (4, 512, 1, 1), (8, 512, 1, 2), (4, 1024, 1, 4)]
+
+
 def main() -> None:
-    fma_sig = {"x": "*fp32", "w": "*u8", "y": "*fp32", "tab": "*fp32", "tab2": "*fp32",
-               "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32", "stride_xm": "i32",
-               "stride_ym": "i32", "QT": "constexpr", "S": "constexpr", "BM": "constexpr",
-               "BN": "constexpr", "BK": "constexpr", "EVEN_K": "constexpr",
-               "STAGES": "constexpr"}
     for q in (QType.Q4_K, QType.Q6_K):
         fmt = kernel_format(q)
-        bn, bk, stages, warps = fmt.gemv  # the type's tuned tile
-        n = loop_length(mm._gemv_kernel, fma_sig, {"QT": int(q), "S": fmt.group, "BM": 1,
-                                                   "BN": bn, "BK": bk, "EVEN_K": True,
-                                                   "STAGES": stages}, (0, 1, 2, 3, 4, 8), warps)
-        per = bn * bk / (32 * warps)
-        print(f"FMA GEMV (matmul.py) {q.name} BN {bn} BK {bk} warps {warps}: {n} instructions "
-              f"per thread step, {per:.0f} weights: {n / per:.2f} per weight")
+        per_byte = fmt.block_bytes / fmt.block
+        for xt in ("fp32", "bf16"):
+            bn, bk, stages, warps = fmt.gemv  # the type's tuned tile
+            sass, regs = compile_sm90(
+                mm._gemv_kernel, {**FMA_SIG, "x": f"*{xt}"},
+                {"QT": int(q), "S": fmt.group, "BM": 1, "BN": bn, "BK": bk, "EVEN_K": True,
+                 "STAGES": stages}, (0, 1, 2, 3, 4, 8), warps)
+            per = bn * bk / (32 * warps)
+            print(describe(f"FMA GEMV (matmul.py) {q.name} BN {bn} BK {bk} warps {warps}, x {xt}",
+                           sass, regs, per, per * per_byte))
+            for r, bk, stages, warps in ROWS_TILES:
+                sass, regs = compile_sm90(
+                    mm._gemv_rows_kernel, {**ROWS_SIG, "x": f"*{xt}"},
+                    {"QT": int(q), "S": fmt.group, "R": r, "BK": bk, "EVEN_K": True,
+                     "STAGES": stages, "WIDE": True}, (0, 1, 2, 3, 4, 7), warps)
+                per = r * bk / (32 * warps)
+                print(describe(f"rows GEMV (matmul.py) {q.name} R {r} BK {bk} warps {warps}, "
+                               f"x {xt}", sass, regs, per, per * per_byte))
     q8_sig = {"xq": "*i8", "dx": "*fp32", "sx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32",
               "K": "i32", "row_bytes": "i32", "BN": "constexpr", "STAGES": "constexpr"}
     q6_sig = {"xq": "*i8", "dx": "*fp32", "sx16": "*fp32",
               **{a: t for a, t in q8_sig.items() if a not in ("xq", "dx", "sx")}}
-    for name, fn, sig in (("Q4_K", gemv_q8._gemv_q4k_kernel, q8_sig),
-                          ("Q6_K", gemv_q8._gemv_q6k_kernel, q6_sig)):
+    for q, fn, sig in ((QType.Q4_K, gemv_q8._gemv_q4k_kernel, q8_sig),
+                       (QType.Q6_K, gemv_q8._gemv_q6k_kernel, q6_sig)):
+        fmt = kernel_format(q)
         for bn, warps in ((4, 2), (8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
-            n = loop_length(fn, sig, {"BN": bn, "STAGES": 1}, (0, 1, 2, 3, 4, 7), warps)
+            sass, regs = compile_sm90(fn, sig, {"BN": bn, "STAGES": 1}, (0, 1, 2, 3, 4, 7),
+                                      warps)
             per = bn * 256 / (32 * warps)
-            print(f"dp4a GEMV (gemv_q8.py) {name} BN {bn} warps {warps}: {n} instructions per "
-                  f"thread step, {per:.0f} weights: {n / per:.2f} per weight")
+            print(describe(f"dp4a GEMV (gemv_q8.py) {q.name} BN {bn} warps {warps}", sass, regs,
+                           per, per * fmt.block_bytes / fmt.block))
 
 
 if __name__ == "__main__":

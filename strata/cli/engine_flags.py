@@ -57,8 +57,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "faster than PCIe alone, other settings not reliably: docs/offload.md)")
     g.add_argument("--prefetch", default="auto", metavar="auto|N",
                    help="CUDA decode steps whose layers gather their misses over PCIe: while a "
-                   "layer computes, copy up to N of the experts the next layer's router picks "
-                   "for the current hidden state, so its gather finds them in VRAM (0: off; "
+                   "layer computes, copy the N experts the next layer's router ranks best for "
+                   "the current hidden state (less those in VRAM already), so its gather finds "
+                   "them in VRAM (0: off; "
                    f"auto: {AUTO_PREFETCH} on CUDA, measured 9-11%% faster at 2 GiB: "
                    "docs/offload.md)")
 

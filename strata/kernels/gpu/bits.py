@@ -48,6 +48,19 @@ def f16(ptr, mask):
 
 
 @triton.jit
+def u32x2(ptr, mask):
+    """The two little-endian u32 at an 8-aligned byte pointer, as int32 bits: one 64-bit read."""
+    v = ld(ptr.to(tl.pointer_type(tl.int64)), mask)
+    return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+
+@triton.jit
+def f16_bits(v):
+    """The f16 in the low 16 bits of int32 v, widened exactly to float32."""
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def i2f(q, bias: tl.constexpr):
     """Exact float32 of (q - bias) for int32 0 <= q < 2**23.
 

@@ -9,6 +9,9 @@ dequantized to bf16 by the same tiles and multiplied by cuBLAS, measured 3x (512
 (4096) faster than the fused tensor-core kernel. Types without a tile (F32/F16/BF16:
 torch.matmul; anything else: dequantize -> matmul) go through `fallback_matmul`, which logs
 once per type.
+
+One token can also take the rows kernel (`gemv_rows`: R rows per program share each x tile
+instead of each reading it through L1), for the shapes listed in GEMV_ROWS_TUNE (none yet).
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ import triton.language as tl
 from triton import knobs
 
 from strata.kernels.gpu.formats import FLOAT_TYPES, KernelFormat, kernel_format
-from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile4, group_mask, rows
+from strata.kernels.gpu.skeletons import (
+    dot_tile,
+    gemv_rows_tile,
+    gemv_tile,
+    gemv_tile4,
+    group_mask,
+    rows,
+)
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.quant import QType, dequantize, row_nbytes
 
@@ -36,6 +46,10 @@ DEQUANT_MIN_M = 64
 # (GGML type, N, K) -> (BN, BK, stages, warps) for one token: the tile timed fastest on that
 # shape (scripts/bench_moe_decode.py sets candidates here to time them)
 GEMV_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# (GGML type, N, K) -> (R, BK, stages, warps): one-token shapes that run _gemv_rows_kernel
+# instead of _gemv_kernel. Empty until the GPU timings of scripts/bench_moe_decode.py say where
+# it is faster.
+GEMV_ROWS_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 # Sizes are not specialized (one compile serves every shape); row_bytes and strides are, so the
 # compiler knows when row starts are 16-byte aligned and can vectorize the byte reads.
@@ -90,6 +104,37 @@ def _gemv_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
         if BM > 2:
             _store_row(y + 2 * stride_ym, 2, M, n, N, a2)
             _store_row(y + 3 * stride_ym, 3, M, n, N, a3)
+
+
+@triton.jit
+def _store_rows(y, n0, N, R: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
+    """y[n0 + r] = Σ a_r for the rows r < R inside N: the R sums gathered into one [R, G] tile
+    first, so the threads and warps combine once, not once per row."""
+    r = tl.arange(0, R)[:, None]
+    t = tl.where(r == 0, tl.sum(a0, axis=2), 0.0)  # [R, G]
+    if R > 1:
+        t += tl.where(r == 1, tl.sum(a1, axis=2), 0.0)
+    if R > 2:
+        t += tl.where(r == 2, tl.sum(a2, axis=2), 0.0)
+        t += tl.where(r == 3, tl.sum(a3, axis=2), 0.0)
+    if R > 4:
+        t += tl.where(r == 4, tl.sum(a4, axis=2), 0.0)
+        t += tl.where(r == 5, tl.sum(a5, axis=2), 0.0)
+        t += tl.where(r == 6, tl.sum(a6, axis=2), 0.0)
+        t += tl.where(r == 7, tl.sum(a7, axis=2), 0.0)
+    n = n0 + tl.arange(0, R)
+    tl.store(y + n, tl.sum(t, axis=1), mask=n < N)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_rows_kernel(x, w, y, tab, tab2, N, K, row_bytes, QT: tl.constexpr, S: tl.constexpr,
+                      R: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                      STAGES: tl.constexpr, WIDE: tl.constexpr):
+    # y[n] = Σ_k x[k] · W[n, k] for one token, R rows per program sharing each step's x tile
+    n0 = tl.program_id(0) * R
+    a0, a1, a2, a3, a4, a5, a6, a7 = gemv_rows_tile(QT, S, BK, EVEN_K, STAGES, R, WIDE, w, n0,
+                                                    N, row_bytes, x, K, tab, tab2)
+    _store_rows(y, n0, N, R, a0, a1, a2, a3, a4, a5, a6, a7)
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -238,7 +283,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
     n = w.shape[0]
     tab, tab2 = fmt.tables(x.device)
     args = (x, w, out, tab, tab2, m, n, k, nbytes, x.stride(0), out.stride(0))
-    if m <= GEMV_MAX_M:
+    rows_tile = GEMV_ROWS_TUNE.get((int(fmt.qtype), n, k)) if m == 1 else None
+    if rows_tile is not None:
+        _launch_rows(x, w, out, fmt, nbytes, rows_tile)
+    elif m <= GEMV_MAX_M:
         bn, bk, stages, warps = gemv_config(fmt, m, n, k)
         _gemv_kernel[(triton.cdiv(n, bn),)](*args, QT=int(fmt.qtype), S=fmt.group,
                                             BM=triton.next_power_of_2(m), BN=bn, BK=bk,
@@ -252,6 +300,50 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
         _gemm_kernel[grid](*args, QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn, BK=bk,
                            GROUP_M=8, EVEN_K=k % bk == 0, DOT=dot_dtype(), num_warps=warps,
                            num_stages=stages)
+
+
+def gemv_rows(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
+              tile: tuple[int, int, int, int] = (4, 1024, 1, 2),
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [1, N] f32 = x W^T for one token (x [1, K] bf16/f32) by the rows kernel; tile = (R rows
+    a program: 1, 2, 4 or 8; BK values a step; pipeline stages; warps). quant_matmul takes this
+    kernel for the shapes in GEMV_ROWS_TUNE."""
+    qtype = QType(qtype)
+    fmt = kernel_format(qtype)
+    if fmt is None:
+        raise ValueError(f"gemv_rows: no dequantize tile for {qtype.name}")
+    k = x.shape[-1]
+    check_x(x, k)
+    nbytes = check_weights(w, qtype, k)
+    n = w.shape[0]
+    if x.shape[0] != 1 or x.device != w.device:
+        raise ValueError(f"gemv_rows: one token on the weights' device, got x {tuple(x.shape)} "
+                         f"on {x.device}, weights on {w.device}")
+    r, bk = tile[0], tile[1]
+    if r not in (1, 2, 4, 8) or bk % fmt.group or bk & (bk - 1):
+        raise ValueError(f"gemv_rows: R in (1, 2, 4, 8) and BK a power of two multiple of "
+                         f"{fmt.group} for {qtype.name}, got tile {tile}")
+    if out is None:
+        out = torch.empty(1, n, dtype=torch.float32, device=x.device)
+    elif out.shape != (1, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be float32 [1, {n}], contiguous")
+    if n > 0:
+        _launch_rows(x, w, out, fmt, nbytes, tile)
+    return out
+
+
+def _launch_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelFormat,
+                 nbytes: int, tile: tuple[int, int, int, int]) -> None:
+    r, bk, stages, warps = tile
+    k = x.shape[1]
+    n = w.shape[0]
+    tab, tab2 = fmt.tables(x.device)
+    # WIDE: 8-aligned rows (Q4_K and Q5_K row bytes are multiples of 16), whose block headers
+    # the tiles read as two u64
+    _gemv_rows_kernel[(triton.cdiv(n, r),)](x, w, out, tab, tab2, n, k, nbytes,
+                                            QT=int(fmt.qtype), S=fmt.group, R=r, BK=bk,
+                                            EVEN_K=k % bk == 0, STAGES=stages,
+                                            WIDE=w.data_ptr() % 8 == 0, num_warps=warps)
 
 
 _MM_DTYPE: list[bool] = []

@@ -1,8 +1,10 @@
-"""The two loops every quantized matmul here is built from, shared by matmul.py and moe.py.
+"""The K loops every quantized matmul here is built from, shared by matmul.py and moe.py.
 
     gemv_tile   one token (or up to four, gemv_tile4) against BN weight rows, float32 FMA
                 (gemv_tile2: two matrices in one loop):
                 acc [BN, G, S] += W[n, k] * x[k]   over the whole row, reduced by the caller.
+    gemv_rows_tile  as gemv_tile for one token, with R rows in the same threads, which share
+                one x tile a step: a_r [1, G, S] += W[n0 + r, k] * x[k]   (r < R).
     dot_tile    BM tokens against BN rows on tensor cores:
                 acc [BM, BN] += x[rows, k0:k0+BK] @ W[n, k0:k0+BK].T   (bf16 operands, f32 acc)
 Each K step asks tiles.dequant_tile for the [BN, G, S] values of BK = G * S columns (in natural
@@ -101,6 +103,50 @@ def gemv_tile4(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.c
             a2 += wv * x_tile(x2 + k0, g, s, m, BN)
             a3 += wv * x_tile(x3 + k0, g, s, m, BN)
     return a0, a1, a2, a3
+
+
+@triton.jit
+def _row_tile(QT: tl.constexpr, WIDE: tl.constexpr, w, n, N, row_bytes, k0, g, s, m, tab, tab2):
+    """float32 [1, G, S]: the step's values of row n (clamped to N - 1, so reads stay in bounds)."""
+    return dequant_tile(QT, rows(w, n + tl.arange(0, 1), N, row_bytes), k0, g, s, m, tab, tab2,
+                        WIDE)
+
+
+@triton.jit
+def gemv_rows_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                   STAGES: tl.constexpr, R: tl.constexpr, WIDE: tl.constexpr, w, n0, N,
+                   row_bytes, xr, K, tab, tab2):
+    """a_r [1, G, S] += W[n0 + r, k] * x[k] over the whole row, for R (1, 2, 4 or 8) rows and
+    one token (w: the matrix's first byte). Each step loads x once, in one row's tile shape and
+    layout, and every row multiplies it from the same registers (gemv_tile loads x as
+    [BN, G, S]: one read through L1 per row). The rows are separate [1, G, S] tiles: in one
+    [R, G, S] tile the layout pass would spread them over threads."""
+    g = tl.arange(0, BK // S)[None, :, None]  # group index inside the step
+    s = tl.arange(0, S)[None, None, :]
+    a0 = tl.zeros((1, BK // S, S), dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    a5 = a0
+    a6 = a0
+    a7 = a0
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        m = group_mask(k0, g, K, S, EVEN_K)
+        v0 = _row_tile(QT, WIDE, w, n0, N, row_bytes, k0, g, s, m, tab, tab2)
+        xv = x_tile(xr + k0, g, s, m, 1)  # after a weight tile, so it takes that tile's layout
+        a0 += v0 * xv
+        if R > 1:
+            a1 += _row_tile(QT, WIDE, w, n0 + 1, N, row_bytes, k0, g, s, m, tab, tab2) * xv
+        if R > 2:
+            a2 += _row_tile(QT, WIDE, w, n0 + 2, N, row_bytes, k0, g, s, m, tab, tab2) * xv
+            a3 += _row_tile(QT, WIDE, w, n0 + 3, N, row_bytes, k0, g, s, m, tab, tab2) * xv
+        if R > 4:
+            a4 += _row_tile(QT, WIDE, w, n0 + 4, N, row_bytes, k0, g, s, m, tab, tab2) * xv
+            a5 += _row_tile(QT, WIDE, w, n0 + 5, N, row_bytes, k0, g, s, m, tab, tab2) * xv
+            a6 += _row_tile(QT, WIDE, w, n0 + 6, N, row_bytes, k0, g, s, m, tab, tab2) * xv
+            a7 += _row_tile(QT, WIDE, w, n0 + 7, N, row_bytes, k0, g, s, m, tab, tab2) * xv
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit

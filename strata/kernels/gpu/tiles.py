@@ -12,8 +12,9 @@ from strata.kernels.gpu import tiles_legacy as lg
 
 
 @triton.jit
-def dequant_tile(QT: tl.constexpr, wr, k0, g, s, m, tab, tab2):
-    """float32 [BN, G, S]: values k0 + g * S + s of the rows at `wr` (GGML type id QT)."""
+def dequant_tile(QT: tl.constexpr, wr, k0, g, s, m, tab, tab2, WIDE: tl.constexpr = False):
+    """float32 [BN, G, S]: values k0 + g * S + s of the rows at `wr` (GGML type id QT).
+    WIDE: the rows are 8-aligned, so Q4_K and Q5_K read their block headers as two u64."""
     if QT == 2:
         w = lg.q4_0(wr, k0, g, s, m, tab, tab2)
     elif QT == 3:
@@ -29,9 +30,9 @@ def dequant_tile(QT: tl.constexpr, wr, k0, g, s, m, tab, tab2):
     elif QT == 11:
         w = kq.q3_k(wr, k0, g, s, m, tab, tab2)
     elif QT == 12:
-        w = kq.q4_k(wr, k0, g, s, m, tab, tab2)
+        w = kq.q4_k(wr, k0, g, s, m, tab, tab2, WIDE)
     elif QT == 13:
-        w = kq.q5_k(wr, k0, g, s, m, tab, tab2)
+        w = kq.q5_k(wr, k0, g, s, m, tab, tab2, WIDE)
     elif QT == 14:
         w = kq.q6_k(wr, k0, g, s, m, tab, tab2)
     elif QT == 16:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import f16, field_fma, fields_fma, i2f, ld, locate, u8
+from strata.kernels.gpu.bits import f16, f16_bits, field_fma, fields_fma, i2f, ld, locate, u8, u32x2
 
 
 @triton.jit
@@ -42,36 +42,58 @@ def q3_k(wr, k0, g, s, m, tab, tab2):
 
 
 @triton.jit
-def _scale_min_k4(b, i, m):
-    """6-bit (scale, min) of sub-block i from the 12 bytes at b + 4 (see kquants.scale_min_k4)."""
-    j = i % 4
-    b1 = u8(b + 4 + j, m)
-    b2 = u8(b + 8 + j, m)
-    b3 = u8(b + 12 + j, m)
+def _scale_min(b1, b2, b3, i):
+    """6-bit (scale, min) of sub-block i from header bytes 4 + j, 8 + j, 12 + j (j = i % 4)."""
     sc = tl.where(i < 4, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
     mn = tl.where(i < 4, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
     return sc, mn
 
 
 @triton.jit
-def q4_k(wr, k0, g, s, m, tab, tab2):
+def _scale_min_k4(b, i, m):
+    """6-bit (scale, min) of sub-block i from the 12 bytes at b + 4 (see kquants.scale_min_k4)."""
+    j = i % 4
+    return _scale_min(u8(b + 4 + j, m), u8(b + 8 + j, m), u8(b + 12 + j, m), i)
+
+
+@triton.jit
+def _header_k4(b, i, m, WIDE: tl.constexpr):
+    """(d, dmin, sc, mn) of sub-block i from the Q4_K / Q5_K header [d | dmin | scales 12] at b.
+    WIDE: the header as two u64 reads (b 8-aligned: the 144- and 176-byte blocks are, when the
+    row is) instead of two u16 and three byte reads."""
+    if WIDE:
+        h0, h1 = u32x2(b, m)  # d | dmin, scale bytes 0-3
+        h2, h3 = u32x2(b + 8, m)  # scale bytes 4-11
+        sh = (i % 4) * 8
+        sc, mn = _scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, i)
+        d = f16_bits(h0)
+        dmin = f16_bits(h0 >> 16)
+    else:
+        sc, mn = _scale_min_k4(b, i, m)
+        d = f16(b, m)
+        dmin = f16(b + 2, m)
+    return d, dmin, sc, mn
+
+
+@triton.jit
+def q4_k(wr, k0, g, s, m, tab, tab2, WIDE: tl.constexpr = False):
     """[d | dmin | scales 12 | qs 128], S=32: w = d * sc * q - dmin * mn.
     Sub-block i: nibble i % 2 of bytes 16 + (i // 2) * 32 + s."""
     b, i = locate(wr, k0, g, 256, 144, 32)
-    sc, mn = _scale_min_k4(b, i, m)
-    dl = f16(b, m) * i2f(sc, 0.0) * 16.0
-    ml = f16(b + 2, m) * i2f(mn, 0.0)
+    d, dmin, sc, mn = _header_k4(b, i, m, WIDE)
+    dl = d * i2f(sc, 0.0) * 16.0
+    ml = dmin * i2f(mn, 0.0)
     qs = ld(b + 16 + (i // 2) * 32 + s, m)  # uint8 [BN, G, S]
     return field_fma(qs, (i % 2) * 4, dl, -(dl + ml), 4)  # q = 16 (f - 1)
 
 
 @triton.jit
-def q5_k(wr, k0, g, s, m, tab, tab2):
+def q5_k(wr, k0, g, s, m, tab, tab2, WIDE: tl.constexpr = False):
     """[d | dmin | scales 12 | qh 32 | qs 128], S=32: as Q4_K with q |= (bit i of qh[s]) << 4."""
     b, i = locate(wr, k0, g, 256, 176, 32)
-    sc, mn = _scale_min_k4(b, i, m)
-    dl = f16(b, m) * i2f(sc, 0.0) * 32.0
-    ml = f16(b + 2, m) * i2f(mn, 0.0)
+    d, dmin, sc, mn = _header_k4(b, i, m, WIDE)
+    dl = d * i2f(sc, 0.0) * 32.0
+    ml = dmin * i2f(mn, 0.0)
     qh = ld(b + 16 + s, m)
     qs = ld(b + 48 + (i // 2) * 32 + s, m)
     return fields_fma(qs, qh, (i % 2) * 4, i, dl, -(dl + ml), 4, 1)  # q = 32 (f - 1)
