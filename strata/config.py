@@ -154,8 +154,9 @@ def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
                                    "which Strata does not support")
 
 
-# --prefetch auto on CUDA decode steps: at 2 GiB (30B-A3B, H200) 2 gave 44.5-45.1 tok/s
-# against 40.6-40.7 without, 1 gave 42.2 and 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md)
+# --prefetch auto on CUDA decode steps (where the cache is small: decode_step.prefetch_pays):
+# at 2 GiB (30B-A3B, H200) 2 gave 42.8-45.1 tok/s against 40.6-40.9 without, 1 gave 42.2 and
+# 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md)
 AUTO_PREFETCH = 2
 
 

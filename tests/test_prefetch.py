@@ -335,8 +335,22 @@ def test_prefetch_auto_on_cuda(synth, caplog) -> None:
     engine = offload(path, "cuda", expert_cache="0", miss="dma")
     assert engine.model.step.prefetch is not None
     assert engine.model.step.prefetch.n == AUTO_PREFETCH
-    with caplog.at_level("INFO", logger="strata"):
-        engine = offload(path, "cuda", expert_cache="24")
-    assert engine.model.step.prefetch is None
-    said = [r for r in caplog.records if "--prefetch auto: off" in r.getMessage()]
-    assert said and all(r.levelname == "INFO" for r in said), caplog.records
+    for cache, why in (("24", "no layer gathering"), ("12", "the cache holds 4.0 slots")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="strata"):
+            engine = offload(path, "cuda", expert_cache=cache, miss="dma")
+        assert engine.model.step.prefetch is None, cache
+        said = [r for r in caplog.records if "--prefetch auto: off" in r.getMessage()]
+        assert said and all(r.levelname == "INFO" and why in r.getMessage() for r in said), \
+            caplog.records
+
+
+def test_prefetch_pays_where_most_routed_experts_miss() -> None:
+    """--prefetch auto's rule: on while the gathered layers average fewer slots than a token's
+    K experts (the 2 GiB plan: 1 slot a layer, K = 8), off from K on (10 GiB: 43) and with no
+    gathered layer."""
+    from strata.engine.decode_step import prefetch_pays
+
+    assert prefetch_pays([1] * 48, 8) and prefetch_pays([0, 0, 15], 8)
+    assert not prefetch_pays([43] * 48, 8) and not prefetch_pays([8, 8], 8)
+    assert not prefetch_pays([], 8)

@@ -59,9 +59,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA decode steps whose layers gather their misses over PCIe: while a "
                    "layer computes, copy the N experts the next layer's router ranks best for "
                    "the current hidden state (less those in VRAM already), so its gather finds "
-                   "them in VRAM (0: off; "
-                   f"auto: {AUTO_PREFETCH} on CUDA, measured 9-11%% faster at 2 GiB: "
-                   "docs/offload.md)")
+                   f"them in VRAM (0: off; auto: {AUTO_PREFETCH} where the cache holds fewer "
+                   "slots a layer than a token's experts: at 2 GiB measured 5-10%% faster, at "
+                   "10 GiB 9%% slower, so off there: docs/offload.md)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
