@@ -365,6 +365,32 @@ def test_route_topk(device: str, t: int, e: int, k: int, norm: bool) -> None:
     check_route(ids, w, ref_ids, ref_w, f"E={e} k={k} seed={seed}")
     want = 3 + torch.bincount(ref_ids.reshape(-1).cpu(), minlength=e).int()
     assert torch.equal(counts.cpu(), want), f"seed={seed}: routed pairs counted per expert"
+    # skip (a slot table, as decode prefetch passes): experts with a slot come back as -1 in
+    # their place, written into the given ids
+    skip = torch.where(torch.rand(e, generator=gen) < 0.5, 0, -1).int().to(device)
+    got = torch.full((t, k), 7, dtype=torch.int64, device=device)
+    ops.route_topk(h @ router.T, k, norm, skip=skip, ids=got)
+    assert torch.equal(got, torch.where(skip[ref_ids] >= 0, -1, ref_ids)), f"seed={seed}"
+
+
+@pytest.mark.parametrize("count, skip", [(True, False), (False, True), (False, False)])
+def test_route_kernel_compiles_for_sm90(count: bool, skip: bool) -> None:
+    """Without a GPU: Triton compiles the routing kernel for sm_90 as the decode step (counting)
+    and the prefetch's guess (skipping experts with a slot) launch it; with skip it reads the
+    slot table, without it only the logits."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
+           "E": "i32", "stride_l": "i32", "K": "constexpr", "NORM": "constexpr",
+           "COUNT": "constexpr", "SKIP": "constexpr", "BLOCK_E": "constexpr",
+           "BLOCK_K": "constexpr"}
+    k = triton.compile(ASTSource(ops._route_kernel, sig, constexprs={
+        "K": 8 if count else 2, "NORM": count, "COUNT": count, "SKIP": skip, "BLOCK_E": 128,
+        "BLOCK_K": 8 if count else 2}), target=GPUTarget("cuda", 90, 32))
+    assert k.asm["cubin"]
+    assert k.asm["ttir"].count("tt.load") == 1 + skip
+    assert ("tt.atomic_rmw" in k.asm["ttir"]) == count
 
 
 def test_route_ties_go_to_the_lower_id(device: str) -> None:
@@ -582,6 +608,11 @@ _INTERPRETED = """
         assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k)
         want = 5 + torch.bincount(ref_ids.reshape(-1), minlength=e).int()
         assert torch.equal(counts, want), (e, k)
+        # skip (a slot table): experts with a slot come back as -1 in their place, into ids
+        skip = torch.where(torch.rand(e, generator=gen) < 0.5, 3, -1).int()
+        got = torch.full((3, k), 7, dtype=torch.int64)
+        ops.route_topk(logits, k, norm, skip=skip, ids=got)
+        assert torch.equal(got, torch.where(skip[ref_ids] >= 0, -1, ref_ids)), (e, k)
     for e, d in ((128, 2048), (7, 96), (60, 1500)):
         hh, rw = rnd(1, d), rnd(e, d)
         assert rel(ops.router_logits(hh, rw), hh @ rw.T) < TOL, (e, d)

@@ -11,13 +11,12 @@ streams inside the step's CUDA graph fill that gap:
     copy:                      (after gather_l and guessed_l+1) copy_l+1 -> copied_l+1
 
 predict_l+1: layer l+1's router on rms_norm(x_l, ffn_norm_l+1), x_l the residual after layer l's
-attention (what layer l+1's router will see, less layer l's experts and layer l+1's attention);
-of the N experts it ranks best, those without a cache slot (-1 in place of the others). It
-runs as soon as x_l exists, on a stream of its own, so that only the copy is left when PCIe
-frees. copy_l+1: those records from the arena
-into the staging rows K .. K+N-1 (after the K rows of the token's own misses), pre_of[e] = their
-row, by a few looping programs (PROGRAMS). gather_l+1 waits for that copy alone (an event per
-layer, not the whole stream: a later guess queued behind it is not waited for) and takes a
+attention (what layer l+1's router will see, less layer l's experts and layer l+1's attention); the
+N experts it ranks best, -1 in place of those with a cache slot. It runs as soon as x_l exists, on
+a stream of its own, so that only the copy is left when PCIe frees. copy_l+1: those records from
+the arena into the staging rows K .. K+N-1 (after the K rows of the token's own misses), pre_of[e]
+= their row, by a few looping programs (PROGRAMS). gather_l+1 waits for that copy alone (an event
+per layer, not the whole stream: a later guess queued behind it is not waited for) and takes a
 predicted expert from VRAM, the rest over PCIe. A wrong guess costs its copy's time.
 
 Every buffer a side stream shares with the main stream is written again only after the main
@@ -87,14 +86,12 @@ class DecodePrefetch:
         gs.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(gs):
             h = ops.rms_norm(self.snap[layer % 2], lw.ffn_norm, cfg.rms_eps)
-            logits = ops.router_logits(h, lw.router)
-            # only the router's N best: where most experts have a slot, the best of the rest
-            # would mostly be copied for nothing (10 GiB, 30B-A3B: 134 tok/s with the N best
-            # missing, 170 with the best missing among the K picks, 203 without prefetch)
-            kth = torch.topk(logits, self.n, dim=1).values[:, -1:]
-            val, idx = torch.topk(logits.masked_fill(table[None] >= 0, float("-inf")), self.n,
-                                  dim=1)
-            self.pred[nxt].copy_(torch.where(val >= kth, idx, -1)[0])
+            # the router's N best, -1 for those with a slot: not the best N without a slot,
+            # which where most experts have one would mostly be copied for nothing (10 GiB,
+            # 30B-A3B: 134 tok/s so, 170 with the best missing among the K picks, 185 with the
+            # N best, 203 without prefetch). Three launches: norm, router, top N.
+            ops.route_topk(ops.router_logits(h, lw.router), self.n, False, skip=table,
+                           ids=self.pred[nxt:nxt + 1])
             self.guessed[nxt].record(gs)
 
     def ready(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -543,9 +543,11 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _route_kernel(logits, ids, wts, counts, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
-                  COUNT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    # p = softmax(logits[t]); K rounds: the largest logit not yet taken (lowest id on ties)
+def _route_kernel(logits, ids, wts, counts, skip, E, stride_l, K: tl.constexpr,
+                  NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # p = softmax(logits[t]); K rounds: the largest logit not yet taken (lowest id on ties);
+    # with SKIP, an expert with skip[e] >= 0 is stored as id -1
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -564,41 +566,59 @@ def _route_kernel(logits, ids, wts, counts, E, stride_l, K: tl.constexpr, NORM: 
         free = free & (e != idx)
     if NORM:
         sel_w = sel_w / tl.sum(sel_w, axis=0)
-    tl.store(ids + t * K + kk, sel_i.to(tl.int64), mask=kk < K)
+    out_i = sel_i
+    if SKIP:
+        out_i = tl.where(tl.load(skip + sel_i, mask=kk < K, other=-1) >= 0, -1, sel_i)
+    tl.store(ids + t * K + kk, out_i.to(tl.int64), mask=kk < K)
     tl.store(wts + t * K + kk, sel_w, mask=kk < K)
     if COUNT:
         tl.atomic_add(counts + sel_i, tl.full((BLOCK_K,), 1, tl.int32), mask=kk < K)
 
 
 def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
-               counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               counts: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """route() after its matmul: softmax over E, the top k, optionally renormalized to sum 1.
     logits [T, E] f32 (rows contiguous; = h @ router.T) -> ids int64 [T, k], weights f32 [T, k],
     largest first. Ties: the lower expert id first (see the module doc). One launch.
-    counts: int32 [E] on the device, += 1 for every pair routed to an expert (atomics)."""
-    if counts is not None:
-        _check(counts.dtype == torch.int32 and counts.shape == (logits.shape[-1],)
-               and counts.is_contiguous(), "counts must be int32 [E], contiguous")
+    counts: int32 [E] on the device, += 1 for every pair routed to an expert (atomics).
+    skip: int32 [E] (an expert cache's slot table): an expert with skip[e] >= 0 is returned as
+    id -1 in its place (decode prefetch: the best experts not in VRAM). ids: written into
+    (int64 [T, k], contiguous) instead of a new tensor."""
+    e = logits.shape[-1]
+    for name, v in (("counts", counts), ("skip", skip)):
+        if v is not None:
+            _check(v.dtype == torch.int32 and v.shape == (e,) and v.is_contiguous(),
+                   f"{name} must be int32 [{e}], contiguous")
     _check(logits.dim() == 2, f"logits must be [T, E], got {list(logits.shape)}")
     _f32(logits, "logits")
     t, e = logits.shape
     _check(0 < k <= e, f"k must be in 1..E = {e}, got {k}")
+    if ids is not None:
+        _check(ids.dtype == torch.int64 and ids.shape == (t, k) and ids.is_contiguous(),
+               f"ids must be int64 [{t}, {k}], contiguous")
     if not _use_kernels(logits):
         probs = torch.softmax(logits, dim=-1)
-        weights, ids = torch.topk(probs, k, dim=-1)
+        weights, top = torch.topk(probs, k, dim=-1)
         if norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         if counts is not None:
-            flat = ids.reshape(-1)
+            flat = top.reshape(-1)
             counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if skip is not None:
+            top = torch.where(skip[top] >= 0, -1, top)
+        if ids is None:
+            return top, weights
+        ids.copy_(top)
         return ids, weights
-    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device) if ids is None else ids
     weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
     if t == 0:
         return ids, weights
     block_e = triton.next_power_of_2(e)
-    _route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts, e,
-                        logits.stride(0), K=k, NORM=bool(norm_topk), COUNT=counts is not None,
+    _route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts,
+                        ids if skip is None else skip, e, logits.stride(0), K=k,
+                        NORM=bool(norm_topk), COUNT=counts is not None, SKIP=skip is not None,
                         BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
                         num_warps=max(1, min(4, block_e // 256)))
     return ids, weights
