@@ -4,6 +4,7 @@ Compute: `scripts/gpu_bench.sh`'s `ncu` stage). No timing here: the kernel bench
 (memory throughput, stall reasons, occupancy).
 
     python scripts/gemv_once.py [--shape 14336x4096] [--types Q4_K,Q6_K] [--q8]
+        [--rows R,BK,STAGES,WARPS]
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> None:
     p.add_argument("--shape", default="14336x4096", help="rows x columns")
     p.add_argument("--types", default="Q4_K,Q6_K")
     p.add_argument("--q8", action="store_true", help="also the dp4a kernels (gemv_q8.py)")
+    p.add_argument("--rows", default=None, metavar="R,BK,STAGES,WARPS",
+                   help="also the rows kernel (matmul.gemv_rows) with this tile, x f32 and bf16")
     p.add_argument("--launches", type=int, default=3)
     a = p.parse_args()
     n, k = (int(v) for v in a.shape.split("x"))
@@ -47,6 +50,11 @@ def main() -> None:
                     gemv_q4k_q8(xq, dx, sx, w, n, k, out=out[0], bn=8, stages=2, warps=1)
                 else:
                     gemv_q6k_q8(xq, dx, sx16, w, n, k, out=out[0], bn=8, stages=1, warps=1)
+        if a.rows:
+            tile = tuple(int(v) for v in a.rows.split(","))
+            for xr in (x, x.to(torch.bfloat16)):
+                for _ in range(a.launches):
+                    mm.gemv_rows(xr, w, q, tile, out=out)
         torch.cuda.synchronize()
         print(f"{name} {n}x{k}: launched", flush=True)
 
