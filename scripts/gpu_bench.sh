@@ -11,7 +11,7 @@
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
 # for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment,
-# SHARE_FLAGS added),
+# SHARE_FLAGS added; --prefetch is the engine's default, auto, unless SHARE_FLAGS gives it),
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
 # OMP_WAIT_POLICY of CPU_POLICIES, CPU_ARGS added), prefetch (decode at 2 GiB with --prefetch N
 # for each N of PREFETCHES; N:S also --cpu-share S),
@@ -145,7 +145,7 @@ if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token'
   done
 fi
 if [[ $STAGES == *prefetch* ]]; then  # the next layer's likely experts copied ahead, at 2 GiB
-  for spec in ${PREFETCHES:-1 2 4}; do  # N, or N:S with --cpu-share S too
+  for spec in ${PREFETCHES:-0 1 2 4}; do  # N, or N:S with --cpu-share S too
     n=${spec%%:*}; share=(); [[ $spec == *:* ]] && share=(--cpu-share "${spec##*:}")
     echo "== decode at --vram-budget 2 with --prefetch $n ${share[*]}"
     bench "prefetch_${spec/:/_s}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \

@@ -86,13 +86,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--prefetch", type=int, default=0)
+    p.add_argument("--prefetch", default="auto", help="auto (the engine's default) or N")
     p.add_argument("--cpu-share", type=int, default=0)
     p.add_argument("--trace", default=None, help="Chrome trace of 8 steps here (6 replayed)")
     a = p.parse_args()
+    prefetch = None if a.prefetch == "auto" else int(a.prefetch)
     engine = Engine.load(a.model, config=EngineConfig(device=a.device, offload="on",
                                                       vram_budget_gib=a.vram_budget,
-                                                      decode_step="eager", prefetch=a.prefetch,
+                                                      decode_step="eager", prefetch=prefetch,
                                                       cpu_share=a.cpu_share))
     step: DecodeStep = engine.model.step
     timed_steps(engine, 4)  # warm up (compiles)

@@ -6,6 +6,8 @@ was copied ahead."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -73,6 +75,14 @@ _GATHER = """
         gather_misses(ids, slot_of, records, got, big - 2, prefetched=(pre_of, pre),
                       programs=programs)
         assert torch.equal(got, want), programs
+    # the prefetch's own copy: its guesses, -1 where it has none, from the arena by looping
+    # programs (no prefetched source)
+    guesses = torch.tensor([[11, -1, 4]])
+    ahead = torch.full((3, big + 8), 255, dtype=torch.uint8)
+    gather_misses(guesses, slot_of, records, ahead, big - 2, programs=2)
+    assert torch.equal(ahead[0, :big], records[11, :big])
+    assert torch.equal(ahead[2, :big], records[4, :big])
+    assert (ahead[1] == 255).all() and (ahead[:, big:] == 255).all()
     try:
         gather_misses(ids, slot_of, records, got, big - 2, programs=0)
     except ValueError as err:
@@ -95,8 +105,8 @@ def test_gather_takes_prefetched_rows_under_the_interpreter() -> None:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--prefetch", "3"], "--prefetch 3: give 0 (off) to 2"),
-    (["--prefetch", "-1"], "--prefetch -1: give 0 (off) to 2"),
+    (["--prefetch", "3"], "--prefetch 3: give auto, or 0 (off) to 2"),
+    (["--prefetch", "-1"], "--prefetch -1: give auto, or 0 (off) to 2"),
     (["--prefetch", "two"], "--prefetch two: give auto or a count of experts (0: off)"),
 ])
 def test_prefetch_out_of_range_is_refused(synth, capsys, flags, message) -> None:
@@ -147,9 +157,7 @@ def check_rows(engine) -> None:  # noqa: ANN001
     last = engine.config.n_layers - 1
     table = ex.cache.layers[last].table.cpu()  # (the device table the step read)
     pre_of, nbytes = pf.pre_of.cpu(), ex.arena.layouts[last].nbytes
-    guessed = [e for e in pf.pred[last].tolist() if e >= 0 and table[e] < 0]
-    assert guessed
-    for j, e in enumerate(pf.pred[last].tolist()):
+    for j, e in enumerate(pf.pred[last].tolist()):  # (-1: no guess, every pick had a slot)
         if e >= 0 and table[e] < 0:
             assert pre_of[e] == j
             assert torch.equal(pf.rows[j, :nbytes].cpu(), ex.arena.layers[last][e, :nbytes])
@@ -245,7 +253,9 @@ def test_gather_kernel_compiles_for_sm90(pre: bool, loop: bool, one_chunk: bool)
 
 def test_the_plan_counts_the_prefetch_rows(synth) -> None:
     """The staging rows the memory plan counts: K for a token's misses, N more with --prefetch
-    on CUDA decode steps; none more on the CPU or without decode steps."""
+    on CUDA decode steps; none more on the CPU or without decode steps. --prefetch auto counts
+    AUTO_PREFETCH where the cache holds fewer slots a layer than a token's K experts, and none
+    where it holds more (its rows then go to the cache)."""
     from strata.config import EngineConfig, ModelConfig
     from strata.engine.memory_plan import make_plan
     from strata.experts.layout import expert_layouts
@@ -255,17 +265,27 @@ def test_the_plan_counts_the_prefetch_rows(synth) -> None:
     cfg = ModelConfig.from_model(mf)
     layouts = expert_layouts(mf, cfg)
     stride = max(lay.stride for lay in layouts)
-    # (None: --prefetch auto, AUTO_PREFETCH on CUDA decode steps)
-    for device, decode_step, prefetch, rows in (("cuda", "graphs", 2, 4), ("cuda", "eager", 1, 3),
-                                                ("cuda", "off", 2, 2), ("cpu", "eager", 2, 2),
-                                                ("cuda", "graphs", 0, 2),
-                                                ("cuda", "graphs", None, 2 + AUTO_PREFETCH),
-                                                ("cuda", "off", None, 2),
-                                                ("cpu", "eager", None, 2)):
+    k = cfg.n_experts_used
+    # (device, decode step, --prefetch (None: auto), --expert-cache, staging rows)
+    for device, decode_step, prefetch, cache, rows in (
+            ("cuda", "graphs", 2, "auto", 4), ("cuda", "eager", 1, "auto", 3),
+            ("cuda", "off", 2, "auto", 2), ("cpu", "eager", 2, "auto", 2),
+            ("cuda", "graphs", 0, "auto", 2),
+            ("cuda", "graphs", None, "0", k + AUTO_PREFETCH),  # no slots: on
+            ("cuda", "graphs", None, "3", k + AUTO_PREFETCH),  # 1 slot a layer < K: on
+            ("cuda", "graphs", None, "6", k),  # 2 slots a layer = K: off
+            ("cuda", "graphs", None, "auto", k),  # every expert fits: off
+            ("cuda", "off", None, "0", k), ("cpu", "eager", None, "0", k)):
         plan = make_plan(mf, cfg, EngineConfig(device=device, vram_budget_gib=1, ctx=256,
-                                               decode_step=decode_step, prefetch=prefetch),
-                         layouts)
-        assert (plan.staging_slots, plan.staging) == (rows, rows * stride), (device, prefetch)
+                                               decode_step=decode_step, prefetch=prefetch,
+                                               expert_cache=cache), layouts)
+        assert (plan.staging_slots, plan.staging) == (rows, rows * stride), (device, prefetch,
+                                                                              cache)
+        assert plan.prefetch == rows - k, (device, prefetch, cache)
+    # auto, when it turns off, keeps no rows: the plan is --prefetch 0's
+    auto, off = (make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=1, ctx=256,
+                                                 prefetch=p), layouts) for p in (None, 0))
+    assert replace(auto, host_available=0) == replace(off, host_available=0)  # (RAM moves)
 
 
 def test_guesses_are_counted_used_or_not(synth) -> None:
@@ -329,13 +349,15 @@ def test_prefetch_on_the_cpu_says_it_is_off(synth, caplog) -> None:
 
 @pytest.mark.cuda
 def test_prefetch_auto_on_cuda(synth, caplog) -> None:
-    """--prefetch auto: AUTO_PREFETCH experts ahead where layers gather their misses, and off
-    with a plan line, not a warning, where every expert has a slot."""
+    """--prefetch auto: AUTO_PREFETCH experts ahead where layers gather their misses and the
+    cache holds fewer slots a layer than a token's experts; off with a plan line, not a
+    warning, where it holds more or every expert has a slot."""
     path = synth("qwen3moe", "Q4_K_M")
     engine = offload(path, "cuda", expert_cache="0", miss="dma")
     assert engine.model.step.prefetch is not None
     assert engine.model.step.prefetch.n == AUTO_PREFETCH
-    for cache, why in (("24", "no layer gathering"), ("12", "the cache holds 4.0 slots")):
+    for cache, why in (("24", "every expert has a cache slot"),
+                       ("12", "the cache holds 4.0 slots a layer, a token routes to 2")):
         caplog.clear()
         with caplog.at_level("INFO", logger="strata"):
             engine = offload(path, "cuda", expert_cache=cache, miss="dma")
@@ -349,7 +371,7 @@ def test_prefetch_pays_where_most_routed_experts_miss() -> None:
     """--prefetch auto's rule: on while the gathered layers average fewer slots than a token's
     K experts (the 2 GiB plan: 1 slot a layer, K = 8), off from K on (10 GiB: 43) and with no
     gathered layer."""
-    from strata.engine.decode_step import prefetch_pays
+    from strata.config import prefetch_pays
 
     assert prefetch_pays([1] * 48, 8) and prefetch_pays([0, 0, 15], 8)
     assert not prefetch_pays([43] * 48, 8) and not prefetch_pays([8, 8], 8)

@@ -41,6 +41,7 @@ class BenchResult:
     bound_tok_s: float | None = None
     bound_fraction: float | None = None
     share_us: dict | None = None  # --cpu-share: the worker's µs per layer (decode steps measured)
+    prefetch: int = 0  # experts a decode layer copies ahead (--prefetch as it ran; auto resolved)
     ahead_used: float = 0.0  # --prefetch: experts copied ahead that their layer used, per token
     ahead_copied: float = 0.0  # and all it copied ahead, per token (summed over layers)
     ceilings: dict = field(default_factory=dict)
@@ -144,6 +145,8 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         ceilings=ceilings or {})
     if dev.type == "cuda":
         res.vram_peak_prompt_gib, res.vram_peak_decode_gib = (x / 2**30 for x in peaks)
+    pf = getattr(getattr(model, "step", None), "prefetch", None)
+    res.prefetch = pf.n if pf is not None else 0
     if share_sum["layers"]:
         n = share_sum["layers"] / 1e6
         res.share_us = {k[:-2]: share_sum[k] / n for k in ("idle_s", "answer_s", "pool_s")}

@@ -69,14 +69,20 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{cfg.n_experts_used - 1} of the {cfg.n_experts_used} experts a "
                           "token is routed to")
     auto_prefetch = ec.prefetch is None
-    ec = replace(ec, prefetch=ec.prefetch_count(cfg.n_experts_used))
-    if not 0 <= ec.prefetch <= cfg.n_experts_used:
-        raise StrataError(f"--prefetch {ec.prefetch}: give 0 (off) to {cfg.n_experts_used} "
-                          "(the experts a token is routed to)")
+    if not 0 <= ec.prefetch_count(cfg.n_experts_used) <= cfg.n_experts_used:
+        raise StrataError(f"--prefetch {ec.prefetch}: give auto, or 0 (off) to "
+                          f"{cfg.n_experts_used} (the experts a token is routed to)")
     layouts = expert_layouts(mf, cfg)
     plan = make_plan(mf, cfg, ec, layouts)
     for line in plan.lines():
         log.info(line)
+    if auto_prefetch and plan.prefetch < ec.prefetch_count(cfg.n_experts_used):
+        n = [s for s in plan.slots_per_layer if s < cfg.n_experts]
+        log.info("--prefetch auto: off, " + (
+            f"the cache holds {sum(n) / len(n):.1f} slots a layer, a token routes to "
+            f"{cfg.n_experts_used} (it pays where most routed experts miss: docs/offload.md)"
+            if n else "every expert has a cache slot"))
+    ec = replace(ec, prefetch=plan.prefetch if auto_prefetch else ec.prefetch)
     profile = load_profile(ec.expert_profile, cfg) if ec.expert_profile else None
     policies = [make_policy(ec.cache_policy, cfg.n_experts,
                             None if profile is None else profile[i]) for i in range(cfg.n_layers)]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from strata.config import prefetch_pays
 from strata.engine.kv_cache import KVCache, KVPool
 from strata.engine.waits import wait_event
 from strata.kernels.gpu import decode_ops as ops
@@ -41,14 +42,6 @@ from strata.model.weights import LayerWeights, linear, qkv_linear
 log = logging.getLogger("strata")
 
 DECODE_STEP_MODES = ("graphs", "eager", "off")
-
-
-def prefetch_pays(slots: list[int], k: int) -> bool:
-    """--prefetch auto: on where the cache holds fewer slots than a token's k experts in the
-    average gathered layer, so that most routed experts miss. On the H200 (30B-A3B, K = 8) it
-    gained 5-10% at 2 GiB (1 slot a layer) and cost 9% at 10 GiB (43 slots a layer, 98% hits:
-    the side streams' kernels and waits then outweigh the few copies they save)."""
-    return bool(slots) and float(np.mean(slots)) < k
 
 
 @dataclass(frozen=True)

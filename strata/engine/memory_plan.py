@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.config import EngineConfig, ModelConfig, expected_tensors
+from strata.config import EngineConfig, ModelConfig, expected_tensors, prefetch_pays
 from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
@@ -53,6 +53,7 @@ class MemoryPlan:
     prompt_weights: int | None = None  # bf16 weight scratch of the grouped prompt path
     ring_borrow: int = 0  # bytes of `left` the ring may add to itself during streamed chunks
     kv_type: str = "f32"  # the KV cache's elements (--kv-type)
+    prefetch: int = 0  # experts decode prefetch copies ahead (--prefetch, auto resolved)
 
     @property
     def left(self) -> int:
@@ -166,9 +167,9 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         workspace = max(workspace, grouped)
     max_stride = max(lay.stride for lay in layouts)
     # a decode token's missed pairs, and the rows --prefetch copies the next layer's into
-    staging_slots = cfg.n_experts_used + (ec.prefetch_count(cfg.n_experts_used)
-                                          if dev.type == "cuda" and ec.decode_step != "off"
-                                          else 0)
+    prefetch = (ec.prefetch_count(cfg.n_experts_used)
+                if dev.type == "cuda" and ec.decode_step != "off" else 0)
+    staging_slots = cfg.n_experts_used + prefetch
     staging = staging_slots * max_stride
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > budget // 4
                                           or fused_dense(mf, cfg, ec))
@@ -199,7 +200,34 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if ctx * kv_per_token > kv_room:
         ctx = max(MIN_KV_TOKENS, kv_room // 2 // kv_per_token)
     kv = ctx * kv_per_token
+    slots = _cache_slots(cfg, ec, layouts, budget - fixed - kv, borrow_cap)
+    if ec.prefetch is None and prefetch and not prefetch_pays(
+            [n for n in slots if n < cfg.n_experts], cfg.n_experts_used):
+        # --prefetch auto where the cache is large: off, and its rows go back to the cache
+        fixed -= prefetch * max_stride
+        staging_slots, staging, prefetch = cfg.n_experts_used, staging - prefetch * max_stride, 0
+        slots = _cache_slots(cfg, ec, layouts, budget - fixed - kv, borrow_cap)
     room = budget - fixed - kv
+    cache = sum(n * lay.stride for n, lay in zip(slots, layouts, strict=True))
+    if cache > room:
+        raise StrataError(f"--expert-cache {ec.expert_cache}: {sum(slots)} slots need "
+                          f"{fmt_bytes(cache)} but the budget leaves {fmt_bytes(room)}; "
+                          "use fewer slots, auto, or a larger --vram-budget")
+    arena = sum(cfg.n_experts * lay.stride for lay in layouts)
+    avail = host_available()
+    if arena > avail:
+        raise StrataError(f"the expert arena needs {fmt_bytes(arena)} of host RAM but "
+                          f"{fmt_bytes(avail)} is available; close other programs or use a "
+                          "machine with more RAM")
+    borrow = max(0, min(budget - fixed - kv - cache, borrow_cap)) // 256 * 256
+    return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
+                      staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
+                      chunk, prompt_weights, borrow, ec.kv_type, prefetch)
+
+
+def _cache_slots(cfg: ModelConfig, ec: EngineConfig, layouts: list[ExpertLayout], room: int,
+                 borrow_cap: int) -> list[int]:
+    """Expert cache slots per layer in `room` bytes (--expert-cache auto), or as given."""
     per_layer_set = sum(lay.stride for lay in layouts)
     E = cfg.n_experts
     if ec.expert_cache == "auto":
@@ -225,19 +253,5 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
             raise StrataError(f"--expert-cache {total}: must be >= 0")
         total = min(total, E * cfg.n_layers)
         slots = [total // cfg.n_layers + (i < total % cfg.n_layers) for i in range(cfg.n_layers)]
-    cache = sum(n * lay.stride for n, lay in zip(slots, layouts, strict=True))
-    if cache > room:
-        raise StrataError(f"--expert-cache {ec.expert_cache}: {sum(slots)} slots need "
-                          f"{fmt_bytes(cache)} but the budget leaves {fmt_bytes(room)}; "
-                          "use fewer slots, auto, or a larger --vram-budget")
-    arena = sum(E * lay.stride for lay in layouts)
-    avail = host_available()
-    if arena > avail:
-        raise StrataError(f"the expert arena needs {fmt_bytes(arena)} of host RAM but "
-                          f"{fmt_bytes(avail)} is available; close other programs or use a "
-                          "machine with more RAM")
-    borrow = max(0, min(budget - fixed - kv - cache, borrow_cap)) // 256 * 256
-    return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
-                      staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
-                      chunk, prompt_weights, borrow, ec.kv_type)
+    return slots
 

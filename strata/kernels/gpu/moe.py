@@ -367,7 +367,7 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
     (cudaHostRegister), read over PCIe by the kernel (so a CUDA graph can hold it: which experts
     move is read on the device); rows uint8 [>= P, >= nbytes] on the device; whole int32 words are
     copied (rows and records are padded to a multiple of 4 bytes: ExpertLayout.stride). prefetched:
-    (pre_of [E] int32, pre uint8 [R, >= nbytes] on the device): an expert with pre_of[e] = j >= 0
+    (pre_of [>= E] int32, pre uint8 [R, >= nbytes] on the device): an expert with pre_of[e] = j >= 0
     is copied from pre[j] instead (a prefetch brought its record there already). programs: at most
     this many programs, each looping over its share of the work (a copy beside compute on another
     stream: loads waiting on PCIe hold up every other load of their SM)."""
