@@ -37,6 +37,8 @@ class BenchResult:
     vram_peak_decode_gib: float | None = None  # during the decode steps
     prompt_chunks: int = 1
     prompt_streamed_gib: float | None = None  # expert bytes streamed through the ring per prompt
+    prompt_streamed_gib_all: list[float] | None = None  # each measured run's (the line above:
+    # the faster run's)
     prompt_stream_gbs: float | None = None  # those bytes over the prompt's time
     bound_tok_s: float | None = None
     bound_fraction: float | None = None
@@ -154,6 +156,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     if p_streamed and p_streamed[0]:
         i = p_times.index(statistics.median_low(p_times))
         res.prompt_streamed_gib = p_streamed[i] / 2**30
+        res.prompt_streamed_gib_all = [round(b / 2**30, 4) for b in p_streamed]
         res.prompt_stream_gbs = p_streamed[i] / p_times[i] / 1e9
     if experts is not None and gen_len:
         tokens = runs * gen_len
