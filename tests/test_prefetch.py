@@ -368,9 +368,9 @@ def test_prefetch_auto_on_cuda(synth, caplog) -> None:
 
 
 def test_prefetch_pays_where_most_routed_experts_miss() -> None:
-    """--prefetch auto's rule: on while the gathered layers average fewer slots than a token's
-    K experts (the 2 GiB plan: 1 slot a layer, K = 8), off from K on (10 GiB: 43) and with no
-    gathered layer."""
+    """--prefetch auto's rule: on while the layers with experts outside VRAM average fewer
+    slots than a token's K experts (the 2 GiB plan: 1 slot a layer, K = 8), off from K on
+    (10 GiB: 43) and with no such layer."""
     from strata.config import prefetch_pays
 
     assert prefetch_pays([1] * 48, 8) and prefetch_pays([0, 0, 15], 8)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.config import prefetch_pays
 from strata.engine.kv_cache import KVCache, KVPool
 from strata.engine.waits import wait_event
 from strata.kernels.gpu import decode_ops as ops
@@ -135,19 +134,15 @@ class DecodeStep:
         self.prefetch = None
         if ex.prefetch and dev.type == "cuda":
             pairs = np.intersect1d(self.gathered_layers, self.gathered_layers + 1).size
-            # --prefetch auto: said as a plan line, given N: a warning
+            # --prefetch auto (which the memory plan keeps only where the cache is small): said
+            # as a plan line; given N: a warning
             say = log.info if ex.prefetch_auto else log.warning
             flag = "--prefetch " + ("auto" if ex.prefetch_auto else str(ex.prefetch))
-            slots = [ex.cache.layers[i].capacity for i in self.gathered_layers]
             if any(self.host):  # (a piece ends at a host layer: the side stream would dangle)
                 say("%s: off, %d layer(s) of this plan wait on the host", flag, sum(self.host))
             elif not pairs:
                 say("%s: off, no layer gathering its misses follows another (%d of them)", flag,
                     len(self.gathered_layers))
-            elif ex.prefetch_auto and not prefetch_pays(slots, K):
-                say("%s: off, the cache holds %.1f slots a gathered layer, a token routes to %d "
-                    "(it pays where most routed experts miss: docs/offload.md)", flag,
-                    float(np.mean(slots)), K)
             else:
                 from strata.engine.decode_prefetch import DecodePrefetch
 
