@@ -163,9 +163,9 @@ AUTO_PREFETCH = 2
 def prefetch_pays(slots: list[int], k: int) -> bool:
     """--prefetch auto (the memory plan's call): on where the layers with experts outside VRAM
     (slots: theirs) average fewer cache slots than a token's k experts, so that most routed
-    experts miss. On the H200 (30B-A3B, K = 8) it
-    gained 5-10% at 2 GiB (1 slot a layer) and cost 9% at 10 GiB (43 slots a layer, 98% hits:
-    the side streams' kernels and waits then outweigh the few copies they save)."""
+    experts miss. On the H200 (30B-A3B, K = 8) it gained 5-10% at 2 GiB (1 slot a layer) and
+    cost 9% at 10 GiB (43 slots a layer, 98% hits: the side streams' kernels and waits then
+    outweigh the few copies they save)."""
     return bool(slots) and sum(slots) < k * len(slots)
 
 

@@ -82,7 +82,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
             f"the cache holds {sum(n) / len(n):.1f} slots a layer, a token routes to "
             f"{cfg.n_experts_used} (it pays where most routed experts miss: docs/offload.md)"
             if n else "every expert has a cache slot"))
-    ec = replace(ec, prefetch=plan.prefetch if auto_prefetch else ec.prefetch)
+    if auto_prefetch:
+        ec = replace(ec, prefetch=plan.prefetch)
     profile = load_profile(ec.expert_profile, cfg) if ec.expert_profile else None
     policies = [make_policy(ec.cache_policy, cfg.n_experts,
                             None if profile is None else profile[i]) for i in range(cfg.n_layers)]
