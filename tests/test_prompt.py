@@ -75,6 +75,31 @@ def test_ring_budgets_and_cache_sizes(pack, ring, cache, device, caplog):
     assert st.cpu.sum() == 0  # every miss of a streamed chunk goes through the ring
 
 
+@pytest.mark.parametrize("kernels", ["exact", "fused"])
+def test_every_pass_streams_each_routed_expert_once(pack, device, kernels):
+    """A prompt whose 70 tokens route to every expert of every layer, with no cache slots,
+    streams every layer's experts once, whether the host reads the routing (the CPU, CUDA with
+    exact kernels) or the ring streams every uncached expert with the routing on the device (CUDA,
+    fused: the bank path); and the same again on a second pass after decode steps, as `strata
+    bench` runs them."""
+    import torch
+
+    path, _ = pack
+    e = engine(path, device, expert_cache="0", prefill="off", stream_min=2, kernels=kernels)
+    ex, cfg = e.model.experts, e.config
+    want = sum(cfg.n_experts * lay.nbytes for lay in ex.arena.layouts)
+    for _ in range(2):
+        kv = e.model.new_cache(len(PROMPT) + 4)
+        before = ex.ring.streamed_bytes
+        token = int(e.run_prompt(PROMPT, kv)[0].argmax())
+        assert ex.ring.streamed_bytes - before == want, (device, kernels)
+        for _ in range(4):
+            token = int(e.model.decode(token, kv)[0].argmax())
+        del kv
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+
 def test_ring_buffers_are_sized_per_layer(pack):
     path, _ = pack
     e = engine(path, expert_cache="0")
