@@ -69,7 +69,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{cfg.n_experts_used - 1} of the {cfg.n_experts_used} experts a "
                           "token is routed to")
     auto_prefetch = ec.prefetch is None
-    if not 0 <= ec.prefetch_count(cfg.n_experts_used) <= cfg.n_experts_used:
+    if not auto_prefetch and not 0 <= ec.prefetch <= cfg.n_experts_used:
         raise StrataError(f"--prefetch {ec.prefetch}: give auto, or 0 (off) to "
                           f"{cfg.n_experts_used} (the experts a token is routed to)")
     layouts = expert_layouts(mf, cfg)
