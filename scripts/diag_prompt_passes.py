@@ -73,6 +73,7 @@ def main() -> None:
         logits = engine.run_prompt(prompt, kv)
         if a.device == "cuda":
             torch.cuda.synchronize()
+        experts.stats.settle()  # as strata bench reads its counters: routed_fraction lands
         last = logits[-1].float().cpu()
         if first is None:
             first = last
@@ -88,7 +89,7 @@ def main() -> None:
               f"last logits max |diff| from pass 0 (of max |logit|): {diff:.3g}; argmax "
               f"{int(last.argmax())} vs {int(first.argmax())}")
         for r in rows:
-            if r["path"] != "routed" or i == 0 or r["layer"] < 3:
+            if r["path"] != "routed" or r["layer"] < 2 or (r["fraction_after"] or 1) < 0.6:
                 print("   ", json.dumps(r))
         report.append({"pass": i, "gib": total, "max_diff": diff, "layers": rows})
         token = int(logits[-1].argmax())
