@@ -119,7 +119,10 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         t1 = time.perf_counter()
         peak(0)
         streamed = (ring.streamed_bytes if ring is not None else 0) - streamed0
-        before = _Counters.of(experts) if r and experts is not None else None
+        # read after every prompt, the warm-up's too: reading settles the device-routed
+        # counts, which pick each layer's prompt path for the next pass (routed_fraction), so
+        # the measured passes run as every later pass will
+        before = _Counters.of(experts) if experts is not None else None
         share_before = dict(share.timing) if share is not None else None
         token = int(logits[0].argmax())
         for _ in range(gen_len):
@@ -127,7 +130,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
             token = int(logits[0].argmax())  # the host needs the token: a real sync per step
         t2 = time.perf_counter()
         peak(1)
-        if before is not None:
+        if r and before is not None:
             decode.add(_Counters.of(experts), before)
         if r and share_before is not None:
             for k in share_sum:
