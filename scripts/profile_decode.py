@@ -2,7 +2,7 @@
 share (the offload executor's host layers), then the step time with CUDA graphs.
 
     python scripts/profile_decode.py MODEL --vram-budget 40 [--steps 16] [--json F]
-        [--prefetch N] [--cpu-share N] [--trace F]
+        [--prefetch N] [--cpu-share N] [--threads T] [--trace F]
 
 Prints the kernels of the decode steps by total GPU time per step, the host time per step spent
 in the executor's calls (`OffloadExperts.decode_misses`, the CPU pool, cache admissions...,
@@ -88,13 +88,15 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--prefetch", default="auto", help="auto (the engine's default) or N")
     p.add_argument("--cpu-share", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU pool threads (the engine's)")
     p.add_argument("--trace", default=None, help="Chrome trace of 8 steps here (6 replayed)")
     a = p.parse_args()
     prefetch = None if a.prefetch == "auto" else int(a.prefetch)
     engine = Engine.load(a.model, config=EngineConfig(device=a.device, offload="on",
                                                       vram_budget_gib=a.vram_budget,
                                                       decode_step="eager", prefetch=prefetch,
-                                                      cpu_share=a.cpu_share))
+                                                      cpu_share=a.cpu_share,
+                                                      threads=a.threads))
     step: DecodeStep = engine.model.step
     timed_steps(engine, 4)  # warm up (compiles)
     eager = timed_steps(engine, a.steps)
