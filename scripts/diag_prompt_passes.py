@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import time
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--verbose", action="store_true", help="print the layers' rows too")
     a = p.parse_args()
     ec = EngineConfig(device=a.device, offload="on", vram_budget_gib=a.vram_budget,
                       ctx=a.prompt_len + a.gen_len)
@@ -70,9 +72,20 @@ def main() -> None:
         log["bytes"].clear()
         kv = model.new_cache(a.prompt_len + a.gen_len)
         streamed0 = experts.ring.streamed_bytes
+        mem0 = torch.cuda.memory_stats() if a.device == "cuda" else {}
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         logits = engine.run_prompt(prompt, kv)
         if a.device == "cuda":
             torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        mem1 = torch.cuda.memory_stats() if a.device == "cuda" else {}
+        # the allocator's trips to the driver and its retries after freeing its cache (each a
+        # device-wide sync): what a budget close to the peak would cost a pass
+        alloc = {k: mem1.get(k, 0) - mem0.get(k, 0)
+                 for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                           "num_ooms")}
         experts.stats.settle()  # as strata bench reads its counters: routed_fraction lands
         last = logits[-1].float().cpu()
         if first is None:
@@ -85,13 +98,15 @@ def main() -> None:
                  "gib": log["bytes"][la] / 2**30} for la in layers]
         total = (experts.ring.streamed_bytes - streamed0) / 2**30
         n_host = sum(r["path"] == "host" for r in rows)
+        print(f"pass {i}: {wall:.3f} s; allocator {alloc}")
         print(f"pass {i}: streamed {total:.2f} GiB; {n_host} of {len(rows)} layers host-read; "
               f"last logits max |diff| from pass 0 (of max |logit|): {diff:.3g}; argmax "
               f"{int(last.argmax())} vs {int(first.argmax())}")
         for r in rows:
-            if r["path"] != "routed" or r["layer"] < 2 or (r["fraction_after"] or 1) < 0.6:
+            if a.verbose and (r["path"] != "routed" or r["layer"] < 2):
                 print("   ", json.dumps(r))
-        report.append({"pass": i, "gib": total, "max_diff": diff, "layers": rows})
+        report.append({"pass": i, "wall_s": wall, "allocator": alloc, "gib": total,
+                       "max_diff": diff, "layers": rows})
         token = int(logits[-1].argmax())
         for _ in range(a.gen_len):
             token = int(model.decode(token, kv)[0].argmax())
