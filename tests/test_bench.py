@@ -27,3 +27,25 @@ def test_bench_sweep_writes_json_and_plot(synth, tmp_path, capsys):
 def test_bench_rejects_bad_sweep(synth, capsys):
     assert main(["bench", str(synth("qwen3moe", "Q4_K_M")), "--sweep-vram", "2,x"]) == 2
     assert "--sweep-vram" in capsys.readouterr().err
+
+
+def test_bench_warms_up_again_while_a_prompt_path_changes(synth, tmp_path, capsys, monkeypatch):
+    """A warm-up whose settled routing moves a layer to the other prompt path (here every layer:
+    2 tokens route to at most 4 of the 8 uncached experts, and ROUTED_MIN asks for all) is run
+    again, so no measured pass is the new path's first."""
+    from strata.experts import offload
+
+    def bench(name: str, tokens: int, cache: int) -> dict:
+        out = tmp_path / name
+        code = main(["bench", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on",
+                     "--expert-cache", str(cache), "--prompt-len", str(tokens), "--gen-len", "2",
+                     "--runs", "1", "--json", str(out)])
+        assert code == 0, capsys.readouterr().err
+        return json.loads(out.read_text())["results"][0]
+
+    # 32 tokens route to every expert of each layer: no path changes
+    assert bench("a.json", 32, 4)["warmups"] == 1
+    monkeypatch.setattr(offload, "ROUTED_MIN", 1.0)
+    r = bench("b.json", 2, 0)
+    assert r["warmups"] == 2 and len(r["decode_tok_s_all"]) == 1
+    assert "after 2 warm-up runs" in capsys.readouterr().err

@@ -46,11 +46,13 @@ class BenchResult:
     prefetch: int = 0  # experts a decode layer copies ahead (--prefetch as it ran; auto resolved)
     ahead_used: float = 0.0  # --prefetch: experts copied ahead that their layer used, per token
     ahead_copied: float = 0.0  # and all it copied ahead, per token (summed over layers)
+    warmups: int = 1  # runs not counted: one, more while one changed a layer's prompt path
     ceilings: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         out = [f"prompt {self.prompt_len} tokens: {self.prompt_tok_s:.1f} tok/s; decode "
-               f"{self.gen_len} tokens: {self.decode_tok_s:.2f} tok/s (median of {self.runs})"]
+               f"{self.gen_len} tokens: {self.decode_tok_s:.2f} tok/s (median of {self.runs}"
+               + (f", after {self.warmups} warm-up runs)" if self.warmups > 1 else ")")]
         if self.prompt_streamed_gib:
             out.append(f"prompt: {self.prompt_chunks} chunks streamed "
                        f"{self.prompt_streamed_gib:.2f} GiB of experts, "
@@ -88,6 +90,22 @@ def _sync(engine: Engine) -> None:
         torch.cuda.synchronize(engine.model.device)
 
 
+MAX_WARMUPS = 3  # warm-up runs at most, while a warm-up changes a layer's prompt path
+
+
+def _prompt_paths(experts) -> tuple[bool, ...] | None:  # noqa: ANN001 - any kind of experts
+    """Per layer, whether a large prompt chunk may stream every uncached expert
+    (OffloadExperts' routed_fraction against ROUTED_MIN; a layer not yet seen may), or None
+    for experts without that choice."""
+    fractions = getattr(experts, "routed_fraction", None)
+    if fractions is None:
+        return None
+    from strata.experts.offload import ROUTED_MIN
+
+    return tuple(fractions.get(layer, 1.0) >= ROUTED_MIN
+                 for layer in range(len(experts.arena.layouts)))
+
+
 def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: int = 0,
               ceilings: dict | None = None) -> BenchResult:
     model, cfg = engine.model, engine.config
@@ -108,8 +126,10 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     decode = _Counters(cfg.n_layers)  # expert counters over the measured decode steps only
     share = getattr(getattr(model, "step", None), "share", None)
     share_sum = dict.fromkeys(("layers", "idle_s", "answer_s", "pool_s"), 0.0)
-    for r in range(runs + 1):  # the first run warms up and is not counted
+    warmups, r = 0, 0
+    while r < runs + 1:  # run 0 warms up and is not counted
         kv = model.new_cache(prompt_len + gen_len)
+        paths = _prompt_paths(model.experts)
         ring = getattr(model.experts, "ring", None)
         streamed0 = ring.streamed_bytes if ring is not None else 0
         _sync(engine)
@@ -120,9 +140,11 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         peak(0)
         streamed = (ring.streamed_bytes if ring is not None else 0) - streamed0
         # read after every prompt, the warm-up's too: reading settles the device-routed
-        # counts, which pick each layer's prompt path for the next pass (routed_fraction), so
-        # the measured passes run as every later pass will
+        # counts, which pick each layer's prompt path for the next pass (routed_fraction); a
+        # warm-up that changed a path is run again (the new path compiles on its first use),
+        # so the measured passes run as every later pass will
         before = _Counters.of(experts) if experts is not None else None
+        again = r == 0 and warmups + 1 < MAX_WARMUPS and _prompt_paths(model.experts) != paths
         share_before = dict(share.timing) if share is not None else None
         token = int(logits[0].argmax())
         for _ in range(gen_len):
@@ -140,6 +162,9 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
             p_times.append(t1 - t0)
             p_streamed.append(streamed)
             d_rates.append(gen_len / (t2 - t1))
+        else:
+            warmups += 1
+        r += 0 if again else 1
     res = BenchResult(
         config={}, prompt_len=prompt_len, gen_len=gen_len, runs=runs,
         prompt_tok_s=prompt_len / statistics.median(p_times),
@@ -152,6 +177,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         res.vram_peak_prompt_gib, res.vram_peak_decode_gib = (x / 2**30 for x in peaks)
     pf = getattr(getattr(model, "step", None), "prefetch", None)
     res.prefetch = pf.n if pf is not None else 0
+    res.warmups = warmups
     if share_sum["layers"]:
         n = share_sum["layers"] / 1e6
         res.share_us = {k[:-2]: share_sum[k] / n for k in ("idle_s", "answer_s", "pool_s")}

@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF file (any shard of a split set)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (128)")
     p.add_argument("--gen-len", type=int, default=64, help="tokens to decode (64)")
-    p.add_argument("--runs", type=int, default=3, help="measured runs after a warm-up (3)")
+    p.add_argument("--runs", type=int, default=3,
+                   help="measured runs after a warm-up run (3); the warm-up is run again, up to "
+                   "3 times, while it changes which layers' prompt chunks stream every expert")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--sweep-vram", default=None, metavar="GIB,GIB,...",
                    help="run once per VRAM budget and plot decode tok/s against it (--plot)")
