@@ -156,7 +156,7 @@ def check_rows(engine) -> None:  # noqa: ANN001
     pf, ex = engine.model.step.prefetch, engine.model.experts
     last = engine.config.n_layers - 1
     table = ex.cache.layers[last].table.cpu()  # (the device table the step read)
-    pre_of, nbytes = pf.pre_of.cpu(), ex.arena.layouts[last].nbytes
+    pre_of, nbytes = pf.pre_of[last].cpu(), ex.arena.layouts[last].nbytes
     for j, e in enumerate(pf.pred[last].tolist()):  # (-1: no guess, every pick had a slot)
         if e >= 0 and table[e] < 0:
             assert pre_of[e] == j

@@ -12,17 +12,20 @@ streams inside the step's CUDA graph fill that gap:
 
 predict_l+1: layer l+1's router on rms_norm(x_l, ffn_norm_l+1), x_l the residual after layer l's
 attention (what layer l+1's router will see, less layer l's experts and layer l+1's attention); the
-N experts it ranks best, -1 in place of those with a cache slot. It runs as soon as x_l exists, on
-a stream of its own, so that only the copy is left when PCIe frees. copy_l+1: those records from
-the arena into the staging rows K .. K+N-1 (after the K rows of the token's own misses), pre_of[e]
-= their row, by a few looping programs (PROGRAMS). gather_l+1 waits for that copy alone (an event
-per layer, not the whole stream: a later guess queued behind it is not waited for) and takes a
-predicted expert from VRAM, the rest over PCIe. A wrong guess costs its copy's time.
+N experts it ranks best, -1 in place of those with a cache slot, and pre_of[l+1][e] = the row each
+will land in. It runs as soon as x_l exists, on a stream of its own, so that only the copy is left
+when PCIe frees: one kernel (in a 2 GiB trace, with pre_of's small kernels on the copy stream, the
+copy started 25 us after gather_l ended, while PCIe idled). copy_l+1: those records from the arena
+into the staging rows K .. K+N-1 (after the K rows of the token's own misses), by a few looping
+programs (PROGRAMS). gather_l+1 waits for that copy alone (an event per layer, not the whole stream:
+a later guess queued behind it is not waited for) and takes a predicted expert from VRAM, the rest
+over PCIe. A wrong guess costs its copy's time.
 
 Every buffer a side stream shares with the main stream is written again only after the main
 stream has waited for that use of it: snap is double-buffered (predict_l+1 reads snap[l % 2];
 the main stream writes it again at layer l+2, after waiting for copied_l+1, which waited for
-guessed_l+1); pre_of and the rows, which gather_l reads, are rewritten by copy_l+1, which
+guessed_l+1); pre_of has a row per layer (predict_l+1 writes only layer l+1's, which no gather
+reads before copied_l+1); the rows, which gather_l reads, are rewritten by copy_l+1, which
 follows gather_l. The last target layer joins both side streams, so a captured graph ends with
 every fork joined.
 
@@ -62,7 +65,10 @@ class DecodePrefetch:
         self.guessed = {t: torch.cuda.Event() for t in self.targets}
         self.copied = {t: torch.cuda.Event() for t in self.targets}
         self.snap = torch.zeros(2, 1, cfg.d_model, dtype=torch.float32, device=dev)
-        self.pre_of = torch.full((cfg.n_experts + 1,), -1, dtype=torch.int32, device=dev)
+        # per layer: the prefetch row of each expert copied ahead, -1 for the others (the last
+        # entry a spare that the experts not guessed write)
+        self.pre_of = torch.full((cfg.n_layers, cfg.n_experts + 1), -1, dtype=torch.int32,
+                                 device=dev)
         self.rows = staging[k:k + n]
         self.order = torch.arange(n, dtype=torch.int32, device=dev)
         self.pred = torch.full((cfg.n_layers, n), -1, dtype=torch.int64, device=dev)
@@ -92,6 +98,9 @@ class DecodePrefetch:
             # N best, 203 without prefetch). Three launches: norm, router, top N.
             ops.route_topk(ops.router_logits(h, lw.router), self.n, False, skip=table,
                            ids=self.pred[nxt:nxt + 1])
+            pre_of, pred = self.pre_of[nxt], self.pred[nxt]
+            pre_of.fill_(-1)
+            pre_of.scatter_(0, torch.where(pred >= 0, pred, pre_of.numel() - 1), self.order)
             self.guessed[nxt].record(gs)
 
     def ready(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -104,7 +113,7 @@ class DecodePrefetch:
         if layer == self.last:  # every fork joined (a captured graph must end so)
             main.wait_stream(self.guess_stream)
             main.wait_stream(self.copy_stream)
-        return self.pre_of, self.rows
+        return self.pre_of[layer], self.rows
 
     def issue(self, layer: int) -> None:
         """Main stream, right after layer's gather was queued: on the copy stream, once that
@@ -116,10 +125,6 @@ class DecodePrefetch:
         cs.wait_stream(torch.cuda.current_stream(self.device))
         cs.wait_event(self.guessed[nxt])
         with torch.cuda.stream(cs):
-            self.pre_of.fill_(-1)  # (an expert not guessed, -1, writes the spare last entry)
-            pred = self.pred[nxt]
-            self.pre_of.scatter_(0, torch.where(pred >= 0, pred, self.pre_of.numel() - 1),
-                                 self.order)
             self.copy(nxt)
             self.copied[nxt].record(cs)
 
