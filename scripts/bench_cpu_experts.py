@@ -11,8 +11,9 @@ other processes' load, most of all at thread counts near the core count.
 
     .venv/bin/python scripts/bench_cpu_experts.py --json bench/cpu_experts.json
 
---share times, instead, the call of a decode step's CPU share (GgmlExperts.run_strided: one
-token through 1 or 2 experts picked by slot in a layer's records), back to back and with a
+--share times, instead, the call of a decode step's CPU share (run_strided: one token through 1
+or 2 experts picked by slot in a layer's records; on the ggml graph, GgmlExperts, and on the C
+pool with ggml's dot kernels, TokenPool, where it builds), back to back and with a
 --gap-us pause between calls (busy-waited), as the share makes them once a layer: a pool whose
 threads fall asleep between calls pays their wake-up in every call. --pcie-load times each case
 also while a thread copies page-locked host memory to the GPU without pause, as a decode step's
@@ -179,8 +180,13 @@ def bench_share(args: argparse.Namespace) -> dict:
     load = PcieLoad() if args.pcie_load else None
     cases = [(gap, loaded) for loaded in ((False, True) if load else (False,))
              for gap in (0.0, args.gap_us * 1e-6)]
-    for t in thread_counts:
-        experts = make_cpu_experts("ggml", threads=t)
+    from strata.kernels.cpu.token_pool import TokenPool
+
+    pools = ["graph"] + (["token"] if TokenPool.available() is None else [])
+    if len(pools) == 1:
+        print(f"share call: the token pool is skipped: {TokenPool.available()}")
+    for t, pool in ((t, pool) for t in thread_counts for pool in pools):
+        experts = make_cpu_experts("ggml", threads=t) if pool == "graph" else TokenPool(t)
         for n in (1, 2):
             w = np.full(n, 0.5, np.float32)
             for gap, loaded in cases:
@@ -201,7 +207,8 @@ def bench_share(args: argparse.Namespace) -> dict:
                     while time.perf_counter() - t1 < gap:
                         pass
                 us = statistics.median(times) * 1e6
-                row = {"threads": t, "experts": n, "gap_us": gap * 1e6, "us_per_call": us,
+                row = {"pool": pool, "threads": t, "experts": n, "gap_us": gap * 1e6,
+                       "us_per_call": us,
                        "best_us": min(times) * 1e6, "GBs": expert_bytes * n / us / 1e3}
                 note = ""
                 if loaded:
@@ -209,7 +216,7 @@ def bench_share(args: argparse.Namespace) -> dict:
                     row["pcie_load_GBs"] = load.gbs()
                     note = f"  while host->GPU copies ran at {row['pcie_load_GBs']:.1f} GB/s"
                 result["share"].append(row)
-                print(f"share call: {t:3d} thr {n} expert(s) gap {gap * 1e6:4.0f} us  "
+                print(f"share call: {pool:5s} {t:3d} thr {n} expert(s) gap {gap * 1e6:4.0f} us  "
                       f"{us:7.1f} us (best {row['best_us']:6.1f})  {row['GBs']:5.1f} GB/s{note}",
                       flush=True)
         experts.close()
@@ -244,7 +251,8 @@ def main() -> None:
     p.add_argument("--d-expert", type=int, default=768)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--share", action="store_true",
-                   help="time the CPU share's one-token call instead (ggml; --threads)")
+                   help="time the CPU share's one-token call instead (ggml graph and token "
+                   "pool; --threads)")
     p.add_argument("--gap-us", type=float, default=400.0,
                    help="--share: pause between calls, as between a decode step's layers")
     p.add_argument("--pcie-load", action="store_true",

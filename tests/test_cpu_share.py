@@ -19,6 +19,7 @@ from strata.cli.logits import compute_logits
 from strata.cli.main import main
 from strata.engine.generator import Engine
 from strata.engine.waits import StallError
+from strata.errors import StrataError
 from strata.experts.compute import Group
 from strata.experts.cpu_share import CpuShare
 
@@ -41,10 +42,31 @@ def post(share: CpuShare, step: int, layer: int, ids, slots, wts, h) -> None:  #
     box["req"][layer] = step
 
 
-def test_the_worker_computes_its_pairs_and_answers(engine) -> None:
+@pytest.fixture(scope="module")
+def ggml_engine(synth):
+    """The same with ggml's CPU kernels, whose layers the share computes straight from the
+    arena's records (run_strided)."""
+    pytest.importorskip("ggml", reason="ggml-python not installed")
+    return offload(synth("qwen3moe", "Q4_K_M"), "cpu", expert_cache="0", decode_step="off",
+                   cpu_kernels="ggml")
+
+
+@pytest.mark.parametrize("pool", ["torch", "graph", "token"])
+def test_the_worker_computes_its_pairs_and_answers(request, pool, monkeypatch) -> None:
+    """With torch's kernels, and with ggml's on either pool (STRATA_CPU_SHARE_POOL): the
+    token pool runs ggml's dot kernels on its own threads, so it equals the general ggml call
+    but for summation order."""
+    engine = request.getfixturevalue("engine" if pool == "torch" else "ggml_engine")
     ex = engine.model.experts
     cfg = engine.config
     k, d = cfg.n_experts_used, cfg.d_model
+    if pool == "token":
+        from strata.kernels.cpu.token_pool import TokenPool
+
+        if TokenPool.available() is not None:
+            pytest.skip(f"the token pool cannot run: {TokenPool.available()}")
+    exact = pool == "torch"  # the same torch call as the test's; ggml's differ in order
+    monkeypatch.setenv("STRATA_CPU_SHARE_POOL", "token" if pool == "token" else "graph")
     share = CpuShare(ex, [0, 2], 1, k, d, torch.device("cpu"), timeout_s=5)
     try:
         rng = np.random.default_rng(0)
@@ -66,8 +88,13 @@ def test_the_worker_computes_its_pairs_and_answers(engine) -> None:
                     ex.pool.run(layer, ex.arena, [g], torch.from_numpy(h)[None], out)
                 want[layer] = (out[0].numpy(), [int(ids[-1])] if slots[-1] < 0 else [])
             share.end(None)
+            assert (share._token is not None) == (pool == "token")
             for layer, (row, experts) in want.items():
-                np.testing.assert_array_equal(share._np["rows"][layer], row)
+                if exact:
+                    np.testing.assert_array_equal(share._np["rows"][layer], row)
+                else:
+                    np.testing.assert_allclose(share._np["rows"][layer], row, rtol=1e-5,
+                                               atol=1e-6 * float(np.abs(row).max()))
                 assert share._np["done"][layer] == step
                 assert share.taken[step].get(layer, []) == experts
             assert share.taken[step][0] and 2 not in share.taken[step]
@@ -75,6 +102,14 @@ def test_the_worker_computes_its_pairs_and_answers(engine) -> None:
         assert tm["layers"] == 4 and 0 < tm["pool_s"] <= tm["answer_s"]
     finally:
         share.close()
+
+
+def test_an_unknown_share_pool_is_refused(engine, monkeypatch) -> None:
+    monkeypatch.setenv("STRATA_CPU_SHARE_POOL", "fast")
+    cfg = engine.config
+    with pytest.raises(StrataError, match="STRATA_CPU_SHARE_POOL='fast': give graph"):
+        CpuShare(engine.model.experts, [0], 1, cfg.n_experts_used, cfg.d_model,
+                 torch.device("cpu"), timeout_s=5)
 
 
 def test_the_worker_waits_for_a_post_with_a_deadline(engine) -> None:

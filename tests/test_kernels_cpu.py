@@ -14,6 +14,7 @@ q8_K 2.7%, 1.7% (sd 0.25%); bf16 0.38%; f16 0.04%; f32 < 1e-6. Each bound has ro
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -200,3 +201,64 @@ def test_registry(caplog) -> None:
     assert make_cpu_experts("torch").name == "torch"
     with pytest.raises(ValueError, match="unknown CPU expert backend"):
         make_cpu_experts("numba")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_token_pool_one_token(threads: int) -> None:
+    """The CPU share's token pool (ggml's dot kernels on a C pool of spinning threads): the
+    float reference within the q8 rounding, ggml's own strided call to float32 round-off, for
+    mixed types and 1-3 picks (one expert twice), with waits long enough between calls that
+    the workers fall asleep and must be woken."""
+    pytest.importorskip("ggml", reason="ggml-python not installed: the ggml backend is skipped")
+    from strata.kernels.cpu.token_pool import TokenPool
+
+    if TokenPool.available() is not None:
+        pytest.skip(f"the token pool cannot run here: {TokenPool.available()}")
+    rng, seed = fresh_rng()
+    graph, pool = make_cpu_experts("ggml"), TokenPool(threads, spin_us=200)
+    try:
+        assert pool.threads == threads
+        layers = [(q, arena(rng, q, 8)) for q in ((QType.Q4_K, QType.IQ3_S, QType.Q6_K),
+                                                  (QType.Q8_0, QType.Q8_0, QType.Q5_K))]
+        for i, picks in enumerate(([3], [5, 0], [2, 7, 2], [6])):
+            for q, recs in layers:
+                x = rng.normal(size=D).astype(np.float32)
+                w = rng.uniform(0.1, 1.0, len(picks)).astype(np.float32)
+                stride = recs[1][0].data_ptr() - recs[0][0].data_ptr()
+                args = (x, tuple(int(t) for t in q), F, tuple(m.data_ptr() for m in recs[0]),
+                        stride, 8, np.array(picks, np.int32), w)
+                if i == 2:
+                    time.sleep(0.01)  # > spin_us: the workers sleep on the condition variable
+                got, want = pool.run_strided(*args), graph.run_strided(*args)
+                jobs = [ExpertJob(*recs[e], tuple(int(t) for t in q), torch.tensor([0]),
+                                  torch.tensor([wk])) for e, wk in zip(picks, w, strict=True)]
+                ref = torch.zeros(1, D)
+                reference_run(torch.from_numpy(x)[None], jobs, ref)
+                err = float(np.linalg.norm(got - ref[0].numpy()) / ref.norm())
+                assert err < tolerance("ggml", q), (picks, q, err, seed)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(
+                    np.abs(want).max()), err_msg=f"seed {seed}")
+        with pytest.raises(ValueError, match="outside the layer's 8 records"):
+            pool.run_strided(*args[:6], np.array([8], np.int32), w[:1])
+        with pytest.raises(ValueError, match="1 to 16 experts"):
+            pool.run_strided(*args[:6], np.zeros(17, np.int32), np.ones(17, np.float32))
+    finally:
+        pool.close()
+        graph.close()
+
+
+def test_token_pool_says_why_it_cannot_build(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("ggml", reason="ggml-python not installed: the ggml backend is skipped")
+    from strata.kernels.cpu import token_pool
+
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    token_pool._library.cache_clear()
+    try:
+        why = token_pool.TokenPool.available()
+        assert why is not None and "failed on token_pool.c" in why
+        with pytest.raises(RuntimeError, match="the token pool cannot run: false failed"):
+            token_pool.TokenPool(2)
+        assert not list(tmp_path.iterdir())  # nothing half-written left behind
+    finally:
+        token_pool._library.cache_clear()

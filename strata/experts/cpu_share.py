@@ -17,6 +17,8 @@ and OffloadExperts.after_gathered takes them off the pairs and bytes that crosse
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_event
+from strata.errors import StrataError
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 
@@ -33,6 +36,12 @@ from strata.experts.cpu_pool import CpuPool
 # 40.6-40.9); 4 threads gave 18.8-44.1, 12 and 15 threads 16.7-37.6
 # (bench/2026-11-30-h200-prefetch.md)
 SHARE_THREADS = 8
+# which pool computes the strided layers: "graph" (a ggml graph a call) or "token" (ggml's dot
+# kernels on strata.kernels.cpu.token_pool's spinning threads); timed against each other by
+# scripts/bench_cpu_experts.py --share, not yet on the GPU's host: the graph stays the default
+POOL_ENV = "STRATA_CPU_SHARE_POOL"
+
+log = logging.getLogger("strata")
 
 
 def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype, register: bool) -> torch.Tensor:
@@ -52,6 +61,9 @@ class CpuShare:
         how many of a token's K pairs (the last ones) the CPU takes when they miss."""
         if not 0 < pairs < topk:
             raise ValueError(f"--cpu-share {pairs}: give 1 .. {topk - 1} of the {topk} pairs")
+        self.pool_kind = os.environ.get(POOL_ENV, "graph")
+        if self.pool_kind not in ("graph", "token"):
+            raise StrataError(f"{POOL_ENV}={self.pool_kind!r}: give graph (the default) or token")
         self.ex, self.layers, self.pairs, self.topk = ex, list(layers), pairs, topk
         self.host_from = topk - pairs
         self.timeout_s = timeout_s
@@ -75,6 +87,7 @@ class CpuShare:
         # answer, and of that in the CPU pool (strata bench prints them per layer)
         self.timing = {"layers": 0, "idle_s": 0.0, "answer_s": 0.0, "pool_s": 0.0}
         self._strided: dict[int, tuple] = {}  # set by the worker with its pool
+        self._token = None  # and the token pool, where asked for (POOL_ENV)
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="strata-cpu-share", daemon=True)
@@ -149,6 +162,7 @@ class CpuShare:
                        or min(self.ex.pool.threads, SHARE_THREADS))
             self.pool = CpuPool(self.ex.pool.kind, threads, self.ex.pool.workspace_bytes)
             self._strided = self._strided_layers()
+            self._token = self._token_pool(threads)
         except Exception as e:  # noqa: BLE001 (every step then reports it)
             broken = RuntimeError(f"the CPU share's pool failed to start: {e}")
         while True:
@@ -157,6 +171,8 @@ class CpuShare:
                 kernels = getattr(getattr(self, "pool", None), "kernels", None)
                 if hasattr(kernels, "close"):
                     kernels.close()
+                if getattr(self, "_token", None) is not None:
+                    self._token.close()
                 return
             if broken is not None:
                 self._done.put(broken)
@@ -189,12 +205,29 @@ class CpuShare:
                           recs.shape[0])
         return out
 
+    def _token_pool(self, threads: int):  # noqa: ANN202 - a TokenPool or None
+        """The token pool where STRATA_CPU_SHARE_POOL=token asks for it and it runs here."""
+        if self.pool_kind == "graph" or not self._strided:
+            return None
+        from strata.kernels.cpu.token_pool import TokenPool
+
+        why = TokenPool.available()
+        if why is None and not all(TokenPool.supports(v[0]) for v in self._strided.values()):
+            why = "a layer's types have no single-row dot kernel in ggml"
+        if why is not None:
+            log.warning("%s=token: not used (%s); the CPU share runs ggml graphs", POOL_ENV, why)
+            return None
+        pool = TokenPool(threads)
+        log.info("cpu share: token pool, %d threads (ggml's dot kernels)", pool.threads)
+        return pool
+
     def _compute(self, layer: int, ids: np.ndarray, wts: np.ndarray, h: np.ndarray) -> np.ndarray:
         """Σ_k wts[k] * expert(ids[k])(h) over the CPU's pairs: [D] f32."""
         fixed = self._strided.get(layer)
         if fixed is not None:
             qtypes, f, bases, stride, n = fixed
-            return self.pool.kernels.run_strided(h, qtypes, f, bases, stride, n, ids, wts)
+            kernels = self._token if self._token is not None else self.pool.kernels
+            return kernels.run_strided(h, qtypes, f, bases, stride, n, ids, wts)
         groups = [Group(int(e), torch.zeros(1, dtype=torch.int64),
                         torch.tensor([w], dtype=torch.float32))
                   for e, w in zip(ids, wts, strict=True)]
