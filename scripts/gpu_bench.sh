@@ -10,8 +10,9 @@
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
-# for each N of SHARES; N:T also --threads T; SHARE_ENV="VAR=value ..." in their environment,
-# SHARE_FLAGS added; --prefetch is the engine's default, auto, unless SHARE_FLAGS gives it),
+# for each N of SHARES; N:T also --threads T; for each pool of SHARE_POOLS, default graph, as
+# STRATA_CPU_SHARE_POOL; SHARE_ENV="VAR=value ..." in their environment, SHARE_FLAGS added;
+# --prefetch is the engine's default, auto, unless SHARE_FLAGS gives it),
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
 # OMP_WAIT_POLICY of CPU_POLICIES, CPU_ARGS added), prefetch (decode at 2 GiB with --prefetch N
 # for each N of PREFETCHES; N:S also --cpu-share S),
@@ -136,12 +137,15 @@ if [[ $STAGES == *cpu* ]]; then  # the CPU share's one-token call, by threads an
   done
 fi
 if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token's last N misses
-  for spec in ${SHARES:-1 2 3}; do  # N, or N:T for T threads in the CPU pool
+  for pool in ${SHARE_POOLS:-graph}; do  # STRATA_CPU_SHARE_POOL: graph, token
+   for spec in ${SHARES:-1 2 3}; do  # N, or N:T for T threads in the CPU pool
     n=${spec%%:*}; thr=(); [[ $spec == *:* ]] && thr=(--threads "${spec##*:}")
-    echo "== decode at --vram-budget 2 with --cpu-share $n ${thr[*]}"
+    echo "== decode at --vram-budget 2 with --cpu-share $n ${thr[*]} ($pool pool)"
     ( [[ -n ${SHARE_ENV:-} ]] && export ${SHARE_ENV}
-      bench "share_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 --runs 2 \
-        --cpu-share "$n" "${thr[@]}" ${SHARE_FLAGS:-} )
+      export STRATA_CPU_SHARE_POOL=$pool
+      bench "share_${pool}_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 \
+        --runs 2 --cpu-share "$n" "${thr[@]}" ${SHARE_FLAGS:-} )
+   done
   done
 fi
 if [[ $STAGES == *prefetch* ]]; then  # the next layer's likely experts copied ahead, at 2 GiB
