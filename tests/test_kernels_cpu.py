@@ -251,7 +251,7 @@ def test_token_pool_says_why_it_cannot_build(tmp_path, monkeypatch) -> None:
     pytest.importorskip("ggml", reason="ggml-python not installed: the ggml backend is skipped")
     from strata.kernels.cpu import token_pool
 
-    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     token_pool._library.cache_clear()
     try:
@@ -259,6 +259,6 @@ def test_token_pool_says_why_it_cannot_build(tmp_path, monkeypatch) -> None:
         assert why is not None and "failed on token_pool.c" in why
         with pytest.raises(RuntimeError, match="the token pool cannot run: false failed"):
             token_pool.TokenPool(2)
-        assert not list(tmp_path.iterdir())  # nothing half-written left behind
+        assert not list(tmp_path.rglob("*.so"))  # nothing half-written left behind
     finally:
         token_pool._library.cache_clear()

@@ -5,16 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from strata.cache import cache_dir
 from strata.synth.presets import get_preset
 from strata.synth.recipes import Recipe
 from strata.synth.writer import write_model
 
 DEMO_NAME = "strata-demo-qwen3moe-tiny-Q4_K_M-v2.gguf"
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("STRATA_CACHE") or os.environ.get("XDG_CACHE_HOME")
-    return Path(base) / "strata" if base else Path.home() / ".cache" / "strata"
 
 
 def demo_model() -> Path:

@@ -7,9 +7,10 @@ three phases with two barriers, on threads that spin between calls and sleep onl
 `spin_us` without one. The weights are read where they lie (the arena's records), the
 dot and quantize functions are ggml's (its type traits): no kernel is written here.
 
-The C file is compiled at first use with the system's C compiler into a cache directory
-(STRATA_CACHE_DIR, else ~/.cache/strata); `TokenPool.available()` says why not where it cannot
-be (no compiler, no ggml-python), and callers then keep the ggml graph.
+The C file is compiled at first use with the system's C compiler (or $CC) into the cache
+directory (strata.cache.cache_dir: ~/.cache/strata unless $STRATA_CACHE or $XDG_CACHE_HOME
+say); `TokenPool.available()` says why not where it cannot be (no compiler, no ggml-python),
+and callers then keep the ggml graph.
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from strata.cache import cache_dir
+
 log = logging.getLogger("strata")
 
 SOURCE = Path(__file__).with_name("token_pool.c")
 MAX_EXPERTS = 16  # token_pool.c's MAX_EXPERTS
 SPIN_US = 2000  # how long an idle worker spins before it sleeps
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("STRATA_CACHE_DIR") or Path.home() / ".cache" / "strata")
 
 
 @functools.cache
