@@ -9,7 +9,8 @@ first pass's (they must agree: same prompt, fresh KV cache).
 
 --cprofile N prints where the host spent pass 0 (cProfile: the N functions of most cumulative
 time, then of most own time): after start-up the first pass took 6-11 s against 0.4-0.6 s
-later on the H200 (run 44), with Triton's disk cache already warm in the 3 GiB case.
+later on the H200 (run 44); the 3 GiB run came after the 2 GiB one had filled Triton's disk
+cache.
 """
 
 from __future__ import annotations
