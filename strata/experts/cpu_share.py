@@ -171,7 +171,7 @@ class CpuShare:
                 kernels = getattr(getattr(self, "pool", None), "kernels", None)
                 if hasattr(kernels, "close"):
                     kernels.close()
-                if getattr(self, "_token", None) is not None:
+                if self._token is not None:
                     self._token.close()
                 return
             if broken is not None:

@@ -58,7 +58,6 @@ typedef struct {
     vec_dot_t dot;
     from_float_t quantize; /* the vector into the dot's activation type */
     size_t row_bytes;      /* one row of the weights */
-    size_t vec_bytes;      /* the quantized vector */
 } part_t;
 
 typedef struct pool {
@@ -244,7 +243,6 @@ int token_pool_run(pool_t *p, int n, int d, int f, const float *x, const void **
         p->part[k].dot = (vec_dot_t)dots[k];
         p->part[k].quantize = (from_float_t)quants[k];
         p->part[k].row_bytes = row_bytes[k];
-        p->part[k].vec_bytes = vec_bytes[k];
         for (int e = 0; e < n; e++)
             p->w[k][e] = (const uint8_t *)w[k * n + e];
     }

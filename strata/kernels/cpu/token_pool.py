@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from strata.cache import cache_dir
+from strata.quant import row_nbytes
 
 log = logging.getLogger("strata")
 
@@ -71,11 +72,10 @@ def _library() -> ctypes.CDLL | str:
 
 @functools.cache
 def _traits(qtype: int) -> tuple[int, int, int, int] | None:
-    """(vec_dot, from_float of its activation type, weight block values, block bytes, and the
-    activation type) for a GGML type, or None where ggml's CPU backend has no dot for it."""
+    """(vec_dot, from_float of its activation type, the activation type, rows a dot takes) for a
+    GGML type, or None where ggml's CPU backend has no dot for it."""
     import ggml
     from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as QType
 
     from strata.kernels.cpu.ggml_lib import supported
 
@@ -86,23 +86,9 @@ def _traits(qtype: int) -> tuple[int, int, int, int] | None:
     act = ggml.ggml_get_type_traits_cpu(vdt).contents
     dot = ctypes.cast(cpu.vec_dot, ctypes.c_void_p).value
     quant = ctypes.cast(act.from_float, ctypes.c_void_p).value
-    if not dot or not quant:
-        return None
-    try:
-        GGML_QUANT_SIZES[QType(vdt)]
-    except (ValueError, KeyError):
+    if not dot or not quant or vdt not in {int(q) for q in GGML_QUANT_SIZES}:
         return None
     return dot, quant, vdt, int(cpu.nrows)
-
-
-def _row_bytes(qtype: int, n: int) -> int:
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as QType
-
-    block, size = GGML_QUANT_SIZES[QType(qtype)]
-    if n % block:
-        raise ValueError(f"a row of {n} values is not whole blocks of type {QType(qtype).name}")
-    return n // block * size
 
 
 class TokenPool:
@@ -149,8 +135,8 @@ class TokenPool:
         for part, (q, cols) in enumerate(zip(qtypes, (d, d, f), strict=True)):
             dot, quant, vdt, _ = _traits(q)
             self._fn[part], self._fn[3 + part] = dot, quant
-            self._sizes[part] = _row_bytes(q, cols)
-            self._sizes[3 + part] = _row_bytes(vdt, cols)
+            self._sizes[part] = row_nbytes(q, cols)
+            self._sizes[3 + part] = row_nbytes(vdt, cols)
         self._key = key
 
     def run_strided(self, x: np.ndarray, qtypes: tuple[int, int, int], d_expert: int,
@@ -173,9 +159,10 @@ class TokenPool:
         for part in range(3):
             self._w[part * n:(part + 1) * n] = np.uintp(bases[part]) + offs
         fn, sz = self._fn.ctypes.data, self._sizes.ctypes.data
+        third = 3 * self._fn.itemsize  # (the second half of each: the activations')
         rc = self._lib.token_pool_run(self._pool, n, d, d_expert, x.ctypes.data,
                                       self._w.ctypes.data, wt.ctypes.data, out.ctypes.data,
-                                      fn, fn + 3 * 8, sz, sz + 3 * 8)
+                                      fn, fn + third, sz, sz + third)
         if rc:
             raise MemoryError(f"the token pool could not allocate its scratch (code {rc})")
         return out
