@@ -17,7 +17,7 @@ from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.cpu_pool import CpuPool
-from strata.experts.layout import expert_layouts
+from strata.experts.layout import ExpertLayout, expert_layouts
 from strata.experts.links import measure_links
 from strata.experts.offload import OffloadExperts
 from strata.experts.planner import LinkCosts, MissPlanner, check_miss_mode
@@ -46,6 +46,18 @@ def auto_stream_min(costs: LinkCosts, nbytes: int, cfg: ModelConfig) -> int:
         return 1 << 20
     n = 1 + (dma - cpu1) / costs.cpu_s_per_token
     return max(2, int(math.ceil(n * cfg.n_experts / cfg.n_experts_used)))
+
+
+def lends_workspace(dev: torch.device, layouts: list[ExpertLayout]) -> bool:
+    """Lent slots need every layer on the fused kernels: a decode token on them takes nothing
+    from the workspace (the dequantizing path would)."""
+    from strata.experts.gpu_hits import fused_kernels_available
+
+    if not fused_kernels_available(dev):
+        return False
+    from strata.kernels.gpu import has_fused
+
+    return all(has_fused(q) for lay in layouts for q in lay.qtypes)
 
 
 def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
@@ -93,10 +105,14 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     report = arena.fill(mf, progress=log.isEnabledFor(logging.INFO) and os.isatty(2))
     log.info(f"expert arena: {fmt_bytes(report.nbytes)} filled at {report.gib_s:.2f} GiB/s; "
              f"{arena.pin_note}; {report.note}")
-    cache = ExpertCache(layouts, plan.slots_per_layer, cfg.n_experts, policies, dev)
+    lent = plan.lent_per_layer if lends_workspace(dev, layouts) else ()
+    cache = ExpertCache(layouts, plan.slots_per_layer, cfg.n_experts, policies, dev, lent)
     cache.warm(arena.layers)
-    log.info(f"expert cache: {cache.capacity} slots, {fmt_bytes(cache.nbytes)}; policy "
-             f"{ec.cache_policy}" + (", seeded from the profile" if profile is not None else ""))
+    log.info(f"expert cache: {cache.capacity} slots, {fmt_bytes(cache.nbytes)}"
+             + (f" (+ {sum(lent)} in the workspace's {fmt_bytes(plan.lent)} while decoding)"
+                if lent else "")
+             + f"; policy {ec.cache_policy}"
+             + (", seeded from the profile" if profile is not None else ""))
     threads = ec.threads or max(1, (os.cpu_count() or 2) - 1)
     pool = CpuPool(ec.cpu_kernels, threads, plan.workspace)
     max_stride = max(lay.stride for lay in layouts)

@@ -164,7 +164,7 @@ class DecodeStep:
         self._warm: tuple[int, int] | None = None  # the storage whose eager step ran
         self._inputs_read: torch.cuda.Event | None = None
         self._failed = False
-        self.steps = {"replayed": 0, "eager": 0}  # decode steps run each way
+        self.steps = {"replayed": 0, "eager": 0, "captured": 0}  # steps run each way; captures
         log.info(f"decode step: {len(self.pieces)} piece(s), {len(self.resident_layers)} of "
                  f"{cfg.n_layers} layers without the host ({len(self.gathered_layers)} of them "
                  "gathering their missed experts from the arena over PCIe"
@@ -190,7 +190,7 @@ class DecodeStep:
         self.ex.cache.flush()  # the graphs read tables that hold for the whole step
         if len(self.gathered_layers):  # the tables this step reads, for its counters
             tables = np.stack([self.ex.cache.layers[i].slot_of for i in self.gathered_layers])
-        key = (kv.store.data_ptr(), kv.capacity)
+        key = (kv.store.data_ptr(), kv.capacity, self.ex.cache.generation)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         timer = self.ex.stats.timer
@@ -232,20 +232,23 @@ class DecodeStep:
         why = "; capture failed" if self._failed else ""
         return (f"decode step: {len(self.pieces)} piece(s) ({host} layer(s) waiting on the "
                 f"host, {len(self.gathered_layers)} gathering misses over PCIe), "
-                f"{self.steps['replayed']} step(s) replayed from CUDA graphs, "
-                f"{self.steps['eager']} eager{why}")
+                f"{self.steps['replayed']} step(s) replayed from CUDA graphs "
+                f"({self.steps['captured']} capture(s)), {self.steps['eager']} eager{why}")
 
-    def _graphs(self, key: tuple[int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
-        """The pieces captured for this KV storage. The first step on a storage runs eagerly
-        (that compiles and warms up every kernel); the second captures, then replays."""
+    def _graphs(self, key: tuple[int, int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
+        """The pieces captured for this KV storage and these cache slot tensors (key: the
+        storage, its capacity, the cache's generation). The first step on a storage runs eagerly
+        (that compiles and warms up every kernel); the second captures, then replays. When only
+        the slot tensors changed (lent slots, ExpertCache.lend) the step captures at once."""
         if self._captured is not None and self._captured[0] == key:
             return self._captured[1]
-        if self._warm == key:
+        if self._warm == key[:2]:
             return self._capture(key, kv)
-        self._warm = key
+        self._warm = key[:2]
         return None
 
-    def _capture(self, key: tuple[int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
+    def _capture(self, key: tuple[int, int, int],
+                 kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
         self._captured = None
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
@@ -270,6 +273,7 @@ class DecodeStep:
             torch.cuda.synchronize(self.device)
             return None
         self._captured = (key, graphs)
+        self.steps["captured"] += 1
         return graphs
 
     # ---- pieces (captured or eager) ---------------------------------------------------------

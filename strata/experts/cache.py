@@ -5,6 +5,12 @@
              table[E]     device int32 copy, for kernels     }
              expert_in[n_slots_l]  host int32, -1 = free
 
+Lent slots: the memory plan may give a layer more slots in the VRAM of the prompt workspace,
+which only passes of more than a few tokens use. `lend(True)` grows each such layer's slot tensor
+by them (the resident rows copied over, the new slots filled with the policy's best-ranked
+experts); `lend(False)` shrinks it back, keeping the best-ranked residents. Each change bumps
+`generation`: a decode step's CUDA graphs read the slot tensors' addresses and are captured again.
+
 Copies into slots run on a copy stream. A slot is overwritten only after the compute that last read
 that layer's slots is done (`used` event), and the next compute of the layer waits for the copies
 (`ready` event), so the hit path never reads a half-written slot and never blocks on the host.
@@ -12,6 +18,7 @@ that layer's slots is done (`used` event), and the next compute of the layer wai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +40,7 @@ class LayerSlots:
     ready: torch.cuda.Event | None = None
     used: torch.cuda.Event | None = None
     dirty: bool = field(default=False)  # table needs an upload
+    lent: int = 0  # slots it holds in the workspace while lent (ExpertCache.lend)
 
     @property
     def capacity(self) -> int:
@@ -48,8 +56,10 @@ class IntegrityError(AssertionError):
 
 class ExpertCache:
     def __init__(self, layouts: list[ExpertLayout], slots_per_layer: list[int], n_experts: int,
-                 policies: list[Policy], device: torch.device):
+                 policies: list[Policy], device: torch.device, lent: Sequence[int] = ()):
+        """lent: per layer, slots the workspace holds while lent (memory_plan.lend_slots)."""
         self.device, self.n_experts = device, n_experts
+        self.generation, self.lending = 0, False  # see lend
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.layers = []
@@ -59,6 +69,9 @@ class ExpertCache:
                 lay, torch.empty(n, lay.stride, dtype=torch.uint8, device=device),
                 np.full(n_experts, -1, np.int32), np.full(n, -1, np.int32),
                 torch.full((n_experts,), -1, dtype=torch.int32, device=device), pol))
+        for ls, n in zip(self.layers, lent or [0] * len(self.layers), strict=True):
+            ls.lent = max(0, min(n, n_experts - ls.capacity))
+        self.arena_layers: list[torch.Tensor] | None = None  # warm's: lent slots fill from it
 
     @property
     def nbytes(self) -> int:
@@ -68,12 +81,68 @@ class ExpertCache:
     def capacity(self) -> int:
         return sum(ls.capacity for ls in self.layers)
 
+    @property
+    def lends(self) -> bool:
+        return any(ls.lent for ls in self.layers)
+
     def warm(self, arena_layers: list[torch.Tensor]) -> None:
         """Fill every layer's slots with its best-ranked experts (policy.rank)."""
+        self.arena_layers = arena_layers
         for i, ls in enumerate(self.layers):
             for e in ls.policy.rank()[: ls.capacity]:
                 self.admit(i, e, arena_layers[i][e], keep=set())
         self.sync()
+
+    def lend(self, on: bool) -> tuple[int, int]:
+        """Grow (on) or shrink every layer with lent slots. Growing fills the new slots with the
+        experts the policy now ranks best among those not resident (copy stream; returns the
+        records and bytes it copies in); shrinking keeps the best-ranked residents (device copies)
+        and forgets the rest."""
+        if on == self.lending or not self.lends:
+            return 0, 0
+        self.sync()  # no copy in flight into the tensors replaced below
+        for i, ls in enumerate(self.layers):
+            if ls.lent:
+                (self._grow if on else self._shrink)(i, ls)
+        if self.cuda:  # copies into the new tensors wait for the rows moved into them (and for
+            ev = torch.cuda.Event()  # whatever last used their memory on the compute stream)
+            ev.record(torch.cuda.current_stream(self.device))
+            for ls in self.layers:
+                if ls.lent:
+                    ls.used = ev
+        self.lending = on
+        self.generation += 1
+        n = nbytes = 0
+        if on and self.arena_layers is not None:
+            for i, ls in enumerate(self.layers):
+                free = ls.capacity - int((ls.expert_in >= 0).sum())
+                for e in [e for e in ls.policy.current() if ls.slot_of[e] < 0][:free]:
+                    self.admit(i, e, self.arena_layers[i][e], keep=set())
+                    n, nbytes = n + 1, nbytes + ls.layout.nbytes
+        return n, nbytes
+
+    def _grow(self, i: int, ls: LayerSlots) -> None:
+        n = ls.capacity
+        slots = torch.empty(n + ls.lent, ls.layout.stride, dtype=torch.uint8, device=self.device)
+        slots[:n].copy_(ls.slots)
+        ls.slots = slots
+        ls.expert_in = np.concatenate([ls.expert_in, np.full(ls.lent, -1, np.int32)])
+
+    def _shrink(self, i: int, ls: LayerSlots) -> None:
+        n = ls.capacity - ls.lent
+        rank = ls.policy.current()
+        order = {e: r for r, e in enumerate(rank)}
+        kept = sorted(ls.resident(), key=lambda e: order.get(e, len(rank)))[:n]
+        rows = torch.tensor([int(ls.slot_of[e]) for e in kept], dtype=torch.long)
+        slots = torch.empty(n, ls.layout.stride, dtype=torch.uint8, device=self.device)
+        if kept:
+            torch.index_select(ls.slots, 0, rows.to(self.device), out=slots[: len(kept)])
+        ls.slots = slots
+        ls.slot_of[:] = -1
+        ls.expert_in = np.full(n, -1, np.int32)
+        for s, e in enumerate(kept):
+            ls.slot_of[e], ls.expert_in[s] = s, e
+        ls.dirty = True
 
     def admit(self, layer: int, expert: int, record: torch.Tensor, keep: set[int],
               force: bool = False) -> int | None:

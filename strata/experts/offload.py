@@ -67,6 +67,12 @@ class OffloadExperts:
         chunks stream (tokens >= stream_min) gets the ring with what it may borrow, any other
         the ring's own size (the borrowed bytes go back to the allocator for the decode steps,
         the cache and the KV cache)."""
+        if self.cache.lends:  # lent slots live while passes leave the workspace alone
+            from strata.kernels.gpu.moe import DECODE_MAX_T
+
+            n, nbytes = self.cache.lend(tokens <= DECODE_MAX_T)
+            self.stats.admissions += n
+            self.stats.bytes_h2d += nbytes
         if self.ring is None or not self.ring_borrow:
             return
         self.ring.resize(self.ring_base + (self.ring_borrow if tokens >= self.stream_min else 0))

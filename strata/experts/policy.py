@@ -36,6 +36,11 @@ class Policy:
             return list(range(self.n_experts))
         return [int(e) for e in np.argsort(-self.profile, kind="stable")]
 
+    def current(self) -> list[int]:
+        """Every expert, the one this policy would keep longest first (what it has seen so far;
+        rank() before any touch): which experts a cache that grows or shrinks holds."""
+        return self.rank()
+
 
 class LRU(Policy):
     name = "lru"
@@ -51,6 +56,9 @@ class LRU(Policy):
     def victim(self, resident: list[int], keep: set[int]) -> int | None:
         res = set(resident) - keep
         return next((e for e in self.order if e in res), None)
+
+    def current(self) -> list[int]:
+        return list(reversed(self.order))  # most recently used first
 
 
 class LFU(Policy):
@@ -76,6 +84,9 @@ class LFU(Policy):
 
     def admit(self, expert: int, victim: int) -> bool:
         return self.counts[expert] >= self.counts[victim]
+
+    def current(self) -> list[int]:
+        return [int(e) for e in np.argsort(-self.counts, kind="stable")]
 
 
 class ProfilePolicy(LFU):

@@ -1,0 +1,201 @@
+"""Lent slots: between prompt chunks the expert cache holds more experts in the VRAM that only the
+prompt workspace uses during chunks (memory_plan.lend_slots, ExpertCache.lend). Results stay the
+reference's; growing and shrinking keep the experts the policy ranks best, each slot holding its
+expert's record; a decode step captures its graphs again over the new slot tensors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_offload import TOKENS, assert_same, offload
+
+from strata.cli.logits import compute_logits
+from strata.config import EngineConfig, ModelConfig
+from strata.engine.generator import Engine
+from strata.engine.memory_plan import GIB, MARGIN, lend_slots, make_plan
+from strata.experts.arena import Arena
+from strata.experts.cache import ExpertCache
+from strata.experts.layout import ExpertLayout, expert_layouts
+from strata.experts.policy import make_policy
+from strata.gguf import open_model
+
+from hf_reference import kl_per_position
+
+CUDA = dict(device="cuda", kernels="fused", ctx=256)
+
+
+def model(path):  # noqa: ANN001, ANN201
+    mf = open_model(path)
+    cfg = ModelConfig.from_model(mf)
+    return mf, cfg, expert_layouts(mf, cfg)
+
+
+def budget_for(mf, cfg, layouts, base: int) -> float:  # noqa: ANN001
+    """A --vram-budget (GiB) whose auto cache gets `base` slots a layer on CUDA."""
+    none = make_plan(mf, cfg, EngineConfig(expert_cache="0", vram_budget_gib=1, **CUDA), layouts)
+    fixed = none.budget - none.left + MARGIN
+    return (fixed + base * sum(lay.stride for lay in layouts)) / GIB
+
+
+def test_plan_lends_the_workspace_to_decode_slots(synth):
+    mf, cfg, layouts = model(synth("qwen3moe", "Q4_K_M"))
+    E = cfg.n_experts
+    b = budget_for(mf, cfg, layouts, 2)
+    plan = make_plan(mf, cfg, EngineConfig(vram_budget_gib=b, **CUDA), layouts)
+    assert plan.slots_per_layer == [2] * cfg.n_layers
+    # the tiny model's workspace holds every expert: each layer stays one short of all of them
+    assert plan.lent_per_layer == (E - 3,) * cfg.n_layers
+    assert plan.lent == sum(n * lay.stride for n, lay in zip(plan.lent_per_layer, layouts,
+                                                                 strict=True))
+    assert 0 < plan.lent <= plan.workspace
+    assert f"+ {(E - 3) * cfg.n_layers} in the workspace while decoding" in "\n".join(
+        plan.lines())
+    for kw in (dict(expert_cache="2"), dict(decode_step="off"), dict(kernels="exact")):
+        other = make_plan(mf, cfg, EngineConfig(vram_budget_gib=b, **{**CUDA, **kw}), layouts)
+        assert other.lent_per_layer == () and "while decoding" not in "\n".join(other.lines())
+    cpu = make_plan(mf, cfg, EngineConfig(device="cpu", vram_budget_gib=b), layouts)
+    assert cpu.lent_per_layer == ()
+    full = make_plan(mf, cfg, EngineConfig(vram_budget_gib=1, **CUDA), layouts)
+    assert full.slots_per_layer == [E] * cfg.n_layers and full.lent_per_layer == ()
+
+
+def test_lent_slots_fill_the_workspace_at_30b_shapes():
+    """Qwen3-30B-A3B (48 layers, 128 experts, Q4_K gate/up, Q6_K down) with the 2 GiB plan's
+    402 MiB workspace: as many slots as it holds, spread evenly, none past it."""
+    lay = ExpertLayout(0, (12, 12, 14), 2048, 768)
+    cfg = SimpleNamespace(n_experts=128, n_layers=48, n_experts_used=8)
+    workspace = 402 << 20
+    lent = lend_slots(cfg, [lay] * 48, [1] * 48, workspace)
+    used = sum(lent) * lay.stride
+    assert used <= workspace < used + lay.stride
+    assert max(lent) - min(lent) <= 1 and sum(lent) == workspace // lay.stride
+    assert lend_slots(cfg, [lay] * 48, [128] * 48, workspace) == ()  # all resident: nothing
+    near = lend_slots(cfg, [lay] * 48, [125] * 48, workspace)
+    assert near == (2,) * 48  # never all 128: the decode step is cut for the base slots
+
+
+@pytest.fixture()
+def tiny(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    mf, cfg, layouts = model(path)
+    arena = Arena(layouts, cfg.n_experts, pin=False)
+    arena.fill(mf)
+    return cfg, layouts, arena
+
+
+def records_match(cache: ExpertCache, arena: Arena) -> None:
+    cache.check_integrity()
+    for i, ls in enumerate(cache.layers):
+        for s, e in enumerate(ls.expert_in):
+            if e >= 0:
+                assert torch.equal(ls.slots[s], arena.layers[i][e]), (i, s, e)
+
+
+def test_cache_grows_and_shrinks_keeping_what_the_policy_ranks_best(tiny):
+    cfg, layouts, arena = tiny
+    policies = [make_policy("lru", cfg.n_experts, None) for _ in layouts]
+    cache = ExpertCache(layouts, [2] * cfg.n_layers, cfg.n_experts, policies,
+                        torch.device("cpu"), lent=[3] * cfg.n_layers)
+    cache.warm(arena.layers)
+    assert [ls.resident() for ls in cache.layers] == [[0, 1]] * cfg.n_layers
+    for ls in cache.layers:  # LRU: 6 the most recent, then 3, 5, 1; then 0 (the initial order)
+        for e in (1, 5, 3, 6):
+            ls.policy.touch([e], [1])
+    n, nbytes = cache.lend(True)
+    assert cache.lending and cache.generation == 1
+    assert n == 3 * cfg.n_layers and nbytes == 3 * sum(lay.nbytes for lay in layouts)
+    for ls in cache.layers:  # the three most recent not resident join 0 and 1
+        assert ls.capacity == 5 and sorted(ls.resident()) == [0, 1, 3, 5, 6]
+    records_match(cache, arena)
+    assert cache.lend(True) == (0, 0) and cache.generation == 1  # no change
+    for ls in cache.layers:
+        ls.policy.touch([5], [1])  # 5 then 6 are the most recent; both sit in lent slots
+        assert ls.slot_of[5] >= 2 and ls.slot_of[6] >= 2
+    assert cache.lend(False) == (0, 0)
+    assert not cache.lending and cache.generation == 2
+    for ls in cache.layers:
+        assert ls.capacity == 2 and sorted(ls.resident()) == [5, 6]
+        assert (ls.slot_of >= 0).sum() == 2
+    records_match(cache, arena)
+    cache.lend(True)  # again: the three most recent others fill the lent slots
+    for ls in cache.layers:
+        assert sorted(ls.resident()) == [0, 1, 3, 5, 6]
+    records_match(cache, arena)
+
+
+def test_a_cache_without_lent_slots_never_changes(tiny):
+    cfg, layouts, arena = tiny
+    policies = [make_policy("lfu", cfg.n_experts, None) for _ in layouts]
+    cache = ExpertCache(layouts, [2] * cfg.n_layers, cfg.n_experts, policies,
+                        torch.device("cpu"))
+    cache.warm(arena.layers)
+    assert not cache.lends and cache.lend(True) == (0, 0) and cache.generation == 0
+    assert cache.capacity == 2 * cfg.n_layers
+
+
+def lent_engine(path, device):  # noqa: ANN001, ANN201
+    """The offload engine with lent slots (2 base and 3 lent slots a layer; gathered misses on
+    CUDA), and the same engine without them. On CUDA the plan lends (a budget that gives 2 base
+    slots, which an explicit --expert-cache 2 turns off); on the CPU, where the plan lends
+    nothing, a cache with lent slots is swapped in."""
+    if device == "cuda":
+        mf, cfg, layouts = model(path)
+        kw = dict(kernels="fused", ctx=256, miss="dma",
+                  vram_budget_gib=budget_for(mf, cfg, layouts, 2))
+        engine, plain = offload(path, device, **kw), offload(path, device, expert_cache="2", **kw)
+        assert engine.model.experts.cache.lends and not plain.model.experts.cache.lends
+        return engine, plain
+    engine = offload(path, device, expert_cache="2", miss="dma", stream_min=1 << 20)
+    ex = engine.model.experts
+    cfg = engine.config
+    policies = [make_policy("lru", cfg.n_experts, None) for _ in range(cfg.n_layers)]
+    ex.cache = ExpertCache(ex.arena.layouts, [2] * cfg.n_layers, cfg.n_experts, policies,
+                           ex.device, lent=[3] * cfg.n_layers)
+    ex.cache.warm(ex.arena.layers)
+    return engine, None
+
+
+def two_requests(engine: Engine) -> list[np.ndarray]:
+    """Two requests, each a 6-token prompt (lent slots go back first) and a decode step for each
+    later token of TOKENS (teacher-forced; the lent slots return, filled): decoded logits."""
+    cache = engine.model.experts.cache
+    base, grown = cache.capacity, cache.capacity + sum(ls.lent for ls in cache.layers)
+    runs = []
+    for _ in range(2):
+        kv = engine.model.new_cache(len(TOKENS))
+        engine.run_prompt(TOKENS[:6], kv)
+        assert not cache.lending and cache.capacity == base
+        out = []
+        for t in TOKENS[6:]:
+            out.append(engine.model.decode(t, kv).float().cpu().numpy().copy())
+            assert cache.lending == cache.lends and cache.capacity == grown
+        cache.check_integrity()
+        runs.append(np.concatenate(out))
+    return runs
+
+
+def test_lent_slots_give_the_reference_logits_across_requests(synth, device):
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[6:]
+    engine, plain = lent_engine(path, device)
+    cache, step = engine.model.experts.cache, engine.model.step
+    runs = two_requests(engine)
+    assert cache.generation == 3  # grown, shrunk for the second prompt, grown again
+    st = engine.model.experts.stats
+    st.settle()
+    assert st.admissions >= 2 * 3 * engine.config.n_layers  # the lent slots filled twice
+    if device == "cpu":
+        for run in runs:
+            assert_same(run, ref)
+        return
+    # CUDA: prompt chunks on bf16 tensor cores move the logits by their rounding
+    # (test_fused_tensor_core_path_within_bf16_rounding); lent slots move them by nothing more
+    for run, other in zip(runs, two_requests(plain), strict=True):
+        assert_same(run, other)
+        assert np.abs(run - other).max() <= 1e-4 * np.abs(other).max()
+        assert kl_per_position(ref, run).max() < 2e-3
+    assert not step._failed and step.steps["captured"] >= 2  # graphs over each slot tensor
+    assert step._captured is not None and step._captured[0][2] == cache.generation
