@@ -101,9 +101,10 @@ class ExpertCache:
         if on == self.lending or not self.lends:
             return 0, 0
         self.sync()  # no copy in flight into the tensors replaced below
-        for i, ls in enumerate(self.layers):
-            if ls.lent:
-                (self._grow if on else self._shrink)(i, ls)
+        with torch.inference_mode(False):  # (plain tensors: admit copies into them anywhere)
+            for i, ls in enumerate(self.layers):
+                if ls.lent:
+                    (self._grow if on else self._shrink)(i, ls)
         if self.cuda:  # copies into the new tensors wait for the rows moved into them (and for
             ev = torch.cuda.Event()  # whatever last used their memory on the compute stream)
             ev.record(torch.cuda.current_stream(self.device))
