@@ -204,5 +204,6 @@ def test_lent_slots_give_the_reference_logits_across_requests(synth, device):
     for run, other in zip(runs, two_requests(plain), strict=True):
         assert_same(run, other)
         assert kl_per_position(ref, run).max() < 2e-3
-    assert not step._failed and step.steps["captured"] >= 2  # graphs over each slot tensor
-    assert step._captured is not None and step._captured[0][2] == cache.generation
+    # graphs over the slot tensors: captured again only where a new tensor moved
+    assert not step._failed and 1 <= step.steps["captured"] <= 2
+    assert step._captured is not None and step._captured[0][2] == cache.slots_key()

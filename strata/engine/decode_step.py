@@ -190,7 +190,7 @@ class DecodeStep:
         self.ex.cache.flush()  # the graphs read tables that hold for the whole step
         if len(self.gathered_layers):  # the tables this step reads, for its counters
             tables = np.stack([self.ex.cache.layers[i].slot_of for i in self.gathered_layers])
-        key = (kv.store.data_ptr(), kv.capacity, self.ex.cache.generation)
+        key = (kv.store.data_ptr(), kv.capacity, self.ex.cache.slots_key())
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         timer = self.ex.stats.timer
@@ -235,9 +235,9 @@ class DecodeStep:
                 f"{self.steps['replayed']} step(s) replayed from CUDA graphs "
                 f"({self.steps['captured']} capture(s)), {self.steps['eager']} eager{why}")
 
-    def _graphs(self, key: tuple[int, int, int], kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
+    def _graphs(self, key: tuple, kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
         """The pieces captured for this KV storage and these cache slot tensors (key: the
-        storage, its capacity, the cache's generation). The first step on a storage runs eagerly
+        storage, its capacity, ExpertCache.slots_key). The first step on a storage runs eagerly
         (that compiles and warms up every kernel); the second captures, then replays. When only
         the slot tensors changed (lent slots, ExpertCache.lend) the step captures at once."""
         if self._captured is not None and self._captured[0] == key:
@@ -247,8 +247,7 @@ class DecodeStep:
         self._warm = key[:2]
         return None
 
-    def _capture(self, key: tuple[int, int, int],
-                 kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
+    def _capture(self, key: tuple, kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
         self._captured = None
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()

@@ -9,7 +9,8 @@ Lent slots: the memory plan may give a layer more slots in the VRAM of the promp
 which only passes of more than a few tokens use. `lend(True)` grows each such layer's slot tensor
 by them (the resident rows copied over, the new slots filled with the policy's best-ranked
 experts); `lend(False)` shrinks it back, keeping the best-ranked residents. Each change bumps
-`generation`: a decode step's CUDA graphs read the slot tensors' addresses and are captured again.
+`generation`; a decode step's CUDA graphs hold the slot tensors' addresses (`slots_key`) and are
+captured again where they moved.
 
 Copies into slots run on a copy stream. A slot is overwritten only after the compute that last read
 that layer's slots is done (`used` event), and the next compute of the layer waits for the copies
@@ -80,6 +81,11 @@ class ExpertCache:
     @property
     def capacity(self) -> int:
         return sum(ls.capacity for ls in self.layers)
+
+    def slots_key(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's slot tensor (address, slots): what a CUDA graph reading them holds. A
+        tensor lend() makes anew often lands where its predecessor was: the graphs then stay."""
+        return tuple((ls.slots.data_ptr(), ls.capacity) for ls in self.layers)
 
     @property
     def lends(self) -> bool:
