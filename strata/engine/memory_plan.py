@@ -245,14 +245,18 @@ def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],
     """Slots per layer the workspace holds while no pass needs it: only prompt chunks use it
     (moe_grouped's scratch, dequantized intermediates), so between them decode steps keep more
     experts in VRAM. A layer stays short of all its experts (a full layer would run without
-    the host: the decode step is cut for the base slots). On the H200, 2 GiB for Qwen3-30B-A3B
-    Q4_K_M: 48 slots 44.4 tok/s, 195 slots 51.6, 260 slots 57.5 (bench/2026-11-30-h200-lend.md)."""
+    the host: the decode step is cut for the base slots). Each request pays for them (the lent
+    slots refilled over PCIe after its prompt, the decode graphs captured again where the new
+    tensors moved), so they are lent only where they add at least half the cache: on the H200
+    (Qwen3-30B-A3B Q4_K_M) decode went 43.7 -> 52.1 tok/s at 2 GiB (1 + 3 slots a layer),
+    43.9 -> 58.4 at 3 GiB (1 + 4.8), 59.4 -> 71.7 at 4 GiB (6 + 5.6), stayed at 107 at 6 GiB
+    (16 + 9.6) and fell 201 -> 158 at 10 GiB (43 + 14) (bench/2026-11-30-h200-lend.md)."""
     if all(n >= cfg.n_experts for n in slots):
         return ()
     extra = _cache_slots(cfg, EngineConfig(expert_cache="auto"), layouts, workspace, 0)
     lent = tuple(0 if n >= cfg.n_experts else max(0, min(x, cfg.n_experts - 1 - n))
                  for n, x in zip(slots, extra, strict=True))
-    return lent if sum(lent) else ()
+    return lent if sum(lent) and 2 * sum(lent) >= sum(slots) else ()
 
 
 def _cache_slots(cfg: ModelConfig, ec: EngineConfig, layouts: list[ExpertLayout], room: int,
