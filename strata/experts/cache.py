@@ -3,7 +3,7 @@
     layer l: slots uint8 [n_slots_l, stride_l]     one packed record per slot (layout.py)
              slot_of[E]   host int32, -1 = not resident      } always agree
              table[E]     device int32 copy, for kernels     }
-             expert_in[n_slots_l]  host int32, -1 = free
+             expert_in[n_slots_l]  host int32, -1 = free, -2 = pending (the device fills it)
 
 Lent slots: the memory plan may give a layer more slots in the VRAM of the prompt workspace,
 which only passes of more than a few tokens use. `lend(True)` grows each such layer's slot tensor
@@ -53,6 +53,9 @@ class LayerSlots:
 
 class IntegrityError(AssertionError):
     pass
+
+
+FREE, PENDING = -1, -2  # expert_in of a slot holding no expert; of one the device fills now
 
 
 class ExpertCache:
@@ -106,6 +109,8 @@ class ExpertCache:
         and forgets the rest."""
         if on == self.lending or not self.lends:
             return 0, 0
+        if self.pending:
+            raise IntegrityError("lend: slots the device is filling are not settled yet")
         self.sync()  # no copy in flight into the tensors replaced below
         with torch.inference_mode(False):  # (plain tensors: admit copies into them anywhere)
             for i, ls in enumerate(self.layers):
@@ -122,7 +127,7 @@ class ExpertCache:
         n = nbytes = 0
         if on and self.arena_layers is not None:
             for i, ls in enumerate(self.layers):
-                free = ls.capacity - int((ls.expert_in >= 0).sum())
+                free = int((ls.expert_in == FREE).sum())
                 for e in [e for e in ls.policy.current() if ls.slot_of[e] < 0][:free]:
                     self.admit(i, e, self.arena_layers[i][e], keep=set())
                     n, nbytes = n + 1, nbytes + ls.layout.nbytes
@@ -158,7 +163,7 @@ class ExpertCache:
         ls = self.layers[layer]
         if ls.slot_of[expert] >= 0:
             return int(ls.slot_of[expert])
-        free = np.flatnonzero(ls.expert_in < 0)
+        free = np.flatnonzero(ls.expert_in == FREE)
         if free.size:
             slot = int(free[0])
         else:
@@ -171,6 +176,42 @@ class ExpertCache:
         ls.slot_of[expert], ls.expert_in[slot] = slot, expert
         ls.dirty = True
         return slot
+
+    def designate(self, layer: int) -> int:
+        """A slot for the device to fill during the next decode step (admit_from_rows): a free
+        one, else the policy's victim, taken out of the maps now (the step's table no longer
+        names it). It stays PENDING until settle_pending; -1 when the layer has none to give."""
+        ls = self.layers[layer]
+        free = np.flatnonzero(ls.expert_in == FREE)
+        if free.size:
+            slot = int(free[0])
+        else:
+            victim = ls.policy.victim(ls.resident(), set())
+            if victim is None:
+                return -1
+            slot = int(ls.slot_of[victim])
+            ls.slot_of[victim] = -1
+            ls.dirty = True
+        ls.expert_in[slot] = PENDING
+        return slot
+
+    def settle_pending(self, layer: int, slot: int, expert: int) -> bool:
+        """The device filled a designated slot with `expert` (-1: it wrote nothing): the maps
+        take it (the table goes up with the next flush). True when the expert is now
+        resident."""
+        ls = self.layers[layer]
+        if ls.expert_in[slot] != PENDING:
+            raise IntegrityError(f"layer {layer}: slot {slot} was not designated")
+        if expert < 0 or ls.slot_of[expert] >= 0:
+            ls.expert_in[slot] = FREE
+            return False
+        ls.slot_of[expert], ls.expert_in[slot] = slot, expert
+        ls.dirty = True
+        return True
+
+    @property
+    def pending(self) -> int:
+        return sum(int((ls.expert_in == PENDING).sum()) for ls in self.layers)
 
     def _copy(self, ls: LayerSlots, slot: int, record: torch.Tensor) -> None:
         if not self.cuda:

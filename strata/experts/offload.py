@@ -57,16 +57,23 @@ class OffloadExperts:
         self._dev_counts: tuple[torch.Tensor, torch.Tensor] | None = None
         self._dev_pending = False
         self._gathered_dev: torch.Tensor | None = None  # see gather_counts
+        # gathered layers whose decode steps admit a missed expert on the device, from the row
+        # its gather filled (no second copy over PCIe; the decode step designates the slots)
+        self.admit_rows: set[int] = set()
+        self._admit_dev: tuple[torch.Tensor, torch.Tensor] | None = None
         # per layer: the fraction of its uncached experts a streamed chunk routed to, last seen
         # (_streams_routed copies them all only when nearly all are used)
         self.routed_fraction: dict[int, float] = {}
         self.stats.settlers.append(self._settle)
 
-    def before_pass(self, tokens: int) -> None:
-        """Called before each forward pass or decode step of `tokens` tokens: a pass whose
-        chunks stream (tokens >= stream_min) gets the ring with what it may borrow, any other
-        the ring's own size (the borrowed bytes go back to the allocator for the decode steps,
-        the cache and the KV cache)."""
+    def before_pass(self, tokens: int, step: bool = False) -> None:
+        """Called before each forward pass or decode step (step=True) of `tokens` tokens: a
+        pass whose chunks stream (tokens >= stream_min) gets the ring with what it may borrow,
+        any other the ring's own size (the borrowed bytes go back to the allocator for the
+        decode steps, the cache and the KV cache). A pass that is no decode step first settles
+        the slots the last step filled on the device (the maps then hold them)."""
+        if not step and self.cache.pending:
+            self.stats.settle()
         if self.cache.lends:  # lent slots live while passes leave the workspace alone
             from strata.kernels.gpu.moe import DECODE_MAX_T
 
@@ -197,8 +204,24 @@ class OffloadExperts:
         if then is not None:
             then()
         slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
-        return self.fused.run(lay, slots, ls.table, h, ids, weights, None,
-                              miss=lay.views(rows), sum_pairs=sum_pairs, host_from=host_from)
+        out = self.fused.run(lay, slots, ls.table, h, ids, weights, None, miss=lay.views(rows),
+                             sum_pairs=sum_pairs, host_from=host_from)
+        if layer in self.admit_rows:  # the cache takes one missed record from its row
+            from strata.kernels.gpu import admit_from_rows
+
+            victims, admitted = self.admit_buffers()
+            admit_from_rows(ids, ls.table, rows, ls.slots, victims[layer:layer + 1],
+                            admitted[layer:layer + 1], lay.nbytes, host_from)
+        return out
+
+    def admit_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 [L] on the device each: the slot the host designated for each layer's device
+        admission in the next step (-1: none), and the expert the step put there (-1: none)."""
+        if self._admit_dev is None:
+            n = len(self.arena.layouts)
+            self._admit_dev = (torch.full((n,), -1, dtype=torch.int32, device=self.device),
+                               torch.full((n,), -1, dtype=torch.int32, device=self.device))
+        return self._admit_dev
 
     def gather_counts(self, device: torch.device) -> torch.Tensor:
         """[L, E] int32 on the device: gathered layers' routing since the decode step last read
@@ -209,11 +232,13 @@ class OffloadExperts:
         return self._gathered_dev
 
     def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray,
-                       on_cpu: list[int] = (), ahead: np.ndarray | None = None) -> None:
+                       on_cpu: list[int] = (), ahead: np.ndarray | None = None,
+                       host_admit: bool = True) -> None:
         """The host's part of a gathered layer, one step late: counters, the policy's view of
         the routing (counts [E] of that step, slot_of [E] the table it read) and up to one
-        admission. on_cpu: the missed experts the CPU pool computed (one token each); ahead:
-        the experts a prefetch copied for this layer in that step (-1: none)."""
+        admission (host_admit=False: the step admitted on the device). on_cpu: the missed
+        experts the CPU pool computed (one token each); ahead: the experts a prefetch copied
+        for this layer in that step (-1: none)."""
         ls = self.cache.layers[layer]
         experts = np.flatnonzero(counts)
         n = counts[experts]
@@ -232,7 +257,7 @@ class OffloadExperts:
             self.stats.ahead_unused[layer] += len(ahead) - used
             copied += len(ahead) - used
         self.stats.bytes_h2d += copied * ls.layout.nbytes
-        if missed:
+        if missed and host_admit:
             self._admit_after(layer, missed, set(experts.tolist()))
 
     def decode_misses(self, layer: int, host: tuple[torch.Tensor, ...],
