@@ -46,6 +46,7 @@ class BenchResult:
     prefetch: int = 0  # experts a decode layer copies ahead (--prefetch as it ran; auto resolved)
     ahead_used: float = 0.0  # --prefetch: experts copied ahead that their layer used, per token
     ahead_copied: float = 0.0  # and all it copied ahead, per token (summed over layers)
+    admissions_per_token: float | None = None  # experts the cache took in, per decode token
     warmups: int = 1  # runs not counted: one, more while one changed a layer's prompt path
     ceilings: dict = field(default_factory=dict)
 
@@ -61,7 +62,9 @@ class BenchResult:
         if self.hit_rate is not None:
             out.append(f"expert hit rate {100 * self.hit_rate:.1f}%; "
                        f"{self.h2d_bytes_per_token / 2**20:.1f} MiB copied to the device and "
-                       f"{self.cpu_pairs_per_token:.1f} experts computed on the CPU per token")
+                       f"{self.cpu_pairs_per_token:.1f} experts computed on the CPU per token"
+                       + (f"; {self.admissions_per_token:.1f} admitted into the cache"
+                          if self.admissions_per_token is not None else ""))
         if self.ahead_copied:
             out.append(f"prefetch: {self.ahead_used:.1f} of {self.ahead_copied:.1f} experts "
                        "copied ahead per token were routed to")
@@ -193,6 +196,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         res.hit_rate = float(decode.hits.sum() / pairs) if pairs else 0.0
         res.h2d_bytes_per_token = decode.bytes_h2d / tokens
         res.cpu_pairs_per_token = float(decode.cpu.sum()) / tokens
+        res.admissions_per_token = decode.admissions / tokens
         res.ahead_used = float(decode.ahead_used.sum()) / tokens
         res.ahead_copied = float(decode.ahead_used.sum() + decode.ahead_unused.sum()) / tokens
         if ceilings and dev.type == "cuda":
@@ -205,7 +209,7 @@ class _Counters:
     def __init__(self, n_layers: int):
         self.hits, self.cpu, self.streamed, self.ahead_used, self.ahead_unused = (
             np.zeros(n_layers, np.int64) for _ in range(5))
-        self.bytes_h2d = 0
+        self.bytes_h2d = self.admissions = 0
 
     @classmethod
     def of(cls, st) -> _Counters:  # noqa: ANN001 - OffloadStats
@@ -214,6 +218,7 @@ class _Counters:
         c.hits, c.cpu, c.streamed, c.bytes_h2d = (st.hits.copy(), st.cpu.copy(),
                                                   st.streamed.copy(), st.bytes_h2d)
         c.ahead_used, c.ahead_unused = st.ahead_used.copy(), st.ahead_unused.copy()
+        c.admissions = st.admissions
         return c
 
     def add(self, after: _Counters, before: _Counters) -> None:
@@ -223,6 +228,7 @@ class _Counters:
         self.ahead_used += after.ahead_used - before.ahead_used
         self.ahead_unused += after.ahead_unused - before.ahead_unused
         self.bytes_h2d += after.bytes_h2d - before.bytes_h2d
+        self.admissions += after.admissions - before.admissions
 
 
 def _decode_bound(engine: Engine, st: _Counters, ceilings: dict, tokens: int) -> float:
