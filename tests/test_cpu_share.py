@@ -55,7 +55,8 @@ def ggml_engine(synth):
 def test_the_worker_computes_its_pairs_and_answers(request, pool, monkeypatch) -> None:
     """With torch's kernels, and with ggml's on either pool (STRATA_CPU_SHARE_POOL): the
     token pool runs ggml's dot kernels on its own threads, so it equals the general ggml call
-    but for summation order."""
+    but for summation order and its silu's libm expf (an activation at an 8-bit rounding
+    boundary could round the other way: test_token_pool_one_token; not with these inputs)."""
     engine = request.getfixturevalue("engine" if pool == "torch" else "ggml_engine")
     ex = engine.model.experts
     cfg = engine.config

@@ -206,9 +206,13 @@ def test_registry(caplog) -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_token_pool_one_token(threads: int) -> None:
     """The CPU share's token pool (ggml's dot kernels on a C pool of spinning threads): the
-    float reference within the q8 rounding, ggml's own strided call to float32 round-off, for
-    mixed types and 1-3 picks (one expert twice), with waits long enough between calls that
-    the workers fall asleep and must be woken."""
+    float reference within the q8 rounding, for mixed types and 1-3 picks (one expert twice),
+    with waits long enough between calls that the workers fall asleep and must be woken; and
+    ggml's own strided call to float32 round-off in most calls. The rest may differ by an
+    activation that rounds to the other 8-bit value: the pool's silu takes libm's expf, ggml's
+    a SIMD polynomial, and a value at a rounding boundary moves every output row a little
+    (seed 253997038: 2.3e-3 of the largest output in one call of eight, both 1.8e-2 from the
+    reference)."""
     pytest.importorskip("ggml", reason="ggml-python not installed: the ggml backend is skipped")
     from strata.kernels.cpu.token_pool import TokenPool
 
@@ -220,6 +224,7 @@ def test_token_pool_one_token(threads: int) -> None:
         assert pool.threads == threads
         layers = [(q, arena(rng, q, 8)) for q in ((QType.Q4_K, QType.IQ3_S, QType.Q6_K),
                                                   (QType.Q8_0, QType.Q8_0, QType.Q5_K))]
+        calls = exact = 0
         for i, picks in enumerate(([3], [5, 0], [2, 7, 2], [6])):
             for q, recs in layers:
                 x = rng.normal(size=D).astype(np.float32)
@@ -236,8 +241,13 @@ def test_token_pool_one_token(threads: int) -> None:
                 reference_run(torch.from_numpy(x)[None], jobs, ref)
                 err = float(np.linalg.norm(got - ref[0].numpy()) / ref.norm())
                 assert err < tolerance("ggml", q), (picks, q, err, seed)
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(
-                    np.abs(want).max()), err_msg=f"seed {seed}")
+                calls += 1
+                if np.allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max())):
+                    exact += 1
+                else:  # a flipped activation: far below either's distance from the reference
+                    apart = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                    assert apart < 0.25 * err, (picks, q, apart, err, seed)
+        assert exact >= calls - 2, (exact, calls, seed)
         with pytest.raises(ValueError, match="outside the layer's 8 records"):
             pool.run_strided(*args[:6], np.array([8], np.int32), w[:1])
         with pytest.raises(ValueError, match="1 to 16 experts"):
