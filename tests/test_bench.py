@@ -22,6 +22,7 @@ def test_bench_sweep_writes_json_and_plot(synth, tmp_path, capsys):
         # --miss cpu: the only copies to the device are the cache's admissions (LRU takes one
         # CPU-computed expert a layer and step)
         assert r["admissions_per_token"] > 0 and r["h2d_bytes_per_token"] > 0
+        assert r["decode_captures"] == 0  # no CUDA graphs on the CPU
         # --prefetch as given (auto: null) and as it ran (auto resolves to off on the CPU)
         assert r["config"]["prefetch"] is None and r["prefetch"] == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -47,6 +47,7 @@ class BenchResult:
     ahead_used: float = 0.0  # --prefetch: experts copied ahead that their layer used, per token
     ahead_copied: float = 0.0  # and all it copied ahead, per token (summed over layers)
     admissions_per_token: float | None = None  # experts the cache took in, per decode token
+    decode_captures: int = 0  # CUDA graph captures during the measured runs' decode steps
     warmups: int = 1  # runs not counted: one, more while one changed a layer's prompt path
     ceilings: dict = field(default_factory=dict)
 
@@ -73,6 +74,9 @@ class BenchResult:
             out.append(f"cpu share, per layer: {u['idle']:.0f} us waiting for the GPU's post, "
                        f"{u['answer']:.0f} us from the post to the answer ({u['pool']:.0f} us "
                        f"in the CPU pool)")
+        if self.decode_captures:
+            out.append(f"decode step: CUDA graphs captured {self.decode_captures} time(s) in "
+                       "the measured runs")
         if self.bound_tok_s:
             out.append(f"bandwidth bound {self.bound_tok_s:.1f} tok/s: reached "
                        f"{100 * self.bound_fraction:.1f}%")
@@ -127,7 +131,9 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         torch.cuda.reset_peak_memory_stats(dev)
     p_times, d_rates, p_streamed = [], [], []
     decode = _Counters(cfg.n_layers)  # expert counters over the measured decode steps only
-    share = getattr(getattr(model, "step", None), "share", None)
+    step = getattr(model, "step", None)
+    share = getattr(step, "share", None)
+    captures = 0
     share_sum = dict.fromkeys(("layers", "idle_s", "answer_s", "pool_s"), 0.0)
     warmups, r = 0, 0
     while r < runs + 1:  # run 0 warms up and is not counted
@@ -149,6 +155,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         before = _Counters.of(experts) if experts is not None else None
         again = r == 0 and warmups + 1 < MAX_WARMUPS and _prompt_paths(model.experts) != paths
         share_before = dict(share.timing) if share is not None else None
+        captured0 = step.steps["captured"] if step is not None else 0
         token = int(logits[0].argmax())
         for _ in range(gen_len):
             logits = model.decode(token, kv)
@@ -157,6 +164,8 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         peak(1)
         if r and before is not None:
             decode.add(_Counters.of(experts), before)
+        if r and step is not None:
+            captures += step.steps["captured"] - captured0
         if r and share_before is not None:
             for k in share_sum:
                 share_sum[k] += share.timing[k] - share_before[k]
@@ -181,6 +190,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     pf = getattr(getattr(model, "step", None), "prefetch", None)
     res.prefetch = pf.n if pf is not None else 0
     res.warmups = warmups
+    res.decode_captures = captures
     if share_sum["layers"]:
         n = share_sum["layers"] / 1e6
         res.share_us = {k[:-2]: share_sum[k] / n for k in ("idle_s", "answer_s", "pool_s")}
