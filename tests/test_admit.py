@@ -17,6 +17,7 @@ from test_offload import TOKENS, assert_same, offload
 from strata.cli.logits import compute_logits
 from strata.engine.generator import Engine
 from strata.experts.cache import FREE, PENDING, ExpertCache, IntegrityError
+from strata.experts.offload import reapply_admissions
 from strata.experts.policy import make_policy
 
 triton = pytest.importorskip("triton")
@@ -145,6 +146,20 @@ def test_lending_waits_for_pending_slots(tiny):  # noqa: F811
     assert cache.lend(True)[0] > 0
 
 
+def test_the_next_step_enters_the_last_steps_admissions_in_the_tables():
+    """reapply_admissions (inside a decode step's graph): tables[l, admitted[l]] = slot[l] for
+    the admitting layers where both are set; every other entry as it was."""
+    tables = torch.full((4, 6), -1, dtype=torch.int32)
+    tables[0, 1], tables[2, 3] = 0, 2
+    before = tables.clone()
+    admitted = torch.tensor([4, 5, -1, 2], dtype=torch.int32)
+    slots = torch.tensor([1, -1, 0, 3], dtype=torch.int32)
+    reapply_admissions(tables, torch.tensor([0, 1, 2]), admitted, slots)
+    want = before.clone()
+    want[0, 4] = 1  # layer 1: no slot was designated; layer 2: nothing admitted; 3: not listed
+    assert torch.equal(tables, want)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("cache", ["3", "5"])
 @pytest.mark.parametrize("prefetch", [0, 1])
@@ -169,7 +184,11 @@ def test_decode_steps_admitting_on_the_device_give_reference_logits(synth, monke
     assert not step._failed and step.steps["replayed"] == len(TOKENS) - PROMPT - 1
     st.settle()
     assert ex.cache.pending == 0
+    ex.cache.flush()  # the device tables from the settled maps: they must agree exactly
+    torch.cuda.synchronize()
+    assert not any(ls.dirty for ls in ex.cache.layers)
     ex.cache.check_integrity()
+    records_match(ex.cache, ex.arena)  # every admitted slot holds its expert's record
     assert st.admissions > before[3]  # the tiny model routes 2 of 8 experts: misses to admit
     crossed = sum((int(st.streamed[i] - before[1][i]) + int(st.ahead_unused[i] - before[2][i]))
                   * lay.nbytes for i, lay in enumerate(ex.arena.layouts))

@@ -154,7 +154,8 @@ class DecodeStep:
                                               dtype=torch.int64, pin_memory=True)
         # STRATA_DEVICE_ADMIT=1 (experimental): gathered layers under LRU admit a missed expert
         # on the device, from the row their gather filled, into a slot designated before the
-        # step (no second copy over PCIe); the maps take it when the step is settled
+        # step (no second copy over PCIe); the next step starts by entering it in the device
+        # tables, and the host's maps take it when the step is settled
         self.admitting = np.array([], dtype=np.int64)
         if os.environ.get("STRATA_DEVICE_ADMIT") == "1" and dev.type == "cuda":
             self.admitting = np.array([i for i in self.gathered_layers
@@ -162,6 +163,7 @@ class DecodeStep:
                                        and ex.cache.layers[i].capacity + ex.cache.layers[i].lent],
                                       dtype=np.int64)
             ex.admit_rows = set(self.admitting.tolist())
+        self._admitting_dev = torch.from_numpy(self.admitting).to(dev)
         self._victims_host = torch.full((cfg.n_layers,), -1, dtype=torch.int32,
                                         pin_memory=dev.type == "cuda")
         self._admitted_host = torch.full((len(self.gathered_layers),), -1, dtype=torch.int32,
@@ -303,6 +305,10 @@ class DecodeStep:
         cfg, w, x = self.cfg, self.model.w, self.x
         layers = w.layers
         if piece.first:
+            if len(self.admitting):  # the last step's device admissions serve this one
+                self.ex.reapply_admissions(self._admitting_dev)
+                victims, _, last = self.ex.admit_buffers()
+                last.copy_(victims)  # (what this step's admissions refer to, for the next)
             x.copy_(w.embed.rows(self.inputs[0:1]))
             if self.share is not None:
                 self.share.tick()

@@ -67,12 +67,16 @@ class ExpertCache:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.layers = []
-        for lay, n, pol in zip(layouts, slots_per_layer, policies, strict=True):
+        # every layer's device table, one row each (a step's device admissions patch them all
+        # at once: OffloadExperts.reapply_admissions)
+        self.tables = torch.full((len(layouts), n_experts), -1, dtype=torch.int32,
+                                 device=device)
+        for i, (lay, n, pol) in enumerate(zip(layouts, slots_per_layer, policies, strict=True)):
             n = min(n, n_experts)
             self.layers.append(LayerSlots(
                 lay, torch.empty(n, lay.stride, dtype=torch.uint8, device=device),
-                np.full(n_experts, -1, np.int32), np.full(n, -1, np.int32),
-                torch.full((n_experts,), -1, dtype=torch.int32, device=device), pol))
+                np.full(n_experts, -1, np.int32), np.full(n, -1, np.int32), self.tables[i],
+                pol))
         for ls, n in zip(self.layers, lent or [0] * len(self.layers), strict=True):
             ls.lent = max(0, min(n, n_experts - ls.capacity))
         self.arena_layers: list[torch.Tensor] | None = None  # warm's: lent slots fill from it

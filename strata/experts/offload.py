@@ -36,6 +36,16 @@ from strata.model.weights import ExpertWeights
 ROUTED_MIN = 0.4
 
 
+def reapply_admissions(tables: torch.Tensor, layers: torch.Tensor, admitted: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """tables[l, admitted[l]] = slots[l] for each l of `layers` where both are >= 0 (device
+    admissions of the last step: expert admitted[l] now sits in slot slots[l] of layer l);
+    others untouched. Fixed shapes and no host sync: a CUDA graph holds it."""
+    a, s = admitted[layers], slots[layers]
+    e = a.clamp(min=0).long()
+    tables[layers, e] = torch.where((a >= 0) & (s >= 0), s, tables[layers, e])
+
+
 class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
                  workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
@@ -74,6 +84,8 @@ class OffloadExperts:
         the slots the last step filled on the device (the maps then hold them)."""
         if not step and self.cache.pending:
             self.stats.settle()
+        if not step:
+            self.forget_admissions()
         if self.cache.lends:  # lent slots live while passes leave the workspace alone
             from strata.kernels.gpu.moe import DECODE_MAX_T
 
@@ -209,19 +221,35 @@ class OffloadExperts:
         if layer in self.admit_rows:  # the cache takes one missed record from its row
             from strata.kernels.gpu import admit_from_rows
 
-            victims, admitted = self.admit_buffers()
+            victims, admitted, _ = self.admit_buffers()
             admit_from_rows(ids, ls.table, rows, ls.slots, victims[layer:layer + 1],
                             admitted[layer:layer + 1], lay.nbytes, host_from)
         return out
 
-    def admit_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def admit_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """int32 [L] on the device each: the slot the host designated for each layer's device
-        admission in the next step (-1: none), and the expert the step put there (-1: none)."""
+        admission in this step (-1: none), the expert the step put there (-1: none), and the
+        slots designated for the step before (what `admitted` refers to until this step's
+        admissions overwrite it)."""
         if self._admit_dev is None:
             n = len(self.arena.layouts)
-            self._admit_dev = (torch.full((n,), -1, dtype=torch.int32, device=self.device),
-                               torch.full((n,), -1, dtype=torch.int32, device=self.device))
+            self._admit_dev = tuple(torch.full((n,), -1, dtype=torch.int32, device=self.device)
+                                    for _ in range(3))
         return self._admit_dev
+
+    def reapply_admissions(self, layers: torch.Tensor) -> None:
+        """At the start of a decode step (inside its graph): the last step's device admissions
+        enter the device tables (the host, which learns of them only when that step is settled,
+        uploaded tables without them), so an admitted expert serves the very next step. layers:
+        int64 on the device, the admitting layers."""
+        _, admitted, last = self.admit_buffers()
+        reapply_admissions(self.cache.tables, layers, admitted, last)
+
+    def forget_admissions(self) -> None:
+        """The host has settled every device admission (a pass that is no decode step): none is
+        applied again."""
+        if self._admit_dev is not None:
+            self._admit_dev[1].fill_(-1)
 
     def gather_counts(self, device: torch.device) -> torch.Tensor:
         """[L, E] int32 on the device: gathered layers' routing since the decode step last read
