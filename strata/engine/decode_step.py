@@ -164,6 +164,7 @@ class DecodeStep:
                                       dtype=np.int64)
             ex.admit_rows = set(self.admitting.tolist())
         self._admitting_dev = torch.from_numpy(self.admitting).to(dev)
+        self._tables_now: np.ndarray | None = None  # the running step's table snapshot
         self._victims_host = torch.full((cfg.n_layers,), -1, dtype=torch.int32,
                                         pin_memory=dev.type == "cuda")
         self._admitted_host = torch.full((len(self.gathered_layers),), -1, dtype=torch.int32,
@@ -241,7 +242,9 @@ class DecodeStep:
                 done = self._record()  # slots this step reads are overwritten after it
                 for i in self.gathered_layers:
                     self.ex.cache.layers[i].used = done
-                self.settle()  # the last step's routing, while the GPU runs this one
+                self._tables_now = tables  # (settle enters the last step's device
+                self.settle()  # admissions: this step reads them) the last step's routing,
+                self._tables_now = None  # while the GPU runs this one
                 self._copy_counts(tables, step, designated)
         if self.share is not None:
             self.share.end(self._record() if self.device.type == "cuda" else None)
@@ -423,6 +426,9 @@ class DecodeStep:
             if designated is not None and i in on_device and designated[i] >= 0:
                 if self.ex.cache.settle_pending(i, int(designated[i]), int(admitted[j])):
                     self.ex.stats.admissions += 1
+                    if self._tables_now is not None:  # the step running now started by
+                        # entering it in its device table (reapply_admissions): a hit there
+                        self._tables_now[j, int(admitted[j])] = designated[i]
             self.ex.after_gathered(i, counts, table, taken.get(i, []),
                                    ahead[j] if ahead is not None else None,
                                    host_admit=i not in on_device)
