@@ -160,6 +160,17 @@ def test_the_next_step_enters_the_last_steps_admissions_in_the_tables():
     assert torch.equal(tables, want)
 
 
+def test_an_unknown_admit_setting_is_refused(synth, monkeypatch, capsys):
+    from strata.cli.main import main
+
+    monkeypatch.setenv("STRATA_DEVICE_ADMIT", "yes")
+    path = synth("qwen3moe", "Q4_K_M")
+    assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "1",
+                 "--offload", "on"]) == 2
+    err = capsys.readouterr().err
+    assert "STRATA_DEVICE_ADMIT='yes': give 1" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("cache", ["3", "5"])
 @pytest.mark.parametrize("prefetch", [0, 1])

@@ -35,6 +35,7 @@ import torch
 
 from strata.engine.kv_cache import KVCache, KVPool
 from strata.engine.waits import wait_event
+from strata.errors import StrataError
 from strata.kernels.gpu import decode_ops as ops
 from strata.model.transformer import shared_expert
 from strata.model.weights import LayerWeights, linear, qkv_linear
@@ -42,6 +43,17 @@ from strata.model.weights import LayerWeights, linear, qkv_linear
 log = logging.getLogger("strata")
 
 DECODE_STEP_MODES = ("graphs", "eager", "off")
+ADMIT_ENV = "STRATA_DEVICE_ADMIT"  # 1: gathered layers admit on the device (experimental)
+
+
+def device_admit() -> bool:
+    """STRATA_DEVICE_ADMIT is 1 (gathered layers admit on the device), or 0 (the default);
+    anything else is refused."""
+    admit = os.environ.get(ADMIT_ENV, "0")
+    if admit not in ("0", "1"):
+        raise StrataError(f"{ADMIT_ENV}={admit!r}: give 1 (admit on the device) or 0 (the "
+                          "default: admissions copy from the arena)")
+    return admit == "1"
 
 
 @dataclass(frozen=True)
@@ -157,7 +169,7 @@ class DecodeStep:
         # step (no second copy over PCIe); the next step starts by entering it in the device
         # tables, and the host's maps take it when the step is settled
         self.admitting = np.array([], dtype=np.int64)
-        if os.environ.get("STRATA_DEVICE_ADMIT") == "1" and dev.type == "cuda":
+        if device_admit() and dev.type == "cuda":
             self.admitting = np.array([i for i in self.gathered_layers
                                        if ex.cache.layers[i].policy.name == "lru"
                                        and ex.cache.layers[i].capacity + ex.cache.layers[i].lent],
