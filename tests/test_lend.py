@@ -33,9 +33,11 @@ def model(path):  # noqa: ANN001, ANN201
     return mf, cfg, expert_layouts(mf, cfg)
 
 
-def budget_for(mf, cfg, layouts, base: int) -> float:  # noqa: ANN001
-    """A --vram-budget (GiB) whose auto cache gets `base` slots a layer on CUDA."""
-    none = make_plan(mf, cfg, EngineConfig(expert_cache="0", vram_budget_gib=1, **CUDA), layouts)
+def budget_for(mf, cfg, layouts, base: int, **kw) -> float:  # noqa: ANN001
+    """A --vram-budget (GiB) whose auto cache gets `base` slots a layer on CUDA (kw: more of
+    the engine's config)."""
+    none = make_plan(mf, cfg, EngineConfig(expert_cache="0", vram_budget_gib=1, **CUDA, **kw),
+                     layouts)
     fixed = none.budget - none.left + MARGIN
     return (fixed + base * sum(lay.stride for lay in layouts)) / GIB
 
@@ -50,12 +52,20 @@ def test_plan_lends_the_workspace_to_decode_slots(synth):
     assert plan.lent_per_layer == (E - 3,) * cfg.n_layers
     assert plan.lent == sum(n * lay.stride for n, lay in zip(plan.lent_per_layer, layouts,
                                                                  strict=True))
-    assert 0 < plan.lent <= plan.workspace
-    assert f"+ {(E - 3) * cfg.n_layers} in the workspace while decoding" in "\n".join(
-        plan.lines())
+    assert 0 < plan.lent <= plan.workspace + plan.ring and plan.lent_ring  # one sequence
+    assert f"+ {(E - 3) * cfg.n_layers} in the workspace and the ring while decoding" in \
+        "\n".join(plan.lines())
+    # several sequences decoding together (their passes may stream), or --stream-min 1 (even
+    # a one-token pass streams): the workspace alone
+    for kw in (dict(sequences=2), dict(stream_min=1)):
+        alone = make_plan(mf, cfg, EngineConfig(
+            vram_budget_gib=budget_for(mf, cfg, layouts, 2, **kw), **CUDA, **kw), layouts)
+        assert not alone.lent_ring and sum(alone.lent_per_layer) > 0
+        assert "in the workspace while decoding" in "\n".join(alone.lines())
     for kw in (dict(expert_cache="2"), dict(decode_step="off"), dict(kernels="exact")):
         other = make_plan(mf, cfg, EngineConfig(vram_budget_gib=b, **{**CUDA, **kw}), layouts)
-        assert other.lent_per_layer == () and "while decoding" not in "\n".join(other.lines())
+        assert other.lent_per_layer == () and not other.lent_ring
+        assert "while decoding" not in "\n".join(other.lines())
     cpu = make_plan(mf, cfg, EngineConfig(device="cpu", vram_budget_gib=b), layouts)
     assert cpu.lent_per_layer == ()
     full = make_plan(mf, cfg, EngineConfig(vram_budget_gib=1, **CUDA), layouts)
@@ -146,11 +156,12 @@ def test_a_cache_without_lent_slots_never_changes(tiny):
     assert cache.capacity == 2 * cfg.n_layers
 
 
-def lent_engine(path, device):  # noqa: ANN001, ANN201
+def lent_engine(path, device, ring=False):  # noqa: ANN001, ANN201
     """The offload engine with lent slots (2 base and 3 lent slots a layer; gathered misses on
     CUDA), and the same engine without them. On CUDA the plan lends (a budget that gives 2 base
-    slots, which an explicit --expert-cache 2 turns off); on the CPU, where the plan lends
-    nothing, a cache with lent slots is swapped in."""
+    slots, which an explicit --expert-cache 2 turns off; one sequence: the ring is lent too);
+    on the CPU, where the plan lends nothing, a cache with lent slots is swapped in (ring: the
+    prompts stream through the ring, which decode steps take for the cache too)."""
     if device == "cuda":
         mf, cfg, layouts = model(path)
         kw = dict(kernels="fused", ctx=256, miss="dma",
@@ -158,8 +169,10 @@ def lent_engine(path, device):  # noqa: ANN001, ANN201
         engine, plain = offload(path, device, **kw), offload(path, device, expert_cache="2", **kw)
         assert engine.model.experts.cache.lends and not plain.model.experts.cache.lends
         return engine, plain
-    engine = offload(path, device, expert_cache="2", miss="dma", stream_min=1 << 20)
+    engine = offload(path, device, expert_cache="2", miss="dma",
+                     stream_min=2 if ring else 1 << 20)
     ex = engine.model.experts
+    ex.lend_ring = ring
     cfg = engine.config
     policies = [make_policy("lru", cfg.n_experts, None) for _ in range(cfg.n_layers)]
     ex.cache = ExpertCache(ex.arena.layouts, [2] * cfg.n_layers, cfg.n_experts, policies,
@@ -171,26 +184,34 @@ def lent_engine(path, device):  # noqa: ANN001, ANN201
 def two_requests(engine: Engine) -> list[np.ndarray]:
     """Two requests, each a 6-token prompt (lent slots go back first) and a decode step for each
     later token of TOKENS (teacher-forced; the lent slots return, filled): decoded logits."""
-    cache = engine.model.experts.cache
+    ex = engine.model.experts
+    cache, ring = ex.cache, ex.ring
     base, grown = cache.capacity, cache.capacity + sum(ls.lent for ls in cache.layers)
     runs = []
     for _ in range(2):
         kv = engine.model.new_cache(len(TOKENS))
+        streamed = ring.streamed_bytes
         engine.run_prompt(TOKENS[:6], kv)
         assert not cache.lending and cache.capacity == base
+        assert ring.nbytes >= ex.ring_base and ring.streamed_bytes > streamed or not ex.lend_ring
         out = []
         for t in TOKENS[6:]:
             out.append(engine.model.decode(t, kv).float().cpu().numpy().copy())
             assert cache.lending == cache.lends and cache.capacity == grown
+            assert ring.nbytes == (0 if ex.lend_ring else ex.ring_base)
         cache.check_integrity()
         runs.append(np.concatenate(out))
     return runs
 
 
-def test_lent_slots_give_the_reference_logits_across_requests(synth, device):
+@pytest.mark.parametrize("ring", [False, True])
+def test_lent_slots_give_the_reference_logits_across_requests(synth, device, ring):
     path = synth("qwen3moe", "Q4_K_M")
     ref = compute_logits(Engine.load(path), TOKENS)[6:]
-    engine, plain = lent_engine(path, device)
+    if device == "cuda" and not ring:
+        pytest.skip("on CUDA the plan lends the ring with one sequence")
+    engine, plain = lent_engine(path, device, ring)
+    assert engine.model.experts.lend_ring == ring
     cache, step = engine.model.experts.cache, engine.model.step
     runs = two_requests(engine)
     assert cache.generation == 3  # grown, shrunk for the second prompt, grown again

@@ -20,7 +20,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-cache", default="auto", metavar="auto|N|0",
                    help="expert cache slots in all layers (auto: what the budget leaves, "
                    "plus, on CUDA where it adds at least half, slots in the prompt workspace "
-                   "while decoding; N: exactly N)")
+                   "and, with one sequence, the ring's VRAM while decoding; N: exactly N)")
     g.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "profile"],
                    help="which experts stay resident (lru)")
     g.add_argument("--expert-profile", default=None, metavar="P",

@@ -110,7 +110,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     cache = ExpertCache(layouts, plan.slots_per_layer, cfg.n_experts, policies, dev, lent)
     cache.warm(arena.layers)
     log.info(f"expert cache: {cache.capacity} slots, {fmt_bytes(cache.nbytes)}"
-             + (f" (+ {sum(lent)} in the workspace's {fmt_bytes(plan.lent)} while decoding)"
+             + (f" (+ {sum(lent)} in the {fmt_bytes(plan.lent)} of the workspace"
+                + (" and the ring" if plan.lent_ring else "") + " while decoding)"
                 if lent else "")
              + f"; policy {ec.cache_policy}"
              + (", seeded from the profile" if profile is not None else ""))
@@ -128,6 +129,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               [staging], Ring(plan.ring, dev, grouped=ec.kernels == "fused"),
                               stream_min, debug=ec.debug, fused_max_t=fused_max_t,
                               prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
+    executor.lend_ring = plan.lent_ring and cache.lends
     executor.cpu_share = ec.cpu_share
     executor.prefetch = ec.prefetch if dev.type == "cuda" else 0
     executor.prefetch_auto = auto_prefetch  # (then it is off without a word where it cannot run)

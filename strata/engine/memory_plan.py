@@ -58,6 +58,7 @@ class MemoryPlan:
     # per layer: slots the cache adds in the workspace's VRAM while passes need no workspace
     # (decode steps of up to DECODE_MAX_T tokens); a larger pass takes them back first
     lent_per_layer: tuple[int, ...] = ()
+    lent_ring: bool = False  # the lent slots take the streaming ring's VRAM too
 
     @property
     def left(self) -> int:
@@ -66,7 +67,7 @@ class MemoryPlan:
 
     @property
     def lent(self) -> int:
-        """Bytes of the workspace the lent slots take (between prompt chunks)."""
+        """Bytes of the workspace (and the ring) the lent slots take (between prompt chunks)."""
         return sum(n * s for n, s in zip(self.lent_per_layer, self.strides, strict=True))
 
     def lines(self) -> list[str]:
@@ -85,8 +86,10 @@ class MemoryPlan:
                "stream)" if self.ring_borrow else ""),
             f"  cache slots    {f(self.cache):>10} ({n} slots, "
             f"{min(self.slots_per_layer, default=0)}-{max(self.slots_per_layer, default=0)} "
-            "per layer" + (f"; + {sum(self.lent_per_layer)} in the workspace while decoding, "
-                           f"{fmt_bytes(self.lent)})" if sum(self.lent_per_layer) else ")"),
+            "per layer" + (f"; + {sum(self.lent_per_layer)} in the workspace"
+                           + (" and the ring" if self.lent_ring else "")
+                           + f" while decoding, {fmt_bytes(self.lent)})"
+                           if sum(self.lent_per_layer) else ")"),
             f"  host arena     {f(self.arena):>10} of {f(self.host_available)} RAM available",
             f"  left           {f(self.left):>10}",
         ]
@@ -230,21 +233,26 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
     borrow = max(0, min(budget - fixed - kv - cache, borrow_cap)) // 256 * 256
-    lent = ()
+    lent, lent_ring = (), False
     if dev.type == "cuda" and ec.kernels == "fused" and ec.decode_step != "off" and \
             ec.expert_cache == "auto":
-        lent = lend_slots(cfg, layouts, slots, workspace)
+        # one decoding sequence (and no --stream-min 1): no pass that lends streams, so the
+        # ring's VRAM is lent too
+        lent_ring = ec.sequences <= 1 and (ec.stream_min or 2) >= 2
+        lent = lend_slots(cfg, layouts, slots, workspace + (ring if lent_ring else 0))
+        lent_ring = lent_ring and bool(lent)
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
                       chunk, prompt_weights, borrow, ec.kv_type,
-                      tuple(lay.stride for lay in layouts), prefetch, lent)
+                      tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],
                workspace: int) -> tuple[int, ...]:
-    """Slots per layer the workspace holds while no pass needs it: only prompt chunks use it
-    (moe_grouped's scratch, dequantized intermediates), so between them decode steps keep more
-    experts in VRAM. A layer stays short of all its experts (a full layer would run without
+    """Slots per layer `workspace` bytes hold while no pass needs them: only prompt chunks use
+    the workspace (moe_grouped's scratch, dequantized intermediates) and, with one decoding
+    sequence, the streaming ring (make_plan adds its bytes), so between them decode steps keep
+    more experts in VRAM. A layer stays short of all its experts (a full layer would run without
     the host: the decode step is cut for the base slots). Each request pays for them (the lent
     slots refilled over PCIe after its prompt, the decode graphs captured again where the new
     tensors moved), so they are lent only where they add at least half the cache: on the H200

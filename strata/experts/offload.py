@@ -70,6 +70,9 @@ class OffloadExperts:
         # gathered layers whose decode steps admit a missed expert on the device, from the row
         # its gather filled (no second copy over PCIe; the decode step designates the slots)
         self.admit_rows: set[int] = set()
+        # the cache's lent slots take the ring's VRAM too while they live (memory plan: one
+        # decoding sequence); the ring is then empty
+        self.lend_ring = False
         self._admit_dev: tuple[torch.Tensor, torch.Tensor] | None = None
         # per layer: the fraction of its uncached experts a streamed chunk routed to, last seen
         # (_streams_routed copies them all only when nearly all are used)
@@ -80,21 +83,29 @@ class OffloadExperts:
         """Called before each forward pass or decode step (step=True) of `tokens` tokens: a
         pass whose chunks stream (tokens >= stream_min) gets the ring with what it may borrow,
         any other the ring's own size (the borrowed bytes go back to the allocator for the
-        decode steps, the cache and the KV cache). A pass that is no decode step first settles
-        the slots the last step filled on the device (the maps then hold them)."""
+        decode steps, the cache and the KV cache). Lent cache slots live while passes need
+        neither the workspace (at most DECODE_MAX_T tokens) nor, where the plan lends the ring
+        too (lend_ring), the ring (fewer than stream_min): the ring then gives all its bytes
+        back first. A pass that is no decode step first settles the slots the last step filled
+        on the device (the maps then hold them)."""
         if not step and self.cache.pending:
             self.stats.settle()
         if not step:
             self.forget_admissions()
-        if self.cache.lends:  # lent slots live while passes leave the workspace alone
+        lend = False
+        if self.cache.lends:
             from strata.kernels.gpu.moe import DECODE_MAX_T
 
-            n, nbytes = self.cache.lend(tokens <= DECODE_MAX_T)
+            lend = tokens <= DECODE_MAX_T and not (self.lend_ring and tokens >= self.stream_min)
+            if not lend:
+                self.cache.lend(False)  # (before the ring takes its bytes back)
+        if self.ring is not None and (self.ring_borrow or self.lend_ring):
+            self.ring.resize(0 if lend and self.lend_ring else self.ring_base + (
+                self.ring_borrow if tokens >= self.stream_min else 0))
+        if lend:
+            n, nbytes = self.cache.lend(True)
             self.stats.admissions += n
             self.stats.bytes_h2d += nbytes
-        if self.ring is None or not self.ring_borrow:
-            return
-        self.ring.resize(self.ring_base + (self.ring_borrow if tokens >= self.stream_min else 0))
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor, host: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
