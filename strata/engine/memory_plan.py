@@ -256,9 +256,10 @@ def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],
     the host: the decode step is cut for the base slots). Each request pays for them (the lent
     slots refilled over PCIe after its prompt, the decode graphs captured again where the new
     tensors moved), so they are lent only where they add at least half the cache: on the H200
-    (Qwen3-30B-A3B Q4_K_M) decode went 43.7 -> 52.1 tok/s at 2 GiB (1 + 3 slots a layer),
-    43.9 -> 58.4 at 3 GiB (1 + 4.8), 59.4 -> 71.7 at 4 GiB (6 + 5.6), stayed at 107 at 6 GiB
-    (16 + 9.6) and fell 201 -> 158 at 10 GiB (43 + 14) (bench/2026-11-30-h200-lend.md)."""
+    (Qwen3-30B-A3B Q4_K_M, the workspace alone lent) decode went 43.7 -> 52.1 tok/s at 2 GiB
+    (1 + 3 slots a layer), 43.9 -> 58.4 at 3 GiB (1 + 4.8), 59.4 -> 71.7 at 4 GiB (6 + 5.6),
+    stayed at 107 at 6 GiB (16 + 9.6) and fell 201 -> 158 at 10 GiB (43 + 14)
+    (bench/2026-11-30-h200-lend.md)."""
     if all(n >= cfg.n_experts for n in slots):
         return ()
     extra = _cache_slots(cfg, EngineConfig(expert_cache="auto"), layouts, workspace, 0)

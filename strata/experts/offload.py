@@ -73,7 +73,7 @@ class OffloadExperts:
         # the cache's lent slots take the ring's VRAM too while they live (memory plan: one
         # decoding sequence); the ring is then empty
         self.lend_ring = False
-        self._admit_dev: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._admit_dev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # per layer: the fraction of its uncached experts a streamed chunk routed to, last seen
         # (_streams_routed copies them all only when nearly all are used)
         self.routed_fraction: dict[int, float] = {}
