@@ -135,6 +135,9 @@ def test_cache_grows_and_shrinks_keeping_what_the_policy_ranks_best(tiny):
         assert ls.capacity == 2 and sorted(ls.resident()) == [5, 6]
         assert (ls.slot_of >= 0).sum() == 2
     records_match(cache, arena)
+    assert cache.line() == (f"expert cache: {2 * cfg.n_layers} slots now (without the "
+                            f"{3 * cfg.n_layers} lent while decoding); lent 1 time(s), given "
+                            "back 1")
     with torch.inference_mode():
         cache.lend(True)  # again: the three most recent others fill the lent slots
     for ls in cache.layers:
@@ -215,6 +218,7 @@ def test_lent_slots_give_the_reference_logits_across_requests(synth, device, rin
     cache, step = engine.model.experts.cache, engine.model.step
     runs = two_requests(engine)
     assert cache.generation == 3  # grown, shrunk for the second prompt, grown again
+    assert "(with the" in cache.line() and "lent 2 time(s), given back 1" in cache.line()
     st = engine.model.experts.stats
     st.settle()
     assert st.admissions >= 2 * 3 * engine.config.n_layers  # the lent slots filled twice

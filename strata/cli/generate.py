@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(experts.stats.lines()), file=sys.stderr)
         if engine.model.step is not None:
             print(engine.model.step.line(), file=sys.stderr)
+        if experts.cache.lends:
+            print(experts.cache.line(), file=sys.stderr)
     elif args.stats:
         print("strata: --stats: no offload runtime (--offload off); every expert ran on "
               f"{args.device}", file=sys.stderr)

@@ -98,6 +98,13 @@ class ExpertCache:
     def lends(self) -> bool:
         return any(ls.lent for ls in self.layers)
 
+    def line(self) -> str:
+        """One line for --stats on the lent slots."""
+        lent = sum(ls.lent for ls in self.layers)
+        return (f"expert cache: {self.capacity} slots now ({'with' if self.lending else 'without'}"
+                f" the {lent} lent while decoding); lent {self.generation // 2 + self.lending} "
+                f"time(s), given back {self.generation // 2}")
+
     def warm(self, arena_layers: list[torch.Tensor]) -> None:
         """Fill every layer's slots with its best-ranked experts (policy.rank)."""
         self.arena_layers = arena_layers
