@@ -17,7 +17,7 @@ from strata.config import EngineConfig, ModelConfig
 from strata.engine.generator import Engine
 from strata.engine.memory_plan import GIB, MARGIN, lend_slots, make_plan
 from strata.experts.arena import Arena
-from strata.experts.cache import ExpertCache
+from strata.experts.cache import FILLING, FREE, ExpertCache
 from strata.experts.layout import ExpertLayout, expert_layouts
 from strata.experts.policy import make_policy
 from strata.gguf import open_model
@@ -146,6 +146,45 @@ def test_cache_grows_and_shrinks_keeping_what_the_policy_ranks_best(tiny):
     for i, ls in enumerate(cache.layers):  # outside inference mode, as the stats' settle does
         ls.policy.touch([2], [1])
         assert cache.admit(i, 2, arena.layers[i][2], keep=set()) is not None
+    records_match(cache, arena)
+
+
+def test_a_refill_enters_the_maps_once_its_copies_landed(tiny, monkeypatch):
+    """The lent slots' refill runs on the copy stream; decode steps meanwhile see only the slots
+    already resident: the maps take each refilled slot once the copies' event has passed, and
+    an expert admitted elsewhere meanwhile frees its refill's slot."""
+    cfg, layouts, arena = tiny
+    policies = [make_policy("lru", cfg.n_experts, None) for _ in layouts]
+    cache = ExpertCache(layouts, [2] * cfg.n_layers, cfg.n_experts, policies,
+                        torch.device("cpu"), lent=[3] * cfg.n_layers)
+    cache.warm(arena.layers)
+
+    class Copies:  # the copy stream's event, as the refill records it
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    copies = Copies()
+    monkeypatch.setattr(cache, "_event", lambda: copies)
+    assert cache.lend(True)[0] == 3 * cfg.n_layers
+    for ls in cache.layers:
+        assert ls.capacity == 5 and sorted(ls.resident()) == [0, 1]
+        assert (ls.expert_in == FILLING).sum() == 3
+    cache.check_integrity()
+    filling = [e for i, _, e in cache._filling[1] if i == 0]
+    taken = filling[0]  # a host admission meanwhile: it evicts a resident, not a filling slot
+    victim = cache.layers[0].policy.victim([0, 1], set())
+    assert cache.admit(0, taken, arena.layers[0][taken], keep=set()) is not None
+    cache.flush()  # the copies have not landed: nothing enters
+    assert (cache.layers[1].expert_in == FILLING).sum() == 3
+    copies.done = True
+    cache.flush()
+    assert sorted(cache.layers[0].resident()) == sorted([1 - victim, *filling])
+    assert (cache.layers[0].expert_in == FREE).sum() == 1  # the copy that lost its expert
+    for ls in cache.layers[1:]:
+        assert len(ls.resident()) == 5
+    cache.check_integrity()
     records_match(cache, arena)
 
 

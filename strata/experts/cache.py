@@ -3,14 +3,16 @@
     layer l: slots uint8 [n_slots_l, stride_l]     one packed record per slot (layout.py)
              slot_of[E]   host int32, -1 = not resident      } always agree
              table[E]     device int32 copy, for kernels     }
-             expert_in[n_slots_l]  host int32, -1 = free, -2 = pending (the device fills it)
+             expert_in[n_slots_l]  host int32, -1 = free, -2 = pending (the device fills it),
+                                   -3 = filling (a refill's copy is in flight)
 
-Lent slots: the memory plan may give a layer more slots in the VRAM of the prompt workspace,
-which only passes of more than a few tokens use. `lend(True)` grows each such layer's slot tensor
-by them (the resident rows copied over, the new slots filled with the policy's best-ranked
-experts); `lend(False)` shrinks it back, keeping the best-ranked residents. Each change bumps
-`generation`; a decode step's CUDA graphs hold the slot tensors' addresses (`slots_key`) and are
-captured again where they moved.
+Lent slots: the memory plan may give a layer more slots in the VRAM of the prompt workspace
+(and the ring), which only passes of more than a few tokens use. `lend(True)` grows each such
+layer's slot tensor by them (the resident rows copied over, the new slots filled with the
+policy's best-ranked experts on the copy stream, entering the maps once landed); `lend(False)`
+shrinks it back, keeping the best-ranked residents. Each change bumps `generation`; a decode
+step's CUDA graphs hold the slot tensors' addresses (`slots_key`) and are captured again where
+they moved.
 
 Copies into slots run on a copy stream. A slot is overwritten only after the compute that last read
 that layer's slots is done (`used` event), and the next compute of the layer waits for the copies
@@ -55,7 +57,9 @@ class IntegrityError(AssertionError):
     pass
 
 
-FREE, PENDING = -1, -2  # expert_in of a slot holding no expert; of one the device fills now
+# expert_in of a slot holding no expert; of one the device fills in this decode step; of one
+# a refill's copy is filling (ExpertCache.land)
+FREE, PENDING, FILLING = -1, -2, -3
 
 
 class ExpertCache:
@@ -80,6 +84,7 @@ class ExpertCache:
         for ls, n in zip(self.layers, lent or [0] * len(self.layers), strict=True):
             ls.lent = max(0, min(n, n_experts - ls.capacity))
         self.arena_layers: list[torch.Tensor] | None = None  # warm's: lent slots fill from it
+        self._filling: tuple[torch.cuda.Event | None, list[tuple[int, int, int]]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -135,14 +140,64 @@ class ExpertCache:
                     ls.used = ev
         self.lending = on
         self.generation += 1
+        return self._refill() if on and self.arena_layers is not None else (0, 0)
+
+    def _refill(self) -> tuple[int, int]:
+        """Copy the experts the policy ranks best into the free slots (copy stream), FILLING
+        until the copies have landed (`land`): decode steps run meanwhile, without them."""
         n = nbytes = 0
-        if on and self.arena_layers is not None:
-            for i, ls in enumerate(self.layers):
-                free = int((ls.expert_in == FREE).sum())
-                for e in [e for e in ls.policy.current() if ls.slot_of[e] < 0][:free]:
-                    self.admit(i, e, self.arena_layers[i][e], keep=set())
-                    n, nbytes = n + 1, nbytes + ls.layout.nbytes
+        landing = []
+        for i, ls in enumerate(self.layers):
+            free = np.flatnonzero(ls.expert_in == FREE)
+            best = [e for e in ls.policy.current() if ls.slot_of[e] < 0][: free.size]
+            for slot, e in zip(free.tolist()[: len(best)], best, strict=True):
+                self._copy_in(ls, slot, self.arena_layers[i][e])
+                ls.expert_in[slot] = FILLING
+                landing.append((i, slot, int(e)))
+                n, nbytes = n + 1, nbytes + ls.layout.nbytes
+        if landing:
+            self._filling = (self._event(), landing)
+            self.land()
         return n, nbytes
+
+    def _event(self) -> torch.cuda.Event | None:
+        """Recorded on the copy stream after what it was given (None on the CPU: copies there
+        are done when issued)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.copy_stream)
+        return ev
+
+    def land(self) -> None:
+        """Slots a refill is filling enter the maps once their copies have landed (the next
+        flush uploads the tables); an expert that found a slot meanwhile frees its copy's."""
+        if self._filling is None:
+            return
+        ev, landing = self._filling
+        if ev is not None and not ev.query():
+            return
+        self._filling = None
+        for i, slot, e in landing:
+            ls = self.layers[i]
+            if slot >= ls.capacity or ls.expert_in[slot] != FILLING:
+                continue
+            if ls.slot_of[e] >= 0:
+                ls.expert_in[slot] = FREE
+                continue
+            ls.slot_of[e], ls.expert_in[slot] = slot, e
+            ls.dirty = True
+
+    def _copy_in(self, ls: LayerSlots, slot: int, record: torch.Tensor) -> None:
+        """A record into a slot no kernel reads yet: on the copy stream, after the layer's last
+        reader, with no `ready` for the compute stream to wait on."""
+        if not self.cuda:
+            ls.slots[slot].copy_(record)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            if ls.used is not None:
+                self.copy_stream.wait_event(ls.used)
+            ls.slots[slot].copy_(record, non_blocking=True)
 
     def _grow(self, i: int, ls: LayerSlots) -> None:
         n = ls.capacity
@@ -256,6 +311,7 @@ class ExpertCache:
     def flush(self) -> None:
         """Bring every layer's device table and finished copies to the compute stream (a decode
         step's graphs then read tables that agree with the host maps for the whole step)."""
+        self.land()
         for i, ls in enumerate(self.layers):
             if ls.dirty or ls.ready is not None:
                 self.before_compute(i)
@@ -263,6 +319,7 @@ class ExpertCache:
     def sync(self) -> None:
         if self.cuda:
             self.copy_stream.synchronize()
+        self.land()
         for i in range(len(self.layers)):
             self.before_compute(i)
 
