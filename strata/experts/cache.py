@@ -280,13 +280,9 @@ class ExpertCache:
         return sum(int((ls.expert_in == PENDING).sum()) for ls in self.layers)
 
     def _copy(self, ls: LayerSlots, slot: int, record: torch.Tensor) -> None:
-        if not self.cuda:
-            ls.slots[slot].copy_(record)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            if ls.used is not None:
-                self.copy_stream.wait_event(ls.used)
-            ls.slots[slot].copy_(record, non_blocking=True)
+        """_copy_in, and the layer's next compute waits for it (`ready`)."""
+        self._copy_in(ls, slot, record)
+        if self.cuda:
             ls.ready = torch.cuda.Event()
             ls.ready.record(self.copy_stream)
 
