@@ -129,9 +129,9 @@ class ExpertCache:
             raise IntegrityError("lend: slots the device is filling are not settled yet")
         self.sync()  # no copy in flight into the tensors replaced below
         with torch.inference_mode(False):  # (plain tensors: admit copies into them anywhere)
-            for i, ls in enumerate(self.layers):
+            for ls in self.layers:
                 if ls.lent:
-                    (self._grow if on else self._shrink)(i, ls)
+                    (self._grow if on else self._shrink)(ls)
         if self.cuda:  # copies into the new tensors wait for the rows moved into them (and for
             ev = torch.cuda.Event()  # whatever last used their memory on the compute stream)
             ev.record(torch.cuda.current_stream(self.device))
@@ -199,14 +199,14 @@ class ExpertCache:
                 self.copy_stream.wait_event(ls.used)
             ls.slots[slot].copy_(record, non_blocking=True)
 
-    def _grow(self, i: int, ls: LayerSlots) -> None:
+    def _grow(self, ls: LayerSlots) -> None:
         n = ls.capacity
         slots = torch.empty(n + ls.lent, ls.layout.stride, dtype=torch.uint8, device=self.device)
         slots[:n].copy_(ls.slots)
         ls.slots = slots
-        ls.expert_in = np.concatenate([ls.expert_in, np.full(ls.lent, -1, np.int32)])
+        ls.expert_in = np.concatenate([ls.expert_in, np.full(ls.lent, FREE, np.int32)])
 
-    def _shrink(self, i: int, ls: LayerSlots) -> None:
+    def _shrink(self, ls: LayerSlots) -> None:
         n = ls.capacity - ls.lent
         rank = ls.policy.current()
         order = {e: r for r, e in enumerate(rank)}
@@ -217,7 +217,7 @@ class ExpertCache:
             torch.index_select(ls.slots, 0, rows.to(self.device), out=slots[: len(kept)])
         ls.slots = slots
         ls.slot_of[:] = -1
-        ls.expert_in = np.full(n, -1, np.int32)
+        ls.expert_in = np.full(n, FREE, np.int32)
         for s, e in enumerate(kept):
             ls.slot_of[e], ls.expert_in[s] = s, e
         ls.dirty = True
@@ -229,15 +229,9 @@ class ExpertCache:
         ls = self.layers[layer]
         if ls.slot_of[expert] >= 0:
             return int(ls.slot_of[expert])
-        free = np.flatnonzero(ls.expert_in == FREE)
-        if free.size:
-            slot = int(free[0])
-        else:
-            victim = ls.policy.victim(ls.resident(), keep | {expert})
-            if victim is None or not (force or ls.policy.admit(expert, victim)):
-                return None
-            slot = int(ls.slot_of[victim])
-            ls.slot_of[victim] = -1
+        slot = self._take_slot(ls, keep | {expert}, None if force else expert)
+        if slot is None:
+            return None
         self._copy(ls, slot, record)
         ls.slot_of[expert], ls.expert_in[slot] = slot, expert
         ls.dirty = True
@@ -248,17 +242,26 @@ class ExpertCache:
         one, else the policy's victim, taken out of the maps now (the step's table no longer
         names it). It stays PENDING until settle_pending; -1 when the layer has none to give."""
         ls = self.layers[layer]
+        slot = self._take_slot(ls, set())
+        if slot is None:
+            return -1
+        ls.expert_in[slot] = PENDING
+        return slot
+
+    @staticmethod
+    def _take_slot(ls: LayerSlots, keep: set[int], incoming: int | None = None) -> int | None:
+        """A free slot, else the policy's victim's (never one in `keep`), its expert taken out
+        of the maps; None when there is neither, or when the policy would not let `incoming`
+        (if given) replace the victim."""
         free = np.flatnonzero(ls.expert_in == FREE)
         if free.size:
-            slot = int(free[0])
-        else:
-            victim = ls.policy.victim(ls.resident(), set())
-            if victim is None:
-                return -1
-            slot = int(ls.slot_of[victim])
-            ls.slot_of[victim] = -1
-            ls.dirty = True
-        ls.expert_in[slot] = PENDING
+            return int(free[0])
+        victim = ls.policy.victim(ls.resident(), keep)
+        if victim is None or incoming is not None and not ls.policy.admit(incoming, victim):
+            return None
+        slot = int(ls.slot_of[victim])
+        ls.slot_of[victim] = -1
+        ls.dirty = True
         return slot
 
     def settle_pending(self, layer: int, slot: int, expert: int) -> bool:

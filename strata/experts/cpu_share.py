@@ -37,8 +37,9 @@ from strata.experts.cpu_pool import CpuPool
 # (bench/2026-11-30-h200-prefetch.md)
 SHARE_THREADS = 8
 # which pool computes the strided layers: "graph" (a ggml graph a call) or "token" (ggml's dot
-# kernels on strata.kernels.cpu.token_pool's spinning threads); timed against each other by
-# scripts/bench_cpu_experts.py --share, not yet on the GPU's host: the graph stays the default
+# kernels on strata.kernels.cpu.token_pool's spinning threads). Timed on the H200's host
+# (bench/2026-11-30-h200-lend.md, run 46): the token pool 5-26% faster alone, 1.4-1.9x slower
+# inside decode, where the share did not pay: the graph stays the default
 POOL_ENV = "STRATA_CPU_SHARE_POOL"
 
 log = logging.getLogger("strata")

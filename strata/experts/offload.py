@@ -88,9 +88,9 @@ class OffloadExperts:
         too (lend_ring), the ring (fewer than stream_min): the ring then gives all its bytes
         back first. A pass that is no decode step first settles the slots the last step filled
         on the device (the maps then hold them)."""
-        if not step and self.cache.pending:
-            self.stats.settle()
         if not step:
+            if self.cache.pending:
+                self.stats.settle()
             self.forget_admissions()
         lend = False
         if self.cache.lends:
