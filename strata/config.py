@@ -177,7 +177,7 @@ class EngineConfig:
     offload: str = "auto"  # auto (on for cuda) | on | off (everything on the device, reference)
     vram_budget_gib: float | None = None  # None: free VRAM minus a margin
     expert_cache: str = "auto"  # auto | N slots in all | 0
-    cache_policy: str = "lru"  # lru | lfu | profile
+    cache_policy: str = "lfu"  # lfu | lru | profile
     expert_profile: str | None = None  # routing profile written by `strata profile`
     miss: str = "auto"  # auto | cpu | dma
     cpu_share: int = 0  # a decode token's last missed pairs of gathered layers the CPU takes

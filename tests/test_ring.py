@@ -305,7 +305,7 @@ def test_prompt_routed_on_the_device_equals_host_routing(pack, records, monkeypa
     counters agree once settled; every copy is counted."""
     path, ref = pack
     layers = count_routed(monkeypatch)
-    on = engine(path, "cpu", records, True, monkeypatch, expert_cache="3")
+    on = engine(path, "cpu", records, True, monkeypatch, expert_cache="3", cache_policy="lru")
     ours = compute_logits(on, PROMPT)
     assert set(layers) == {0, 1, 2}
     with monkeypatch.context() as m:

@@ -21,8 +21,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert cache slots in all layers (auto: what the budget leaves, "
                    "plus, on CUDA where it adds at least half, slots in the prompt workspace "
                    "and, with one sequence, the ring's VRAM while decoding; N: exactly N)")
-    g.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "profile"],
-                   help="which experts stay resident (lru)")
+    g.add_argument("--cache-policy", default="lfu", choices=["lfu", "lru", "profile"],
+                   help="which experts stay resident: the most often routed (lfu, counts halve "
+                   "every 4096 passes), the most recently routed (lru), or lfu seeded "
+                   "from --expert-profile (profile)")
     g.add_argument("--expert-profile", default=None, metavar="P",
                    help="routing profile from `strata profile`: seeds the cache")
     g.add_argument("--miss", default="auto", choices=["auto", "cpu", "dma"],
