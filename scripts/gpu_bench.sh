@@ -16,7 +16,9 @@
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
 # OMP_WAIT_POLICY of CPU_POLICIES, CPU_ARGS added), prefetch (decode at 2 GiB with --prefetch N
 # for each N of PREFETCHES; N:S also --cpu-share S),
-# prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check.
+# prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check (the
+# logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
+# kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
@@ -168,8 +170,11 @@ if [[ $STAGES == *prompt* ]]; then
     done
   done
 fi
-if [[ $STAGES == *check* ]]; then
-  echo "== check: reference path against the offload runtime at 10 GiB"
-  timeout 200 python3 -m strata check $M --a "--device cuda --offload off" \
-    --b "--device cuda --vram-budget 10" --prompt-len 32 2>&1 | tee "$OUT/check.txt" | tail -4
+if [[ $STAGES == *check* ]]; then  # float32-exact kernels on both sides: KL < 1e-4 expected
+  for b in ${CHECK_BUDGETS:-2 10}; do
+    echo "== check: everything on the device against the offload runtime at $b GiB (--kernels exact)"
+    timeout 200 python3 -m strata check $M --a "--device cuda --offload off --kernels exact" \
+      --b "--device cuda --vram-budget $b --kernels exact ${CHECK_FLAGS:-}" --prompt-len 48 \
+      --decode 16 2>&1 | tee "$OUT/check_$b.txt" | tail -3
+  done
 fi

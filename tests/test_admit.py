@@ -182,7 +182,8 @@ def test_decode_steps_admitting_on_the_device_give_reference_logits(synth, monke
     monkeypatch.setenv("STRATA_DEVICE_ADMIT", "1")
     path = synth("qwen3moe", "Q4_K_M")
     ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
-    engine = offload(path, "cuda", expert_cache=cache, miss="dma", prefetch=prefetch)
+    engine = offload(path, "cuda", expert_cache=cache, miss="dma", prefetch=prefetch,
+                     cache_policy="lru")  # device admission runs under LRU only
     step, ex = engine.model.step, engine.model.experts
     assert len(step.admitting) == engine.config.n_layers == len(ex.admit_rows)
     st = ex.stats
