@@ -4,13 +4,10 @@ dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles),
 cuBLAS on the same shapes and the HBM copy ceiling; the rows kernel on the same shapes
 (matmul.GEMV_ROWS_TUNE tiles: R rows a program sharing each x tile), with x float32 as the
 decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's default tile is timed
-on bf16 x too); the lanes kernel (matmul.GEMV_LANES_TUNE tiles: BN rows across the lanes of a
-warp, which read each x address together; `lanes (BN, BK, stages, warps)` lines, a few also with
-bf16 x, two in the [G, BN, S] order as `lanes [G, BN, S] (...)`); for Q4_K and Q6_K also the
-int8-activation dp4a experiment (gemv_q8.py: x rounded to 8 bits, then one dp4a per 4 weights),
-by tile.
+on bf16 x too); for Q4_K and Q6_K also the int8-activation dp4a experiment (gemv_q8.py: x
+rounded to 8 bits, then one dp4a per 4 weights), by tile.
 
-    python scripts/bench_moe_decode.py [--json F] [--gemv-only TEXT] [--kernels fma,rows,lanes,q8]
+    python scripts/bench_moe_decode.py [--json F]
 
 Every figure is the median over CUDA-graph replays of 16 calls, each call on its own copy of the
 weights (rotated so that the L2 cannot hold them; the MoE layer's 8 experts change every call).
@@ -67,11 +64,10 @@ def time_moe(layer: dict, tune: dict) -> float:
 
 
 def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Generator,
-              dev: torch.device, copies: list | None = None, kind: str = "fma",
+              dev: torch.device, copies: list | None = None, rows: bool = False,
               xdtype: torch.dtype = torch.float32) -> tuple[float, list]:
-    """tile: the shared skeleton's (BN, BK, stages, warps), None: its default; kind "rows": the
-    rows kernel's (R, BK, stages, warps); "lanes" / "lanes-gf": the lanes kernel's (BN, BK,
-    stages, warps), in its default dim order / in [G, BN, S]."""
+    """tile: the shared skeleton's (BN, BK, stages, warps), None: its default; with rows, the
+    rows kernel's (R, BK, stages, warps)."""
     if copies is None:
         one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
         count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
@@ -79,16 +75,13 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
     x = torch.randn(1, k, device=dev).to(xdtype)
     out = torch.empty(1, n, device=dev)
     key = (int(q), n, k)
-    tune = {"fma": mm.GEMV_TUNE, "rows": mm.GEMV_ROWS_TUNE}.get(kind, mm.GEMV_LANES_TUNE)
+    tune = mm.GEMV_ROWS_TUNE if rows else mm.GEMV_TUNE
     if tile is not None:
         tune[key] = tile
-    order = mm.LANES_GROUPS_FIRST
-    mm.LANES_GROUPS_FIRST = order if kind != "lanes-gf" else not order
     try:
         t = graph_seconds(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out), CALLS)
     finally:
         tune.pop(key, None)
-        mm.LANES_GROUPS_FIRST = order
     return t, copies
 
 
@@ -119,13 +112,7 @@ def main() -> None:
     ap.add_argument("--gemv-only", default=None, metavar="TEXT",
                     help="only the GEMVs whose shape name contains TEXT (e.g. 14336x4096), no "
                     "MoE layer, no dp4a experiment")
-    ap.add_argument("--kernels", default="fma,rows,lanes,q8",
-                    help="which GEMV kernels to time, comma-separated: fma (the FMA tiles; its "
-                    "default tile always runs), rows, lanes, q8 (dp4a); default all")
     a = ap.parse_args()
-    kernels = set(a.kernels.split(","))
-    if kernels - {"fma", "rows", "lanes", "q8"}:
-        ap.error(f"--kernels: unknown {sorted(kernels - {'fma', 'rows', 'lanes', 'q8'})}")
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
     res: dict = {"hbm_copy_GBs": hbm_copy_gbs(), "moe": {}, "gemv": {}}
@@ -168,40 +155,23 @@ def main() -> None:
     # row a step, the next two 8 (fewer registers), the last is the second one pipelined
     rows_tiles = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (4, 2048, 1, 4),
                   (4, 512, 1, 1), (8, 512, 1, 2), (4, 1024, 1, 4), (4, 1024, 2, 2)]
-    # the lanes kernel's (BN, BK, stages, warps): a thread holds BN * BK / (32 * warps) weights
-    # a step, 16 (the FMA kernel's tuned Q4_K tile's) in the first three, 32 or 64 in the others
-    # (more registers); then the [G, BN, S] order (in Triton 3.6 its rows go to warps and
-    # registers, sharing x there, as in the rows kernel)
-    lanes_tiles = [(4, 256, 1, 2), (4, 512, 1, 4), (8, 256, 1, 4), (8, 512, 1, 4),
-                   (8, 1024, 1, 4), (16, 256, 1, 4)]
-    lanes_bf16 = [(4, 512, 1, 4), (8, 256, 1, 4)]
-    lanes_gf = [(4, 512, 1, 4), (4, 1024, 1, 4)]
-    f32, bf16 = torch.float32, torch.bfloat16
-    runs = [(None, "fma", f32)]
-    if "fma" in kernels:
-        runs += [(t, "fma", f32) for t in tiles[1:]] + [(None, "fma", bf16)]
-    if "rows" in kernels:
-        runs += [(t, "rows", xd) for t in rows_tiles for xd in (f32, bf16)]
-    if "lanes" in kernels:
-        runs += [(t, "lanes", f32) for t in lanes_tiles] + [(t, "lanes", bf16) for t in lanes_bf16]
-        runs += [(t, "lanes-gf", f32) for t in lanes_gf]
-    label = {"fma": "", "rows": "rows ", "lanes": "lanes ", "lanes-gf": "lanes [G, BN, S] "}
+    runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
+    runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
     for q, n, k, what in [s for s in shapes if a.gemv_only is None or a.gemv_only in s[3]]:
         nbytes = n * row_nbytes(q, k)
         copies = None
-        for tile, kind, xdtype in [r for r in runs if r[0] is None or r[0][1] <= k]:
-            key = (f"{q.name} {n}x{k} {label[kind]}{tile or 'default'}"
-                   f"{' x bf16' if xdtype == bf16 else ''}")
+        for tile, rows, xdtype in [r for r in runs if r[0] is None or r[0][1] <= k]:
+            key = (f"{q.name} {n}x{k} {'rows ' if rows else ''}{tile or 'default'}"
+                   f"{' x bf16' if xdtype == torch.bfloat16 else ''}")
             try:
-                t, copies = time_gemv(q, n, k, tile, rng, dev, copies, kind, xdtype)
+                t, copies = time_gemv(q, n, k, tile, rng, dev, copies, rows, xdtype)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
                 print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
                 continue
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
-        if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0 and a.gemv_only is None and \
-                "q8" in kernels:
+        if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0 and a.gemv_only is None:
             # the dp4a experiment (gemv_q8.py)
             for bn, stages, warps in ((4, 2, 2), (8, 1, 1), (8, 2, 1), (16, 1, 1), (16, 1, 2),
                                       (16, 2, 2), (32, 1, 2), (32, 1, 4)):

@@ -155,9 +155,11 @@ def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
 
 
 # --prefetch auto on CUDA decode steps (where the cache is small: prefetch_pays):
-# at 2 GiB (30B-A3B, H200) 2 gave 42.8-45.1 tok/s against 40.6-40.9 without, 1 gave 42.2 and
-# 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md)
-AUTO_PREFETCH = 2
+# at 2 GiB (30B-A3B, H200, LRU, before lent slots) 2 gave 42.8-45.1 tok/s against 40.6-40.9
+# without, 1 gave 42.2 and 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md); with LFU and lent
+# slots 4 gave 66.2 against 61.9 for 2 on one machine (3: 63.7 on another), and 104.3 at 4 GiB
+# against 99.3 (bench/2026-11-30-h200-lfu.md)
+AUTO_PREFETCH = 4
 
 
 def prefetch_pays(slots: list[int], k: int) -> bool:

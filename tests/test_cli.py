@@ -85,3 +85,23 @@ def test_help_lists_every_command():
     r = subprocess.run([sys.executable, "-m", "strata", "--help"], capture_output=True, text=True)
     for cmd in ("generate", "logits", "info", "synth", "profile", "bench"):
         assert cmd in r.stdout
+
+
+def test_log_lines_follow_stderr_when_it_is_swapped(monkeypatch):
+    """The CLI's handler writes to sys.stderr as it is at each line: a stream swapped in and
+    closed (pytest's capture does this between tests) takes no later line and raises nothing."""
+    import io
+    import logging
+
+    from strata.cli.main import setup_logging
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    setup_logging(False)
+    log = logging.getLogger("strata.test")
+    log.info("one")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    log.info("two")
+    assert second.getvalue() == "strata: two\n"

@@ -266,13 +266,14 @@ def test_the_plan_counts_the_prefetch_rows(synth) -> None:
     layouts = expert_layouts(mf, cfg)
     stride = max(lay.stride for lay in layouts)
     k = cfg.n_experts_used
+    auto = min(AUTO_PREFETCH, k)  # auto copies at most a token's K experts ahead
     # (device, decode step, --prefetch (None: auto), --expert-cache, staging rows)
     for device, decode_step, prefetch, cache, rows in (
             ("cuda", "graphs", 2, "auto", 4), ("cuda", "eager", 1, "auto", 3),
             ("cuda", "off", 2, "auto", 2), ("cpu", "eager", 2, "auto", 2),
             ("cuda", "graphs", 0, "auto", 2),
-            ("cuda", "graphs", None, "0", k + AUTO_PREFETCH),  # no slots: on
-            ("cuda", "graphs", None, "3", k + AUTO_PREFETCH),  # 1 slot a layer < K: on
+            ("cuda", "graphs", None, "0", k + auto),  # no slots: on
+            ("cuda", "graphs", None, "3", k + auto),  # 1 slot a layer < K: on
             ("cuda", "graphs", None, "6", k),  # 2 slots a layer = K: off
             ("cuda", "graphs", None, "auto", k),  # every expert fits: off
             ("cuda", "off", None, "0", k), ("cpu", "eager", None, "0", k)):
@@ -349,13 +350,13 @@ def test_prefetch_on_the_cpu_says_it_is_off(synth, caplog) -> None:
 
 @pytest.mark.cuda
 def test_prefetch_auto_on_cuda(synth, caplog) -> None:
-    """--prefetch auto: AUTO_PREFETCH experts ahead where layers gather their misses and the
-    cache holds fewer slots a layer than a token's experts; off with a plan line, not a
-    warning, where it holds more or every expert has a slot."""
+    """--prefetch auto: AUTO_PREFETCH experts ahead (at most a token's K) where layers gather
+    their misses and the cache holds fewer slots a layer than a token's experts; off with a
+    plan line, not a warning, where it holds more or every expert has a slot."""
     path = synth("qwen3moe", "Q4_K_M")
     engine = offload(path, "cuda", expert_cache="0", miss="dma")
     assert engine.model.step.prefetch is not None
-    assert engine.model.step.prefetch.n == AUTO_PREFETCH
+    assert engine.model.step.prefetch.n == min(AUTO_PREFETCH, engine.config.n_experts_used)
     for cache, why in (("24", "every expert has a cache slot"),
                        ("12", "the cache holds 4.0 slots a layer, a token routes to 2")):
         caplog.clear()

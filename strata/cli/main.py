@@ -9,6 +9,7 @@ import sys
 
 from strata import __version__
 from strata.errors import StrataError
+from strata.logs import StderrHandler
 
 # subcommand -> (module, one-line help)
 COMMANDS = {
@@ -44,8 +45,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def setup_logging(debug: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("strata: %(message)s"))
+    handler = StderrHandler("strata: %(message)s")
     root = logging.getLogger("strata")
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)

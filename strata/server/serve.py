@@ -5,11 +5,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-import sys
 
 import uvicorn
 
 from strata.errors import StrataError
+from strata.logs import StderrHandler
 from strata.server.app import create_app
 from strata.server.config import ServeConfig
 from strata.server.faults import FaultPlan
@@ -18,8 +18,7 @@ log = logging.getLogger("strata.serve")
 
 
 def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("strata serve: %(message)s"))
+    handler = StderrHandler("strata serve: %(message)s")
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)

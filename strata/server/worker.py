@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from strata.errors import StrataError
+from strata.logs import StderrHandler
 from strata.server.faults import FaultTrigger
 from strata.server.protocol import (
     EngineOptions,
@@ -97,8 +98,7 @@ def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
 
 def _setup_logging() -> None:
     """The engine's own log lines (memory plan, arena, cache) go to the server's stderr."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"strata engine {os.getpid()}: %(message)s"))
+    handler = StderrHandler(f"strata engine {os.getpid()}: %(message)s")
     root = logging.getLogger("strata")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)

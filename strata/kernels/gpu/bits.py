@@ -78,12 +78,10 @@ def locate(wr, k0, g, QK: tl.constexpr, QB: tl.constexpr, S: tl.constexpr):
 
     g [1, G, 1] is the group index inside the step (0..G-1, loop-invariant), so when a step
     covers whole blocks everything but one scalar offset is computed once, outside the K loop.
-    Nothing here depends on which dim holds the groups and which the rows: with wr [1, BN, 1]
-    and g [G, 1, 1] (skeletons.gemv_lanes_tile) b is [G, BN, 1] and i [G, 1, 1].
     """
     GPB: tl.constexpr = QK // S  # groups per block
     step = (k0 // QK) * QB  # scalar
-    if g.numel * S >= QK:  # the step covers whole blocks (and starts at a block)
+    if g.shape[1] * S >= QK:  # the step covers whole blocks (and starts at a block)
         gu = g.to(tl.uint32)
         b = wr + step + ((gu // GPB) * QB).to(tl.int32)
         i = (gu % GPB).to(tl.int32)

@@ -11,9 +11,7 @@ torch.matmul; anything else: dequantize -> matmul) go through `fallback_matmul`,
 once per type.
 
 One token can also take the rows kernel (`gemv_rows`: R rows per program share each x tile
-instead of each reading it through L1), for the shapes listed in GEMV_ROWS_TUNE (none yet), or
-the lanes kernel (`gemv_lanes`: BN rows across the lanes of a warp, which read each x address
-together, an L1 broadcast; block headers as u64), for the shapes in GEMV_LANES_TUNE (none yet).
+instead of each reading it through L1), for the shapes listed in GEMV_ROWS_TUNE (none yet).
 """
 
 from __future__ import annotations
@@ -28,13 +26,11 @@ from triton import knobs
 from strata.kernels.gpu.formats import FLOAT_TYPES, KernelFormat, kernel_format
 from strata.kernels.gpu.skeletons import (
     dot_tile,
-    gemv_lanes_tile,
     gemv_rows_tile,
     gemv_tile,
     gemv_tile4,
     group_mask,
     rows,
-    rows_mid,
 )
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.quant import QType, dequantize, row_nbytes
@@ -54,16 +50,6 @@ GEMV_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # instead of _gemv_kernel. Empty until the GPU timings of scripts/bench_moe_decode.py say where
 # it is faster.
 GEMV_ROWS_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
-# (GGML type, N, K) -> (BN, BK, stages, warps): one-token shapes that run _gemv_lanes_kernel
-# (rows across the lanes of a warp). Empty until GPU timings (scripts/bench_moe_decode.py) say
-# where it is faster.
-GEMV_LANES_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
-# The lanes kernel's dim order: False builds its tile [BN, G, S], which Triton 3.6 lays out with
-# the lanes of a warp on S, then the rows (its coalescing pass keeps dims of equal contiguity
-# earlier-first); True builds [G, BN, S] (in Triton 3.6: rows on warps and registers; the rows'
-# order for a pass that breaks those ties later-first). tests/test_gemv_lanes.py compiles the
-# kernel and checks that the rows are across the lanes.
-LANES_GROUPS_FIRST = False
 
 # Sizes are not specialized (one compile serves every shape); row_bytes and strides are, so the
 # compiler knows when row starts are 16-byte aligned and can vectorize the byte reads.
@@ -149,24 +135,6 @@ def _gemv_rows_kernel(x, w, y, tab, tab2, N, K, row_bytes, QT: tl.constexpr, S: 
     a0, a1, a2, a3, a4, a5, a6, a7 = gemv_rows_tile(QT, S, BK, EVEN_K, STAGES, R, WIDE, w, n0,
                                                     N, row_bytes, x, K, tab, tab2)
     _store_rows(y, n0, N, R, a0, a1, a2, a3, a4, a5, a6, a7)
-
-
-@triton.jit(do_not_specialize=["N", "K"])
-def _gemv_lanes_kernel(x, w, y, tab, tab2, N, K, row_bytes, QT: tl.constexpr, S: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       STAGES: tl.constexpr, WIDE: tl.constexpr, GROUPS_FIRST: tl.constexpr):
-    # y[n] = Σ_k x[k] · W[n, k] for one token, BN rows a program laid across a warp's lanes
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    if GROUPS_FIRST:
-        acc = gemv_lanes_tile(QT, S, BK, EVEN_K, STAGES, WIDE, True,
-                              rows_mid(w, n, N, row_bytes), x, K, tab, tab2,
-                              tl.zeros((BK // S, BN, S), dtype=tl.float32))
-        total = tl.sum(tl.sum(acc, axis=2), axis=0)
-    else:
-        acc = gemv_lanes_tile(QT, S, BK, EVEN_K, STAGES, WIDE, False, rows(w, n, N, row_bytes),
-                              x, K, tab, tab2, tl.zeros((BN, BK // S, S), dtype=tl.float32))
-        total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(y + n, total, mask=n < N)
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -316,11 +284,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
     tab, tab2 = fmt.tables(x.device)
     args = (x, w, out, tab, tab2, m, n, k, nbytes, x.stride(0), out.stride(0))
     rows_tile = GEMV_ROWS_TUNE.get((int(fmt.qtype), n, k)) if m == 1 else None
-    lanes_tile = GEMV_LANES_TUNE.get((int(fmt.qtype), n, k)) if m == 1 else None
     if rows_tile is not None:
         _launch_rows(x, w, out, fmt, nbytes, rows_tile)
-    elif lanes_tile is not None:
-        _launch_lanes(x, w, out, fmt, nbytes, lanes_tile)
     elif m <= GEMV_MAX_M:
         bn, bk, stages, warps = gemv_config(fmt, m, n, k)
         _gemv_kernel[(triton.cdiv(n, bn),)](*args, QT=int(fmt.qtype), S=fmt.group,
@@ -379,53 +344,6 @@ def _launch_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: Kerne
                                             QT=int(fmt.qtype), S=fmt.group, R=r, BK=bk,
                                             EVEN_K=k % bk == 0, STAGES=stages,
                                             WIDE=w.data_ptr() % 8 == 0, num_warps=warps)
-
-
-def gemv_lanes(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
-               tile: tuple[int, int, int, int] = (4, 512, 1, 4),
-               out: torch.Tensor | None = None,
-               groups_first: bool | None = None) -> torch.Tensor:
-    """y [1, N] f32 = x W^T for one token (x [1, K] bf16/f32) by the lanes kernel; tile = (BN
-    rows a program, a power of two up to 32, laid across the lanes of a warp; BK values a step;
-    pipeline stages; warps). quant_matmul takes this kernel for the shapes in GEMV_LANES_TUNE.
-    groups_first: the tile's dim order (None: LANES_GROUPS_FIRST)."""
-    qtype = QType(qtype)
-    fmt = kernel_format(qtype)
-    if fmt is None:
-        raise ValueError(f"gemv_lanes: no dequantize tile for {qtype.name}")
-    k = x.shape[-1]
-    check_x(x, k)
-    nbytes = check_weights(w, qtype, k)
-    n = w.shape[0]
-    if x.shape[0] != 1 or x.device != w.device:
-        raise ValueError(f"gemv_lanes: one token on the weights' device, got x {tuple(x.shape)} "
-                         f"on {x.device}, weights on {w.device}")
-    bn, bk = tile[0], tile[1]
-    if bn not in (1, 2, 4, 8, 16, 32) or bk % fmt.group or bk & (bk - 1):
-        raise ValueError(f"gemv_lanes: BN in (1, 2, 4, 8, 16, 32) and BK a power of two "
-                         f"multiple of {fmt.group} for {qtype.name}, got tile {tile}")
-    if out is None:
-        out = torch.empty(1, n, dtype=torch.float32, device=x.device)
-    elif out.shape != (1, n) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be float32 [1, {n}], contiguous")
-    if n > 0:
-        _launch_lanes(x, w, out, fmt, nbytes, tile, groups_first)
-    return out
-
-
-def _launch_lanes(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelFormat,
-                  nbytes: int, tile: tuple[int, int, int, int],
-                  groups_first: bool | None = None) -> None:
-    bn, bk, stages, warps = tile
-    k = x.shape[1]
-    n = w.shape[0]
-    tab, tab2 = fmt.tables(x.device)
-    # WIDE as in _launch_rows: 8-aligned rows read the Q4_K / Q5_K block headers as two u64
-    _gemv_lanes_kernel[(triton.cdiv(n, bn),)](
-        x, w, out, tab, tab2, n, k, nbytes, QT=int(fmt.qtype), S=fmt.group, BN=bn, BK=bk,
-        EVEN_K=k % bk == 0, STAGES=stages, WIDE=w.data_ptr() % 8 == 0,
-        GROUPS_FIRST=LANES_GROUPS_FIRST if groups_first is None else groups_first,
-        num_warps=warps)
 
 
 _MM_DTYPE: list[bool] = []

@@ -5,14 +5,10 @@
                 acc [BN, G, S] += W[n, k] * x[k]   over the whole row, reduced by the caller.
     gemv_rows_tile  as gemv_tile for one token, with R rows in the same threads, which share
                 one x tile a step: a_r [1, G, S] += W[n0 + r, k] * x[k]   (r < R).
-    gemv_lanes_tile as gemv_tile for one token, with the rows across the lanes of a warp
-                (S, then the rows, then the groups: lanes holding different rows of one group
-                read the same x addresses, an L1 broadcast) and Q4_K / Q5_K block headers as
-                two u64 (WIDE): acc [BN, G, S] (or [G, BN, S], GROUPS_FIRST) += W * x.
     dot_tile    BM tokens against BN rows on tensor cores:
                 acc [BM, BN] += x[rows, k0:k0+BK] @ W[n, k0:k0+BK].T   (bf16 operands, f32 acc)
-Each K step asks tiles.dequant_tile for the [BN, G, S] values (gemv_lanes_tile: [G, BN, S]) of
-BK = G * S columns (in natural column order), so the loops are the same for every GGML type.
+Each K step asks tiles.dequant_tile for the [BN, G, S] values of BK = G * S columns (in natural
+column order), so the loops are the same for every GGML type.
 """
 
 from __future__ import annotations
@@ -31,15 +27,8 @@ def rows(w, n, N, row_bytes):
 
 
 @triton.jit
-def rows_mid(w, n, N, row_bytes):
-    """As rows, [1, BN, 1]: the rows as the middle dim (gemv_lanes_tile with GROUPS_FIRST)."""
-    return w + (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, :, None]
-
-
-@triton.jit
 def group_mask(k0, g, K, S: tl.constexpr, EVEN_K: tl.constexpr):
-    """g's shape ([1, G, 1], or [G, 1, 1] in gemv_lanes_tile): groups of the step at k0 that
-    lie inside the row; None when BK divides K."""
+    """[1, G, 1]: groups of the step at k0 that lie inside the row; None when BK divides K."""
     if EVEN_K:
         m = None
     else:
@@ -53,18 +42,6 @@ def x_tile(xr, g, s, m, BN: tl.constexpr):
     shape [BN, G, S]. Loading x in that shape gives it the weight bytes' register layout, so
     nothing is shuffled through shared memory; the repeated reads hit L1."""
     ptrs = tl.broadcast_to(xr + (g * s.shape[2] + s), (BN, g.shape[1], s.shape[2]))
-    if m is None:
-        v = tl.load(ptrs)
-    else:
-        v = tl.load(ptrs, mask=m, other=0.0)
-    return to_f32(v)
-
-
-@triton.jit
-def x_tile_like(xr, g, s, m, acc):
-    """x_tile in either dim order: x[g * S + s] as float32 broadcast to acc's shape ([BN, G, S]
-    with g [1, G, 1], or [G, BN, S] with g [G, 1, 1]; s [1, 1, S])."""
-    ptrs = tl.broadcast_to(xr + (g * s.shape[2] + s), acc.shape)
     if m is None:
         v = tl.load(ptrs)
     else:
@@ -126,35 +103,6 @@ def gemv_tile4(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.c
             a2 += wv * x_tile(x2 + k0, g, s, m, BN)
             a3 += wv * x_tile(x3 + k0, g, s, m, BN)
     return a0, a1, a2, a3
-
-
-@triton.jit
-def gemv_lanes_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                    STAGES: tl.constexpr, WIDE: tl.constexpr, GROUPS_FIRST: tl.constexpr, wr,
-                    xr, K, tab, tab2, acc):
-    """acc += W[rows, k] * x[k] over the whole row, for one token: acc [BN, G, S] with wr
-    [BN, 1, 1] (rows), or with GROUPS_FIRST acc [G, BN, S] and wr [1, BN, 1] (rows_mid); the
-    dequant tiles broadcast rows against groups, so they return either. xr: the token's x row.
-
-    The point is the register layout, which Triton's coalescing pass picks from the pointers'
-    contiguity: S (contiguous) is the fastest dim, and the rows and groups (contiguity 1 both)
-    are ordered by its tie-break. Triton 3.6 (mlir::argSort, a stable sort) keeps tied dims
-    earlier-first, so [BN, G, S] puts the lanes of a warp on S, then the rows, then the groups
-    (tests/test_gemv_lanes.py checks the compiled layout), and rows that share a group ask for
-    the same x addresses (an L1 broadcast). There [G, BN, S] puts the lanes on S, then the
-    groups, and the rows on warps, then registers (x shared in registers, as gemv_rows_tile).
-    A Triton whose pass breaks the tie later-first (getOrderFromContiguity in later sources)
-    swaps the two: the rows reach the lanes with GROUPS_FIRST."""
-    if GROUPS_FIRST:
-        g = tl.arange(0, BK // S)[:, None, None]  # group index inside the step
-    else:
-        g = tl.arange(0, BK // S)[None, :, None]
-    s = tl.arange(0, S)[None, None, :]
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        m = group_mask(k0, g, K, S, EVEN_K)
-        acc += (dequant_tile(QT, wr, k0, g, s, m, tab, tab2, WIDE)
-                * x_tile_like(xr + k0, g, s, m, acc))
-    return acc
 
 
 @triton.jit

@@ -5,8 +5,6 @@ K step starting at column k0 (scalar), cut into G groups of S consecutive values
 is the group index inside the step, `s` [1, 1, S] the position inside the group; `m` is a group
 mask [1, G, 1] or None; `tab`/`tab2` are float32 lookup tables. Returns float32 [BN, G, S]: the
 values k0 + g * S + s of every row. bits.locate finds each group's block b and its index i in it.
-The tiles only broadcast (no axis or shape index), so skeletons.gemv_lanes_tile can pass wr
-[1, BN, 1] and g [G, 1, 1] and get [G, BN, S] back.
 
 4-bit formats use S=16: group i = 0 is the low nibbles of the 16 qs bytes, i = 1 the high ones.
 Per-group fields ([BN, G, 1]) are read before the per-value bytes ([BN, G, S]) on purpose:
