@@ -123,6 +123,9 @@ def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     dm = d < D
+    # the weight first: loaded after the sum it would cost a second memory latency behind the
+    # reduction's barriers (the compiler keeps the order written)
+    wv = tl.load(w + d, mask=dm, other=0.0)
     xr = x + t * stride_x
     v = tl.load(xr + d, mask=dm, other=0.0)
     if HAS_DELTA:
@@ -133,7 +136,7 @@ def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o
         v = v + s
         tl.store(xr + d, v, mask=dm)
     r = tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps)
-    tl.store(out + t * stride_o + d, v * r * tl.load(w + d, mask=dm, other=0.0), mask=dm)
+    tl.store(out + t * stride_o + d, v * r * wv, mask=dm)
 
 
 def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
