@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from strata.config import EngineConfig, ModelConfig
-from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep, device_admit
+from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
 from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.arena import Arena
@@ -67,7 +67,6 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if ec.decode_step not in DECODE_STEP_MODES:  # before the arena is filled
         raise StrataError(f"--decode-step {ec.decode_step}: choose from "
                           f"{', '.join(DECODE_STEP_MODES)}")
-    device_admit()  # (STRATA_DEVICE_ADMIT: refused now if it is neither 0 nor 1)
     fused_max_t = FUSED_MAX_T[ec.kernels]
     kv_elem = kv_dtype(ec.kv_type)  # (refused before anything loads)
     if not ec.use_offload:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -35,7 +34,6 @@ import torch
 
 from strata.engine.kv_cache import KVCache, KVPool
 from strata.engine.waits import wait_event
-from strata.errors import StrataError
 from strata.kernels.gpu import decode_ops as ops
 from strata.model.transformer import shared_expert
 from strata.model.weights import LayerWeights, linear, qkv_linear
@@ -43,17 +41,6 @@ from strata.model.weights import LayerWeights, linear, qkv_linear
 log = logging.getLogger("strata")
 
 DECODE_STEP_MODES = ("graphs", "eager", "off")
-ADMIT_ENV = "STRATA_DEVICE_ADMIT"  # 1: gathered layers admit on the device (experimental)
-
-
-def device_admit() -> bool:
-    """STRATA_DEVICE_ADMIT is 1 (gathered layers admit on the device), or 0 (the default);
-    anything else is refused."""
-    admit = os.environ.get(ADMIT_ENV, "0")
-    if admit not in ("0", "1"):
-        raise StrataError(f"{ADMIT_ENV}={admit!r}: give 1 (admit on the device) or 0 (the "
-                          "default: admissions copy from the arena)")
-    return admit == "1"
 
 
 @dataclass(frozen=True)
@@ -105,7 +92,7 @@ class DecodeStep:
         self._counts_host = torch.zeros(len(self.gathered_layers), cfg.n_experts,
                                         dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._gathered_rows = torch.from_numpy(self.gathered_layers).to(dev)
-        self._counts_copied: tuple | None = None  # (event, tables, step, designated slots)
+        self._counts_copied: tuple[torch.cuda.Event, np.ndarray, int] | None = None
         ex.stats.settlers.append(self.settle)  # counters are complete whenever read
         # host layers whose hits the piece computes on the device (the host adds the misses)
         self.hits_in_piece = [h and dev.type == "cuda" and ex.fused.covers(i, 1)
@@ -164,23 +151,6 @@ class DecodeStep:
                 # the experts copied ahead for each gathered layer, read with the counts
                 self._ahead_host = torch.full((len(self.gathered_layers), ex.prefetch), -1,
                                               dtype=torch.int64, pin_memory=True)
-        # STRATA_DEVICE_ADMIT=1 (experimental): gathered layers under LRU admit a missed expert
-        # on the device, from the row their gather filled, into a slot designated before the
-        # step (no second copy over PCIe); the next step starts by entering it in the device
-        # tables, and the host's maps take it when the step is settled
-        self.admitting = np.array([], dtype=np.int64)
-        if device_admit() and dev.type == "cuda":
-            self.admitting = np.array([i for i in self.gathered_layers
-                                       if ex.cache.layers[i].policy.name == "lru"
-                                       and ex.cache.layers[i].capacity + ex.cache.layers[i].lent],
-                                      dtype=np.int64)
-            ex.admit_rows = set(self.admitting.tolist())
-        self._admitting_dev = torch.from_numpy(self.admitting).to(dev)
-        self._tables_now: np.ndarray | None = None  # the running step's table snapshot
-        self._victims_host = torch.full((cfg.n_layers,), -1, dtype=torch.int32,
-                                        pin_memory=dev.type == "cuda")
-        self._admitted_host = torch.full((len(self.gathered_layers),), -1, dtype=torch.int32,
-                                         pin_memory=dev.type == "cuda")
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
@@ -215,13 +185,6 @@ class DecodeStep:
         self.inputs_host[0], self.inputs_host[1], self.inputs_host[2] = token, kv.length, \
             kv.length + 1
         self.inputs.copy_(self.inputs_host, non_blocking=True)
-        designated = None
-        if len(self.admitting):  # the slots this step fills on the device (before the flush:
-            cache = self.ex.cache  # the tables it uploads no longer name their victims)
-            for i in self.admitting:
-                self._victims_host[i] = cache.designate(int(i))
-            designated = self._victims_host.numpy().copy()
-            self.ex.admit_buffers()[0].copy_(self._victims_host, non_blocking=True)
         if self.device.type == "cuda":
             self._inputs_read = self._record()
         self.ex.cache.flush()  # the graphs read tables that hold for the whole step
@@ -254,10 +217,8 @@ class DecodeStep:
                 done = self._record()  # slots this step reads are overwritten after it
                 for i in self.gathered_layers:
                     self.ex.cache.layers[i].used = done
-                self._tables_now = tables  # (settle enters the last step's device
-                self.settle()  # admissions: this step reads them) the last step's routing,
-                self._tables_now = None  # while the GPU runs this one
-                self._copy_counts(tables, step, designated)
+                self.settle()  # the last step's routing, while the GPU runs this one
+                self._copy_counts(tables, step)
         if self.share is not None:
             self.share.end(self._record() if self.device.type == "cuda" else None)
         if timer:
@@ -320,10 +281,6 @@ class DecodeStep:
         cfg, w, x = self.cfg, self.model.w, self.x
         layers = w.layers
         if piece.first:
-            if len(self.admitting):  # the last step's device admissions serve this one
-                self.ex.reapply_admissions(self._admitting_dev)
-                victims, _, last = self.ex.admit_buffers()
-                last.copy_(victims)  # (what this step's admissions refer to, for the next)
             x.copy_(w.embed.rows(self.inputs[0:1]))
             if self.share is not None:
                 self.share.tick()
@@ -402,21 +359,16 @@ class DecodeStep:
             carry = carry + self.ex.device_hits(layer, self.h, self.ids, self.wts, count=False)
         self.carry.copy_(carry)
 
-    def _copy_counts(self, tables: np.ndarray, step: int,
-                     designated: np.ndarray | None = None) -> None:
+    def _copy_counts(self, tables: np.ndarray, step: int) -> None:
         """The gathered layers' routing counts of the step just queued go to the host (read by
         settle at the next step, or by the counters' reader), with the slot tables it read
-        (and the step's number for the CPU share's record of what it computed; the slots it
-        filled on the device, designated, and what it put there)."""
+        (and the step's number for the CPU share's record of what it computed)."""
         counts = self.ex.gather_counts(self.device)
         self._counts_host.copy_(counts[self._gathered_rows], non_blocking=True)
         if self.prefetch is not None:  # the experts copied ahead for each layer
             self._ahead_host.copy_(self.prefetch.pred[self._gathered_rows], non_blocking=True)
-        if designated is not None:
-            self._admitted_host.copy_(self.ex.admit_buffers()[1][self._gathered_rows],
-                                      non_blocking=True)
         counts.index_fill_(0, self._gathered_rows, 0)  # the host adds them to its counters
-        self._counts_copied = (self._record(), tables, step, designated)
+        self._counts_copied = (self._record(), tables, step)
 
     def settle(self) -> None:
         """The routing of the last step's gathered layers, on the host: hit and gather
@@ -424,26 +376,16 @@ class DecodeStep:
         stream after the slots' last reader; the next flush makes the step wait for it)."""
         if self._counts_copied is None:
             return
-        event, tables, step, designated = self._counts_copied
+        event, tables, step = self._counts_copied
         self._counts_copied = None
         wait_event(event, "the decode step's routing counts")
         taken = self.share.taken.get(step, {}) if self.share is not None else {}
         ahead = self._ahead_host.numpy() if self.prefetch is not None else None
-        admitted = self._admitted_host.numpy()
-        on_device = self.ex.admit_rows
         for j, (i, counts, table) in enumerate(zip(self.gathered_layers,
                                                    self._counts_host.numpy(), tables,
                                                    strict=True)):
-            i = int(i)
-            if designated is not None and i in on_device and designated[i] >= 0:
-                if self.ex.cache.settle_pending(i, int(designated[i]), int(admitted[j])):
-                    self.ex.stats.admissions += 1
-                    if self._tables_now is not None:  # the step running now started by
-                        # entering it in its device table (reapply_admissions): a hit there
-                        self._tables_now[j, int(admitted[j])] = designated[i]
-            self.ex.after_gathered(i, counts, table, taken.get(i, []),
-                                   ahead[j] if ahead is not None else None,
-                                   host_admit=i not in on_device)
+            self.ex.after_gathered(int(i), counts, table, taken.get(int(i), []),
+                                   ahead[j] if ahead is not None else None)
 
     def _record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()

@@ -3,8 +3,8 @@
     layer l: slots uint8 [n_slots_l, stride_l]     one packed record per slot (layout.py)
              slot_of[E]   host int32, -1 = not resident      } always agree
              table[E]     device int32 copy, for kernels     }
-             expert_in[n_slots_l]  host int32, -1 = free, -2 = pending (the device fills it),
-                                   -3 = filling (a refill's copy is in flight)
+             expert_in[n_slots_l]  host int32, -1 = free, -2 = filling (a refill's copy is in
+                                   flight)
 
 Lent slots: the memory plan may give a layer more slots in the VRAM of the prompt workspace
 (and the ring), which only passes of more than a few tokens use. `lend(True)` grows each such
@@ -57,9 +57,8 @@ class IntegrityError(AssertionError):
     pass
 
 
-# expert_in of a slot holding no expert; of one the device fills in this decode step; of one
-# a refill's copy is filling (ExpertCache.land)
-FREE, PENDING, FILLING = -1, -2, -3
+# expert_in of a slot holding no expert; of one a refill's copy is filling (ExpertCache.land)
+FREE, FILLING = -1, -2
 
 
 class ExpertCache:
@@ -71,16 +70,12 @@ class ExpertCache:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.layers = []
-        # every layer's device table, one row each (a step's device admissions patch them all
-        # at once: OffloadExperts.reapply_admissions)
-        self.tables = torch.full((len(layouts), n_experts), -1, dtype=torch.int32,
-                                 device=device)
-        for i, (lay, n, pol) in enumerate(zip(layouts, slots_per_layer, policies, strict=True)):
+        for lay, n, pol in zip(layouts, slots_per_layer, policies, strict=True):
             n = min(n, n_experts)
             self.layers.append(LayerSlots(
                 lay, torch.empty(n, lay.stride, dtype=torch.uint8, device=device),
-                np.full(n_experts, -1, np.int32), np.full(n, -1, np.int32), self.tables[i],
-                pol))
+                np.full(n_experts, -1, np.int32), np.full(n, -1, np.int32),
+                torch.full((n_experts,), -1, dtype=torch.int32, device=device), pol))
         for ls, n in zip(self.layers, lent or [0] * len(self.layers), strict=True):
             ls.lent = max(0, min(n, n_experts - ls.capacity))
         self.arena_layers: list[torch.Tensor] | None = None  # warm's: lent slots fill from it
@@ -125,8 +120,6 @@ class ExpertCache:
         and forgets the rest."""
         if on == self.lending or not self.lends:
             return 0, 0
-        if self.pending:
-            raise IntegrityError("lend: slots the device is filling are not settled yet")
         self.sync()  # no copy in flight into the tensors replaced below
         with torch.inference_mode(False):  # (plain tensors: admit copies into them anywhere)
             for ls in self.layers:
@@ -229,58 +222,19 @@ class ExpertCache:
         ls = self.layers[layer]
         if ls.slot_of[expert] >= 0:
             return int(ls.slot_of[expert])
-        slot = self._take_slot(ls, keep | {expert}, None if force else expert)
-        if slot is None:
-            return None
+        free = np.flatnonzero(ls.expert_in == FREE)  # (not a FILLING one)
+        if free.size:
+            slot = int(free[0])
+        else:
+            victim = ls.policy.victim(ls.resident(), keep | {expert})
+            if victim is None or not (force or ls.policy.admit(expert, victim)):
+                return None
+            slot = int(ls.slot_of[victim])
+            ls.slot_of[victim] = -1
         self._copy(ls, slot, record)
         ls.slot_of[expert], ls.expert_in[slot] = slot, expert
         ls.dirty = True
         return slot
-
-    def designate(self, layer: int) -> int:
-        """A slot for the device to fill during the next decode step (admit_from_rows): a free
-        one, else the policy's victim, taken out of the maps now (the step's table no longer
-        names it). It stays PENDING until settle_pending; -1 when the layer has none to give."""
-        ls = self.layers[layer]
-        slot = self._take_slot(ls, set())
-        if slot is None:
-            return -1
-        ls.expert_in[slot] = PENDING
-        return slot
-
-    @staticmethod
-    def _take_slot(ls: LayerSlots, keep: set[int], incoming: int | None = None) -> int | None:
-        """A free slot, else the policy's victim's (never one in `keep`), its expert taken out
-        of the maps; None when there is neither, or when the policy would not let `incoming`
-        (if given) replace the victim."""
-        free = np.flatnonzero(ls.expert_in == FREE)
-        if free.size:
-            return int(free[0])
-        victim = ls.policy.victim(ls.resident(), keep)
-        if victim is None or incoming is not None and not ls.policy.admit(incoming, victim):
-            return None
-        slot = int(ls.slot_of[victim])
-        ls.slot_of[victim] = -1
-        ls.dirty = True
-        return slot
-
-    def settle_pending(self, layer: int, slot: int, expert: int) -> bool:
-        """The device filled a designated slot with `expert` (-1: it wrote nothing): the maps
-        take it (the table goes up with the next flush). True when the expert is now
-        resident."""
-        ls = self.layers[layer]
-        if ls.expert_in[slot] != PENDING:
-            raise IntegrityError(f"layer {layer}: slot {slot} was not designated")
-        if expert < 0 or ls.slot_of[expert] >= 0:
-            ls.expert_in[slot] = FREE
-            return False
-        ls.slot_of[expert], ls.expert_in[slot] = slot, expert
-        ls.dirty = True
-        return True
-
-    @property
-    def pending(self) -> int:
-        return sum(int((ls.expert_in == PENDING).sum()) for ls in self.layers)
 
     def _copy(self, ls: LayerSlots, slot: int, record: torch.Tensor) -> None:
         """_copy_in, and the layer's next compute waits for it (`ready`)."""

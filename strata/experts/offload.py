@@ -36,16 +36,6 @@ from strata.model.weights import ExpertWeights
 ROUTED_MIN = 0.4
 
 
-def reapply_admissions(tables: torch.Tensor, layers: torch.Tensor, admitted: torch.Tensor,
-                       slots: torch.Tensor) -> None:
-    """tables[l, admitted[l]] = slots[l] for each l of `layers` where both are >= 0 (device
-    admissions of the last step: expert admitted[l] now sits in slot slots[l] of layer l);
-    others untouched. Fixed shapes and no host sync: a CUDA graph holds it."""
-    a, s = admitted[layers], slots[layers]
-    e = a.clamp(min=0).long()
-    tables[layers, e] = torch.where((a >= 0) & (s >= 0), s, tables[layers, e])
-
-
 class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
                  workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
@@ -67,31 +57,22 @@ class OffloadExperts:
         self._dev_counts: tuple[torch.Tensor, torch.Tensor] | None = None
         self._dev_pending = False
         self._gathered_dev: torch.Tensor | None = None  # see gather_counts
-        # gathered layers whose decode steps admit a missed expert on the device, from the row
-        # its gather filled (no second copy over PCIe; the decode step designates the slots)
-        self.admit_rows: set[int] = set()
         # the cache's lent slots take the ring's VRAM too while they live (memory plan: one
         # decoding sequence); the ring is then empty
         self.lend_ring = False
-        self._admit_dev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # per layer: the fraction of its uncached experts a streamed chunk routed to, last seen
         # (_streams_routed copies them all only when nearly all are used)
         self.routed_fraction: dict[int, float] = {}
         self.stats.settlers.append(self._settle)
 
-    def before_pass(self, tokens: int, step: bool = False) -> None:
-        """Called before each forward pass or decode step (step=True) of `tokens` tokens: a
-        pass whose chunks stream (tokens >= stream_min) gets the ring with what it may borrow,
-        any other the ring's own size (the borrowed bytes go back to the allocator for the
-        decode steps, the cache and the KV cache). Lent cache slots live while passes need
-        neither the workspace (at most DECODE_MAX_T tokens) nor, where the plan lends the ring
-        too (lend_ring), the ring (fewer than stream_min): the ring then gives all its bytes
-        back first. A pass that is no decode step first settles the slots the last step filled
-        on the device (the maps then hold them)."""
-        if not step:
-            if self.cache.pending:
-                self.stats.settle()
-            self.forget_admissions()
+    def before_pass(self, tokens: int) -> None:
+        """Called before each forward pass or decode step of `tokens` tokens: a pass whose
+        chunks stream (tokens >= stream_min) gets the ring with what it may borrow, any other
+        the ring's own size (the borrowed bytes go back to the allocator for the decode steps,
+        the cache and the KV cache). Lent cache slots live while passes need neither the
+        workspace (at most DECODE_MAX_T tokens) nor, where the plan lends the ring too
+        (lend_ring), the ring (fewer than stream_min): the ring then gives all its bytes back
+        first."""
         lend = False
         if self.cache.lends:
             from strata.kernels.gpu.moe import DECODE_MAX_T
@@ -227,40 +208,8 @@ class OffloadExperts:
         if then is not None:
             then()
         slots = ls.slots if ls.capacity else rows  # (no slot: the table sends every pair to rows)
-        out = self.fused.run(lay, slots, ls.table, h, ids, weights, None, miss=lay.views(rows),
-                             sum_pairs=sum_pairs, host_from=host_from)
-        if layer in self.admit_rows:  # the cache takes one missed record from its row
-            from strata.kernels.gpu import admit_from_rows
-
-            victims, admitted, _ = self.admit_buffers()
-            admit_from_rows(ids, ls.table, rows, ls.slots, victims[layer:layer + 1],
-                            admitted[layer:layer + 1], lay.nbytes, host_from)
-        return out
-
-    def admit_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """int32 [L] on the device each: the slot the host designated for each layer's device
-        admission in this step (-1: none), the expert the step put there (-1: none), and the
-        slots designated for the step before (what `admitted` refers to until this step's
-        admissions overwrite it)."""
-        if self._admit_dev is None:
-            n = len(self.arena.layouts)
-            self._admit_dev = tuple(torch.full((n,), -1, dtype=torch.int32, device=self.device)
-                                    for _ in range(3))
-        return self._admit_dev
-
-    def reapply_admissions(self, layers: torch.Tensor) -> None:
-        """At the start of a decode step (inside its graph): the last step's device admissions
-        enter the device tables (the host, which learns of them only when that step is settled,
-        uploaded tables without them), so an admitted expert serves the very next step. layers:
-        int64 on the device, the admitting layers."""
-        _, admitted, last = self.admit_buffers()
-        reapply_admissions(self.cache.tables, layers, admitted, last)
-
-    def forget_admissions(self) -> None:
-        """The host has settled every device admission (a pass that is no decode step): none is
-        applied again."""
-        if self._admit_dev is not None:
-            self._admit_dev[1].fill_(-1)
+        return self.fused.run(lay, slots, ls.table, h, ids, weights, None,
+                              miss=lay.views(rows), sum_pairs=sum_pairs, host_from=host_from)
 
     def gather_counts(self, device: torch.device) -> torch.Tensor:
         """[L, E] int32 on the device: gathered layers' routing since the decode step last read
@@ -271,13 +220,11 @@ class OffloadExperts:
         return self._gathered_dev
 
     def after_gathered(self, layer: int, counts: np.ndarray, slot_of: np.ndarray,
-                       on_cpu: list[int] = (), ahead: np.ndarray | None = None,
-                       host_admit: bool = True) -> None:
+                       on_cpu: list[int] = (), ahead: np.ndarray | None = None) -> None:
         """The host's part of a gathered layer, one step late: counters, the policy's view of
         the routing (counts [E] of that step, slot_of [E] the table it read) and up to one
-        admission (host_admit=False: the step admitted on the device). on_cpu: the missed
-        experts the CPU pool computed (one token each); ahead: the experts a prefetch copied
-        for this layer in that step (-1: none)."""
+        admission. on_cpu: the missed experts the CPU pool computed (one token each); ahead:
+        the experts a prefetch copied for this layer in that step (-1: none)."""
         ls = self.cache.layers[layer]
         experts = np.flatnonzero(counts)
         n = counts[experts]
@@ -296,7 +243,7 @@ class OffloadExperts:
             self.stats.ahead_unused[layer] += len(ahead) - used
             copied += len(ahead) - used
         self.stats.bytes_h2d += copied * ls.layout.nbytes
-        if missed and host_admit:
+        if missed:
             self._admit_after(layer, missed, set(experts.tolist()))
 
     def decode_misses(self, layer: int, host: tuple[torch.Tensor, ...],

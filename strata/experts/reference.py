@@ -16,15 +16,15 @@ class ExpertExecutor(Protocol):
         """Σ_k weights[t, k] * expert_{ids[t, k]}(h[t]). h: [T, D], ids/weights: [T, K] -> [T, D]"""
         ...
 
-    def before_pass(self, tokens: int, step: bool = False) -> None:
-        """Called before each forward pass or decode step (step=True) of `tokens` tokens."""
+    def before_pass(self, tokens: int) -> None:
+        """Called before each forward pass or decode step of `tokens` tokens."""
         ...
 
 
 class ReferenceExperts:
     """Ground truth for every fast path: one expert at a time, dequantized to float32."""
 
-    def before_pass(self, tokens: int, step: bool = False) -> None:
+    def before_pass(self, tokens: int) -> None:
         pass
 
     def run(self, layer: int, experts: ExpertWeights, h: torch.Tensor, ids: torch.Tensor,

@@ -50,7 +50,7 @@ class MoETransformer:
         """One new token of one sequence -> logits [1, V] float32: the decode step (captured as
         CUDA graphs where it can be) when the engine built one, else a plain forward."""
         if self.step is not None:
-            self.experts.before_pass(1, step=True)
+            self.experts.before_pass(1)
             return self.step(token, kv)
         return self.forward(torch.tensor([token]), [Segment(kv, 1)])
 

@@ -16,7 +16,7 @@ Needs triton; docs/kernels.md has the design, the tolerances and the measured be
 
 from strata.kernels.gpu.formats import FORMATS, kernel_format
 from strata.kernels.gpu.matmul import dequantize_gpu, quant_matmul
-from strata.kernels.gpu.moe import admit_from_rows, gather_misses, moe_forward, resident_pairs
+from strata.kernels.gpu.moe import gather_misses, moe_forward, resident_pairs
 from strata.quant import QType
 
 
@@ -27,5 +27,5 @@ def has_fused(qtype: int | QType) -> bool:
 
 FUSED_TYPES: tuple[QType, ...] = tuple(FORMATS)
 
-__all__ = ["quant_matmul", "moe_forward", "gather_misses", "admit_from_rows", "resident_pairs",
-           "dequantize_gpu", "has_fused", "FUSED_TYPES"]
+__all__ = ["quant_matmul", "moe_forward", "gather_misses", "resident_pairs", "dequantize_gpu",
+           "has_fused", "FUSED_TYPES"]

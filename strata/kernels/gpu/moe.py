@@ -402,60 +402,6 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
         LOOP=loop, num_warps=8)
 
 
-@triton.jit
-def _admit_rows_kernel(ids, slot_of, rows, slots, victim, admitted, nwords, stride_rows,
-                       stride_slots, TOPK: tl.constexpr, KP: tl.constexpr,
-                       HOST_FROM: tl.constexpr, BLOCK: tl.constexpr):
-    # One token's pairs ids[0:TOPK]: the first (highest-weight) pair p whose expert is not
-    # resident and whose record the gather put in rows[p] (p < HOST_FROM) is copied into the
-    # slot *victim (int32 words, BLOCK a program); *admitted = its expert, or -1 when the
-    # victim is -1 or no pair missed.
-    ks = tl.arange(0, KP)
-    e = tl.load(ids + ks, mask=ks < TOPK, other=-1)
-    miss = (e >= 0) & (tl.load(slot_of + e, mask=e >= 0, other=0) < 0) & (ks < HOST_FROM)
-    p = tl.min(tl.where(miss, ks, KP), axis=0)
-    v = tl.load(victim)
-    ok = (p < KP) & (v >= 0)
-    if tl.program_id(0) == 0:
-        tl.store(admitted, tl.where(ok, tl.load(ids + p, mask=ok, other=-1), -1).to(tl.int32))
-    if ok:
-        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = o < nwords
-        w = tl.load(rows + p.to(tl.int64) * stride_rows + o, mask=m)
-        tl.store(slots + v.to(tl.int64) * stride_slots + o, w, mask=m)
-
-
-def admit_from_rows(ids: torch.Tensor, slot_of_expert: torch.Tensor, rows: torch.Tensor,
-                    slots: torch.Tensor, victim: torch.Tensor, admitted: torch.Tensor,
-                    nbytes: int, host_from: int | None = None) -> None:
-    """A decode token's cache admission on the device, from the records its gather already
-    brought: the first pair of ids [1, K] whose expert has no slot (slot_of_expert < 0) and
-    whose record is in rows[p] (p < host_from: the host computes the pairs from there on) is
-    copied into slots[victim[0]]; admitted[0] = that expert, or -1 when victim[0] is -1 or no
-    pair missed (nothing written). victim and admitted: int32 [1] on the device, so a CUDA graph
-    holds the call; the host chose the victim slot (and took it out of slot_of_expert) before
-    the step, and reads `admitted` after it (ExpertCache.designate, settle_pending). rows and
-    slots: uint8 [n, >= nbytes], 4-byte aligned rows (whole words are copied)."""
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"admit_from_rows: one token's ids [1, K], got {tuple(ids.shape)}")
-    nwords = triton.cdiv(nbytes, 4)
-    if min(rows.shape[1], slots.shape[1]) < 4 * nwords or rows.shape[0] < ids.shape[1]:
-        raise ValueError(f"admit_from_rows: {ids.shape[1]} pairs of {nbytes} bytes from rows "
-                         f"{tuple(rows.shape)} into slots {tuple(slots.shape)}")
-    for name, t in (("victim", victim), ("admitted", admitted)):
-        if t.dtype != torch.int32 or t.numel() < 1 or t.device != rows.device:
-            raise ValueError(f"admit_from_rows: {name} must be int32 [1] on {rows.device}")
-    if slots.shape[0] == 0:  # no slot to fill (victim is -1): say so
-        admitted.fill_(-1)
-        return
-    src, dst = _words(rows), _words(slots)
-    topk = ids.shape[1]
-    _admit_rows_kernel[(triton.cdiv(nwords, GATHER_BLOCK),)](
-        ids.reshape(-1), slot_of_expert, src, dst, victim, admitted, nwords, src.stride(0),
-        dst.stride(0), TOPK=topk, KP=triton.next_power_of_2(topk),
-        HOST_FROM=topk if host_from is None else host_from, BLOCK=GATHER_BLOCK, num_warps=8)
-
-
 def _words(t: torch.Tensor) -> torch.Tensor:
     """A uint8 [n, m] tensor with 4-byte aligned rows seen as int32 [n, m // 4]."""
     return t[:, : t.shape[1] // 4 * 4].view(torch.int32) if t.shape[1] % 4 else \
