@@ -373,24 +373,118 @@ def test_route_topk(device: str, t: int, e: int, k: int, norm: bool) -> None:
     assert torch.equal(got, torch.where(skip[ref_ids] >= 0, -1, ref_ids)), f"seed={seed}"
 
 
-@pytest.mark.parametrize("count, skip", [(True, False), (False, True), (False, False)])
-def test_route_kernel_compiles_for_sm90(count: bool, skip: bool) -> None:
-    """Without a GPU: Triton compiles the routing kernel for sm_90 as the decode step (counting)
-    and the prefetch's guess (skipping experts with a slot) launch it; with skip it reads the
-    slot table, without it only the logits."""
+# (D, E, K, renormalize, delta rows: 0 none, 1 [1, D], R [1, R, D])
+NORM_ROUTE_CASES = [(2048, 128, 8, True, 1), (2048, 128, 8, False, 8), (96, 7, 3, True, 0),
+                    (1000, 60, 4, False, 1), (256, 256, 16, True, 3)]
+
+
+def norm_route_reference(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
+                         router: torch.Tensor, k: int, norm: bool):  # noqa: ANN201
+    """(new x, h, ids, weights) from the reference ops; delta's rows added in order."""
+    v = x.clone()
+    if delta is not None:
+        total = delta.reshape(1, -1, x.shape[1])[:, 0].clone()
+        for r in range(1, delta.reshape(1, -1, x.shape[1]).shape[1]):
+            total += delta.reshape(1, -1, x.shape[1])[:, r]
+        v = x + total
+    h = layers.rms_norm(v, w, EPS)
+    return (v, h, *layers.route(h, router, k, norm))
+
+
+def tied_free_norm_route(gen: torch.Generator, d: int, e: int, k: int, rows: int, device: str):  # noqa: ANN201
+    """x, delta, w, router whose routed logits have no near ties among the top k + 1."""
+    for _ in range(100):
+        x, w = randn(gen, 1, d), randn(gen, d)
+        delta = None if rows == 0 else randn(gen, 1, rows, d) if rows > 1 else randn(gen, 1, d)
+        router = randn(gen, e, d, std=d ** -0.5)
+        _, h, _, _ = norm_route_reference(x, delta, w, router, k, False)
+        top = torch.sort(h @ router.T, dim=-1, descending=True).values[:, : k + 1]
+        if (top[:, :-1] - top[:, 1:]).min() > 1e-4:
+            return tuple(None if v is None else v.to(device) for v in (x, delta, w, router))
+    raise AssertionError("could not draw logits without near ties")
+
+
+@pytest.mark.parametrize("d,e,k,norm,rows", NORM_ROUTE_CASES)
+def test_norm_route(device: str, d: int, e: int, k: int, norm: bool, rows: int) -> None:
+    """The fused residual step + routing of one token (the kernel on CUDA, the three ops in
+    turn on the CPU) against the reference: x + delta bit for bit, h to TOL, the same ids,
+    weights to TOL, the routing counted; the sync count is left at zero, so a second call (a
+    graph replay) routes again. Without delta: h not stored, skip as the prefetch guess passes."""
+    gen, seed = fresh_rng()
+    x, delta, w, router = tied_free_norm_route(gen, d, e, k, rows, device)
+    want_x, want_h, ref_ids, ref_w = norm_route_reference(x.cpu(), None if delta is None
+                                                          else delta.cpu(), w.cpu(),
+                                                          router.cpu(), k, norm)
+    sync = torch.zeros(1, dtype=torch.int32, device=device)
+    counts = torch.full((e,), 2, dtype=torch.int32, device=device)
+    skip = torch.where(torch.rand(e, generator=gen) < 0.5, 0, -1).int().to(device)
+    msg = f"D={d} E={e} k={k} rows={rows} seed={seed}"
+    for call in range(2):
+        y = x.clone()
+        got = torch.full((1, k), 7, dtype=torch.int64, device=device)
+        h, ids, wts = ops.norm_route(y, delta, w, EPS, router, k, norm, sync, counts=counts,
+                                     skip=None if rows else skip, ids=got, store_h=rows > 0)
+        assert ids is got, msg
+        assert int(sync.item()) == 0, f"{msg}: the count of finished programs was left set"
+        assert same_bits(y.cpu(), want_x), f"{msg}: residual"
+        if rows:
+            assert max_rel(h.cpu(), want_h) < TOL, f"{msg}: norm"
+            assert torch.equal(ids.cpu(), ref_ids), f"{msg}: {ids.tolist()} vs {ref_ids.tolist()}"
+        else:
+            assert h is None, msg
+            assert torch.equal(ids.cpu(), torch.where(skip.cpu()[ref_ids] >= 0, -1, ref_ids)), msg
+        check_route(ids.cpu() if rows else ref_ids, wts.cpu(), ref_ids, ref_w, msg)
+        want = 2 + (call + 1) * torch.bincount(ref_ids.reshape(-1), minlength=e).int()
+        assert torch.equal(counts.cpu(), want), f"{msg}: routed pairs counted per expert"
+
+
+def sm90(fn, sig: dict, constexprs: dict):  # noqa: ANN001, ANN201
+    """`fn` compiled by Triton for sm_90 (no GPU needed): its asm dict."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32)).asm
+
+
+@pytest.mark.parametrize("count, skip", [(True, False), (False, True), (False, False)])
+def test_route_kernel_compiles_for_sm90(count: bool, skip: bool) -> None:
+    """Without a GPU: Triton compiles the routing kernel for sm_90 as the decode step (counting)
+    and the prefetch's guess (skipping experts with a slot) launch it; it reads the logits row
+    once (the rank comparison's two reads of it are one load), with skip the slot table too."""
     sig = {"logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
            "E": "i32", "stride_l": "i32", "K": "constexpr", "NORM": "constexpr",
            "COUNT": "constexpr", "SKIP": "constexpr", "BLOCK_E": "constexpr",
-           "BLOCK_K": "constexpr"}
-    k = triton.compile(ASTSource(ops._route_kernel, sig, constexprs={
-        "K": 8 if count else 2, "NORM": count, "COUNT": count, "SKIP": skip, "BLOCK_E": 128,
-        "BLOCK_K": 8 if count else 2}), target=GPUTarget("cuda", 90, 32))
-    assert k.asm["cubin"]
-    assert k.asm["ttir"].count("tt.load") == 1 + skip
-    assert ("tt.atomic_rmw" in k.asm["ttir"]) == count
+           "BLOCK_J": "constexpr"}
+    asm = sm90(ops._route_kernel, sig, {"K": 8 if count else 2, "NORM": count, "COUNT": count,
+                                        "SKIP": skip, **ops._route_blocks(128)})
+    assert asm["cubin"]
+    assert asm["ttir"].count("tt.load") == 1 + skip
+    assert ("tt.atomic_rmw" in asm["ttir"]) == count
+
+
+@pytest.mark.parametrize("delta, count, skip", [(1, True, False), (8, True, False),
+                                                (0, False, True)])
+def test_norm_route_kernel_compiles_for_sm90(delta: int, count: bool, skip: bool) -> None:
+    """The fused residual + norm + router + top-k kernel for sm_90, as the decode step (delta:
+    the attention's row, or 8 expert rows; counting) and the prefetch guess (no delta, no h,
+    skip) launch it: the count of finished programs is one atomic add and one exchange (plus
+    the routing counts), and the logits are read back past L1 (.cg)."""
+    sig = {"x": "*fp32", "delta": "*fp32", "w": "*fp32", "router": "*fp32", "h": "*fp32",
+           "logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
+           "sync": "*i32", "D": "i32", "E": "i32", "stride_r": "i32", "stride_w": "i32",
+           "eps": "fp32"}
+    sig.update(dict.fromkeys(["HAS_DELTA", "R", "STORE_H", "K", "NORM", "COUNT", "SKIP", "BN",
+                              "BLOCK_D", "BLOCK_E", "BLOCK_J"], "constexpr"))
+    asm = sm90(ops._norm_route_kernel, sig, {
+        "HAS_DELTA": delta > 0, "R": max(delta, 1), "STORE_H": delta > 0, "K": 8, "NORM": count,
+        "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048, **ops._route_blocks(128)})
+    ttir = asm["ttir"]
+    assert asm["cubin"]
+    assert ttir.count("tt.atomic_rmw") == 2 + count
+    assert "atom.global.gpu.acq_rel.add" in asm["ptx"] or "atom.acq_rel.gpu" in asm["ptx"], \
+        "the count is not an acquire-release atomic"
+    assert ttir.count("cacheModifier = cg") == 1, "logits must be read past L1"
 
 
 def test_route_ties_go_to_the_lower_id(device: str) -> None:
@@ -512,6 +606,49 @@ def test_cuda_graph_replays_follow_pos_and_length() -> None:
         check_route(ids, wts, ref_ids, ref_w, msg)
 
 
+@pytest.mark.cuda
+def test_norm_route_in_a_cuda_graph() -> None:
+    """Two fused residual + routing steps in a row sharing one sync count (two layers of a
+    decode step), captured once and replayed on fresh inputs: each replay routes anew, so the
+    count is back at zero after every launch, and the second step sees the first's residual."""
+    gen, seed = fresh_rng()
+    dev, d, e, k = "cuda", 2048, 128, 8
+    w1, w2 = randn(gen, d, device=dev), randn(gen, d, device=dev)
+    r1, r2 = (randn(gen, e, d, device=dev, std=d ** -0.5) for _ in range(2))
+    x, d1, d2 = torch.zeros(1, d, device=dev), torch.zeros(1, d, device=dev), \
+        torch.zeros(1, 8, d, device=dev)
+    sync = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        h1, i1, g1 = ops.norm_route(x, d1, w1, EPS, r1, k, True, sync)
+        h2, i2, g2 = ops.norm_route(x, d2, w2, EPS, r2, k, False, sync)
+        return h1, i1, g1, h2, i2, g2
+
+    step()  # compiles both before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for rep in range(5):
+        x_in, a, b = (randn(gen, *t.shape, device=dev) for t in (x, d1, d2))
+        x.copy_(x_in)
+        d1.copy_(a)
+        d2.copy_(b)
+        graph.replay()
+        torch.cuda.synchronize()
+        msg = f"replay {rep} seed={seed}"
+        assert int(sync.item()) == 0, msg
+        v1, h1, i1, g1 = norm_route_reference(x_in.cpu(), a.cpu(), w1.cpu(), r1.cpu(), k, True)
+        v2, h2, i2, g2 = norm_route_reference(v1, b.cpu(), w2.cpu(), r2.cpu(), k, False)
+        assert same_bits(x.cpu(), v2), f"{msg}: residual"
+        for got, want in zip(outs, (h1, i1, g1, h2, i2, g2), strict=True):
+            if got.dtype == torch.int64:
+                continue  # ids: checked with their weights below
+            assert max_rel(got.cpu(), want) < TOL, msg
+        check_route(outs[1].cpu(), outs[2].cpu(), i1, g1, msg)
+        check_route(outs[4].cpu(), outs[5].cpu(), i2, g2, msg)
+
+
 # ---- the kernels on the CPU, under Triton's interpreter ------------------------------------------
 
 _INTERPRETED = """
@@ -618,13 +755,22 @@ _INTERPRETED = """
         assert rel(ops.router_logits(hh, rw), hh @ rw.T) < TOL, (e, d)
     ids, w = ops.route_topk(torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]), 4, False)
     assert ids.tolist() == [[1, 3, 2, 4]], ids  # ties: the lower id first
+    # NaN logits route as -inf: still K distinct experts
+    ids, w = ops.route_topk(torch.tensor([[nan, 1.0, nan, 0.5, 2.0]]), 4, False)
+    assert ids.tolist() == [[4, 1, 3, 0]], ids
+    # the fused residual step + routing (the kernel: the tensors are on the CPU, interpreted)
+    import os
+    sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "tests"))
+    import test_decode_ops as cases
+    for case in cases.NORM_ROUTE_CASES:
+        cases.test_norm_route("cpu", *case)
     print("ok")
 """
 
 
 def test_kernels_under_the_interpreter() -> None:
     """Every kernel (rms_norm, add_rms_norm, qk_rope_store, both attention kernels,
-    router_logits, route_topk)
-    on small odd shapes, on the CPU under TRITON_INTERPRET=1 (~10 s)."""
+    router_logits, route_topk, norm_route) on small odd shapes, on the CPU under
+    TRITON_INTERPRET=1 (~20 s)."""
     _, seed = fresh_rng()
     run_interpreted(_INTERPRETED, seed, timeout=300)

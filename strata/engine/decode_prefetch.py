@@ -6,15 +6,16 @@ read from the mapped arena over PCIe, strata.kernels.gpu.gather_misses); between
 while a layer's experts, the next layer's attention and its router run, PCIe idles. Two side
 streams inside the step's CUDA graph fill that gap:
 
-    main:   attn_l -> snap[l % 2]  router_l  [wait copied_l] gather_l  moe_l  attn_l+1 ...
-    guess:          predict_l+1 (beside router_l and gather_l) -> guessed_l+1
+    main:   attn_l  router_l -> snap[l % 2]  [wait copied_l] gather_l  moe_l  attn_l+1 ...
+    guess:                        predict_l+1 (beside gather_l) -> guessed_l+1
     copy:                      (after gather_l and guessed_l+1) copy_l+1 -> copied_l+1
 
 predict_l+1: layer l+1's router on rms_norm(x_l, ffn_norm_l+1), x_l the residual after layer l's
 attention (what layer l+1's router will see, less layer l's experts and layer l+1's attention); the
 N experts it ranks best, -1 in place of those with a cache slot, and pre_of[l+1][e] = the row each
 will land in. It runs as soon as x_l exists, on a stream of its own, so that only the copy is left
-when PCIe frees: one kernel (in a 2 GiB trace, with pre_of's small kernels on the copy stream, the
+when PCIe frees: one kernel (decode_ops.norm_route, with a count of its own: it may run beside
+the main stream's; in a 2 GiB trace, with pre_of's small kernels on the copy stream, the
 copy started 25 us after gather_l ended, while PCIe idled). copy_l+1: those records from the arena
 into the staging rows K .. K+N-1 (after the K rows of the token's own misses), by a few looping
 programs (PROGRAMS). gather_l+1 waits for that copy alone (an event per layer, not the whole stream:
@@ -65,6 +66,7 @@ class DecodePrefetch:
         self.guessed = {t: torch.cuda.Event() for t in self.targets}
         self.copied = {t: torch.cuda.Event() for t in self.targets}
         self.snap = torch.zeros(2, 1, cfg.d_model, dtype=torch.float32, device=dev)
+        self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # the guess's norm_route
         # per layer: the prefetch row of each expert copied ahead, -1 for the others (the last
         # entry a spare that the experts not guessed write)
         self.pre_of = torch.full((cfg.n_layers, cfg.n_experts + 1), -1, dtype=torch.int32,
@@ -91,13 +93,13 @@ class DecodePrefetch:
         gs = self.guess_stream
         gs.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(gs):
-            h = ops.rms_norm(self.snap[layer % 2], lw.ffn_norm, cfg.rms_eps)
             # the router's N best, -1 for those with a slot: not the best N without a slot,
             # which where most experts have one would mostly be copied for nothing (10 GiB,
             # 30B-A3B: 134 tok/s so, 170 with the best missing among the K picks, 185 with the
-            # N best, 203 without prefetch). Three launches: norm, router, top N.
-            ops.route_topk(ops.router_logits(h, lw.router), self.n, False, skip=table,
-                           ids=self.pred[nxt:nxt + 1])
+            # N best, 203 without prefetch). One launch: norm, router, top N.
+            ops.norm_route(self.snap[layer % 2], None, lw.ffn_norm, cfg.rms_eps, lw.router,
+                           self.n, False, self.sync, skip=table, ids=self.pred[nxt:nxt + 1],
+                           store_h=False)
             pre_of, pred = self.pre_of[nxt], self.pred[nxt]
             pre_of.fill_(-1)
             pre_of.scatter_(0, torch.where(pred >= 0, pred, pre_of.numel() - 1), self.order)

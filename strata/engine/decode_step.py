@@ -158,6 +158,7 @@ class DecodeStep:
         self.table_host = torch.full((cfg.n_experts,), -1, dtype=torch.int32, pin_memory=pin)
         self.cpu_out_host = torch.zeros(1, cfg.d_model, dtype=torch.float32, pin_memory=pin)
         self._host_read: torch.cuda.Event | None = None  # the last uploads read the buffers
+        self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # norm_route's count
         self.inv_freq = ops.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dev)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None
@@ -302,11 +303,12 @@ class DecodeStep:
             h = (ops.rms_norm(x, lw.attn_norm, cfg.rms_eps) if delta is None
                  else ops.add_rms_norm(x, delta, lw.attn_norm, cfg.rms_eps))
             attn = self._attention(i, lw, h, kv)
-            h = ops.add_rms_norm(x, attn, lw.ffn_norm, cfg.rms_eps)
+            # x += attn; h = its norm; the router and its top K: one launch on CUDA
+            h, ids, wts = ops.norm_route(x, attn, lw.ffn_norm, cfg.rms_eps, lw.router,
+                                         cfg.n_experts_used, cfg.norm_topk, self.sync,
+                                         counts=self._counter(i, piece))
             if pf is not None:
                 pf.guess(i, x)
-            ids, wts = ops.route_topk(ops.router_logits(h, lw.router), cfg.n_experts_used,
-                                      cfg.norm_topk, counts=self._counter(i, piece))
             if i == piece.host_layer:
                 self.h.copy_(h)
                 self.ids.copy_(ids)

@@ -6,6 +6,7 @@ built to be captured in a CUDA graph.
     q = qk_rope_store(q, k, v, q_norm, k_norm, eps, pos, inv_freq, "neox", k_cache, v_cache)
     o = decode_attention(q, k_cache, v_cache, length, hd ** -0.5)             # [T, H*hd]
     ids, weights = route_topk(h @ router.T, n_used, norm_topk)
+    h, ids, weights = norm_route(x, delta, ffn_norm, eps, router, n_used, norm_topk, sync)
 
 Every op computes the float32 reference op of strata.model.layers (rms_norm, rope_tables +
 apply_rope, attention, route) in another summation order: 1e-7..1e-6 of the output's scale under
@@ -40,11 +41,20 @@ Kernels and launches:
   router_logits  `_rows_dot_kernel`, one token against E float32 router rows: BN rows per CTA,
       E / BN CTAs (cuBLAS picked a GEMV taking ~18 us for 128 x 2048 on an H200; a product and
       a row sum took two kernels), float32 sums in a fixed order.
-  route_topk  `_route_kernel`, one CTA per token, 1 launch: softmax over E, k rounds of argmax,
+  route_topk  `_route_kernel`, one CTA per token, 1 launch: softmax over E; each expert's rank
+      is the number of experts that beat it (one [E, E] comparison summed by rows: a larger
+      logit, or an equal one with a lower id), and the k of rank < k are stored at their rank;
       optional renormalization, optionally an atomic count per routed expert. Selection is on
       the logits (softmax is monotone, so this is the order of the exact probabilities); ties
-      go to the lower expert id. torch.topk, which the reference uses, promises no order among
-      ties.
+      go to the lower expert id, NaN logits rank as -inf. torch.topk, which the reference
+      uses, promises no order among ties. (k rounds of argmax, the kernel before, chained 2-3
+      reductions a round.)
+  norm_route  `_norm_route_kernel`, one token, 1 launch for what add_rms_norm, router_logits
+      and route_topk do in 3: E / 2 CTAs each recompute x + delta and its norm (the row from
+      L2) and two router rows' logits; the last CTA to finish (an atomic count, acquire-release
+      at GPU scope after a CTA barrier) stores x and h, which the others have read by then,
+      routes the logits row and sets the count back to zero for the next launch (a captured
+      graph replays it as is). The caller owns the count (`sync`): one per stream.
 
 Legend: T new tokens (1..4), D hidden, H query heads, Hkv kv heads, G = H / Hkv, hd head dim,
 C cache capacity (rows), E experts, K experts used per token, S attention key splits.
@@ -116,27 +126,33 @@ def _device_int(t: torch.Tensor, name: str, device: torch.device) -> None:
 
 
 @triton.jit
-def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o, eps,
-                     HAS_DELTA: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
-    # [x[t] += Σ_r delta[t, r], the rows added to each other in order first];
-    # out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    dm = d < D
+def _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr):
+    """(v, y) for one row: v = x [+ Σ_r delta_r, the rows added to each other in order first],
+    y = v * rsqrt(mean(v^2) + eps) * w (pointers at the row's first element)."""
     # the weight first: loaded after the sum it would cost a second memory latency behind the
     # reduction's barriers (the compiler keeps the order written)
     wv = tl.load(w + d, mask=dm, other=0.0)
-    xr = x + t * stride_x
-    v = tl.load(xr + d, mask=dm, other=0.0)
+    v = tl.load(x + d, mask=dm, other=0.0)
     if HAS_DELTA:
-        dr = delta + t * stride_d + d
-        s = tl.load(dr, mask=dm, other=0.0)
+        s = tl.load(delta + d, mask=dm, other=0.0)
         for r in tl.static_range(1, R):
-            s = s + tl.load(dr + r * stride_r, mask=dm, other=0.0)
+            s = s + tl.load(delta + r * stride_r + d, mask=dm, other=0.0)
         v = v + s
+    return v, v * tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps) * wv
+
+
+@triton.jit
+def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o, eps,
+                     HAS_DELTA: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    # [x[t] += Σ_r delta[t, r]]; out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    dm = d < D
+    xr = x + t * stride_x
+    v, y = _norm_row(xr, delta + t * stride_d, w, d, dm, stride_r, D, eps, HAS_DELTA, R)
+    if HAS_DELTA:
         tl.store(xr + d, v, mask=dm)
-    r = tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps)
-    tl.store(out + t * stride_o + d, v * r * wv, mask=dm)
+    tl.store(out + t * stride_o + d, y, mask=dm)
 
 
 def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -546,36 +562,143 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _route_kernel(logits, ids, wts, counts, skip, E, stride_l, K: tl.constexpr,
-                  NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    # p = softmax(logits[t]); K rounds: the largest logit not yet taken (lowest id on ties);
-    # with SKIP, an expert with skip[e] >= 0 is stored as id -1
-    t = tl.program_id(0).to(tl.int64)
+def _finite(row, j, jm):
+    """logits row[j] (loaded past L1: another CTA may have just written them), NaN and the
+    masked tail as -inf, so the ranks below stay a permutation."""
+    v = tl.load(row + j, mask=jm, other=float("-inf"), cache_modifier=".cg")
+    return tl.where(v == v, v, float("-inf"))
+
+
+@triton.jit
+def _route_row(row, out, ids, wts, counts, skip, E, K: tl.constexpr, NORM: tl.constexpr,
+               COUNT: tl.constexpr, SKIP: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_J: tl.constexpr):
+    """route() of one logits row (at `row`) into ids / wts row `out`: softmax over E, each
+    expert's rank = how many beat it (a larger logit, or an equal one with a lower id), and the
+    K of rank < K stored at their rank (largest first, ties to the lower id): one [E, E]
+    comparison, summed in BLOCK_J columns a step, instead of K rounds of argmax, each two or
+    three reductions long. With SKIP an expert with skip[e] >= 0 is stored as id -1."""
     e = tl.arange(0, BLOCK_E)
     em = e < E
-    x = tl.load(logits + t * stride_l + e, mask=em, other=float("-inf"))
+    x = _finite(row, e, em)
+    rank = tl.zeros((BLOCK_E,), tl.int32)
+    for j0 in tl.static_range(0, BLOCK_E, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        xj = _finite(row, j, j < E)[None, :]
+        beats = (xj > x[:, None]) | ((xj == x[:, None]) & (j[None, :] < e[:, None]))
+        rank += tl.sum((beats & (j < E)[None, :]).to(tl.int32), axis=1)
     ex = tl.exp(x - tl.max(x, axis=0))
     p = ex / tl.sum(ex, axis=0)
-    kk = tl.arange(0, BLOCK_K)
-    sel_w = tl.zeros((BLOCK_K,), tl.float32)
-    sel_i = tl.zeros((BLOCK_K,), tl.int32)
-    free = em
-    for i in tl.static_range(K):
-        best = tl.max(tl.where(free, x, float("-inf")), axis=0)
-        idx = tl.min(tl.where(free & (x == best), e, BLOCK_E), axis=0)
-        sel_w = tl.where(kk == i, tl.sum(tl.where(e == idx, p, 0.0), axis=0), sel_w)
-        sel_i = tl.where(kk == i, idx, sel_i)
-        free = free & (e != idx)
+    sel = em & (rank < K)
     if NORM:
-        sel_w = sel_w / tl.sum(sel_w, axis=0)
-    out_i = sel_i
+        p = p / tl.sum(tl.where(sel, p, 0.0), axis=0)
+    out_i = e
     if SKIP:
-        out_i = tl.where(tl.load(skip + sel_i, mask=kk < K, other=-1) >= 0, -1, sel_i)
-    tl.store(ids + t * K + kk, out_i.to(tl.int64), mask=kk < K)
-    tl.store(wts + t * K + kk, sel_w, mask=kk < K)
+        out_i = tl.where(tl.load(skip + e, mask=sel, other=-1) >= 0, -1, e)
+    tl.store(ids + out * K + rank, out_i.to(tl.int64), mask=sel)
+    tl.store(wts + out * K + rank, p, mask=sel)
     if COUNT:
-        tl.atomic_add(counts + sel_i, tl.full((BLOCK_K,), 1, tl.int32), mask=kk < K)
+        tl.atomic_add(counts + e, tl.full((BLOCK_E,), 1, tl.int32), mask=sel)
+
+
+@triton.jit
+def _route_kernel(logits, ids, wts, counts, skip, E, stride_l, K: tl.constexpr,
+                  NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+    # one program per token row
+    t = tl.program_id(0).to(tl.int64)
+    _route_row(logits + t * stride_l, t, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP,
+               BLOCK_E, BLOCK_J)
+
+
+def _route_blocks(e: int) -> dict:
+    """BLOCK_E and BLOCK_J of the rank comparison: [BLOCK_E, BLOCK_J] a step, at most 16K."""
+    block_e = triton.next_power_of_2(e)
+    return dict(BLOCK_E=block_e, BLOCK_J=max(1, min(block_e, 16384 // block_e)))
+
+
+@triton.jit
+def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, sync, D, E,
+                       stride_r, stride_w, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
+                       STORE_H: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+                       COUNT: tl.constexpr, SKIP: tl.constexpr, BN: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+    # every program: v = x [+ Σ delta], y = rms_norm(v) * w (the row recomputed from L2 in each),
+    # logits[n] = router[n] · y for its BN rows; the last program to finish (an atomic count)
+    # stores v into x (only then: the others read x) and y into h, routes the logits row and
+    # sets the count back to 0 for the next launch (graph replays)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < E
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    rw = tl.load(router + n.to(tl.int64)[:, None] * stride_w + d[None, :],
+                 mask=nm[:, None] & dm[None, :], other=0.0)  # issued before the norm's sum
+    v, y = _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA, R)
+    tl.store(logits + n, tl.sum(rw * y[None, :], axis=1), mask=nm)
+    tl.debug_barrier()  # every thread's logits stored before the count's release
+    if tl.atomic_add(sync, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        if HAS_DELTA:
+            tl.store(x + d, v, mask=dm)
+        if STORE_H:
+            tl.store(h + d, y, mask=dm)
+        _route_row(logits, 0, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP, BLOCK_E,
+                   BLOCK_J)
+        tl.atomic_xchg(sync, 0)
+
+
+def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+               router: torch.Tensor, k: int, norm_topk: bool, sync: torch.Tensor,
+               counts: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+               ids: torch.Tensor | None = None, store_h: bool = True,
+               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A decode token's residual step and routing in one launch: [x += delta in place,]
+    h = rms_norm(x, weight, eps), logits = h @ router.T, then route_topk(logits, k, norm_topk,
+    counts, skip, ids) -> (h or None with store_h=False, ids, weights). As add_rms_norm (or
+    rms_norm without delta), router_logits and route_topk called in turn, which is what runs
+    for T > 1, off CUDA and for a router that is not float32.
+
+    x [1, D] f32 (the residual; rows contiguous), delta [1, D] or [1, R, D] f32 or None,
+    weight [D] f32, router [E, D] (rows contiguous). sync: int32 [1] on the device, zero,
+    owned by the caller and left zero: the kernel's count of finished programs (launches that
+    may run at once, as on two streams, need one each)."""
+    t = x.shape[0] if x.dim() == 2 else 0
+    fused = (t == 1 and _use_kernels(x) and router.dtype == torch.float32
+             and router.dim() == 2 and router.shape[1] == x.shape[1] and router.stride(1) == 1)
+    if not fused:
+        h = rms_norm(x, weight, eps) if delta is None else add_rms_norm(x, delta, weight, eps)
+        got_ids, wts = route_topk(router_logits(h, router), k, norm_topk, counts, skip, ids)
+        return (h if store_h else None), got_ids, wts
+    h = _norm_args(x, weight, None)
+    rows = 1
+    if delta is not None:
+        rows = delta.shape[1] if delta.dim() == 3 else 1
+        _f32(delta, "delta", (1, rows, x.shape[1]) if delta.dim() == 3 else tuple(x.shape))
+        _check(delta.device == x.device and delta.stride(-1) == 1,
+               "delta must be on x's device, its rows contiguous")
+    e, d = router.shape
+    _check(0 < k <= e, f"k must be in 1..E = {e}, got {k}")
+    _check(sync.dtype == torch.int32 and sync.numel() == 1 and sync.device == x.device,
+           f"sync must be an int32 tensor of one element on {x.device}")
+    for name, v in (("counts", counts), ("skip", skip)):
+        if v is not None:
+            _check(v.dtype == torch.int32 and v.shape == (e,) and v.is_contiguous(),
+                   f"{name} must be int32 [{e}], contiguous")
+    if ids is None:
+        ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
+    _check(ids.dtype == torch.int64 and ids.shape == (1, k) and ids.is_contiguous(),
+           f"ids must be int64 [1, {k}], contiguous")
+    wts = torch.empty((1, k), dtype=torch.float32, device=x.device)
+    logits = torch.empty((e,), dtype=torch.float32, device=x.device)
+    bn = 2
+    block_d = triton.next_power_of_2(d)
+    _norm_route_kernel[(triton.cdiv(e, bn),)](
+        x, x if delta is None else delta, weight, router, h, logits, ids, wts,
+        ids if counts is None else counts, ids if skip is None else skip, sync, d, e,
+        delta.stride(-2) if rows > 1 else 0, router.stride(0), eps, HAS_DELTA=delta is not None,
+        R=rows, STORE_H=store_h, K=k, NORM=bool(norm_topk), COUNT=counts is not None,
+        SKIP=skip is not None, BN=bn, BLOCK_D=block_d, **_route_blocks(e),
+        num_warps=4 if block_d <= 4096 else 8)
+    return (h if store_h else None), ids, wts
 
 
 def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
@@ -618,10 +741,8 @@ def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
     weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
     if t == 0:
         return ids, weights
-    block_e = triton.next_power_of_2(e)
     _route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts,
                         ids if skip is None else skip, e, logits.stride(0), K=k,
                         NORM=bool(norm_topk), COUNT=counts is not None, SKIP=skip is not None,
-                        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-                        num_warps=max(1, min(4, block_e // 256)))
+                        **_route_blocks(e), num_warps=4)
     return ids, weights
