@@ -64,6 +64,10 @@ def cut_pieces(n_layers: int, host: list[bool]) -> list[Piece]:
 
 
 class DecodeStep:
+    # the residual step and routing of a layer in one launch (decode_ops.norm_route); False:
+    # three (scripts/profile_decode.py --unfused-route times both)
+    fuse_route = True
+
     def __init__(self, model, mode: str = "graphs", kv_capacity: int = 0):  # noqa: ANN001
         """model: the MoETransformer; kv_capacity: the planned context (caches at least this
         large share one storage pool, see KVPool)."""
@@ -306,7 +310,7 @@ class DecodeStep:
             # x += attn; h = its norm; the router and its top K: one launch on CUDA
             h, ids, wts = ops.norm_route(x, attn, lw.ffn_norm, cfg.rms_eps, lw.router,
                                          cfg.n_experts_used, cfg.norm_topk, self.sync,
-                                         counts=self._counter(i, piece))
+                                         counts=self._counter(i, piece), fuse=self.fuse_route)
             if pf is not None:
                 pf.guess(i, x)
             if i == piece.host_layer:

@@ -649,20 +649,20 @@ def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, s
 def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                router: torch.Tensor, k: int, norm_topk: bool, sync: torch.Tensor,
                counts: torch.Tensor | None = None, skip: torch.Tensor | None = None,
-               ids: torch.Tensor | None = None, store_h: bool = True,
+               ids: torch.Tensor | None = None, store_h: bool = True, fuse: bool = True,
                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """A decode token's residual step and routing in one launch: [x += delta in place,]
     h = rms_norm(x, weight, eps), logits = h @ router.T, then route_topk(logits, k, norm_topk,
     counts, skip, ids) -> (h or None with store_h=False, ids, weights). As add_rms_norm (or
     rms_norm without delta), router_logits and route_topk called in turn, which is what runs
-    for T > 1, off CUDA and for a router that is not float32.
+    for T > 1, off CUDA, for a router that is not float32 and with fuse=False (timing).
 
     x [1, D] f32 (the residual; rows contiguous), delta [1, D] or [1, R, D] f32 or None,
     weight [D] f32, router [E, D] (rows contiguous). sync: int32 [1] on the device, zero,
     owned by the caller and left zero: the kernel's count of finished programs (launches that
     may run at once, as on two streams, need one each)."""
     t = x.shape[0] if x.dim() == 2 else 0
-    fused = (t == 1 and _use_kernels(x) and router.dtype == torch.float32
+    fused = (fuse and t == 1 and _use_kernels(x) and router.dtype == torch.float32
              and router.dim() == 2 and router.shape[1] == x.shape[1] and router.stride(1) == 1)
     if not fused:
         h = rms_norm(x, weight, eps) if delta is None else add_rms_norm(x, delta, weight, eps)
