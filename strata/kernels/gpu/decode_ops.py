@@ -583,10 +583,14 @@ def _route_row(row, out, ids, wts, counts, skip, E, K: tl.constexpr, NORM: tl.co
     x = _finite(row, e, em)
     rank = tl.zeros((BLOCK_E,), tl.int32)
     for j0 in tl.static_range(0, BLOCK_E, BLOCK_J):
+        # [BLOCK_J, BLOCK_E], summed over j: Triton lays the last dim across the threads, so
+        # each thread sums its expert's column in registers (with e first, each of the 128
+        # rows was a reduction across the CTA: 4.4 us a call on an H200 against 2.7 for K
+        # rounds of argmax on one warp)
         j = j0 + tl.arange(0, BLOCK_J)
-        xj = _finite(row, j, j < E)[None, :]
-        beats = (xj > x[:, None]) | ((xj == x[:, None]) & (j[None, :] < e[:, None]))
-        rank += tl.sum((beats & (j < E)[None, :]).to(tl.int32), axis=1)
+        xj = _finite(row, j, j < E)[:, None]
+        beats = (xj > x[None, :]) | ((xj == x[None, :]) & (j[:, None] < e[None, :]))
+        rank += tl.sum((beats & (j < E)[:, None]).to(tl.int32), axis=0)
     ex = tl.exp(x - tl.max(x, axis=0))
     p = ex / tl.sum(ex, axis=0)
     sel = em & (rank < K)
