@@ -109,6 +109,28 @@ def test_quant_matmul(qtype: QType, m: int, dtype: torch.dtype, tol: float) -> N
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("qa,qb", [(QType.Q4_K, QType.Q6_K), (QType.Q5_K, QType.Q8_0),
+                                   (QType.IQ3_XXS, QType.Q4_K)], ids=lambda q: q.name)
+def test_gemv_pair(qa: QType, qb: QType) -> None:
+    """Two matrices of other types, one token, one launch (the q/k pair and a v of another
+    type: Qwen3-30B-A3B's 4608 and 512 rows of 2048), each against the reference; the outputs
+    start as NaN, so a row the kernel does not write fails."""
+    from strata.kernels.gpu.matmul import gemv_pair
+
+    rng, seed = fresh_rng()
+    for na, nb, k in ((4608, 512, 2048), (41, 7, k_for(qa, 3))):
+        wa, wb = cuda_rows(qa, na, k, rng), cuda_rows(qb, nb, k, rng)
+        x = torch.randn(1, k, device="cuda")
+        out = (torch.full((1, na), float("nan"), device="cuda"),
+               torch.full((1, nb), float("nan"), device="cuda"))
+        ya, yb = gemv_pair(x, (wa, qa), (wb, qb), out=out)
+        assert ya is out[0] and yb is out[1]
+        for y, w, q in ((ya, wa, qa), (yb, wb, qb)):
+            err = rel_err(y, matmul_ref(x, w, q))
+            assert err < FMA_TOL, f"{q.name} of {qa.name}+{qb.name} seed={seed}: {err:.2e}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("qtype", PRIORITY, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 4, 16, 129])
 def test_quant_matmul_model_shapes(qtype: QType, m: int) -> None:
@@ -293,6 +315,14 @@ _INTERPRETED = """
         for m in (1, 3, 9):  # FMA, FMA with three tokens, tl.dot (float32 operands here)
             x = torch.randn(m, k)
             assert rel(quant_matmul(x, w, q), matmul_ref(x, w, q)) < 2e-5, (q, m)
+    # two matrices of other types in one launch (a q/k pair and its v)
+    from strata.kernels.gpu.matmul import gemv_pair
+    for qa, qb, na, nb in ((QType.Q4_K, QType.Q6_K, 7, 3), (QType.IQ2_XS, QType.Q5_K, 2, 5)):
+        wa, wb, x = rows(qa, na, 512), rows(qb, nb, 512), torch.randn(1, 512)
+        out = (torch.full((1, na), float("nan")), torch.full((1, nb), float("nan")))
+        ya, yb = gemv_pair(x, (wa, qa), (wb, qb), out=out)
+        assert ya is out[0] and yb is out[1], (qa, qb)
+        assert rel(ya, matmul_ref(x, wa, qa)) < 2e-5 and rel(yb, matmul_ref(x, wb, qb)) < 2e-5
     e, d, f = 3, 256, 64
     qt = (QType.Q4_K, QType.IQ2_XS, QType.Q8_0)
     slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)
@@ -338,6 +368,7 @@ _INTERPRETED = """
 
 
 def test_kernels_under_the_interpreter() -> None:
-    """Q4_K, Q6_K, IQ2_XS, Q8_0 tiles, both matmul skeletons and both MoE paths on the CPU."""
+    """Q4_K, Q6_K, IQ2_XS, Q8_0 tiles, both matmul skeletons, the two-matrix GEMV and both MoE
+    paths on the CPU."""
     _, seed = fresh_rng()
     run_interpreted(_INTERPRETED, seed, timeout=600)

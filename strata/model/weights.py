@@ -70,9 +70,22 @@ def qkv_linear(x: torch.Tensor, lw: LayerWeights) -> tuple[torch.Tensor, ...]:
         return linear(x, lw.wq), linear(x, lw.wk), linear(x, lw.wv)
     w, n = lw.qkv
     mats = (lw.wq, lw.wk, lw.wv)
+    if n == 2 and _pair_launch(x, w, lw.wv):  # q, k and a v of another type: one launch
+        from strata.kernels.gpu.matmul import gemv_pair
+
+        qk, v = gemv_pair(x.contiguous(), (w.raw, w.qtype), (lw.wv.raw, lw.wv.qtype))
+        q, k = qk.split([_rows(lw.wq), _rows(lw.wk)], dim=1)
+        return q, k, v
     # contiguous: a no-op for one token (its row is), a copy for longer inputs
     out = [y.contiguous() for y in linear(x, w).split([_rows(m) for m in mats[:n]], dim=1)]
     return (*out, *(linear(x, m) for m in mats[n:]))
+
+
+def _pair_launch(x: torch.Tensor, a: Weight, b: Weight) -> bool:
+    """One token on CUDA and two matrices in blocks with fused kernels (matmul.gemv_pair)."""
+    return (x.shape[0] == 1 and x.is_cuda and isinstance(a, QuantTensor)
+            and isinstance(b, QuantTensor) and a.raw.is_cuda and b.raw.is_cuda
+            and fused_matmul_available(a.qtype) and fused_matmul_available(b.qtype))
 
 
 def _rows(w: Weight) -> int:

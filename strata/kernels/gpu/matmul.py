@@ -106,6 +106,27 @@ def _gemv_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
             _store_row(y + 3 * stride_ym, 3, M, n, N, a3)
 
 
+@triton.jit(do_not_specialize=["NA", "NB", "K"])
+def _gemv_pair_kernel(x, wa, wb, ya, yb, ta, ta2, tb, tb2, NA, NB, K, rb_a, rb_b, GA,
+                      QA: tl.constexpr, SA: tl.constexpr, BNA: tl.constexpr, BKA: tl.constexpr,
+                      STA: tl.constexpr, QB: tl.constexpr, SB: tl.constexpr, BNB: tl.constexpr,
+                      BKB: tl.constexpr, STB: tl.constexpr, EVEN_A: tl.constexpr,
+                      EVEN_B: tl.constexpr):
+    # one token, two matrices of other types in one launch: programs < GA y_a = W_a x (BNA
+    # rows each), the others y_b = W_b x
+    pid = tl.program_id(0)
+    if pid < GA:
+        n = pid * BNA + tl.arange(0, BNA)
+        _store_row(ya, 0, 1, n, NA, gemv_tile(QA, SA, BKA, EVEN_A, STA, rows(wa, n, NA, rb_a),
+                                              x, K, ta, ta2,
+                                              tl.zeros((BNA, BKA // SA, SA), tl.float32)))
+    else:
+        n = (pid - GA) * BNB + tl.arange(0, BNB)
+        _store_row(yb, 0, 1, n, NB, gemv_tile(QB, SB, BKB, EVEN_B, STB, rows(wb, n, NB, rb_b),
+                                              x, K, tb, tb2,
+                                              tl.zeros((BNB, BKB // SB, SB), tl.float32)))
+
+
 @triton.jit
 def _store_rows(y, n0, N, R: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
     """y[n0 + r] = Σ a_r for the rows r < R inside N: the R sums gathered into one [R, G] tile
@@ -300,6 +321,43 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
         _gemm_kernel[grid](*args, QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn, BK=bk,
                            GROUP_M=8, EVEN_K=k % bk == 0, DOT=dot_dtype(), num_warps=warps,
                            num_stages=stages)
+
+
+def gemv_pair(x: torch.Tensor, a: tuple[torch.Tensor, int | QType],
+              b: tuple[torch.Tensor, int | QType],
+              out: tuple[torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W_a^T, x W_b^T) for one token and two matrices of different types (a = (w, qtype)):
+    one launch (`_gemv_pair_kernel`) where both types have a tile and the token is one row on
+    the weights' device, else quant_matmul twice. Each matrix takes its own tile (gemv_config,
+    with the CTAs of both counted); the warps are the larger of the two tiles'. A layer whose v
+    projection has another type than q and k (Q4_K_M's Q6_K v) runs its three in one launch.
+    out: float32 [1, N_a] and [1, N_b] to write into (contiguous) instead of new tensors."""
+    (wa, qa), (wb, qb) = a, b
+    oa, ob = out if out is not None else (None, None)
+    fa, fb = kernel_format(QType(qa)), kernel_format(QType(qb))
+    k = x.shape[-1]
+    if (fa is None or fb is None or x.dim() != 2 or x.shape[0] != 1 or x.device != wa.device
+            or x.device != wb.device or not x.is_cuda and not knobs.runtime.interpret):
+        return quant_matmul(x, wa, qa, out=oa), quant_matmul(x, wb, qb, out=ob)
+    check_x(x, k)
+    na, nb = check_weights(wa, fa.qtype, k), check_weights(wb, fb.qtype, k)
+    n_a, n_b = wa.shape[0], wb.shape[0]
+    ya, yb = (torch.empty(1, n, dtype=torch.float32, device=x.device) if o is None else o
+              for o, n in ((oa, n_a), (ob, n_b)))
+    for name, y, n in (("out[0]", ya, n_a), ("out[1]", yb, n_b)):
+        if y.shape != (1, n) or y.dtype != torch.float32 or not y.is_contiguous():
+            raise ValueError(f"{name} must be float32 [1, {n}], contiguous")
+    bna, bka, sta, wpa = gemv_config(fa, 1, n_a, k)
+    bnb, bkb, stb, wpb = gemv_config(fb, 1, n_b, k)
+    ga = triton.cdiv(n_a, bna)
+    ta, ta2 = fa.tables(x.device)
+    tb, tb2 = fb.tables(x.device)
+    _gemv_pair_kernel[(ga + triton.cdiv(n_b, bnb),)](
+        x, wa, wb, ya, yb, ta, ta2, tb, tb2, n_a, n_b, k, na, nb, ga, QA=int(fa.qtype),
+        SA=fa.group, BNA=bna, BKA=bka, STA=sta, QB=int(fb.qtype), SB=fb.group, BNB=bnb,
+        BKB=bkb, STB=stb, EVEN_A=k % bka == 0, EVEN_B=k % bkb == 0, num_warps=max(wpa, wpb))
+    return ya, yb
 
 
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
