@@ -130,6 +130,30 @@ def test_gemv_pair(qa: QType, qb: QType) -> None:
             assert err < FMA_TOL, f"{q.name} of {qa.name}+{qb.name} seed={seed}: {err:.2e}"
 
 
+def test_gemv_pair_compiles_for_sm90() -> None:
+    """Without a GPU: the two-matrix GEMV compiles for sm_90 with the tiles a Q4_K q/k pair and
+    a Q6_K v take (other rows a program, other K steps: the interpreter runs either branch
+    alone and would not see a clash between them)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import matmul
+    from strata.kernels.gpu.formats import kernel_format
+
+    fa, fb = kernel_format(QType.Q4_K), kernel_format(QType.Q6_K)
+    (bna, bka, sta, _), (bnb, bkb, stb, _) = fa.gemv, fb.gemv
+    assert (bna, bka) != (bnb, bkb)
+    sig = {"x": "*fp32", "wa": "*u8", "wb": "*u8", "ya": "*fp32", "yb": "*fp32",
+           "ta": "*fp32", "ta2": "*fp32", "tb": "*fp32", "tb2": "*fp32", "NA": "i32",
+           "NB": "i32", "K": "i32", "rb_a": "i32", "rb_b": "i32", "GA": "i32"}
+    consts = dict(QA=int(fa.qtype), SA=fa.group, BNA=bna, BKA=bka, STA=sta, QB=int(fb.qtype),
+                  SB=fb.group, BNB=bnb, BKB=bkb, STB=stb, EVEN_A=True, EVEN_B=True)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    k = triton.compile(ASTSource(matmul._gemv_pair_kernel, sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32))
+    assert k.asm["cubin"]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("qtype", PRIORITY, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 4, 16, 129])

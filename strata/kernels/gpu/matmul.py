@@ -115,16 +115,17 @@ def _gemv_pair_kernel(x, wa, wb, ya, yb, ta, ta2, tb, tb2, NA, NB, K, rb_a, rb_b
     # one token, two matrices of other types in one launch: programs < GA y_a = W_a x (BNA
     # rows each), the others y_b = W_b x
     pid = tl.program_id(0)
+    # (each branch names its own rows: Triton wants a name set in both to have one shape)
     if pid < GA:
-        n = pid * BNA + tl.arange(0, BNA)
-        _store_row(ya, 0, 1, n, NA, gemv_tile(QA, SA, BKA, EVEN_A, STA, rows(wa, n, NA, rb_a),
-                                              x, K, ta, ta2,
-                                              tl.zeros((BNA, BKA // SA, SA), tl.float32)))
+        na = pid * BNA + tl.arange(0, BNA)
+        _store_row(ya, 0, 1, na, NA, gemv_tile(QA, SA, BKA, EVEN_A, STA,
+                                                rows(wa, na, NA, rb_a), x, K, ta, ta2,
+                                                tl.zeros((BNA, BKA // SA, SA), tl.float32)))
     else:
-        n = (pid - GA) * BNB + tl.arange(0, BNB)
-        _store_row(yb, 0, 1, n, NB, gemv_tile(QB, SB, BKB, EVEN_B, STB, rows(wb, n, NB, rb_b),
-                                              x, K, tb, tb2,
-                                              tl.zeros((BNB, BKB // SB, SB), tl.float32)))
+        nb = (pid - GA) * BNB + tl.arange(0, BNB)
+        _store_row(yb, 0, 1, nb, NB, gemv_tile(QB, SB, BKB, EVEN_B, STB,
+                                                rows(wb, nb, NB, rb_b), x, K, tb, tb2,
+                                                tl.zeros((BNB, BKB // SB, SB), tl.float32)))
 
 
 @triton.jit
