@@ -2,7 +2,7 @@
 share (the offload executor's host layers), then the step time with CUDA graphs.
 
     python scripts/profile_decode.py MODEL --vram-budget 40 [--steps 16] [--json F]
-        [--prefetch N] [--cpu-share N] [--threads T] [--trace F] [--unfused-route] [--no-pdl]
+        [--prefetch N] [--cpu-share N] [--threads T] [--trace F] [--unfused-route]
 
 Prints the kernels of the decode steps by total GPU time per step, the host time per step spent
 in the executor's calls (`OffloadExperts.decode_misses`, the CPU pool, cache admissions...,
@@ -25,7 +25,6 @@ import torch
 from strata.config import EngineConfig
 from strata.engine.decode_step import DecodeStep
 from strata.engine.generator import Engine
-from strata.kernels.gpu import pdl
 
 
 def timed_steps(engine: Engine, n: int, seed: int = 0,
@@ -93,12 +92,9 @@ def main() -> None:
     p.add_argument("--trace", default=None, help="Chrome trace of 8 steps here (6 replayed)")
     p.add_argument("--unfused-route", action="store_true",
                    help="a layer's residual step, router and top-k as three launches (timing)")
-    p.add_argument("--no-pdl", action="store_true",
-                   help="launch the kernels without programmatic dependent launch (timing)")
     a = p.parse_args()
     prefetch = None if a.prefetch == "auto" else int(a.prefetch)
     DecodeStep.fuse_route = not a.unfused_route
-    pdl.ENABLED = not a.no_pdl
     engine = Engine.load(a.model, config=EngineConfig(device=a.device, offload="on",
                                                       vram_budget_gib=a.vram_budget,
                                                       decode_step="eager", prefetch=prefetch,
@@ -126,7 +122,6 @@ def main() -> None:
         timed_steps(engine, 8, around=prof)  # an eager step, a capture, replays
         prof.export_chrome_trace(a.trace)
     res = {"budget": a.vram_budget, "pieces": len(step.pieces), "fuse_route": step.fuse_route,
-           "pdl": pdl.ENABLED,
            "eager_ms": 1e3 * statistics.median(eager), "graphs_ms": 1e3 * statistics.median(graphs),
            "gpu_kernels_ms": gpu_total / 1e3, "host": host,
            "kernels": [{"us_per_step": round(u, 1), "launches_per_step": c, "name": k[:120]}

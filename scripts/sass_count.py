@@ -103,7 +103,7 @@ def describe(name: str, sass: list[str], regs: int, weights: float, weight_bytes
 FMA_SIG = {"x": "*fp32", "w": "*u8", "y": "*fp32", "tab": "*fp32", "tab2": "*fp32", "M": "i32",
            "N": "i32", "K": "i32", "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32",
            "QT": "constexpr", "S": "constexpr", "BM": "constexpr", "BN": "constexpr",
-           "BK": "constexpr", "EVEN_K": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
+           "BK": "constexpr", "EVEN_K": "constexpr", "STAGES": "constexpr"}
 ROWS_SIG = {"x": "*fp32", "w": "*u8", "y": "*fp32", "tab": "*fp32", "tab2": "*fp32", "N": "i32",
             "K": "i32", "row_bytes": "i32", "QT": "constexpr", "S": "constexpr",
             "R": "constexpr", "BK": "constexpr", "EVEN_K": "constexpr", "STAGES": "constexpr",
@@ -123,7 +123,7 @@ def main() -> None:
             sass, regs = compile_sm90(
                 mm._gemv_kernel, {**FMA_SIG, "x": f"*{xt}"},
                 {"QT": int(q), "S": fmt.group, "BM": 1, "BN": bn, "BK": bk, "EVEN_K": True,
-                 "STAGES": stages, "PDL": False}, (0, 1, 2, 3, 4, 8), warps)
+                 "STAGES": stages}, (0, 1, 2, 3, 4, 8), warps)
             per = bn * bk / (32 * warps)
             print(describe(f"FMA GEMV (matmul.py) {q.name} BN {bn} BK {bk} warps {warps}, x {xt}",
                            sass, regs, per, per * per_byte))

@@ -307,13 +307,11 @@ def test_kv_kernels_compile_for_sm90(kv: str) -> None:
     sig = {"q": "*fp32", "k": "*fp32", "v": "*fp32", "qn": "*fp32", "kn": "*fp32",
            "inv_freq": "*fp32", "pos": "*i64", "qo": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}",
            "eps": "fp32", **i32, "HAS_QN": "constexpr", "HAS_KN": "constexpr", "HD": "constexpr",
-           "ROPE_DIM": "constexpr", "NEOX": "constexpr", "BLOCK_D": "constexpr",
-           "PDL": "constexpr"}
+           "ROPE_DIM": "constexpr", "NEOX": "constexpr", "BLOCK_D": "constexpr"}
     rope = triton.compile(ASTSource(ops._qk_rope_kernel, sig, constexprs={
         "HAS_QN": True, "HAS_KN": True, "HD": 128, "ROPE_DIM": 128, "NEOX": True,
-        "BLOCK_D": 128, "PDL": True}), target=target)
+        "BLOCK_D": 128}), target=target)
     assert rope.asm["cubin"]
-    assert "griddepcontrol.wait" in rope.asm["ptx"]
     assert (f"cvt.rn.{kv}.f32" in rope.asm["ptx"]) == (kv == "bf16")  # (f16: cvt.rn.f16.f32)
     assert ("cvt.rn.f16.f32" in rope.asm["ptx"]) == (kv == "fp16")
     i32 = dict.fromkeys(("T", "H", "S", "RB", "stride_qt", "stride_qh", "stride_kr", "stride_kh",
@@ -321,13 +319,11 @@ def test_kv_kernels_compile_for_sm90(kv: str) -> None:
     sig = {"q": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}", "length": "*i64", "part_o": "*fp32",
            "part_ml": "*fp32", "scale": "fp32", **i32, "HD": "constexpr", "G": "constexpr",
            "MIN_CHUNK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_D": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
+           "BLOCK_D": "constexpr", "STAGES": "constexpr"}
     attn = triton.compile(ASTSource(ops._attn_split_kernel, sig, constexprs={
         "HD": 128, "G": 8, "MIN_CHUNK": ops.ATTN_MIN_CHUNK, "BLOCK_M": ops.ATTN_BLOCK_M,
-        "BLOCK_N": 32, "BLOCK_D": 128, "STAGES": 2, "PDL": False}), target=target,
-        options={"num_warps": 8})
+        "BLOCK_N": 32, "BLOCK_D": 128, "STAGES": 2}), target=target, options={"num_warps": 8})
     assert attn.asm["cubin"]
-    assert "griddepcontrol" not in attn.asm["ptx"]
     assert ("cvt.f32.f16" in attn.asm["ptx"]) == (kv == "fp16")
 
 
@@ -459,9 +455,9 @@ def test_route_kernel_compiles_for_sm90(count: bool, skip: bool) -> None:
     sig = {"logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
            "E": "i32", "stride_l": "i32", "K": "constexpr", "NORM": "constexpr",
            "COUNT": "constexpr", "SKIP": "constexpr", "BLOCK_E": "constexpr",
-           "BLOCK_J": "constexpr", "PDL": "constexpr"}
+           "BLOCK_J": "constexpr"}
     asm = sm90(ops._route_kernel, sig, {"K": 8 if count else 2, "NORM": count, "COUNT": count,
-                                        "SKIP": skip, **ops._route_blocks(128), "PDL": count})
+                                        "SKIP": skip, **ops._route_blocks(128)})
     assert asm["cubin"]
     assert asm["ttir"].count("tt.load") == 1 + skip
     assert ("tt.atomic_rmw" in asm["ttir"]) == count
@@ -479,16 +475,11 @@ def test_norm_route_kernel_compiles_for_sm90(delta: int, count: bool, skip: bool
            "sync": "*i32", "D": "i32", "E": "i32", "stride_r": "i32", "stride_w": "i32",
            "eps": "fp32"}
     sig.update(dict.fromkeys(["HAS_DELTA", "R", "STORE_H", "K", "NORM", "COUNT", "SKIP", "BN",
-                              "BLOCK_D", "BLOCK_E", "BLOCK_J", "PDL"], "constexpr"))
+                              "BLOCK_D", "BLOCK_E", "BLOCK_J"], "constexpr"))
     asm = sm90(ops._norm_route_kernel, sig, {
         "HAS_DELTA": delta > 0, "R": max(delta, 1), "STORE_H": delta > 0, "K": 8, "NORM": count,
-        "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048, **ops._route_blocks(128),
-        "PDL": True})
+        "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048, **ops._route_blocks(128)})
     ttir = asm["ttir"]
-    # with PDL the router rows (weights) are read before the wait, everything else after
-    ptx = asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == 1 and "griddepcontrol.launch_dependents" in ptx
-    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
     assert asm["cubin"]
     assert ttir.count("tt.atomic_rmw") == 2 + count
     assert "atom.global.gpu.acq_rel.add" in asm["ptx"] or "atom.acq_rel.gpu" in asm["ptx"], \

@@ -147,43 +147,11 @@ def test_gemv_pair_compiles_for_sm90() -> None:
            "ta": "*fp32", "ta2": "*fp32", "tb": "*fp32", "tb2": "*fp32", "NA": "i32",
            "NB": "i32", "K": "i32", "rb_a": "i32", "rb_b": "i32", "GA": "i32"}
     consts = dict(QA=int(fa.qtype), SA=fa.group, BNA=bna, BKA=bka, STA=sta, QB=int(fb.qtype),
-                  SB=fb.group, BNB=bnb, BKB=bkb, STB=stb, EVEN_A=True, EVEN_B=True, PDL=True)
+                  SB=fb.group, BNB=bnb, BKB=bkb, STB=stb, EVEN_A=True, EVEN_B=True)
     sig.update(dict.fromkeys(consts, "constexpr"))
     k = triton.compile(ASTSource(matmul._gemv_pair_kernel, sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32))
     assert k.asm["cubin"]
-    # programmatic dependent launch: each branch reads its first weights, then waits, then x
-    ptx = k.asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == 2
-    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
-
-
-@pytest.mark.parametrize("bm", [1, 2])
-def test_gemv_waits_after_its_first_weights(bm: int) -> None:
-    """Without a GPU: the FMA GEMV compiled for sm_90 with programmatic dependent launch. One
-    token reads its first K step's weights before griddepcontrol.wait (weights no kernel
-    writes), x after; two tokens wait first. pdl.options asks for it only on CUDA devices of
-    compute capability 9 or more, and never on the CPU or under the interpreter."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from strata.kernels.gpu import matmul, pdl
-    from strata.kernels.gpu.formats import kernel_format
-
-    fmt = kernel_format(QType.Q4_K)
-    bn, bk, stages, _ = fmt.gemv
-    sig = {"x": "*fp32", "w": "*u8", "y": "*fp32", "tab": "*fp32", "tab2": "*fp32", "M": "i32",
-           "N": "i32", "K": "i32", "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-    consts = dict(QT=int(QType.Q4_K), S=fmt.group, BM=bm, BN=bn, BK=bk, EVEN_K=True,
-                  STAGES=stages, PDL=True)
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    ptx = triton.compile(ASTSource(matmul._gemv_kernel, sig, constexprs=consts),
-                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == 1
-    assert "griddepcontrol.launch_dependents" in ptx
-    first_load, wait = ptx.index("ld.global"), ptx.index("griddepcontrol.wait")
-    assert (first_load < wait) == (bm == 1)
-    assert pdl.options(torch.zeros(1)) == {"PDL": False}
 
 
 @pytest.mark.cuda

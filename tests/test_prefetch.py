@@ -238,9 +238,8 @@ def test_gather_kernel_compiles_for_sm90(pre: bool, loop: bool, one_chunk: bool)
            "stride_src": "i32", "stride_dst": "i32", "pre_of": "*i32", "pre": "*i32",
            "stride_pre": "i32", "n_items": "i32", "n_chunks": "i32", "BLOCK": "constexpr",
            "TOPK": "constexpr", "HOST_FROM": "constexpr", "PRE": "constexpr",
-           "LOOP": "constexpr", "PDL": "constexpr"}
-    consts = {"BLOCK": moe.GATHER_BLOCK, "TOPK": 8, "HOST_FROM": 8, "PRE": pre, "LOOP": loop,
-              "PDL": loop}
+           "LOOP": "constexpr"}
+    consts = {"BLOCK": moe.GATHER_BLOCK, "TOPK": 8, "HOST_FROM": 8, "PRE": pre, "LOOP": loop}
     if one_chunk:  # records of one block: Triton makes the argument 1 a constant
         sig["n_chunks"] = "constexpr"
         consts["n_chunks"] = 1

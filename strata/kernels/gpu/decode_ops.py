@@ -67,7 +67,6 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from strata.kernels.gpu import pdl
 from strata.model import layers
 
 ROPE_STYLES = ("neox", "normal")
@@ -144,10 +143,8 @@ def _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA: tl.constexpr, R: 
 
 @triton.jit
 def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o, eps,
-                     HAS_DELTA: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
     # [x[t] += Σ_r delta[t, r]]; out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
-    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     dm = d < D
@@ -167,8 +164,7 @@ def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _rms_norm_kernel[(t,)](
         x, x if delta is None else delta, weight, out, d, x.stride(0),
         0 if delta is None else delta.stride(0), delta.stride(1) if rows > 1 else 0,
-        out.stride(0), eps, HAS_DELTA=delta is not None, R=rows, BLOCK=block, num_warps=warps,
-        **pdl.options(x))
+        out.stride(0), eps, HAS_DELTA=delta is not None, R=rows, BLOCK=block, num_warps=warps)
 
 
 def _norm_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -272,10 +268,8 @@ def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, eps, H, C,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_qot, stride_qoh, stride_kcr, stride_kch, stride_vcr, stride_vch,
                     HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HD: tl.constexpr,
-                    ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr):
+                    ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
     # program (t, j): j < H: query head j -> qo[t, j]; else kv head g = j - H -> cache row pos + t
-    pdl.wait(PDL)
     t = tl.program_id(0)
     j = tl.program_id(1)
     row = tl.load(pos).to(tl.int64) + t
@@ -344,8 +338,7 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HD=hd, ROPE_DIM=rope_dim,
-            NEOX=style == "neox", BLOCK_D=triton.next_power_of_2(hd), num_warps=1,
-            **pdl.options(q))
+            NEOX=style == "neox", BLOCK_D=triton.next_power_of_2(hd), num_warps=1)
         return out
     positions = pos.reshape(1).long() + torch.arange(t, device=q.device)  # [T], on the device
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
@@ -382,12 +375,11 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
                        stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                        HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       STAGES: tl.constexpr, PDL: tl.constexpr):
+                       STAGES: tl.constexpr):
     # program (g·RB + b, s): query rows r = b·BLOCK_M + i of kv head g, r = t·G + (h - g·G), against
     # keys [s·chunk, min((s+1)·chunk, n)); row r sees keys j <= n - T + t.
     # Writes part_o[s, t, h] = Σ_j p_j v_j and part_ml[s, t, h] = (max score, Σ_j p_j),
     # p_j = exp(score_j - max) (max = _NEG, sum 0, o 0 for a row that sees none of the keys).
-    pdl.wait(PDL)
     g = tl.program_id(0) // RB
     s = tl.program_id(1)
     n = tl.load(length).to(tl.int32)
@@ -435,10 +427,9 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
 @triton.jit
 def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot,
                         HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # program (h, t): out[t, h] = Σ_s w_s o_s / Σ_s w_s l_s, w_s = exp(m_s - max_s m_s), over
     # the live splits only (the others were never written)
-    pdl.wait(PDL)
     h = tl.program_id(0)
     t = tl.program_id(1)
     n = tl.load(length).to(tl.int32)
@@ -507,11 +498,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, length, part_o, part_ml, scale, t, h, s, rb, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HD=hd, G=g, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=block_n,
-        BLOCK_D=block_d, STAGES=2, num_warps=8, **pdl.options(q))
+        BLOCK_D=block_d, STAGES=2, num_warps=8)
     block_s = min(triton.next_power_of_2(s), max(1, 4096 // block_d))
     _attn_reduce_kernel[(h, t)](
         part_o, part_ml, length, out, t, h, s, out.stride(0), HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK,
-        BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, **pdl.options(q))
+        BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
     return out
 
 
@@ -538,10 +529,8 @@ def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr,
-                     PDL: tl.constexpr):
+def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr):
     # y[n] = Σ_d w[n, d] · x[d] for BN rows n
-    pdl.wait(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = (n < N)[:, None]
     acc = tl.zeros((BN, BD), tl.float32)
@@ -568,7 +557,7 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     bn = 2
     bd = min(1024, triton.next_power_of_2(d))
     _rows_dot_kernel[(triton.cdiv(e, bn),)](h, router, out, e, d, router.stride(0), BN=bn,
-                                            BD=bd, num_warps=4, **pdl.options(h))
+                                            BD=bd, num_warps=4)
     return out
 
 
@@ -619,9 +608,8 @@ def _route_row(row, out, ids, wts, counts, skip, E, K: tl.constexpr, NORM: tl.co
 @triton.jit
 def _route_kernel(logits, ids, wts, counts, skip, E, stride_l, K: tl.constexpr,
                   NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
     # one program per token row
-    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     _route_row(logits + t * stride_l, t, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP,
                BLOCK_E, BLOCK_J)
@@ -638,8 +626,7 @@ def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, s
                        stride_r, stride_w, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
                        STORE_H: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                        COUNT: tl.constexpr, SKIP: tl.constexpr, BN: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
     # every program: v = x [+ Σ delta], y = rms_norm(v) * w (the row recomputed from L2 in each),
     # logits[n] = router[n] · y for its BN rows; the last program to finish (an atomic count)
     # stores v into x (only then: the others read x) and y into h, routes the logits row and
@@ -649,8 +636,7 @@ def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, s
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     rw = tl.load(router + n.to(tl.int64)[:, None] * stride_w + d[None, :],
-                 mask=nm[:, None] & dm[None, :], other=0.0)  # weights: before the wait
-    pdl.wait(PDL)
+                 mask=nm[:, None] & dm[None, :], other=0.0)  # issued before the norm's sum
     v, y = _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA, R)
     tl.store(logits + n, tl.sum(rw * y[None, :], axis=1), mask=nm)
     tl.debug_barrier()  # every thread's logits stored before the count's release
@@ -715,7 +701,7 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
         delta.stride(-2) if rows > 1 else 0, router.stride(0), eps, HAS_DELTA=delta is not None,
         R=rows, STORE_H=store_h, K=k, NORM=bool(norm_topk), COUNT=counts is not None,
         SKIP=skip is not None, BN=bn, BLOCK_D=block_d, **_route_blocks(e),
-        num_warps=4 if block_d <= 4096 else 8, **pdl.options(x))
+        num_warps=4 if block_d <= 4096 else 8)
     return (h if store_h else None), ids, wts
 
 
@@ -762,5 +748,5 @@ def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
     _route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts,
                         ids if skip is None else skip, e, logits.stride(0), K=k,
                         NORM=bool(norm_topk), COUNT=counts is not None, SKIP=skip is not None,
-                        **_route_blocks(e), num_warps=4, **pdl.options(logits))
+                        **_route_blocks(e), num_warps=4)
     return ids, weights

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from strata.kernels.gpu import pdl
 from strata.kernels.gpu.formats import FLOAT_TYPES, KernelFormat, kernel_format
 from strata.kernels.gpu.skeletons import (
     dot_tile,
@@ -85,16 +84,15 @@ def _store_row(y, t, M, n, N, acc):
 def _gemv_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
                  QT: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                 STAGES: tl.constexpr, PDL: tl.constexpr):
+                 STAGES: tl.constexpr):
     # y[t, n] = Σ_k x[t, k] · W[n, k] for t < M <= BM <= 4: W read once, float32 FMA
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     wr = rows(w, n, N, row_bytes)
     zero = tl.zeros((BN, BK // S, S), dtype=tl.float32)
-    if BM == 1:  # (with PDL the first weights are read before the wait)
+    if BM == 1:
         _store_row(y, 0, M, n, N, gemv_tile(QT, S, BK, EVEN_K, STAGES, wr, x, K, tab, tab2,
-                                            zero, PDL))
+                                            zero))
     else:
-        pdl.wait(PDL)
         # tokens t >= M read row M - 1 (in bounds) and are not stored
         x1 = x + tl.minimum(1, M - 1).to(tl.int64) * stride_xm
         x2 = x + tl.minimum(2, M - 1).to(tl.int64) * stride_xm
@@ -113,7 +111,7 @@ def _gemv_pair_kernel(x, wa, wb, ya, yb, ta, ta2, tb, tb2, NA, NB, K, rb_a, rb_b
                       QA: tl.constexpr, SA: tl.constexpr, BNA: tl.constexpr, BKA: tl.constexpr,
                       STA: tl.constexpr, QB: tl.constexpr, SB: tl.constexpr, BNB: tl.constexpr,
                       BKB: tl.constexpr, STB: tl.constexpr, EVEN_A: tl.constexpr,
-                      EVEN_B: tl.constexpr, PDL: tl.constexpr):
+                      EVEN_B: tl.constexpr):
     # one token, two matrices of other types in one launch: programs < GA y_a = W_a x (BNA
     # rows each), the others y_b = W_b x
     pid = tl.program_id(0)
@@ -122,14 +120,12 @@ def _gemv_pair_kernel(x, wa, wb, ya, yb, ta, ta2, tb, tb2, NA, NB, K, rb_a, rb_b
         na = pid * BNA + tl.arange(0, BNA)
         _store_row(ya, 0, 1, na, NA, gemv_tile(QA, SA, BKA, EVEN_A, STA,
                                                 rows(wa, na, NA, rb_a), x, K, ta, ta2,
-                                                tl.zeros((BNA, BKA // SA, SA), tl.float32),
-                                                PDL))
+                                                tl.zeros((BNA, BKA // SA, SA), tl.float32)))
     else:
         nb = (pid - GA) * BNB + tl.arange(0, BNB)
         _store_row(yb, 0, 1, nb, NB, gemv_tile(QB, SB, BKB, EVEN_B, STB,
                                                 rows(wb, nb, NB, rb_b), x, K, tb, tb2,
-                                                tl.zeros((BNB, BKB // SB, SB), tl.float32),
-                                                PDL))
+                                                tl.zeros((BNB, BKB // SB, SB), tl.float32)))
 
 
 @triton.jit
@@ -316,8 +312,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
         bn, bk, stages, warps = gemv_config(fmt, m, n, k)
         _gemv_kernel[(triton.cdiv(n, bn),)](*args, QT=int(fmt.qtype), S=fmt.group,
                                             BM=triton.next_power_of_2(m), BN=bn, BK=bk,
-                                            EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps,
-                                            **pdl.options(x))
+                                            EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps)
     elif m >= DEQUANT_MIN_M and not knobs.runtime.interpret:
         w16 = dequantize_gpu(w, fmt.qtype, k, torch.bfloat16)  # [N, K]
         mm_f32(x.to(torch.bfloat16), w16.T, out)
@@ -362,8 +357,7 @@ def gemv_pair(x: torch.Tensor, a: tuple[torch.Tensor, int | QType],
     _gemv_pair_kernel[(ga + triton.cdiv(n_b, bnb),)](
         x, wa, wb, ya, yb, ta, ta2, tb, tb2, n_a, n_b, k, na, nb, ga, QA=int(fa.qtype),
         SA=fa.group, BNA=bna, BKA=bka, STA=sta, QB=int(fb.qtype), SB=fb.group, BNB=bnb,
-        BKB=bkb, STB=stb, EVEN_A=k % bka == 0, EVEN_B=k % bkb == 0, num_warps=max(wpa, wpb),
-        **pdl.options(x))
+        BKB=bkb, STB=stb, EVEN_A=k % bka == 0, EVEN_B=k % bkb == 0, num_warps=max(wpa, wpb))
     return ya, yb
 
 

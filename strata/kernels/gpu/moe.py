@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu import pdl
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
 from strata.kernels.gpu.matmul import check_weights, dot_dtype, log_fallback
 from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
@@ -92,10 +91,9 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
                           TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
                           QU: tl.constexpr, SU: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr,
-                          MISS: tl.constexpr, HOST_FROM: tl.constexpr, PDL: tl.constexpr):
+                          MISS: tl.constexpr, HOST_FROM: tl.constexpr):
     # h[p, n] = wts[p] · silu(Σ_d x[t, d] · G_e[n, d]) · Σ_d x[t, d] · U_e[n, d],  t = p // TOPK
     # (0 where e is not resident, unless MISS: then e's record is in the miss rows, row p)
-    pdl.wait(PDL)  # (the slot of the pair's expert comes from the routing kernel)
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
@@ -121,12 +119,10 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
 def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds, stride_ms,
                        rb_d, QD: tl.constexpr, SD: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, EVEN_F: tl.constexpr, STAGES: tl.constexpr,
-                       MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr,
-                       PDL: tl.constexpr):
+                       MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
     # part[p, n] = Σ_f h[p, f] · D_e[n, f] for pair p (its expert e = ids[p]; 0 when e is not
     # resident, unless MISS: then from miss row p). The launcher sums part over each token's
     # pairs in a fixed order.
-    pdl.wait(PDL)
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
@@ -144,8 +140,7 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
 @triton.jit
 def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
                    stride_pre, n_items, n_chunks, BLOCK: tl.constexpr, TOPK: tl.constexpr,
-                   HOST_FROM: tl.constexpr, PRE: tl.constexpr, LOOP: tl.constexpr,
-                   PDL: tl.constexpr):
+                   HOST_FROM: tl.constexpr, PRE: tl.constexpr, LOOP: tl.constexpr):
     # dst[p, :nwords] = src[e, :nwords] for pairs p whose expert e = ids[p] is not resident
     # (int32 words), except a token's pairs from HOST_FROM on (the host computes those); with
     # PRE, from pre[pre_of[e]] (device rows a prefetch filled) where pre_of[e] >= 0. Work item
@@ -153,7 +148,6 @@ def _gather_kernel(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_o
     # before the store. Without LOOP a program per item; with LOOP, the grid's programs take
     # items i = pid, pid + grid, ... (few programs: a copy that leaves most SMs to the compute
     # running beside it).
-    pdl.wait(PDL)
     if LOOP:
         for i in range(tl.program_id(0), n_items, tl.num_programs(0)):
             _gather_item(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of, pre,
@@ -405,7 +399,7 @@ def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torc
         ids.reshape(-1), slot_of_expert, src, dst, nwords, src.stride(0), dst.stride(0), pre_of,
         pre, pre.stride(0), p * n_chunks, n_chunks, BLOCK=GATHER_BLOCK, TOPK=topk,
         HOST_FROM=topk if host_from is None else host_from, PRE=prefetched is not None,
-        LOOP=loop, num_warps=8, **pdl.options(rows))
+        LOOP=loop, num_warps=8)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -434,8 +428,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
         gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
-        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, HOST_FROM=host, num_warps=w,
-        **pdl.options(x))
+        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, HOST_FROM=host, num_warps=w)
     return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                         accumulate, host)
 
@@ -451,8 +444,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     _down_pairs_kernel[(triton.cdiv(d, bn), p)](
         h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
         down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-        STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from, num_warps=warps,
-        **pdl.options(h))
+        STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from, num_warps=warps)
     if out is None:
         return part.view(t, topk, d)
     if accumulate:  # each token's K pairs, in a fixed order

@@ -16,7 +16,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu import pdl
 from strata.kernels.gpu.bits import to_f32
 from strata.kernels.gpu.tiles import dequant_tile
 
@@ -52,23 +51,15 @@ def x_tile(xr, g, s, m, BN: tl.constexpr):
 
 @triton.jit
 def gemv_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-              STAGES: tl.constexpr, wr, xr, K, tab, tab2, acc, WAIT: tl.constexpr = False):
+              STAGES: tl.constexpr, wr, xr, K, tab, tab2, acc):
     """acc [BN, G, S] += W[rows, k] * x[k] over the whole row, for one token.
     wr: row pointers [BN, 1, 1]; xr: pointer to the token's x row. STAGES > 1 lets Triton
     prefetch the weight bytes and x of the next steps (cp.async into shared memory): a decode
-    GEMV is otherwise one memory latency per K step. WAIT: the first step's weights are read,
-    then pdl.wait, then x (weights that no kernel writes, read while the kernel before ends)."""
+    GEMV is otherwise one memory latency per K step."""
     BN: tl.constexpr = acc.shape[0]
     g = tl.arange(0, BK // S)[None, :, None]  # group index inside the step
     s = tl.arange(0, S)[None, None, :]
-    start = 0
-    if WAIT:
-        m0 = group_mask(0, g, K, S, EVEN_K)  # (its own name: None when BK divides K)
-        w0 = dequant_tile(QT, wr, 0, g, s, m0, tab, tab2)
-        pdl.wait(True)
-        acc += w0 * x_tile(xr, g, s, m0, BN)
-        start = BK
-    for k0 in tl.range(start, K, BK, num_stages=STAGES):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         m = group_mask(k0, g, K, S, EVEN_K)
         acc += dequant_tile(QT, wr, k0, g, s, m, tab, tab2) * x_tile(xr + k0, g, s, m, BN)
     return acc
