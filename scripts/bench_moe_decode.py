@@ -5,7 +5,8 @@ cuBLAS on the same shapes and the HBM copy ceiling; the rows kernel on the same 
 (matmul.GEMV_ROWS_TUNE tiles: R rows a program sharing each x tile), with x float32 as the
 decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's default tile is timed
 on bf16 x too); for Q4_K and Q6_K also the int8-activation dp4a experiment (gemv_q8.py: x
-rounded to 8 bits, then one dp4a per 4 weights), by tile.
+rounded to 8 bits, then one dp4a per 4 weights), by tile; for Q4_K the GEMV that loads the next
+block while it computes one (gemv_ahead.py), by tile, also with --gemv-only.
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -106,6 +107,16 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, w
     return graph_seconds(call, CALLS)
 
 
+def time_gemv_ahead(n: int, k: int, copies: list, tile: tuple, dev: torch.device) -> float:
+    """gemv_ahead.py's Q4_K GEMV (the next block loaded while one computes) on the rotated
+    copies."""
+    from strata.kernels.gpu.gemv_ahead import gemv_ahead
+
+    x = torch.randn(1, k, device=dev)
+    out = torch.empty(1, n, device=dev)
+    return graph_seconds(lambda i: gemv_ahead(x, copies[i % len(copies)], tile, out=out), CALLS)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -127,10 +138,19 @@ def main() -> None:
         variants[f"gate_up {gu}"] = {"gate_up": gu}
     for dn in [(2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 4), (4, 256, 1, 2), (8, 256, 1, 8)]:
         variants[f"down_pairs {dn}"] = {"down_pairs": dn}
+    # gemv_ahead.py's kernels (Q4_K parts: the next block's words loaded while one computes)
+    for ga in [(8, True, 2), (16, True, 4), (16, False, 4), (32, True, 4)]:
+        variants[f"gate_up_ahead {ga}"] = {"gate_up_ahead": ga}
+    for da in [(8, True, 2), (16, True, 4), (32, True, 4)]:
+        variants[f"down_ahead {da}"] = {"down_ahead": da}
+        variants[f"gate_up_ahead (16, True, 4) + down_ahead {da}"] = {
+            "gate_up_ahead": (16, True, 4), "down_ahead": da}
     for qdown in (QType.Q6_K, QType.Q4_K) if a.gemv_only is None else ():
         layer = moe_layer(qdown, rng, dev)
         nbytes = K * layer["lay"].nbytes
         for name, tune in variants.items():
+            if "down_ahead" in tune and qdown != QType.Q4_K:
+                continue  # (the Q4_K down only)
             try:
                 t = time_moe(layer, tune)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
@@ -171,6 +191,18 @@ def main() -> None:
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
+        if q == QType.Q4_K and k % 256 == 0:  # the next block in flight (gemv_ahead.py)
+            for tile in [(16, True, 4), (16, False, 4), (32, True, 4), (8, True, 2),
+                         (8, True, 4), (16, True, 8), (32, True, 8)]:
+                key = f"{q.name} {n}x{k} ahead (R {tile[0]}, ahead {tile[1]}, warps {tile[2]})"
+                try:
+                    t = time_gemv_ahead(n, k, copies, tile, dev)
+                except Exception as e:  # noqa: BLE001 (a variant that does not compile)
+                    print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
+                    continue
+                res["gemv"][key] = t * 1e6
+                print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
+                      f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
         if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0 and a.gemv_only is None:
             # the dp4a experiment (gemv_q8.py)
             for bn, stages, warps in ((4, 2, 2), (8, 1, 1), (8, 2, 1), (16, 1, 1), (16, 1, 2),

@@ -54,7 +54,9 @@ _SIZES = ["T", "P", "D", "F", "NC"]
 # rows) looping over all K experts)
 GATE_UP_TILE = (1, 512, 1, 2)
 DOWN_TILE = (4, 256, 1, 4)
-# "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others)
+# "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
+# "gate_up_ahead" / "down_ahead" -> (R, ahead, warps): gemv_ahead.py's kernels for Q4_K parts
+# (an experiment, not yet timed)
 DECODE_TUNE: dict = {}
 
 
@@ -423,6 +425,18 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
     host = topk if host_from is None else host_from
+    ahead = DECODE_TUNE.get("gate_up_ahead")  # (R, ahead, warps): gemv_ahead.py's form
+    if (ahead is not None and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
+            and _words_aligned(gate, up, mg, mu)):
+        from strata.kernels.gpu.gemv_ahead import _gate_up_ahead_kernel
+
+        r, on, warps = ahead
+        _gate_up_ahead_kernel[(triton.cdiv(f, r), p)](
+            x, ids, weights, slot_of, gate, up, h, mg, mu, d, f, x.stride(0), gate.stride(0),
+            up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, AHEAD=bool(on),
+            MISS=miss is not None, HOST_FROM=host, num_warps=warps)
+        return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
+                            accumulate, host)
     bn, bk, st, w = DECODE_TUNE.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
         x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
@@ -440,11 +454,24 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     out (or, out None, the rows returned as [T, K, D])."""
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
-    bn, bk, stages, warps = DECODE_TUNE.get("down_pairs") or decode_tile(DOWN_TILE, (fd,), f)
-    _down_pairs_kernel[(triton.cdiv(d, bn), p)](
-        h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
-        down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-        STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from, num_warps=warps)
+    ahead = DECODE_TUNE.get("down_ahead")  # (R, ahead, warps): gemv_ahead.py's form
+    if (ahead is not None and fd.qtype == QType.Q4_K and f % 256 == 0
+            and _words_aligned(down, md)):
+        from strata.kernels.gpu.gemv_ahead import _down_ahead_kernel
+
+        r, on, warps = ahead
+        _down_ahead_kernel[(triton.cdiv(d, r), p)](
+            h, ids, slot_of, down, part, md, d, f, down.stride(0), md.stride(0), down.shape[2],
+            TOPK=topk, R=r, AHEAD=bool(on), MISS=miss is not None, HOST_FROM=host_from,
+            num_warps=warps)
+    else:
+        bn, bk, stages, warps = (DECODE_TUNE.get("down_pairs")
+                                 or decode_tile(DOWN_TILE, (fd,), f))
+        _down_pairs_kernel[(triton.cdiv(d, bn), p)](
+            h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
+            down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
+            STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from,
+            num_warps=warps)
     if out is None:
         return part.view(t, topk, d)
     if accumulate:  # each token's K pairs, in a fixed order
@@ -452,6 +479,13 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     else:
         torch.sum(part.view(t, topk, d), dim=1, out=out)
     return None
+
+
+def _words_aligned(*parts: torch.Tensor) -> bool:
+    """Whether every row of these uint8 slot views starts 4-byte aligned (gemv_ahead.py reads
+    Q4_K rows as int32 words; a part after a Q6_K part of an odd number of blocks would not)."""
+    return all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
+               for t in parts)
 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
