@@ -130,6 +130,34 @@ def test_gemv_pair(qa: QType, qb: QType) -> None:
             assert err < FMA_TOL, f"{q.name} of {qa.name}+{qb.name} seed={seed}: {err:.2e}"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused_max_t", [1 << 30, 0])
+def test_qkv_linear_pairs_only_fused_weights(fused_max_t: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k in one matrix and a v of another type: one gemv_pair launch for a token where the
+    weights run fused kernels; with --kernels off (fused_max_t 0) none, the weights' own path
+    (QuantTensor.matmul_t) for each. The same q, k, v either way, to the reference's bound."""
+    from strata.kernels.gpu import matmul
+    from strata.model.weights import LayerWeights, QuantTensor, fuse_qkv, qkv_linear
+
+    rng, seed = fresh_rng()
+    d = 512
+    mats = [QuantTensor(cuda_rows(q, n, d, rng), int(q), d, fused_max_t)
+            for q, n in ((QType.Q4_K, 64), (QType.Q4_K, 32), (QType.Q6_K, 32))]
+    lw = LayerWeights(torch.ones(d), *mats, torch.zeros(1, 1), None, None, None, None, None,
+                      torch.ones(d), torch.zeros(1, d), None)
+    fuse_qkv(lw)
+    assert lw.qkv is not None and lw.qkv[1] == 2
+    calls = []
+    pair = matmul.gemv_pair
+    monkeypatch.setattr(matmul, "gemv_pair", lambda *a, **k: calls.append(1) or pair(*a, **k))
+    x = torch.randn(1, d, device="cuda")
+    for y, m in zip(qkv_linear(x, lw), mats, strict=True):
+        err = rel_err(y, matmul_ref(x, m.raw, m.qtype))
+        assert err < FMA_TOL, f"fused_max_t={fused_max_t} seed={seed}: rel err {err:.2e}"
+    assert len(calls) == (fused_max_t > 0)
+
+
 def test_gemv_pair_compiles_for_sm90() -> None:
     """Without a GPU: the two-matrix GEMV compiles for sm_90 with the tiles a Q4_K q/k pair and
     a Q6_K v take (other rows a program, other K steps: the interpreter runs either branch

@@ -41,11 +41,16 @@ class QuantTensor:
     def nbytes(self) -> int:
         return self.raw.numel()
 
+    def fused_for(self, x: torch.Tensor) -> bool:
+        """Whether x @ W.T runs the fused kernel: on CUDA, for at most fused_max_t tokens
+        (--kernels), where the type has one."""
+        return (self.raw.is_cuda and x.shape[0] <= self.fused_max_t
+                and fused_matmul_available(self.qtype))
+
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else
         dequantizing a chunk of rows at a time. x: [T, n_cols] -> [T, N]"""
-        if (self.raw.is_cuda and x.shape[0] <= self.fused_max_t
-                and fused_matmul_available(self.qtype)):
+        if self.fused_for(x):
             from strata.kernels.gpu import quant_matmul
 
             return quant_matmul(x.contiguous(), self.raw, self.qtype)
@@ -82,10 +87,11 @@ def qkv_linear(x: torch.Tensor, lw: LayerWeights) -> tuple[torch.Tensor, ...]:
 
 
 def _pair_launch(x: torch.Tensor, a: Weight, b: Weight) -> bool:
-    """One token on CUDA and two matrices in blocks with fused kernels (matmul.gemv_pair)."""
-    return (x.shape[0] == 1 and x.is_cuda and isinstance(a, QuantTensor)
-            and isinstance(b, QuantTensor) and a.raw.is_cuda and b.raw.is_cuda
-            and fused_matmul_available(a.qtype) and fused_matmul_available(b.qtype))
+    """One token on x's device, and both matrices in blocks that run fused kernels for it
+    (QuantTensor.fused_for: --kernels off keeps them off here too): matmul.gemv_pair."""
+    return (x.shape[0] == 1 and isinstance(a, QuantTensor) and isinstance(b, QuantTensor)
+            and a.fused_for(x) and b.fused_for(x) and a.raw.device == x.device
+            and b.raw.device == x.device)
 
 
 def _rows(w: Weight) -> int:
