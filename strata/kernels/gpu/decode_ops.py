@@ -180,6 +180,16 @@ def _norm_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) 
     return out
 
 
+def _delta_args(x: torch.Tensor, delta: torch.Tensor) -> None:
+    """delta of a residual step: f32 [T, D] like x, or [T, R, D] with rows of D contiguous."""
+    if delta.dim() == 3:
+        _f32(delta, "delta", (x.shape[0], delta.shape[1], x.shape[1]))
+        _check(delta.stride(2) == 1, "delta's rows must be contiguous")
+    else:
+        _f32(delta, "delta", tuple(x.shape))
+    _check(delta.device == x.device, "delta must be on x's device")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight per row. x [T, D] f32 (rows contiguous), weight [D]
@@ -201,12 +211,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     f32, or [T, R, D] (rows of D contiguous; a token's K expert outputs, moe_forward's
     sum_pairs=False) whose R rows are added to each other in order, then to x."""
     out = _norm_args(x, weight, out)
-    if delta.dim() == 3:
-        _f32(delta, "delta", (x.shape[0], delta.shape[1], x.shape[1]))
-        _check(delta.stride(2) == 1, "delta's rows must be contiguous")
-    else:
-        _f32(delta, "delta", tuple(x.shape))
-    _check(delta.device == x.device, "delta must be on x's device")
+    _delta_args(x, delta)
     if x.shape[0] == 0:
         return out
     if _use_kernels(x):
@@ -675,22 +680,14 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     h = _norm_args(x, weight, None)
     rows = 1
     if delta is not None:
+        _delta_args(x, delta)
         rows = delta.shape[1] if delta.dim() == 3 else 1
-        _f32(delta, "delta", (1, rows, x.shape[1]) if delta.dim() == 3 else tuple(x.shape))
-        _check(delta.device == x.device and delta.stride(-1) == 1,
-               "delta must be on x's device, its rows contiguous")
     e, d = router.shape
-    _check(0 < k <= e, f"k must be in 1..E = {e}, got {k}")
+    _route_args(1, e, k, counts, skip, ids)
     _check(sync.dtype == torch.int32 and sync.numel() == 1 and sync.device == x.device,
            f"sync must be an int32 tensor of one element on {x.device}")
-    for name, v in (("counts", counts), ("skip", skip)):
-        if v is not None:
-            _check(v.dtype == torch.int32 and v.shape == (e,) and v.is_contiguous(),
-                   f"{name} must be int32 [{e}], contiguous")
     if ids is None:
         ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
-    _check(ids.dtype == torch.int64 and ids.shape == (1, k) and ids.is_contiguous(),
-           f"ids must be int64 [1, {k}], contiguous")
     wts = torch.empty((1, k), dtype=torch.float32, device=x.device)
     logits = torch.empty((e,), dtype=torch.float32, device=x.device)
     bn = 2
@@ -705,6 +702,19 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     return (h if store_h else None), ids, wts
 
 
+def _route_args(t: int, e: int, k: int, counts: torch.Tensor | None, skip: torch.Tensor | None,
+                ids: torch.Tensor | None) -> None:
+    """route_topk's k, counts, skip and ids for T tokens over E experts."""
+    _check(0 < k <= e, f"k must be in 1..E = {e}, got {k}")
+    for name, v in (("counts", counts), ("skip", skip)):
+        if v is not None:
+            _check(v.dtype == torch.int32 and v.shape == (e,) and v.is_contiguous(),
+                   f"{name} must be int32 [{e}], contiguous")
+    if ids is not None:
+        _check(ids.dtype == torch.int64 and ids.shape == (t, k) and ids.is_contiguous(),
+               f"ids must be int64 [{t}, {k}], contiguous")
+
+
 def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
                counts: torch.Tensor | None = None, skip: torch.Tensor | None = None,
                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -715,18 +725,10 @@ def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
     skip: int32 [E] (an expert cache's slot table): an expert with skip[e] >= 0 is returned as
     id -1 in its place (decode prefetch: the best experts not in VRAM). ids: written into
     (int64 [T, k], contiguous) instead of a new tensor."""
-    e = logits.shape[-1]
-    for name, v in (("counts", counts), ("skip", skip)):
-        if v is not None:
-            _check(v.dtype == torch.int32 and v.shape == (e,) and v.is_contiguous(),
-                   f"{name} must be int32 [{e}], contiguous")
     _check(logits.dim() == 2, f"logits must be [T, E], got {list(logits.shape)}")
     _f32(logits, "logits")
     t, e = logits.shape
-    _check(0 < k <= e, f"k must be in 1..E = {e}, got {k}")
-    if ids is not None:
-        _check(ids.dtype == torch.int64 and ids.shape == (t, k) and ids.is_contiguous(),
-               f"ids must be int64 [{t}, {k}], contiguous")
+    _route_args(t, e, k, counts, skip, ids)
     if not _use_kernels(logits):
         probs = torch.softmax(logits, dim=-1)
         weights, top = torch.topk(probs, k, dim=-1)
