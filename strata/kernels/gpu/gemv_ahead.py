@@ -32,6 +32,7 @@ import triton.language as tl
 
 from strata.kernels.gpu.bits import f16_bits
 from strata.kernels.gpu.moe import _computed, _record_part
+from strata.kernels.gpu.tiles_kquants import _scale_min as _scale_min_bytes
 from strata.quant import QType, row_nbytes
 
 _QK, _QB = 256, 144  # values and bytes of a Q4_K block
@@ -59,13 +60,10 @@ def _nib(q, SHIFT: tl.constexpr):
 
 @triton.jit
 def _scale_min(h1, h2, h3, i):
-    """6-bit (scale, min) of sub-block i (as kquants.scale_min_k4), as float32."""
+    """6-bit (scale, min) of sub-block i from the scale words, as float32 (the Q4_K tile's
+    unpacking, tiles_kquants._scale_min, of byte i % 4 of each word)."""
     sh = 8 * (i % 4)
-    b1 = (h1 >> sh) & 255
-    b2 = (h2 >> sh) & 255
-    b3 = (h3 >> sh) & 255
-    sc = tl.where(i < 4, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
-    mn = tl.where(i < 4, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
+    sc, mn = _scale_min_bytes((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, i)
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
