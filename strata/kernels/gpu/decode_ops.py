@@ -677,7 +677,7 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
         h = rms_norm(x, weight, eps) if delta is None else add_rms_norm(x, delta, weight, eps)
         got_ids, wts = route_topk(router_logits(h, router), k, norm_topk, counts, skip, ids)
         return (h if store_h else None), got_ids, wts
-    h = _norm_args(x, weight, None)
+    h = _norm_args(x, weight, None if store_h else x)  # (x: a pointer the kernel won't write)
     rows = 1
     if delta is not None:
         _delta_args(x, delta)
