@@ -87,17 +87,21 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
 
 
 def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, warps: int,
-                 dev: torch.device) -> float:
+                 dev: torch.device, spread: bool = False, quantize: bool = True) -> float:
     """quantize_x then the type's dp4a GEMV (strata/kernels/gpu/gemv_q8.py) on the rotated
-    copies of Q4_K or Q6_K rows."""
-    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q6k_q8, quantize_x
+    copies of Q4_K or Q6_K rows; spread: the Q4_K kernel with a row's blocks across the threads,
+    bn blocks a step; quantize False: x rounded once, outside the time (the GEMV alone)."""
+    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q4k_spread, gemv_q6k_q8, quantize_x
 
     x = torch.randn(k, device=dev)
     out = torch.empty(n, device=dev)
+    once = quantize_x(x)
 
     def call(i: int) -> None:
-        xq, dx, sx, sx16 = quantize_x(x)
-        if q == QType.Q4_K:
+        xq, dx, sx, sx16, xs4 = quantize_x(x) if quantize else once
+        if spread:
+            gemv_q4k_spread(xq, xs4, copies[i % len(copies)], n, k, out=out, bb=bn, warps=warps)
+        elif q == QType.Q4_K:
             gemv_q4k_q8(xq, dx, sx, copies[i % len(copies)], n, k, out=out, bn=bn,
                         stages=stages, warps=warps)
         else:
@@ -105,16 +109,6 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, w
                         stages=stages, warps=warps)
 
     return graph_seconds(call, CALLS)
-
-
-def time_gemv_ahead(n: int, k: int, copies: list, tile: tuple, dev: torch.device) -> float:
-    """gemv_ahead.py's Q4_K GEMV (the next block loaded while one computes) on the rotated
-    copies."""
-    from strata.kernels.gpu.gemv_ahead import gemv_ahead
-
-    x = torch.randn(1, k, device=dev)
-    out = torch.empty(1, n, device=dev)
-    return graph_seconds(lambda i: gemv_ahead(x, copies[i % len(copies)], tile, out=out), CALLS)
 
 
 def main() -> None:
@@ -191,32 +185,27 @@ def main() -> None:
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
-        if q == QType.Q4_K and k % 256 == 0:  # the next block in flight (gemv_ahead.py)
-            for tile in [(16, True, 4), (16, False, 4), (32, True, 4), (8, True, 2),
-                         (8, True, 4), (16, True, 8), (32, True, 8)]:
-                key = f"{q.name} {n}x{k} ahead (R {tile[0]}, ahead {tile[1]}, warps {tile[2]})"
+        if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0:
+            # the dp4a experiments (gemv_q8.py): rows a thread's step, and (Q4_K) a row's blocks
+            # spread across the threads; x rounded to 8 bits inside the time, or outside
+            q8 = [(f"q8 dp4a (BN {bn}, stages {st}, warps {wp})", (bn, st, wp, False, True))
+                  for bn, st, wp in ((8, 1, 1), (8, 2, 1), (16, 1, 1))]
+            if q == QType.Q4_K:
+                q8 += [(f"q8 spread (BB {bb}, warps {wp}){'' if qx else ', GEMV alone'}",
+                        (bb, 1, wp, True, qx)) for bb, wp in ((4, 1), (8, 1), (16, 2), (16, 1),
+                                                              (32, 4), (8, 2))
+                       for qx in (True, False)]
+            for name, (bn, stages, warps, spread, qx) in q8:
+                key = f"{q.name} {n}x{k} {name}"
                 try:
-                    t = time_gemv_ahead(n, k, copies, tile, dev)
+                    t = time_gemv_q8(q, n, k, copies, bn, stages, warps, dev, spread, qx)
                 except Exception as e:  # noqa: BLE001 (a variant that does not compile)
                     print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
                     continue
                 res["gemv"][key] = t * 1e6
                 print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
-                      f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
-        if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0 and a.gemv_only is None:
-            # the dp4a experiment (gemv_q8.py)
-            for bn, stages, warps in ((4, 2, 2), (8, 1, 1), (8, 2, 1), (16, 1, 1), (16, 1, 2),
-                                      (16, 2, 2), (32, 1, 2), (32, 1, 4)):
-                key = f"{q.name} {n}x{k} q8 dp4a (BN {bn}, stages {stages}, warps {warps})"
-                try:
-                    t = time_gemv_q8(q, n, k, copies, bn, stages, warps, dev)
-                except Exception as e:  # noqa: BLE001 (a variant that does not compile)
-                    print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
-                    continue
-                res["gemv"][key] = t * 1e6
-                print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
-                      f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy), "
-                      "x rounded to 8 bits inside the time")
+                      f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)"
+                      + (", x rounded to 8 bits inside the time" if qx else ""))
         save()
         if n * k * 4 <= (1 << 30):  # float32 cuBLAS on the same shape (the dense f32 route)
             wf = [torch.randn(n, k, device=dev) for _ in range(max(2, (256 << 20) // (n * k * 4)

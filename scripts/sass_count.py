@@ -148,6 +148,14 @@ def main() -> None:
             per = bn * 256 / (32 * warps)
             print(describe(f"dp4a GEMV (gemv_q8.py) {q.name} BN {bn} warps {warps}", sass, regs,
                            per, per * fmt.block_bytes / fmt.block))
+    spread_sig = {"xq": "*i8", "xs4": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
+                  "row_bytes": "i32", "BB": "constexpr"}
+    for bb in (4, 8, 16, 32):  # a thread: one sub-block pair of a block, 64 weights, 36 bytes
+        warps = max(1, bb * 4 // 32)
+        sass, regs = compile_sm90(gemv_q8._gemv_q4k_spread_kernel, spread_sig, {"BB": bb},
+                                  (0, 1, 2, 3, 6), warps)
+        print(describe(f"dp4a spread GEMV (gemv_q8.py) Q4_K BB {bb} warps {warps}", sass, regs,
+                       64, 36))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 
 def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
-          qtype: str = "Q4_K") -> None:
-    """Q4_K or Q6_K rows [n, k] and a fresh x through quantize_x and the type's GEMV on `dev`."""
-    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q6k_q8, quantize_x
+          qtype: str = "Q4_K", spread: bool = False) -> None:
+    """Q4_K or Q6_K rows [n, k] and a fresh x through quantize_x and the type's GEMV on `dev`
+    (spread: the Q4_K kernel with a row's blocks across the threads, bn blocks a step)."""
+    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q4k_spread, gemv_q6k_q8, quantize_x
     from strata.quant import QType, dequantize, random_rows
 
     qt = QType[qtype]
@@ -26,7 +27,7 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
     x = torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 3)
     x[5] = 0.0
     x[32:64] = 0.0  # a block of zeros: dx = 0, nothing divided by it
-    xq, dx, sx, sx16 = (t.cpu() for t in quantize_x(x.to(dev)))
+    xq, dx, sx, sx16, xs4 = (t.cpu() for t in quantize_x(x.to(dev)))
     d = np.repeat(dx.double().numpy(), 32)
     xh = d * xq.double().numpy()  # x rounded to 8 bits
     assert (np.abs(xh - x.double().numpy()) <= d / 2 + 1e-6 * np.abs(x.numpy())).all()
@@ -35,9 +36,14 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
                                rtol=1e-6)
     np.testing.assert_allclose(sx16.numpy(), np.repeat(dx.numpy(), 2)
                                * xq.numpy().reshape(-1, 16).sum(1), rtol=1e-6)
+    np.testing.assert_array_equal(xs4.numpy(), np.stack(
+        [dx[0::2], dx[1::2], sx[0::2], sx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    gemv, sums = (gemv_q4k_q8, sx) if qt == QType.Q4_K else (gemv_q6k_q8, sx16)
-    gemv(xq.to(dev), dx.to(dev), sums.to(dev), w.to(dev), n, k, out=y, bn=bn)
+    if spread:
+        gemv_q4k_spread(xq.to(dev), xs4.to(dev), w.to(dev), n, k, out=y, bb=bn)
+    else:
+        gemv, sums = (gemv_q4k_q8, sx) if qt == QType.Q4_K else (gemv_q6k_q8, sx16)
+        gemv(xq.to(dev), dx.to(dev), sums.to(dev), w.to(dev), n, k, out=y, bn=bn)
     wf = dequantize(w, qt, k).double().numpy()  # [N, K]
     xf = x.double().numpy()
     exact, ref = wf @ xh, wf @ xf
@@ -58,6 +64,9 @@ _INTERPRETED = f"""
     for qtype in ("Q4_K", "Q6_K"):
         for n, k, bn in ((37, 512, 4), (37, 256, 16), (5, 256, 4), (1, 768, 16)):  # rows not
             check(rng, n, k, "cpu", bn, qtype)  # a multiple of BN; one row
+    # the spread kernel: blocks a step more, fewer and not a multiple of the row's blocks
+    for n, k, bb in ((3, 768, 4), (2, 2048, 8), (2, 1280, 2), (1, 256, 1)):
+        check(rng, n, k, "cpu", bb, "Q4_K", spread=True)
     print("ok")
 """
 
@@ -99,3 +108,6 @@ def test_gemv_q4k_q8_on_cuda() -> None:
     for qtype in ("Q4_K", "Q6_K"):
         for n, k, bn in ((37, 512, 4), (4096, 2048, 16), (14336, 4096, 32)):
             check(rng, n, k, "cuda", bn, qtype)
+    for n, k, bb in ((37, 768, 4), (4096, 2048, 8), (14336, 4096, 16), (5, 14336, 16),
+                     (7, 4096, 4)):
+        check(rng, n, k, "cuda", bb, "Q4_K", spread=True)

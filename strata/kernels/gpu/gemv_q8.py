@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import ASM, f16, i2f, u32
-from strata.kernels.gpu.tiles_kquants import _scale_min_k4
+from strata.kernels.gpu.bits import ASM, f16, f16_bits, i2f, u32
+from strata.kernels.gpu.tiles_kquants import _scale_min, _scale_min_k4
 from strata.quant import QType, row_nbytes
 
 
@@ -49,7 +49,7 @@ def _dp4a(a, b, c):
 
 
 @triton.jit
-def _quantize_kernel(x, xq, dx, sx, sx16, NB, G: tl.constexpr):
+def _quantize_kernel(x, xq, dx, sx, sx16, xs4, NB, G: tl.constexpr):
     # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx), sx = dx * Σ xq, and
     # sx16 the same per half block
     blk = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # [G, 1]
@@ -65,7 +65,11 @@ def _quantize_kernel(x, xq, dx, sx, sx16, NB, G: tl.constexpr):
     tl.store(xq + blk * 32 + tl.arange(0, 32)[None, :], qi.to(tl.int8), mask=blk < NB)
     b1 = tl.program_id(0) * G + tl.arange(0, G)
     tl.store(dx + b1, d, mask=b1 < NB)
-    tl.store(sx + b1, d * tl.sum(qi, axis=1).to(tl.float32), mask=b1 < NB)
+    sums = d * tl.sum(qi, axis=1).to(tl.float32)
+    tl.store(sx + b1, sums, mask=b1 < NB)
+    # xs4: (dx, dx, sx, sx) of blocks 2g and 2g + 1 together (the spread kernel's one load)
+    tl.store(xs4 + (b1 // 2) * 4 + b1 % 2, d, mask=b1 < NB)
+    tl.store(xs4 + (b1 // 2) * 4 + 2 + b1 % 2, sums, mask=b1 < NB)
     halves = tl.sum(tl.reshape(qi, (G, 2, 16)), axis=2).to(tl.float32) * d[:, None]  # [G, 2]
     h2 = tl.program_id(0) * G * 2 + tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :]
     tl.store(sx16 + h2, halves, mask=h2 < 2 * NB)
@@ -101,6 +105,57 @@ def _gemv_q4k_kernel(xq, dx, sx, w, y, N, K, row_bytes, BN: tl.constexpr,
         acc += se[:, :, None] * _i2f_signed(ie) + so[:, :, None] * _i2f_signed(io)
         mins += dmin * (i2f(mn_e, 0.0) * tl.load(sx + s8) + i2f(mn_o, 0.0) * tl.load(sx + s8 + 1))
     tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(mins, axis=1), mask=n < N)
+
+
+@triton.jit
+def _pick(t, W: tl.constexpr):
+    """[BB, 4]: element (0, W) of each thread's [2, 4] words of t [BB, 4, 2, 4] (a register:
+    the select folds away once the tile is unrolled)."""
+    hf = tl.arange(0, 2)[None, None, :, None]
+    w4 = tl.arange(0, 4)[None, None, None, :]
+    return tl.sum(tl.sum(tl.where((hf == 0) & (w4 == W), t, 0), axis=3), axis=2)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_q4k_spread_kernel(xq, xs4, w, y, N, K, row_bytes, BB: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for one row n a program, its threads spread over BB blocks x 4
+    # sub-block pairs; a thread holds a pair's 8 quant words (low nibbles: values 64c + 4v + t
+    # of sub-block 2c, high: 64c + 32 + 4v + t of 2c + 1) and sums their dp4a's in int32
+    n = tl.program_id(0)
+    row = (w + n.to(tl.int64) * row_bytes).to(tl.pointer_type(tl.int32))
+    bb = tl.arange(0, BB)[:, None, None, None]  # [BB, 1, 1, 1]
+    c = tl.arange(0, 4)[None, :, None, None]
+    hf = tl.arange(0, 2)[None, None, :, None]
+    w4 = tl.arange(0, 4)[None, None, None, :]
+    v = hf * 4 + w4  # [1, 1, 2, 4]: the word of the pair, 0..7
+    c3 = tl.arange(0, 4)[None, :]  # [1, 4]
+    xw = xq.to(tl.pointer_type(tl.int32))
+    zero = tl.zeros((BB, 4, 2, 4), tl.int32)
+    acc = tl.zeros((BB, 4), tl.float32)
+    for b0 in range(0, K // 256, BB):
+        b = b0 + bb
+        m = b < K // 256
+        blk = row + b * 36  # int32 words of block b (144 bytes)
+        qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0)  # [BB, 4, 2, 4]
+        hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0)  # the header's 4 words
+        xlo = tl.load(xw + b * 64 + c * 16 + v, mask=m, other=0)
+        xhi = tl.load(xw + b * 64 + c * 16 + 8 + v, mask=m, other=0)
+        xs = tl.load(xs4 + (b * 4 + c) * 4 + w4, mask=m & (hf == 0), other=0.0)
+        ilo = tl.sum(tl.sum(_dp4a(qs & 0x0F0F0F0F, xlo, zero), axis=3), axis=2)  # [BB, 4]
+        ihi = tl.sum(tl.sum(_dp4a((qs >> 4) & 0x0F0F0F0F, xhi, zero), axis=3), axis=2)
+        h0 = _pick(hd, 0)
+        h1 = _pick(hd, 1)
+        h2 = _pick(hd, 2)
+        h3 = _pick(hd, 3)
+        sh = 16 * (c3 % 2)  # byte 2c % 4 of the scale words (sub-block 2c), then 2c + 1
+        sc_lo, mn_lo = _scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
+        sc_hi, mn_hi = _scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
+                                  (h3 >> (sh + 8)) & 255, 2 * c3 + 1)
+        acc += (f16_bits(h0) * (i2f(sc_lo, 0.0) * _pick(xs, 0) * _i2f_signed(ilo)
+                                + i2f(sc_hi, 0.0) * _pick(xs, 1) * _i2f_signed(ihi))
+                - f16_bits(h0 >> 16) * (i2f(mn_lo, 0.0) * _pick(xs, 2)
+                                        + i2f(mn_hi, 0.0) * _pick(xs, 3)))
+    tl.store(y + n, tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -145,20 +200,21 @@ def _i2f_signed(v):
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x [K] f32 (K a multiple of 32) -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32,
-    sx16 [K/16] f32)."""
+    """x [K] f32 (K a multiple of 64) -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32,
+    sx16 [K/16] f32, xs4 [K/64, 4] f32: dx and sx of 32-value blocks 2g, 2g + 1 side by side)."""
     k = x.numel()
-    if k % 32 or x.dtype != torch.float32:
-        raise ValueError(f"quantize_x: float32 x of a multiple of 32 values, got {x.dtype} [{k}]")
+    if k % 64 or x.dtype != torch.float32:
+        raise ValueError(f"quantize_x: float32 x of a multiple of 64 values, got {x.dtype} [{k}]")
     nb = k // 32
     xq = torch.empty(k, dtype=torch.int8, device=x.device)
     dx = torch.empty(nb, dtype=torch.float32, device=x.device)
     sx = torch.empty(nb, dtype=torch.float32, device=x.device)
     sx16 = torch.empty(2 * nb, dtype=torch.float32, device=x.device)
+    xs4 = torch.empty(nb // 2, 4, dtype=torch.float32, device=x.device)
     g = 8
-    _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, sx16, nb, G=g,
+    _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, sx16, xs4, nb, G=g,
                                             num_warps=2)
-    return xq, dx, sx, sx16
+    return xq, dx, sx, sx16, xs4
 
 
 def gemv_q6k_q8(xq: torch.Tensor, dx: torch.Tensor, sx16: torch.Tensor, w: torch.Tensor,
@@ -188,4 +244,18 @@ def gemv_q4k_q8(xq: torch.Tensor, dx: torch.Tensor, sx: torch.Tensor, w: torch.T
     y = _rows_out(w, n, k, QType.Q4_K, xq, out, "gemv_q4k_q8")
     _gemv_q4k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx, w, y, n, k, w.stride(0), BN=bn,
                                             STAGES=stages, num_warps=warps)
+    return y
+
+
+def gemv_q4k_spread(xq: torch.Tensor, xs4: torch.Tensor, w: torch.Tensor, n: int, k: int,
+                    out: torch.Tensor | None = None, bb: int = 16, warps: int = 0) -> torch.Tensor:
+    """y [N] f32 = W x̂ for Q4_K rows w and quantize_x's x̂ (xq, xs4): one row a program, its
+    threads spread over bb blocks (a power of two) x 4 sub-block pairs; warps by default
+    bb * 4 / 32 (at least 1)."""
+    y = _rows_out(w, n, k, QType.Q4_K, xq, out, "gemv_q4k_spread")
+    if bb < 1 or bb & (bb - 1):
+        raise ValueError(f"gemv_q4k_spread: bb must be a power of two, got {bb}")
+    if n:
+        _gemv_q4k_spread_kernel[(n,)](xq, xs4, w, y, n, k, w.stride(0), BB=bb,
+                                      num_warps=warps or max(1, bb * 4 // 32))
     return y
