@@ -86,6 +86,13 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
     return t, copies
 
 
+# gemv_q4k_spread's (rows, blocks, warps, ld.global.cg)
+SPREAD_TILES = [(1, 4, 1, False), (1, 4, 1, True), (2, 4, 1, False), (4, 4, 1, False),
+                (2, 4, 1, True), (4, 4, 1, True), (1, 8, 1, False), (2, 8, 1, False),
+                (4, 8, 1, False), (4, 8, 1, True), (2, 16, 2, False), (4, 16, 2, False),
+                (8, 4, 1, False), (1, 2, 1, False)]
+
+
 def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, warps: int,
                  dev: torch.device, spread: bool = False, quantize: bool = True) -> float:
     """quantize_x then the type's dp4a GEMV (strata/kernels/gpu/gemv_q8.py) on the rotated
@@ -99,8 +106,9 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, w
 
     def call(i: int) -> None:
         xq, dx, sx, sx16, xs4 = quantize_x(x) if quantize else once
-        if spread:
-            gemv_q4k_spread(xq, xs4, copies[i % len(copies)], n, k, out=out, bb=bn, warps=warps)
+        if spread:  # stages: (rows, cg)
+            gemv_q4k_spread(xq, xs4, copies[i % len(copies)], n, k, out=out, bb=bn, warps=warps,
+                            rows=stages[0], cg=stages[1])
         elif q == QType.Q4_K:
             gemv_q4k_q8(xq, dx, sx, copies[i % len(copies)], n, k, out=out, bn=bn,
                         stages=stages, warps=warps)
@@ -190,11 +198,11 @@ def main() -> None:
             # spread across the threads; x rounded to 8 bits inside the time, or outside
             q8 = [(f"q8 dp4a (BN {bn}, stages {st}, warps {wp})", (bn, st, wp, False, True))
                   for bn, st, wp in ((8, 1, 1), (8, 2, 1), (16, 1, 1))]
-            if q == QType.Q4_K:
-                q8 += [(f"q8 spread (BB {bb}, warps {wp}){'' if qx else ', GEMV alone'}",
-                        (bb, 1, wp, True, qx)) for bb, wp in ((4, 1), (8, 1), (16, 2), (16, 1),
-                                                              (32, 4), (8, 2))
-                       for qx in (True, False)]
+            if q == QType.Q4_K:  # (rows, blocks, warps, ld.global.cg), x rounded outside
+                q8 += [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV "
+                        "alone", (bb, (r, cg), wp, True, False))
+                       for r, bb, wp, cg in SPREAD_TILES]
+                q8 += [("q8 spread (R 1, BB 4, warps 1)", (4, (1, False), 1, True, True))]
             for name, (bn, stages, warps, spread, qx) in q8:
                 key = f"{q.name} {n}x{k} {name}"
                 try:

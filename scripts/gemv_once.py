@@ -22,6 +22,10 @@ from strata.kernels.gpu import matmul as mm  # noqa: E402
 from strata.quant import QType, random_rows  # noqa: E402
 
 
+# gemv_q4k_spread's (rows, blocks, warps, ld.global.cg) launched with --q8
+SPREAD = [(1, 4, 1, False), (1, 8, 1, False), (4, 4, 1, False), (4, 8, 1, True)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="14336x4096", help="rows x columns")
@@ -49,7 +53,9 @@ def main() -> None:
             for _ in range(a.launches):
                 if q == QType.Q4_K:
                     gemv_q4k_q8(xq, dx, sx, w, n, k, out=out[0], bn=8, stages=2, warps=1)
-                    gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=16)
+                    for r, bb, wp, cg in SPREAD:
+                        gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=wp, rows=r,
+                                        cg=cg)
                 else:
                     gemv_q6k_q8(xq, dx, sx16, w, n, k, out=out[0], bn=8, stages=1, warps=1)
         if a.rows:

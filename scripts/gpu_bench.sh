@@ -5,7 +5,8 @@
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
 # (bench_moe_decode.py; KERNEL_ARGS added, e.g. "--gemv-only 14336x4096"), ncu (Nsight Compute
-# on the GEMVs: gemv_once.py with GEMV_ONCE_ARGS, by default the dp4a and rows kernels too), mapped
+# on the GEMVs: gemv_once.py with GEMV_ONCE_ARGS, by default the dp4a and rows kernels too;
+# NCU_EXTRA added to ncu's arguments, e.g. --metrics), mapped
 # (bench_mapped.py), overlap (bench_gather_overlap.py), profile
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
@@ -89,7 +90,7 @@ if [[ $STAGES == *ncu* ]]; then  # hardware counters of the one-token GEMVs (whe
   if [[ -n $NCU ]]; then
     timeout 300 "$NCU" --clock-control none -k regex:gemv -c 24 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-      --section LaunchStats --section SchedulerStats python3 scripts/gemv_once.py \
+      --section LaunchStats --section SchedulerStats ${NCU_EXTRA:-} python3 scripts/gemv_once.py \
       ${GEMV_ONCE_ARGS:---q8 --rows 2,1024,1,2} \
       >"$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [_a-z].*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|ERR|rror" \

@@ -149,14 +149,14 @@ def main() -> None:
             print(describe(f"dp4a GEMV (gemv_q8.py) {q.name} BN {bn} warps {warps}", sass, regs,
                            per, per * fmt.block_bytes / fmt.block))
     spread_sig = {"xq": "*i8", "xs4": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
-                  "row_bytes": "i32", "BB": "constexpr"}
-    for bb in (4, 8, 16, 32):  # a thread: one sub-block pair of a block, 64 weights, 36 bytes
+                  "row_bytes": "i32", "R": "constexpr", "BB": "constexpr", "CG": "constexpr"}
+    for r, bb in ((1, 4), (1, 8), (1, 16), (2, 8), (4, 8), (2, 16), (4, 16)):
+        # a thread: one sub-block pair of a block of each of R rows, 64 R weights, 36 R bytes
         warps = max(1, bb * 4 // 32)
-        sass, regs = compile_sm90(gemv_q8._gemv_q4k_spread_kernel, spread_sig, {"BB": bb},
-                                  (0, 1, 2, 3, 6), warps)
-        print(describe(f"dp4a spread GEMV (gemv_q8.py) Q4_K BB {bb} warps {warps}", sass, regs,
-                       64, 36))
-
+        sass, regs = compile_sm90(gemv_q8._gemv_q4k_spread_kernel, spread_sig,
+                                  {"R": r, "BB": bb, "CG": False}, (0, 1, 2, 3, 6), warps)
+        print(describe(f"dp4a spread GEMV (gemv_q8.py) Q4_K R {r} BB {bb} warps {warps}", sass,
+                       regs, 64 * r, 36 * r))
 
 if __name__ == "__main__":
     main()

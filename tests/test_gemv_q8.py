@@ -16,9 +16,10 @@ from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 
 def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
-          qtype: str = "Q4_K", spread: bool = False) -> None:
+          qtype: str = "Q4_K", spread: bool = False, rows: int = 1) -> None:
     """Q4_K or Q6_K rows [n, k] and a fresh x through quantize_x and the type's GEMV on `dev`
-    (spread: the Q4_K kernel with a row's blocks across the threads, bn blocks a step)."""
+    (spread: the Q4_K kernel with a row's blocks across the threads, bn blocks a step, `rows`
+    rows a program)."""
     from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q4k_spread, gemv_q6k_q8, quantize_x
     from strata.quant import QType, dequantize, random_rows
 
@@ -40,7 +41,8 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
         [dx[0::2], dx[1::2], sx[0::2], sx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
     if spread:
-        gemv_q4k_spread(xq.to(dev), xs4.to(dev), w.to(dev), n, k, out=y, bb=bn)
+        gemv_q4k_spread(xq.to(dev), xs4.to(dev), w.to(dev), n, k, out=y, bb=bn, rows=rows,
+                        cg=rows == 2)
     else:
         gemv, sums = (gemv_q4k_q8, sx) if qt == QType.Q4_K else (gemv_q6k_q8, sx16)
         gemv(xq.to(dev), dx.to(dev), sums.to(dev), w.to(dev), n, k, out=y, bn=bn)
@@ -65,8 +67,10 @@ _INTERPRETED = f"""
         for n, k, bn in ((37, 512, 4), (37, 256, 16), (5, 256, 4), (1, 768, 16)):  # rows not
             check(rng, n, k, "cpu", bn, qtype)  # a multiple of BN; one row
     # the spread kernel: blocks a step more, fewer and not a multiple of the row's blocks
-    for n, k, bb in ((3, 768, 4), (2, 2048, 8), (2, 1280, 2), (1, 256, 1)):
-        check(rng, n, k, "cpu", bb, "Q4_K", spread=True)
+    # and rows a program that do not divide the rows
+    for n, k, bb, r in ((3, 768, 4, 1), (2, 2048, 8, 1), (2, 1280, 2, 1), (1, 256, 1, 1),
+                        (5, 768, 4, 2), (7, 1280, 2, 4), (3, 512, 8, 4)):
+        check(rng, n, k, "cpu", bb, "Q4_K", spread=True, rows=r)
     print("ok")
 """
 
@@ -95,8 +99,13 @@ def test_gemv_q4k_q8_compiles_for_sm90() -> None:
     k = triton.compile(ASTSource(gemv_q8._gemv_q6k_kernel, sig6,
                                  constexprs={"BN": 16, "STAGES": 1}), target=target)
     assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+    sig = {"xq": "*i8", "xs4": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
+           "row_bytes": "i32", "R": "constexpr", "BB": "constexpr", "CG": "constexpr"}
+    k = triton.compile(ASTSource(gemv_q8._gemv_q4k_spread_kernel, sig,
+                                 constexprs={"R": 2, "BB": 8, "CG": True}), target=target)
+    assert "dp4a.u32.s32" in k.asm["ptx"] and "ld.global.cg" in k.asm["ptx"] and k.asm["cubin"]
     sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "sx": "*fp32", "sx16": "*fp32",
-           "NB": "i32", "G": "constexpr"}
+           "xs4": "*fp32", "NB": "i32", "G": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),
                        target=target)
     assert k.asm["cubin"]
@@ -108,6 +117,6 @@ def test_gemv_q4k_q8_on_cuda() -> None:
     for qtype in ("Q4_K", "Q6_K"):
         for n, k, bn in ((37, 512, 4), (4096, 2048, 16), (14336, 4096, 32)):
             check(rng, n, k, "cuda", bn, qtype)
-    for n, k, bb in ((37, 768, 4), (4096, 2048, 8), (14336, 4096, 16), (5, 14336, 16),
-                     (7, 4096, 4)):
-        check(rng, n, k, "cuda", bb, "Q4_K", spread=True)
+    for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 16, 4),
+                        (5, 14336, 16, 2), (7, 4096, 4, 4), (14336, 4096, 8, 1)):
+        check(rng, n, k, "cuda", bb, "Q4_K", spread=True, rows=r)

@@ -109,40 +109,50 @@ def _gemv_q4k_kernel(xq, dx, sx, w, y, N, K, row_bytes, BN: tl.constexpr,
 
 @triton.jit
 def _pick(t, W: tl.constexpr):
-    """[BB, 4]: element (0, W) of each thread's [2, 4] words of t [BB, 4, 2, 4] (a register:
-    the select folds away once the tile is unrolled)."""
-    hf = tl.arange(0, 2)[None, None, :, None]
-    w4 = tl.arange(0, 4)[None, None, None, :]
-    return tl.sum(tl.sum(tl.where((hf == 0) & (w4 == W), t, 0), axis=3), axis=2)
+    """[BB, 4, R]: element (0, W) of each thread's [2, 4] words of t [BB, 4, 2, R, 4] (a
+    register: the select folds away once the tile is unrolled)."""
+    hf = tl.arange(0, 2)[None, None, :, None, None]
+    w4 = tl.arange(0, 4)[None, None, None, None, :]
+    return tl.sum(tl.sum(tl.where((hf == 0) & (w4 == W), t, 0), axis=4), axis=2)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q4k_spread_kernel(xq, xs4, w, y, N, K, row_bytes, BB: tl.constexpr):
-    # y[n] = Σ_k W[n, k] x̂[k] for one row n a program, its threads spread over BB blocks x 4
-    # sub-block pairs; a thread holds a pair's 8 quant words (low nibbles: values 64c + 4v + t
-    # of sub-block 2c, high: 64c + 32 + 4v + t of 2c + 1) and sums their dp4a's in int32
-    n = tl.program_id(0)
-    row = (w + n.to(tl.int64) * row_bytes).to(tl.pointer_type(tl.int32))
-    bb = tl.arange(0, BB)[:, None, None, None]  # [BB, 1, 1, 1]
-    c = tl.arange(0, 4)[None, :, None, None]
-    hf = tl.arange(0, 2)[None, None, :, None]
-    w4 = tl.arange(0, 4)[None, None, None, :]
-    v = hf * 4 + w4  # [1, 1, 2, 4]: the word of the pair, 0..7
-    c3 = tl.arange(0, 4)[None, :]  # [1, 4]
+def _gemv_q4k_spread_kernel(xq, xs4, w, y, N, K, row_bytes, R: tl.constexpr, BB: tl.constexpr,
+                            CG: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program, its threads spread over BB blocks x 4
+    # sub-block pairs; a thread holds a pair's 8 quant words of each of the R rows (low
+    # nibbles: values 64c + 4v + t of sub-block 2c, high: 64c + 32 + 4v + t of 2c + 1), x's
+    # words for them once, and sums their dp4a's in int32. Dims (block, pair, half, row, word):
+    # Triton 3.6 orders dims of equal contiguity by index, so the lanes go to blocks and pairs,
+    # and halves and rows stay in each thread. CG: weight words read with ld.global.cg (cached
+    # in L2 only: the weights are read once)
+    r = tl.arange(0, R)[None, None, None, :, None]
+    n = tl.program_id(0) * R + r
+    row = (w + tl.minimum(n, N - 1).to(tl.int64) * row_bytes).to(tl.pointer_type(tl.int32))
+    bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
+    c = tl.arange(0, 4)[None, :, None, None, None]
+    hf = tl.arange(0, 2)[None, None, :, None, None]
+    w4 = tl.arange(0, 4)[None, None, None, None, :]
+    v = hf * 4 + w4  # the word of the pair, 0..7
+    c3 = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
     xw = xq.to(tl.pointer_type(tl.int32))
-    zero = tl.zeros((BB, 4, 2, 4), tl.int32)
-    acc = tl.zeros((BB, 4), tl.float32)
+    zero = tl.zeros((BB, 4, 2, R, 4), tl.int32)
+    acc = tl.zeros((BB, 4, R), tl.float32)
     for b0 in range(0, K // 256, BB):
         b = b0 + bb
         m = b < K // 256
-        blk = row + b * 36  # int32 words of block b (144 bytes)
-        qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0)  # [BB, 4, 2, 4]
-        hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0)  # the header's 4 words
-        xlo = tl.load(xw + b * 64 + c * 16 + v, mask=m, other=0)
+        blk = row + b * 36  # int32 words of block b (144 bytes) of each row
+        if CG:
+            qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0, cache_modifier=".cg")
+            hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0, cache_modifier=".cg")
+        else:
+            qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0)  # [BB, 4, 2, R, 4]
+            hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0)  # header words
+        xlo = tl.load(xw + b * 64 + c * 16 + v, mask=m, other=0)  # [BB, 4, 2, 1, 4]
         xhi = tl.load(xw + b * 64 + c * 16 + 8 + v, mask=m, other=0)
         xs = tl.load(xs4 + (b * 4 + c) * 4 + w4, mask=m & (hf == 0), other=0.0)
-        ilo = tl.sum(tl.sum(_dp4a(qs & 0x0F0F0F0F, xlo, zero), axis=3), axis=2)  # [BB, 4]
-        ihi = tl.sum(tl.sum(_dp4a((qs >> 4) & 0x0F0F0F0F, xhi, zero), axis=3), axis=2)
+        ilo = tl.sum(tl.sum(_dp4a(qs & 0x0F0F0F0F, xlo, zero), axis=4), axis=2)  # [BB, 4, R]
+        ihi = tl.sum(tl.sum(_dp4a((qs >> 4) & 0x0F0F0F0F, xhi, zero), axis=4), axis=2)
         h0 = _pick(hd, 0)
         h1 = _pick(hd, 1)
         h2 = _pick(hd, 2)
@@ -155,7 +165,8 @@ def _gemv_q4k_spread_kernel(xq, xs4, w, y, N, K, row_bytes, BB: tl.constexpr):
                                 + i2f(sc_hi, 0.0) * _pick(xs, 1) * _i2f_signed(ihi))
                 - f16_bits(h0 >> 16) * (i2f(mn_lo, 0.0) * _pick(xs, 2)
                                         + i2f(mn_hi, 0.0) * _pick(xs, 3)))
-    tl.store(y + n, tl.sum(tl.sum(acc, axis=1), axis=0))
+    nr = tl.program_id(0) * R + tl.arange(0, R)
+    tl.store(y + nr, tl.sum(tl.sum(acc, axis=1), axis=0), mask=nr < N)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -248,14 +259,16 @@ def gemv_q4k_q8(xq: torch.Tensor, dx: torch.Tensor, sx: torch.Tensor, w: torch.T
 
 
 def gemv_q4k_spread(xq: torch.Tensor, xs4: torch.Tensor, w: torch.Tensor, n: int, k: int,
-                    out: torch.Tensor | None = None, bb: int = 16, warps: int = 0) -> torch.Tensor:
-    """y [N] f32 = W x̂ for Q4_K rows w and quantize_x's x̂ (xq, xs4): one row a program, its
-    threads spread over bb blocks (a power of two) x 4 sub-block pairs; warps by default
-    bb * 4 / 32 (at least 1)."""
+                    out: torch.Tensor | None = None, bb: int = 16, warps: int = 0, rows: int = 1,
+                    cg: bool = False) -> torch.Tensor:
+    """y [N] f32 = W x̂ for Q4_K rows w and quantize_x's x̂ (xq, xs4): `rows` rows a program
+    (a power of two), its threads spread over bb blocks (a power of two) x 4 sub-block pairs;
+    warps by default bb * 4 / 32 (at least 1); cg: weights read past L1."""
     y = _rows_out(w, n, k, QType.Q4_K, xq, out, "gemv_q4k_spread")
-    if bb < 1 or bb & (bb - 1):
-        raise ValueError(f"gemv_q4k_spread: bb must be a power of two, got {bb}")
+    if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
+        raise ValueError(f"gemv_q4k_spread: bb and rows must be powers of two, got {bb}, {rows}")
     if n:
-        _gemv_q4k_spread_kernel[(n,)](xq, xs4, w, y, n, k, w.stride(0), BB=bb,
-                                      num_warps=warps or max(1, bb * 4 // 32))
+        _gemv_q4k_spread_kernel[(triton.cdiv(n, rows),)](
+            xq, xs4, w, y, n, k, w.stride(0), R=rows, BB=bb, CG=cg,
+            num_warps=warps or max(1, bb * 4 // 32))
     return y
