@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strata.kernels.gpu import matmul as mm  # noqa: E402
 from strata.quant import QType, random_rows  # noqa: E402
 
-
 # gemv_q4k_spread's (rows, blocks, warps, ld.global.cg) launched with --q8
 SPREAD = [(1, 4, 1, False), (1, 8, 1, False), (4, 4, 1, False), (4, 8, 1, True)]
 
@@ -30,7 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="14336x4096", help="rows x columns")
     p.add_argument("--types", default="Q4_K,Q6_K")
-    p.add_argument("--q8", action="store_true", help="also the dp4a kernels (gemv_q8.py; Q4_K: both forms)")
+    p.add_argument("--q8", action="store_true",
+                   help="also the dp4a kernels (gemv_q8.py; Q4_K: both forms)")
     p.add_argument("--rows", default=None, metavar="R,BK,STAGES,WARPS",
                    help="also the rows kernel (matmul.gemv_rows) with this tile, x f32 and bf16")
     p.add_argument("--launches", type=int, default=3)
@@ -46,8 +46,12 @@ def main() -> None:
         for _ in range(a.launches):
             mm.quant_matmul(x, w, q, out=out)
         if a.q8 and q in (QType.Q4_K, QType.Q6_K):
-            from strata.kernels.gpu.gemv_q8 import (gemv_q4k_q8, gemv_q4k_spread, gemv_q6k_q8,
-                                                    quantize_x)
+            from strata.kernels.gpu.gemv_q8 import (
+                gemv_q4k_q8,
+                gemv_q4k_spread,
+                gemv_q6k_q8,
+                quantize_x,
+            )
 
             xq, dx, sx, sx16, xs4 = quantize_x(x[0])
             for _ in range(a.launches):
