@@ -5,8 +5,9 @@ cuBLAS on the same shapes and the HBM copy ceiling; the rows kernel on the same 
 (matmul.GEMV_ROWS_TUNE tiles: R rows a program sharing each x tile), with x float32 as the
 decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's default tile is timed
 on bf16 x too); for Q4_K and Q6_K also the int8-activation dp4a experiment (gemv_q8.py: x
-rounded to 8 bits, then one dp4a per 4 weights), by tile; for Q4_K the GEMV that loads the next
-block while it computes one (gemv_ahead.py), by tile, also with --gemv-only.
+rounded to 8 bits, then one dp4a per 4 weights; for Q4_K also with a row's blocks spread across
+the threads, rows sharing x's words), by tile, also with --gemv-only; and the MoE layer with
+x rounded to 8 bits for its Q4_K gate/up (moe_forward x8).
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -53,13 +54,14 @@ def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device) -> dict
 
 
 def time_moe(layer: dict, tune: dict) -> float:
+    """tune: moe.DECODE_TUNE's tiles, and "x8": moe_forward's x8."""
     lay = layer["lay"]
-    moe_mod.DECODE_TUNE = tune
+    moe_mod.DECODE_TUNE = {k: v for k, v in tune.items() if k != "x8"}
     g, u, d = lay.views(layer["slots"])
     try:
         return graph_seconds(lambda i: moe_mod.moe_forward(
             layer["x"], layer["ids"][i], layer["wts"], layer["table"], g, u, d, lay.qtypes, D,
-            F, out=layer["out"]))
+            F, out=layer["out"], x8=tune.get("x8", False)))
     finally:
         moe_mod.DECODE_TUNE = {}
 
@@ -140,19 +142,17 @@ def main() -> None:
         variants[f"gate_up {gu}"] = {"gate_up": gu}
     for dn in [(2, 256, 1, 4), (4, 256, 1, 4), (8, 256, 1, 4), (4, 256, 1, 2), (8, 256, 1, 8)]:
         variants[f"down_pairs {dn}"] = {"down_pairs": dn}
-    # gemv_ahead.py's kernels (Q4_K parts: the next block's words loaded while one computes)
-    for ga in [(8, True, 2), (16, True, 4), (16, False, 4), (32, True, 4)]:
-        variants[f"gate_up_ahead {ga}"] = {"gate_up_ahead": ga}
-    for da in [(8, True, 2), (16, True, 4), (32, True, 4)]:
-        variants[f"down_ahead {da}"] = {"down_ahead": da}
-        variants[f"gate_up_ahead (16, True, 4) + down_ahead {da}"] = {
-            "gate_up_ahead": (16, True, 4), "down_ahead": da}
+    # x rounded to 8 bits for the Q4_K gate/up (moe_forward x8: gemv_q8._gate_up_q8_kernel),
+    # by its (R rows, BB blocks a step, warps)
+    variants["x8, default tiles"] = {"x8": True}
+    for gq in [(2, 8, 1), (8, 8, 1), (4, 4, 1), (8, 8, 2), (16, 8, 4)]:
+        variants[f"x8, gate_up_q8 {gq}"] = {"x8": True, "gate_up_q8": gq}
+    for dn in [(8, 256, 1, 4), (4, 256, 1, 2)]:
+        variants[f"x8, down_pairs {dn}"] = {"x8": True, "down_pairs": dn}
     for qdown in (QType.Q6_K, QType.Q4_K) if a.gemv_only is None else ():
         layer = moe_layer(qdown, rng, dev)
         nbytes = K * layer["lay"].nbytes
         for name, tune in variants.items():
-            if "down_ahead" in tune and qdown != QType.Q4_K:
-                continue  # (the Q4_K down only)
             try:
                 t = time_moe(layer, tune)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)

@@ -66,8 +66,8 @@ if [[ $STAGES == *tests* ]]; then
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
-    tests/test_cpu_share.py tests/test_prefetch.py tests/test_gemv_q8.py tests/test_lend.py \
-    tests/test_gemv_ahead.py} 2>&1 \
+    tests/test_cpu_share.py tests/test_prefetch.py tests/test_gemv_q8.py tests/test_lend.py} \
+    2>&1 \
     | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
 fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }

@@ -111,6 +111,31 @@ def test_gemv_q4k_q8_compiles_for_sm90() -> None:
     assert k.asm["cubin"]
 
 
+def test_gate_up_q8_compiles_for_sm90() -> None:
+    """Without a GPU: the MoE gate/up kernel compiles for sm_90 with its dp4a, no shared-memory
+    layout conversion inside its K loop (the one left is of the [R] rows before their store)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import gemv_q8
+
+    fn = gemv_q8._gate_up_q8_kernel
+    types = {"xq": "*i8", "xs4": "*fp32", "ids": "*i64", "wts": "*fp32", "slot_of": "*i32",
+             "gate": "*u8", "up": "*u8", "h": "*fp32", "mg": "*u8", "mu": "*u8"}
+    consts = {"TOPK": 8, "R": 4, "BB": 8, "MISS": True, "HOST_FROM": 8}
+    sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+    ttgir = k.asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+    assert "convert_layout" not in loop and "local_load" not in loop, loop[:2000]
+    converts = [ln for ln in ttgir.splitlines() if "convert_layout" in ln]
+    assert all(re.search(r"tensor<4xf32", ln) for ln in converts), converts
+
+
 @pytest.mark.cuda
 def test_gemv_q4k_q8_on_cuda() -> None:
     rng = np.random.default_rng(fresh_seed())
@@ -120,3 +145,113 @@ def test_gemv_q4k_q8_on_cuda() -> None:
     for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 16, 4),
                         (5, 14336, 16, 2), (7, 4096, 4, 4), (14336, 4096, 8, 1)):
         check(rng, n, k, "cuda", bb, "Q4_K", spread=True, rows=r)
+
+
+def x_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as quantize_x rounds it (x̂ = dx · xq per 32 values), float32."""
+    from strata.kernels.gpu.gemv_q8 import quantize_x
+
+    xq, dx = quantize_x(x.contiguous())[:2]
+    return (xq.float().view(*dx.shape, 32) * dx[..., None]).view(x.shape)
+
+
+def test_moe_x8_under_the_interpreter() -> None:
+    """The decode MoE layer with x rounded to 8 bits for a Q4_K gate/up (moe_forward x8=True):
+    equal to the reference on x̂ (gate/up on x̂, the down GEMV on float32 h) for 1 and 3 tokens,
+    experts without a slot (they add nothing), the pairs' rows unsummed, miss rows (3 tokens:
+    every pair computed, the missing experts' records read from their rows), blocks a step
+    not dividing a row's three; and within the rounding of x of the reference on x itself.
+    A Q6_K gate (x8 not applied) stays float32-exact."""
+    run_interpreted(_MOE_X8, fresh_seed(), timeout=600)
+
+
+_MOE_X8 = f"""
+    import torch
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    from test_gemv_q8 import x_rounded
+    from strata.experts.layout import ExpertLayout
+    from strata.kernels.gpu import gather_misses, moe_forward
+    from strata.kernels.gpu import moe as moe_mod
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import QType, random_rows
+    rng = np.random.default_rng(seed)
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    e, d, f = 3, 768, 256
+    for qt in ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K, QType.Q4_K)):
+        def rows(n, k, q):
+            return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
+        slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)
+        layer = dict(slot_of_expert=slot_of, gate_slots=rows(2 * f, d, qt[0]).view(2, f, -1),
+                     up_slots=rows(2 * f, d, qt[1]).view(2, f, -1),
+                     down_slots=rows(2 * d, f, qt[2]).view(2, d, -1), qtypes=qt, d_model=d,
+                     d_expert=f)
+        lay = ExpertLayout(0, tuple(int(v) for v in qt), d, f)
+        records = torch.zeros(e, lay.stride, dtype=torch.uint8)
+        for part, src, (n, k), q in zip(lay.views(records), (layer["gate_slots"],
+                                        layer["up_slots"], layer["down_slots"]),
+                                        ((f, d), (f, d), (d, f)), qt):
+            part[:] = torch.stack([src[1], rows(n, k, q), src[0]])
+        full = dict(layer, slot_of_expert=torch.arange(e, dtype=torch.int32),
+                    **dict(zip(("gate_slots", "up_slots", "down_slots"), lay.views(records))))
+        # (larger FMA tiles: fewer programs to interpret)
+        moe_mod.DECODE_TUNE = dict(gate_up_q8=(64, 2, 1), gate_up=(64, 256, 1, 4),
+                                   down_pairs=(64, 256, 1, 4))
+        x8 = qt[0] == qt[1] == QType.Q4_K
+        for t in (1, 3) if x8 else (1,):
+            ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+            x, wts = torch.randn(t, d), torch.rand(t, 2)
+            xh = x_rounded(x) if x8 else x
+            out = moe_forward(x, ids, wts, **layer, x8=True)
+            assert rel(out, moe_ref(xh, ids, wts, **layer)) < 2e-5, (qt, t)
+            assert rel(out, moe_ref(x, ids, wts, **layer)) < (3e-2 if x8 else 2e-5), (qt, t)
+            if t == 1:
+                parts = moe_forward(x, ids, wts, **layer, sum_pairs=False, x8=True)
+                assert rel(parts.sum(1), moe_ref(xh, ids, wts, **layer)) < 2e-5, qt
+                continue
+            rows_ = torch.full((2 * t + 1, lay.stride), 255, dtype=torch.uint8)
+            gather_misses(ids, slot_of, records, rows_, lay.nbytes)
+            out = moe_forward(x, ids, wts, slot_of, *lay.views(records[[2, 0]]), qt, d, f,
+                              miss=lay.views(rows_), x8=True)
+            assert rel(out, moe_ref(xh, ids, wts, **full)) < 2e-5, ("miss rows", qt, t)
+    print("ok")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tune", [None, (2, 8, 1), (4, 4, 1), (8, 8, 2)])
+def test_moe_x8_on_cuda(tune: tuple | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3-30B-A3B decode layer (D 2048, F 768, 8 of 16 experts resident, 8 routed) with
+    x rounded to 8 bits for its Q4_K gate/up, one token and four, against the reference on x̂
+    and on x; the default tile and others."""
+    from strata.kernels.gpu import moe as moe_mod
+    from strata.kernels.gpu import moe_forward
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import QType, random_rows
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(moe_mod, "DECODE_TUNE", {} if tune is None else {"gate_up_q8": tune})
+    e, d, f, q = 16, 2048, 768, QType.Q4_K
+    slots = 8
+    slot_of = np.full(e, -1)
+    slot_of[rng.permutation(e)[:slots]] = np.arange(slots)
+
+    def rows(n: int, k: int, qt: QType) -> torch.Tensor:
+        return torch.from_numpy(random_rows(qt, n, k, rng, 0.05)).cuda()
+
+    layer = dict(slot_of_expert=torch.tensor(slot_of, dtype=torch.int32).cuda(),
+                 gate_slots=rows(slots * f, d, q).view(slots, f, -1),
+                 up_slots=rows(slots * f, d, q).view(slots, f, -1),
+                 down_slots=rows(slots * d, f, QType.Q6_K).view(slots, d, -1),
+                 qtypes=(q, q, QType.Q6_K), d_model=d, d_expert=f)
+    for t in (1, 4):
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:8] for _ in range(t)])).cuda()
+        x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, 8, device="cuda")
+        out = moe_forward(x, ids, wts, **layer, x8=True)
+        ref = moe_ref(x_rounded(x), ids, wts, **layer)
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 2e-5, f"{tune} t={t} seed={seed}: rel err {err:.2e} against x̂"
+        ref = moe_ref(x, ids, wts, **layer)
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 3e-2, f"{tune} t={t} seed={seed}: rel err {err:.2e} against x"

@@ -130,6 +130,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
     executor.lend_ring = plan.lent_ring and cache.lends
     executor.cpu_share = ec.cpu_share
+    executor.fused.x8 = ec.kernels == "fused"  # (exact: float32 x everywhere)
     executor.prefetch = ec.prefetch if dev.type == "cuda" else 0
     executor.prefetch_auto = auto_prefetch  # (then it is off without a word where it cannot run)
     for flag, n in (("--cpu-share", ec.cpu_share),

@@ -32,6 +32,8 @@ class FusedHits:
         """max_t: the most tokens a call may have for the fused kernels (0: never);
         scratch_bytes: the prompt path's bf16 weight scratch (the memory plan's)."""
         self.max_t, self.scratch_bytes = max_t, scratch_bytes
+        # decode calls round x to 8 bits for Q4_K gate/up (moe_forward x8; --kernels fused)
+        self.x8 = False
         self.on = max_t > 0 and fused_kernels_available(device)
         self.covered = [False] * len(layouts)
         if self.on:
@@ -60,4 +62,4 @@ class FusedHits:
         return moe_forward(h, ids, weights.float(), table, gate, up, down, layout.qtypes,
                            layout.d_model, layout.d_expert, out=out,
                            scratch_bytes=self.scratch_bytes, miss=miss, sum_pairs=sum_pairs,
-                           host_from=host_from)
+                           host_from=host_from, x8=self.x8)

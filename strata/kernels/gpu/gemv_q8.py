@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import ASM, f16, f16_bits, i2f, u32
+from strata.kernels.gpu.moe import _computed, _record_part
 from strata.kernels.gpu.tiles_kquants import _scale_min, _scale_min_k4
 from strata.quant import QType, row_nbytes
 
@@ -53,7 +54,8 @@ def _quantize_kernel(x, xq, dx, sx, sx16, xs4, NB, G: tl.constexpr):
     # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx), sx = dx * Σ xq, and
     # sx16 the same per half block
     blk = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # [G, 1]
-    v = tl.load(x + blk * 32 + tl.arange(0, 32)[None, :], mask=blk < NB, other=0.0)  # [G, 32]
+    v = tl.load(x + blk * 32 + tl.arange(0, 32)[None, :], mask=blk < NB,
+                other=0.0).to(tl.float32)  # [G, 32]
     amax = tl.max(tl.abs(v), axis=1)  # [G]
     d = amax / 127.0
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
@@ -116,57 +118,90 @@ def _pick(t, W: tl.constexpr):
     return tl.sum(tl.sum(tl.where((hf == 0) & (w4 == W), t, 0), axis=4), axis=2)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q4k_spread_kernel(xq, xs4, w, y, N, K, row_bytes, R: tl.constexpr, BB: tl.constexpr,
-                            CG: tl.constexpr):
-    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program, its threads spread over BB blocks x 4
-    # sub-block pairs; a thread holds a pair's 8 quant words of each of the R rows (low
-    # nibbles: values 64c + 4v + t of sub-block 2c, high: 64c + 32 + 4v + t of 2c + 1), x's
-    # words for them once, and sums their dp4a's in int32. Dims (block, pair, half, row, word):
-    # Triton 3.6 orders dims of equal contiguity by index, so the lanes go to blocks and pairs,
-    # and halves and rows stay in each thread. CG: weight words read with ld.global.cg (cached
-    # in L2 only: the weights are read once)
-    r = tl.arange(0, R)[None, None, None, :, None]
-    n = tl.program_id(0) * R + r
-    row = (w + tl.minimum(n, N - 1).to(tl.int64) * row_bytes).to(tl.pointer_type(tl.int32))
+@triton.jit
+def spread_rows(base, n, N, row_bytes):
+    """int32 pointers [1, 1, 1, R, 1] to rows n ([R], clamped to N - 1) from byte pointer base."""
+    r = tl.minimum(n, N - 1).to(tl.int64)[None, None, None, :, None]
+    return (base + r * row_bytes).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def spread_dot(ra, rb, xw, xs, nb, TWO: tl.constexpr, BB: tl.constexpr, CG: tl.constexpr):
+    """(Σ_k x̂[k] · A[r, k], the same for B) [R] each, for the Q4_K rows at int32 pointers ra
+    and rb ([1, 1, 1, R, 1]: spread_rows) of nb blocks, and x̂ as quantize_x gives it (xw: its
+    int8 values as int32 words, xs: its xs4); with TWO False only A (B's sums are A's).
+
+    The threads spread over BB blocks x 4 sub-block pairs; a thread holds a pair's 8 quant
+    words of each row (low nibbles: values 64c + 4v + t of sub-block 2c, high: 64c + 32 + 4v + t
+    of 2c + 1), x's words for them once, and sums their dp4a's in int32. Dims (block, pair,
+    half, row, word): Triton 3.6 orders dims of equal contiguity by index, so the lanes go to
+    blocks and pairs, and halves and rows stay in each thread. CG: weight words read with
+    ld.global.cg (cached in L2 only)."""
+    R: tl.constexpr = ra.shape[3]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     c = tl.arange(0, 4)[None, :, None, None, None]
     hf = tl.arange(0, 2)[None, None, :, None, None]
     w4 = tl.arange(0, 4)[None, None, None, None, :]
     v = hf * 4 + w4  # the word of the pair, 0..7
     c3 = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
-    xw = xq.to(tl.pointer_type(tl.int32))
     zero = tl.zeros((BB, 4, 2, R, 4), tl.int32)
-    acc = tl.zeros((BB, 4, R), tl.float32)
-    for b0 in range(0, K // 256, BB):
+    acc_a = tl.zeros((BB, 4, R), tl.float32)
+    acc_b = acc_a
+    for b0 in range(0, nb, BB):
         b = b0 + bb
-        m = b < K // 256
-        blk = row + b * 36  # int32 words of block b (144 bytes) of each row
-        if CG:
-            qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0, cache_modifier=".cg")
-            hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0, cache_modifier=".cg")
-        else:
-            qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0)  # [BB, 4, 2, R, 4]
-            hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0)  # header words
+        m = b < nb
         xlo = tl.load(xw + b * 64 + c * 16 + v, mask=m, other=0)  # [BB, 4, 2, 1, 4]
         xhi = tl.load(xw + b * 64 + c * 16 + 8 + v, mask=m, other=0)
-        xs = tl.load(xs4 + (b * 4 + c) * 4 + w4, mask=m & (hf == 0), other=0.0)
-        ilo = tl.sum(tl.sum(_dp4a(qs & 0x0F0F0F0F, xlo, zero), axis=4), axis=2)  # [BB, 4, R]
-        ihi = tl.sum(tl.sum(_dp4a((qs >> 4) & 0x0F0F0F0F, xhi, zero), axis=4), axis=2)
-        h0 = _pick(hd, 0)
-        h1 = _pick(hd, 1)
-        h2 = _pick(hd, 2)
-        h3 = _pick(hd, 3)
-        sh = 16 * (c3 % 2)  # byte 2c % 4 of the scale words (sub-block 2c), then 2c + 1
-        sc_lo, mn_lo = _scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
-        sc_hi, mn_hi = _scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
-                                  (h3 >> (sh + 8)) & 255, 2 * c3 + 1)
-        acc += (f16_bits(h0) * (i2f(sc_lo, 0.0) * _pick(xs, 0) * _i2f_signed(ilo)
-                                + i2f(sc_hi, 0.0) * _pick(xs, 1) * _i2f_signed(ihi))
-                - f16_bits(h0 >> 16) * (i2f(mn_lo, 0.0) * _pick(xs, 2)
-                                        + i2f(mn_hi, 0.0) * _pick(xs, 3)))
-    nr = tl.program_id(0) * R + tl.arange(0, R)
-    tl.store(y + nr, tl.sum(tl.sum(acc, axis=1), axis=0), mask=nr < N)
+        xq = tl.load(xs + (b * 4 + c) * 4 + w4, mask=m & (hf == 0), other=0.0)
+        dxl = _pick(xq, 0)
+        dxh = _pick(xq, 1)
+        sxl = _pick(xq, 2)
+        sxh = _pick(xq, 3)
+        acc_a += _spread_block(ra + b * 36, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh,
+                               zero, CG)
+        if TWO:
+            acc_b += _spread_block(rb + b * 36, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl,
+                                   sxh, zero, CG)
+    sa = tl.sum(tl.sum(acc_a, axis=1), axis=0)
+    sb = sa
+    if TWO:
+        sb = tl.sum(tl.sum(acc_b, axis=1), axis=0)
+    return sa, sb
+
+
+@triton.jit
+def _spread_block(blk, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh, zero,
+                  CG: tl.constexpr):
+    """[BB, 4, R]: each thread's pair of its block (int32 pointers blk) dotted with x̂."""
+    if CG:
+        qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0, cache_modifier=".cg")
+        hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0, cache_modifier=".cg")
+    else:
+        qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0)  # [BB, 4, 2, R, 4]
+        hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0)  # the header's words
+    ilo = tl.sum(tl.sum(_dp4a(qs & 0x0F0F0F0F, xlo, zero), axis=4), axis=2)  # [BB, 4, R]
+    ihi = tl.sum(tl.sum(_dp4a((qs >> 4) & 0x0F0F0F0F, xhi, zero), axis=4), axis=2)
+    h0 = _pick(hd, 0)
+    h1 = _pick(hd, 1)
+    h2 = _pick(hd, 2)
+    h3 = _pick(hd, 3)
+    sh = 16 * (c3 % 2)  # byte 2c % 4 of the scale words (sub-block 2c), then 2c + 1
+    sc_lo, mn_lo = _scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
+    sc_hi, mn_hi = _scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
+                              (h3 >> (sh + 8)) & 255, 2 * c3 + 1)
+    return (f16_bits(h0) * (i2f(sc_lo, 0.0) * dxl * _i2f_signed(ilo)
+                            + i2f(sc_hi, 0.0) * dxh * _i2f_signed(ihi))
+            - f16_bits(h0 >> 16) * (i2f(mn_lo, 0.0) * sxl + i2f(mn_hi, 0.0) * sxh))
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_q4k_spread_kernel(xq, xs4, w, y, N, K, row_bytes, R: tl.constexpr, BB: tl.constexpr,
+                            CG: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program (spread_dot)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    rows = spread_rows(w, n, N, row_bytes)
+    s, _ = spread_dot(rows, rows, xq.to(tl.pointer_type(tl.int32)), xs4, K // 256, False, BB, CG)
+    tl.store(y + n, s, mask=n < N)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -211,20 +246,24 @@ def _i2f_signed(v):
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x [K] f32 (K a multiple of 64) -> (xq int8 [K], dx [K/32] f32, sx [K/32] f32,
-    sx16 [K/16] f32, xs4 [K/64, 4] f32: dx and sx of 32-value blocks 2g, 2g + 1 side by side)."""
-    k = x.numel()
-    if k % 64 or x.dtype != torch.float32:
-        raise ValueError(f"quantize_x: float32 x of a multiple of 64 values, got {x.dtype} [{k}]")
-    nb = k // 32
-    xq = torch.empty(k, dtype=torch.int8, device=x.device)
-    dx = torch.empty(nb, dtype=torch.float32, device=x.device)
-    sx = torch.empty(nb, dtype=torch.float32, device=x.device)
-    sx16 = torch.empty(2 * nb, dtype=torch.float32, device=x.device)
-    xs4 = torch.empty(nb // 2, 4, dtype=torch.float32, device=x.device)
+    """x [..., K] f32/bf16, contiguous (K a multiple of 64) -> (xq int8 [..., K], dx [..., K/32]
+    f32, sx [..., K/32] f32, sx16 [..., K/16] f32, xs4 [..., K/64, 4] f32: dx and sx of 32-value
+    blocks 2g, 2g + 1 side by side), each row of x on its own."""
+    k = x.shape[-1]
+    if k % 64 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        raise ValueError(f"quantize_x: contiguous float32/bfloat16 x of rows of a multiple of "
+                         f"64 values, got {x.dtype} {list(x.shape)}")
+    lead = tuple(x.shape[:-1])
+    nb = x.numel() // 32
+    xq = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    dx = torch.empty(lead + (k // 32,), dtype=torch.float32, device=x.device)
+    sx = torch.empty(lead + (k // 32,), dtype=torch.float32, device=x.device)
+    sx16 = torch.empty(lead + (k // 16,), dtype=torch.float32, device=x.device)
+    xs4 = torch.empty(lead + (k // 64, 4), dtype=torch.float32, device=x.device)
     g = 8
-    _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, sx16, xs4, nb, G=g,
-                                            num_warps=2)
+    if nb:
+        _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, sx16, xs4, nb, G=g,
+                                                num_warps=2)
     return xq, dx, sx, sx16, xs4
 
 
@@ -272,3 +311,29 @@ def gemv_q4k_spread(xq: torch.Tensor, xs4: torch.Tensor, w: torch.Tensor, n: int
             xq, xs4, w, y, n, k, w.stride(0), R=rows, BB=bb, CG=cg,
             num_warps=warps or max(1, bb * 4 // 32))
     return y
+
+
+# ---- the decode MoE gate/up in this form (moe_forward(..., x8=True), Q4_K gate and up) ----
+
+
+@triton.jit(do_not_specialize=["D", "F"])
+def _gate_up_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, mg, mu, D, F, stride_gs,
+                       stride_us, stride_ms, row_bytes, TOPK: tl.constexpr, R: tl.constexpr,
+                       BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr):
+    # as moe._gate_up_pairs_kernel, for Q4_K gate and up and x rounded to 8 bits (quantize_x):
+    # R rows of both a program, their blocks in flight together (spread_dot)
+    p = tl.program_id(1)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    slot = tl.load(slot_of + tl.load(ids + p))
+    hv = tl.zeros((R,), tl.float32)
+    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+        t = (p // TOPK).to(tl.int64)
+        g, u = spread_dot(
+            spread_rows(_record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS), n, F,
+                        row_bytes),
+            spread_rows(_record_part(up, slot, stride_us, mu, p, stride_ms, MISS), n, F,
+                        row_bytes),
+            (xq + t * D).to(tl.pointer_type(tl.int32)), xs4 + t * (D // 16), D // 256, True, BB,
+            False)
+        hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
+    tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)

@@ -54,9 +54,11 @@ _SIZES = ["T", "P", "D", "F", "NC"]
 # rows) looping over all K experts)
 GATE_UP_TILE = (1, 512, 1, 2)
 DOWN_TILE = (4, 256, 1, 4)
+# moe_forward(..., x8=True) with Q4_K gate and up: x rounded to 8 bits, gate/up on dp4a
+# (gemv_q8._gate_up_q8_kernel), (R rows, BB blocks a step, warps)
+GATE_UP_Q8_TILE = (4, 8, 1)
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
-# "gate_up_ahead" / "down_ahead" -> (R, ahead, warps): gemv_ahead.py's kernels for Q4_K parts
-# (an experiment, not yet timed)
+# "gate_up_q8" -> (R, BB, warps) instead of GATE_UP_Q8_TILE
 DECODE_TUNE: dict = {}
 
 
@@ -298,7 +300,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 d_expert: int, out: torch.Tensor | None = None,
                 scratch_bytes: int | None = None,
                 miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                sum_pairs: bool = True, host_from: int | None = None) -> torch.Tensor:
+                sum_pairs: bool = True, host_from: int | None = None,
+                x8: bool = False) -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
     sum_pairs=False with no `out`: a decode call on fused kernels returns each pair's weighted
     output, [T, K, D] float32 (the caller sums a token's K rows, as decode_ops.add_rms_norm
@@ -310,7 +313,10 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     scratch_bytes: the grouped path's bf16 weight scratch (None: its default).
     miss: (gate, up, down) views of at least T·K rows laid out as the slots, row p holding the
     record of pair p's expert when it is not resident (gather_misses writes them): every pair
-    is then computed. Decode sizes only (T <= DECODE_MAX_T) with fused kernels for the types."""
+    is then computed. Decode sizes only (T <= DECODE_MAX_T) with fused kernels for the types.
+    x8: a decode call with Q4_K gate and up (rows 4-byte aligned) rounds x to 8 bits per 32
+    values and runs gate/up on integer dot products (gemv_q8.py: ~1e-2 relative to the product
+    with x itself, as llama.cpp's CUDA path; the down GEMV keeps float32); other calls ignore it."""
     t = x.shape[0] if x.dim() == 2 else 0
     # a decode call with no `out` writes the sums straight into a new one (no zero fill + add)
     direct = (out is None and 0 < t <= DECODE_MAX_T and ids.dim() == 2 and ids.shape[1] > 0
@@ -347,7 +353,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if t <= DECODE_MAX_T:
         parts = _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts,
                         None if direct and not sum_pairs else out, miss, accumulate=not direct,
-                        host_from=host_from)
+                        host_from=host_from, x8=x8)
         if parts is not None:
             return parts
     else:
@@ -412,7 +418,8 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
             out: torch.Tensor | None, miss: tuple[torch.Tensor, ...] | None = None,
-            accumulate: bool = True, host_from: int | None = None) -> torch.Tensor | None:
+            accumulate: bool = True, host_from: int | None = None,
+            x8: bool = False) -> torch.Tensor | None:
     """Into out (accumulate: +=), or with out None the pairs' rows [T, K, D], returned."""
     fg, fu, fd = fmts
     t, d = x.shape
@@ -425,15 +432,15 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
     host = topk if host_from is None else host_from
-    ahead = DECODE_TUNE.get("gate_up_ahead")  # (R, ahead, warps): gemv_ahead.py's form
-    if (ahead is not None and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
+    if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
             and _words_aligned(gate, up, mg, mu)):
-        from strata.kernels.gpu.gemv_ahead import _gate_up_ahead_kernel
+        from strata.kernels.gpu.gemv_q8 import _gate_up_q8_kernel, quantize_x
 
-        r, on, warps = ahead
-        _gate_up_ahead_kernel[(triton.cdiv(f, r), p)](
-            x, ids, weights, slot_of, gate, up, h, mg, mu, d, f, x.stride(0), gate.stride(0),
-            up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, AHEAD=bool(on),
+        xq, _, _, _, xs4 = quantize_x(x.contiguous())
+        r, bb, warps = DECODE_TUNE.get("gate_up_q8") or GATE_UP_Q8_TILE
+        _gate_up_q8_kernel[(triton.cdiv(f, r), p)](
+            xq, xs4, ids, weights, slot_of, gate, up, h, mg, mu, d, f, gate.stride(0),
+            up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
             MISS=miss is not None, HOST_FROM=host, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host)
@@ -454,24 +461,11 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     out (or, out None, the rows returned as [T, K, D])."""
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
-    ahead = DECODE_TUNE.get("down_ahead")  # (R, ahead, warps): gemv_ahead.py's form
-    if (ahead is not None and fd.qtype == QType.Q4_K and f % 256 == 0
-            and _words_aligned(down, md)):
-        from strata.kernels.gpu.gemv_ahead import _down_ahead_kernel
-
-        r, on, warps = ahead
-        _down_ahead_kernel[(triton.cdiv(d, r), p)](
-            h, ids, slot_of, down, part, md, d, f, down.stride(0), md.stride(0), down.shape[2],
-            TOPK=topk, R=r, AHEAD=bool(on), MISS=miss is not None, HOST_FROM=host_from,
-            num_warps=warps)
-    else:
-        bn, bk, stages, warps = (DECODE_TUNE.get("down_pairs")
-                                 or decode_tile(DOWN_TILE, (fd,), f))
-        _down_pairs_kernel[(triton.cdiv(d, bn), p)](
-            h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
-            down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-            STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from,
-            num_warps=warps)
+    bn, bk, stages, warps = DECODE_TUNE.get("down_pairs") or decode_tile(DOWN_TILE, (fd,), f)
+    _down_pairs_kernel[(triton.cdiv(d, bn), p)](
+        h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
+        down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
+        STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from, num_warps=warps)
     if out is None:
         return part.view(t, topk, d)
     if accumulate:  # each token's K pairs, in a fixed order
@@ -482,7 +476,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
 
 
 def _words_aligned(*parts: torch.Tensor) -> bool:
-    """Whether every row of these uint8 slot views starts 4-byte aligned (gemv_ahead.py reads
+    """Whether every row of these uint8 slot views starts 4-byte aligned (gemv_q8.py reads
     Q4_K rows as int32 words; a part after a Q6_K part of an odd number of blocks would not)."""
     return all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
                for t in parts)
