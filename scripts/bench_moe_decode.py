@@ -126,7 +126,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--gemv-only", default=None, metavar="TEXT",
                     help="only the GEMVs whose shape name contains TEXT (e.g. 14336x4096), no "
-                    "MoE layer, no dp4a experiment")
+                    "MoE layer")
+    ap.add_argument("--moe-only", action="store_true", help="the MoE layer only, no GEMVs")
     a = ap.parse_args()
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
@@ -179,7 +180,8 @@ def main() -> None:
                   (4, 512, 1, 1), (8, 512, 1, 2), (4, 1024, 1, 4), (4, 1024, 2, 2)]
     runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
     runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
-    for q, n, k, what in [s for s in shapes if a.gemv_only is None or a.gemv_only in s[3]]:
+    for q, n, k, what in [s for s in shapes if not a.moe_only
+                          and (a.gemv_only is None or a.gemv_only in s[3])]:
         nbytes = n * row_nbytes(q, k)
         copies = None
         for tile, rows, xdtype in [r for r in runs if r[0] is None or r[0][1] <= k]:
