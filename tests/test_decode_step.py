@@ -112,6 +112,8 @@ def test_batched_forward_over_a_half_size_cache(synth, kv_type):
                      kernels="fused")
     model = engine.model
     assert model.fused_attention and model.kv_dtype == KV_TYPES[kv_type]
+    # the experts' x in float32 (x rounded to 8 bits: test_fused_decode_within_x8_rounding)
+    model.experts.fused.x8 = False
     kvs = [model.new_cache(len(TOKENS)) for _ in seqs]
     for s, kv in zip(seqs, kvs, strict=True):
         engine.run_prompt(s[:PROMPT], kv)
@@ -123,6 +125,24 @@ def test_batched_forward_over_a_half_size_cache(synth, kv_type):
             got[j].append(logits[j:j + 1].float().cpu().numpy())
     for j in range(2):
         assert_same(np.concatenate(got[j]), refs[j])
+
+
+@pytest.mark.cuda
+def test_fused_decode_within_x8_rounding(synth):
+    """--kernels fused decode steps round x to 8 bits for the Q4_K expert gate/up (moe_forward
+    x8): the logits move by that rounding (KL within 2e-3, top-1 mostly kept), not more, and
+    they do move (the path runs); with x8 off the same steps give the reference's."""
+    path = synth("qwen3moe", "Q4_K_M")
+    ref = decoded_logits(Engine.load(path, config=EngineConfig()), TOKENS)
+    engine = offload(path, "cuda", expert_cache="24", kernels="fused")
+    assert engine.model.experts.fused.x8
+    ours = decoded_logits(engine, TOKENS)
+    kl = kl_per_position(ref, ours)
+    assert 1e-7 < kl.max() < 2e-3, kl
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    engine.model.experts.fused.x8 = False
+    engine.model.step = None  # (the captured graphs hold the x8 kernels)
+    assert_same(decoded_logits(engine, TOKENS), ref)
 
 
 _BATCHED_HALF_KV = """
