@@ -7,7 +7,7 @@ decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's defau
 on bf16 x too); for Q4_K and Q6_K also the int8-activation dp4a experiment (gemv_q8.py: x
 rounded to 8 bits, then one dp4a per 4 weights; for Q4_K also with a row's blocks spread across
 the threads, rows sharing x's words), by tile, also with --gemv-only; and the MoE layer with
-x rounded to 8 bits for its Q4_K gate/up (moe_forward x8).
+activations rounded to 8 bits for its Q4_K parts (moe_forward x8).
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -148,8 +148,10 @@ def main() -> None:
     variants["x8, default tiles"] = {"x8": True}
     for gq in [(2, 8, 1), (8, 8, 1), (4, 4, 1), (8, 8, 2), (16, 8, 4)]:
         variants[f"x8, gate_up_q8 {gq}"] = {"x8": True, "gate_up_q8": gq}
-    for dn in [(8, 256, 1, 4), (4, 256, 1, 2)]:
+    for dn in [(8, 256, 1, 4), (4, 256, 1, 2)]:  # (a Q6_K down keeps the FMA kernel)
         variants[f"x8, down_pairs {dn}"] = {"x8": True, "down_pairs": dn}
+    for dq in [(2, 4, 1), (8, 4, 1), (4, 8, 1), (8, 8, 2)]:  # (a Q4_K down: h rounded too)
+        variants[f"x8, down_q8 {dq}"] = {"x8": True, "down_q8": dq}
     for qdown in (QType.Q6_K, QType.Q4_K) if a.gemv_only is None else ():
         layer = moe_layer(qdown, rng, dev)
         nbytes = K * layer["lay"].nbytes

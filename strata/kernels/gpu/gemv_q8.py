@@ -313,7 +313,7 @@ def gemv_q4k_spread(xq: torch.Tensor, xs4: torch.Tensor, w: torch.Tensor, n: int
     return y
 
 
-# ---- the decode MoE gate/up in this form (moe_forward(..., x8=True), Q4_K gate and up) ----
+# ---- the decode MoE kernels in this form (moe_forward(..., x8=True), Q4_K parts) ----
 
 
 @triton.jit(do_not_specialize=["D", "F"])
@@ -337,3 +337,21 @@ def _gate_up_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, mg, mu, D, F, st
             False)
         hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
     tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
+
+
+@triton.jit(do_not_specialize=["D", "F"])
+def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stride_ms, row_bytes,
+                    TOPK: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
+                    HOST_FROM: tl.constexpr):
+    # as moe._down_pairs_kernel, for a Q4_K down and h rounded to 8 bits (quantize_x of each
+    # pair's row): R rows a program (spread_dot)
+    p = tl.program_id(1)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    slot = tl.load(slot_of + tl.load(ids + p))
+    total = tl.zeros((R,), tl.float32)
+    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+        rows = spread_rows(_record_part(down, slot, stride_ds, md, p, stride_ms, MISS), n, D,
+                           row_bytes)
+        total, _ = spread_dot(rows, rows, (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
+                              hs4 + p.to(tl.int64) * (F // 16), F // 256, False, BB, False)
+    tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)

@@ -57,8 +57,10 @@ DOWN_TILE = (4, 256, 1, 4)
 # moe_forward(..., x8=True) with Q4_K gate and up: x rounded to 8 bits, gate/up on dp4a
 # (gemv_q8._gate_up_q8_kernel), (R rows, BB blocks a step, warps)
 GATE_UP_Q8_TILE = (4, 8, 1)
+# and with a Q4_K down: each pair's h rounded to 8 bits, down on dp4a (gemv_q8._down_q8_kernel)
+DOWN_Q8_TILE = (4, 4, 1)
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
-# "gate_up_q8" -> (R, BB, warps) instead of GATE_UP_Q8_TILE
+# "gate_up_q8" / "down_q8" -> (R, BB, warps) instead of GATE_UP_Q8_TILE / DOWN_Q8_TILE
 DECODE_TUNE: dict = {}
 
 
@@ -316,7 +318,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     is then computed. Decode sizes only (T <= DECODE_MAX_T) with fused kernels for the types.
     x8: a decode call with Q4_K gate and up (rows 4-byte aligned) rounds x to 8 bits per 32
     values and runs gate/up on integer dot products (gemv_q8.py: ~1e-2 relative to the product
-    with x itself, as llama.cpp's CUDA path; the down GEMV keeps float32); other calls ignore it."""
+    with x itself, as llama.cpp's CUDA path), and with a Q4_K down rounds each pair's h the same
+    way for it; other types and calls keep float32 activations."""
     t = x.shape[0] if x.dim() == 2 else 0
     # a decode call with no `out` writes the sums straight into a new one (no zero fill + add)
     direct = (out is None and 0 < t <= DECODE_MAX_T and ids.dim() == 2 and ids.shape[1] > 0
@@ -443,7 +446,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
             up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
             MISS=miss is not None, HOST_FROM=host, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
-                            accumulate, host)
+                            accumulate, host, x8)
     bn, bk, st, w = DECODE_TUNE.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
         x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
@@ -451,21 +454,33 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
         EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, HOST_FROM=host, num_warps=w)
     return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
-                        accumulate, host)
+                        accumulate, host, x8)
 
 
 def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: ANN001
                  out: torch.Tensor | None, t: int, topk: int, d: int, f: int, miss,
-                 accumulate: bool, host_from: int) -> torch.Tensor | None:
+                 accumulate: bool, host_from: int, x8: bool = False) -> torch.Tensor | None:
     """The down half of _decode: partial rows per pair, then each token's K rows summed into
     out (or, out None, the rows returned as [T, K, D])."""
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
-    bn, bk, stages, warps = DECODE_TUNE.get("down_pairs") or decode_tile(DOWN_TILE, (fd,), f)
-    _down_pairs_kernel[(triton.cdiv(d, bn), p)](
-        h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
-        down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-        STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from, num_warps=warps)
+    if x8 and fd.qtype == QType.Q4_K and f % 256 == 0 and _words_aligned(down, md):
+        from strata.kernels.gpu.gemv_q8 import _down_q8_kernel, quantize_x
+
+        hq, _, _, _, hs4 = quantize_x(h)
+        r, bb, warps = DECODE_TUNE.get("down_q8") or DOWN_Q8_TILE
+        _down_q8_kernel[(triton.cdiv(d, r), p)](
+            hq, hs4, ids, slot_of, down, part, md, d, f, down.stride(0), md.stride(0),
+            down.shape[2], TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host_from,
+            num_warps=warps)
+    else:
+        bn, bk, stages, warps = (DECODE_TUNE.get("down_pairs")
+                                 or decode_tile(DOWN_TILE, (fd,), f))
+        _down_pairs_kernel[(triton.cdiv(d, bn), p)](
+            h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
+            down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
+            STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from,
+            num_warps=warps)
     if out is None:
         return part.view(t, topk, d)
     if accumulate:  # each token's K pairs, in a fixed order

@@ -16,12 +16,15 @@ def matmul_ref(x: torch.Tensor, w: torch.Tensor, qtype: int | QType) -> torch.Te
 def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             slot_of_expert: torch.Tensor, gate_slots: torch.Tensor, up_slots: torch.Tensor,
             down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
-            d_expert: int) -> torch.Tensor:
+            d_expert: int, x8: bool = False) -> torch.Tensor:
     """float32 [T, D]: Σ over resident pairs of weights[t, k] · down(silu(gate x) · up x),
-    one pair at a time (the slow, obvious order)."""
+    one pair at a time (the slow, obvious order). x8: as moe_forward's x8, x rounded to 8 bits
+    (round8) for a Q4_K gate and up, and h for a Q4_K down."""
     qg, qu, qd = qtypes
     out = torch.zeros(x.shape[0], d_model, dtype=torch.float32, device=x.device)
     xf = x.float()
+    if x8 and qg == qu == QType.Q4_K:
+        xf = round8(xf)
     for t in range(ids.shape[0]):
         for k in range(ids.shape[1]):
             s = int(slot_of_expert[int(ids[t, k])])
@@ -30,5 +33,16 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             g = dequantize(gate_slots[s], qg, d_model) @ xf[t]  # [F]
             u = dequantize(up_slots[s], qu, d_model) @ xf[t]
             h = torch.nn.functional.silu(g) * u
+            if x8 and qd == QType.Q4_K:
+                h = round8(h)
             out[t] += float(weights[t, k]) * (dequantize(down_slots[s], qd, d_expert) @ h)
     return out
+
+
+def round8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 (K a multiple of 32) rounded to 8 bits per 32 values, as ggml's
+    q8 activations: d = max|x| / 127, x̂ = d · round(x / d) (halves to even)."""
+    v = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = v.abs().amax(-1, keepdim=True)
+    q = torch.round(v * torch.where(amax > 0, 127 / amax, 0))
+    return (q * (amax / 127)).reshape(x.shape)
