@@ -100,7 +100,13 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, w
     """quantize_x then the type's dp4a GEMV (strata/kernels/gpu/gemv_q8.py) on the rotated
     copies of Q4_K or Q6_K rows; spread: the Q4_K kernel with a row's blocks across the threads,
     bn blocks a step; quantize False: x rounded once, outside the time (the GEMV alone)."""
-    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q4k_spread, gemv_q6k_q8, quantize_x
+    from strata.kernels.gpu.gemv_q8 import (
+        gemv_q4k_q8,
+        gemv_q4k_spread,
+        gemv_q6k_q8,
+        gemv_q6k_spread,
+        quantize_x,
+    )
 
     x = torch.randn(k, device=dev)
     out = torch.empty(n, device=dev)
@@ -108,7 +114,10 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, w
 
     def call(i: int) -> None:
         xq, dx, sx, sx16, xs4 = quantize_x(x) if quantize else once
-        if spread:  # stages: (rows, cg)
+        if spread and q == QType.Q6_K:  # stages: (rows, cg)
+            gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bn, warps=warps,
+                            rows=stages[0])
+        elif spread:
             gemv_q4k_spread(xq, xs4, copies[i % len(copies)], n, k, out=out, bb=bn, warps=warps,
                             rows=stages[0], cg=stages[1])
         elif q == QType.Q4_K:
@@ -125,7 +134,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--gemv-only", default=None, metavar="TEXT",
-                    help="only the GEMVs whose shape name contains TEXT (e.g. 14336x4096), no "
+                    help="only the GEMVs whose shape name contains TEXT (e.g. 14336x4096; "
+                    "several: comma-separated; moe among them: the MoE layer too), no "
                     "MoE layer")
     ap.add_argument("--moe-only", action="store_true", help="the MoE layer only, no GEMVs")
     a = ap.parse_args()
@@ -150,9 +160,12 @@ def main() -> None:
         variants[f"x8, gate_up_q8 {gq}"] = {"x8": True, "gate_up_q8": gq}
     for dn in [(8, 256, 1, 4), (4, 256, 1, 2)]:  # (a Q6_K down keeps the FMA kernel)
         variants[f"x8, down_pairs {dn}"] = {"x8": True, "down_pairs": dn}
-    for dq in [(2, 4, 1), (8, 4, 1), (4, 8, 1), (8, 8, 2)]:  # (a Q4_K down: h rounded too)
-        variants[f"x8, down_q8 {dq}"] = {"x8": True, "down_q8": dq}
-    for qdown in (QType.Q6_K, QType.Q4_K) if a.gemv_only is None else ():
+    for dq in [(2, 4, 1), (8, 4, 1), (4, 8, 1), (8, 8, 2)]:  # (h rounded too)
+        variants[f"x8, down_q8 {dq}"] = {"x8": True, "down_q8": dq, "down_q6k_q8": dq}
+    for dq in [(1, 4, 1), (4, 4, 1), (1, 2, 1)]:
+        variants[f"x8, down_q6k_q8 {dq}"] = {"x8": True, "down_q6k_q8": dq}
+    moe = a.gemv_only is None or "moe" in a.gemv_only.split(",")
+    for qdown in (QType.Q6_K, QType.Q4_K) if moe else ():
         layer = moe_layer(qdown, rng, dev)
         nbytes = K * layer["lay"].nbytes
         for name, tune in variants.items():
@@ -182,8 +195,8 @@ def main() -> None:
                   (4, 512, 1, 1), (8, 512, 1, 2), (4, 1024, 1, 4), (4, 1024, 2, 2)]
     runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
     runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
-    for q, n, k, what in [s for s in shapes if not a.moe_only
-                          and (a.gemv_only is None or a.gemv_only in s[3])]:
+    for q, n, k, what in [s for s in shapes if not a.moe_only and (
+            a.gemv_only is None or any(g in s[3] for g in a.gemv_only.split(",")))]:
         nbytes = n * row_nbytes(q, k)
         copies = None
         for tile, rows, xdtype in [r for r in runs if r[0] is None or r[0][1] <= k]:
@@ -207,6 +220,11 @@ def main() -> None:
                         "alone", (bb, (r, cg), wp, True, False))
                        for r, bb, wp, cg in SPREAD_TILES]
                 q8 += [("q8 spread (R 1, BB 4, warps 1)", (4, (1, False), 1, True, True))]
+            else:  # (rows, blocks, warps), x rounded outside
+                q8 += [(f"q8 spread (R {r}, BB {bb}, warps {wp}), GEMV alone",
+                        (bb, (r, False), wp, True, False))
+                       for r, bb, wp in ((1, 8, 1), (2, 8, 1), (1, 4, 1), (2, 4, 1), (4, 4, 1),
+                                         (1, 16, 2))]
             for name, (bn, stages, warps, spread, qx) in q8:
                 key = f"{q.name} {n}x{k} {name}"
                 try:

@@ -157,6 +157,14 @@ def main() -> None:
                                   {"R": r, "BB": bb, "CG": False}, (0, 1, 2, 3, 6), warps)
         print(describe(f"dp4a spread GEMV (gemv_q8.py) Q4_K R {r} BB {bb} warps {warps}", sass,
                        regs, 64 * r, 36 * r))
+    q6_sig = {"xq": "*i8", "dx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
+              "row_bytes": "i32", "R": "constexpr", "BB": "constexpr"}
+    for r, bb in ((1, 8), (2, 8), (1, 16)):  # a thread: 64 values of a block of each row
+        warps = max(1, bb * 4 // 32)
+        sass, regs = compile_sm90(gemv_q8._gemv_q6k_spread_kernel, q6_sig, {"R": r, "BB": bb},
+                                  (0, 1, 2, 3, 6), warps)
+        print(describe(f"dp4a spread GEMV (gemv_q8.py) Q6_K R {r} BB {bb} warps {warps}", sass,
+                       regs, 64 * r, 52.5 * r))
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,13 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
     """Q4_K or Q6_K rows [n, k] and a fresh x through quantize_x and the type's GEMV on `dev`
     (spread: the Q4_K kernel with a row's blocks across the threads, bn blocks a step, `rows`
     rows a program)."""
-    from strata.kernels.gpu.gemv_q8 import gemv_q4k_q8, gemv_q4k_spread, gemv_q6k_q8, quantize_x
+    from strata.kernels.gpu.gemv_q8 import (
+        gemv_q4k_q8,
+        gemv_q4k_spread,
+        gemv_q6k_q8,
+        gemv_q6k_spread,
+        quantize_x,
+    )
     from strata.quant import QType, dequantize, random_rows
 
     qt = QType[qtype]
@@ -40,7 +46,9 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
     np.testing.assert_array_equal(xs4.numpy(), np.stack(
         [dx[0::2], dx[1::2], sx[0::2], sx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    if spread:
+    if spread and qt == QType.Q6_K:
+        gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bn, rows=rows)
+    elif spread:
         gemv_q4k_spread(xq.to(dev), xs4.to(dev), w.to(dev), n, k, out=y, bb=bn, rows=rows,
                         cg=rows == 2)
     else:
@@ -71,6 +79,9 @@ _INTERPRETED = f"""
     for n, k, bb, r in ((3, 768, 4, 1), (2, 2048, 8, 1), (2, 1280, 2, 1), (1, 256, 1, 1),
                         (5, 768, 4, 2), (7, 1280, 2, 4), (3, 512, 8, 4)):
         check(rng, n, k, "cpu", bb, "Q4_K", spread=True, rows=r)
+    # Q6_K: rows of an odd number of blocks start 2 mod 4 every other row
+    for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
+        check(rng, n, k, "cpu", bb, "Q6_K", spread=True, rows=r)
     print("ok")
 """
 
@@ -145,6 +156,9 @@ def test_gemv_q4k_q8_on_cuda() -> None:
     for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 16, 4),
                         (5, 14336, 16, 2), (7, 4096, 4, 4), (14336, 4096, 8, 1)):
         check(rng, n, k, "cuda", bb, "Q4_K", spread=True, rows=r)
+    for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 8, 1),
+                        (151936, 2048, 8, 1), (9, 1280, 4, 4)):
+        check(rng, n, k, "cuda", bb, "Q6_K", spread=True, rows=r)
 
 
 def test_round8_is_quantize_x() -> None:
@@ -162,13 +176,13 @@ def test_round8_is_quantize_x() -> None:
 
 
 def test_moe_x8_under_the_interpreter() -> None:
-    """The decode MoE layer with activations rounded to 8 bits for its Q4_K parts (moe_forward
-    x8=True: x for a Q4_K gate and up, each pair's h for a Q4_K down): equal to the reference
-    with that rounding (moe_ref x8=True) for 1 and 3 tokens, experts without a slot (they add
+    """The decode MoE layer with activations rounded to 8 bits (moe_forward x8=True: x for a
+    Q4_K gate and up, each pair's h for a Q4_K or Q6_K down): equal to the reference with that
+    rounding (moe_ref x8=True) for 1 and 3 tokens (3 only for the second pack), experts without a slot (they add
     nothing), the pairs' rows unsummed, miss rows (3 tokens: every pair computed, the missing
     experts' records read from their rows), blocks a step not dividing a row's three; and
-    within the rounding of the reference without it. One pack with a Q6_K down (x rounded
-    only), one with a Q6_K gate (h only)."""
+    within the rounding of the reference without it. One pack with a Q6_K down, one with a
+    Q6_K gate (x not rounded: h only)."""
     run_interpreted(_MOE_X8, fresh_seed(), timeout=600)
 
 
@@ -200,12 +214,13 @@ _MOE_X8 = """
         full = dict(layer, slot_of_expert=torch.arange(e, dtype=torch.int32),
                     **dict(zip(("gate_slots", "up_slots", "down_slots"), lay.views(records))))
         # (larger tiles: fewer programs to interpret)
-        moe_mod.DECODE_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(64, 2, 1),
+        moe_mod.DECODE_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1),
+                                   down_q6k_q8=(256, 2, 1),
                                    gate_up=(64, 256, 1, 4), down_pairs=(64, 256, 1, 4))
         # (a pair's h comes from float32 sums in another order than the reference's, so a value
         # next to a rounding boundary may round to the other side: 1e-3 there, not 2e-5)
-        tol = 1e-3 if qt[2] == QType.Q4_K else 2e-5
-        for t in (1, 3):
+        tol = 1e-3
+        for t in (1, 3) if qt[2] == QType.Q6_K else (3,):
             ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
             x, wts = torch.randn(t, d), torch.rand(t, 2)
             out = moe_forward(x, ids, wts, **layer, x8=True)
@@ -254,7 +269,7 @@ def test_moe_x8_on_cuda(tune: dict, down: str, monkeypatch: pytest.MonkeyPatch) 
                  up_slots=rows(slots * f, d, q).view(slots, f, -1),
                  down_slots=rows(slots * d, f, QType[down]).view(slots, d, -1),
                  qtypes=(q, q, QType[down]), d_model=d, d_expert=f)
-    tol = 1e-3 if down == "Q4_K" else 2e-5  # (see test_moe_x8_under_the_interpreter)
+    tol = 1e-3  # (see test_moe_x8_under_the_interpreter)
     for t in (1, 4):
         ids = torch.from_numpy(np.stack([rng.permutation(e)[:8] for _ in range(t)])).cuda()
         x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, 8, device="cuda")

@@ -204,6 +204,73 @@ def _gemv_q4k_spread_kernel(xq, xs4, w, y, N, K, row_bytes, R: tl.constexpr, BB:
     tl.store(y + n, s, mask=n < N)
 
 
+@triton.jit
+def _u32_at(wbase, o, i, m):
+    """[..., 4]: the little-endian u32 at bytes o + 4i (o even, int64; wbase int32 words at a
+    4-aligned address): one aligned word, or where o is 2 mod 4 the halves of two."""
+    w0 = tl.load(wbase + (o >> 2) + i, mask=m, other=0)
+    w1 = tl.load(wbase + (o >> 2) + i + 1, mask=m, other=0)
+    return tl.where((o & 2) == 0, w0, ((w0 >> 16) & 0xFFFF) | (w1 << 16))
+
+
+@triton.jit
+def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
+    """Σ_k x̂[k] · W[r, k] [R] for Q6_K rows at byte offsets ro ([1, 1, 1, R, 1], int64) from
+    wbase (int32 words, 4-aligned) of nb blocks, and x̂ as quantize_x gives it (xw: its int8
+    values as int32 words, dx: its per-32 scales).
+
+    Q6_K blocks are 210 bytes, so a row's words are only 2-byte aligned: each is read as one
+    aligned word or the halves of two (_u32_at). The threads spread over BB blocks x 2 halves x
+    2 quarters; a thread reads, per row, 4 words at each of ql + 64h + 16q, ql + 64h + 32 + 16q
+    and qh + 32h + 16q, which hold the 6-bit values of the 16-value sub-blocks 8h + 2j + q
+    (positions 128h + 32j + 16q + 4i + t, j = 0..3): one dp4a per 4 values with x̂, less 32 Σ xq
+    (a dp4a with ones), times the sub-block's int8 scale, in int32; then d dx per j."""
+    R: tl.constexpr = ro.shape[3]
+    bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
+    h = tl.arange(0, 2)[None, :, None, None, None]
+    q = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, None, :]
+    zero = tl.zeros((BB, 2, 2, R, 4), tl.int32)
+    ones = zero + 0x01010101
+    acc = tl.zeros((BB, 2, 2, R, 4), tl.float32)
+    for b0 in range(0, nb, BB):
+        b = b0 + bb
+        m = b < nb
+        o = ro + b * 210  # [BB, 1, 1, R, 1]: the block's bytes in each row
+        qa = _u32_at(wbase, o + 64 * h + 16 * q, i, m)  # [BB, 2, 2, R, 4]
+        qb = _u32_at(wbase, o + 64 * h + 32 + 16 * q, i, m)
+        qh = _u32_at(wbase, o + 128 + 32 * h + 16 * q, i, m)
+        hd = o + 208 + 0 * (h + q + i)  # d, the same for every word of the block
+        d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd).to(tl.pointer_type(tl.int16)),
+                    mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        for j in tl.static_range(4):
+            lo = qa if j % 2 == 0 else qb
+            if j >= 2:
+                lo = lo >> 4
+            if j < 2:
+                hi = qh << (4 - 2 * j)  # bits 2j, 2j + 1 of each qh byte to bits 4, 5
+            else:
+                hi = qh >> (2 * j - 4)
+            qj = (lo & 0x0F0F0F0F) | (hi & 0x30303030)
+            xj = tl.load(xw + b * 64 + 32 * h + 8 * j + 4 * q + i, mask=m, other=0)
+            dot = _dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero)  # Σ (q - 32) xq
+            sc = tl.load(wbase.to(tl.pointer_type(tl.int8)) + o + 192 + 8 * h + 2 * j + q
+                         + 0 * i, mask=m, other=0).to(tl.int32)  # the 16 values' scale
+            dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * (q + i), mask=m, other=0.0)
+            acc += (d * dxj) * _i2f_signed(sc * dot)
+    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=2), axis=1), axis=0)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of Q6_K (q6k_spread_dot)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, None, :, None]
+    s = q6k_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
+                       K // 256, BB)
+    tl.store(y + n, s, mask=n < N)
+
+
 @triton.jit(do_not_specialize=["N", "K"])
 def _gemv_q6k_kernel(xq, dx, sx16, w, y, N, K, row_bytes, BN: tl.constexpr,
                      STAGES: tl.constexpr):
@@ -354,4 +421,41 @@ def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stri
                            row_bytes)
         total, _ = spread_dot(rows, rows, (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                               hs4 + p.to(tl.int64) * (F // 16), F // 256, False, BB, False)
+    tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
+
+
+def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
+                    out: torch.Tensor | None = None, bb: int = 8, warps: int = 0,
+                    rows: int = 1) -> torch.Tensor:
+    """y [N] f32 = W x̂ for Q6_K rows w (4-byte aligned) and quantize_x's x̂ (xq, dx): `rows`
+    rows a program (a power of two), its threads spread over bb blocks (a power of two) x 2
+    halves x 2 quarters; warps by default bb * 4 / 32 (at least 1)."""
+    y = _rows_out(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_spread")
+    if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
+        raise ValueError(f"gemv_q6k_spread: bb and rows must be powers of two, got {bb}, {rows}")
+    if w.data_ptr() % 4:
+        raise ValueError("gemv_q6k_spread: the rows must start 4-byte aligned")
+    if n:
+        _gemv_q6k_spread_kernel[(triton.cdiv(n, rows),)](
+            xq, dx, w, y, n, k, w.stride(0), R=rows, BB=bb,
+            num_warps=warps or max(1, bb * 4 // 32))
+    return y
+
+
+@triton.jit(do_not_specialize=["D", "F"])
+def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, stride_ms,
+                        row_bytes, TOPK: tl.constexpr, R: tl.constexpr, BB: tl.constexpr,
+                        MISS: tl.constexpr, HOST_FROM: tl.constexpr):
+    # as moe._down_pairs_kernel, for a Q6_K down and h rounded to 8 bits: R rows a program
+    # (q6k_spread_dot)
+    p = tl.program_id(1)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    slot = tl.load(slot_of + tl.load(ids + p))
+    total = tl.zeros((R,), tl.float32)
+    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+        ro = (tl.minimum(n, D - 1).to(tl.int64) * row_bytes)[None, None, None, :, None]
+        total = q6k_spread_dot(base.to(tl.pointer_type(tl.int32)), ro,
+                               (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
+                               hdx + p.to(tl.int64) * (F // 32), F // 256, BB)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)

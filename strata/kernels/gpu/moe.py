@@ -57,10 +57,13 @@ DOWN_TILE = (4, 256, 1, 4)
 # moe_forward(..., x8=True) with Q4_K gate and up: x rounded to 8 bits, gate/up on dp4a
 # (gemv_q8._gate_up_q8_kernel), (R rows, BB blocks a step, warps)
 GATE_UP_Q8_TILE = (4, 8, 1)
-# and with a Q4_K down: each pair's h rounded to 8 bits, down on dp4a (gemv_q8._down_q8_kernel)
+# and each pair's h rounded to 8 bits for a Q4_K or Q6_K down on dp4a (gemv_q8._down_q8_kernel,
+# _down_q6k_q8_kernel)
 DOWN_Q8_TILE = (4, 4, 1)
+DOWN_Q6K_Q8_TILE = (2, 4, 1)
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
-# "gate_up_q8" / "down_q8" -> (R, BB, warps) instead of GATE_UP_Q8_TILE / DOWN_Q8_TILE
+# "gate_up_q8" / "down_q8" / "down_q6k_q8" -> (R, BB, warps) instead of GATE_UP_Q8_TILE /
+# DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE
 DECODE_TUNE: dict = {}
 
 
@@ -318,8 +321,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     is then computed. Decode sizes only (T <= DECODE_MAX_T) with fused kernels for the types.
     x8: a decode call with Q4_K gate and up (rows 4-byte aligned) rounds x to 8 bits per 32
     values and runs gate/up on integer dot products (gemv_q8.py: ~1e-2 relative to the product
-    with x itself, as llama.cpp's CUDA path), and with a Q4_K down rounds each pair's h the same
-    way for it; other types and calls keep float32 activations."""
+    with x itself, as llama.cpp's CUDA path), and with a Q4_K or Q6_K down rounds each pair's h
+    the same way for it; other types and calls keep float32 activations."""
     t = x.shape[0] if x.dim() == 2 else 0
     # a decode call with no `out` writes the sums straight into a new one (no zero fill + add)
     direct = (out is None and 0 < t <= DECODE_MAX_T and ids.dim() == 2 and ids.shape[1] > 0
@@ -464,15 +467,19 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     out (or, out None, the rows returned as [T, K, D])."""
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
-    if x8 and fd.qtype == QType.Q4_K and f % 256 == 0 and _words_aligned(down, md):
-        from strata.kernels.gpu.gemv_q8 import _down_q8_kernel, quantize_x
+    # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
+    if (x8 and fd.qtype in (QType.Q4_K, QType.Q6_K) and f % 256 == 0
+            and _words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
+        from strata.kernels.gpu.gemv_q8 import _down_q6k_q8_kernel, _down_q8_kernel, quantize_x
 
-        hq, _, _, _, hs4 = quantize_x(h)
-        r, bb, warps = DECODE_TUNE.get("down_q8") or DOWN_Q8_TILE
-        _down_q8_kernel[(triton.cdiv(d, r), p)](
-            hq, hs4, ids, slot_of, down, part, md, d, f, down.stride(0), md.stride(0),
-            down.shape[2], TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host_from,
-            num_warps=warps)
+        hq, hdx, _, _, hs4 = quantize_x(h)
+        q4 = fd.qtype == QType.Q4_K
+        r, bb, warps = ((DECODE_TUNE.get("down_q8") or DOWN_Q8_TILE) if q4
+                        else (DECODE_TUNE.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
+        (_down_q8_kernel if q4 else _down_q6k_q8_kernel)[(triton.cdiv(d, r), p)](
+            hq, hs4 if q4 else hdx, ids, slot_of, down, part, md, d, f, down.stride(0),
+            md.stride(0), down.shape[2], TOPK=topk, R=r, BB=bb, MISS=miss is not None,
+            HOST_FROM=host_from, num_warps=warps)
     else:
         bn, bk, stages, warps = (DECODE_TUNE.get("down_pairs")
                                  or decode_tile(DOWN_TILE, (fd,), f))
@@ -490,10 +497,11 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     return None
 
 
-def _words_aligned(*parts: torch.Tensor) -> bool:
-    """Whether every row of these uint8 slot views starts 4-byte aligned (gemv_q8.py reads
-    Q4_K rows as int32 words; a part after a Q6_K part of an odd number of blocks would not)."""
-    return all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
+def _words_aligned(*parts: torch.Tensor, rows: bool = True) -> bool:
+    """Whether every row (rows False: every record) of these uint8 slot views starts 4-byte
+    aligned (gemv_q8.py reads Q4_K rows as int32 words; a part after a Q6_K part of an odd
+    number of blocks would not)."""
+    return all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1 if rows else 1])
                for t in parts)
 
 
