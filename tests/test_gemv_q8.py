@@ -178,11 +178,11 @@ def test_round8_is_quantize_x() -> None:
 def test_moe_x8_under_the_interpreter() -> None:
     """The decode MoE layer with activations rounded to 8 bits (moe_forward x8=True: x for a
     Q4_K gate and up, each pair's h for a Q4_K or Q6_K down): equal to the reference with that
-    rounding (moe_ref x8=True) for 1 and 3 tokens (3 only for the second pack), experts without a slot (they add
-    nothing), the pairs' rows unsummed, miss rows (3 tokens: every pair computed, the missing
-    experts' records read from their rows), blocks a step not dividing a row's three; and
-    within the rounding of the reference without it. One pack with a Q6_K down, one with a
-    Q6_K gate (x not rounded: h only)."""
+    rounding (moe_ref x8=True) for 1 and 3 tokens (the second pack: 3), experts without a slot
+    (they add nothing), the pairs' rows unsummed, miss rows (3 tokens: every pair computed, the
+    missing experts' records read from their rows), blocks a step not dividing a row's three;
+    and within the rounding of the reference without it. One pack with a Q6_K down (rows of
+    one 210-byte block: every other one 2 mod 4), one with a Q6_K gate (x not rounded)."""
     run_interpreted(_MOE_X8, fresh_seed(), timeout=600)
 
 
