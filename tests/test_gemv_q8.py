@@ -280,3 +280,33 @@ def test_moe_x8_on_cuda(tune: dict, down: str, monkeypatch: pytest.MonkeyPatch) 
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
         assert err < 3e-2, f"{tune} {down} t={t} seed={seed}: rel err {err:.2e} without"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
+    """A one-token matmul of a large Q4_K / Q6_K QuantTensor with x8 (--kernels fused) rounds
+    x to 8 bits and runs the spread GEMV: the product with round8(x) to float rounding, within
+    the rounding of the product with x; a small matrix or two tokens keep float32 x."""
+    from strata.kernels.gpu.reference import matmul_ref, round8
+    from strata.model.weights import X8_MIN_ROWS, QuantTensor
+    from strata.quant import QType, random_rows
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    q = QType[qtype]
+    for n, k in ((X8_MIN_ROWS + 7, 2048), (151936, 2048), (512, 2048)):
+        w = QuantTensor(torch.from_numpy(random_rows(q, n, k, rng, 0.05)).cuda(), int(q), k,
+                        x8=True)
+        x = torch.randn(1, k, device="cuda")
+        y = w.matmul_t(x)
+        exact = matmul_ref(x, w.raw, q)
+        rounded = matmul_ref(round8(x), w.raw, q)
+        err = float((y - rounded).norm() / rounded.norm())
+        if n >= X8_MIN_ROWS:
+            assert err < 2e-5, f"{n}x{k} seed={seed}: rel err {err:.2e} against round8(x)"
+            assert float((y - exact).norm() / exact.norm()) < 3e-2
+        else:
+            assert float((y - exact).norm() / exact.norm()) < 2e-5, (n, k, seed)
+        y2 = w.matmul_t(torch.cat([x, x]))  # two tokens: float32 x
+        assert float((y2[0] - exact[0]).norm() / exact.norm()) < 2e-5, (n, k, seed)

@@ -266,11 +266,13 @@ def test_lent_slots_give_the_reference_logits_across_requests(synth, device, rin
             assert_same(run, ref)
         return
     # CUDA: prompt chunks on bf16 tensor cores move the logits by their rounding
-    # (test_fused_tensor_core_path_within_bf16_rounding), by a little more or less as the slots
-    # hold other experts (hits and misses round apart): KL within the decode paths' 1e-4 of the
-    # engine without lent slots, and the bf16 bound of the reference
+    # (test_fused_tensor_core_path_within_bf16_rounding), and decode hits by rounding x to 8
+    # bits (test_fused_decode_within_x8_rounding), by a little more or less as the slots hold
+    # other experts (hits and CPU-computed misses round apart): KL within 1e-3 of the engine
+    # without lent slots (1.2e-4 measured), and the bf16 bound of the reference
     for run, other in zip(runs, two_requests(plain), strict=True):
-        assert_same(run, other)
+        assert kl_per_position(other, run).max() < 1e-3
+        assert (run.argmax(-1) == other.argmax(-1)).mean() >= 0.8
         assert kl_per_position(ref, run).max() < 2e-3
     # graphs over the slot tensors: captured again only where a new tensor moved
     assert not step._failed and 1 <= step.steps["captured"] <= 2

@@ -15,9 +15,13 @@ import torch
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
-from strata.quant import dequantize
+from strata.quant import QType, dequantize
 
 _CHUNK_ROWS = 8192  # rows dequantized at once: bounds the temporary float32 copy of a large matrix
+# QuantTensor.x8: from this many rows on (the output matrix, not the attention projections:
+# rounding x is one more launch, ~1.2 us in a decode graph, which a few-thousand-row GEMV of a
+# few microseconds would not win back; an estimate, timed only for 14336 rows and up)
+X8_MIN_ROWS = 8192
 
 
 @dataclass
@@ -28,6 +32,7 @@ class QuantTensor:
     qtype: int
     n_cols: int
     fused_max_t: int = 1 << 30  # tokens up to which the fused kernels run (CUDA)
+    x8: bool = False  # one token: x rounded to 8 bits for a large Q4_K / Q6_K (--kernels fused)
 
     @classmethod
     def load(cls, ref: TensorRef, device: torch.device) -> QuantTensor:
@@ -47,10 +52,21 @@ class QuantTensor:
         return (self.raw.is_cuda and x.shape[0] <= self.fused_max_t
                 and fused_matmul_available(self.qtype))
 
+    def _x8_for(self, x: torch.Tensor) -> bool:
+        """One token, a Q4_K / Q6_K matrix of X8_MIN_ROWS rows or more, 4-byte aligned."""
+        w = self.raw
+        return (x.shape[0] == 1 and self.qtype in (QType.Q4_K, QType.Q6_K) and w.dim() == 2
+                and w.shape[0] >= X8_MIN_ROWS and self.n_cols % 256 == 0 and w.stride(1) == 1
+                and w.data_ptr() % 4 == 0 and (self.qtype == QType.Q6_K or w.stride(0) % 4 == 0))
+
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else
         dequantizing a chunk of rows at a time. x: [T, n_cols] -> [T, N]"""
         if self.fused_for(x):
+            if self.x8 and self._x8_for(x):
+                from strata.kernels.gpu.gemv_q8 import gemv_x8
+
+                return gemv_x8(x, self.raw, self.qtype)
             from strata.kernels.gpu import quant_matmul
 
             return quant_matmul(x.contiguous(), self.raw, self.qtype)
@@ -197,9 +213,10 @@ class ModelWeights:
 
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
-             experts: bool = True, fused_max_t: int = 1 << 30) -> ModelWeights:
+             experts: bool = True, fused_max_t: int = 1 << 30,
+             x8: bool = False) -> ModelWeights:
         """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
-        experts=False leaves the routed experts to the offload runtime."""
+        experts=False leaves the routed experts to the offload runtime; x8: QuantTensor.x8."""
         t = mf.tensors
 
         def d(name: str) -> torch.Tensor:
@@ -209,7 +226,7 @@ class ModelWeights:
             if not quant_dense:
                 return d(name)
             qt = QuantTensor.load(t[name], device)
-            qt.fused_max_t = fused_max_t
+            qt.fused_max_t, qt.x8 = fused_max_t, x8
             return qt
 
         def opt(name: str, matrix: bool = False) -> Weight | None:
