@@ -60,7 +60,7 @@ GATE_UP_Q8_TILE = (4, 8, 1)
 # and each pair's h rounded to 8 bits for a Q4_K or Q6_K down on dp4a (gemv_q8._down_q8_kernel,
 # _down_q6k_q8_kernel)
 DOWN_Q8_TILE = (4, 4, 1)
-DOWN_Q6K_Q8_TILE = (2, 4, 1)
+DOWN_Q6K_Q8_TILE = (4, 4, 1)
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
 # "gate_up_q8" / "down_q8" / "down_q6k_q8" -> (R, BB, warps) instead of GATE_UP_Q8_TILE /
 # DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE
