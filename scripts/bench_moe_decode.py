@@ -4,10 +4,10 @@ dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles),
 cuBLAS on the same shapes and the HBM copy ceiling; the rows kernel on the same shapes
 (matmul.GEMV_ROWS_TUNE tiles: R rows a program sharing each x tile), with x float32 as the
 decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's default tile is timed
-on bf16 x too); for Q4_K and Q6_K also the int8-activation dp4a experiment (gemv_q8.py: x
-rounded to 8 bits, then one dp4a per 4 weights; for Q4_K also with a row's blocks spread across
-the threads, rows sharing x's words), by tile, also with --gemv-only; and the MoE layer with
-activations rounded to 8 bits for its Q4_K parts (moe_forward x8).
+on bf16 x too); for Q4_K and Q6_K also the int8-activation GEMVs (gemv_q8.py: x rounded to
+8 bits, one dp4a per 4 weights, a row's blocks spread across the threads, rows sharing x's
+words), by tile, also with --gemv-only; and the MoE layer with activations rounded to 8 bits
+for its Q4_K / Q6_K parts (moe_forward x8).
 
     python scripts/bench_moe_decode.py [--json F]
 
@@ -95,37 +95,26 @@ SPREAD_TILES = [(1, 4, 1, False), (1, 4, 1, True), (2, 4, 1, False), (4, 4, 1, F
                 (8, 4, 1, False), (1, 2, 1, False)]
 
 
-def time_gemv_q8(q: QType, n: int, k: int, copies: list, bn: int, stages: int, warps: int,
-                 dev: torch.device, spread: bool = False, quantize: bool = True) -> float:
-    """quantize_x then the type's dp4a GEMV (strata/kernels/gpu/gemv_q8.py) on the rotated
-    copies of Q4_K or Q6_K rows; spread: the Q4_K kernel with a row's blocks across the threads,
-    bn blocks a step; quantize False: x rounded once, outside the time (the GEMV alone)."""
-    from strata.kernels.gpu.gemv_q8 import (
-        gemv_q4k_q8,
-        gemv_q4k_spread,
-        gemv_q6k_q8,
-        gemv_q6k_spread,
-        quantize_x,
-    )
+def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch.device,
+                 quantize: bool = True) -> float:
+    """The type's int8-activation GEMV (gemv_q8.py: a row's blocks spread across the threads)
+    on the rotated copies of Q4_K or Q6_K rows, tile (rows, blocks, warps, ld.global.cg (Q4_K));
+    quantize False: x rounded once, outside the time (the GEMV alone)."""
+    from strata.kernels.gpu.gemv_q8 import gemv_q4k_spread, gemv_q6k_spread, quantize_x
 
     x = torch.randn(k, device=dev)
     out = torch.empty(n, device=dev)
     once = quantize_x(x)
+    r, bb, warps, cg = tile
 
     def call(i: int) -> None:
-        xq, dx, sx, sx16, xs4 = quantize_x(x) if quantize else once
-        if spread and q == QType.Q6_K:  # stages: (rows, cg)
-            gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bn, warps=warps,
-                            rows=stages[0])
-        elif spread:
-            gemv_q4k_spread(xq, xs4, copies[i % len(copies)], n, k, out=out, bb=bn, warps=warps,
-                            rows=stages[0], cg=stages[1])
-        elif q == QType.Q4_K:
-            gemv_q4k_q8(xq, dx, sx, copies[i % len(copies)], n, k, out=out, bn=bn,
-                        stages=stages, warps=warps)
+        xq, dx, xs4 = quantize_x(x) if quantize else once
+        if q == QType.Q6_K:
+            gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
+                            rows=r)
         else:
-            gemv_q6k_q8(xq, dx, sx16, copies[i % len(copies)], n, k, out=out, bn=bn,
-                        stages=stages, warps=warps)
+            gemv_q4k_spread(xq, xs4, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
+                            rows=r, cg=cg)
 
     return graph_seconds(call, CALLS)
 
@@ -211,24 +200,18 @@ def main() -> None:
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
         if q in (QType.Q4_K, QType.Q6_K) and k % 256 == 0:
-            # the dp4a experiments (gemv_q8.py): rows a thread's step, and (Q4_K) a row's blocks
-            # spread across the threads; x rounded to 8 bits inside the time, or outside
-            q8 = [(f"q8 dp4a (BN {bn}, stages {st}, warps {wp})", (bn, st, wp, False, True))
-                  for bn, st, wp in ((8, 1, 1), (8, 2, 1), (16, 1, 1))]
-            if q == QType.Q4_K:  # (rows, blocks, warps, ld.global.cg), x rounded outside
-                q8 += [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV "
-                        "alone", (bb, (r, cg), wp, True, False))
-                       for r, bb, wp, cg in SPREAD_TILES]
-                q8 += [("q8 spread (R 1, BB 4, warps 1)", (4, (1, False), 1, True, True))]
-            else:  # (rows, blocks, warps), x rounded outside
-                q8 += [(f"q8 spread (R {r}, BB {bb}, warps {wp}), GEMV alone",
-                        (bb, (r, False), wp, True, False))
-                       for r, bb, wp in ((1, 8, 1), (2, 8, 1), (1, 4, 1), (2, 4, 1), (4, 4, 1),
-                                         (1, 16, 2))]
-            for name, (bn, stages, warps, spread, qx) in q8:
+            # int8 activations (gemv_q8.py): a row's blocks spread across the threads, by
+            # (rows, blocks, warps, ld.global.cg); x rounded outside the time, or inside
+            tiles = SPREAD_TILES if q == QType.Q4_K else [
+                (1, 8, 1, False), (2, 8, 1, False), (1, 4, 1, False), (2, 4, 1, False),
+                (4, 4, 1, False), (1, 16, 2, False)]
+            q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
+                   (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
+            q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
+            for name, tile, qx in q8:
                 key = f"{q.name} {n}x{k} {name}"
                 try:
-                    t = time_gemv_q8(q, n, k, copies, bn, stages, warps, dev, spread, qx)
+                    t = time_gemv_q8(q, n, k, copies, tile, dev, qx)
                 except Exception as e:  # noqa: BLE001 (a variant that does not compile)
                     print(f"gemv {key}: failed ({type(e).__name__}: {str(e)[:120]})")
                     continue

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strata.kernels.gpu import matmul as mm  # noqa: E402
 from strata.quant import QType, random_rows  # noqa: E402
 
-# gemv_q4k_spread's (rows, blocks, warps, ld.global.cg) launched with --q8
+# the spread GEMVs' (rows, blocks, warps, ld.global.cg (Q4_K)) launched with --q8
 SPREAD = [(1, 4, 1, False), (1, 8, 1, False), (4, 4, 1, False), (4, 8, 1, True)]
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--shape", default="14336x4096", help="rows x columns")
     p.add_argument("--types", default="Q4_K,Q6_K")
     p.add_argument("--q8", action="store_true",
-                   help="also the dp4a kernels (gemv_q8.py; Q4_K: both forms)")
+                   help="also the int8-activation GEMVs (gemv_q8.py)")
     p.add_argument("--rows", default=None, metavar="R,BK,STAGES,WARPS",
                    help="also the rows kernel (matmul.gemv_rows) with this tile, x f32 and bf16")
     p.add_argument("--launches", type=int, default=3)
@@ -46,22 +46,16 @@ def main() -> None:
         for _ in range(a.launches):
             mm.quant_matmul(x, w, q, out=out)
         if a.q8 and q in (QType.Q4_K, QType.Q6_K):
-            from strata.kernels.gpu.gemv_q8 import (
-                gemv_q4k_q8,
-                gemv_q4k_spread,
-                gemv_q6k_q8,
-                quantize_x,
-            )
+            from strata.kernels.gpu.gemv_q8 import gemv_q4k_spread, gemv_q6k_spread, quantize_x
 
-            xq, dx, sx, sx16, xs4 = quantize_x(x[0])
+            xq, dx, xs4 = quantize_x(x[0])
             for _ in range(a.launches):
-                if q == QType.Q4_K:
-                    gemv_q4k_q8(xq, dx, sx, w, n, k, out=out[0], bn=8, stages=2, warps=1)
-                    for r, bb, wp, cg in SPREAD:
+                for r, bb, wp, cg in SPREAD:
+                    if q == QType.Q4_K:
                         gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=wp, rows=r,
                                         cg=cg)
-                else:
-                    gemv_q6k_q8(xq, dx, sx16, w, n, k, out=out[0], bn=8, stages=1, warps=1)
+                    else:
+                        gemv_q6k_spread(xq, dx, w, n, k, out=out[0], bb=bb, warps=wp, rows=r)
         if a.rows:
             tile = tuple(int(v) for v in a.rows.split(","))
             for xr in (x, x.to(torch.bfloat16)):

@@ -135,19 +135,6 @@ def main() -> None:
                 per = r * bk / (32 * warps)
                 print(describe(f"rows GEMV (matmul.py) {q.name} R {r} BK {bk} warps {warps}, "
                                f"x {xt}", sass, regs, per, per * per_byte))
-    q8_sig = {"xq": "*i8", "dx": "*fp32", "sx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32",
-              "K": "i32", "row_bytes": "i32", "BN": "constexpr", "STAGES": "constexpr"}
-    q6_sig = {"xq": "*i8", "dx": "*fp32", "sx16": "*fp32",
-              **{a: t for a, t in q8_sig.items() if a not in ("xq", "dx", "sx")}}
-    for q, fn, sig in ((QType.Q4_K, gemv_q8._gemv_q4k_kernel, q8_sig),
-                       (QType.Q6_K, gemv_q8._gemv_q6k_kernel, q6_sig)):
-        fmt = kernel_format(q)
-        for bn, warps in ((4, 2), (8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
-            sass, regs = compile_sm90(fn, sig, {"BN": bn, "STAGES": 1}, (0, 1, 2, 3, 4, 7),
-                                      warps)
-            per = bn * 256 / (32 * warps)
-            print(describe(f"dp4a GEMV (gemv_q8.py) {q.name} BN {bn} warps {warps}", sass, regs,
-                           per, per * fmt.block_bytes / fmt.block))
     spread_sig = {"xq": "*i8", "xs4": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
                   "row_bytes": "i32", "R": "constexpr", "BB": "constexpr", "CG": "constexpr"}
     for r, bb in ((1, 4), (1, 8), (1, 16), (2, 8), (4, 8), (2, 16), (4, 16)):

@@ -1,6 +1,8 @@
-"""The int8-activation Q4_K / Q6_K GEMV experiment (strata/kernels/gpu/gemv_q8.py): under Triton's
-interpreter against the dequantized weights (strata.quant.dequantize) times x rounded to 8
-bits, and compiled for sm_90 with its dp4a; on CUDA the same check with fresh inputs."""
+"""The int8-activation Q4_K / Q6_K kernels (strata/kernels/gpu/gemv_q8.py): the GEMVs under
+Triton's interpreter against the dequantized weights (strata.quant.dequantize) times x rounded
+to 8 bits, compiled for sm_90 with their dp4a, and on CUDA with fresh inputs; the decode MoE
+layer with rounded activations (moe_forward x8) against the reference's (moe_ref x8); the
+output head's one-token matmul (QuantTensor.x8)."""
 
 from __future__ import annotations
 
@@ -15,18 +17,11 @@ triton = pytest.importorskip("triton")
 from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 
-def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
-          qtype: str = "Q4_K", spread: bool = False, rows: int = 1) -> None:
-    """Q4_K or Q6_K rows [n, k] and a fresh x through quantize_x and the type's GEMV on `dev`
-    (spread: the Q4_K kernel with a row's blocks across the threads, bn blocks a step, `rows`
-    rows a program)."""
-    from strata.kernels.gpu.gemv_q8 import (
-        gemv_q4k_q8,
-        gemv_q4k_spread,
-        gemv_q6k_q8,
-        gemv_q6k_spread,
-        quantize_x,
-    )
+def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
+          qtype: str = "Q4_K", rows: int = 1) -> None:
+    """Q4_K or Q6_K rows [n, k] and a fresh x through quantize_x and the type's spread GEMV on
+    `dev` (bb blocks a step, `rows` rows a program; Q4_K with rows 2 reads past L1)."""
+    from strata.kernels.gpu.gemv_q8 import gemv_q4k_spread, gemv_q6k_spread, quantize_x
     from strata.quant import QType, dequantize, random_rows
 
     qt = QType[qtype]
@@ -34,26 +29,21 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bn: int = 4,
     x = torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 3)
     x[5] = 0.0
     x[32:64] = 0.0  # a block of zeros: dx = 0, nothing divided by it
-    xq, dx, sx, sx16, xs4 = (t.cpu() for t in quantize_x(x.to(dev)))
+    xq, dx, xs4 = (t.cpu() for t in quantize_x(x.to(dev)))
     d = np.repeat(dx.double().numpy(), 32)
     xh = d * xq.double().numpy()  # x rounded to 8 bits
     assert (np.abs(xh - x.double().numpy()) <= d / 2 + 1e-6 * np.abs(x.numpy())).all()
     assert (np.abs(xq.numpy().astype(int)) <= 127).all() and (xq[32:64] == 0).all()
-    np.testing.assert_allclose(sx.numpy(), dx.numpy() * xq.numpy().reshape(-1, 32).sum(1),
+    sx = dx.numpy() * xq.numpy().reshape(-1, 32).sum(1)
+    np.testing.assert_allclose(xs4.numpy()[:, 2:], np.stack([sx[0::2], sx[1::2]], axis=1),
                                rtol=1e-6)
-    np.testing.assert_allclose(sx16.numpy(), np.repeat(dx.numpy(), 2)
-                               * xq.numpy().reshape(-1, 16).sum(1), rtol=1e-6)
-    np.testing.assert_array_equal(xs4.numpy(), np.stack(
-        [dx[0::2], dx[1::2], sx[0::2], sx[1::2]], axis=1))
+    np.testing.assert_array_equal(xs4.numpy()[:, :2], np.stack([dx[0::2], dx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    if spread and qt == QType.Q6_K:
-        gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bn, rows=rows)
-    elif spread:
-        gemv_q4k_spread(xq.to(dev), xs4.to(dev), w.to(dev), n, k, out=y, bb=bn, rows=rows,
-                        cg=rows == 2)
+    if qt == QType.Q6_K:
+        gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows)
     else:
-        gemv, sums = (gemv_q4k_q8, sx) if qt == QType.Q4_K else (gemv_q6k_q8, sx16)
-        gemv(xq.to(dev), dx.to(dev), sums.to(dev), w.to(dev), n, k, out=y, bn=bn)
+        gemv_q4k_spread(xq.to(dev), xs4.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows,
+                        cg=rows == 2)
     wf = dequantize(w, qt, k).double().numpy()  # [N, K]
     xf = x.double().numpy()
     exact, ref = wf @ xh, wf @ xf
@@ -71,52 +61,53 @@ _INTERPRETED = f"""
     sys.path.insert(0, {str(Path(__file__).parent)!r})
     from test_gemv_q8 import check
     rng = np.random.default_rng(seed)
-    for qtype in ("Q4_K", "Q6_K"):
-        for n, k, bn in ((37, 512, 4), (37, 256, 16), (5, 256, 4), (1, 768, 16)):  # rows not
-            check(rng, n, k, "cpu", bn, qtype)  # a multiple of BN; one row
-    # the spread kernel: blocks a step more, fewer and not a multiple of the row's blocks
-    # and rows a program that do not divide the rows
+    # blocks a step more, fewer and not a multiple of the row's blocks; rows a program that
+    # do not divide the rows
     for n, k, bb, r in ((3, 768, 4, 1), (2, 2048, 8, 1), (2, 1280, 2, 1), (1, 256, 1, 1),
-                        (5, 768, 4, 2), (7, 1280, 2, 4), (3, 512, 8, 4)):
-        check(rng, n, k, "cpu", bb, "Q4_K", spread=True, rows=r)
+                        (5, 768, 4, 2), (7, 1280, 2, 4), (3, 512, 8, 4), (37, 256, 16, 1)):
+        check(rng, n, k, "cpu", bb, "Q4_K", rows=r)
     # Q6_K: rows of an odd number of blocks start 2 mod 4 every other row
-    for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
-        check(rng, n, k, "cpu", bb, "Q6_K", spread=True, rows=r)
+    for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1), (7, 768, 4, 4)):
+        check(rng, n, k, "cpu", bb, "Q6_K", rows=r)
+    # gemv_x8: quantize_x, then the type's GEMV with its tuned tile
+    import torch
+    from strata.kernels.gpu.gemv_q8 import gemv_x8
+    from strata.kernels.gpu.reference import matmul_ref, round8
+    from strata.quant import QType, random_rows
+    for q in (QType.Q4_K, QType.Q6_K):
+        w = torch.from_numpy(random_rows(q, 9, 512, rng, 0.05))
+        x = torch.randn(1, 512)
+        ref = matmul_ref(round8(x), w, q)
+        assert float((gemv_x8(x, w, q) - ref).norm() / ref.norm()) < 2e-5, q
     print("ok")
 """
 
 
-def test_gemv_q4k_q8_under_the_interpreter() -> None:
+def test_gemv_under_the_interpreter() -> None:
     run_interpreted(_INTERPRETED, fresh_seed(), timeout=600)
 
 
-def test_gemv_q4k_q8_compiles_for_sm90() -> None:
-    """Without a GPU: both kernels compile for sm_90, the GEMV with its dp4a."""
+def test_gemv_compiles_for_sm90() -> None:
+    """Without a GPU: the GEMVs compile for sm_90 with their dp4a (and ld.global.cg where
+    asked), the rounding kernel too."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from strata.kernels.gpu import gemv_q8
 
     target = GPUTarget("cuda", 90, 32)
-    sig = {"xq": "*i8", "dx": "*fp32", "sx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32",
-           "K": "i32", "row_bytes": "i32", "BN": "constexpr", "STAGES": "constexpr"}
-    k = triton.compile(ASTSource(gemv_q8._gemv_q4k_kernel, sig,
-                                 constexprs={"BN": 4, "STAGES": 2}), target=target)
-    assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
-    sig6 = dict(sig)
-    del sig6["sx"]
-    sig6 = {"xq": "*i8", "dx": "*fp32", "sx16": "*fp32", **{a: t for a, t in sig6.items()
-                                                              if a not in ("xq", "dx")}}
-    k = triton.compile(ASTSource(gemv_q8._gemv_q6k_kernel, sig6,
-                                 constexprs={"BN": 16, "STAGES": 1}), target=target)
-    assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
     sig = {"xq": "*i8", "xs4": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
            "row_bytes": "i32", "R": "constexpr", "BB": "constexpr", "CG": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._gemv_q4k_spread_kernel, sig,
                                  constexprs={"R": 2, "BB": 8, "CG": True}), target=target)
     assert "dp4a.u32.s32" in k.asm["ptx"] and "ld.global.cg" in k.asm["ptx"] and k.asm["cubin"]
-    sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "sx": "*fp32", "sx16": "*fp32",
-           "xs4": "*fp32", "NB": "i32", "G": "constexpr"}
+    sig = {"xq": "*i8", "dx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
+           "row_bytes": "i32", "R": "constexpr", "BB": "constexpr"}
+    k = triton.compile(ASTSource(gemv_q8._gemv_q6k_spread_kernel, sig,
+                                 constexprs={"R": 2, "BB": 4}), target=target)
+    assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+    sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "xs4": "*fp32", "NB": "i32",
+           "G": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),
                        target=target)
     assert k.asm["cubin"]
@@ -148,17 +139,14 @@ def test_gate_up_q8_compiles_for_sm90() -> None:
 
 
 @pytest.mark.cuda
-def test_gemv_q4k_q8_on_cuda() -> None:
+def test_gemv_on_cuda() -> None:
     rng = np.random.default_rng(fresh_seed())
-    for qtype in ("Q4_K", "Q6_K"):
-        for n, k, bn in ((37, 512, 4), (4096, 2048, 16), (14336, 4096, 32)):
-            check(rng, n, k, "cuda", bn, qtype)
     for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 16, 4),
                         (5, 14336, 16, 2), (7, 4096, 4, 4), (14336, 4096, 8, 1)):
-        check(rng, n, k, "cuda", bb, "Q4_K", spread=True, rows=r)
+        check(rng, n, k, "cuda", bb, "Q4_K", rows=r)
     for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 8, 1),
-                        (151936, 2048, 8, 1), (9, 1280, 4, 4)):
-        check(rng, n, k, "cuda", bb, "Q6_K", spread=True, rows=r)
+                        (151936, 2048, 4, 2), (9, 1280, 4, 4)):
+        check(rng, n, k, "cuda", bb, "Q6_K", rows=r)
 
 
 def test_round8_is_quantize_x() -> None:
@@ -169,7 +157,7 @@ def test_round8_is_quantize_x() -> None:
     from strata.kernels.gpu.reference import round8
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((3, 256)).astype(np.float32))
     x[1, 32:64] = 0.0
-    xq, dx = quantize_x(x)[:2]
+    xq, dx, _ = quantize_x(x)
     assert torch.equal((xq.float().view(3, 8, 32) * dx[..., None]).view(3, 256), round8(x))
     print("ok")
     """, fresh_seed(), timeout=120)
@@ -241,7 +229,8 @@ _MOE_X8 = """
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("tune", [{}, {"gate_up_q8": (2, 8, 1), "down_q8": (2, 4, 1)},
-                                  {"gate_up_q8": (4, 4, 1), "down_q8": (4, 8, 1)},
+                                  {"gate_up_q8": (4, 4, 1), "down_q8": (4, 8, 1),
+                                   "down_q6k_q8": (2, 4, 1)},
                                   {"gate_up_q8": (8, 8, 2), "down_q8": (8, 4, 2)}])
 @pytest.mark.parametrize("down", ["Q6_K", "Q4_K"])
 def test_moe_x8_on_cuda(tune: dict, down: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -310,3 +299,20 @@ def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
             assert float((y - exact).norm() / exact.norm()) < 2e-5, (n, k, seed)
         y2 = w.matmul_t(torch.cat([x, x]))  # two tokens: float32 x
         assert float((y2[0] - exact[0]).norm() / exact.norm()) < 2e-5, (n, k, seed)
+
+
+def test_quant_tensor_x8_only_where_it_pays() -> None:
+    """QuantTensor takes the int8 GEMV for one token of a Q4_K / Q6_K matrix of X8_MIN_ROWS
+    rows or more only (checked on the CPU side of the decision; the path runs on CUDA)."""
+    from strata.model.weights import X8_MIN_ROWS, QuantTensor
+    from strata.quant import QType, row_nbytes
+
+    def qt(q: QType, n: int, k: int = 512) -> QuantTensor:
+        return QuantTensor(torch.zeros(n, row_nbytes(q, k), dtype=torch.uint8), int(q), k,
+                           x8=True)
+
+    one, two = torch.zeros(1, 512), torch.zeros(2, 512)
+    assert qt(QType.Q6_K, X8_MIN_ROWS)._x8_for(one) and qt(QType.Q4_K, X8_MIN_ROWS)._x8_for(one)
+    assert not qt(QType.Q6_K, X8_MIN_ROWS)._x8_for(two)
+    assert not qt(QType.Q6_K, X8_MIN_ROWS - 1)._x8_for(one)
+    assert not qt(QType.Q8_0, X8_MIN_ROWS)._x8_for(one)

@@ -1,35 +1,32 @@
-"""An experiment for the one-token GEMV (issue 3): Q4_K and Q6_K weights against activations
-rounded to 8 bits, multiplied four at a time by the integer dot-product instruction (dp4a), as
-ggml does on the CPU. Not used by the engine: `scripts/bench_moe_decode.py` times it against the
-float32 FMA kernel of matmul.py, whose K loop spends 7.9 (Q4_K) and 12.9 (Q6_K) instructions
-per weight against 2.4-5.1 here (`scripts/sass_count.py`), which may bound it below the memory
-bandwidth.
+"""Activations rounded to 8 bits and Q4_K / Q6_K weights multiplied four values at a time by
+the integer dot-product instruction (dp4a), as ggml's q8 activations are: the one-token GEMVs
+and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), QuantTensor.x8).
 
-    quantize_x(x)            x [K] f32 -> (xq int8 [K], dx [K/32] f32, sx [K/32], sx16 [K/16]):
-                             per 32 values dx = max|x| / 127, xq = round(x / dx), sx = dx Σ xq
-                             (sx16: the same per 16)
-    gemv_q4k_q8(xq, dx, sx, w, N, K) -> y [N] f32, y[n] = Σ_k W[n, k] * dx[k/32] * xq[k]
-    gemv_q6k_q8(xq, dx, sx16, w, N, K)   the same for Q6_K rows
+    quantize_x(x)       x [..., K] -> (xq int8 [..., K], dx [..., K/32], xs4 [..., K/64, 4]):
+                        per 32 values dx = max|x| / 127, xq = round(x / dx); xs4 the (dx, sx)
+                        of two blocks side by side, sx = dx Σ xq
+    spread_dot          Q4_K rows · x̂: a row's blocks spread across the threads, R rows a
+                        thread sharing x's words (docs/kernels.md: 63% of HBM copy)
+    q6k_spread_dot      the same for Q6_K rows (words of 210-byte blocks, 2-byte aligned)
+    gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K) -> y [N] f32
+    gemv_x8(x, w, qtype)   quantize_x, then the type's GEMV with its tuned tile
 
 For a Q4_K sub-block i (32 values, 6-bit scale sc and min mn, super-block d and dmin) of a row,
-w = d sc q - dmin mn with q the nibbles, so Σ w x̂ = d sc dx Σ q xq - dmin mn sx: one dp4a per 4
-values for Σ q xq (a u32 of qs bytes holds, in its low nibbles, 4 consecutive values of
-sub-block 2j and, in its high nibbles, the same 4 of sub-block 2j + 1); each word's dot product
-is scaled into a float accumulator of its own, summed once at the end (a per-step sum across
-threads cost more shuffles than it saved). The result equals the
-float32 product of the dequantized weights with x̂ = dx * xq up to float rounding; against x
-itself it differs by the rounding of x to 8 bits (~1e-2 relative).
+w = d sc q - dmin mn with q the nibbles, so Σ w x̂ = d sc dx Σ q xq - dmin mn sx; for a Q6_K
+16-value sub-block, Σ w x̂ = d sc dx Σ (q - 32) xq. The int8 sums stay int32 until the scales
+apply. The result equals the float32 product of the dequantized weights with x̂ = dx * xq up to
+float rounding (reference.round8 rounds the same way); against x itself it differs by the
+rounding of x to 8 bits (~1e-2 relative).
 """
-
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import ASM, f16, f16_bits, i2f, u32
+from strata.kernels.gpu.bits import ASM, f16_bits, i2f
 from strata.kernels.gpu.moe import _computed, _record_part
-from strata.kernels.gpu.tiles_kquants import _scale_min, _scale_min_k4
+from strata.kernels.gpu.tiles_kquants import _scale_min
 from strata.quant import QType, row_nbytes
 
 
@@ -50,9 +47,9 @@ def _dp4a(a, b, c):
 
 
 @triton.jit
-def _quantize_kernel(x, xq, dx, sx, sx16, xs4, NB, G: tl.constexpr):
-    # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx), sx = dx * Σ xq, and
-    # sx16 the same per half block
+def _quantize_kernel(x, xq, dx, xs4, NB, G: tl.constexpr):
+    # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx); xs4 holds (dx, dx, sx,
+    # sx) of blocks 2g and 2g + 1 side by side, sx = dx Σ xq (the spread kernels' one load)
     blk = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # [G, 1]
     v = tl.load(x + blk * 32 + tl.arange(0, 32)[None, :], mask=blk < NB,
                 other=0.0).to(tl.float32)  # [G, 32]
@@ -67,46 +64,9 @@ def _quantize_kernel(x, xq, dx, sx, sx16, xs4, NB, G: tl.constexpr):
     tl.store(xq + blk * 32 + tl.arange(0, 32)[None, :], qi.to(tl.int8), mask=blk < NB)
     b1 = tl.program_id(0) * G + tl.arange(0, G)
     tl.store(dx + b1, d, mask=b1 < NB)
-    sums = d * tl.sum(qi, axis=1).to(tl.float32)
-    tl.store(sx + b1, sums, mask=b1 < NB)
-    # xs4: (dx, dx, sx, sx) of blocks 2g and 2g + 1 together (the spread kernel's one load)
     tl.store(xs4 + (b1 // 2) * 4 + b1 % 2, d, mask=b1 < NB)
-    tl.store(xs4 + (b1 // 2) * 4 + 2 + b1 % 2, sums, mask=b1 < NB)
-    halves = tl.sum(tl.reshape(qi, (G, 2, 16)), axis=2).to(tl.float32) * d[:, None]  # [G, 2]
-    h2 = tl.program_id(0) * G * 2 + tl.arange(0, G)[:, None] * 2 + tl.arange(0, 2)[None, :]
-    tl.store(sx16 + h2, halves, mask=h2 < 2 * NB)
-
-
-@triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q4k_kernel(xq, dx, sx, w, y, N, K, row_bytes, BN: tl.constexpr,
-                     STAGES: tl.constexpr):
-    # y[n] = Σ_k W[n, k] x̂[k] for BN rows, one Q4_K super-block per step
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    wr = w + (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[:, None]  # [BN, 1] row bytes
-    p = tl.arange(0, 4)[None, :, None]  # sub-block pair (2p, 2p + 1)
-    wd = tl.arange(0, 8)[None, None, :]  # u32 word inside the pair's 32 bytes
-    pe = tl.arange(0, 4)[None, :]  # [1, 4]
-    xw = xq.to(tl.pointer_type(tl.int32))
-    acc = tl.zeros((BN, 4, 8), dtype=tl.float32)  # Σ over steps of scaled word dot products
-    mins = tl.zeros((BN, 4), dtype=tl.float32)  # the sub-blocks' min terms
-    zero = tl.zeros((BN, 4, 8), dtype=tl.int32)
-    for j in tl.range(0, K // 256, num_stages=STAGES):
-        b = wr + j * 144  # [BN, 1]
-        qs = tl.load((b[:, :, None] + 16).to(tl.pointer_type(tl.int32)) + p * 8 + wd)
-        x_even = tl.load(xw + j * 64 + p * 16 + wd)  # [1, 4, 8] int8 x 4
-        x_odd = tl.load(xw + j * 64 + p * 16 + 8 + wd)
-        ie = _dp4a(qs & 0x0F0F0F0F, x_even, zero)  # [BN, 4, 8]: low nibbles, sub-block 2p
-        io = _dp4a((qs >> 4) & 0x0F0F0F0F, x_odd, zero)  # high nibbles, sub-block 2p + 1
-        sc_e, mn_e = _scale_min_k4(b, 2 * pe, None)  # [BN, 4]
-        sc_o, mn_o = _scale_min_k4(b, 2 * pe + 1, None)
-        d = f16(b, None)  # [BN, 1]
-        dmin = f16(b + 2, None)
-        s8 = j * 8 + 2 * pe  # x sub-block index of the even sub-blocks
-        se = d * i2f(sc_e, 0.0) * tl.load(dx + s8)  # [BN, 4]
-        so = d * i2f(sc_o, 0.0) * tl.load(dx + s8 + 1)
-        acc += se[:, :, None] * _i2f_signed(ie) + so[:, :, None] * _i2f_signed(io)
-        mins += dmin * (i2f(mn_e, 0.0) * tl.load(sx + s8) + i2f(mn_o, 0.0) * tl.load(sx + s8 + 1))
-    tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(mins, axis=1), mask=n < N)
+    tl.store(xs4 + (b1 // 2) * 4 + 2 + b1 % 2, d * tl.sum(qi, axis=1).to(tl.float32),
+             mask=b1 < NB)
 
 
 @triton.jit
@@ -271,51 +231,16 @@ def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: 
     tl.store(y + n, s, mask=n < N)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q6k_kernel(xq, dx, sx16, w, y, N, K, row_bytes, BN: tl.constexpr,
-                     STAGES: tl.constexpr):
-    # y[n] = Σ_k W[n, k] x̂[k] for BN rows of Q6_K, one super-block per step. Values
-    # h * 128 + c * 32 + 4 wd .. + 3 (half h, quarter c) are nibble c // 2 of the ql word
-    # h * 16 + (c % 2) * 8 + wd and bits 2c of the qh word 32 + h * 8 + wd, byte by byte
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    wr = w + (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[:, None]  # [BN, 1] row bytes
-    hc = tl.arange(0, 8)[None, :, None]  # h * 4 + c
-    h = hc // 4
-    c = hc % 4
-    wd = tl.arange(0, 8)[None, None, :]
-    sub = h * 8 + 2 * c + wd // 4  # the word's 16-value sub-block, 0..15
-    i16 = tl.arange(0, 16)[None, :]  # [1, 16]
-    xw = xq.to(tl.pointer_type(tl.int32))
-    acc = tl.zeros((BN, 8, 8), dtype=tl.float32)
-    mins = tl.zeros((BN, 16), dtype=tl.float32)
-    zero = tl.zeros((BN, 8, 8), dtype=tl.int32)
-    for j in tl.range(0, K // 256, num_stages=STAGES):
-        b = wr + j * 210  # [BN, 1]
-        # (210-byte blocks leave a row's words only 2-byte aligned: u32 reads two u16)
-        ql = u32(b[:, :, None] + h * 64 + (c % 2) * 32 + 4 * wd, None)
-        qh = u32(b[:, :, None] + 128 + h * 32 + 4 * wd, None)
-        q = ((ql >> (4 * (c // 2))) & 0x0F0F0F0F) | (((qh >> (2 * c)) & 0x03030303) << 4)
-        dot = _dp4a(q, tl.load(xw + j * 64 + hc * 8 + wd), zero)  # [BN, 8, 8]
-        d = f16(b + 208, None)  # [BN, 1]
-        sc = tl.load((b[:, :, None] + 192 + sub).to(tl.pointer_type(tl.int8))).to(tl.float32)
-        xs = tl.load(dx + j * 8 + hc)  # [1, 8, 1]: the x block of 32 of each (h, c)
-        acc += (d[:, :, None] * sc * xs) * _i2f_signed(dot)
-        sc16 = tl.load((b + 192 + i16).to(tl.pointer_type(tl.int8))).to(tl.float32)  # [BN, 16]
-        mins += d * sc16 * tl.load(sx16 + j * 16 + i16)
-    tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1) - 32.0 * tl.sum(mins, axis=1),
-             mask=n < N)
-
-
 @triton.jit
 def _i2f_signed(v):
     """Exact float32 of int32 |v| < 2**22: v added to the bits of 1.5 * 2**23, less that."""
     return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., K] f32/bf16, contiguous (K a multiple of 64) -> (xq int8 [..., K], dx [..., K/32]
-    f32, sx [..., K/32] f32, sx16 [..., K/16] f32, xs4 [..., K/64, 4] f32: dx and sx of 32-value
-    blocks 2g, 2g + 1 side by side), each row of x on its own."""
+    f32, xs4 [..., K/64, 4] f32: dx and sx = dx Σ xq of 32-value blocks 2g, 2g + 1 side by
+    side), each row of x on its own."""
     k = x.shape[-1]
     if k % 64 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
         raise ValueError(f"quantize_x: contiguous float32/bfloat16 x of rows of a multiple of "
@@ -324,25 +249,11 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     nb = x.numel() // 32
     xq = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     dx = torch.empty(lead + (k // 32,), dtype=torch.float32, device=x.device)
-    sx = torch.empty(lead + (k // 32,), dtype=torch.float32, device=x.device)
-    sx16 = torch.empty(lead + (k // 16,), dtype=torch.float32, device=x.device)
     xs4 = torch.empty(lead + (k // 64, 4), dtype=torch.float32, device=x.device)
     g = 8
     if nb:
-        _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, sx, sx16, xs4, nb, G=g,
-                                                num_warps=2)
-    return xq, dx, sx, sx16, xs4
-
-
-def gemv_q6k_q8(xq: torch.Tensor, dx: torch.Tensor, sx16: torch.Tensor, w: torch.Tensor,
-                n: int, k: int, out: torch.Tensor | None = None, bn: int = 16, stages: int = 1,
-                warps: int = 2) -> torch.Tensor:
-    """y [N] f32 = W x̂ for Q6_K rows w (uint8 [N, K / 256 * 210]) and quantize_x's x̂
-    (Σ d sc (q - 32) x̂ = d sc (dx Σ q xq - 32 sx16) per 16-value sub-block)."""
-    y = _rows_out(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_q8")
-    _gemv_q6k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx16, w, y, n, k, w.stride(0), BN=bn,
-                                            STAGES=stages, num_warps=warps)
-    return y
+        _quantize_kernel[(triton.cdiv(nb, g),)](x.reshape(-1), xq, dx, xs4, nb, G=g, num_warps=2)
+    return xq, dx, xs4
 
 
 def _rows_out(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
@@ -352,16 +263,6 @@ def _rows_out(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
         raise ValueError(f"{name}: rows [{n}, {rb}] for K = {k} (a multiple of 256) and x of "
                          f"K values, got {tuple(w.shape)} {w.dtype}, x [{xq.numel()}]")
     return out if out is not None else torch.empty(n, dtype=torch.float32, device=w.device)
-
-
-def gemv_q4k_q8(xq: torch.Tensor, dx: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, n: int,
-                k: int, out: torch.Tensor | None = None, bn: int = 16, stages: int = 1,
-                warps: int = 2) -> torch.Tensor:
-    """y [N] f32 = W x̂ for Q4_K rows w (uint8 [N, K / 256 * 144]) and quantize_x's x̂."""
-    y = _rows_out(w, n, k, QType.Q4_K, xq, out, "gemv_q4k_q8")
-    _gemv_q4k_kernel[(triton.cdiv(n, bn),)](xq, dx, sx, w, y, n, k, w.stride(0), BN=bn,
-                                            STAGES=stages, num_warps=warps)
-    return y
 
 
 def gemv_q4k_spread(xq: torch.Tensor, xs4: torch.Tensor, w: torch.Tensor, n: int, k: int,
@@ -472,7 +373,7 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     q = QType(qtype)
     r, bb, warps = GEMV_X8_TILE[q]
     n, k = w.shape[0], x.shape[-1]
-    xq, dx, _, _, xs4 = quantize_x(x.reshape(k).contiguous())
+    xq, dx, xs4 = quantize_x(x.reshape(k).contiguous())
     out = torch.empty(1, n, dtype=torch.float32, device=x.device)
     if q == QType.Q4_K:
         gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)

@@ -442,7 +442,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
             and _words_aligned(gate, up, mg, mu)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_q8_kernel, quantize_x
 
-        xq, _, _, _, xs4 = quantize_x(x.contiguous())
+        xq, _, xs4 = quantize_x(x.contiguous())
         r, bb, warps = DECODE_TUNE.get("gate_up_q8") or GATE_UP_Q8_TILE
         _gate_up_q8_kernel[(triton.cdiv(f, r), p)](
             xq, xs4, ids, weights, slot_of, gate, up, h, mg, mu, d, f, gate.stride(0),
@@ -472,7 +472,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
             and _words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
         from strata.kernels.gpu.gemv_q8 import _down_q6k_q8_kernel, _down_q8_kernel, quantize_x
 
-        hq, hdx, _, _, hs4 = quantize_x(h)
+        hq, hdx, hs4 = quantize_x(h)
         q4 = fd.qtype == QType.Q4_K
         r, bb, warps = ((DECODE_TUNE.get("down_q8") or DOWN_Q8_TILE) if q4
                         else (DECODE_TUNE.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
