@@ -8,7 +8,10 @@ and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), Quan
     spread_dot          Q4_K rows · x̂: a row's blocks spread across the threads, R rows a
                         thread sharing x's words (docs/kernels.md: 63% of HBM copy)
     q6k_spread_dot      the same for Q6_K rows (words of 210-byte blocks, 2-byte aligned)
-    gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K) -> y [N] f32
+    iq2xs_spread_dot    the same for IQ2_XS rows (grid rows gathered as bytes; not yet timed,
+                        not called by the engine)
+    gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K),
+    gemv_iq2xs_spread(xq, dx, w, N, K) -> y [N] f32
     gemv_x8(x, w, qtype)   quantize_x, then the type's GEMV with its tuned tile
 
 For a Q4_K sub-block i (32 values, 6-bit scale sc and min mn, super-block d and dmin) of a row,
@@ -20,6 +23,8 @@ rounding of x to 8 bits (~1e-2 relative).
 """
 from __future__ import annotations
 
+import gguf.quants as gq
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +32,8 @@ import triton.language as tl
 from strata.kernels.gpu.bits import ASM, f16_bits, i2f
 from strata.kernels.gpu.moe import _computed, _record_part
 from strata.kernels.gpu.tiles_kquants import _scale_min
-from strata.quant import QType, row_nbytes
+from strata.quant import QType, grids, row_nbytes
+from strata.quant.base import device_table
 
 
 @triton.jit
@@ -232,6 +238,55 @@ def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: 
 
 
 @triton.jit
+def iq2xs_spread_dot(wbase, ro, xw, dx, grid8, smask, nb, BB: tl.constexpr):
+    """Σ_k x̂[k] · W[r, k] [R] for IQ2_XS rows at byte offsets ro ([1, 1, 1, R, 1], int64)
+    from wbase (int32 words, 4-aligned) of nb blocks, x̂ as quantize_x gives it (xw: int8 values
+    as int32 words, dx: per-32 scales); grid8 / smask: iq2xs_tables().
+
+    74-byte blocks: d, 32 u16 (grid index 0-8, ksigns index 9-15), 8 bytes of 4-bit scales
+    (one per 16 values). The threads spread over BB blocks x 4 quarters; a thread takes, per
+    row, the 8 groups of 8 values of its quarter: each group's grid row as two words of bytes
+    (8, 25 or 43) and its signs as two byte masks, so Σ g s xq = dp4a(g, xq) - 2 dp4a(g & m, xq);
+    the int32 sums of a 16-value sub-block get its scale, d (0.5 + sc) / 4, and dx."""
+    R: tl.constexpr = ro.shape[2]
+    bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
+    c = tl.arange(0, 4)[None, :, None, None, None]
+    j = tl.arange(0, 8)[None, None, None, :, None]  # the quarter's group
+    w = tl.arange(0, 2)[None, None, None, None, :]  # the group's word (4 values)
+    zero = tl.zeros((BB, 4, R, 8, 2), tl.int32)
+    acc = tl.zeros((BB, 4, R, 8, 2), tl.float32)
+    for b0 in range(0, nb, BB):
+        b = b0 + bb
+        m = b < nb
+        o = ro + b * 74  # [BB, 1, R, 1, 1]: the block's bytes in each row
+        # group j's u16: half j % 2 of the word at o + 2 + 16c + 4 (j // 2)
+        e = (_u32_at(wbase, o + 2 + 16 * c + 4 * (j // 2), w * 0, m) >> (16 * (j % 2))) & 0xFFFF
+        g = tl.load(grid8 + (e & 511) * 2 + w)  # [BB, 4, R, 8, 2]: 4 grid bytes a word
+        s = tl.load(smask + (e >> 9) * 2 + w)  # 0xFF where the value is negative
+        xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)  # [BB, 4, 1, 8, 2]
+        dot = _dp4a(g, xj, zero) - 2 * _dp4a(g & s, xj, zero)
+        b8 = (wbase.to(tl.pointer_type(tl.int8)) + o).to(tl.pointer_type(tl.uint8))
+        sc = (tl.load(b8 + 66 + 2 * c + j // 4 + 0 * w, mask=m, other=0).to(tl.int32)
+              >> (4 * ((j // 2) % 2))) & 15
+        d = tl.load((b8 + 0 * (c + j + w)).to(tl.pointer_type(tl.int16)), mask=m,
+                    other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        dxj = tl.load(dx + b * 8 + 2 * c + j // 4 + 0 * w, mask=m, other=0.0)
+        acc += (d * (i2f(sc, 0.0) + 0.5) * 0.25 * dxj) * _i2f_signed(dot)
+    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_iq2xs_spread_kernel(xq, dx, w, y, grid8, smask, N, K, row_bytes, R: tl.constexpr,
+                              BB: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ2_XS (iq2xs_spread_dot)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
+    s = iq2xs_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)),
+                         dx, grid8, smask, K // 256, BB)
+    tl.store(y + n, s, mask=n < N)
+
+
+@triton.jit
 def _i2f_signed(v):
     """Exact float32 of int32 |v| < 2**22: v added to the bits of 1.5 * 2**23, less that."""
     return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
@@ -380,3 +435,39 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     else:
         gemv_q6k_spread(xq, dx, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
     return out
+
+
+def iq2xs_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grid8 int32 [512, 2]: each IQ2_XS grid row's 8 values (8, 25, 43) as bytes, little
+    endian; smask int32 [128, 2]: each ksigns index's 8 signs as bytes, 0xFF where negative)."""
+    def build() -> tuple[np.ndarray, np.ndarray]:
+        g = grids._grid_np(gq.IQ2_XS)
+        if not (g == np.round(g)).all() or g.min() < 0 or g.max() > 127:
+            raise ValueError("IQ2_XS grid values are not small non-negative integers")
+        grid8 = g.astype(np.uint8).reshape(512, 8).view(np.int32)  # [512, 2]
+        neg = grids._ksigns_np() < 0  # [128, 8]
+        smask = np.where(neg, 255, 0).astype(np.uint8).view(np.int32)  # [128, 2]
+        return grid8, smask
+
+    return (device_table("iq2xs_grid8", device, lambda: build()[0]),
+            device_table("iq2xs_smask", device, lambda: build()[1]))
+
+
+def gemv_iq2xs_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
+                      out: torch.Tensor | None = None, bb: int = 8, warps: int = 0,
+                      rows: int = 1) -> torch.Tensor:
+    """y [N] f32 = W x̂ for IQ2_XS rows w (4-byte aligned) and quantize_x's x̂ (xq, dx): `rows`
+    rows a program (a power of two), its threads spread over bb blocks (a power of two) x 4
+    quarters; warps by default bb * 4 / 32 (at least 1)."""
+    y = _rows_out(w, n, k, QType.IQ2_XS, xq, out, "gemv_iq2xs_spread")
+    if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
+        raise ValueError(f"gemv_iq2xs_spread: bb and rows must be powers of two, got {bb}, "
+                         f"{rows}")
+    if w.data_ptr() % 4:
+        raise ValueError("gemv_iq2xs_spread: the rows must start 4-byte aligned")
+    grid8, smask = iq2xs_tables(w.device)
+    if n:
+        _gemv_iq2xs_spread_kernel[(triton.cdiv(n, rows),)](
+            xq, dx, w, y, grid8, smask, n, k, w.stride(0), R=rows, BB=bb,
+            num_warps=warps or max(1, bb * 4 // 32))
+    return y
