@@ -98,10 +98,10 @@ SPREAD_TILES = [(1, 4, 1, False), (1, 4, 1, True), (2, 4, 1, False), (4, 4, 1, F
 def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch.device,
                  quantize: bool = True) -> float:
     """The type's int8-activation GEMV (gemv_q8.py: a row's blocks spread across the threads)
-    on the rotated copies of Q4_K, Q6_K or IQ2_XS rows, tile (rows, blocks, warps,
+    on the rotated copies of Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows, tile (rows, blocks, warps,
     ld.global.cg (Q4_K)); quantize False: x rounded once, outside the time (the GEMV alone)."""
     from strata.kernels.gpu.gemv_q8 import (
-        gemv_iq2xs_spread,
+        gemv_iq_spread,
         gemv_q4k_spread,
         gemv_q6k_spread,
         quantize_x,
@@ -114,9 +114,12 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
 
     def call(i: int) -> None:
         xq, dx, xs4 = quantize_x(x) if quantize else once
-        if q in (QType.Q6_K, QType.IQ2_XS):
-            gemv = gemv_q6k_spread if q == QType.Q6_K else gemv_iq2xs_spread
-            gemv(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps, rows=r)
+        if q == QType.Q6_K:
+            gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
+                            rows=r)
+        elif q in (QType.IQ2_XS, QType.IQ3_XXS):
+            gemv_iq_spread(xq, dx, copies[i % len(copies)], n, k, q, out=out, bb=bb, warps=warps,
+                           rows=r)
         else:
             gemv_q4k_spread(xq, xs4, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
                             rows=r, cg=cg)
@@ -204,7 +207,7 @@ def main() -> None:
             res["gemv"][key] = t * 1e6
             print(f"gemv {what} {key}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s "
                   f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)")
-        if q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS) and k % 256 == 0:
+        if q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS) and k % 256 == 0:
             # int8 activations (gemv_q8.py): a row's blocks spread across the threads, by
             # (rows, blocks, warps, ld.global.cg); x rounded outside the time, or inside
             tiles = SPREAD_TILES if q == QType.Q4_K else [

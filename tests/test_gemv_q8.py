@@ -19,10 +19,11 @@ from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
           qtype: str = "Q4_K", rows: int = 1) -> None:
-    """Q4_K, Q6_K or IQ2_XS rows [n, k] and a fresh x through quantize_x and the type's spread
-    GEMV on `dev` (bb blocks a step, `rows` rows a program; Q4_K with rows 2 reads past L1)."""
+    """Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows [n, k] and a fresh x through quantize_x and the
+    type's spread GEMV on `dev` (bb blocks a step, `rows` rows a program; Q4_K with rows 2
+    reads past L1)."""
     from strata.kernels.gpu.gemv_q8 import (
-        gemv_iq2xs_spread,
+        gemv_iq_spread,
         gemv_q4k_spread,
         gemv_q6k_spread,
         quantize_x,
@@ -44,9 +45,10 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
                                rtol=1e-6)
     np.testing.assert_array_equal(xs4.numpy()[:, :2], np.stack([dx[0::2], dx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    if qt in (QType.Q6_K, QType.IQ2_XS):
-        gemv = gemv_q6k_spread if qt == QType.Q6_K else gemv_iq2xs_spread
-        gemv(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows)
+    if qt == QType.Q6_K:
+        gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows)
+    elif qt in (QType.IQ2_XS, QType.IQ3_XXS):
+        gemv_iq_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, qt, out=y, bb=bb, rows=rows)
     else:
         gemv_q4k_spread(xq.to(dev), xs4.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows,
                         cg=rows == 2)
@@ -75,9 +77,10 @@ _INTERPRETED = f"""
     # Q6_K: rows of an odd number of blocks start 2 mod 4 every other row
     for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1), (7, 768, 4, 4)):
         check(rng, n, k, "cpu", bb, "Q6_K", rows=r)
-    # IQ2_XS: 74-byte blocks, rows 2 mod 4 every other row too
-    for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
-        check(rng, n, k, "cpu", bb, "IQ2_XS", rows=r)
+    # IQ2_XS and IQ3_XXS: 74- and 98-byte blocks, rows 2 mod 4 every other row too
+    for qtype in ("IQ2_XS", "IQ3_XXS"):
+        for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
+            check(rng, n, k, "cpu", bb, qtype, rows=r)
     # gemv_x8: quantize_x, then the type's GEMV with its tuned tile
     import torch
     from strata.kernels.gpu.gemv_q8 import gemv_x8
@@ -115,11 +118,10 @@ def test_gemv_compiles_for_sm90() -> None:
     k = triton.compile(ASTSource(gemv_q8._gemv_q6k_spread_kernel, sig,
                                  constexprs={"R": 2, "BB": 4}), target=target)
     assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
-    sig = dict(sig, grid8="*i32", smask="*i32")
-    sig = {a: sig[a] for a in gemv_q8._gemv_iq2xs_spread_kernel.arg_names}
-    k = triton.compile(ASTSource(gemv_q8._gemv_iq2xs_spread_kernel, sig,
-                                 constexprs={"R": 1, "BB": 8}), target=target)
-    assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+    for fn in (gemv_q8._gemv_iq2xs_spread_kernel, gemv_q8._gemv_iq3xxs_spread_kernel):
+        sig = {a: sig.get(a, "*i32") for a in fn.arg_names}
+        k = triton.compile(ASTSource(fn, sig, constexprs={"R": 1, "BB": 8}), target=target)
+        assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
     sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "xs4": "*fp32", "NB": "i32",
            "G": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),
@@ -161,8 +163,9 @@ def test_gemv_on_cuda() -> None:
     for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 8, 1),
                         (151936, 2048, 4, 2), (9, 1280, 4, 4)):
         check(rng, n, k, "cuda", bb, "Q6_K", rows=r)
-    for n, k, bb, r in ((37, 768, 4, 1), (14336, 4096, 8, 1), (9, 1280, 4, 2)):
-        check(rng, n, k, "cuda", bb, "IQ2_XS", rows=r)
+    for qtype in ("IQ2_XS", "IQ3_XXS"):
+        for n, k, bb, r in ((37, 768, 4, 1), (14336, 4096, 8, 1), (9, 1280, 4, 2)):
+            check(rng, n, k, "cuda", bb, qtype, rows=r)
 
 
 def test_round8_is_quantize_x() -> None:

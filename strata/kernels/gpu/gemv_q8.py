@@ -8,10 +8,10 @@ and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), Quan
     spread_dot          Q4_K rows · x̂: a row's blocks spread across the threads, R rows a
                         thread sharing x's words (docs/kernels.md: 63% of HBM copy)
     q6k_spread_dot      the same for Q6_K rows (words of 210-byte blocks, 2-byte aligned)
-    iq2xs_spread_dot    the same for IQ2_XS rows (grid rows gathered as bytes; not yet timed,
-                        not called by the engine)
+    iq2xs_spread_dot    the same for IQ2_XS and IQ3_XXS rows (grid rows gathered as bytes;
+    iq3xxs_spread_dot   not yet timed, not called by the engine)
     gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K),
-    gemv_iq2xs_spread(xq, dx, w, N, K) -> y [N] f32
+    gemv_iq_spread(xq, dx, w, N, K, qtype) -> y [N] f32
     gemv_x8(x, w, qtype)   quantize_x, then the type's GEMV with its tuned tile
 
 For a Q4_K sub-block i (32 values, 6-bit scale sc and min mn, super-block d and dmin) of a row,
@@ -241,7 +241,7 @@ def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: 
 def iq2xs_spread_dot(wbase, ro, xw, dx, grid8, smask, nb, BB: tl.constexpr):
     """Σ_k x̂[k] · W[r, k] [R] for IQ2_XS rows at byte offsets ro ([1, 1, 1, R, 1], int64)
     from wbase (int32 words, 4-aligned) of nb blocks, x̂ as quantize_x gives it (xw: int8 values
-    as int32 words, dx: per-32 scales); grid8 / smask: iq2xs_tables().
+    as int32 words, dx: per-32 scales); grid8 / smask: iq_tables(IQ2_XS).
 
     74-byte blocks: d, 32 u16 (grid index 0-8, ksigns index 9-15), 8 bytes of 4-bit scales
     (one per 16 values). The threads spread over BB blocks x 4 quarters; a thread takes, per
@@ -283,6 +283,51 @@ def _gemv_iq2xs_spread_kernel(xq, dx, w, y, grid8, smask, N, K, row_bytes, R: tl
     ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
     s = iq2xs_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)),
                          dx, grid8, smask, K // 256, BB)
+    tl.store(y + n, s, mask=n < N)
+
+
+@triton.jit
+def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
+    """As iq2xs_spread_dot, for IQ3_XXS rows (98-byte blocks: d, 64 grid indices of 4 values,
+    8 u32 of 4 x 7 ksigns bits and a 4-bit scale per 32 values, db = d (0.5 + s) / 2); grid4 /
+    smask: iq_tables(IQ3_XXS) (each grid row's 4 values as bytes; the sign masks). A
+    thread's group j of quarter c is group i = 8c + j of the block: grid indices qs[2i + w]
+    (w = 0, 1: its two words), signs from 7 bits (7 (i % 4)) of word i // 4."""
+    R: tl.constexpr = ro.shape[2]
+    bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
+    c = tl.arange(0, 4)[None, :, None, None, None]
+    j = tl.arange(0, 8)[None, None, None, :, None]
+    w = tl.arange(0, 2)[None, None, None, None, :]
+    zero = tl.zeros((BB, 4, R, 8, 2), tl.int32)
+    acc = tl.zeros((BB, 4, R, 8, 2), tl.float32)
+    for b0 in range(0, nb, BB):
+        b = b0 + bb
+        m = b < nb
+        o = ro + b * 98  # [BB, 1, R, 1, 1]
+        # index byte 16c + 2j + w of qs: byte 2 (j % 2) + w of the word at o + 2 + 16c + 4 (j // 2)
+        q4 = _u32_at(wbase, o + 2 + 16 * c + 4 * (j // 2), w * 0, m)
+        idx = (q4 >> (8 * (2 * (j % 2) + w))) & 255
+        aux = _u32_at(wbase, o + 66 + 4 * (2 * c + j // 4), w * 0, m)  # [BB, 4, R, 8, 2]
+        g = tl.load(grid4 + idx)  # 4 grid bytes
+        s = tl.load(smask + ((aux >> (7 * (j % 4))) & 127) * 2 + w)
+        xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)
+        dot = _dp4a(g, xj, zero) - 2 * _dp4a(g & s, xj, zero)
+        d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + o + 0 * (c + j + w))
+                    .to(tl.pointer_type(tl.int16)), mask=m,
+                    other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        dxj = tl.load(dx + b * 8 + 2 * c + j // 4 + 0 * w, mask=m, other=0.0)
+        acc += (d * (i2f((aux >> 28) & 15, 0.0) + 0.5) * 0.5 * dxj) * _i2f_signed(dot)
+    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_iq3xxs_spread_kernel(xq, dx, w, y, grid4, smask, N, K, row_bytes, R: tl.constexpr,
+                               BB: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ3_XXS (iq3xxs_spread_dot)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
+    s = iq3xxs_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)),
+                          dx, grid4, smask, K // 256, BB)
     tl.store(y + n, s, mask=n < N)
 
 
@@ -437,37 +482,44 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     return out
 
 
-def iq2xs_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grid8 int32 [512, 2]: each IQ2_XS grid row's 8 values (8, 25, 43) as bytes, little
+def _grid_bytes(ref: type, n: int, width: int) -> np.ndarray:
+    """int32 [n, width / 4]: each grid row's values (small non-negative integers) as bytes."""
+    g = grids._grid_np(ref)
+    if not (g == np.round(g)).all() or g.min() < 0 or g.max() > 127:
+        raise ValueError(f"{ref.__name__} grid values are not small non-negative integers")
+    return g.astype(np.uint8).reshape(n, width).view(np.int32)
+
+
+def iq_tables(qtype: QType, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grid int32: IQ2_XS [512, 2] / IQ3_XXS [256, 1], each grid row's values as bytes, little
     endian; smask int32 [128, 2]: each ksigns index's 8 signs as bytes, 0xFF where negative)."""
-    def build() -> tuple[np.ndarray, np.ndarray]:
-        g = grids._grid_np(gq.IQ2_XS)
-        if not (g == np.round(g)).all() or g.min() < 0 or g.max() > 127:
-            raise ValueError("IQ2_XS grid values are not small non-negative integers")
-        grid8 = g.astype(np.uint8).reshape(512, 8).view(np.int32)  # [512, 2]
-        neg = grids._ksigns_np() < 0  # [128, 8]
-        smask = np.where(neg, 255, 0).astype(np.uint8).view(np.int32)  # [128, 2]
-        return grid8, smask
-
-    return (device_table("iq2xs_grid8", device, lambda: build()[0]),
-            device_table("iq2xs_smask", device, lambda: build()[1]))
+    if qtype == QType.IQ2_XS:
+        grid = device_table("iq2xs_grid8", device, lambda: _grid_bytes(gq.IQ2_XS, 512, 8))
+    else:
+        grid = device_table("iq3xxs_grid4", device, lambda: _grid_bytes(gq.IQ3_XXS, 256, 4))
+    smask = device_table("ksigns_mask8", device, lambda: np.where(
+        grids._ksigns_np() < 0, 255, 0).astype(np.uint8).view(np.int32))
+    return grid, smask
 
 
-def gemv_iq2xs_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
-                      out: torch.Tensor | None = None, bb: int = 8, warps: int = 0,
-                      rows: int = 1) -> torch.Tensor:
-    """y [N] f32 = W x̂ for IQ2_XS rows w (4-byte aligned) and quantize_x's x̂ (xq, dx): `rows`
-    rows a program (a power of two), its threads spread over bb blocks (a power of two) x 4
-    quarters; warps by default bb * 4 / 32 (at least 1)."""
-    y = _rows_out(w, n, k, QType.IQ2_XS, xq, out, "gemv_iq2xs_spread")
+def gemv_iq_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
+                   qtype: QType, out: torch.Tensor | None = None, bb: int = 8, warps: int = 0,
+                   rows: int = 1) -> torch.Tensor:
+    """y [N] f32 = W x̂ for IQ2_XS or IQ3_XXS rows w (4-byte aligned) and quantize_x's x̂ (xq,
+    dx): `rows` rows a program (a power of two), its threads spread over bb blocks (a power of
+    two) x 4 quarters; warps by default bb * 4 / 32 (at least 1)."""
+    if qtype not in (QType.IQ2_XS, QType.IQ3_XXS):
+        raise ValueError(f"gemv_iq_spread: IQ2_XS or IQ3_XXS rows, got {QType(qtype).name}")
+    name = f"gemv_iq_spread ({QType(qtype).name})"
+    y = _rows_out(w, n, k, QType(qtype), xq, out, name)
     if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
-        raise ValueError(f"gemv_iq2xs_spread: bb and rows must be powers of two, got {bb}, "
-                         f"{rows}")
+        raise ValueError(f"{name}: bb and rows must be powers of two, got {bb}, {rows}")
     if w.data_ptr() % 4:
-        raise ValueError("gemv_iq2xs_spread: the rows must start 4-byte aligned")
-    grid8, smask = iq2xs_tables(w.device)
+        raise ValueError(f"{name}: the rows must start 4-byte aligned")
+    grid, smask = iq_tables(QType(qtype), w.device)
+    kernel = (_gemv_iq2xs_spread_kernel if qtype == QType.IQ2_XS
+              else _gemv_iq3xxs_spread_kernel)
     if n:
-        _gemv_iq2xs_spread_kernel[(triton.cdiv(n, rows),)](
-            xq, dx, w, y, grid8, smask, n, k, w.stride(0), R=rows, BB=bb,
-            num_warps=warps or max(1, bb * 4 // 32))
+        kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, grid, smask, n, k, w.stride(0), R=rows,
+                                        BB=bb, num_warps=warps or max(1, bb * 4 // 32))
     return y
