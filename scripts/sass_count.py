@@ -155,11 +155,12 @@ def main() -> None:
     iq_sig = {"xq": "*i8", "dx": "*fp32", "w": "*u8", "y": "*fp32", "grid8": "*i32",
               "smask": "*i32", "N": "i32", "K": "i32", "row_bytes": "i32", "R": "constexpr",
               "BB": "constexpr"}
-    for name, fn, nbytes in (("IQ2_XS", gemv_q8._gemv_iq2xs_spread_kernel, 18.5),
-                             ("IQ3_XXS", gemv_q8._gemv_iq3xxs_spread_kernel, 24.5)):
-        sig = {a: iq_sig.get(a, "*i32") for a in fn.arg_names}
+    fn = gemv_q8._gemv_iq_spread_kernel
+    sig = {a: iq_sig.get(a, "constexpr" if a == "IQ3" else "*i32") for a in fn.arg_names}
+    for name, iq3, nbytes in (("IQ2_XS", False, 18.5), ("IQ3_XXS", True, 24.5)):
         for r, bb in ((1, 8), (2, 8), (4, 8)):  # a thread: 64 values of a block of each row
-            sass, regs = compile_sm90(fn, sig, {"R": r, "BB": bb}, (0, 1, 2, 3, 4, 5, 8), 1)
+            sass, regs = compile_sm90(fn, sig, {"IQ3": iq3, "R": r, "BB": bb},
+                                      (0, 1, 2, 3, 4, 5, 8), 1)
             print(describe(f"dp4a spread GEMV (gemv_q8.py) {name} R {r} BB {bb} warps 1", sass,
                            regs, 64 * r, nbytes * r))
 

@@ -118,9 +118,11 @@ def test_gemv_compiles_for_sm90() -> None:
     k = triton.compile(ASTSource(gemv_q8._gemv_q6k_spread_kernel, sig,
                                  constexprs={"R": 2, "BB": 4}), target=target)
     assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
-    for fn in (gemv_q8._gemv_iq2xs_spread_kernel, gemv_q8._gemv_iq3xxs_spread_kernel):
-        sig = {a: sig.get(a, "*i32") for a in fn.arg_names}
-        k = triton.compile(ASTSource(fn, sig, constexprs={"R": 1, "BB": 8}), target=target)
+    fn = gemv_q8._gemv_iq_spread_kernel
+    sig = {a: sig.get(a, "constexpr" if a == "IQ3" else "*i32") for a in fn.arg_names}
+    for iq3 in (False, True):
+        k = triton.compile(ASTSource(fn, sig, constexprs={"IQ3": iq3, "R": 1, "BB": 8}),
+                           target=target)
         assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
     sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "xs4": "*fp32", "NB": "i32",
            "G": "constexpr"}

@@ -275,17 +275,6 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, grid8, smask, nb, BB: tl.constexpr):
     return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
-def _gemv_iq2xs_spread_kernel(xq, dx, w, y, grid8, smask, N, K, row_bytes, R: tl.constexpr,
-                              BB: tl.constexpr):
-    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ2_XS (iq2xs_spread_dot)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
-    s = iq2xs_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)),
-                         dx, grid8, smask, K // 256, BB)
-    tl.store(y + n, s, mask=n < N)
-
-
 @triton.jit
 def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
     """As iq2xs_spread_dot, for IQ3_XXS rows (98-byte blocks: d, 64 grid indices of 4 values,
@@ -321,15 +310,18 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _gemv_iq3xxs_spread_kernel(xq, dx, w, y, grid4, smask, N, K, row_bytes, R: tl.constexpr,
-                               BB: tl.constexpr):
-    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ3_XXS (iq3xxs_spread_dot)
+def _gemv_iq_spread_kernel(xq, dx, w, y, grid, smask, N, K, row_bytes, IQ3: tl.constexpr,
+                           R: tl.constexpr, BB: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ2_XS (iq2xs_spread_dot) or, IQ3,
+    # IQ3_XXS (iq3xxs_spread_dot)
     n = tl.program_id(0) * R + tl.arange(0, R)
     ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
-    s = iq3xxs_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)),
-                          dx, grid4, smask, K // 256, BB)
+    wb, xw = w.to(tl.pointer_type(tl.int32)), xq.to(tl.pointer_type(tl.int32))
+    if IQ3:
+        s = iq3xxs_spread_dot(wb, ro, xw, dx, grid, smask, K // 256, BB)
+    else:
+        s = iq2xs_spread_dot(wb, ro, xw, dx, grid, smask, K // 256, BB)
     tl.store(y + n, s, mask=n < N)
-
 
 @triton.jit
 def _i2f_signed(v):
@@ -517,9 +509,8 @@ def gemv_iq_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, 
     if w.data_ptr() % 4:
         raise ValueError(f"{name}: the rows must start 4-byte aligned")
     grid, smask = iq_tables(QType(qtype), w.device)
-    kernel = (_gemv_iq2xs_spread_kernel if qtype == QType.IQ2_XS
-              else _gemv_iq3xxs_spread_kernel)
     if n:
-        kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, grid, smask, n, k, w.stride(0), R=rows,
-                                        BB=bb, num_warps=warps or max(1, bb * 4 // 32))
+        _gemv_iq_spread_kernel[(triton.cdiv(n, rows),)](
+            xq, dx, w, y, grid, smask, n, k, w.stride(0), IQ3=qtype == QType.IQ3_XXS, R=rows,
+            BB=bb, num_warps=warps or max(1, bb * 4 // 32))
     return y
