@@ -337,3 +337,40 @@ def test_quant_tensor_x8_only_where_it_pays() -> None:
     assert not qt(QType.Q6_K, X8_MIN_ROWS)._x8_for(two)
     assert not qt(QType.Q6_K, X8_MIN_ROWS - 1)._x8_for(one)
     assert not qt(QType.Q8_0, X8_MIN_ROWS)._x8_for(one)
+
+
+def test_spread_gemvs_refuse_bad_arguments() -> None:
+    """Each spread GEMV names what is wrong before it launches anything: K not a multiple of
+    256, rows of another size, x of another length, tiles not powers of two, rows not 4-byte
+    aligned (they are read as int32 words)."""
+    from strata.kernels.gpu.gemv_q8 import gemv_iq_spread, gemv_q4k_spread, gemv_q6k_spread
+    from strata.quant import QType, row_nbytes
+
+    def call(q: QType, w: torch.Tensor, k: int, xq: torch.Tensor, **kw: int) -> None:
+        n = w.shape[0]
+        if q == QType.Q4_K:
+            gemv_q4k_spread(xq, torch.zeros(k // 64, 4), w, n, k, **kw)
+        elif q == QType.Q6_K:
+            gemv_q6k_spread(xq, torch.zeros(k // 32), w, n, k, **kw)
+        else:
+            gemv_iq_spread(xq, torch.zeros(k // 32), w, n, k, q, **kw)
+
+    for q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS):
+        rb = row_nbytes(q, 512)
+        w, xq = torch.zeros(3, rb, dtype=torch.uint8), torch.zeros(512, dtype=torch.int8)
+        with pytest.raises(ValueError, match="multiple of 256"):
+            call(q, torch.zeros(3, 10, dtype=torch.uint8), 100, torch.zeros(100, dtype=torch.int8))
+        with pytest.raises(ValueError, match=f"rows \\[3, {rb}\\]"):
+            call(q, torch.zeros(3, rb + 1, dtype=torch.uint8), 512, xq)
+        with pytest.raises(ValueError, match="x \\[256\\]"):
+            call(q, w, 512, torch.zeros(256, dtype=torch.int8))
+        with pytest.raises(ValueError, match="powers of two"):
+            call(q, w, 512, xq, bb=3)
+        with pytest.raises(ValueError, match="powers of two"):
+            call(q, w, 512, xq, rows=6)
+        shifted = torch.zeros(3 * rb + 2, dtype=torch.uint8)[2:].view(3, rb)
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            call(q, shifted, 512, xq)
+    with pytest.raises(ValueError, match="IQ2_XS or IQ3_XXS"):
+        gemv_iq_spread(torch.zeros(256, dtype=torch.int8), torch.zeros(8),
+                       torch.zeros(1, 144, dtype=torch.uint8), 1, 256, QType.Q4_K)

@@ -348,32 +348,51 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return xq, dx, xs4
 
 
-def _rows_out(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
-              out: torch.Tensor | None, name: str) -> torch.Tensor:
+def _spread_args(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
+                 out: torch.Tensor | None, name: str, bb: int, rows: int,
+                 warps: int) -> tuple[torch.Tensor, int]:
+    """A spread GEMV's checks (rows [n, row_nbytes(k)] starting 4-byte aligned, x of k values,
+    bb and rows powers of two) -> (out or a new float32 [n], the warps: by default bb * 4 / 32,
+    at least 1)."""
     rb = row_nbytes(qtype, k) if k % 256 == 0 else -1
     if k % 256 or tuple(w.shape) != (n, rb) or w.dtype != torch.uint8 or xq.numel() != k:
         raise ValueError(f"{name}: rows [{n}, {rb}] for K = {k} (a multiple of 256) and x of "
                          f"K values, got {tuple(w.shape)} {w.dtype}, x [{xq.numel()}]")
-    return out if out is not None else torch.empty(n, dtype=torch.float32, device=w.device)
+    if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
+        raise ValueError(f"{name}: bb and rows must be powers of two, got {bb}, {rows}")
+    if w.data_ptr() % 4:
+        raise ValueError(f"{name}: the rows must start 4-byte aligned (read as int32 words)")
+    y = out if out is not None else torch.empty(n, dtype=torch.float32, device=w.device)
+    return y, warps or max(1, bb * 4 // 32)
 
 
 def gemv_q4k_spread(xq: torch.Tensor, xs4: torch.Tensor, w: torch.Tensor, n: int, k: int,
                     out: torch.Tensor | None = None, bb: int = 16, warps: int = 0, rows: int = 1,
                     cg: bool = False) -> torch.Tensor:
-    """y [N] f32 = W x̂ for Q4_K rows w and quantize_x's x̂ (xq, xs4): `rows` rows a program
-    (a power of two), its threads spread over bb blocks (a power of two) x 4 sub-block pairs;
-    warps by default bb * 4 / 32 (at least 1); cg: weights read past L1."""
-    y = _rows_out(w, n, k, QType.Q4_K, xq, out, "gemv_q4k_spread")
-    if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
-        raise ValueError(f"gemv_q4k_spread: bb and rows must be powers of two, got {bb}, {rows}")
+    """y [N] f32 = W x̂ for Q4_K rows w (4-byte aligned) and quantize_x's x̂ (xq, xs4): `rows`
+    rows a program (a power of two), its threads spread over bb blocks (a power of two) x 4
+    sub-block pairs; warps by default bb * 4 / 32 (at least 1); cg: weights read past L1."""
+    y, warps = _spread_args(w, n, k, QType.Q4_K, xq, out, "gemv_q4k_spread", bb, rows, warps)
     if n:
         _gemv_q4k_spread_kernel[(triton.cdiv(n, rows),)](
-            xq, xs4, w, y, n, k, w.stride(0), R=rows, BB=bb, CG=cg,
-            num_warps=warps or max(1, bb * 4 // 32))
+            xq, xs4, w, y, n, k, w.stride(0), R=rows, BB=bb, CG=cg, num_warps=warps)
     return y
 
 
-# ---- the decode MoE kernels in this form (moe_forward(..., x8=True), Q4_K parts) ----
+def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
+                    out: torch.Tensor | None = None, bb: int = 8, warps: int = 0,
+                    rows: int = 1) -> torch.Tensor:
+    """y [N] f32 = W x̂ for Q6_K rows w (4-byte aligned) and quantize_x's x̂ (xq, dx): `rows`
+    rows a program (a power of two), its threads spread over bb blocks (a power of two) x 2
+    halves x 2 quarters; warps by default bb * 4 / 32 (at least 1)."""
+    y, warps = _spread_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_spread", bb, rows, warps)
+    if n:
+        _gemv_q6k_spread_kernel[(triton.cdiv(n, rows),)](
+            xq, dx, w, y, n, k, w.stride(0), R=rows, BB=bb, num_warps=warps)
+    return y
+
+
+# ---- the decode MoE kernels in this form (moe_forward(..., x8=True)) ----
 
 
 @triton.jit(do_not_specialize=["D", "F"])
@@ -415,24 +434,6 @@ def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stri
         total, _ = spread_dot(rows, rows, (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                               hs4 + p.to(tl.int64) * (F // 16), F // 256, False, BB, False)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
-
-
-def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
-                    out: torch.Tensor | None = None, bb: int = 8, warps: int = 0,
-                    rows: int = 1) -> torch.Tensor:
-    """y [N] f32 = W x̂ for Q6_K rows w (4-byte aligned) and quantize_x's x̂ (xq, dx): `rows`
-    rows a program (a power of two), its threads spread over bb blocks (a power of two) x 2
-    halves x 2 quarters; warps by default bb * 4 / 32 (at least 1)."""
-    y = _rows_out(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_spread")
-    if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
-        raise ValueError(f"gemv_q6k_spread: bb and rows must be powers of two, got {bb}, {rows}")
-    if w.data_ptr() % 4:
-        raise ValueError("gemv_q6k_spread: the rows must start 4-byte aligned")
-    if n:
-        _gemv_q6k_spread_kernel[(triton.cdiv(n, rows),)](
-            xq, dx, w, y, n, k, w.stride(0), R=rows, BB=bb,
-            num_warps=warps or max(1, bb * 4 // 32))
-    return y
 
 
 @triton.jit(do_not_specialize=["D", "F"])
@@ -502,15 +503,11 @@ def gemv_iq_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, 
     two) x 4 quarters; warps by default bb * 4 / 32 (at least 1)."""
     if qtype not in (QType.IQ2_XS, QType.IQ3_XXS):
         raise ValueError(f"gemv_iq_spread: IQ2_XS or IQ3_XXS rows, got {QType(qtype).name}")
-    name = f"gemv_iq_spread ({QType(qtype).name})"
-    y = _rows_out(w, n, k, QType(qtype), xq, out, name)
-    if bb < 1 or bb & (bb - 1) or rows < 1 or rows & (rows - 1):
-        raise ValueError(f"{name}: bb and rows must be powers of two, got {bb}, {rows}")
-    if w.data_ptr() % 4:
-        raise ValueError(f"{name}: the rows must start 4-byte aligned")
+    y, warps = _spread_args(w, n, k, QType(qtype), xq, out,
+                            f"gemv_iq_spread ({QType(qtype).name})", bb, rows, warps)
     grid, smask = iq_tables(QType(qtype), w.device)
     if n:
         _gemv_iq_spread_kernel[(triton.cdiv(n, rows),)](
             xq, dx, w, y, grid, smask, n, k, w.stride(0), IQ3=qtype == QType.IQ3_XXS, R=rows,
-            BB=bb, num_warps=warps or max(1, bb * 4 // 32))
+            BB=bb, num_warps=warps)
     return y
