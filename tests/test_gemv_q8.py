@@ -123,7 +123,9 @@ def test_gemv_compiles_for_sm90() -> None:
     for iq3 in (False, True):
         k = triton.compile(ASTSource(fn, sig, constexprs={"IQ3": iq3, "R": 1, "BB": 8}),
                            target=target)
-        assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+        # IQ3_XXS: unsigned grid bytes; IQ2_XS: signed bytes picked by PRMT
+        assert ("dp4a.u32.s32" if iq3 else "dp4a.s32.s32") in k.asm["ptx"] and k.asm["cubin"]
+        assert iq3 or "prmt.b32" in k.asm["ptx"]
     sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "xs4": "*fp32", "NB": "i32",
            "G": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),

@@ -8,8 +8,9 @@ and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), Quan
     spread_dot          Q4_K rows · x̂: a row's blocks spread across the threads, R rows a
                         thread sharing x's words (docs/kernels.md: 63% of HBM copy)
     q6k_spread_dot      the same for Q6_K rows (words of 210-byte blocks, 2-byte aligned)
-    iq2xs_spread_dot    the same for IQ2_XS and IQ3_XXS rows (grid rows gathered as bytes;
-    iq3xxs_spread_dot   not yet timed, not called by the engine)
+    iq2xs_spread_dot    the same for IQ2_XS rows (grid codes and signs gathered as PRMT
+                        selectors) and IQ3_XXS rows (grid rows as bytes, signs as byte masks)
+    iq3xxs_spread_dot
     gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K),
     gemv_iq_spread(xq, dx, w, N, K, qtype) -> y [N] f32
     gemv_x8(x, w, qtype)   quantize_x, then the type's GEMV with its tuned tile
@@ -238,16 +239,55 @@ def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: 
 
 
 @triton.jit
-def iq2xs_spread_dot(wbase, ro, xw, dx, grid8, smask, nb, BB: tl.constexpr):
-    """Σ_k x̂[k] · W[r, k] [R] for IQ2_XS rows at byte offsets ro ([1, 1, 1, R, 1], int64)
+def _dp4a_ss(a, b, c):
+    """c + Σ_k sbyte_k(a) * sbyte_k(b), int32 (both signed bytes)."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            asm="dp4a.s32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, c],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = c
+        for k in tl.static_range(4):
+            sa = (a >> (8 * k)) & 0xFF
+            sb = (b >> (8 * k)) & 0xFF
+            out += (sa - ((sa & 0x80) << 1)) * (sb - ((sb & 0x80) << 1))
+    return out
+
+
+@triton.jit
+def _prmt(a, b, sel):
+    """The bytes of (b, a) that sel's low four nibbles pick (0-3: a's, 4-7: b's; PTX prmt)."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            asm="prmt.b32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, sel],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = sel * 0
+        for k in tl.static_range(4):
+            i = (sel >> (4 * k)) & 7
+            out |= (tl.where(i < 4, a, b) >> (8 * (i & 3)) & 0xFF) << (8 * k)
+    return out
+
+
+# IQ2_XS's three grid values 8, 25, 43 as bytes 0-2, and negated as bytes 4-6 (PRMT's source)
+IQ2_POS = tl.constexpr(0x002B1908)
+IQ2_NEG = tl.constexpr(0x00D5E7F8)
+
+
+@triton.jit
+def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr):
+    """Σ_k x̂[k] · W[r, k] [R] for IQ2_XS rows at byte offsets ro ([1, 1, R, 1, 1], int64)
     from wbase (int32 words, 4-aligned) of nb blocks, x̂ as quantize_x gives it (xw: int8 values
-    as int32 words, dx: per-32 scales); grid8 / smask: iq_tables(IQ2_XS).
+    as int32 words, dx: per-32 scales); gsel / ssel: iq_tables(IQ2_XS).
 
     74-byte blocks: d, 32 u16 (grid index 0-8, ksigns index 9-15), 8 bytes of 4-bit scales
     (one per 16 values). The threads spread over BB blocks x 4 quarters; a thread takes, per
-    row, the 8 groups of 8 values of its quarter: each group's grid row as two words of bytes
-    (8, 25 or 43) and its signs as two byte masks, so Σ g s xq = dp4a(g, xq) - 2 dp4a(g & m, xq);
-    the int32 sums of a 16-value sub-block get its scale, d (0.5 + sc) / 4, and dx."""
+    row, the 8 groups of 8 values of its quarter. A group's grid row is 8 codes (0-2) as
+    nibbles (gsel, 2 KB) and its signs 4 in the nibbles (ssel, 512 B): their OR picks each
+    signed value byte with one PRMT a word, then one signed dp4a; the int32 sums of a 16-value
+    sub-block get its scale, d (0.5 + sc) / 4, and dx. (Gathering 8 value bytes and 8 sign
+    masks a group instead, 4 KB + 1 KB of tables, took 28.4 us against 20.1 on 14336 x 4096:
+    the gathers' L1 wavefronts bound these kernels, docs/kernels.md.)"""
     R: tl.constexpr = ro.shape[2]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     c = tl.arange(0, 4)[None, :, None, None, None]
@@ -260,11 +300,11 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, grid8, smask, nb, BB: tl.constexpr):
         m = b < nb
         o = ro + b * 74  # [BB, 1, R, 1, 1]: the block's bytes in each row
         # group j's u16: half j % 2 of the word at o + 2 + 16c + 4 (j // 2)
-        e = (_u32_at(wbase, o + 2 + 16 * c + 4 * (j // 2), w * 0, m) >> (16 * (j % 2))) & 0xFFFF
-        g = tl.load(grid8 + (e & 511) * 2 + w)  # [BB, 4, R, 8, 2]: 4 grid bytes a word
-        s = tl.load(smask + (e >> 9) * 2 + w)  # 0xFF where the value is negative
+        e = (_u32_at(wbase, o + 2 + 16 * c + 4 * (j // 2), 0, m) >> (16 * (j % 2))) & 0xFFFF
+        sel = tl.load(gsel + (e & 511)) | tl.load(ssel + (e >> 9))  # [BB, 4, R, 8, 1]
+        g = _prmt(IQ2_POS + zero, IQ2_NEG, sel >> (16 * w))  # [BB, 4, R, 8, 2]: signed bytes
         xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)  # [BB, 4, 1, 8, 2]
-        dot = _dp4a(g, xj, zero) - 2 * _dp4a(g & s, xj, zero)
+        dot = _dp4a_ss(g, xj, zero)
         b8 = (wbase.to(tl.pointer_type(tl.int8)) + o).to(tl.pointer_type(tl.uint8))
         sc = (tl.load(b8 + 66 + 2 * c + j // 4 + 0 * w, mask=m, other=0).to(tl.int32)
               >> (4 * ((j // 2) % 2))) & 15
@@ -281,7 +321,9 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
     8 u32 of 4 x 7 ksigns bits and a 4-bit scale per 32 values, db = d (0.5 + s) / 2); grid4 /
     smask: iq_tables(IQ3_XXS) (each grid row's 4 values as bytes; the sign masks). A
     thread's group j of quarter c is group i = 8c + j of the block: grid indices qs[2i + w]
-    (w = 0, 1: its two words), signs from 7 bits (7 (i % 4)) of word i // 4."""
+    (w = 0, 1: its two words), signs from 7 bits (7 (i % 4)) of word i // 4. Eight levels
+    leave PRMT no room for their negatives (iq2xs_spread_dot's form), so the signs apply as
+    Σ g s xq = dp4a(g, xq) - 2 dp4a(g & mask, xq)."""
     R: tl.constexpr = ro.shape[2]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     c = tl.arange(0, 4)[None, :, None, None, None]
@@ -483,13 +525,27 @@ def _grid_bytes(ref: type, n: int, width: int) -> np.ndarray:
     return g.astype(np.uint8).reshape(n, width).view(np.int32)
 
 
+def _iq2xs_sel() -> tuple[np.ndarray, np.ndarray]:
+    """int32 [512]: each IQ2_XS grid row's 8 values as codes 0-2 (8, 25, 43) in nibbles; int32
+    [128]: each ksigns index's 8 signs as 4 in the nibbles of the negative values."""
+    g = grids._grid_np(gq.IQ2_XS)
+    code = np.select([g == 8, g == 25, g == 43], [0, 1, 2], -1).astype(np.int64)
+    if (code < 0).any():
+        raise ValueError("IQ2_XS grid values other than 8, 25, 43")
+    nib = 4 * np.arange(8)
+    neg = (grids._ksigns_np() < 0).astype(np.int64) * 4
+    return ((code << nib).sum(1).astype(np.uint32).view(np.int32),
+            (neg << nib).sum(1).astype(np.uint32).view(np.int32))
+
+
 def iq_tables(qtype: QType, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grid int32: IQ2_XS [512, 2] / IQ3_XXS [256, 1], each grid row's values as bytes, little
-    endian; smask int32 [128, 2]: each ksigns index's 8 signs as bytes, 0xFF where negative)."""
+    """IQ2_XS: (gsel, ssel) of _iq2xs_sel; IQ3_XXS: (grid int32 [256], each grid row's 4 values
+    as bytes, little endian; smask int32 [128, 2], each ksigns index's 8 signs as bytes, 0xFF
+    where negative)."""
     if qtype == QType.IQ2_XS:
-        grid = device_table("iq2xs_grid8", device, lambda: _grid_bytes(gq.IQ2_XS, 512, 8))
-    else:
-        grid = device_table("iq3xxs_grid4", device, lambda: _grid_bytes(gq.IQ3_XXS, 256, 4))
+        return (device_table("iq2xs_gsel", device, lambda: _iq2xs_sel()[0]),
+                device_table("iq2xs_ssel", device, lambda: _iq2xs_sel()[1]))
+    grid = device_table("iq3xxs_grid4", device, lambda: _grid_bytes(gq.IQ3_XXS, 256, 4))
     smask = device_table("ksigns_mask8", device, lambda: np.where(
         grids._ksigns_np() < 0, 255, 0).astype(np.uint8).view(np.int32))
     return grid, smask
