@@ -38,10 +38,11 @@ E, K, D, F = 128, 8, 2048, 768
 CALLS = 16
 
 
-def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device) -> dict:
-    lay = ExpertLayout(0, (int(QType.Q4_K), int(QType.Q4_K), int(qdown)), D, F)
+def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device,
+              qgu: QType = QType.Q4_K) -> dict:
+    lay = ExpertLayout(0, (int(qgu), int(qgu), int(qdown)), D, F)
     rec = torch.empty(E, lay.stride, dtype=torch.uint8)
-    for part, (q, n, k) in zip(lay.views(rec), ((QType.Q4_K, F, D), (QType.Q4_K, F, D),
+    for part, (q, n, k) in zip(lay.views(rec), ((qgu, F, D), (qgu, F, D),
                                                 (qdown, D, F)), strict=True):
         part[:] = torch.from_numpy(random_rows(q, E * n, k, rng, 0.02)).view(E, n, -1)
     slots = rec.to(dev)
@@ -174,6 +175,22 @@ def main() -> None:
                 continue
             res["moe"][f"{qdown.name} {name}"] = t * 1e6
             print(f"moe layer (down {qdown.name}) {name}: {t * 1e6:.1f} us, "
+                  f"{nbytes / t / 1e9:.0f} GB/s")
+    # i-quant packs: IQ2_XS or IQ3_XXS gate and up with an IQ3_XXS down, float32 activations
+    # against x8 (gemv_q8._gate_up_iq_kernel, _down_iq_kernel) by (R, BB, warps)
+    iq_variants = {"default tiles": {}, "x8, default tiles": {"x8": True}}
+    for gq in [(2, 8, 1), (8, 8, 1), (4, 4, 1), (8, 4, 1), (2, 4, 1)]:
+        iq_variants[f"x8, gate_up_iq {gq}"] = {"x8": True, "gate_up_iq": gq}
+    for dq in [(2, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 8, 1)]:
+        iq_variants[f"x8, down_iq {dq}"] = {"x8": True, "down_iq": dq}
+    for qgu, qdown in ((QType.IQ2_XS, QType.IQ3_XXS), (QType.IQ3_XXS, QType.IQ3_XXS)) if moe \
+            else ():
+        layer = moe_layer(qdown, rng, dev, qgu)
+        nbytes = K * layer["lay"].nbytes
+        for name, tune in iq_variants.items():
+            t = time_moe(layer, tune)
+            res["moe"][f"{qgu.name}/{qdown.name} {name}"] = t * 1e6
+            print(f"moe layer ({qgu.name} gate/up, {qdown.name} down) {name}: {t * 1e6:.1f} us, "
                   f"{nbytes / t / 1e9:.0f} GB/s")
     save()
     shapes = [(QType.Q4_K, 4096, 2048, "q_proj"), (QType.Q4_K, 512, 2048, "k_proj"),

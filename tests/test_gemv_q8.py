@@ -86,7 +86,7 @@ _INTERPRETED = f"""
     from strata.kernels.gpu.gemv_q8 import gemv_x8
     from strata.kernels.gpu.reference import matmul_ref, round8
     from strata.quant import QType, random_rows
-    for q in (QType.Q4_K, QType.Q6_K):
+    for q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS):
         w = torch.from_numpy(random_rows(q, 9, 512, rng, 0.05))
         x = torch.randn(1, 512)
         ref = matmul_ref(round8(x), w, q)
@@ -158,6 +158,29 @@ def test_gate_up_q8_compiles_for_sm90() -> None:
     assert all(re.search(r"tensor<4xf32", ln) for ln in converts), converts
 
 
+def test_iq_moe_kernels_compile_for_sm90() -> None:
+    """Without a GPU: the i-quant MoE kernels (gate/up, down) compile for sm_90, IQ2_XS with
+    its PRMT and signed dp4a, IQ3_XXS with its unsigned dp4a."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import gemv_q8
+
+    types = {"xq": "*i8", "hq": "*i8", "dx": "*fp32", "hdx": "*fp32", "ids": "*i64",
+             "wts": "*fp32", "slot_of": "*i32", "gate": "*u8", "up": "*u8", "down": "*u8",
+             "h": "*fp32", "part": "*fp32", "mg": "*u8", "mu": "*u8", "md": "*u8",
+             "t0": "*i32", "t1": "*i32"}
+    for fn in (gemv_q8._gate_up_iq_kernel, gemv_q8._down_iq_kernel):
+        for iq3 in (False, True):
+            consts = {"IQ3": iq3, "TOPK": 8, "R": 4, "BB": 4, "MISS": True, "HOST_FROM": 8}
+            sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+            ptx = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                                 target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": 1}).asm["ptx"]
+            assert ("dp4a.u32.s32" if iq3 else "dp4a.s32.s32") in ptx, (fn, iq3)
+            assert iq3 or "prmt.b32" in ptx
+
+
 @pytest.mark.cuda
 def test_gemv_on_cuda() -> None:
     rng = np.random.default_rng(fresh_seed())
@@ -193,7 +216,9 @@ def test_moe_x8_under_the_interpreter() -> None:
     (they add nothing), the pairs' rows unsummed, miss rows (3 tokens: every pair computed, the
     missing experts' records read from their rows), blocks a step not dividing a row's three;
     and within the rounding of the reference without it. One pack with a Q6_K down (rows of
-    one 210-byte block: every other one 2 mod 4), one with a Q6_K gate (x not rounded)."""
+    one 210-byte block: every other one 2 mod 4), one with a Q6_K gate (x not rounded); two of
+    i-quants (IQ2_XS gate and up with an IQ3_XXS down, and the other way round: rows of 74- and
+    98-byte blocks, every other one 2 mod 4 at 1 and 3 blocks a row)."""
     run_interpreted(_MOE_X8, fresh_seed(), timeout=600)
 
 
@@ -208,7 +233,9 @@ _MOE_X8 = """
     def rel(a, b):
         return float((a - b).norm() / b.norm())
     e, d, f = 3, 768, 256
-    for qt in ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K, QType.Q4_K)):
+    for qt in ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K, QType.Q4_K),
+               (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
+               (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS)):
         def rows(n, k, q):
             return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
         slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)
@@ -226,12 +253,13 @@ _MOE_X8 = """
                     **dict(zip(("gate_slots", "up_slots", "down_slots"), lay.views(records))))
         # (larger tiles: fewer programs to interpret)
         moe_mod.DECODE_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1),
-                                   down_q6k_q8=(256, 2, 1),
+                                   down_q6k_q8=(256, 2, 1), gate_up_iq=(64, 2, 1),
+                                   down_iq=(256, 2, 1),
                                    gate_up=(64, 256, 1, 4), down_pairs=(64, 256, 1, 4))
         # (a pair's h comes from float32 sums in another order than the reference's, so a value
         # next to a rounding boundary may round to the other side: 1e-3 there, not 2e-5)
         tol = 1e-3
-        for t in (1, 3) if qt[2] == QType.Q6_K else (3,):
+        for t in (1, 3) if qt[2] in (QType.Q6_K, QType.IQ3_XXS) else (3,):
             ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
             x, wts = torch.randn(t, d), torch.rand(t, 2)
             out = moe_forward(x, ids, wts, **layer, x8=True)
@@ -251,15 +279,19 @@ _MOE_X8 = """
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tune", [{}, {"gate_up_q8": (2, 8, 1), "down_q8": (2, 4, 1)},
+@pytest.mark.parametrize("tune", [{}, {"gate_up_q8": (2, 8, 1), "down_q8": (2, 4, 1),
+                                       "gate_up_iq": (2, 8, 1), "down_iq": (2, 4, 1)},
                                   {"gate_up_q8": (4, 4, 1), "down_q8": (4, 8, 1),
-                                   "down_q6k_q8": (2, 4, 1)},
-                                  {"gate_up_q8": (8, 8, 2), "down_q8": (8, 4, 2)}])
-@pytest.mark.parametrize("down", ["Q6_K", "Q4_K"])
-def test_moe_x8_on_cuda(tune: dict, down: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                   "down_q6k_q8": (2, 4, 1), "gate_up_iq": (4, 4, 1),
+                                   "down_iq": (4, 2, 1)},
+                                  {"gate_up_q8": (8, 8, 2), "down_q8": (8, 4, 2),
+                                   "gate_up_iq": (8, 8, 2), "down_iq": (8, 4, 2)}])
+@pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "Q4_K/Q4_K", "IQ2_XS/IQ3_XXS", "IQ3_XXS/IQ2_XS"])
+def test_moe_x8_on_cuda(tune: dict, pack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3-30B-A3B decode layer (D 2048, F 768, 8 of 16 experts resident, 8 routed) with
-    activations rounded to 8 bits for its Q4_K parts, one token and four, against the reference
-    with that rounding and without; the default tiles and others."""
+    activations rounded to 8 bits, gate and up of the pack's first type and down of its second,
+    one token and four, against the reference with that rounding and without; the default
+    tiles and others."""
     from strata.kernels.gpu import moe as moe_mod
     from strata.kernels.gpu import moe_forward
     from strata.kernels.gpu.reference import moe_ref
@@ -268,7 +300,8 @@ def test_moe_x8_on_cuda(tune: dict, down: str, monkeypatch: pytest.MonkeyPatch) 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     monkeypatch.setattr(moe_mod, "DECODE_TUNE", tune)
-    e, d, f, q = 16, 2048, 768, QType.Q4_K
+    e, d, f = 16, 2048, 768
+    q, down = (QType[v] for v in pack.split("/"))
     slots = 8
     slot_of = np.full(e, -1)
     slot_of[rng.permutation(e)[:slots]] = np.arange(slots)
@@ -279,8 +312,8 @@ def test_moe_x8_on_cuda(tune: dict, down: str, monkeypatch: pytest.MonkeyPatch) 
     layer = dict(slot_of_expert=torch.tensor(slot_of, dtype=torch.int32).cuda(),
                  gate_slots=rows(slots * f, d, q).view(slots, f, -1),
                  up_slots=rows(slots * f, d, q).view(slots, f, -1),
-                 down_slots=rows(slots * d, f, QType[down]).view(slots, d, -1),
-                 qtypes=(q, q, QType[down]), d_model=d, d_expert=f)
+                 down_slots=rows(slots * d, f, down).view(slots, d, -1),
+                 qtypes=(q, q, down), d_model=d, d_expert=f)
     tol = 1e-3  # (see test_moe_x8_under_the_interpreter)
     for t in (1, 4):
         ids = torch.from_numpy(np.stack([rng.permutation(e)[:8] for _ in range(t)])).cuda()
@@ -288,18 +321,18 @@ def test_moe_x8_on_cuda(tune: dict, down: str, monkeypatch: pytest.MonkeyPatch) 
         out = moe_forward(x, ids, wts, **layer, x8=True)
         ref = moe_ref(x, ids, wts, **layer, x8=True)
         err = float((out - ref).norm() / ref.norm())
-        assert err < tol, f"{tune} {down} t={t} seed={seed}: rel err {err:.2e} with rounding"
+        assert err < tol, f"{tune} {pack} t={t} seed={seed}: rel err {err:.2e} with rounding"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
-        assert err < 3e-2, f"{tune} {down} t={t} seed={seed}: rel err {err:.2e} without"
+        assert err < 3e-2, f"{tune} {pack} t={t} seed={seed}: rel err {err:.2e} without"
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ2_XS", "IQ3_XXS"])
 def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
-    """A one-token matmul of a large Q4_K / Q6_K QuantTensor with x8 (--kernels fused) rounds
-    x to 8 bits and runs the spread GEMV: the product with round8(x) to float rounding, within
-    the rounding of the product with x; a small matrix or two tokens keep float32 x."""
+    """A one-token matmul of a large QuantTensor of gemv_x8's types with x8 (--kernels fused)
+    rounds x to 8 bits and runs the spread GEMV: the product with round8(x) to float rounding,
+    within the rounding of the product with x; a small matrix or two tokens keep float32 x."""
     from strata.kernels.gpu.reference import matmul_ref, round8
     from strata.model.weights import X8_MIN_ROWS, QuantTensor
     from strata.quant import QType, random_rows
@@ -325,7 +358,7 @@ def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
 
 
 def test_quant_tensor_x8_only_where_it_pays() -> None:
-    """QuantTensor takes the int8 GEMV for one token of a Q4_K / Q6_K matrix of X8_MIN_ROWS
+    """QuantTensor takes the int8 GEMV for one token of a matrix of gemv_x8's types, X8_MIN_ROWS
     rows or more only (checked on the CPU side of the decision; the path runs on CUDA)."""
     from strata.model.weights import X8_MIN_ROWS, QuantTensor
     from strata.quant import QType, row_nbytes
@@ -339,6 +372,7 @@ def test_quant_tensor_x8_only_where_it_pays() -> None:
     assert not qt(QType.Q6_K, X8_MIN_ROWS)._x8_for(two)
     assert not qt(QType.Q6_K, X8_MIN_ROWS - 1)._x8_for(one)
     assert not qt(QType.Q8_0, X8_MIN_ROWS)._x8_for(one)
+    assert all(qt(q, X8_MIN_ROWS)._x8_for(one) for q in (QType.IQ2_XS, QType.IQ3_XXS))
 
 
 def test_spread_gemvs_refuse_bad_arguments() -> None:

@@ -22,6 +22,7 @@ _CHUNK_ROWS = 8192  # rows dequantized at once: bounds the temporary float32 cop
 # rounding x is one more launch, ~1.2 us in a decode graph, which a few-thousand-row GEMV of a
 # few microseconds would not win back; an estimate, timed only for 14336 rows and up)
 X8_MIN_ROWS = 8192
+X8_TYPES = (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS)  # gemv_q8.gemv_x8's
 
 
 @dataclass
@@ -32,7 +33,8 @@ class QuantTensor:
     qtype: int
     n_cols: int
     fused_max_t: int = 1 << 30  # tokens up to which the fused kernels run (CUDA)
-    x8: bool = False  # one token: x rounded to 8 bits for a large Q4_K / Q6_K (--kernels fused)
+    x8: bool = False  # one token: x rounded to 8 bits for a large matrix of gemv_x8's types
+    # (Q4_K, Q6_K, IQ2_XS, IQ3_XXS; --kernels fused)
 
     @classmethod
     def load(cls, ref: TensorRef, device: torch.device) -> QuantTensor:
@@ -53,11 +55,12 @@ class QuantTensor:
                 and fused_matmul_available(self.qtype))
 
     def _x8_for(self, x: torch.Tensor) -> bool:
-        """One token, a Q4_K / Q6_K matrix of X8_MIN_ROWS rows or more, 4-byte aligned."""
+        """One token, a Q4_K / Q6_K / IQ2_XS / IQ3_XXS matrix of X8_MIN_ROWS rows or more,
+        4-byte aligned (Q4_K: each row; the others read rows 2 mod 4 too)."""
         w = self.raw
-        return (x.shape[0] == 1 and self.qtype in (QType.Q4_K, QType.Q6_K) and w.dim() == 2
+        return (x.shape[0] == 1 and self.qtype in X8_TYPES and w.dim() == 2
                 and w.shape[0] >= X8_MIN_ROWS and self.n_cols % 256 == 0 and w.stride(1) == 1
-                and w.data_ptr() % 4 == 0 and (self.qtype == QType.Q6_K or w.stride(0) % 4 == 0))
+                and w.data_ptr() % 4 == 0 and (self.qtype != QType.Q4_K or w.stride(0) % 4 == 0))
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else

@@ -351,18 +351,29 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
     return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
-def _gemv_iq_spread_kernel(xq, dx, w, y, grid, smask, N, K, row_bytes, IQ3: tl.constexpr,
-                           R: tl.constexpr, BB: tl.constexpr):
-    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ2_XS (iq2xs_spread_dot) or, IQ3,
-    # IQ3_XXS (iq3xxs_spread_dot)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
-    wb, xw = w.to(tl.pointer_type(tl.int32)), xq.to(tl.pointer_type(tl.int32))
+@triton.jit
+def iq_spread_dot(wbase, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, BB: tl.constexpr):
+    """iq3xxs_spread_dot if IQ3 else iq2xs_spread_dot (t0, t1: the type's iq_tables)."""
     if IQ3:
-        s = iq3xxs_spread_dot(wb, ro, xw, dx, grid, smask, K // 256, BB)
+        s = iq3xxs_spread_dot(wbase, ro, xw, dx, t0, t1, nb, BB)
     else:
-        s = iq2xs_spread_dot(wb, ro, xw, dx, grid, smask, K // 256, BB)
+        s = iq2xs_spread_dot(wbase, ro, xw, dx, t0, t1, nb, BB)
+    return s
+
+
+@triton.jit
+def _iq_rows(n, N, row_bytes):
+    """Byte offsets [1, 1, R, 1, 1] (int64) of rows n ([R], clamped to N - 1)."""
+    return (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_iq_spread_kernel(xq, dx, w, y, t0, t1, N, K, row_bytes, IQ3: tl.constexpr,
+                           R: tl.constexpr, BB: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ2_XS or, IQ3, IQ3_XXS
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    s = iq_spread_dot(w.to(tl.pointer_type(tl.int32)), _iq_rows(n, N, row_bytes),
+                      xq.to(tl.pointer_type(tl.int32)), dx, t0, t1, K // 256, IQ3, BB)
     tl.store(y + n, s, mask=n < N)
 
 @triton.jit
@@ -497,14 +508,59 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
 
 
+@triton.jit(do_not_specialize=["D", "F"])
+def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D, F, stride_gs,
+                       stride_us, stride_ms, row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr,
+                       R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
+                       HOST_FROM: tl.constexpr):
+    # as _gate_up_q8_kernel, for IQ2_XS or (IQ3) IQ3_XXS gate and up: R rows of each a program
+    # (iq_spread_dot, once for each)
+    p = tl.program_id(1)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    slot = tl.load(slot_of + tl.load(ids + p))
+    hv = tl.zeros((R,), tl.float32)
+    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+        t = (p // TOPK).to(tl.int64)
+        ro = _iq_rows(n, F, row_bytes)
+        xw = (xq + t * D).to(tl.pointer_type(tl.int32))
+        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
+        g = iq_spread_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0, t1,
+                          D // 256, IQ3, BB)
+        u = iq_spread_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0, t1,
+                          D // 256, IQ3, BB)
+        hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
+    tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
+
+
+@triton.jit(do_not_specialize=["D", "F"])
+def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_ds, stride_ms,
+                    row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr, R: tl.constexpr,
+                    BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr):
+    # as _down_q6k_q8_kernel, for an IQ2_XS or (IQ3) IQ3_XXS down (iq_spread_dot)
+    p = tl.program_id(1)
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    slot = tl.load(slot_of + tl.load(ids + p))
+    total = tl.zeros((R,), tl.float32)
+    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+        total = iq_spread_dot(base.to(tl.pointer_type(tl.int32)), _iq_rows(n, D, row_bytes),
+                              (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
+                              hdx + p.to(tl.int64) * (F // 32), t0, t1, F // 256, IQ3, BB)
+    tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
+
+
 # (R rows, BB blocks, warps) of the one-token GEMVs: the fastest timed on the H200 (runs 78, 82:
-# 14336 x 4096 Q4_K 12.4 us, Q6_K 27.2 us; the Q6_K lm_head 151936 x 2048 122.7 us)
-GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1)}
+# 14336 x 4096 Q4_K 12.4 us, Q6_K 27.2 us; the Q6_K lm_head 151936 x 2048 122.7 us; IQ2_XS
+# 20.1 us, IQ3_XXS 29.8 us against 55.4 and 61.3 on float32 x)
+GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
+                QType.IQ3_XXS: (2, 8, 1)}
 
 
 def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x [1, K] float32/bf16 @ W.T -> [1, N] float32 for Q4_K / Q6_K rows w (4-byte aligned),
-    x rounded to 8 bits first (quantize_x) and the GEMV on dp4a, GEMV_X8_TILE's tile."""
+    """x [1, K] float32/bf16 @ W.T -> [1, N] float32 for Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows w
+    (4-byte aligned), x rounded to 8 bits first (quantize_x) and the GEMV on dp4a,
+    GEMV_X8_TILE's tile."""
     q = QType(qtype)
     r, bb, warps = GEMV_X8_TILE[q]
     n, k = w.shape[0], x.shape[-1]
@@ -512,8 +568,10 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     out = torch.empty(1, n, dtype=torch.float32, device=x.device)
     if q == QType.Q4_K:
         gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
-    else:
+    elif q == QType.Q6_K:
         gemv_q6k_spread(xq, dx, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
+    else:
+        gemv_iq_spread(xq, dx, w, n, k, q, out=out[0], bb=bb, warps=warps, rows=r)
     return out
 
 

@@ -61,9 +61,14 @@ GATE_UP_Q8_TILE = (4, 8, 1)
 # _down_q6k_q8_kernel)
 DOWN_Q8_TILE = (4, 4, 1)
 DOWN_Q6K_Q8_TILE = (4, 4, 1)
+# the same for IQ2_XS / IQ3_XXS gate and up (both of one type) and down (gemv_q8._gate_up_iq_kernel,
+# _down_iq_kernel): the i-quant types with int8-activation kernels
+IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)
+GATE_UP_IQ_TILE = (4, 8, 1)
+DOWN_IQ_TILE = (4, 4, 1)
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
-# "gate_up_q8" / "down_q8" / "down_q6k_q8" -> (R, BB, warps) instead of GATE_UP_Q8_TILE /
-# DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE
+# "gate_up_q8" / "down_q8" / "down_q6k_q8" / "gate_up_iq" / "down_iq" -> (R, BB, warps) instead
+# of GATE_UP_Q8_TILE / DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE / GATE_UP_IQ_TILE / DOWN_IQ_TILE
 DECODE_TUNE: dict = {}
 
 
@@ -319,10 +324,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     miss: (gate, up, down) views of at least T·K rows laid out as the slots, row p holding the
     record of pair p's expert when it is not resident (gather_misses writes them): every pair
     is then computed. Decode sizes only (T <= DECODE_MAX_T) with fused kernels for the types.
-    x8: a decode call with Q4_K gate and up (rows 4-byte aligned) rounds x to 8 bits per 32
-    values and runs gate/up on integer dot products (gemv_q8.py: ~1e-2 relative to the product
-    with x itself, as llama.cpp's CUDA path), and with a Q4_K or Q6_K down rounds each pair's h
-    the same way for it; other types and calls keep float32 activations."""
+    x8: a decode call with Q4_K gate and up (rows 4-byte aligned), or IQ2_XS / IQ3_XXS ones
+    (both of one type), rounds x to 8 bits per 32 values and runs gate/up on integer dot
+    products (gemv_q8.py: ~1e-2 relative to the product with x itself, as llama.cpp's CUDA
+    path), and with a Q4_K, Q6_K, IQ2_XS or IQ3_XXS down rounds each pair's h the same way for
+    it; other types and calls keep float32 activations."""
     t = x.shape[0] if x.dim() == 2 else 0
     # a decode call with no `out` writes the sums straight into a new one (no zero fill + add)
     direct = (out is None and 0 < t <= DECODE_MAX_T and ids.dim() == 2 and ids.shape[1] > 0
@@ -438,6 +444,19 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
     host = topk if host_from is None else host_from
+    if (x8 and fg.qtype == fu.qtype and fg.qtype in IQ_X8 and d % 256 == 0
+            and _words_aligned(gate, up, mg, mu, rows=False)):
+        from strata.kernels.gpu.gemv_q8 import _gate_up_iq_kernel, iq_tables, quantize_x
+
+        xq, dx, _ = quantize_x(x.contiguous())
+        t0, t1 = iq_tables(fg.qtype, x.device)
+        r, bb, warps = DECODE_TUNE.get("gate_up_iq") or GATE_UP_IQ_TILE
+        _gate_up_iq_kernel[(triton.cdiv(f, r), p)](
+            xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
+            up.stride(0), mg.stride(0), gate.shape[2], IQ3=fg.qtype == QType.IQ3_XXS,
+            TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host, num_warps=warps)
+        return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
+                            accumulate, host, x8)
     if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
             and _words_aligned(gate, up, mg, mu)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_q8_kernel, quantize_x
@@ -468,7 +487,17 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
     # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
-    if (x8 and fd.qtype in (QType.Q4_K, QType.Q6_K) and f % 256 == 0
+    if x8 and fd.qtype in IQ_X8 and f % 256 == 0 and _words_aligned(down, md, rows=False):
+        from strata.kernels.gpu.gemv_q8 import _down_iq_kernel, iq_tables, quantize_x
+
+        hq, hdx, _ = quantize_x(h)
+        t0, t1 = iq_tables(fd.qtype, h.device)
+        r, bb, warps = DECODE_TUNE.get("down_iq") or DOWN_IQ_TILE
+        _down_iq_kernel[(triton.cdiv(d, r), p)](
+            hq, hdx, ids, slot_of, down, part, md, t0, t1, d, f, down.stride(0), md.stride(0),
+            down.shape[2], IQ3=fd.qtype == QType.IQ3_XXS, TOPK=topk, R=r, BB=bb,
+            MISS=miss is not None, HOST_FROM=host_from, num_warps=warps)
+    elif (x8 and fd.qtype in (QType.Q4_K, QType.Q6_K) and f % 256 == 0
             and _words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
         from strata.kernels.gpu.gemv_q8 import _down_q6k_q8_kernel, _down_q8_kernel, quantize_x
 

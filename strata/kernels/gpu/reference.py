@@ -19,11 +19,12 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             d_expert: int, x8: bool = False) -> torch.Tensor:
     """float32 [T, D]: Σ over resident pairs of weights[t, k] · down(silu(gate x) · up x),
     one pair at a time (the slow, obvious order). x8: as moe_forward's x8, x rounded to 8 bits
-    (round8) for a Q4_K gate and up, and h for a Q4_K or Q6_K down."""
+    (round8) for a gate and up both Q4_K, IQ2_XS or IQ3_XXS, and h for a Q4_K, Q6_K, IQ2_XS
+    or IQ3_XXS down."""
     qg, qu, qd = qtypes
     out = torch.zeros(x.shape[0], d_model, dtype=torch.float32, device=x.device)
     xf = x.float()
-    if x8 and qg == qu == QType.Q4_K:
+    if x8 and qg == qu and qg in (QType.Q4_K, QType.IQ2_XS, QType.IQ3_XXS):
         xf = round8(xf)
     for t in range(ids.shape[0]):
         for k in range(ids.shape[1]):
@@ -33,7 +34,7 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             g = dequantize(gate_slots[s], qg, d_model) @ xf[t]  # [F]
             u = dequantize(up_slots[s], qu, d_model) @ xf[t]
             h = torch.nn.functional.silu(g) * u
-            if x8 and qd in (QType.Q4_K, QType.Q6_K):
+            if x8 and qd in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS):
                 h = round8(h)
             out[t] += float(weights[t, k]) * (dequantize(down_slots[s], qd, d_expert) @ h)
     return out
