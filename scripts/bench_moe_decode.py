@@ -229,7 +229,7 @@ def main() -> None:
             # (rows, blocks, warps, ld.global.cg); x rounded outside the time, or inside
             tiles = SPREAD_TILES if q == QType.Q4_K else [
                 (1, 8, 1, False), (2, 8, 1, False), (1, 4, 1, False), (2, 4, 1, False),
-                (4, 4, 1, False), (1, 16, 2, False)]
+                (4, 4, 1, False), (1, 16, 2, False), (4, 8, 1, False), (8, 4, 1, False)]
             q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU machine, from the repo root: sets up, runs the CUDA tests of the fast paths, then
-# the decode and prompt benchmarks on a synthetic Qwen3-30B-A3B Q4_K_M (ceilings measured in the
-# same runs), then a correctness check of the fast paths on those shapes; results under $OUT.
+# the decode and prompt benchmarks on a synthetic Qwen3-30B-A3B (Q4_K_M, or the recipe QUANT
+# names, e.g. IQ2_XS; ceilings measured in the same runs), then a correctness check of the fast
+# paths on those shapes; results under $OUT.
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
 # (bench_moe_decode.py; KERNEL_ARGS added, e.g. "--gemv-only 14336x4096"), ncu (Nsight Compute
@@ -52,11 +53,12 @@ if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && which gcc g++ >/dev/null; the
   GGML_PID=$!
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
-M=/tmp/q30.gguf
+QUANT=${QUANT:-Q4_K_M}  # the synthetic model's recipe (strata synth --quant)
+M=/tmp/q30-$QUANT.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
       $STAGES == *share* || $STAGES == *prefetch* ]]; then
-  ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant Q4_K_M --force \
+  ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
 fi
