@@ -123,9 +123,9 @@ def test_gemv_compiles_for_sm90() -> None:
     for iq3 in (False, True):
         k = triton.compile(ASTSource(fn, sig, constexprs={"IQ3": iq3, "R": 1, "BB": 8}),
                            target=target)
-        # IQ3_XXS: unsigned grid bytes; IQ2_XS: signed bytes picked by PRMT
-        assert ("dp4a.u32.s32" if iq3 else "dp4a.s32.s32") in k.asm["ptx"] and k.asm["cubin"]
-        assert iq3 or "prmt.b32" in k.asm["ptx"]
+        # signed bytes: IQ2_XS's picked by PRMT, IQ3_XXS's negated by masks from popc
+        assert "dp4a.s32.s32" in k.asm["ptx"] and k.asm["cubin"]
+        assert ("popc.b32" if iq3 else "prmt.b32") in k.asm["ptx"]
     sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "xs4": "*fp32", "NB": "i32",
            "G": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),
@@ -159,8 +159,8 @@ def test_gate_up_q8_compiles_for_sm90() -> None:
 
 
 def test_iq_moe_kernels_compile_for_sm90() -> None:
-    """Without a GPU: the i-quant MoE kernels (gate/up, down) compile for sm_90, IQ2_XS with
-    its PRMT and signed dp4a, IQ3_XXS with its unsigned dp4a."""
+    """Without a GPU: the i-quant MoE kernels (gate/up, down) compile for sm_90 with their
+    signed dp4a, IQ2_XS with its PRMT, IQ3_XXS with the popc of its sign bits."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -177,8 +177,7 @@ def test_iq_moe_kernels_compile_for_sm90() -> None:
             ptx = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                  target=GPUTarget("cuda", 90, 32),
                                  options={"num_warps": 1}).asm["ptx"]
-            assert ("dp4a.u32.s32" if iq3 else "dp4a.s32.s32") in ptx, (fn, iq3)
-            assert iq3 or "prmt.b32" in ptx
+            assert "dp4a.s32.s32" in ptx and ("popc.b32" if iq3 else "prmt.b32") in ptx
 
 
 @pytest.mark.cuda

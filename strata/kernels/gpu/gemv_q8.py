@@ -316,14 +316,40 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr):
 
 
 @triton.jit
+def _parity(v):
+    """1 where v (int32, >= 0) has an odd number of bits set, else 0."""
+    if ASM:
+        n = tl.inline_asm_elementwise(asm="popc.b32 $0, $1;", constraints="=r,r", args=[v],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        n = v ^ (v >> 16)
+        n = n ^ (n >> 8)
+        n = n ^ (n >> 4)
+        n = n ^ (n >> 2)
+        n = n ^ (n >> 1)
+    return n & 1
+
+
+@triton.jit
+def _sign_mask(bits, w):
+    """Word w (0: values 0-3, 1: 4-7) of a group's 8 sign bytes, 0xFF where negative, from
+    the 7 ksigns bits in bits' low bits (the eighth: their parity, ggml's ksigns table):
+    4 bits spread one to a byte by a multiply, then 0x01 -> 0xFF."""
+    s7 = bits & 127
+    s8 = s7 | (_parity(s7) << 7)
+    return (((s8 >> (4 * w)) & 15) * 0x204081 & 0x01010101) * 255
+
+
+@triton.jit
 def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
     """As iq2xs_spread_dot, for IQ3_XXS rows (98-byte blocks: d, 64 grid indices of 4 values,
     8 u32 of 4 x 7 ksigns bits and a 4-bit scale per 32 values, db = d (0.5 + s) / 2); grid4 /
     smask: iq_tables(IQ3_XXS) (each grid row's 4 values as bytes; the sign masks). A
     thread's group j of quarter c is group i = 8c + j of the block: grid indices qs[2i + w]
     (w = 0, 1: its two words), signs from 7 bits (7 (i % 4)) of word i // 4. Eight levels
-    leave PRMT no room for their negatives (iq2xs_spread_dot's form), so the signs apply as
-    Σ g s xq = dp4a(g, xq) - 2 dp4a(g & mask, xq)."""
+    leave PRMT no room for their negatives (iq2xs_spread_dot's form): the signs become byte
+    masks by arithmetic (_sign_mask; no table, so no gather) and negate the grid bytes they
+    mark before one signed dp4a a word."""
     R: tl.constexpr = ro.shape[2]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     c = tl.arange(0, 4)[None, :, None, None, None]
@@ -340,9 +366,9 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
         idx = (q4 >> (8 * (2 * (j % 2) + w))) & 255
         aux = _u32_at(wbase, o + 66 + 4 * (2 * c + j // 4), w * 0, m)  # [BB, 4, R, 8, 2]
         g = tl.load(grid4 + idx)  # 4 grid bytes
-        s = tl.load(smask + ((aux >> (7 * (j % 4))) & 127) * 2 + w)
+        s = _sign_mask(aux >> (7 * (j % 4)), w)
         xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)
-        dot = _dp4a(g, xj, zero) - 2 * _dp4a(g & s, xj, zero)
+        dot = _dp4a_ss((g ^ s) + (s & 0x01010101), xj, zero)  # the bytes negated where s is
         d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + o + 0 * (c + j + w))
                     .to(tl.pointer_type(tl.int16)), mask=m,
                     other=0).to(tl.float16, bitcast=True).to(tl.float32)
