@@ -47,8 +47,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "prompt streams)")
     g.add_argument("--kernels", default="fused", choices=["fused", "exact", "off"],
                    help="GPU kernels on GGUF blocks: fused everywhere (prompt chunks on bf16 "
-                   "tensor cores; decode rounds activations to 8 bits for Q4_K expert gate/up, "
-                   "Q4_K/Q6_K expert down and large output matrices, as llama.cpp does), exact "
+                   "tensor cores; decode rounds activations to 8 bits for expert gate/up and "
+                   "down and large output matrices in Q4_K, Q6_K (down, output), IQ2_XS or "
+                   "IQ3_XXS, as llama.cpp does), exact "
                    "(fused only where float32-exact: up to 4 tokens), off")
     g.add_argument("--decode-step", default="graphs", choices=["graphs", "eager", "off"],
                    help="one sequence's decode token on the offload runtime: static buffers "

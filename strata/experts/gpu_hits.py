@@ -32,8 +32,8 @@ class FusedHits:
         """max_t: the most tokens a call may have for the fused kernels (0: never);
         scratch_bytes: the prompt path's bf16 weight scratch (the memory plan's)."""
         self.max_t, self.scratch_bytes = max_t, scratch_bytes
-        # decode calls round activations to 8 bits for Q4_K gate/up and a Q4_K / Q6_K down
-        # (moe_forward x8; --kernels fused)
+        # decode calls round activations to 8 bits for a Q4_K, IQ2_XS or IQ3_XXS gate/up and a
+        # Q4_K, Q6_K, IQ2_XS or IQ3_XXS down (moe_forward x8; --kernels fused)
         self.x8 = False
         self.on = max_t > 0 and fused_kernels_available(device)
         self.covered = [False] * len(layouts)

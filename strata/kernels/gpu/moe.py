@@ -62,9 +62,9 @@ GATE_UP_Q8_TILE = (4, 8, 1)
 DOWN_Q8_TILE = (4, 4, 1)
 DOWN_Q6K_Q8_TILE = (4, 4, 1)
 # the same for IQ2_XS / IQ3_XXS gate and up (both of one type) and down (gemv_q8._gate_up_iq_kernel,
-# _down_iq_kernel): the i-quant types with int8-activation kernels; the tiles timed fastest on
-# the 30B-A3B layer (bench/2026-12-01-h200-iquants.md: IQ2_XS gate/up, IQ3_XXS down 29.7 us,
-# 57.6 on float32 activations)
+# _down_iq_kernel): the i-quant types with int8-activation kernels; tiles among the fastest
+# timed on the 30B-A3B layer (bench/2026-11-30-h200-iquants.md: IQ2_XS gate/up with an IQ3_XXS
+# down 28.6 us, IQ3_XXS throughout 30.6 us; 57.7 / 58.3 on float32 activations)
 IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)
 GATE_UP_IQ_TILE = (4, 4, 1)
 DOWN_IQ_TILE = (4, 4, 1)
