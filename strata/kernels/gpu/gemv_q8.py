@@ -577,7 +577,7 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
 
 
 # (R rows, BB blocks, warps) of the one-token GEMVs: the fastest timed on the H200 (runs 78, 82,
-# 89: 14336 x 4096 Q4_K 12.4 us, Q6_K 27.2 us, IQ2_XS 19.4 us, IQ3_XXS 23.0 us (55.6 and 61.1
+# 92: 14336 x 4096 Q4_K 12.4 us, Q6_K 27.2 us, IQ2_XS 19.4 us, IQ3_XXS 23.0 us (55.6 and 61.1
 # on float32 x); the Q6_K lm_head 151936 x 2048 122.7 us)
 GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
                 QType.IQ3_XXS: (4, 8, 1)}
