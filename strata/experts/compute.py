@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from strata.experts.layout import ExpertLayout
-from strata.quant import dequantize
+from strata.quant import DEQUANT_PEAK, dequantize
 
 
 @dataclass
@@ -43,9 +43,11 @@ def group_pairs(ids: torch.Tensor, weights: torch.Tensor) -> list[Group]:
 
 def run_records(layout: ExpertLayout, records: torch.Tensor, groups: list[Group], h: torch.Tensor,
                 out: torch.Tensor, workspace_bytes: int) -> None:
-    """out[t] += Σ_g w * expert_g(h[t]) for records [n, stride] holding the groups' experts."""
+    """out[t] += Σ_g w * expert_g(h[t]) for records [n, stride] holding the groups' experts,
+    as many experts at once as workspace_bytes holds: their float32 gate and up while the down
+    is dequantized (DEQUANT_PEAK times its size at that moment)."""
     D, F = layout.d_model, layout.d_expert
-    per_expert = 3 * D * F * 4  # float32 gate, up, down
+    per_expert = (2 + DEQUANT_PEAK) * D * F * 4
     step = max(1, workspace_bytes // per_expert)
     for s in range(0, len(groups), step):
         _run_chunk(layout, records[s:s + step], groups[s:s + step], h, out)

@@ -15,9 +15,11 @@ import torch
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
-from strata.quant import QType, dequantize
+from strata.quant import QType, dequant_rows, dequantize
 
-_CHUNK_ROWS = 8192  # rows dequantized at once: bounds the temporary float32 copy of a large matrix
+# what dequantizing a piece of a large matrix may hold at once (its float32 rows and the
+# dequantizer's intermediates, DEQUANT_PEAK): the memory plan's workspace covers it
+DEQUANT_CHUNK_BYTES = 64 << 20
 # QuantTensor.x8: from this many rows on (the output matrix, not the attention projections:
 # rounding x is one more launch, ~1.2 us in a decode graph, which a few-thousand-row GEMV of a
 # few microseconds would not win back; an estimate, timed only for 14336 rows and up)
@@ -74,9 +76,10 @@ class QuantTensor:
 
             return quant_matmul(x.contiguous(), self.raw, self.qtype)
         n = self.raw.shape[0]
+        step = dequant_rows(self.n_cols, DEQUANT_CHUNK_BYTES)
         out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-        for i in range(0, n, _CHUNK_ROWS):
-            out[:, i:i + _CHUNK_ROWS] = x @ self.rows(slice(i, i + _CHUNK_ROWS)).T
+        for i in range(0, n, step):
+            out[:, i:i + step] = x @ self.rows(slice(i, i + step)).T
         return out
 
 
@@ -164,9 +167,9 @@ def dense(ref: TensorRef, device: torch.device) -> torch.Tensor:
     raw = torch.from_numpy(ref.data())
     flat = raw.reshape(-1, raw.shape[-1])
     out = torch.empty(flat.shape[0], ref.shape[-1], dtype=torch.float32, device=device)
-    for i in range(0, flat.shape[0], _CHUNK_ROWS):
-        out[i:i + _CHUNK_ROWS] = dequantize(flat[i:i + _CHUNK_ROWS].to(device), ref.qtype,
-                                            ref.shape[-1])
+    step = dequant_rows(ref.shape[-1], DEQUANT_CHUNK_BYTES)
+    for i in range(0, flat.shape[0], step):
+        out[i:i + step] = dequantize(flat[i:i + step].to(device), ref.qtype, ref.shape[-1])
     return out.reshape(ref.shape)
 
 

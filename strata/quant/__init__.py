@@ -17,8 +17,10 @@ from gguf import GGMLQuantizationType as QType
 
 from strata.quant import iq1, iq4, iquants, kquants, legacy, mxfp4  # noqa: F401 (registration)
 from strata.quant.base import (
+    DEQUANT_PEAK,
     QUANTS,
     QuantType,
+    dequant_rows,
     dequantize,
     get_quant,
     is_supported,
@@ -38,5 +40,6 @@ assert set(SUPPORTED) == set(QUANTS), "SUPPORTED and the registered QuantTypes d
 
 __all__ = [
     "QType", "QuantType", "QUANTS", "SUPPORTED",
-    "get_quant", "is_supported", "row_nbytes", "dequantize", "random_rows",
+    "get_quant", "is_supported", "row_nbytes", "dequantize", "random_rows", "DEQUANT_PEAK",
+    "dequant_rows",
 ]  # fmt: skip

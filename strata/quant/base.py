@@ -88,6 +88,20 @@ def row_nbytes(qtype: int | QType, n_cols: int) -> int:
     return n_cols // block_size * type_size
 
 
+# Bytes a torch `dequantize` holds at its peak per byte of its float32 output, the output
+# included: its intermediates (codes, scales, gathered grid rows) are full-size tensors. Measured
+# on the CPU (peak resident size): IQ3_XXS 5.3, IQ2_XXS 5.1, IQ3_S 5.0, IQ2_XS 4.8, Q6_K 3.7,
+# Q4_K 3.3, Q8_0 2.2; tests/test_quant_memory.py holds every type to this bound. Callers that
+# dequantize within a memory budget size their pieces by it (dequant_rows).
+DEQUANT_PEAK = 6
+
+
+def dequant_rows(n_cols: int, budget_bytes: int) -> int:
+    """Rows of n_cols values one dequantize call may take while holding at most budget_bytes
+    (at least 1)."""
+    return max(1, budget_bytes // (n_cols * 4 * DEQUANT_PEAK))
+
+
 def dequantize(data: torch.Tensor, qtype: int | QType, n_cols: int) -> torch.Tensor:
     """uint8 [..., row_nbytes] -> float32 [..., n_cols] on data.device.
 
