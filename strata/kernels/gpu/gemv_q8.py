@@ -38,17 +38,19 @@ from strata.quant.base import device_table
 
 
 @triton.jit
-def _dp4a(a, b, c):
-    """c + Σ_k ubyte_k(a) * sbyte_k(b), int32 (a: unsigned bytes, b: signed bytes)."""
+def _dp4a(a, b, c, SIGNED_A: tl.constexpr = False):
+    """c + Σ_k byte_k(a) * sbyte_k(b), int32: b's bytes signed, a's unsigned (SIGNED_A: signed)."""
     if ASM:
         out = tl.inline_asm_elementwise(
-            asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, c],
-            dtype=tl.int32, is_pure=True, pack=1)
+            asm="dp4a.s32.s32 $0, $1, $2, $3;" if SIGNED_A else "dp4a.u32.s32 $0, $1, $2, $3;",
+            constraints="=r,r,r,r", args=[a, b, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
         out = c
         for k in tl.static_range(4):
             ua = (a >> (8 * k)) & 0xFF
             sb = (b >> (8 * k)) & 0xFF
+            if SIGNED_A:
+                ua = ua - ((ua & 0x80) << 1)
             out += ua * (sb - ((sb & 0x80) << 1))
     return out
 
@@ -239,22 +241,6 @@ def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: 
 
 
 @triton.jit
-def _dp4a_ss(a, b, c):
-    """c + Σ_k sbyte_k(a) * sbyte_k(b), int32 (both signed bytes)."""
-    if ASM:
-        out = tl.inline_asm_elementwise(
-            asm="dp4a.s32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, c],
-            dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        out = c
-        for k in tl.static_range(4):
-            sa = (a >> (8 * k)) & 0xFF
-            sb = (b >> (8 * k)) & 0xFF
-            out += (sa - ((sa & 0x80) << 1)) * (sb - ((sb & 0x80) << 1))
-    return out
-
-
-@triton.jit
 def _prmt(a, b, sel):
     """The bytes of (b, a) that sel's low four nibbles pick (0-3: a's, 4-7: b's; PTX prmt)."""
     if ASM:
@@ -304,7 +290,7 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr):
         sel = tl.load(gsel + (e & 511)) | tl.load(ssel + (e >> 9))  # [BB, 4, R, 8, 1]
         g = _prmt(IQ2_POS + zero, IQ2_NEG, sel >> (16 * w))  # [BB, 4, R, 8, 2]: signed bytes
         xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)  # [BB, 4, 1, 8, 2]
-        dot = _dp4a_ss(g, xj, zero)
+        dot = _dp4a(g, xj, zero, True)
         b8 = (wbase.to(tl.pointer_type(tl.int8)) + o).to(tl.pointer_type(tl.uint8))
         sc = (tl.load(b8 + 66 + 2 * c + j // 4 + 0 * w, mask=m, other=0).to(tl.int32)
               >> (4 * ((j // 2) % 2))) & 15
@@ -368,7 +354,7 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
         g = tl.load(grid4 + idx)  # 4 grid bytes
         s = _sign_mask(aux >> (7 * (j % 4)), w)
         xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)
-        dot = _dp4a_ss((g ^ s) + (s & 0x01010101), xj, zero)  # the bytes negated where s is
+        dot = _dp4a((g ^ s) + (s & 0x01010101), xj, zero, True)  # bytes negated where s is
         d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + o + 0 * (c + j + w))
                     .to(tl.pointer_type(tl.int16)), mask=m,
                     other=0).to(tl.float16, bitcast=True).to(tl.float32)
