@@ -460,15 +460,21 @@ def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int,
 # ---- the decode MoE kernels in this form (moe_forward(..., x8=True)) ----
 
 
+@triton.jit
+def _pair(ids, slot_of, R: tl.constexpr):
+    """(p, n, slot) of a per-pair decode kernel's program: its pair, its R rows, the pair's slot
+    (-1: none)."""
+    p = tl.program_id(1)
+    return p, tl.program_id(0) * R + tl.arange(0, R), tl.load(slot_of + tl.load(ids + p))
+
+
 @triton.jit(do_not_specialize=["D", "F"])
 def _gate_up_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, mg, mu, D, F, stride_gs,
                        stride_us, stride_ms, row_bytes, TOPK: tl.constexpr, R: tl.constexpr,
                        BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr):
     # as moe._gate_up_pairs_kernel, for Q4_K gate and up and x rounded to 8 bits (quantize_x):
     # R rows of both a program, their blocks in flight together (spread_dot)
-    p = tl.program_id(1)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    slot = tl.load(slot_of + tl.load(ids + p))
+    p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
@@ -489,9 +495,7 @@ def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stri
                     HOST_FROM: tl.constexpr):
     # as moe._down_pairs_kernel, for a Q4_K down and h rounded to 8 bits (quantize_x of each
     # pair's row): R rows a program (spread_dot)
-    p = tl.program_id(1)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    slot = tl.load(slot_of + tl.load(ids + p))
+    p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         rows = spread_rows(_record_part(down, slot, stride_ds, md, p, stride_ms, MISS), n, D,
@@ -507,9 +511,7 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
                         MISS: tl.constexpr, HOST_FROM: tl.constexpr):
     # as moe._down_pairs_kernel, for a Q6_K down and h rounded to 8 bits: R rows a program
     # (q6k_spread_dot)
-    p = tl.program_id(1)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    slot = tl.load(slot_of + tl.load(ids + p))
+    p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
@@ -527,9 +529,7 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
                        HOST_FROM: tl.constexpr):
     # as _gate_up_q8_kernel, for IQ2_XS or (IQ3) IQ3_XXS gate and up: R rows of each a program
     # (iq_spread_dot, once for each)
-    p = tl.program_id(1)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    slot = tl.load(slot_of + tl.load(ids + p))
+    p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
@@ -550,9 +550,7 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
                     row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr, R: tl.constexpr,
                     BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr):
     # as _down_q6k_q8_kernel, for an IQ2_XS or (IQ3) IQ3_XXS down (iq_spread_dot)
-    p = tl.program_id(1)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    slot = tl.load(slot_of + tl.load(ids + p))
+    p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
