@@ -128,12 +128,13 @@ def test_batched_forward_over_a_half_size_cache(synth, kv_type):
 
 
 @pytest.mark.cuda
-def test_fused_decode_within_x8_rounding(synth):
-    """--kernels fused decode steps round activations to 8 bits for the Q4_K expert gate/up and
-    the Q4_K / Q6_K downs (moe_forward x8): the logits move by that rounding (KL within 2e-3,
-    top-1 mostly kept), not more, and they do move (the path runs); with x8 off the plain
-    forward of the same engine gives the reference's."""
-    path = synth("qwen3moe", "Q4_K_M")
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "IQ2_XS", "IQ3_XXS"])
+def test_fused_decode_within_x8_rounding(synth, recipe):
+    """--kernels fused decode steps round activations to 8 bits for the experts' gate/up and
+    down (moe_forward x8: Q4_K / Q6_K, or every expert matrix IQ2_XS or IQ3_XXS): the logits
+    move by that rounding (KL within 2e-3, top-1 mostly kept), not more, and they do move (the
+    path runs); with x8 off the plain forward of the same engine gives the reference's."""
+    path = synth("qwen3moe", recipe)
     ref = decoded_logits(Engine.load(path, config=EngineConfig()), TOKENS)
     engine = offload(path, "cuda", expert_cache="24", kernels="fused")
     assert engine.model.experts.fused.x8
