@@ -4,12 +4,16 @@ dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles),
 cuBLAS on the same shapes and the HBM copy ceiling; the rows kernel on the same shapes
 (matmul.GEMV_ROWS_TUNE tiles: R rows a program sharing each x tile), with x float32 as the
 decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's default tile is timed
-on bf16 x too); for Q4_K and Q6_K also the int8-activation GEMVs (gemv_q8.py: x rounded to
-8 bits, one dp4a per 4 weights, a row's blocks spread across the threads, rows sharing x's
-words), by tile, also with --gemv-only; and the MoE layer with activations rounded to 8 bits
-for its Q4_K / Q6_K parts (moe_forward x8).
+on bf16 x too); for Q4_K, Q6_K, IQ2_XS and IQ3_XXS also the int8-activation GEMVs (gemv_q8.py:
+x rounded to 8 bits, one dp4a per 4 weights, a row's blocks spread across the threads, rows
+sharing x's words), by tile, also with --gemv-only; and the MoE layer with activations rounded
+to 8 bits (moe_forward x8), for Q4_K gate/up with a Q4_K or Q6_K down and for i-quant layers.
 
-    python scripts/bench_moe_decode.py [--json F]
+    python scripts/bench_moe_decode.py [--json F] [--layer 30b|235b] [--gemv-only TEXT]
+        [--moe-only]
+
+--layer 235b times the MoE layers at Qwen3-235B-A22B's expert shape (D 4096, F 1536) instead of
+30B-A3B's (D 2048, F 768); both route 8 of 128 experts.
 
 Every figure is the median over CUDA-graph replays of 16 calls, each call on its own copy of the
 weights (rotated so that the L2 cannot hold them; the MoE layer's 8 experts change every call).
@@ -34,7 +38,8 @@ from strata.kernels.gpu import matmul as mm  # noqa: E402
 from strata.kernels.gpu import moe as moe_mod  # noqa: E402
 from strata.quant import QType, random_rows, row_nbytes  # noqa: E402
 
-E, K, D, F = 128, 8, 2048, 768
+E, K, D, F = 128, 8, 2048, 768  # the MoE layer's shape (--layer 235b: D 4096, F 1536)
+LAYERS = {"30b": (2048, 768), "235b": (4096, 1536)}
 CALLS = 16
 
 
@@ -136,10 +141,15 @@ def main() -> None:
                     "several: comma-separated; moe among them: the MoE layer too), no "
                     "MoE layer")
     ap.add_argument("--moe-only", action="store_true", help="the MoE layer only, no GEMVs")
+    ap.add_argument("--layer", default="30b", choices=sorted(LAYERS),
+                    help="the MoE layer's expert shape: Qwen3-30B-A3B's or Qwen3-235B-A22B's")
     a = ap.parse_args()
+    global D, F  # noqa: PLW0603 (the layer helpers read the shape from here)
+    D, F = LAYERS[a.layer]
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
-    res: dict = {"hbm_copy_GBs": hbm_copy_gbs(), "moe": {}, "gemv": {}}
+    res: dict = {"hbm_copy_GBs": hbm_copy_gbs(), "layer": {"d_model": D, "d_expert": F}, "moe": {},
+                 "gemv": {}}
 
     def save() -> None:  # after each part, so a run cut short keeps what it timed
         if a.json:
