@@ -21,16 +21,18 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
           qtype: str = "Q4_K", rows: int = 1) -> None:
     """Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows [n, k] and a fresh x through quantize_x and the
     type's spread GEMV on `dev` (bb blocks a step, `rows` rows a program; Q4_K with rows 2
-    reads past L1)."""
+    reads past L1); qtype "Q6_K run": gemv_q6k_run (bb unused)."""
     from strata.kernels.gpu.gemv_q8 import (
         gemv_iq_spread,
         gemv_q4k_spread,
+        gemv_q6k_run,
         gemv_q6k_spread,
         quantize_x,
     )
     from strata.quant import QType, dequantize, random_rows
 
-    qt = QType[qtype]
+    run = qtype == "Q6_K run"
+    qt = QType.Q6_K if run else QType[qtype]
     w = torch.from_numpy(random_rows(qt, n, k, rng, 0.05))
     x = torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 3)
     x[5] = 0.0
@@ -45,7 +47,9 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
                                rtol=1e-6)
     np.testing.assert_array_equal(xs4.numpy()[:, :2], np.stack([dx[0::2], dx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    if qt == QType.Q6_K:
+    if run:
+        gemv_q6k_run(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, rows=rows)
+    elif qt == QType.Q6_K:
         gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows)
     elif qt in (QType.IQ2_XS, QType.IQ3_XXS):
         gemv_iq_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, qt, out=y, bb=bb, rows=rows)
@@ -77,6 +81,9 @@ _INTERPRETED = f"""
     # Q6_K: rows of an odd number of blocks start 2 mod 4 every other row
     for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1), (7, 768, 4, 4)):
         check(rng, n, k, "cpu", bb, "Q6_K", rows=r)
+    # the Q6_K run form: rows a program not dividing the rows, one run and two a row
+    for n, k, r in ((11, 2048, 8), (3, 4096, 4)):
+        check(rng, n, k, "cpu", 0, "Q6_K run", rows=r)
     # IQ2_XS and IQ3_XXS: 74- and 98-byte blocks, rows 2 mod 4 every other row too
     for qtype in ("IQ2_XS", "IQ3_XXS"):
         for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
@@ -118,6 +125,24 @@ def test_gemv_compiles_for_sm90() -> None:
     k = triton.compile(ASTSource(gemv_q8._gemv_q6k_spread_kernel, sig,
                                  constexprs={"R": 2, "BB": 4}), target=target)
     assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
+    # the run form: its pieces as aligned 16-byte loads, joined by PRMT
+    fn = gemv_q8._gemv_q6k_run_kernel
+    rsig = {a: sig.get(a, "constexpr" if a == "RL" else "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, rsig, constexprs={"RL": 8},
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6)}),
+                       target=target, options={"num_warps": 1})
+    assert "dp4a.u32.s32" in k.asm["ptx"] and "prmt.b32" in k.asm["ptx"]
+    # (ptxas joins the aligned words into 16-byte loads: counted in the SASS)
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    assert sass.count("LDG.E.128") >= 45, sass.count("LDG.E.128")  # 3 pieces x 15 a run
     fn = gemv_q8._gemv_iq_spread_kernel
     sig = {a: sig.get(a, "constexpr" if a == "IQ3" else "*i32") for a in fn.arg_names}
     for iq3 in (False, True):
@@ -189,20 +214,26 @@ def test_gemv_on_cuda() -> None:
     for n, k, bb, r in ((37, 768, 4, 1), (4096, 2048, 8, 2), (14336, 4096, 8, 1),
                         (151936, 2048, 4, 2), (9, 1280, 4, 4)):
         check(rng, n, k, "cuda", bb, "Q6_K", rows=r)
+    for n, k, r in ((37, 2048, 8), (14336, 4096, 8), (151936, 2048, 8), (9, 6144, 16)):
+        check(rng, n, k, "cuda", 0, "Q6_K run", rows=r)
     for qtype in ("IQ2_XS", "IQ3_XXS"):
         for n, k, bb, r in ((37, 768, 4, 1), (14336, 4096, 8, 1), (9, 1280, 4, 2)):
             check(rng, n, k, "cuda", bb, qtype, rows=r)
 
 
 def test_round8_is_quantize_x() -> None:
-    """The reference's rounding (reference.round8) is quantize_x's, under the interpreter."""
+    """The reference's rounding (reference.round8) is quantize_x's, under the interpreter:
+    random rows, a block of zeros, and values that scale to exact halves (both round them to
+    the even neighbour)."""
     run_interpreted("""
     import torch
     from strata.kernels.gpu.gemv_q8 import quantize_x
     from strata.kernels.gpu.reference import round8
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((3, 256)).astype(np.float32))
     x[1, 32:64] = 0.0
+    x[2, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -3.5])  # (dx = 1)
     xq, dx, _ = quantize_x(x)
+    assert xq[2, :8].tolist() == [127, 0, 2, 2, 0, -2, 126, -4], xq[2, :8]
     assert torch.equal((xq.float().view(3, 8, 32) * dx[..., None]).view(3, 256), round8(x))
     print("ok")
     """, fresh_seed(), timeout=120)
@@ -377,7 +408,8 @@ def test_quant_tensor_x8_only_where_it_pays() -> None:
 def test_spread_gemvs_refuse_bad_arguments() -> None:
     """Each spread GEMV names what is wrong before it launches anything: K not a multiple of
     256, rows of another size, x of another length, tiles not powers of two, rows not 4-byte
-    aligned (they are read as int32 words)."""
+    aligned (they are read as int32 words); the Q6_K run form also K not a multiple of 2048 or
+    rows not 16-byte aligned."""
     from strata.kernels.gpu.gemv_q8 import gemv_iq_spread, gemv_q4k_spread, gemv_q6k_spread
     from strata.quant import QType, row_nbytes
 
@@ -409,3 +441,12 @@ def test_spread_gemvs_refuse_bad_arguments() -> None:
     with pytest.raises(ValueError, match="IQ2_XS or IQ3_XXS"):
         gemv_iq_spread(torch.zeros(256, dtype=torch.int8), torch.zeros(8),
                        torch.zeros(1, 144, dtype=torch.uint8), 1, 256, QType.Q4_K)
+    # the Q6_K run form: K a multiple of 2048, rows starting 16-byte aligned
+    from strata.kernels.gpu.gemv_q8 import gemv_q6k_run
+
+    for k in (1024, 2048):
+        rb = row_nbytes(QType.Q6_K, k)
+        w = torch.zeros(2 * rb + 4, dtype=torch.uint8)
+        w = w[(-w.data_ptr()) % 16 + (4 if k == 2048 else 0):][: 2 * rb].view(2, rb)
+        with pytest.raises(ValueError, match="multiple of 2048 and rows starting 16-byte"):
+            gemv_q6k_run(torch.zeros(k, dtype=torch.int8), torch.zeros(k // 32), w, 2, k)

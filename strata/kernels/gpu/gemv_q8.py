@@ -1,5 +1,6 @@
-"""Activations rounded to 8 bits and Q4_K / Q6_K weights multiplied four values at a time by
-the integer dot-product instruction (dp4a), as ggml's q8 activations are: the one-token GEMVs
+"""Activations rounded to 8 bits and Q4_K / Q6_K / IQ2_XS / IQ3_XXS weights multiplied four
+values at a time by the integer dot-product instruction (dp4a), as ggml's q8 activations are:
+the one-token GEMVs
 and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), QuantTensor.x8).
 
     quantize_x(x)       x [..., K] -> (xq int8 [..., K], dx [..., K/32], xs4 [..., K/64, 4]):
@@ -8,10 +9,12 @@ and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), Quan
     spread_dot          Q4_K rows · x̂: a row's blocks spread across the threads, R rows a
                         thread sharing x's words (docs/kernels.md: 63% of HBM copy)
     q6k_spread_dot      the same for Q6_K rows (words of 210-byte blocks, 2-byte aligned)
+    q6k_run_dot         Q6_K rows of K % 2048 == 0: a thread walks runs of 8 blocks, its pieces
+                        read as aligned 16-byte words (not yet timed, not used by the engine)
     iq2xs_spread_dot    the same for IQ2_XS rows (grid codes and signs gathered as PRMT
                         selectors) and IQ3_XXS rows (grid rows as bytes, signs as byte masks)
     iq3xxs_spread_dot
-    gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K),
+    gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K), gemv_q6k_run(...),
     gemv_iq_spread(xq, dx, w, N, K, qtype) -> y [N] f32
     gemv_x8(x, w, qtype)   quantize_x, then the type's GEMV with its tuned tile
 
@@ -65,10 +68,12 @@ def _quantize_kernel(x, xq, dx, xs4, NB, G: tl.constexpr):
     amax = tl.max(tl.abs(v), axis=1)  # [G]
     d = amax / 127.0
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    t = v * inv[:, None]
     if ASM:
-        q = tl.extra.cuda.libdevice.rint(v * inv[:, None])  # (round half to even)
-    else:
-        q = tl.floor(v * inv[:, None] + 0.5)
+        q = tl.extra.cuda.libdevice.rint(t)  # (round half to even)
+    else:  # the same: halves to the even neighbour (floor(t + 0.5) alone rounds them up)
+        q = tl.floor(t + 0.5)
+        q = tl.where((q - t == 0.5) & ((q.to(tl.int32) & 1) == 1), q - 1.0, q)
     qi = q.to(tl.int32)
     tl.store(xq + blk * 32 + tl.arange(0, 32)[None, :], qi.to(tl.int8), mask=blk < NB)
     b1 = tl.program_id(0) * G + tl.arange(0, G)
@@ -237,6 +242,101 @@ def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: 
     ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, None, :, None]
     s = q6k_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
                        K // 256, BB)
+    tl.store(y + n, s, mask=n < N)
+
+
+@triton.jit
+def _col(t, c: tl.constexpr):
+    """[RL, 4]: word c of each thread's 4 words of t [RL, 4, 4]."""
+    i = tl.arange(0, 4)[None, None, :]
+    return tl.sum(tl.where(i == c, t, 0), axis=2)
+
+
+@triton.jit
+def _piece(wp, ob, k: tl.constexpr, m):
+    """[RL, 4, 4]: the 16 bytes at byte ob + 2k (ob [RL, 4, 1] int64, 16-aligned; k the block in
+    the run) as 4 words: the 32-byte aligned window's words k // 2 .. k // 2 + 4, halves joined
+    where k is odd."""
+    i = tl.arange(0, 4)[None, None, :]
+    base = ob >> 2
+    lo = tl.load(wp + base + i, mask=m, other=0)
+    if k == 0:
+        out = lo
+    else:
+        hi = tl.load(wp + base + 4 + i, mask=m, other=0)
+        out = lo * 0
+        for c in tl.static_range(4):
+            a = c + k // 2
+            wa = _col(lo, a) if a < 4 else _col(hi, a - 4)
+            if k % 2 == 1:
+                b = a + 1
+                wb = _col(lo, b) if b < 4 else _col(hi, b - 4)
+                wa = _prmt(wa, wb, 0x5432)
+            out = tl.where(i == c, wa[:, :, None], out)
+    return out
+
+
+@triton.jit
+def q6k_run_dot(wp, ro, xw, dx, nb):
+    """Σ_k x̂[k] W[r, k] [RL] for Q6_K rows at byte offsets ro ([RL], int64, 16-aligned) from wp
+    (int32 words, 16-aligned) of nb blocks (a multiple of 8), x̂ as for q6k_spread_dot.
+
+    The lanes spread over RL rows x 4 parts (h, q) of a block (q6k_spread_dot's pieces); a
+    thread walks its row in runs of 8 consecutive blocks. A run is 1680 bytes, so block k of
+    it starts 2k bytes past a 16-byte boundary known when the kernel is built: each 16-byte
+    piece is read as the aligned 16-byte words around it (_piece), never as 2-byte-aligned
+    words two loads apiece as in q6k_spread_dot (its L1 requests per weight byte, not its
+    instructions, bound that kernel: sm_90 SASS 0.35 loads a weight byte against 0.82-1.01,
+    3.2 instructions a weight against 5.5-6.1). Scales and d are byte loads."""
+    RL: tl.constexpr = ro.shape[0]
+    p = tl.arange(0, 4)[None, :]  # part: h = p // 2, q = p % 2
+    h = p // 2
+    q = p % 2
+    h3 = h[:, :, None]
+    q3 = q[:, :, None]
+    i = tl.arange(0, 4)[None, None, :]
+    zero = tl.zeros((RL, 4, 4), tl.int32)
+    ones = zero + 0x01010101
+    acc = tl.zeros((RL, 4), tl.float32)
+    rr = ro[:, None]  # [RL, 1]
+    rr3 = rr[:, :, None]
+    bp = wp.to(tl.pointer_type(tl.int8))
+    for r0 in range(0, nb, 8):
+        for k in tl.static_range(8):
+            b = r0 + k
+            m = (b < nb) & (p >= 0)  # [1, 4]
+            m3 = m[:, :, None] & (i >= 0)
+            ob = rr3 + r0 * 210 + 208 * k  # the 16-aligned window of block k's bytes (+ 2k)
+            qa = _piece(wp, ob + 64 * h3 + 16 * q3, k, m3)
+            qb = _piece(wp, ob + 64 * h3 + 32 + 16 * q3, k, m3)
+            qh = _piece(wp, ob + 128 + 32 * h3 + 16 * q3, k, m3)
+            o = rr + b * 210  # the block's bytes
+            d = tl.load((bp + o + 208 + 0 * p).to(tl.pointer_type(tl.int16)), mask=m,
+                        other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [RL, 4]
+            for j in tl.static_range(4):
+                lo = qa if j % 2 == 0 else qb
+                if j >= 2:
+                    lo = lo >> 4
+                if j < 2:
+                    hb = qh << (4 - 2 * j)
+                else:
+                    hb = qh >> (2 * j - 4)
+                qj = (lo & 0x0F0F0F0F) | (hb & 0x30303030)
+                xj = tl.load(xw + b * 64 + 32 * h3 + 8 * j + 4 * q3 + i, mask=m3, other=0)
+                dot = tl.sum(_dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero), axis=2)
+                sc = tl.load(bp + o + 192 + 8 * h + 2 * j + q, mask=m, other=0).to(tl.int32)
+                dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * rr, mask=m, other=0.0)
+                acc += (d * dxj) * _i2f_signed(sc * dot)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of Q6_K (q6k_run_dot)
+    n = tl.program_id(0) * RL + tl.arange(0, RL)
+    ro = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+    s = q6k_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
+                    K // 256)
     tl.store(y + n, s, mask=n < N)
 
 
@@ -454,6 +554,22 @@ def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int,
     if n:
         _gemv_q6k_spread_kernel[(triton.cdiv(n, rows),)](
             xq, dx, w, y, n, k, w.stride(0), R=rows, BB=bb, num_warps=warps)
+    return y
+
+
+def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
+                 out: torch.Tensor | None = None, rows: int = 8, warps: int = 1) -> torch.Tensor:
+    """y [N] f32 = W x̂ for Q6_K rows w and quantize_x's x̂ (xq, dx) by q6k_run_dot: K a
+    multiple of 2048 (so every row starts 16-byte aligned) and w 16-byte aligned; `rows` rows a
+    program (rows * 4 lanes: rows 8 fills one warp)."""
+    y, _ = _spread_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_run", 1, rows, warps)
+    if k % 2048 or w.data_ptr() % 16 or w.stride(0) % 16:
+        raise ValueError(f"gemv_q6k_run: K a multiple of 2048 and rows starting 16-byte aligned, "
+                         f"got K = {k}, rows at {w.data_ptr() % 16} mod 16, {w.stride(0)} bytes "
+                         "apart")
+    if n:
+        _gemv_q6k_run_kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, n, k, w.stride(0), RL=rows,
+                                                       num_warps=warps)
     return y
 
 
