@@ -105,10 +105,12 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
                  quantize: bool = True) -> float:
     """The type's int8-activation GEMV (gemv_q8.py: a row's blocks spread across the threads)
     on the rotated copies of Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows, tile (rows, blocks, warps,
-    ld.global.cg (Q4_K)); quantize False: x rounded once, outside the time (the GEMV alone)."""
+    ld.global.cg (Q4_K)); blocks 0 with Q6_K: the run form (gemv_q6k_run, rows a program);
+    quantize False: x rounded once, outside the time (the GEMV alone)."""
     from strata.kernels.gpu.gemv_q8 import (
         gemv_iq_spread,
         gemv_q4k_spread,
+        gemv_q6k_run,
         gemv_q6k_spread,
         quantize_x,
     )
@@ -120,7 +122,9 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
 
     def call(i: int) -> None:
         xq, dx, xs4 = quantize_x(x) if quantize else once
-        if q == QType.Q6_K:
+        if q == QType.Q6_K and bb == 0:
+            gemv_q6k_run(xq, dx, copies[i % len(copies)], n, k, out=out, rows=r, warps=warps)
+        elif q == QType.Q6_K:
             gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
                             rows=r)
         elif q in (QType.IQ2_XS, QType.IQ3_XXS):
@@ -242,6 +246,9 @@ def main() -> None:
                 (4, 4, 1, False), (1, 16, 2, False), (4, 8, 1, False), (8, 4, 1, False)]
             q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
+            if q == QType.Q6_K and k % 2048 == 0:  # the run form, by rows a program
+                q8 += [(f"q8 run (RL {r}, warps {wp}), GEMV alone", (r, 0, wp, False), False)
+                       for r, wp in ((8, 1), (16, 2), (32, 4))]
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
             for name, tile, qx in q8:
                 key = f"{q.name} {n}x{k} {name}"
