@@ -4,6 +4,7 @@ their pieces by (a type over it would let the float32 paths overrun --vram-budge
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -35,10 +36,16 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
+# glibc keeps freed blocks under its (growing) mmap threshold resident; from 128 KiB up every
+# block is mapped and unmapped on its own, so the peak resident size counts live tensors only
+# (as the GPU's allocated-bytes peak does)
+_LIVE_ONLY = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+
+
 def _peak(q: QType) -> float:
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", _MEASURE, q.name], capture_output=True,
-                          text=True, timeout=120, cwd=root)
+                          text=True, timeout=120, cwd=root, env=_LIVE_ONLY)
     assert done.returncode == 0, done.stderr[-2000:]
     return float(done.stdout.split()[-1])
 
@@ -52,3 +59,47 @@ def test_dequantize_peak_within_dequant_peak() -> None:
     # the measurement sees the output itself (a probe that saw nothing would pass anything)
     low = {q.name: round(p, 2) for q, p in peaks.items() if p < 1}
     assert not low, f"peaks below the output's own size: {low}"
+
+
+_RUN_RECORDS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import torch
+    from strata.experts.compute import group_pairs, run_records
+    from strata.experts.layout import ExpertLayout
+    from strata.quant import DEQUANT_CHUNK_BYTES, QType, random_rows
+    def kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":"))
+    torch.set_num_threads(1)
+    q, e, d, f, t, k = QType[sys.argv[1]], 12, 2048, 1024, 24, 2
+    rng = np.random.default_rng(0)
+    lay = ExpertLayout(0, (int(q),) * 3, d, f)
+    records = torch.empty(e, lay.stride, dtype=torch.uint8)
+    for part, (n, c) in zip(lay.views(records), ((f, d), (f, d), (d, f))):
+        part[:] = torch.from_numpy(random_rows(q, e * n, c, rng, 0.02)).view(e, n, -1)
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:k] for _ in range(t)]))
+    groups = group_pairs(ids, torch.full((t, k), 0.5))
+    h, out = torch.randn(t, d), torch.zeros(t, d)
+    workspace = DEQUANT_CHUNK_BYTES + 3 * 3 * d * f * 4  # three float32 experts at once
+    mine = records[[g.expert for g in groups]]
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = kib("VmRSS")
+    run_records(lay, mine, groups, h, out, workspace)
+    print((kib("VmHWM") - before) * 1024 / workspace)
+""")
+
+
+def test_run_records_within_its_workspace() -> None:
+    """The float32 expert path (compute.run_records: dequantize, then batched matmuls) holds
+    no more than the workspace it is given, for the type whose dequantize peaks highest and
+    for Q4_K (12 experts of 2048 x 1024, three at a time)."""
+    root = Path(__file__).resolve().parents[1]
+    for q in ("IQ3_XXS", "Q4_K"):
+        done = subprocess.run([sys.executable, "-c", _RUN_RECORDS, q], capture_output=True,
+                              text=True, timeout=300, cwd=root, env=_LIVE_ONLY)
+        assert done.returncode == 0, done.stderr[-2000:]
+        share = float(done.stdout.split()[-1])
+        # (a few MiB of activations and allocator slack on top; the old sizing took ~2.5x)
+        assert 0.3 < share < 1.1, (q, share)

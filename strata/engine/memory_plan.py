@@ -24,8 +24,7 @@ from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
 from strata.gguf import ModelFile
-from strata.model.weights import DEQUANT_CHUNK_BYTES
-from strata.quant import DEQUANT_PEAK
+from strata.quant import DEQUANT_CHUNK_BYTES
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30
@@ -173,10 +172,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # sequence decoded together
     kv_size = kv_dtype(ec.kv_type).itemsize
     kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
-    # (the float32 dequantizing paths: one expert at a time at least, compute.run_records; a
-    # piece of a dense matrix, weights.DEQUANT_CHUNK_BYTES)
-    workspace = max(ec.workspace_mib << 20, (2 + DEQUANT_PEAK) * cfg.d_model * cfg.d_expert * 4,
-                    DEQUANT_CHUNK_BYTES)
+    # (the float32 dequantizing paths: at least one float32 expert and a piece being dequantized,
+    # compute.run_records; a piece of a dense matrix, weights.QuantTensor)
+    workspace = max(ec.workspace_mib << 20,
+                    3 * cfg.d_model * cfg.d_expert * 4 + DEQUANT_CHUNK_BYTES)
     chunk, prompt_weights = auto_chunk(cfg, workspace), None
     if dev.type == "cuda" and ec.kernels == "fused":  # the grouped prompt path's scratch; it
         # and the float32 dequantizing paths never run at once, so they share the workspace

@@ -15,11 +15,8 @@ import torch
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
-from strata.quant import QType, dequant_rows, dequantize
+from strata.quant import QType, dequant_rows, dequantize, dequantize_into
 
-# what dequantizing a piece of a large matrix may hold at once (its float32 rows and the
-# dequantizer's intermediates, DEQUANT_PEAK): the memory plan's workspace covers it
-DEQUANT_CHUNK_BYTES = 64 << 20
 # QuantTensor.x8: from this many rows on (the output matrix, not the attention projections:
 # rounding x is one more launch, ~1.2 us in a decode graph, which a few-thousand-row GEMV of a
 # few microseconds would not win back; an estimate, timed only for 14336 rows and up)
@@ -76,7 +73,7 @@ class QuantTensor:
 
             return quant_matmul(x.contiguous(), self.raw, self.qtype)
         n = self.raw.shape[0]
-        step = dequant_rows(self.n_cols, DEQUANT_CHUNK_BYTES)
+        step = dequant_rows(self.n_cols)
         out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
         for i in range(0, n, step):
             out[:, i:i + step] = x @ self.rows(slice(i, i + step)).T
@@ -167,9 +164,9 @@ def dense(ref: TensorRef, device: torch.device) -> torch.Tensor:
     raw = torch.from_numpy(ref.data())
     flat = raw.reshape(-1, raw.shape[-1])
     out = torch.empty(flat.shape[0], ref.shape[-1], dtype=torch.float32, device=device)
-    step = dequant_rows(ref.shape[-1], DEQUANT_CHUNK_BYTES)
-    for i in range(0, flat.shape[0], step):
-        out[i:i + step] = dequantize(flat[i:i + step].to(device), ref.qtype, ref.shape[-1])
+    step = dequant_rows(ref.shape[-1])
+    for i in range(0, flat.shape[0], step):  # (each piece copied to the device on its own)
+        dequantize_into(flat[i:i + step].to(device), ref.qtype, ref.shape[-1], out[i:i + step])
     return out.reshape(ref.shape)
 
 

@@ -17,11 +17,13 @@ from gguf import GGMLQuantizationType as QType
 
 from strata.quant import iq1, iq4, iquants, kquants, legacy, mxfp4  # noqa: F401 (registration)
 from strata.quant.base import (
+    DEQUANT_CHUNK_BYTES,
     DEQUANT_PEAK,
     QUANTS,
     QuantType,
     dequant_rows,
     dequantize,
+    dequantize_into,
     get_quant,
     is_supported,
     row_nbytes,
@@ -41,5 +43,5 @@ assert set(SUPPORTED) == set(QUANTS), "SUPPORTED and the registered QuantTypes d
 __all__ = [
     "QType", "QuantType", "QUANTS", "SUPPORTED",
     "get_quant", "is_supported", "row_nbytes", "dequantize", "random_rows", "DEQUANT_PEAK",
-    "dequant_rows",
+    "DEQUANT_CHUNK_BYTES", "dequant_rows", "dequantize_into",
 ]  # fmt: skip

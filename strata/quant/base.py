@@ -90,16 +90,31 @@ def row_nbytes(qtype: int | QType, n_cols: int) -> int:
 
 # Bytes a torch `dequantize` holds at its peak per byte of its float32 output, the output
 # included: its intermediates (codes, scales, gathered grid rows) are full-size tensors. Measured
-# on the CPU (peak resident size): IQ3_XXS 5.3, IQ2_XXS 5.1, IQ3_S 5.0, IQ2_XS 4.8, Q6_K 3.7,
-# Q4_K 3.3, Q8_0 2.2; tests/test_quant_memory.py holds every type to this bound. Callers that
-# dequantize within a memory budget size their pieces by it (dequant_rows).
+# on the CPU, live tensors only: IQ3_S 4.5, IQ2_XS 4.4, IQ2_XXS 4.3, IQ3_XXS 4.3, Q4_K 3.3,
+# Q6_K 2.5, Q8_0 2.2 (tests/test_quant_memory.py holds every type to this bound); 6 leaves room
+# for an allocator's slack (with glibc's own caching the resident peak reached 5.3). Callers that
+# dequantize within a memory budget size their pieces by it (dequant_rows, dequantize_into).
 DEQUANT_PEAK = 6
+# what the float32 dequantizing paths hold at once beyond their outputs: one piece of rows at its
+# peak (the memory plan's workspace covers it)
+DEQUANT_CHUNK_BYTES = 64 << 20
 
 
-def dequant_rows(n_cols: int, budget_bytes: int) -> int:
+def dequant_rows(n_cols: int, budget_bytes: int = DEQUANT_CHUNK_BYTES) -> int:
     """Rows of n_cols values one dequantize call may take while holding at most budget_bytes
     (at least 1)."""
     return max(1, budget_bytes // (n_cols * 4 * DEQUANT_PEAK))
+
+
+def dequantize_into(data: torch.Tensor, qtype: int | QType, n_cols: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """out [..., n_cols] float32 (contiguous) = dequantize(data [..., row_nbytes]), a piece of
+    dequant_rows(n_cols) rows at a time: beyond out, at most DEQUANT_CHUNK_BYTES held."""
+    rows, flat = data.reshape(-1, data.shape[-1]), out.view(-1, n_cols)
+    step = dequant_rows(n_cols)
+    for i in range(0, rows.shape[0], step):
+        flat[i:i + step] = dequantize(rows[i:i + step], qtype, n_cols)
+    return out
 
 
 def dequantize(data: torch.Tensor, qtype: int | QType, n_cols: int) -> torch.Tensor:
