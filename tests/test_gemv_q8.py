@@ -248,7 +248,8 @@ def test_moe_x8_under_the_interpreter() -> None:
     and within the rounding of the reference without it. One pack with a Q6_K down (rows of
     one 210-byte block: every other one 2 mod 4), one with a Q6_K gate (x not rounded); two of
     i-quants (IQ2_XS gate and up with an IQ3_XXS down, and the other way round: rows of 74- and
-    98-byte blocks, every other one 2 mod 4 at 1 and 3 blocks a row)."""
+    98-byte blocks, every other one 2 mod 4 at 1 and 3 blocks a row), and two mixing them with
+    K-quants (IQ2_XS gate/up with a Q6_K down; Q4_K gate/up with an IQ3_XXS down)."""
     run_interpreted(_MOE_X8, fresh_seed(), timeout=600)
 
 
@@ -265,7 +266,8 @@ _MOE_X8 = """
     e, d, f = 3, 768, 256
     for qt in ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K, QType.Q4_K),
                (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
-               (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS)):
+               (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
+               (QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K), (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)):
         def rows(n, k, q):
             return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
         slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)
@@ -316,7 +318,8 @@ _MOE_X8 = """
                                    "down_iq": (4, 2, 1)},
                                   {"gate_up_q8": (8, 8, 2), "down_q8": (8, 4, 2),
                                    "gate_up_iq": (8, 8, 2), "down_iq": (8, 4, 2)}])
-@pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "Q4_K/Q4_K", "IQ2_XS/IQ3_XXS", "IQ3_XXS/IQ2_XS"])
+@pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "Q4_K/Q4_K", "IQ2_XS/IQ3_XXS", "IQ3_XXS/IQ2_XS",
+                                  "IQ2_XS/Q6_K", "Q4_K/IQ3_XXS"])
 def test_moe_x8_on_cuda(tune: dict, pack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3-30B-A3B decode layer (D 2048, F 768, 8 of 16 experts resident, 8 routed) with
     activations rounded to 8 bits, gate and up of the pack's first type and down of its second,
