@@ -326,16 +326,27 @@ def test_moe_x8_on_cuda(tune: dict, pack: str, monkeypatch: pytest.MonkeyPatch) 
     one token and four, against the reference with that rounding and without; the default
     tiles and others."""
     from strata.kernels.gpu import moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "DECODE_TUNE", tune)
+    _moe_x8_layer(2048, 768, pack, str(tune))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "IQ2_XS/IQ3_XXS"])
+def test_moe_x8_on_cuda_235b_shape(pack: str) -> None:
+    """The same at Qwen3-235B-A22B's expert shape (D 4096, F 1536: 6 blocks a down row)."""
+    _moe_x8_layer(4096, 1536, pack, "default tiles")
+
+
+def _moe_x8_layer(d: int, f: int, pack: str, what: str) -> None:
     from strata.kernels.gpu import moe_forward
     from strata.kernels.gpu.reference import moe_ref
     from strata.quant import QType, random_rows
 
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    monkeypatch.setattr(moe_mod, "DECODE_TUNE", tune)
-    e, d, f = 16, 2048, 768
+    e, slots = 16, 8
     q, down = (QType[v] for v in pack.split("/"))
-    slots = 8
     slot_of = np.full(e, -1)
     slot_of[rng.permutation(e)[:slots]] = np.arange(slots)
 
@@ -354,10 +365,10 @@ def test_moe_x8_on_cuda(tune: dict, pack: str, monkeypatch: pytest.MonkeyPatch) 
         out = moe_forward(x, ids, wts, **layer, x8=True)
         ref = moe_ref(x, ids, wts, **layer, x8=True)
         err = float((out - ref).norm() / ref.norm())
-        assert err < tol, f"{tune} {pack} t={t} seed={seed}: rel err {err:.2e} with rounding"
+        assert err < tol, f"{what} {pack} t={t} seed={seed}: rel err {err:.2e} with rounding"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
-        assert err < 3e-2, f"{tune} {pack} t={t} seed={seed}: rel err {err:.2e} without"
+        assert err < 3e-2, f"{what} {pack} t={t} seed={seed}: rel err {err:.2e} without"
 
 
 @pytest.mark.cuda
