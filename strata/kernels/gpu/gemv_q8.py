@@ -285,9 +285,10 @@ def q6k_run_dot(wp, ro, xw, dx, nb):
     thread walks its row in runs of 8 consecutive blocks. A run is 1680 bytes, so block k of
     it starts 2k bytes past a 16-byte boundary known when the kernel is built: each 16-byte
     piece is read as the aligned 16-byte words around it (_piece), never as 2-byte-aligned
-    words two loads apiece as in q6k_spread_dot (its L1 requests per weight byte, not its
-    instructions, bound that kernel: sm_90 SASS 0.35 loads a weight byte against 0.82-1.01,
-    3.2 instructions a weight against 5.5-6.1). Scales and d are byte loads."""
+    words two loads apiece as in q6k_spread_dot (sm_90 SASS: 0.35 loads a weight byte against
+    0.82-1.01, 3.2 instructions a weight against 5.5-6.1; L1 requests, not instructions, bound
+    the spread kernels Nsight Compute has measured, Q4_K's and the i-quants'). Scales and d are
+    byte loads."""
     RL: tl.constexpr = ro.shape[0]
     p = tl.arange(0, 4)[None, :]  # part: h = p // 2, q = p % 2
     h = p // 2
