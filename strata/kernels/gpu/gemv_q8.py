@@ -188,6 +188,21 @@ def _u32_at(wbase, o, i, m):
 
 
 @triton.jit
+def _q6k_quants(qa, qb, qh, j: tl.constexpr):
+    """The 6-bit values (as bytes) of group j (0..3) of a Q6_K half's words: the low nibbles of
+    qa (j even) or qb (j odd), their high nibbles for j >= 2, and bits 2j, 2j + 1 of each qh
+    byte moved to bits 4, 5."""
+    lo = qa if j % 2 == 0 else qb
+    if j >= 2:
+        lo = lo >> 4
+    if j < 2:
+        hi = qh << (4 - 2 * j)
+    else:
+        hi = qh >> (2 * j - 4)
+    return (lo & 0x0F0F0F0F) | (hi & 0x30303030)
+
+
+@triton.jit
 def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
     """Σ_k x̂[k] · W[r, k] [R] for Q6_K rows at byte offsets ro ([1, 1, 1, R, 1], int64) from
     wbase (int32 words, 4-aligned) of nb blocks, and x̂ as quantize_x gives it (xw: its int8
@@ -218,14 +233,7 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
         d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd).to(tl.pointer_type(tl.int16)),
                     mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         for j in tl.static_range(4):
-            lo = qa if j % 2 == 0 else qb
-            if j >= 2:
-                lo = lo >> 4
-            if j < 2:
-                hi = qh << (4 - 2 * j)  # bits 2j, 2j + 1 of each qh byte to bits 4, 5
-            else:
-                hi = qh >> (2 * j - 4)
-            qj = (lo & 0x0F0F0F0F) | (hi & 0x30303030)
+            qj = _q6k_quants(qa, qb, qh, j)
             xj = tl.load(xw + b * 64 + 32 * h + 8 * j + 4 * q + i, mask=m, other=0)
             dot = _dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero)  # Σ (q - 32) xq
             sc = tl.load(wbase.to(tl.pointer_type(tl.int8)) + o + 192 + 8 * h + 2 * j + q
@@ -315,14 +323,7 @@ def q6k_run_dot(wp, ro, xw, dx, nb):
             d = tl.load((bp + o + 208 + 0 * p).to(tl.pointer_type(tl.int16)), mask=m,
                         other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [RL, 4]
             for j in tl.static_range(4):
-                lo = qa if j % 2 == 0 else qb
-                if j >= 2:
-                    lo = lo >> 4
-                if j < 2:
-                    hb = qh << (4 - 2 * j)
-                else:
-                    hb = qh >> (2 * j - 4)
-                qj = (lo & 0x0F0F0F0F) | (hb & 0x30303030)
+                qj = _q6k_quants(qa, qb, qh, j)
                 xj = tl.load(xw + b * 64 + 32 * h3 + 8 * j + 4 * q3 + i, mask=m3, other=0)
                 dot = tl.sum(_dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero), axis=2)
                 sc = tl.load(bp + o + 192 + 8 * h + 2 * j + q, mask=m, other=0).to(tl.int32)
