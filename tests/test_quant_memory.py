@@ -13,6 +13,15 @@ from pathlib import Path
 
 from strata.quant import DEQUANT_PEAK, SUPPORTED, QType
 
+# the measuring scripts' helpers: a /proc/self/status field in KiB; the peak resident size reset
+_PROC = textwrap.dedent("""
+    def kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":"))
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+""")
 # in its own process: random blocks, the peak resident size reset (Linux: clear_refs 5), one
 # dequantize, then how far the peak rose above the size before it, over the output's bytes
 # (VmHWM, not getrusage's ru_maxrss, which a child keeps from the parent it forked from)
@@ -21,15 +30,11 @@ _MEASURE = textwrap.dedent("""
     import numpy as np
     import torch
     from strata.quant import QType, dequantize, row_nbytes
-    def kib(field):
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":"))
     torch.set_num_threads(1)
     q, n, k = QType[sys.argv[1]], 2048, 4096
     raw = torch.from_numpy(np.random.default_rng(0).integers(
         0, 256, (n, row_nbytes(q, k)), dtype=np.uint8))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak()
     before = kib("VmRSS")
     out = dequantize(raw, q, k)
     print((kib("VmHWM") - before) * 1024 / (out.numel() * 4))
@@ -44,7 +49,7 @@ _LIVE_ONLY = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
 
 def _peak(q: QType) -> float:
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", _MEASURE, q.name], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _PROC + _MEASURE, q.name], capture_output=True,
                           text=True, timeout=120, cwd=root, env=_LIVE_ONLY)
     assert done.returncode == 0, done.stderr[-2000:]
     return float(done.stdout.split()[-1])
@@ -68,9 +73,6 @@ _RUN_RECORDS = textwrap.dedent("""
     from strata.experts.compute import group_pairs, run_records
     from strata.experts.layout import ExpertLayout
     from strata.quant import DEQUANT_CHUNK_BYTES, QType, random_rows
-    def kib(field):
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":"))
     torch.set_num_threads(1)
     q, e, d, f, t, k = QType[sys.argv[1]], 12, 2048, 1024, 24, 2
     rng = np.random.default_rng(0)
@@ -83,8 +85,7 @@ _RUN_RECORDS = textwrap.dedent("""
     h, out = torch.randn(t, d), torch.zeros(t, d)
     workspace = DEQUANT_CHUNK_BYTES + 3 * 3 * d * f * 4  # three float32 experts at once
     mine = records[[g.expert for g in groups]]
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
+    reset_peak()
     before = kib("VmRSS")
     run_records(lay, mine, groups, h, out, workspace)
     print((kib("VmHWM") - before) * 1024 / workspace)
@@ -97,7 +98,7 @@ def test_run_records_within_its_workspace() -> None:
     for Q4_K (12 experts of 2048 x 1024, three at a time)."""
     root = Path(__file__).resolve().parents[1]
     for q in ("IQ3_XXS", "Q4_K"):
-        done = subprocess.run([sys.executable, "-c", _RUN_RECORDS, q], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", _PROC + _RUN_RECORDS, q], capture_output=True,
                               text=True, timeout=300, cwd=root, env=_LIVE_ONLY)
         assert done.returncode == 0, done.stderr[-2000:]
         share = float(done.stdout.split()[-1])
