@@ -176,20 +176,6 @@ def main() -> None:
         variants[f"x8, down_q8 {dq}"] = {"x8": True, "down_q8": dq, "down_q6k_q8": dq}
     for dq in [(1, 4, 1), (4, 4, 1), (1, 2, 1)]:
         variants[f"x8, down_q6k_q8 {dq}"] = {"x8": True, "down_q6k_q8": dq}
-    moe = a.gemv_only is None or "moe" in a.gemv_only.split(",")
-    for qdown in (QType.Q6_K, QType.Q4_K) if moe else ():
-        layer = moe_layer(qdown, rng, dev)
-        nbytes = K * layer["lay"].nbytes
-        for name, tune in variants.items():
-            try:
-                t = time_moe(layer, tune)
-            except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
-                print(f"moe down {qdown.name} {name}: failed ({type(e).__name__}: "
-                      f"{str(e)[:120]})")
-                continue
-            res["moe"][f"{qdown.name} {name}"] = t * 1e6
-            print(f"moe layer (down {qdown.name}) {name}: {t * 1e6:.1f} us, "
-                  f"{nbytes / t / 1e9:.0f} GB/s")
     # i-quant packs: IQ2_XS or IQ3_XXS gate and up with an IQ3_XXS down, float32 activations
     # against x8 (gemv_q8._gate_up_iq_kernel, _down_iq_kernel) by (R, BB, warps)
     iq_variants = {"default tiles": {}, "x8, default tiles": {"x8": True}}
@@ -197,15 +183,24 @@ def main() -> None:
         iq_variants[f"x8, gate_up_iq {gq}"] = {"x8": True, "gate_up_iq": gq}
     for dq in [(2, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 8, 1)]:
         iq_variants[f"x8, down_iq {dq}"] = {"x8": True, "down_iq": dq}
-    for qgu, qdown in ((QType.IQ2_XS, QType.IQ3_XXS), (QType.IQ3_XXS, QType.IQ3_XXS)) if moe \
-            else ():
+    packs = [(QType.Q4_K, QType.Q6_K, variants), (QType.Q4_K, QType.Q4_K, variants),
+             (QType.IQ2_XS, QType.IQ3_XXS, iq_variants),
+             (QType.IQ3_XXS, QType.IQ3_XXS, iq_variants)]
+    moe = a.gemv_only is None or "moe" in a.gemv_only.split(",")
+    for qgu, qdown, tunes in packs if moe else ():
+        # (a Q4_K gate/up layer keeps the key earlier runs recorded: its down's type)
+        pack = qdown.name if qgu == QType.Q4_K else f"{qgu.name}/{qdown.name}"
         layer = moe_layer(qdown, rng, dev, qgu)
         nbytes = K * layer["lay"].nbytes
-        for name, tune in iq_variants.items():
-            t = time_moe(layer, tune)
-            res["moe"][f"{qgu.name}/{qdown.name} {name}"] = t * 1e6
-            print(f"moe layer ({qgu.name} gate/up, {qdown.name} down) {name}: {t * 1e6:.1f} us, "
-                  f"{nbytes / t / 1e9:.0f} GB/s")
+        for name, tune in tunes.items():
+            try:
+                t = time_moe(layer, tune)
+            except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
+                print(f"moe layer {pack} {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            res["moe"][f"{pack} {name}"] = t * 1e6
+            print(f"moe layer ({qgu.name} gate/up, {qdown.name} down) {name}: "
+                  f"{t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s")
     save()
     shapes = [(QType.Q4_K, 4096, 2048, "q_proj"), (QType.Q4_K, 512, 2048, "k_proj"),
               (QType.Q6_K, 512, 2048, "v_proj"), (QType.Q4_K, 2048, 4096, "o_proj"),
