@@ -105,7 +105,7 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
                  quantize: bool = True) -> float:
     """The type's int8-activation GEMV (gemv_q8.py: a row's blocks spread across the threads)
     on the rotated copies of Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows, tile (rows, blocks, warps,
-    ld.global.cg (Q4_K)); blocks 0 with Q6_K: the run form (gemv_q6k_run, rows a program);
+    ld.global.cg (Q4_K)), or ("run", rows, split, warps): Q6_K's run form (gemv_q6k_run);
     quantize False: x rounded once, outside the time (the GEMV alone)."""
     from strata.kernels.gpu.gemv_q8 import (
         gemv_iq_spread,
@@ -118,12 +118,14 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
     x = torch.randn(k, device=dev)
     out = torch.empty(n, device=dev)
     once = quantize_x(x)
-    r, bb, warps, cg = tile
+    run = tile[0] == "run"
+    r, bb, warps, cg = tile[1:] + (False,) if run else tile
 
     def call(i: int) -> None:
         xq, dx, xs4 = quantize_x(x) if quantize else once
-        if q == QType.Q6_K and bb == 0:
-            gemv_q6k_run(xq, dx, copies[i % len(copies)], n, k, out=out, rows=r, warps=warps)
+        if run:
+            gemv_q6k_run(xq, dx, copies[i % len(copies)], n, k, out=out, rows=r, warps=warps,
+                         split=bb)
         elif q == QType.Q6_K:
             gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
                             rows=r)
@@ -141,9 +143,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--gemv-only", default=None, metavar="TEXT",
-                    help="only the GEMVs whose shape name contains TEXT (e.g. 14336x4096; "
-                    "several: comma-separated; moe among them: the MoE layer too), no "
-                    "MoE layer")
+                    help="only the GEMVs whose shape name contains TEXT (e.g. 14336x4096) or "
+                    "of the type TEXT names (e.g. Q6_K; several: comma-separated; moe among "
+                    "them: the MoE layer too), no MoE layer")
     ap.add_argument("--moe-only", action="store_true", help="the MoE layer only, no GEMVs")
     ap.add_argument("--layer", default="30b", choices=sorted(LAYERS),
                     help="the MoE layer's expert shape: Qwen3-30B-A3B's or Qwen3-235B-A22B's")
@@ -219,7 +221,8 @@ def main() -> None:
     runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
     runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
     for q, n, k, what in [s for s in shapes if not a.moe_only and (
-            a.gemv_only is None or any(g in s[3] for g in a.gemv_only.split(",")))]:
+            a.gemv_only is None or any(g in s[3] or g == s[0].name
+                                       for g in a.gemv_only.split(",")))]:
         nbytes = n * row_nbytes(q, k)
         copies = None
         for tile, rows, xdtype in [r for r in runs if r[0] is None or r[0][1] <= k]:
@@ -241,9 +244,11 @@ def main() -> None:
                 (4, 4, 1, False), (1, 16, 2, False), (4, 8, 1, False), (8, 4, 1, False)]
             q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
-            if q == QType.Q6_K and k % 2048 == 0:  # the run form, by rows a program
-                q8 += [(f"q8 run (RL {r}, warps {wp}), GEMV alone", (r, 0, wp, False), False)
-                       for r, wp in ((8, 1), (16, 2), (32, 4))]
+            if q == QType.Q6_K and k % 2048 == 0:  # the run form: rows a program, split
+                q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}), GEMV alone",
+                        ("run", r, sp, wp), False)
+                       for r, sp, wp in ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1),
+                                         (4, 4, 2)) if sp <= k // 2048]
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
             for name, tile, qx in q8:
                 key = f"{q.name} {n}x{k} {name}"

@@ -10,7 +10,7 @@ and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), Quan
                         thread sharing x's words (docs/kernels.md: 63% of HBM copy)
     q6k_spread_dot      the same for Q6_K rows (words of 210-byte blocks, 2-byte aligned)
     q6k_run_dot         Q6_K rows of K % 2048 == 0: a thread walks runs of 8 blocks, its pieces
-                        read as aligned 16-byte words (not yet timed, not used by the engine)
+                        read as aligned 16-byte words (gemv_x8's Q6_K form where it fits)
     iq2xs_spread_dot    the same for IQ2_XS rows (grid codes and signs gathered as PRMT
                         selectors) and IQ3_XXS rows (grid rows as bytes, signs as byte masks)
     iq3xxs_spread_dot
@@ -255,16 +255,16 @@ def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: 
 
 @triton.jit
 def _col(t, c: tl.constexpr):
-    """[RL, 4]: word c of each thread's 4 words of t [RL, 4, 4]."""
+    """[RL, P]: word c of each thread's 4 words of t [RL, P, 4]."""
     i = tl.arange(0, 4)[None, None, :]
     return tl.sum(tl.where(i == c, t, 0), axis=2)
 
 
 @triton.jit
 def _piece(wp, ob, k: tl.constexpr, m):
-    """[RL, 4, 4]: the 16 bytes at byte ob + 2k (ob [RL, 4, 1] int64, 16-aligned; k the block in
-    the run) as 4 words: the 32-byte aligned window's words k // 2 .. k // 2 + 4, halves joined
-    where k is odd."""
+    """[RL, P, 4]: the 16 bytes at byte ob + 2k (ob [RL, P, 1] int64, 16-aligned; k the block
+    in the run) as 4 words: the 32-byte aligned window's words k // 2 .. k // 2 + 4, halves
+    joined where k is odd."""
     i = tl.arange(0, 4)[None, None, :]
     base = ob >> 2
     lo = tl.load(wp + base + i, mask=m, other=0)
@@ -285,60 +285,68 @@ def _piece(wp, ob, k: tl.constexpr, m):
 
 
 @triton.jit
-def q6k_run_dot(wp, ro, xw, dx, nb):
+def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
     """Σ_k x̂[k] W[r, k] [RL] for Q6_K rows at byte offsets ro ([RL], int64, 16-aligned) from wp
     (int32 words, 16-aligned) of nb blocks (a multiple of 8), x̂ as for q6k_spread_dot.
 
-    The lanes spread over RL rows x 4 parts (h, q) of a block (q6k_spread_dot's pieces); a
-    thread walks its row in runs of 8 consecutive blocks. A run is 1680 bytes, so block k of
-    it starts 2k bytes past a 16-byte boundary known when the kernel is built: each 16-byte
-    piece is read as the aligned 16-byte words around it (_piece), never as 2-byte-aligned
-    words two loads apiece as in q6k_spread_dot (sm_90 SASS: 0.35 loads a weight byte against
-    0.82-1.01, 3.2 instructions a weight against 5.5-6.1; L1 requests, not instructions, bound
-    the spread kernels Nsight Compute has measured, Q4_K's and the i-quants'). Scales and d are
-    byte loads."""
+    The lanes spread over RL rows x S runs x 4 parts (h, q) of a block (q6k_spread_dot's
+    pieces); a thread walks its row in runs of 8 consecutive blocks, every S-th run (S > 1
+    gives a short row more threads: 14336 x 4096 has 2 runs a row). A run is 1680 bytes, so
+    block k of it starts 2k bytes past a 16-byte boundary known when the kernel is built: each
+    16-byte piece is read as the aligned 16-byte words around it (_piece), never as
+    2-byte-aligned words two loads apiece as in q6k_spread_dot (sm_90 SASS: 0.35 loads a
+    weight byte against 0.82-1.01, 3.2 instructions a weight against 5.5-6.1; L1 requests, not
+    instructions, bound the spread kernels Nsight Compute has measured, Q4_K's and the
+    i-quants'). Scales and d are byte loads."""
     RL: tl.constexpr = ro.shape[0]
-    p = tl.arange(0, 4)[None, :]  # part: h = p // 2, q = p % 2
-    h = p // 2
+    p = tl.arange(0, 4 * S)[None, :]  # run s = p // 4, part: h = (p // 2) % 2, q = p % 2
+    h = (p // 2) % 2
     q = p % 2
+    s = p // 4
     h3 = h[:, :, None]
     q3 = q[:, :, None]
     i = tl.arange(0, 4)[None, None, :]
-    zero = tl.zeros((RL, 4, 4), tl.int32)
+    zero = tl.zeros((RL, 4 * S, 4), tl.int32)
     ones = zero + 0x01010101
-    acc = tl.zeros((RL, 4), tl.float32)
+    acc = tl.zeros((RL, 4 * S), tl.float32)
     rr = ro[:, None]  # [RL, 1]
     rr3 = rr[:, :, None]
-    bp = wp.to(tl.pointer_type(tl.int8))
-    for r0 in range(0, nb, 8):
+    for r0 in range(0, nb, 8 * S):
+        rb = r0 + 8 * s  # [1, 4S]: the first block of each thread's run
+        rb3 = rb[:, :, None]
         for k in tl.static_range(8):
-            b = r0 + k
-            m = (b < nb) & (p >= 0)  # [1, 4]
+            b = rb + k
+            b3 = b[:, :, None]
+            m = b < nb  # [1, 4S]
             m3 = m[:, :, None] & (i >= 0)
-            ob = rr3 + r0 * 210 + 208 * k  # the 16-aligned window of block k's bytes (+ 2k)
+            # block k's 16-aligned window (+ 2k)
+            ob = tl.multiple_of(rr3 + rb3 * 210 + 208 * k, [16, 16, 16])
             qa = _piece(wp, ob + 64 * h3 + 16 * q3, k, m3)
             qb = _piece(wp, ob + 64 * h3 + 32 + 16 * q3, k, m3)
             qh = _piece(wp, ob + 128 + 32 * h3 + 16 * q3, k, m3)
             o = rr + b * 210  # the block's bytes
-            d = tl.load((bp + o + 208 + 0 * p).to(tl.pointer_type(tl.int16)), mask=m,
-                        other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [RL, 4]
+            bp = wp.to(tl.pointer_type(tl.int8)) + o
+            d = tl.load(bp.to(tl.pointer_type(tl.int16)) + 104, mask=m,
+                        other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [RL, 4S]
             for j in tl.static_range(4):
                 qj = _q6k_quants(qa, qb, qh, j)
-                xj = tl.load(xw + b * 64 + 32 * h3 + 8 * j + 4 * q3 + i, mask=m3, other=0)
+                # (x's words in the rows' shape: the pieces' layout, one 16-byte load)
+                xo = tl.multiple_of(b3 * 64 + 32 * h3 + 8 * j + 4 * q3 + 0 * rr3, [4, 4, 4])
+                xj = tl.load(xw + xo + i, mask=m3, other=0)
                 dot = tl.sum(_dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero), axis=2)
-                sc = tl.load(bp + o + 192 + 8 * h + 2 * j + q, mask=m, other=0).to(tl.int32)
+                sc = tl.load(bp + 192 + 8 * h + 2 * j + q, mask=m, other=0).to(tl.int32)
                 dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * rr, mask=m, other=0.0)
                 acc += (d * dxj) * _i2f_signed(sc * dot)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr):
+def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr):
     # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of Q6_K (q6k_run_dot)
     n = tl.program_id(0) * RL + tl.arange(0, RL)
     ro = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
     s = q6k_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
-                    K // 256)
+                    K // 256, S)
     tl.store(y + n, s, mask=n < N)
 
 
@@ -560,19 +568,26 @@ def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int,
 
 
 def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
-                 out: torch.Tensor | None = None, rows: int = 8, warps: int = 1) -> torch.Tensor:
+                 out: torch.Tensor | None = None, rows: int = 8, warps: int = 1,
+                 split: int = 1) -> torch.Tensor:
     """y [N] f32 = W x̂ for Q6_K rows w and quantize_x's x̂ (xq, dx) by q6k_run_dot: K a
     multiple of 2048 (so every row starts 16-byte aligned) and w 16-byte aligned; `rows` rows a
-    program (rows * 4 lanes: rows 8 fills one warp)."""
-    y, _ = _spread_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_run", 1, rows, warps)
-    if k % 2048 or w.data_ptr() % 16 or w.stride(0) % 16:
+    program, each row's runs of 8 blocks dealt to `split` threads a part (rows * split * 4
+    lanes, powers of two: rows 8 or rows 4 split 2 fill one warp)."""
+    y, _ = _spread_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_run", split, rows, warps)
+    if not q6k_run_fits(w, k):
         raise ValueError(f"gemv_q6k_run: K a multiple of 2048 and rows starting 16-byte aligned, "
                          f"got K = {k}, rows at {w.data_ptr() % 16} mod 16, {w.stride(0)} bytes "
                          "apart")
     if n:
         _gemv_q6k_run_kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, n, k, w.stride(0), RL=rows,
-                                                       num_warps=warps)
+                                                       S=split, num_warps=warps)
     return y
+
+
+def q6k_run_fits(w: torch.Tensor, k: int) -> bool:
+    """Whether Q6_K rows w of k values can take the run form (gemv_q6k_run)."""
+    return k % 2048 == 0 and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
 
 
 # ---- the decode MoE kernels in this form (moe_forward(..., x8=True)) ----
@@ -683,12 +698,16 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
 # on float32 x); the Q6_K lm_head 151936 x 2048 122.7 us)
 GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
                 QType.IQ3_XXS: (4, 8, 1)}
+# Q6_K rows the run form takes (q6k_run_fits): (rows a program, split, warps) by the runs of 8
+# blocks a row, the most runs first (run 95: 151936 x 2048 77.6 us against 120.3 spread,
+# 14336 x 4096 22.1 us at rows 8 split 1 against 27.6)
+GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 
 
 def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [1, K] float32/bf16 @ W.T -> [1, N] float32 for Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows w
     (4-byte aligned), x rounded to 8 bits first (quantize_x) and the GEMV on dp4a,
-    GEMV_X8_TILE's tile."""
+    GEMV_X8_TILE's tile; Q6_K rows in the run form where they fit it (GEMV_X8_RUN's tile)."""
     q = QType(qtype)
     r, bb, warps = GEMV_X8_TILE[q]
     n, k = w.shape[0], x.shape[-1]
@@ -696,6 +715,9 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     out = torch.empty(1, n, dtype=torch.float32, device=x.device)
     if q == QType.Q4_K:
         gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
+    elif q == QType.Q6_K and q6k_run_fits(w, k):
+        r, split, warps = next(t for runs, t in GEMV_X8_RUN if k // 2048 >= runs)
+        gemv_q6k_run(xq, dx, w, n, k, out=out[0], rows=r, warps=warps, split=split)
     elif q == QType.Q6_K:
         gemv_q6k_spread(xq, dx, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
     else:
