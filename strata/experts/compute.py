@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from strata.experts.layout import ExpertLayout
-from strata.quant import DEQUANT_CHUNK_BYTES, dequantize_into
+from strata.quant import DEQUANT_CHUNK_BYTES, DEQUANT_PEAK, dequantize_into
 
 
 @dataclass
@@ -44,25 +44,28 @@ def group_pairs(ids: torch.Tensor, weights: torch.Tensor) -> list[Group]:
 def run_records(layout: ExpertLayout, records: torch.Tensor, groups: list[Group], h: torch.Tensor,
                 out: torch.Tensor, workspace_bytes: int) -> None:
     """out[t] += Σ_g w * expert_g(h[t]) for records [n, stride] holding the groups' experts,
-    as many experts at once as workspace_bytes holds: their float32 gate, up and down, and the
-    piece being dequantized (DEQUANT_CHUNK_BYTES)."""
+    within workspace_bytes: as many experts at once as leave room, beside their float32 gate,
+    up and down, to dequantize one of those matrices whole (DEQUANT_PEAK times its size; on
+    the GPU each dequantize call is a few dozen launches, so fewer, larger calls are faster),
+    else one expert at a time, its matrices dequantized in pieces of what is left."""
     D, F = layout.d_model, layout.d_expert
     per_expert = 3 * D * F * 4  # float32 gate, up, down
-    step = max(1, (workspace_bytes - DEQUANT_CHUNK_BYTES) // per_expert)
+    step = max(1, workspace_bytes // ((3 + DEQUANT_PEAK) * D * F * 4))
+    pieces = max(DEQUANT_CHUNK_BYTES, workspace_bytes - step * per_expert)
     for s in range(0, len(groups), step):
-        _run_chunk(layout, records[s:s + step], groups[s:s + step], h, out)
+        _run_chunk(layout, records[s:s + step], groups[s:s + step], h, out, pieces)
 
 
 def _run_chunk(layout: ExpertLayout, records: torch.Tensor, groups: list[Group], h: torch.Tensor,
-               out: torch.Tensor) -> None:
+               out: torch.Tensor, pieces: int) -> None:
     D, F = layout.d_model, layout.d_expert
     qg, qu, qd = layout.qtypes
     g, u, d = layout.views(records)
     n, M = len(groups), max(len(gr.tokens) for gr in groups)
     dev = records.device
-    w_gate = dequantize_into(g, qg, D, torch.empty(n, F, D, device=dev))
-    w_up = dequantize_into(u, qu, D, torch.empty(n, F, D, device=dev))
-    w_down = dequantize_into(d, qd, F, torch.empty(n, D, F, device=dev))
+    w_gate = dequantize_into(g, qg, D, torch.empty(n, F, D, device=dev), pieces)
+    w_up = dequantize_into(u, qu, D, torch.empty(n, F, D, device=dev), pieces)
+    w_down = dequantize_into(d, qd, F, torch.empty(n, D, F, device=dev), pieces)
     idx = torch.zeros(n, M, dtype=torch.int64)
     wts = torch.zeros(n, M, dtype=torch.float32)
     for j, gr in enumerate(groups):  # padded on the host, sent in one copy each
