@@ -45,9 +45,9 @@ def run_records(layout: ExpertLayout, records: torch.Tensor, groups: list[Group]
                 out: torch.Tensor, workspace_bytes: int) -> None:
     """out[t] += Σ_g w * expert_g(h[t]) for records [n, stride] holding the groups' experts,
     within workspace_bytes: as many experts at once as leave room, beside their float32 gate,
-    up and down, to dequantize one of those matrices whole (DEQUANT_PEAK times its size; on
-    the GPU each dequantize call is a few dozen launches, so fewer, larger calls are faster),
-    else one expert at a time, its matrices dequantized in pieces of what is left."""
+    up and down, to dequantize one of those matrices whole (DEQUANT_PEAK times its size; each
+    dequantize call is a few dozen torch operations, so fewer, larger calls are faster), else
+    one expert at a time, its matrices dequantized in pieces of what is left."""
     D, F = layout.d_model, layout.d_expert
     per_expert = 3 * D * F * 4  # float32 gate, up, down
     step = max(1, workspace_bytes // ((3 + DEQUANT_PEAK) * D * F * 4))

@@ -699,8 +699,9 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
 GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
                 QType.IQ3_XXS: (4, 8, 1)}
 # Q6_K rows the run form takes (q6k_run_fits): (rows a program, split, warps) by the runs of 8
-# blocks a row, the most runs first (run 95: 151936 x 2048 77.6 us against 120.3 spread,
-# 14336 x 4096 22.1 us at rows 8 split 1 against 27.6)
+# blocks a row, the most runs first (runs 95, 97, 98: 151936 x 2048 77.6-79.8 us at rows 8
+# split 1 against 120.0-121.2 spread; 14336 x 4096 18.9-19.1 us at rows 4 split 2, 21.5-22.1
+# at rows 8 split 1, 27.1-27.6 spread)
 GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 
 
