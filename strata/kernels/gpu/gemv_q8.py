@@ -285,7 +285,7 @@ def _piece(wp, ob, k: tl.constexpr, m):
 
 
 @triton.jit
-def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
+def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr, VEC: tl.constexpr = False):
     """Σ_k x̂[k] W[r, k] [RL] for Q6_K rows at byte offsets ro ([RL], int64, 16-aligned) from wp
     (int32 words, 16-aligned) of nb blocks (a multiple of 8), x̂ as for q6k_spread_dot.
 
@@ -328,25 +328,35 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
             bp = wp.to(tl.pointer_type(tl.int8)) + o
             d = tl.load(bp.to(tl.pointer_type(tl.int16)) + 104, mask=m,
                         other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [RL, 4S]
+            if VEC:  # the 16 scales as one piece, the half's 4 dx as one 16-byte load
+                scw = _piece(wp, ob + 192, k, m3)
+                dxo = tl.multiple_of(b3 * 8 + 4 * h3 + 0 * rr3, [4, 4, 4])
+                dxv = tl.load(dx + dxo + i, mask=m3, other=0.0)
             for j in tl.static_range(4):
                 qj = _q6k_quants(qa, qb, qh, j)
                 # (x's words in the rows' shape: the pieces' layout, one 16-byte load)
                 xo = tl.multiple_of(b3 * 64 + 32 * h3 + 8 * j + 4 * q3 + 0 * rr3, [4, 4, 4])
                 xj = tl.load(xw + xo + i, mask=m3, other=0)
                 dot = tl.sum(_dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero), axis=2)
-                sc = tl.load(bp + 192 + 8 * h + 2 * j + q, mask=m, other=0).to(tl.int32)
-                dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * rr, mask=m, other=0.0)
+                if VEC:  # scale byte 8h + 2j + q: word 2h + j // 2, signed
+                    scj = tl.sum(tl.where(i == 2 * h3 + j // 2, scw, 0), axis=2)
+                    sc = (scj << (24 - 8 * (2 * (j % 2) + q))) >> 24
+                    dxj = tl.sum(tl.where(i == j, dxv, 0.0), axis=2)
+                else:
+                    sc = tl.load(bp + 192 + 8 * h + 2 * j + q, mask=m, other=0).to(tl.int32)
+                    dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * rr, mask=m, other=0.0)
                 acc += (d * dxj) * _i2f_signed(sc * dot)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr):
+def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr,
+                         VEC: tl.constexpr):
     # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of Q6_K (q6k_run_dot)
     n = tl.program_id(0) * RL + tl.arange(0, RL)
     ro = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
     s = q6k_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
-                    K // 256, S)
+                    K // 256, S, VEC)
     tl.store(y + n, s, mask=n < N)
 
 
@@ -569,7 +579,7 @@ def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int,
 
 def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
                  out: torch.Tensor | None = None, rows: int = 8, warps: int = 1,
-                 split: int = 1) -> torch.Tensor:
+                 split: int = 1, vec: bool = False) -> torch.Tensor:
     """y [N] f32 = W x̂ for Q6_K rows w and quantize_x's x̂ (xq, dx) by q6k_run_dot: K a
     multiple of 2048 (so every row starts 16-byte aligned) and w 16-byte aligned; `rows` rows a
     program, each row's runs of 8 blocks dealt to `split` threads a part (rows * split * 4
@@ -581,7 +591,7 @@ def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k:
                          "apart")
     if n:
         _gemv_q6k_run_kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, n, k, w.stride(0), RL=rows,
-                                                       S=split, num_warps=warps)
+                                                       S=split, VEC=vec, num_warps=warps)
     return y
 
 
