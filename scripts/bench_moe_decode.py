@@ -105,7 +105,7 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
                  quantize: bool = True) -> float:
     """The type's int8-activation GEMV (gemv_q8.py: a row's blocks spread across the threads)
     on the rotated copies of Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows, tile (rows, blocks, warps,
-    ld.global.cg (Q4_K)), or ("run", rows, split, warps, vec): Q6_K's run form (gemv_q6k_run);
+    ld.global.cg (Q4_K)), or ("run", rows, split, warps): Q6_K's run form (gemv_q6k_run);
     quantize False: x rounded once, outside the time (the GEMV alone)."""
     from strata.kernels.gpu.gemv_q8 import (
         gemv_iq_spread,
@@ -119,13 +119,13 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
     out = torch.empty(n, device=dev)
     once = quantize_x(x)
     run = tile[0] == "run"
-    r, bb, warps, cg = tile[1:] if run else tile  # (cg: the run form's vec)
+    r, bb, warps, cg = tile[1:] + (False,) if run else tile
 
     def call(i: int) -> None:
         xq, dx, xs4 = quantize_x(x) if quantize else once
         if run:
             gemv_q6k_run(xq, dx, copies[i % len(copies)], n, k, out=out, rows=r, warps=warps,
-                         split=bb, vec=cg)
+                         split=bb)
         elif q == QType.Q6_K:
             gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
                             rows=r)
@@ -245,11 +245,10 @@ def main() -> None:
             q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
             if q == QType.Q6_K and k % 2048 == 0:  # the run form: rows a program, split
-                q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}"
-                        f"{', vec' if v else ''}), GEMV alone", ("run", r, sp, wp, v), False)
-                       for r, sp, wp, v in ((8, 1, 1, False), (16, 1, 2, False), (4, 2, 1, False),
-                                            (8, 2, 2, False), (2, 4, 1, False), (4, 4, 2, False),
-                                            (8, 1, 1, True), (4, 2, 1, True))
+                q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}), GEMV alone",
+                        ("run", r, sp, wp), False)
+                       for r, sp, wp in ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1),
+                                         (4, 4, 2))
                        if sp <= k // 2048]
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
             for name, tile, qx in q8:

@@ -152,13 +152,12 @@ def main() -> None:
                                   (0, 1, 2, 3, 6), warps)
         print(describe(f"dp4a spread GEMV (gemv_q8.py) Q6_K R {r} BB {bb} warps {warps}", sass,
                        regs, 64 * r, 52.5 * r))
-    for rl, sp, warps, vec in ((8, 1, 1, False), (16, 1, 2, False), (4, 2, 1, False),
-                               (4, 2, 1, True)):  # the run form: a thread, 8 blocks
+    for rl, sp, warps in ((8, 1, 1), (16, 1, 2), (4, 2, 1)):  # the run form: a thread, 8 blocks
         run_sig = {a: q6_sig.get(a, "constexpr") for a in gemv_q8._gemv_q6k_run_kernel.arg_names}
-        sass, regs = compile_sm90(gemv_q8._gemv_q6k_run_kernel, run_sig,
-                                  {"RL": rl, "S": sp, "VEC": vec}, (0, 1, 2, 3, 6), warps)
-        print(describe(f"dp4a run GEMV (gemv_q8.py) Q6_K RL {rl} S {sp} warps {warps}"
-                       f"{' VEC' if vec else ''}", sass, regs, 512, 420))
+        sass, regs = compile_sm90(gemv_q8._gemv_q6k_run_kernel, run_sig, {"RL": rl, "S": sp},
+                                  (0, 1, 2, 3, 6), warps)
+        print(describe(f"dp4a run GEMV (gemv_q8.py) Q6_K RL {rl} S {sp} warps {warps}", sass,
+                       regs, 512, 420))
     iq_sig = {"xq": "*i8", "dx": "*fp32", "w": "*u8", "y": "*fp32", "grid8": "*i32",
               "smask": "*i32", "N": "i32", "K": "i32", "row_bytes": "i32", "R": "constexpr",
               "BB": "constexpr"}

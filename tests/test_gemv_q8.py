@@ -21,8 +21,7 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
           qtype: str = "Q4_K", rows: int = 1) -> None:
     """Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows [n, k] and a fresh x through quantize_x and the
     type's spread GEMV on `dev` (bb blocks a step, `rows` rows a program; Q4_K with rows 2
-    reads past L1); qtype "Q6_K run": gemv_q6k_run (bb: its split), "Q6_K run vec" the same
-    with vec (scales and dx as 16-byte loads)."""
+    reads past L1); qtype "Q6_K run": gemv_q6k_run (bb: its split)."""
     from strata.kernels.gpu.gemv_q8 import (
         gemv_iq_spread,
         gemv_q4k_spread,
@@ -32,7 +31,7 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
     )
     from strata.quant import QType, dequantize, random_rows
 
-    run = qtype.startswith("Q6_K run")
+    run = qtype == "Q6_K run"
     qt = QType.Q6_K if run else QType[qtype]
     w = torch.from_numpy(random_rows(qt, n, k, rng, 0.05))
     x = torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 3)
@@ -49,8 +48,7 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
     np.testing.assert_array_equal(xs4.numpy()[:, :2], np.stack([dx[0::2], dx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
     if run:
-        gemv_q6k_run(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, rows=rows, split=bb,
-                     vec=qtype.endswith("vec"))
+        gemv_q6k_run(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, rows=rows, split=bb)
     elif qt == QType.Q6_K:
         gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows)
     elif qt in (QType.IQ2_XS, QType.IQ3_XXS):
@@ -88,8 +86,6 @@ _INTERPRETED = f"""
     for n, k, r, split in ((11, 2048, 8, 1), (3, 4096, 4, 1), (5, 4096, 4, 2), (3, 6144, 2, 4),
                            (3, 2048, 4, 2)):
         check(rng, n, k, "cpu", split, "Q6_K run", rows=r)
-    for n, k, r, split in ((5, 4096, 4, 2), (3, 6144, 2, 4)):
-        check(rng, n, k, "cpu", split, "Q6_K run vec", rows=r)
     # IQ2_XS and IQ3_XXS: 74- and 98-byte blocks, rows 2 mod 4 every other row too
     for qtype in ("IQ2_XS", "IQ3_XXS"):
         for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
@@ -133,9 +129,8 @@ def test_gemv_compiles_for_sm90() -> None:
     assert "dp4a.u32.s32" in k.asm["ptx"] and k.asm["cubin"]
     # the run form: its pieces as aligned 16-byte loads, joined by PRMT
     fn = gemv_q8._gemv_q6k_run_kernel
-    rsig = {a: sig.get(a, "constexpr" if a in ("RL", "S", "VEC") else "i32")
-            for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn, rsig, constexprs={"RL": 8, "S": 1, "VEC": False},
+    rsig = {a: sig.get(a, "constexpr" if a in ("RL", "S") else "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, rsig, constexprs={"RL": 8, "S": 1},
                                  attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6)}),
                        target=target, options={"num_warps": 1})
     assert "dp4a.u32.s32" in k.asm["ptx"] and "prmt.b32" in k.asm["ptx"]
@@ -224,7 +219,6 @@ def test_gemv_on_cuda() -> None:
     for n, k, r, split in ((37, 2048, 8, 1), (14336, 4096, 8, 1), (151936, 2048, 8, 1),
                            (9, 6144, 16, 1), (14336, 4096, 4, 2), (9, 6144, 2, 4)):
         check(rng, n, k, "cuda", split, "Q6_K run", rows=r)
-        check(rng, n, k, "cuda", split, "Q6_K run vec", rows=r)
     for qtype in ("IQ2_XS", "IQ3_XXS"):
         for n, k, bb, r in ((37, 768, 4, 1), (14336, 4096, 8, 1), (9, 1280, 4, 2)):
             check(rng, n, k, "cuda", bb, qtype, rows=r)

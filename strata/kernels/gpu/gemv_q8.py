@@ -285,7 +285,7 @@ def _piece(wp, ob, k: tl.constexpr, m):
 
 
 @triton.jit
-def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr, VEC: tl.constexpr = False):
+def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
     """Σ_k x̂[k] W[r, k] [RL] for Q6_K rows at byte offsets ro ([RL], int64, 16-aligned) from wp
     (int32 words, 16-aligned) of nb blocks (a multiple of 8), x̂ as for q6k_spread_dot.
 
@@ -297,7 +297,9 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr, VEC: tl.constexpr = False):
     2-byte-aligned words two loads apiece as in q6k_spread_dot (sm_90 SASS: 0.35 loads a
     weight byte against 0.82-1.01, 3.2 instructions a weight against 5.5-6.1; L1 requests, not
     instructions, bound the spread kernels Nsight Compute has measured, Q4_K's and the
-    i-quants'). Scales and d are byte loads."""
+    i-quants'). A block's 16 scales are one more piece, a half's 4 dx one 16-byte load (108
+    loads a thread step against 149 as byte and word loads: 18.0 against 18.8 us on 14336 x
+    4096, run 99); d is a 2-byte load."""
     RL: tl.constexpr = ro.shape[0]
     p = tl.arange(0, 4 * S)[None, :]  # run s = p // 4, part: h = (p // 2) % 2, q = p % 2
     h = (p // 2) % 2
@@ -328,35 +330,31 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr, VEC: tl.constexpr = False):
             bp = wp.to(tl.pointer_type(tl.int8)) + o
             d = tl.load(bp.to(tl.pointer_type(tl.int16)) + 104, mask=m,
                         other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [RL, 4S]
-            if VEC:  # the 16 scales as one piece, the half's 4 dx as one 16-byte load
-                scw = _piece(wp, ob + 192, k, m3)
-                dxo = tl.multiple_of(b3 * 8 + 4 * h3 + 0 * rr3, [4, 4, 4])
-                dxv = tl.load(dx + dxo + i, mask=m3, other=0.0)
+            # the 16 scales as one piece, the half's 4 dx as one 16-byte load
+            scw = _piece(wp, ob + 192, k, m3)
+            dxo = tl.multiple_of(b3 * 8 + 4 * h3 + 0 * rr3, [4, 4, 4])
+            dxv = tl.load(dx + dxo + i, mask=m3, other=0.0)
             for j in tl.static_range(4):
                 qj = _q6k_quants(qa, qb, qh, j)
                 # (x's words in the rows' shape: the pieces' layout, one 16-byte load)
                 xo = tl.multiple_of(b3 * 64 + 32 * h3 + 8 * j + 4 * q3 + 0 * rr3, [4, 4, 4])
                 xj = tl.load(xw + xo + i, mask=m3, other=0)
                 dot = tl.sum(_dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero), axis=2)
-                if VEC:  # scale byte 8h + 2j + q: word 2h + j // 2, signed
-                    scj = tl.sum(tl.where(i == 2 * h3 + j // 2, scw, 0), axis=2)
-                    sc = (scj << (24 - 8 * (2 * (j % 2) + q))) >> 24
-                    dxj = tl.sum(tl.where(i == j, dxv, 0.0), axis=2)
-                else:
-                    sc = tl.load(bp + 192 + 8 * h + 2 * j + q, mask=m, other=0).to(tl.int32)
-                    dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * rr, mask=m, other=0.0)
+                # scale byte 8h + 2j + q: word 2h + j // 2, signed
+                scj = tl.sum(tl.where(i == 2 * h3 + j // 2, scw, 0), axis=2)
+                sc = (scj << (24 - 8 * (2 * (j % 2) + q))) >> 24
+                dxj = tl.sum(tl.where(i == j, dxv, 0.0), axis=2)
                 acc += (d * dxj) * _i2f_signed(sc * dot)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr,
-                         VEC: tl.constexpr):
+def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr):
     # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of Q6_K (q6k_run_dot)
     n = tl.program_id(0) * RL + tl.arange(0, RL)
     ro = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
     s = q6k_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
-                    K // 256, S, VEC)
+                    K // 256, S)
     tl.store(y + n, s, mask=n < N)
 
 
@@ -579,7 +577,7 @@ def gemv_q6k_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int,
 
 def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
                  out: torch.Tensor | None = None, rows: int = 8, warps: int = 1,
-                 split: int = 1, vec: bool = False) -> torch.Tensor:
+                 split: int = 1) -> torch.Tensor:
     """y [N] f32 = W x̂ for Q6_K rows w and quantize_x's x̂ (xq, dx) by q6k_run_dot: K a
     multiple of 2048 (so every row starts 16-byte aligned) and w 16-byte aligned; `rows` rows a
     program, each row's runs of 8 blocks dealt to `split` threads a part (rows * split * 4
@@ -591,7 +589,7 @@ def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k:
                          "apart")
     if n:
         _gemv_q6k_run_kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, n, k, w.stride(0), RL=rows,
-                                                       S=split, VEC=vec, num_warps=warps)
+                                                       S=split, num_warps=warps)
     return y
 
 
@@ -709,9 +707,8 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
 GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
                 QType.IQ3_XXS: (4, 8, 1)}
 # Q6_K rows the run form takes (q6k_run_fits): (rows a program, split, warps) by the runs of 8
-# blocks a row, the most runs first (runs 95, 97, 98: 151936 x 2048 77.6-79.8 us at rows 8
-# split 1 against 120.0-121.2 spread; 14336 x 4096 18.9-19.1 us at rows 4 split 2, 21.5-22.1
-# at rows 8 split 1, 27.1-27.6 spread)
+# blocks a row, the most runs first (run 99: 151936 x 2048 79.7 us at rows 8 split 1 against
+# 121.4 spread; 14336 x 4096 18.0 us at rows 4 split 2, 21.4 at rows 8 split 1, 27.2 spread)
 GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 
 
