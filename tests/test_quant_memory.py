@@ -72,7 +72,7 @@ _RUN_RECORDS = textwrap.dedent("""
     import torch
     from strata.experts.compute import group_pairs, run_records
     from strata.experts.layout import ExpertLayout
-    from strata.quant import DEQUANT_CHUNK_BYTES, DEQUANT_PEAK, QType, random_rows
+    from strata.quant import DEQUANT_CHUNK_BYTES, DEQUANT_PEAK, QType, dequant_rows, random_rows
     torch.set_num_threads(1)
     q, f, e, d, t, k = QType[sys.argv[1]], int(sys.argv[2]), 12, 2048, 24, 2
     rng = np.random.default_rng(0)
@@ -85,8 +85,10 @@ _RUN_RECORDS = textwrap.dedent("""
     h, out = torch.randn(t, d), torch.zeros(t, d)
     if f == 1024:  # two experts at once, a matrix dequantized whole
         workspace = 2 * (3 + DEQUANT_PEAK) * d * f * 4
+        assert dequant_rows(d, workspace - 2 * 3 * d * f * 4) >= 2 * f
     else:  # one expert, and too little beside it for a whole matrix: pieces
         workspace = 3 * d * f * 4 + DEQUANT_CHUNK_BYTES
+        assert dequant_rows(d, workspace - 3 * d * f * 4) < f
     mine = records[[g.expert for g in groups]]
     reset_peak()
     before = kib("VmRSS")

@@ -294,9 +294,9 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
     gives a short row more threads: 14336 x 4096 has 2 runs a row). A run is 1680 bytes, so
     block k of it starts 2k bytes past a 16-byte boundary known when the kernel is built: each
     16-byte piece is read as the aligned 16-byte words around it (_piece), never as
-    2-byte-aligned words two loads apiece as in q6k_spread_dot (sm_90 SASS: 0.35 loads a
-    weight byte against 0.82-1.01, 3.2 instructions a weight against 5.5-6.1; L1 requests, not
-    instructions, bound the spread kernels Nsight Compute has measured, Q4_K's and the
+    2-byte-aligned words two loads apiece as in q6k_spread_dot (sm_90 SASS: 0.26 loads a
+    weight byte against 0.82-1.01, 3.2-3.3 instructions a weight against 5.5-6.1; L1 requests,
+    not instructions, bound the spread kernels Nsight Compute has measured, Q4_K's and the
     i-quants'). A block's 16 scales are one more piece, a half's 4 dx one 16-byte load (108
     loads a thread step against 149 as byte and word loads: 18.0 against 18.8 us on 14336 x
     4096, run 99); d is a 2-byte load."""
