@@ -105,9 +105,11 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
                  quantize: bool = True) -> float:
     """The type's int8-activation GEMV (gemv_q8.py: a row's blocks spread across the threads)
     on the rotated copies of Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows, tile (rows, blocks, warps,
-    ld.global.cg (Q4_K)), or ("run", rows, split, warps): Q6_K's run form (gemv_q6k_run);
+    ld.global.cg (Q4_K)), or ("run", rows, split, warps): the run form (gemv_q6k_run,
+    gemv_iq_run);
     quantize False: x rounded once, outside the time (the GEMV alone)."""
     from strata.kernels.gpu.gemv_q8 import (
+        gemv_iq_run,
         gemv_iq_spread,
         gemv_q4k_spread,
         gemv_q6k_run,
@@ -123,9 +125,12 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
 
     def call(i: int) -> None:
         xq, dx, xs4 = quantize_x(x) if quantize else once
-        if run:
+        if run and q == QType.Q6_K:
             gemv_q6k_run(xq, dx, copies[i % len(copies)], n, k, out=out, rows=r, warps=warps,
                          split=bb)
+        elif run:
+            gemv_iq_run(xq, dx, copies[i % len(copies)], n, k, q, out=out, rows=r, warps=warps,
+                        split=bb)
         elif q == QType.Q6_K:
             gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
                             rows=r)
@@ -244,7 +249,7 @@ def main() -> None:
                 (4, 4, 1, False), (1, 16, 2, False), (4, 8, 1, False), (8, 4, 1, False)]
             q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
-            if q == QType.Q6_K and k % 2048 == 0:  # the run form: rows a program, split
+            if q != QType.Q4_K and k % 2048 == 0:  # the run form: rows a program, split
                 q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}), GEMV alone",
                         ("run", r, sp, wp), False)
                        for r, sp, wp in ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1),

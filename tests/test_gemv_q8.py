@@ -21,8 +21,10 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
           qtype: str = "Q4_K", rows: int = 1) -> None:
     """Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows [n, k] and a fresh x through quantize_x and the
     type's spread GEMV on `dev` (bb blocks a step, `rows` rows a program; Q4_K with rows 2
-    reads past L1); qtype "Q6_K run": gemv_q6k_run (bb: its split)."""
+    reads past L1); qtype "Q6_K run", "IQ2_XS run", "IQ3_XXS run": gemv_q6k_run / gemv_iq_run
+    (bb: their split)."""
     from strata.kernels.gpu.gemv_q8 import (
+        gemv_iq_run,
         gemv_iq_spread,
         gemv_q4k_spread,
         gemv_q6k_run,
@@ -31,8 +33,8 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
     )
     from strata.quant import QType, dequantize, random_rows
 
-    run = qtype == "Q6_K run"
-    qt = QType.Q6_K if run else QType[qtype]
+    run = qtype.endswith(" run")
+    qt = QType[qtype.split()[0]]
     w = torch.from_numpy(random_rows(qt, n, k, rng, 0.05))
     x = torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 3)
     x[5] = 0.0
@@ -47,8 +49,10 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
                                rtol=1e-6)
     np.testing.assert_array_equal(xs4.numpy()[:, :2], np.stack([dx[0::2], dx[1::2]], axis=1))
     y = torch.full((n,), float("nan"), device=dev)  # poisoned: every row must be written
-    if run:
+    if run and qt == QType.Q6_K:
         gemv_q6k_run(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, rows=rows, split=bb)
+    elif run:
+        gemv_iq_run(xq.to(dev), dx.to(dev), w.to(dev), n, k, qt, out=y, rows=rows, split=bb)
     elif qt == QType.Q6_K:
         gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows)
     elif qt in (QType.IQ2_XS, QType.IQ3_XXS):
@@ -86,10 +90,13 @@ _INTERPRETED = f"""
     for n, k, r, split in ((11, 2048, 8, 1), (3, 4096, 4, 1), (5, 4096, 4, 2), (3, 6144, 2, 4),
                            (3, 2048, 4, 2)):
         check(rng, n, k, "cpu", split, "Q6_K run", rows=r)
-    # IQ2_XS and IQ3_XXS: 74- and 98-byte blocks, rows 2 mod 4 every other row too
+    # IQ2_XS and IQ3_XXS: 74- and 98-byte blocks, rows 2 mod 4 every other row too; their run
+    # forms as Q6_K's
     for qtype in ("IQ2_XS", "IQ3_XXS"):
         for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
             check(rng, n, k, "cpu", bb, qtype, rows=r)
+        for n, k, r, split in ((11, 2048, 8, 1), (5, 4096, 4, 2), (3, 6144, 2, 4)):
+            check(rng, n, k, "cpu", split, qtype + " run", rows=r)
     # gemv_x8: quantize_x, then the type's GEMV with its tuned tile
     import torch
     from strata.kernels.gpu.gemv_q8 import gemv_x8
@@ -146,13 +153,30 @@ def test_gemv_compiles_for_sm90() -> None:
                               check=True).stdout
     assert sass.count("LDG.E.128") >= 45, sass.count("LDG.E.128")  # 3 pieces x 15 a run
     fn = gemv_q8._gemv_iq_spread_kernel
-    sig = {a: sig.get(a, "constexpr" if a == "IQ3" else "*i32") for a in fn.arg_names}
+    isig = {a: sig.get(a, "constexpr" if a == "IQ3" else "*i32") for a in fn.arg_names}
     for iq3 in (False, True):
-        k = triton.compile(ASTSource(fn, sig, constexprs={"IQ3": iq3, "R": 1, "BB": 8}),
+        k = triton.compile(ASTSource(fn, isig, constexprs={"IQ3": iq3, "R": 1, "BB": 8}),
                            target=target)
         # signed bytes: IQ2_XS's picked by PRMT, IQ3_XXS's negated by masks from popc
         assert "dp4a.s32.s32" in k.asm["ptx"] and k.asm["cubin"]
         assert ("popc.b32" if iq3 else "prmt.b32") in k.asm["ptx"]
+    # their run forms: the grid indices' pieces as 16-byte loads too
+    fn = gemv_q8._gemv_iq_run_kernel
+    isig = {a: sig.get(a, "constexpr" if a in ("IQ3", "RL", "S") else "*i32")
+            for a in fn.arg_names}
+    for iq3 in (False, True):
+        k = triton.compile(ASTSource(fn, isig, constexprs={"IQ3": iq3, "RL": 4, "S": 2},
+                                     attrs={(i,): [["tt.divisibility", 16]]
+                                            for i in (0, 1, 2, 3, 4, 5, 8)}),
+                           target=target, options={"num_warps": 1})
+        assert "dp4a.s32.s32" in k.asm["ptx"] and "prmt.b32" in k.asm["ptx"]
+        assert ("popc.b32" in k.asm["ptx"]) == iq3
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        assert sass.count("LDG.E.128") >= 15, (iq3, sass.count("LDG.E.128"))  # a piece a block
     sig = {"x": "*fp32", "xq": "*i8", "dx": "*fp32", "xs4": "*fp32", "NB": "i32",
            "G": "constexpr"}
     k = triton.compile(ASTSource(gemv_q8._quantize_kernel, sig, constexprs={"G": 8}),
@@ -222,6 +246,8 @@ def test_gemv_on_cuda() -> None:
     for qtype in ("IQ2_XS", "IQ3_XXS"):
         for n, k, bb, r in ((37, 768, 4, 1), (14336, 4096, 8, 1), (9, 1280, 4, 2)):
             check(rng, n, k, "cuda", bb, qtype, rows=r)
+        for n, k, r, split in ((37, 2048, 8, 1), (14336, 4096, 4, 2), (9, 6144, 2, 4)):
+            check(rng, n, k, "cuda", split, qtype + " run", rows=r)
 
 
 def test_round8_is_quantize_x() -> None:

@@ -14,8 +14,10 @@ and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), Quan
     iq2xs_spread_dot    the same for IQ2_XS rows (grid codes and signs gathered as PRMT
                         selectors) and IQ3_XXS rows (grid rows as bytes, signs as byte masks)
     iq3xxs_spread_dot
+    iq_run_dot          q6k_run_dot's form for IQ2_XS / IQ3_XXS rows (gemv_iq_run; not yet
+                        timed, not used by the engine)
     gemv_q4k_spread(xq, xs4, w, N, K), gemv_q6k_spread(xq, dx, w, N, K), gemv_q6k_run(...),
-    gemv_iq_spread(xq, dx, w, N, K, qtype) -> y [N] f32
+    gemv_iq_spread(xq, dx, w, N, K, qtype), gemv_iq_run(...) -> y [N] f32
     gemv_x8(x, w, qtype)   quantize_x, then the type's GEMV with its tuned tile
 
 For a Q4_K sub-block i (32 values, 6-bit scale sc and min mn, super-block d and dmin) of a row,
@@ -492,6 +494,109 @@ def iq_spread_dot(wbase, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, BB: tl.const
 
 
 @triton.jit
+def _bytes16(wp, ob, off: tl.constexpr, m):
+    """[RL, P, 4]: the 16 bytes at byte ob + off (ob [RL, P, 1] int64, 16-aligned; off an even
+    constant) as 4 words (_piece)."""
+    return _piece(wp, ob + 16 * (off // 16), (off % 16) // 2, m)
+
+
+@triton.jit
+def _run_x(xw, b3, c3, rr3, t: tl.constexpr, m3):
+    """[RL, P, 4]: words 4t .. 4t + 3 of block b's quarter c of x̂ (64 int8 values), in the
+    rows' shape (one layout with the weights' pieces)."""
+    i = tl.arange(0, 4)[None, None, :]
+    xo = tl.multiple_of(b3 * 64 + 16 * c3 + 4 * t + 0 * rr3, [4, 4, 4])
+    return tl.load(xw + xo + i, mask=m3, other=0)
+
+
+@triton.jit
+def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr):
+    """Σ_k x̂[k] W[r, k] [RL] for IQ2_XS (IQ3: IQ3_XXS) rows at byte offsets ro ([RL], int64,
+    16-aligned) from wp (int32 words, 16-aligned) of nb blocks (a multiple of 8); t0, t1 the
+    type's iq_tables, x̂ as for iq2xs_spread_dot.
+
+    q6k_run_dot's form for the i-quants: the lanes spread over RL rows x S runs x 4 quarters of
+    a block, a thread walks every S-th run of 8 blocks of its row (592 or 784 bytes: 16-byte
+    aligned), and block k of a run starts (74 or 98) k mod 16 bytes past a boundary known when
+    the kernel is built, so a quarter's 16 bytes of grid indices are one piece of aligned
+    16-byte words (_piece) instead of 4-byte words two loads apiece where a block starts 2 mod
+    4. Each group of 8 values as in iq2xs_spread_dot / iq3xxs_spread_dot (table gathers, PRMT
+    or sign masks, signed dp4a); IQ2_XS's scales are one 2-byte load, IQ3_XXS's two words of
+    scales and signs come from one more piece, two quarters' words (the second pair's ends at
+    the block's end: no piece reads past a row's last block)."""
+    RL: tl.constexpr = ro.shape[0]
+    BS: tl.constexpr = 98 if IQ3 else 74
+    p = tl.arange(0, 4 * S)[None, :]  # run s = p // 4, quarter c = p % 4
+    c = p % 4
+    s = p // 4
+    c3 = c[:, :, None]
+    i = tl.arange(0, 4)[None, None, :]
+    zero = tl.zeros((RL, 4 * S), tl.int32)
+    acc = tl.zeros((RL, 4 * S), tl.float32)
+    rr = ro[:, None]  # [RL, 1]
+    rr3 = rr[:, :, None]
+    for r0 in range(0, nb, 8 * S):
+        rb = r0 + 8 * s  # [1, 4S]: the first block of each thread's run
+        rb3 = rb[:, :, None]
+        for k in tl.static_range(8):
+            sh = (BS * k) % 16  # block k's bytes start sh past its window
+            b = rb + k
+            b3 = b[:, :, None]
+            m = b < nb  # [1, 4S]
+            m3 = m[:, :, None] & (i >= 0)
+            ob = tl.multiple_of(rr3 + rb3 * BS + (BS * k - sh), [16, 16, 16])
+            qs = _bytes16(wp, ob + 16 * c3, sh + 2, m3)  # the quarter's grid indices
+            bp = wp.to(tl.pointer_type(tl.int8)) + rr + b * BS  # the block's bytes
+            d = tl.load(bp.to(tl.pointer_type(tl.int16)), mask=m,
+                        other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [RL, 4S]
+            dx0 = tl.load(dx + b * 8 + 2 * c + 0 * rr, mask=m, other=0.0)
+            dx1 = tl.load(dx + b * 8 + 2 * c + 1 + 0 * rr, mask=m, other=0.0)
+            if IQ3:  # aux words of quarters 2 (c // 2), 2 (c // 2) + 1 (bytes 66 + 16 (c // 2)..)
+                aw = _bytes16(wp, ob + 16 * (c3 // 2), sh + 66, m3)
+            else:  # the quarter's 4 scale nibbles, bytes 66 + 2c, 67 + 2c
+                sc16 = tl.load((bp + 66 + 2 * c).to(tl.pointer_type(tl.int16)), mask=m,
+                               other=0).to(tl.int32) & 0xFFFF
+            for t in tl.static_range(4):  # groups 2t, 2t + 1: x's words 4t .. 4t + 3
+                xt = _run_x(xw, b3, c3, rr3, t, m3)
+                qw = _col(qs, t)
+                for u in tl.static_range(2):
+                    j = 2 * t + u  # the quarter's group
+                    if IQ3:
+                        aux = tl.sum(tl.where(i == 2 * (c3 % 2) + j // 4, aw, 0), axis=2)
+                        g0 = tl.load(t0 + ((qw >> (16 * u)) & 255))
+                        g1 = tl.load(t0 + ((qw >> (16 * u + 8)) & 255))
+                        s0 = _sign_mask(aux >> (7 * (j % 4)), 0)
+                        s1 = _sign_mask(aux >> (7 * (j % 4)), 1)
+                        g0 = (g0 ^ s0) + (s0 & 0x01010101)
+                        g1 = (g1 ^ s1) + (s1 & 0x01010101)
+                    else:
+                        e = (qw >> (16 * u)) & 0xFFFF
+                        sel = tl.load(t0 + (e & 511)) | tl.load(t1 + (e >> 9))
+                        g0 = _prmt(IQ2_POS + zero, IQ2_NEG, sel)
+                        g1 = _prmt(IQ2_POS + zero, IQ2_NEG, sel >> 16)
+                    dot = _dp4a(g1, _col(xt, 2 * u + 1),
+                                _dp4a(g0, _col(xt, 2 * u), zero, True), True)
+                    dxj = dx0 if j < 4 else dx1
+                    if IQ3:
+                        db = d * (i2f((aux >> 28) & 15, 0.0) + 0.5) * 0.5
+                    else:
+                        db = d * (i2f((sc16 >> (4 * (j // 2))) & 15, 0.0) + 0.5) * 0.25
+                    acc += (db * dxj) * _i2f_signed(dot)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _gemv_iq_run_kernel(xq, dx, w, y, t0, t1, N, K, row_bytes, IQ3: tl.constexpr,
+                        RL: tl.constexpr, S: tl.constexpr):
+    # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of IQ2_XS or, IQ3, IQ3_XXS (iq_run_dot)
+    n = tl.program_id(0) * RL + tl.arange(0, RL)
+    ro = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+    s = iq_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
+                   t0, t1, K // 256, IQ3, S)
+    tl.store(y + n, s, mask=n < N)
+
+
+@triton.jit
 def _iq_rows(n, N, row_bytes):
     """Byte offsets [1, 1, R, 1, 1] (int64) of rows n ([R], clamped to N - 1)."""
     return (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
@@ -583,7 +688,7 @@ def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k:
     program, each row's runs of 8 blocks dealt to `split` threads a part (rows * split * 4
     lanes, powers of two: rows 8 or rows 4 split 2 fill one warp)."""
     y, _ = _spread_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_run", split, rows, warps)
-    if not q6k_run_fits(w, k):
+    if not run_fits(w, k):
         raise ValueError(f"gemv_q6k_run: K a multiple of 2048 and rows starting 16-byte aligned, "
                          f"got K = {k}, rows at {w.data_ptr() % 16} mod 16, {w.stride(0)} bytes "
                          "apart")
@@ -593,8 +698,9 @@ def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k:
     return y
 
 
-def q6k_run_fits(w: torch.Tensor, k: int) -> bool:
-    """Whether Q6_K rows w of k values can take the run form (gemv_q6k_run)."""
+def run_fits(w: torch.Tensor, k: int) -> bool:
+    """Whether rows w of k values (Q6_K, IQ2_XS or IQ3_XXS) can take the run forms
+    (gemv_q6k_run, gemv_iq_run): K a multiple of 2048 and rows starting 16-byte aligned."""
     return k % 2048 == 0 and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
 
 
@@ -706,7 +812,7 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
 # on float32 x); the Q6_K lm_head 151936 x 2048 122.7 us)
 GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
                 QType.IQ3_XXS: (4, 8, 1)}
-# Q6_K rows the run form takes (q6k_run_fits): (rows a program, split, warps) by the runs of 8
+# Q6_K rows the run form takes (run_fits): (rows a program, split, warps) by the runs of 8
 # blocks a row, the most runs first (run 99: 151936 x 2048 79.7 us at rows 8 split 1 against
 # 121.4 spread; 14336 x 4096 18.0 us at rows 4 split 2, 21.4 at rows 8 split 1, 27.2 spread)
 GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
@@ -723,7 +829,7 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     out = torch.empty(1, n, dtype=torch.float32, device=x.device)
     if q == QType.Q4_K:
         gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
-    elif q == QType.Q6_K and q6k_run_fits(w, k):
+    elif q == QType.Q6_K and run_fits(w, k):
         r, split, warps = next(t for runs, t in GEMV_X8_RUN if k // 2048 >= runs)
         gemv_q6k_run(xq, dx, w, n, k, out=out[0], rows=r, warps=warps, split=split)
     elif q == QType.Q6_K:
@@ -765,6 +871,29 @@ def iq_tables(qtype: QType, device: torch.device) -> tuple[torch.Tensor, torch.T
     smask = device_table("ksigns_mask8", device, lambda: np.where(
         grids._ksigns_np() < 0, 255, 0).astype(np.uint8).view(np.int32))
     return grid, smask
+
+
+def gemv_iq_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
+                qtype: QType, out: torch.Tensor | None = None, rows: int = 8, warps: int = 1,
+                split: int = 1) -> torch.Tensor:
+    """y [N] f32 = W x̂ for IQ2_XS or IQ3_XXS rows w and quantize_x's x̂ (xq, dx) by iq_run_dot:
+    K a multiple of 2048 (every row 16-byte aligned) and w 16-byte aligned; `rows` rows a
+    program, each row's runs of 8 blocks dealt to `split` threads a quarter (rows * split * 4
+    lanes, powers of two)."""
+    if qtype not in (QType.IQ2_XS, QType.IQ3_XXS):
+        raise ValueError(f"gemv_iq_run: IQ2_XS or IQ3_XXS rows, got {QType(qtype).name}")
+    y, _ = _spread_args(w, n, k, QType(qtype), xq, out, f"gemv_iq_run ({QType(qtype).name})",
+                        split, rows, warps)
+    if not run_fits(w, k):
+        raise ValueError(f"gemv_iq_run: K a multiple of 2048 and rows starting 16-byte aligned, "
+                         f"got K = {k}, rows at {w.data_ptr() % 16} mod 16, {w.stride(0)} bytes "
+                         "apart")
+    t0, t1 = iq_tables(QType(qtype), w.device)
+    if n:
+        _gemv_iq_run_kernel[(triton.cdiv(n, rows),)](
+            xq, dx, w, y, t0, t1, n, k, w.stride(0), IQ3=qtype == QType.IQ3_XXS, RL=rows,
+            S=split, num_warps=warps)
+    return y
 
 
 def gemv_iq_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
