@@ -190,6 +190,10 @@ def main() -> None:
         iq_variants[f"x8, gate_up_iq {gq}"] = {"x8": True, "gate_up_iq": gq}
     for dq in [(2, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 8, 1)]:
         iq_variants[f"x8, down_iq {dq}"] = {"x8": True, "down_iq": dq}
+    # the gate/up in the run form (iq_run_dot; d_model a multiple of 2048), (rows, split, warps)
+    for gr in [(8, 1, 1), (4, 2, 1), (16, 1, 2)]:
+        if gr[1] <= D // 2048:
+            iq_variants[f"x8, gate_up_iq_run {gr}"] = {"x8": True, "gate_up_iq_run": gr}
     packs = [(QType.Q4_K, QType.Q6_K, variants), (QType.Q4_K, QType.Q4_K, variants),
              (QType.IQ2_XS, QType.IQ3_XXS, iq_variants),
              (QType.IQ3_XXS, QType.IQ3_XXS, iq_variants)]

@@ -211,7 +211,9 @@ def test_gate_up_q8_compiles_for_sm90() -> None:
 
 def test_iq_moe_kernels_compile_for_sm90() -> None:
     """Without a GPU: the i-quant MoE kernels (gate/up, down) compile for sm_90 with their
-    signed dp4a, IQ2_XS with its PRMT, IQ3_XXS with the popc of its sign bits."""
+    signed dp4a, IQ2_XS with its PRMT, IQ3_XXS with the popc of its sign bits. (The gate/up's
+    run form, RUN, is left to the CUDA runs: it takes 50-100 s to build, its GEMV twin is
+    checked in test_gemv_compiles_for_sm90.)"""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -221,9 +223,9 @@ def test_iq_moe_kernels_compile_for_sm90() -> None:
              "wts": "*fp32", "slot_of": "*i32", "gate": "*u8", "up": "*u8", "down": "*u8",
              "h": "*fp32", "part": "*fp32", "mg": "*u8", "mu": "*u8", "md": "*u8",
              "t0": "*i32", "t1": "*i32"}
-    for fn in (gemv_q8._gate_up_iq_kernel, gemv_q8._down_iq_kernel):
+    for fn, run in ((gemv_q8._gate_up_iq_kernel, {"RUN": False}), (gemv_q8._down_iq_kernel, {})):
         for iq3 in (False, True):
-            consts = {"IQ3": iq3, "TOPK": 8, "R": 4, "BB": 4, "MISS": True, "HOST_FROM": 8}
+            consts = {"IQ3": iq3, "TOPK": 8, "R": 4, "BB": 4, "MISS": True, "HOST_FROM": 8, **run}
             sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
             ptx = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                  target=GPUTarget("cuda", 90, 32),
@@ -279,7 +281,19 @@ def test_moe_x8_under_the_interpreter() -> None:
     i-quants (IQ2_XS gate and up with an IQ3_XXS down, and the other way round: rows of 74- and
     98-byte blocks, every other one 2 mod 4 at 1 and 3 blocks a row), and two mixing them with
     K-quants (IQ2_XS gate/up with a Q6_K down; Q4_K gate/up with an IQ3_XXS down)."""
-    run_interpreted(_MOE_X8, fresh_seed(), timeout=600)
+    run_interpreted(_moe_x8_script(768, 256, _MOE_X8_PACKS, _MOE_X8_TUNE), fresh_seed(),
+                    timeout=600)
+
+
+def test_moe_iq_run_under_the_interpreter() -> None:
+    """The same for the i-quant gate/up in the run form (moe.DECODE_TUNE "gate_up_iq_run": rows
+    of 2048 values, one run of 8 blocks; split 2 leaves half the threads without a run), both
+    i-quant packs, slots and miss rows (256 rows a program: the interpreter takes ~5 s a call
+    of 2 pairs at that, 4x that at 64)."""
+    packs = ("(QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS), "
+             "(QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS)")
+    tune = dict(_MOE_X8_TUNE, gate_up_iq_run=(256, 2, 1))
+    run_interpreted(_moe_x8_script(2048, 256, packs, tune), fresh_seed(), timeout=900)
 
 
 # A pair's h comes from float32 sums in another order than the reference's, so a value next to
@@ -288,7 +302,20 @@ def test_moe_x8_under_the_interpreter() -> None:
 # them stay under X8_TOL, while h not rounded at all moves it by about 8e-3.
 X8_TOL = 2.5e-3
 
-_MOE_X8 = f"""
+_MOE_X8_PACKS = """(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K, QType.Q4_K),
+               (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
+               (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
+               (QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K), (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)"""
+# (larger tiles: fewer programs to interpret)
+_MOE_X8_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1), down_q6k_q8=(256, 2, 1),
+                    gate_up_iq=(64, 2, 1), down_iq=(256, 2, 1), gate_up=(64, 256, 1, 4),
+                    down_pairs=(64, 256, 1, 4))
+
+
+def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
+    """test_moe_x8_under_the_interpreter's script: layers of 3 experts (2 with slots) of shape
+    d x f in each of packs (the source of a tuple of qtype triples), moe.DECODE_TUNE = tune."""
+    return f"""
     import torch
     from strata.experts.layout import ExpertLayout
     from strata.kernels.gpu import gather_misses, moe_forward
@@ -298,11 +325,8 @@ _MOE_X8 = f"""
     rng = np.random.default_rng(seed)
     def rel(a, b):
         return float((a - b).norm() / b.norm())
-    e, d, f = 3, 768, 256
-    for qt in ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K, QType.Q4_K),
-               (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
-               (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
-               (QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K), (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)):
+    e, d, f = 3, {d}, {f}
+    for qt in ({packs}):
         def rows(n, k, q):
             return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
         slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)
@@ -318,11 +342,7 @@ _MOE_X8 = f"""
             part[:] = torch.stack([src[1], rows(n, k, q), src[0]])
         full = dict(layer, slot_of_expert=torch.arange(e, dtype=torch.int32),
                     **dict(zip(("gate_slots", "up_slots", "down_slots"), lay.views(records))))
-        # (larger tiles: fewer programs to interpret)
-        moe_mod.DECODE_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1),
-                                   down_q6k_q8=(256, 2, 1), gate_up_iq=(64, 2, 1),
-                                   down_iq=(256, 2, 1),
-                                   gate_up=(64, 256, 1, 4), down_pairs=(64, 256, 1, 4))
+        moe_mod.DECODE_TUNE = {tune!r}
         tol = {X8_TOL}
         for t in (1, 3) if qt[2] in (QType.Q6_K, QType.IQ3_XXS) else (3,):
             ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))

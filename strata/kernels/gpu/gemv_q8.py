@@ -773,21 +773,29 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
 def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D, F, stride_gs,
                        stride_us, stride_ms, row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr,
                        R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
-                       HOST_FROM: tl.constexpr):
+                       HOST_FROM: tl.constexpr, RUN: tl.constexpr = False):
     # as _gate_up_q8_kernel, for IQ2_XS or (IQ3) IQ3_XXS gate and up: R rows of each a program
-    # (iq_spread_dot, once for each)
+    # (iq_spread_dot, once for each; RUN: iq_run_dot with BB its split, rows and records
+    # 16-byte aligned and D a multiple of 2048)
     p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
-        ro = _iq_rows(n, F, row_bytes)
         xw = (xq + t * D).to(tl.pointer_type(tl.int32))
         gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
         ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
-        g = iq_spread_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0, t1,
-                          D // 256, IQ3, BB)
-        u = iq_spread_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0, t1,
-                          D // 256, IQ3, BB)
+        if RUN:
+            ro = tl.minimum(n, F - 1).to(tl.int64) * row_bytes
+            g = iq_run_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
+                           t1, D // 256, IQ3, BB)
+            u = iq_run_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
+                           t1, D // 256, IQ3, BB)
+        else:
+            ro = _iq_rows(n, F, row_bytes)
+            g = iq_spread_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
+                              t1, D // 256, IQ3, BB)
+            u = iq_spread_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
+                              t1, D // 256, IQ3, BB)
         hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
     tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
 

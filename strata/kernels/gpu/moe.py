@@ -70,7 +70,10 @@ GATE_UP_IQ_TILE = (4, 4, 1)
 DOWN_IQ_TILE = (4, 4, 1)
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
 # "gate_up_q8" / "down_q8" / "down_q6k_q8" / "gate_up_iq" / "down_iq" -> (R, BB, warps) instead
-# of GATE_UP_Q8_TILE / DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE / GATE_UP_IQ_TILE / DOWN_IQ_TILE
+# of GATE_UP_Q8_TILE / DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE / GATE_UP_IQ_TILE / DOWN_IQ_TILE;
+# "gate_up_iq_run" -> (rows, split, warps): the i-quant gate/up in the run form (gemv_q8.
+# iq_run_dot) where d_model is a multiple of 2048 and the parts 16-byte aligned (not yet timed,
+# so off unless set)
 DECODE_TUNE: dict = {}
 
 
@@ -452,11 +455,14 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
 
         xq, dx, _ = quantize_x(x.contiguous())
         t0, t1 = iq_tables(fg.qtype, x.device)
-        r, bb, warps = DECODE_TUNE.get("gate_up_iq") or GATE_UP_IQ_TILE
+        run = (DECODE_TUNE.get("gate_up_iq_run") if d % 2048 == 0
+               and _aligned16(gate, up, mg, mu) else None)
+        r, bb, warps = run or DECODE_TUNE.get("gate_up_iq") or GATE_UP_IQ_TILE
         _gate_up_iq_kernel[(triton.cdiv(f, r), p)](
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], IQ3=fg.qtype == QType.IQ3_XXS,
-            TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host, num_warps=warps)
+            TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host, RUN=run is not None,
+            num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8)
     if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
@@ -533,6 +539,13 @@ def _words_aligned(*parts: torch.Tensor, rows: bool = True) -> bool:
     aligned (gemv_q8.py reads Q4_K rows as int32 words; a part after a Q6_K part of an odd
     number of blocks would not)."""
     return all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1 if rows else 1])
+               for t in parts)
+
+
+def _aligned16(*parts: torch.Tensor) -> bool:
+    """Whether every row of these uint8 slot views [n, rows, row_nbytes] starts 16-byte aligned
+    (the run forms read aligned 16-byte words)."""
+    return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:-1])
                for t in parts)
 
 
