@@ -190,10 +190,10 @@ def main() -> None:
         iq_variants[f"x8, gate_up_iq {gq}"] = {"x8": True, "gate_up_iq": gq}
     for dq in [(2, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 8, 1)]:
         iq_variants[f"x8, down_iq {dq}"] = {"x8": True, "down_iq": dq}
-    # the gate/up in the run form (iq_run_dot; d_model a multiple of 2048), (rows, split, warps)
-    for gr in [(8, 1, 1), (4, 2, 1), (16, 1, 2)]:
-        if gr[1] <= D // 2048:
-            iq_variants[f"x8, gate_up_iq_run {gr}"] = {"x8": True, "gate_up_iq_run": gr}
+    # the gate/up in the run form (iq_run_dot; d_model a multiple of 2048), (rows, split, warps):
+    # one tile, a run a thread (each takes 50-100 s to build)
+    gr = (8, 1, 1) if D // 2048 == 1 else (4, 2, 1)
+    iq_variants[f"x8, gate_up_iq_run {gr}"] = {"x8": True, "gate_up_iq_run": gr}
     packs = [(QType.Q4_K, QType.Q6_K, variants), (QType.Q4_K, QType.Q4_K, variants),
              (QType.IQ2_XS, QType.IQ3_XXS, iq_variants),
              (QType.IQ3_XXS, QType.IQ3_XXS, iq_variants)]
@@ -254,11 +254,11 @@ def main() -> None:
             q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
             if q != QType.Q4_K and k % 2048 == 0:  # the run form: rows a program, split
+                runs = ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1), (4, 4, 2))
+                if q != QType.Q6_K:  # (the i-quants' take 10-20 s each to build)
+                    runs = ((8, 1, 1), (4, 2, 1))
                 q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}), GEMV alone",
-                        ("run", r, sp, wp), False)
-                       for r, sp, wp in ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1),
-                                         (4, 4, 2))
-                       if sp <= k // 2048]
+                        ("run", r, sp, wp), False) for r, sp, wp in runs if sp <= k // 2048]
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
             for name, tile, qx in q8:
                 key = f"{q.name} {n}x{k} {name}"
