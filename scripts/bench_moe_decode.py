@@ -254,11 +254,11 @@ def main() -> None:
             q8 = [(f"q8 spread (R {r}, BB {bb}, warps {wp}{', cg' if cg else ''}), GEMV alone",
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
             if q != QType.Q4_K and k % 2048 == 0:  # the run form: rows a program, split
-                runs = ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1), (4, 4, 2))
+                run_tiles = ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1), (4, 4, 2))
                 if q != QType.Q6_K:  # (the i-quants' take 10-20 s each to build)
-                    runs = ((8, 1, 1), (4, 2, 1))
+                    run_tiles = ((8, 1, 1), (4, 2, 1))
                 q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}), GEMV alone",
-                        ("run", r, sp, wp), False) for r, sp, wp in runs if sp <= k // 2048]
+                        ("run", r, sp, wp), False) for r, sp, wp in run_tiles if sp <= k // 2048]
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
             for name, tile, qx in q8:
                 key = f"{q.name} {n}x{k} {name}"
