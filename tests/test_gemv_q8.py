@@ -482,8 +482,8 @@ def test_quant_tensor_x8_only_where_it_pays() -> None:
 def test_spread_gemvs_refuse_bad_arguments() -> None:
     """Each spread GEMV names what is wrong before it launches anything: K not a multiple of
     256, rows of another size, x of another length, tiles not powers of two, rows not 4-byte
-    aligned (they are read as int32 words); the Q6_K run form also K not a multiple of 2048 or
-    rows not 16-byte aligned."""
+    aligned (they are read as int32 words); the run forms (Q6_K, IQ2_XS, IQ3_XXS) also K not a
+    multiple of 2048 or rows not 16-byte aligned, the i-quant ones another type."""
     from strata.kernels.gpu.gemv_q8 import gemv_iq_spread, gemv_q4k_spread, gemv_q6k_spread
     from strata.quant import QType, row_nbytes
 
@@ -524,3 +524,17 @@ def test_spread_gemvs_refuse_bad_arguments() -> None:
         w = w[(-w.data_ptr()) % 16 + (4 if k == 2048 else 0):][: 2 * rb].view(2, rb)
         with pytest.raises(ValueError, match="multiple of 2048 and rows starting 16-byte"):
             gemv_q6k_run(torch.zeros(k, dtype=torch.int8), torch.zeros(k // 32), w, 2, k)
+    # the i-quants' run form: the same, and their types only
+    from strata.kernels.gpu.gemv_q8 import gemv_iq_run
+
+    for q in (QType.IQ2_XS, QType.IQ3_XXS):
+        for k in (1024, 2048):
+            rb = row_nbytes(q, k)
+            w = torch.zeros(2 * rb + 20, dtype=torch.uint8)
+            w = w[(-w.data_ptr()) % 16 + (4 if k == 2048 else 0):][: 2 * rb].view(2, rb)
+            with pytest.raises(ValueError, match=f"gemv_iq_run \\({q.name}\\): K a multiple of "
+                               "2048 and rows starting 16-byte"):
+                gemv_iq_run(torch.zeros(k, dtype=torch.int8), torch.zeros(k // 32), w, 2, k, q)
+    with pytest.raises(ValueError, match="gemv_iq_run: IQ2_XS or IQ3_XXS rows, got Q6_K"):
+        gemv_iq_run(torch.zeros(2048, dtype=torch.int8), torch.zeros(64),
+                    torch.zeros(1, 1680, dtype=torch.uint8), 1, 2048, QType.Q6_K)

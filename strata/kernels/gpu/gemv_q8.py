@@ -287,6 +287,18 @@ def _piece(wp, ob, k: tl.constexpr, m):
 
 
 @triton.jit
+def _run_block(r0, s, k: tl.constexpr, nb):
+    """(rb3, b, b3, m, m3) of block k of each thread's run, run s ([1, P]) of those from block
+    r0 on: the run's first block [1, P, 1], the block, as [1, P, 1], whether it is in the row,
+    as [1, P, 4]."""
+    i = tl.arange(0, 4)[None, None, :]
+    rb = r0 + 8 * s
+    b = rb + k
+    m = b < nb
+    return rb[:, :, None], b, b[:, :, None], m, m[:, :, None] & (i >= 0)
+
+
+@triton.jit
 def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
     """Σ_k x̂[k] W[r, k] [RL] for Q6_K rows at byte offsets ro ([RL], int64, 16-aligned) from wp
     (int32 words, 16-aligned) of nb blocks (a multiple of 8), x̂ as for q6k_spread_dot.
@@ -316,13 +328,8 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
     rr = ro[:, None]  # [RL, 1]
     rr3 = rr[:, :, None]
     for r0 in range(0, nb, 8 * S):
-        rb = r0 + 8 * s  # [1, 4S]: the first block of each thread's run
-        rb3 = rb[:, :, None]
         for k in tl.static_range(8):
-            b = rb + k
-            b3 = b[:, :, None]
-            m = b < nb  # [1, 4S]
-            m3 = m[:, :, None] & (i >= 0)
+            rb3, b, b3, m, m3 = _run_block(r0, s, k, nb)
             # block k's 16-aligned window (+ 2k)
             ob = tl.multiple_of(rr3 + rb3 * 210 + 208 * k, [16, 16, 16])
             qa = _piece(wp, ob + 64 * h3 + 16 * q3, k, m3)
@@ -536,14 +543,9 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr):
     rr = ro[:, None]  # [RL, 1]
     rr3 = rr[:, :, None]
     for r0 in range(0, nb, 8 * S):
-        rb = r0 + 8 * s  # [1, 4S]: the first block of each thread's run
-        rb3 = rb[:, :, None]
         for k in tl.static_range(8):
             sh = (BS * k) % 16  # block k's bytes start sh past its window
-            b = rb + k
-            b3 = b[:, :, None]
-            m = b < nb  # [1, 4S]
-            m3 = m[:, :, None] & (i >= 0)
+            rb3, b, b3, m, m3 = _run_block(r0, s, k, nb)
             ob = tl.multiple_of(rr3 + rb3 * BS + (BS * k - sh), [16, 16, 16])
             qs = _bytes16(wp, ob + 16 * c3, sh + 2, m3)  # the quarter's grid indices
             bp = wp.to(tl.pointer_type(tl.int8)) + rr + b * BS  # the block's bytes
@@ -687,14 +689,21 @@ def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k:
     multiple of 2048 (so every row starts 16-byte aligned) and w 16-byte aligned; `rows` rows a
     program, each row's runs of 8 blocks dealt to `split` threads a part (rows * split * 4
     lanes, powers of two: rows 8 or rows 4 split 2 fill one warp)."""
-    y, _ = _spread_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_run", split, rows, warps)
-    if not run_fits(w, k):
-        raise ValueError(f"gemv_q6k_run: K a multiple of 2048 and rows starting 16-byte aligned, "
-                         f"got K = {k}, rows at {w.data_ptr() % 16} mod 16, {w.stride(0)} bytes "
-                         "apart")
+    y = _run_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_run", split, rows, warps)
     if n:
         _gemv_q6k_run_kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, n, k, w.stride(0), RL=rows,
                                                        S=split, num_warps=warps)
+    return y
+
+
+def _run_args(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
+              out: torch.Tensor | None, name: str, split: int, rows: int,
+              warps: int) -> torch.Tensor:
+    """A run form's checks (_spread_args', and run_fits) -> out or a new float32 [n]."""
+    y, _ = _spread_args(w, n, k, qtype, xq, out, name, split, rows, warps)
+    if not run_fits(w, k):
+        raise ValueError(f"{name}: K a multiple of 2048 and rows starting 16-byte aligned, got "
+                         f"K = {k}, rows at {w.data_ptr() % 16} mod 16, {w.stride(0)} bytes apart")
     return y
 
 
@@ -881,6 +890,13 @@ def iq_tables(qtype: QType, device: torch.device) -> tuple[torch.Tensor, torch.T
     return grid, smask
 
 
+def _iq_name(fn: str, qtype: QType) -> str:
+    """fn's name in its errors, "fn (TYPE)", for IQ2_XS or IQ3_XXS; any other type refused."""
+    if qtype not in (QType.IQ2_XS, QType.IQ3_XXS):
+        raise ValueError(f"{fn}: IQ2_XS or IQ3_XXS rows, got {QType(qtype).name}")
+    return f"{fn} ({QType(qtype).name})"
+
+
 def gemv_iq_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
                 qtype: QType, out: torch.Tensor | None = None, rows: int = 8, warps: int = 1,
                 split: int = 1) -> torch.Tensor:
@@ -888,14 +904,8 @@ def gemv_iq_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: 
     K a multiple of 2048 (every row 16-byte aligned) and w 16-byte aligned; `rows` rows a
     program, each row's runs of 8 blocks dealt to `split` threads a quarter (rows * split * 4
     lanes, powers of two)."""
-    if qtype not in (QType.IQ2_XS, QType.IQ3_XXS):
-        raise ValueError(f"gemv_iq_run: IQ2_XS or IQ3_XXS rows, got {QType(qtype).name}")
-    y, _ = _spread_args(w, n, k, QType(qtype), xq, out, f"gemv_iq_run ({QType(qtype).name})",
-                        split, rows, warps)
-    if not run_fits(w, k):
-        raise ValueError(f"gemv_iq_run: K a multiple of 2048 and rows starting 16-byte aligned, "
-                         f"got K = {k}, rows at {w.data_ptr() % 16} mod 16, {w.stride(0)} bytes "
-                         "apart")
+    name = _iq_name("gemv_iq_run", qtype)
+    y = _run_args(w, n, k, QType(qtype), xq, out, name, split, rows, warps)
     t0, t1 = iq_tables(QType(qtype), w.device)
     if n:
         _gemv_iq_run_kernel[(triton.cdiv(n, rows),)](
@@ -910,10 +920,8 @@ def gemv_iq_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, 
     """y [N] f32 = W x̂ for IQ2_XS or IQ3_XXS rows w (4-byte aligned) and quantize_x's x̂ (xq,
     dx): `rows` rows a program (a power of two), its threads spread over bb blocks (a power of
     two) x 4 quarters; warps by default bb * 4 / 32 (at least 1)."""
-    if qtype not in (QType.IQ2_XS, QType.IQ3_XXS):
-        raise ValueError(f"gemv_iq_spread: IQ2_XS or IQ3_XXS rows, got {QType(qtype).name}")
-    y, warps = _spread_args(w, n, k, QType(qtype), xq, out,
-                            f"gemv_iq_spread ({QType(qtype).name})", bb, rows, warps)
+    y, warps = _spread_args(w, n, k, QType(qtype), xq, out, _iq_name("gemv_iq_spread", qtype),
+                            bb, rows, warps)
     grid, smask = iq_tables(QType(qtype), w.device)
     if n:
         _gemv_iq_spread_kernel[(triton.cdiv(n, rows),)](
