@@ -72,15 +72,22 @@ def time_moe(layer: dict, tune: dict) -> float:
         moe_mod.DECODE_TUNE = {}
 
 
+def weight_copies(q: QType, n: int, k: int, rng: np.random.Generator,
+                  dev: torch.device) -> list:
+    """Copies of one random [n, k] matrix of q to rotate through (256 MiB or CALLS of them, at
+    least 2), so L2 never holds the next call's weights."""
+    one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
+    count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
+    return [one] + [one.clone() for _ in range(count - 1)]
+
+
 def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Generator,
               dev: torch.device, copies: list | None = None, rows: bool = False,
               xdtype: torch.dtype = torch.float32) -> tuple[float, list]:
     """tile: the shared skeleton's (BN, BK, stages, warps), None: its default; with rows, the
     rows kernel's (R, BK, stages, warps)."""
     if copies is None:
-        one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
-        count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
-        copies = [one] + [one.clone() for _ in range(count - 1)]
+        copies = weight_copies(q, n, k, rng, dev)
     x = torch.randn(1, k, device=dev).to(xdtype)
     out = torch.empty(1, n, device=dev)
     key = (int(q), n, k)
@@ -152,6 +159,9 @@ def main() -> None:
                     "of the type TEXT names (e.g. Q6_K; several: comma-separated; moe among "
                     "them: the MoE layer too), no MoE layer")
     ap.add_argument("--moe-only", action="store_true", help="the MoE layer only, no GEMVs")
+    ap.add_argument("--q8-only", action="store_true",
+                    help="of the GEMVs only the int8-activation ones (gemv_q8.py), not the "
+                    "float32-activation tiles")
     ap.add_argument("--layer", default="30b", choices=sorted(LAYERS),
                     help="the MoE layer's expert shape: Qwen3-30B-A3B's or Qwen3-235B-A22B's")
     a = ap.parse_args()
@@ -233,8 +243,9 @@ def main() -> None:
             a.gemv_only is None or any(g in s[3] or g == s[0].name
                                        for g in a.gemv_only.split(",")))]:
         nbytes = n * row_nbytes(q, k)
-        copies = None
-        for tile, rows, xdtype in [r for r in runs if r[0] is None or r[0][1] <= k]:
+        copies = weight_copies(q, n, k, rng, dev) if a.q8_only else None
+        for tile, rows, xdtype in [r for r in runs if (r[0] is None or r[0][1] <= k)
+                                   and not a.q8_only]:
             key = (f"{q.name} {n}x{k} {'rows ' if rows else ''}{tile or 'default'}"
                    f"{' x bf16' if xdtype == torch.bfloat16 else ''}")
             try:
