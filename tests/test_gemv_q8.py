@@ -280,8 +280,13 @@ def test_round8_is_quantize_x() -> None:
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((3, 256)).astype(np.float32))
     x[1, 32:64] = 0.0
     x[2, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -3.5])  # (dx = 1)
+    # 127 / amax rounded to nearest puts this value at -50.5 exactly (to -50); torch's
+    # 127 / tensor, a reciprocal times 127, at -50.500004 (to -51)
+    x[2, 32:64] = 0.0
+    x[2, 32:34] = torch.tensor([1.9832807779312134, -0.7886273860931396])
     xq, dx, _ = quantize_x(x)
     assert xq[2, :8].tolist() == [127, 0, 2, 2, 0, -2, 126, -4], xq[2, :8]
+    assert xq[2, 33] == -50, xq[2, 32:34]
     assert torch.equal((xq.float().view(3, 8, 32) * dx[..., None]).view(3, 256), round8(x))
     print("ok")
     """, fresh_seed(), timeout=120)

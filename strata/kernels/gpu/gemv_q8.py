@@ -68,8 +68,10 @@ def _quantize_kernel(x, xq, dx, xs4, NB, G: tl.constexpr):
     v = tl.load(x + blk * 32 + tl.arange(0, 32)[None, :], mask=blk < NB,
                 other=0.0).to(tl.float32)  # [G, 32]
     amax = tl.max(tl.abs(v), axis=1)  # [G]
-    d = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    # (divisions rounded to nearest, as reference.round8's: CUDA's default is approximate, and
+    # a quotient an ulp off moves a value at a half to the other side)
+    d = tl.math.div_rn(amax, amax * 0 + 127.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(amax * 0 + 127.0, amax), 0.0)
     t = v * inv[:, None]
     if ASM:
         q = tl.extra.cuda.libdevice.rint(t)  # (round half to even)

@@ -45,5 +45,6 @@ def round8(x: torch.Tensor) -> torch.Tensor:
     q8 activations: d = max|x| / 127, x̂ = d · round(x / d) (halves to even)."""
     v = x.float().reshape(*x.shape[:-1], -1, 32)
     amax = v.abs().amax(-1, keepdim=True)
-    q = torch.round(v * torch.where(amax > 0, 127 / amax, 0))
+    # (127 / amax would be torch's reciprocal times 127, an ulp off the quotient at times)
+    q = torch.round(v * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0))
     return (q * (amax / 127)).reshape(x.shape)
