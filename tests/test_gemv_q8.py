@@ -99,6 +99,7 @@ _INTERPRETED = f"""
             check(rng, n, k, "cpu", split, qtype + " run", rows=r)
     # gemv_x8: quantize_x, then the type's GEMV with its tuned tile
     import torch
+    torch.manual_seed(seed)  # (x too comes from the printed seed)
     from strata.kernels.gpu.gemv_q8 import gemv_x8
     from strata.kernels.gpu.reference import matmul_ref, round8
     from strata.quant import QType, random_rows
@@ -339,6 +340,7 @@ def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
     d x f in each of packs (the source of a tuple of qtype triples), moe.DECODE_TUNE = tune."""
     return f"""
     import torch
+    torch.manual_seed(seed)  # (x too comes from the printed seed)
     from strata.experts.layout import ExpertLayout
     from strata.kernels.gpu import gather_misses, moe_forward
     from strata.kernels.gpu import moe as moe_mod
