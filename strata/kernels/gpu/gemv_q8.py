@@ -4,8 +4,9 @@ the one-token GEMVs
 and the decode MoE kernels of `--kernels fused` (moe_forward(..., x8=True), QuantTensor.x8).
 
     quantize_x(x)       x [..., K] -> (xq int8 [..., K], dx [..., K/32], xs4 [..., K/64, 4]):
-                        per 32 values dx = max|x| / 127, xq = round(x / dx); xs4 the (dx, sx)
-                        of two blocks side by side, sx = dx Σ xq
+                        per 32 values dx = max|x| / 127, xq = round(x (127 / max|x|)), the
+                        divisions rounded to nearest; xs4 the (dx, sx) of two blocks side by
+                        side, sx = dx Σ xq
     spread_dot          Q4_K rows · x̂: a row's blocks spread across the threads, R rows a
                         thread sharing x's words (docs/kernels.md: 63% of HBM copy)
     q6k_spread_dot      the same for Q6_K rows (words of 210-byte blocks, 2-byte aligned)
@@ -62,8 +63,9 @@ def _dp4a(a, b, c, SIGNED_A: tl.constexpr = False):
 
 @triton.jit
 def _quantize_kernel(x, xq, dx, xs4, NB, G: tl.constexpr):
-    # G blocks of 32 per program: dx = amax / 127, xq = round(x / dx); xs4 holds (dx, dx, sx,
-    # sx) of blocks 2g and 2g + 1 side by side, sx = dx Σ xq (the spread kernels' one load)
+    # G blocks of 32 per program: dx = amax / 127, xq = round(x (127 / amax)); xs4 holds (dx,
+    # dx, sx, sx) of blocks 2g and 2g + 1 side by side, sx = dx Σ xq (the spread kernels' one
+    # load)
     blk = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # [G, 1]
     v = tl.load(x + blk * 32 + tl.arange(0, 32)[None, :], mask=blk < NB,
                 other=0.0).to(tl.float32)  # [G, 32]

@@ -42,7 +42,8 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 def round8(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 (K a multiple of 32) rounded to 8 bits per 32 values, as ggml's
-    q8 activations: d = max|x| / 127, x̂ = d · round(x / d) (halves to even)."""
+    q8 activations: d = max|x| / 127, x̂ = d · round(x (127 / max|x|)) (halves to even; both
+    quotients rounded to nearest, as quantize_x's)."""
     v = x.float().reshape(*x.shape[:-1], -1, 32)
     amax = v.abs().amax(-1, keepdim=True)
     # (127 / amax would be torch's reciprocal times 127, an ulp off the quotient at times)
