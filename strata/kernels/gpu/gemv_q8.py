@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import ASM, f16_bits, i2f
-from strata.kernels.gpu.moe import _computed, _record_part
+from strata.kernels.gpu.moe import _computed, _record_part, _words_aligned
 from strata.kernels.gpu.tiles_kquants import _scale_min
 from strata.quant import QType, grids, row_nbytes
 from strata.quant.base import device_table
@@ -714,7 +714,7 @@ def _run_args(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
 def run_fits(w: torch.Tensor, k: int) -> bool:
     """Whether rows w of k values (Q6_K, IQ2_XS or IQ3_XXS) can take the run forms
     (gemv_q6k_run, gemv_iq_run): K a multiple of 2048 and rows starting 16-byte aligned."""
-    return k % 2048 == 0 and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
+    return k % 2048 == 0 and _words_aligned(w, align=16)
 
 
 # ---- the decode MoE kernels in this form (moe_forward(..., x8=True)) ----

@@ -456,7 +456,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         xq, dx, _ = quantize_x(x.contiguous())
         t0, t1 = iq_tables(fg.qtype, x.device)
         run = (DECODE_TUNE.get("gate_up_iq_run") if d % 2048 == 0
-               and _aligned16(gate, up, mg, mu) else None)
+               and _words_aligned(gate, up, mg, mu, align=16) else None)
         r, bb, warps = run or DECODE_TUNE.get("gate_up_iq") or GATE_UP_IQ_TILE
         _gate_up_iq_kernel[(triton.cdiv(f, r), p)](
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
@@ -534,19 +534,12 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     return None
 
 
-def _words_aligned(*parts: torch.Tensor, rows: bool = True) -> bool:
-    """Whether every row (rows False: every record) of these uint8 slot views starts 4-byte
-    aligned (gemv_q8.py reads Q4_K rows as int32 words; a part after a Q6_K part of an odd
-    number of blocks would not)."""
-    return all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1 if rows else 1])
-               for t in parts)
-
-
-def _aligned16(*parts: torch.Tensor) -> bool:
-    """Whether every row of these uint8 slot views [n, rows, row_nbytes] starts 16-byte aligned
-    (the run forms read aligned 16-byte words)."""
-    return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:-1])
-               for t in parts)
+def _words_aligned(*parts: torch.Tensor, rows: bool = True, align: int = 4) -> bool:
+    """Whether every row (rows False: every record) of these uint8 views starts align-byte
+    aligned (gemv_q8.py reads Q4_K rows as int32 words, a part after a Q6_K part of an odd
+    number of blocks would not be; its run forms read aligned 16-byte words)."""
+    return all(t.data_ptr() % align == 0
+               and all(st % align == 0 for st in t.stride()[:-1 if rows else 1]) for t in parts)
 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
