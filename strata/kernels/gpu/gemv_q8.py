@@ -99,10 +99,17 @@ def _pick(t, W: tl.constexpr):
 
 
 @triton.jit
+def _row_offsets(n, N, row_bytes):
+    """Byte offsets [R] (int64) of rows n ([R], clamped to N - 1: a program's rows past the
+    last read the last row, their results masked at the store)."""
+    return tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+
+
+@triton.jit
 def spread_rows(base, n, N, row_bytes):
     """int32 pointers [1, 1, 1, R, 1] to rows n ([R], clamped to N - 1) from byte pointer base."""
-    r = tl.minimum(n, N - 1).to(tl.int64)[None, None, None, :, None]
-    return (base + r * row_bytes).to(tl.pointer_type(tl.int32))
+    r = _row_offsets(n, N, row_bytes)[None, None, None, :, None]
+    return (base + r).to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
@@ -253,7 +260,7 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
 def _gemv_q6k_spread_kernel(xq, dx, w, y, N, K, row_bytes, R: tl.constexpr, BB: tl.constexpr):
     # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of Q6_K (q6k_spread_dot)
     n = tl.program_id(0) * R + tl.arange(0, R)
-    ro = (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, None, :, None]
+    ro = _row_offsets(n, N, row_bytes)[None, None, None, :, None]
     s = q6k_spread_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
                        K // 256, BB)
     tl.store(y + n, s, mask=n < N)
@@ -365,7 +372,7 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
 def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr):
     # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of Q6_K (q6k_run_dot)
     n = tl.program_id(0) * RL + tl.arange(0, RL)
-    ro = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+    ro = _row_offsets(n, N, row_bytes)
     s = q6k_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
                     K // 256, S)
     tl.store(y + n, s, mask=n < N)
@@ -596,7 +603,7 @@ def _gemv_iq_run_kernel(xq, dx, w, y, t0, t1, N, K, row_bytes, IQ3: tl.constexpr
                         RL: tl.constexpr, S: tl.constexpr):
     # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of IQ2_XS or, IQ3, IQ3_XXS (iq_run_dot)
     n = tl.program_id(0) * RL + tl.arange(0, RL)
-    ro = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+    ro = _row_offsets(n, N, row_bytes)
     s = iq_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
                    t0, t1, K // 256, IQ3, S)
     tl.store(y + n, s, mask=n < N)
@@ -605,7 +612,7 @@ def _gemv_iq_run_kernel(xq, dx, w, y, t0, t1, N, K, row_bytes, IQ3: tl.constexpr
 @triton.jit
 def _iq_rows(n, N, row_bytes):
     """Byte offsets [1, 1, R, 1, 1] (int64) of rows n ([R], clamped to N - 1)."""
-    return (tl.minimum(n, N - 1).to(tl.int64) * row_bytes)[None, None, :, None, None]
+    return _row_offsets(n, N, row_bytes)[None, None, :, None, None]
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -775,7 +782,7 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
     total = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
-        ro = (tl.minimum(n, D - 1).to(tl.int64) * row_bytes)[None, None, None, :, None]
+        ro = _row_offsets(n, D, row_bytes)[None, None, None, :, None]
         total = q6k_spread_dot(base.to(tl.pointer_type(tl.int32)), ro,
                                (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                                hdx + p.to(tl.int64) * (F // 32), F // 256, BB)
@@ -798,7 +805,7 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
         gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
         ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
         if RUN:
-            ro = tl.minimum(n, F - 1).to(tl.int64) * row_bytes
+            ro = _row_offsets(n, F, row_bytes)
             g = iq_run_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
                            t1, D // 256, IQ3, BB)
             u = iq_run_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
