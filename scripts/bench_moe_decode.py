@@ -10,7 +10,11 @@ sharing x's words), by tile, also with --gemv-only; and the MoE layer with activ
 to 8 bits (moe_forward x8), for Q4_K gate/up with a Q4_K or Q6_K down and for i-quant layers.
 
     python scripts/bench_moe_decode.py [--json F] [--layer 30b|235b] [--gemv-only TEXT]
-        [--moe-only]
+        [--moe-only] [--q8-only] [--warm N]
+
+--warm N first builds every kernel the run will time in N processes at once (each one takes
+every N-th case, through Triton's cache on disk), then times them all in this one: the
+i-quant run forms take 10-100 s each to build, one after another otherwise.
 
 --layer 235b times the MoE layers at Qwen3-235B-A22B's expert shape (D 4096, F 1536) instead of
 30B-A3B's (D 2048, F 768); both route 8 of 128 experts.
@@ -151,6 +155,25 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
     return graph_seconds(call, CALLS)
 
 
+def warm(n: int) -> None:
+    """Run this script's cases in n processes at once, each every n-th, so that Triton's cache
+    on disk holds every kernel before the timed pass (their output dropped but for failures)."""
+    import subprocess
+
+    args = sys.argv[1:]
+    for flag in ("--warm", "--json"):  # (as "--flag value")
+        if flag in args:
+            i = args.index(flag)
+            del args[i:i + 2]
+    procs = [subprocess.Popen([sys.executable, __file__, *args, "--shard", f"{i}/{n}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(n)]
+    for p in procs:
+        out, _ = p.communicate()
+        bad = [line for line in out.splitlines() if "failed" in line or "Error" in line]
+        print("\n".join(bad[-5:]) or f"warm process {procs.index(p)}: built", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -162,9 +185,23 @@ def main() -> None:
     ap.add_argument("--q8-only", action="store_true",
                     help="of the GEMVs only the int8-activation ones (gemv_q8.py), not the "
                     "float32-activation tiles")
+    ap.add_argument("--packs", default=None, metavar="TEXT",
+                    help="only the MoE layers whose pack name contains TEXT (comma-separated: "
+                    "any of them; e.g. IQ: the i-quant packs)")
+    ap.add_argument("--warm", type=int, default=0, metavar="N",
+                    help="build the kernels first in N processes at once (their timings "
+                    "dropped), then time every case here")
+    ap.add_argument("--shard", default=None, metavar="I/N", help=argparse.SUPPRESS)
     ap.add_argument("--layer", default="30b", choices=sorted(LAYERS),
                     help="the MoE layer's expert shape: Qwen3-30B-A3B's or Qwen3-235B-A22B's")
     a = ap.parse_args()
+    if a.warm > 1:
+        warm(a.warm)
+    shard, shards = map(int, a.shard.split("/")) if a.shard else (0, 1)
+    cases = iter(range(1 << 30))
+
+    def mine() -> bool:  # the next case is this process's to time (all of them but in --warm)
+        return next(cases) % shards == shard
     global D, F  # noqa: PLW0603 (the layer helpers read the shape from here)
     D, F = LAYERS[a.layer]
     dev = torch.device("cuda")
@@ -211,9 +248,13 @@ def main() -> None:
     for qgu, qdown, tunes in packs if moe else ():
         # (a Q4_K gate/up layer keeps the key earlier runs recorded: its down's type)
         pack = qdown.name if qgu == QType.Q4_K else f"{qgu.name}/{qdown.name}"
+        if a.packs and not any(t in f"{qgu.name}/{qdown.name}" for t in a.packs.split(",")):
+            continue
         layer = moe_layer(qdown, rng, dev, qgu)
         nbytes = K * layer["lay"].nbytes
         for name, tune in tunes.items():
+            if not mine():
+                continue
             try:
                 t = time_moe(layer, tune)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
@@ -248,6 +289,8 @@ def main() -> None:
                                    and not a.q8_only]:
             key = (f"{q.name} {n}x{k} {'rows ' if rows else ''}{tile or 'default'}"
                    f"{' x bf16' if xdtype == torch.bfloat16 else ''}")
+            if not mine():
+                continue
             try:
                 t, copies = time_gemv(q, n, k, tile, rng, dev, copies, rows, xdtype)
             except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
@@ -273,6 +316,8 @@ def main() -> None:
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
             for name, tile, qx in q8:
                 key = f"{q.name} {n}x{k} {name}"
+                if not mine():
+                    continue
                 try:
                     t = time_gemv_q8(q, n, k, copies, tile, dev, qx)
                 except Exception as e:  # noqa: BLE001 (a variant that does not compile)
@@ -283,7 +328,8 @@ def main() -> None:
                       f"({100 * nbytes / t / 1e9 / res['hbm_copy_GBs']:.0f}% of HBM copy)"
                       + (", x rounded to 8 bits inside the time" if qx else ""))
         save()
-        if n * k * 4 <= (1 << 30):  # float32 cuBLAS on the same shape (the dense f32 route)
+        # float32 cuBLAS on the same shape (the dense f32 route)
+        if n * k * 4 <= (1 << 30) and mine():
             wf = [torch.randn(n, k, device=dev) for _ in range(max(2, (256 << 20) // (n * k * 4)
                                                                    + 1))]
             x = torch.randn(1, k, device=dev)

@@ -21,7 +21,11 @@
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check (the
 # logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
 # kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
-# Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit).
+# Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit); with
+# TCACHE=1 also $OUT/tcache.tgz, Triton's kernel cache, which a later run reads from
+# .tcache/tcache.tgz when that is carried (the i-quant run forms take 10-100 s each to build).
+# PYTEST_N=N runs the tests in N processes (pytest-xdist); WARM=N builds the kernels stage's
+# kernels in N processes first (bench_moe_decode.py --warm).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
 set -uo pipefail
@@ -31,8 +35,12 @@ STAGES=${STAGES:-"tests profile decode prompt check"}
 BUDGETS=${BUDGETS:-"2,10,40"}
 mkdir -p "$OUT"
 # everything but machine.txt goes back in one archive (a run returns a few files at most)
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p $TRITON_CACHE_DIR
+[[ -f .tcache/tcache.tgz ]] && tar xzf .tcache/tcache.tgz -C $TRITON_CACHE_DIR
 pack() { (cd "$OUT" && ls | grep -vx -e machine.txt -e results.tgz >/tmp/packed \
-  && tar czf results.tgz -T /tmp/packed && xargs rm -f </tmp/packed); }
+  && tar czf results.tgz -T /tmp/packed && xargs rm -f </tmp/packed)
+  [[ -n ${TCACHE:-} ]] && tar czf "$OUT/tcache.tgz" -C $TRITON_CACHE_DIR .; }
 trap pack EXIT
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
@@ -64,7 +72,7 @@ if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *pro
 fi
 if [[ $STAGES == *tests* ]]; then
   echo "== CUDA tests: decode step, decode ops, MoE kernels, grouped prompt MoE, ring, offload, prompt"
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -m cuda ${TESTS:-tests/test_decode_ops.py \
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m cuda ${PYTEST_N:+-n $PYTEST_N} ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
@@ -84,7 +92,7 @@ bench() {  # name, then strata bench arguments
 if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
   timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" \
-    ${KERNEL_ARGS:-} 2>&1 | tail -120
+    ${WARM:+--warm $WARM} ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.txt" | tail -120
 fi
 if [[ $STAGES == *ncu* ]]; then  # hardware counters of the one-token GEMVs (where ncu can read them)
   echo "== Nsight Compute: the one-token GEMVs, 14336 x 4096 Q4_K and Q6_K, FMA and dp4a"
