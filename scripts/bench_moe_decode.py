@@ -238,9 +238,9 @@ def main() -> None:
     for dq in [(2, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 8, 1)]:
         iq_variants[f"x8, down_iq {dq}"] = {"x8": True, "down_iq": dq}
     # the gate/up in the run form (iq_run_dot; d_model a multiple of 2048), (rows, split, warps):
-    # one tile, a run a thread (each takes 50-100 s to build)
-    gr = (8, 1, 1) if D // 2048 == 1 else (4, 2, 1)
-    iq_variants[f"x8, gate_up_iq_run {gr}"] = {"x8": True, "gate_up_iq_run": gr}
+    # (each takes 50-100 s to build)
+    for gr in ((8, 1, 1), (4, 1, 1)) if D // 2048 == 1 else ((4, 2, 1),):
+        iq_variants[f"x8, gate_up_iq_run {gr}"] = {"x8": True, "gate_up_iq_run": gr}
     packs = [(QType.Q4_K, QType.Q6_K, variants), (QType.Q4_K, QType.Q4_K, variants),
              (QType.IQ2_XS, QType.IQ3_XXS, iq_variants),
              (QType.IQ3_XXS, QType.IQ3_XXS, iq_variants)]

@@ -108,23 +108,28 @@ _INTERPRETED = f"""
         x = torch.randn(1, 512)
         ref = matmul_ref(round8(x), w, q)
         assert float((gemv_x8(x, w, q) - ref).norm() / ref.norm()) < 2e-5, q
-    # Q6_K rows of K 2048 and 4096 in the run form (GEMV_X8_RUN: split 1, then 2), rows 4 bytes
+    # rows of K 2048 and 4096 in the run forms (GEMV_X8_RUN: split 1, then 2), rows 4 bytes
     # off 16 in the spread form
     from strata.kernels.gpu import gemv_q8
     taken = []
-    run = gemv_q8.gemv_q6k_run
-    gemv_q8.gemv_q6k_run = lambda *a, **kw: taken.append(kw["split"]) or run(*a, **kw)
-    for k, shift, split in ((2048, 0, 1), (4096, 0, 2), (2048, 4, None)):
-        rows = torch.from_numpy(random_rows(QType.Q6_K, 9, k, rng, 0.05))
+    q6k_run, iq_run = gemv_q8.gemv_q6k_run, gemv_q8.gemv_iq_run
+    gemv_q8.gemv_q6k_run = lambda *a, **kw: taken.append(("Q6_K", kw["split"])) or q6k_run(
+        *a, **kw)
+    gemv_q8.gemv_iq_run = lambda *a, **kw: taken.append((a[5].name, kw["split"])) or iq_run(
+        *a, **kw)
+    for q, k, shift, split in ((QType.Q6_K, 2048, 0, 1), (QType.Q6_K, 4096, 0, 2),
+                               (QType.Q6_K, 2048, 4, None), (QType.IQ2_XS, 2048, 0, 1),
+                               (QType.IQ3_XXS, 4096, 0, 2), (QType.IQ2_XS, 2048, 4, None)):
+        rows = torch.from_numpy(random_rows(q, 9, k, rng, 0.05))
         buf = torch.empty(rows.numel() + 16, dtype=torch.uint8)
         at = (-buf.data_ptr()) % 16 + shift
         w = buf[at:at + rows.numel()].view(rows.shape)
         w.copy_(rows)
         x = torch.randn(1, k)
-        ref = matmul_ref(round8(x), w, QType.Q6_K)
+        ref = matmul_ref(round8(x), w, q)
         taken.clear()
-        assert float((gemv_x8(x, w, QType.Q6_K) - ref).norm() / ref.norm()) < 2e-5, k
-        assert taken == ([split] if split else []), (k, shift, taken)
+        assert float((gemv_x8(x, w, q) - ref).norm() / ref.norm()) < 2e-5, (q, k)
+        assert taken == ([(q.name, split)] if split else []), (q, k, shift, taken)
     print("ok")
 """
 

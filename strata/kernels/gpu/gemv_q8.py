@@ -298,19 +298,25 @@ def _piece(wp, ob, k: tl.constexpr, m):
 
 
 @triton.jit
-def _run_block(r0, s, k: tl.constexpr, nb):
+def _run_block(r0, s, k: tl.constexpr, nb, EVEN: tl.constexpr):
     """(rb3, b, b3, m, m3) of block k of each thread's run, run s ([1, P]) of those from block
     r0 on: the run's first block [1, P, 1], the block, as [1, P, 1], whether it is in the row,
-    as [1, P, 4]."""
+    as [1, P, 4]; EVEN (nb a multiple of 8 S: every run in the row): masks true when built, so
+    the loads are unmasked."""
     i = tl.arange(0, 4)[None, None, :]
     rb = r0 + 8 * s
     b = rb + k
-    m = b < nb
-    return rb[:, :, None], b, b[:, :, None], m, m[:, :, None] & (i >= 0)
+    if EVEN:
+        m = tl.full(b.shape, True, tl.int1)
+        m3 = tl.full((b.shape[0], b.shape[1], 4), True, tl.int1)
+    else:
+        m = b < nb
+        m3 = m[:, :, None] & (i >= 0)
+    return rb[:, :, None], b, b[:, :, None], m, m3
 
 
 @triton.jit
-def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
+def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr, EVEN: tl.constexpr = False):
     """Σ_k x̂[k] W[r, k] [RL] for Q6_K rows at byte offsets ro ([RL], int64, 16-aligned) from wp
     (int32 words, 16-aligned) of nb blocks (a multiple of 8), x̂ as for q6k_spread_dot.
 
@@ -340,7 +346,7 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
     rr3 = rr[:, :, None]
     for r0 in range(0, nb, 8 * S):
         for k in tl.static_range(8):
-            rb3, b, b3, m, m3 = _run_block(r0, s, k, nb)
+            rb3, b, b3, m, m3 = _run_block(r0, s, k, nb, EVEN)
             # block k's 16-aligned window (+ 2k)
             ob = tl.multiple_of(rr3 + rb3 * 210 + 208 * k, [16, 16, 16])
             qa = _piece(wp, ob + 64 * h3 + 16 * q3, k, m3)
@@ -369,12 +375,13 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr):
+def _gemv_q6k_run_kernel(xq, dx, w, y, N, K, row_bytes, RL: tl.constexpr, S: tl.constexpr,
+                         EVEN: tl.constexpr = False):
     # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of Q6_K (q6k_run_dot)
     n = tl.program_id(0) * RL + tl.arange(0, RL)
     ro = _row_offsets(n, N, row_bytes)
     s = q6k_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
-                    K // 256, S)
+                    K // 256, S, EVEN)
     tl.store(y + n, s, mask=n < N)
 
 
@@ -528,7 +535,8 @@ def _run_x(xw, b3, c3, rr3, t: tl.constexpr, m3):
 
 
 @triton.jit
-def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr):
+def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr,
+               EVEN: tl.constexpr = False):
     """Σ_k x̂[k] W[r, k] [RL] for IQ2_XS (IQ3: IQ3_XXS) rows at byte offsets ro ([RL], int64,
     16-aligned) from wp (int32 words, 16-aligned) of nb blocks (a multiple of 8); t0, t1 the
     type's iq_tables, x̂ as for iq2xs_spread_dot.
@@ -556,7 +564,7 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr):
     for r0 in range(0, nb, 8 * S):
         for k in tl.static_range(8):
             sh = (BS * k) % 16  # block k's bytes start sh past its window
-            rb3, b, b3, m, m3 = _run_block(r0, s, k, nb)
+            rb3, b, b3, m, m3 = _run_block(r0, s, k, nb, EVEN)
             ob = tl.multiple_of(rr3 + rb3 * BS + (BS * k - sh), [16, 16, 16])
             qs = _bytes16(wp, ob + 16 * c3, sh + 2, m3)  # the quarter's grid indices
             bp = wp.to(tl.pointer_type(tl.int8)) + rr + b * BS  # the block's bytes
@@ -572,6 +580,8 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr):
             for t in tl.static_range(4):  # groups 2t, 2t + 1: x's words 4t .. 4t + 3
                 xt = _run_x(xw, b3, c3, rr3, t, m3)
                 qw = _col(qs, t)
+                if t % 2 == 0 or not IQ3:  # the int32 sum of the groups sharing a scale
+                    dot = zero
                 for u in tl.static_range(2):
                     j = 2 * t + u  # the quarter's group
                     if IQ3:
@@ -587,25 +597,27 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr):
                         sel = tl.load(t0 + (e & 511)) | tl.load(t1 + (e >> 9))
                         g0 = _prmt(IQ2_POS + zero, IQ2_NEG, sel)
                         g1 = _prmt(IQ2_POS + zero, IQ2_NEG, sel >> 16)
-                    dot = _dp4a(g1, _col(xt, 2 * u + 1),
-                                _dp4a(g0, _col(xt, 2 * u), zero, True), True)
-                    dxj = dx0 if j < 4 else dx1
-                    if IQ3:
+                    dot = _dp4a(g1, _col(xt, 2 * u + 1), _dp4a(g0, _col(xt, 2 * u), dot, True),
+                                True)
+                dxj = dx0 if t < 2 else dx1
+                if IQ3:  # groups 4 (t // 2) .. + 3 share aux's scale (bits 28-31)
+                    if t % 2 == 1:
                         db = d * (i2f((aux >> 28) & 15, 0.0) + 0.5) * 0.5
-                    else:
-                        db = d * (i2f((sc16 >> (4 * (j // 2))) & 15, 0.0) + 0.5) * 0.25
+                        acc += (db * dxj) * _i2f_signed(dot)
+                else:  # groups 2t, 2t + 1 share scale nibble t
+                    db = d * (i2f((sc16 >> (4 * t)) & 15, 0.0) + 0.5) * 0.25
                     acc += (db * dxj) * _i2f_signed(dot)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
 def _gemv_iq_run_kernel(xq, dx, w, y, t0, t1, N, K, row_bytes, IQ3: tl.constexpr,
-                        RL: tl.constexpr, S: tl.constexpr):
+                        RL: tl.constexpr, S: tl.constexpr, EVEN: tl.constexpr = False):
     # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of IQ2_XS or, IQ3, IQ3_XXS (iq_run_dot)
     n = tl.program_id(0) * RL + tl.arange(0, RL)
     ro = _row_offsets(n, N, row_bytes)
     s = iq_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
-                   t0, t1, K // 256, IQ3, S)
+                   t0, t1, K // 256, IQ3, S, EVEN)
     tl.store(y + n, s, mask=n < N)
 
 
@@ -703,7 +715,8 @@ def gemv_q6k_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k:
     y = _run_args(w, n, k, QType.Q6_K, xq, out, "gemv_q6k_run", split, rows, warps)
     if n:
         _gemv_q6k_run_kernel[(triton.cdiv(n, rows),)](xq, dx, w, y, n, k, w.stride(0), RL=rows,
-                                                       S=split, num_warps=warps)
+                                                       S=split, EVEN=k % (2048 * split) == 0,
+                                                       num_warps=warps)
     return y
 
 
@@ -793,10 +806,11 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
 def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D, F, stride_gs,
                        stride_us, stride_ms, row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr,
                        R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
-                       HOST_FROM: tl.constexpr, RUN: tl.constexpr = False):
+                       HOST_FROM: tl.constexpr, RUN: tl.constexpr = False,
+                       EVEN: tl.constexpr = False):
     # as _gate_up_q8_kernel, for IQ2_XS or (IQ3) IQ3_XXS gate and up: R rows of each a program
     # (iq_spread_dot, once for each; RUN: iq_run_dot with BB its split, rows and records
-    # 16-byte aligned and D a multiple of 2048)
+    # 16-byte aligned and D a multiple of 2048; EVEN: of 2048 BB)
     p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
@@ -807,9 +821,9 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
         if RUN:
             ro = _row_offsets(n, F, row_bytes)
             g = iq_run_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
-                           t1, D // 256, IQ3, BB)
+                           t1, D // 256, IQ3, BB, EVEN)
             u = iq_run_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
-                           t1, D // 256, IQ3, BB)
+                           t1, D // 256, IQ3, BB, EVEN)
         else:
             ro = _iq_rows(n, F, row_bytes)
             g = iq_spread_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
@@ -849,7 +863,8 @@ GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [1, K] float32/bf16 @ W.T -> [1, N] float32 for Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows w
     (4-byte aligned), x rounded to 8 bits first (quantize_x) and the GEMV on dp4a,
-    GEMV_X8_TILE's tile; Q6_K rows in the run form where they fit it (GEMV_X8_RUN's tile)."""
+    GEMV_X8_TILE's tile; Q6_K, IQ2_XS and IQ3_XXS rows in the run forms where they fit them
+    (GEMV_X8_RUN's tile)."""
     q = QType(qtype)
     r, bb, warps = GEMV_X8_TILE[q]
     n, k = w.shape[0], x.shape[-1]
@@ -857,9 +872,12 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     out = torch.empty(1, n, dtype=torch.float32, device=x.device)
     if q == QType.Q4_K:
         gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
-    elif q == QType.Q6_K and run_fits(w, k):
+    elif run_fits(w, k):
         r, split, warps = next(t for runs, t in GEMV_X8_RUN if k // 2048 >= runs)
-        gemv_q6k_run(xq, dx, w, n, k, out=out[0], rows=r, warps=warps, split=split)
+        if q == QType.Q6_K:
+            gemv_q6k_run(xq, dx, w, n, k, out=out[0], rows=r, warps=warps, split=split)
+        else:
+            gemv_iq_run(xq, dx, w, n, k, q, out=out[0], rows=r, warps=warps, split=split)
     elif q == QType.Q6_K:
         gemv_q6k_spread(xq, dx, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
     else:
@@ -921,7 +939,7 @@ def gemv_iq_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: 
     if n:
         _gemv_iq_run_kernel[(triton.cdiv(n, rows),)](
             xq, dx, w, y, t0, t1, n, k, w.stride(0), IQ3=qtype == QType.IQ3_XXS, RL=rows,
-            S=split, num_warps=warps)
+            S=split, EVEN=k % (2048 * split) == 0, num_warps=warps)
     return y
 
 

@@ -462,7 +462,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], IQ3=fg.qtype == QType.IQ3_XXS,
             TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host, RUN=run is not None,
-            num_warps=warps)
+            EVEN=run is not None and d % (2048 * bb) == 0, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8)
     if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
