@@ -10,7 +10,7 @@ sharing x's words), by tile, also with --gemv-only; and the MoE layer with activ
 to 8 bits (moe_forward x8), for Q4_K gate/up with a Q4_K or Q6_K down and for i-quant layers.
 
     python scripts/bench_moe_decode.py [--json F] [--layer 30b|235b] [--gemv-only TEXT]
-        [--moe-only] [--q8-only] [--warm N]
+        [--moe-only] [--q8-only] [--packs TEXT] [--variants TEXT] [--repeat N] [--warm N]
 
 --warm N first builds every kernel the run will time in N processes at once (each one takes
 every N-th case, through Triton's cache on disk), then times them all in this one: the
@@ -188,6 +188,12 @@ def main() -> None:
     ap.add_argument("--packs", default=None, metavar="TEXT",
                     help="only the MoE layers whose pack name contains TEXT (comma-separated: "
                     "any of them; e.g. IQ: the i-quant packs)")
+    ap.add_argument("--variants", default=None, metavar="TEXT",
+                    help="only the MoE layer variants whose name contains TEXT ('|' between "
+                    "several: any of them; spaces ignored, e.g. 'default|down_iq(8,2,1)')")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="time the MoE layer variants in N rounds, each round all of them, and "
+                    "keep each one's median")
     ap.add_argument("--warm", type=int, default=0, metavar="N",
                     help="build the kernels first in N processes at once (their timings "
                     "dropped), then time every case here")
@@ -252,17 +258,30 @@ def main() -> None:
             continue
         layer = moe_layer(qdown, rng, dev, qgu)
         nbytes = K * layer["lay"].nbytes
-        for name, tune in tunes.items():
-            if not mine():
+        # (--repeat: the variants timed round after round, so a drift in the machine's state
+        # falls on all of them alike; the median of the rounds kept)
+        times: dict = {}
+        for _ in range(a.repeat):
+            for name, tune in tunes.items():
+                if (a.variants and not any(v.replace(" ", "") in name.replace(" ", "")
+                                           for v in a.variants.split("|"))
+                        or not mine() or times.get(name) is False):
+                    continue
+                try:
+                    times.setdefault(name, []).append(time_moe(layer, tune))
+                except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
+                    print(f"moe layer {pack} {name}: failed ({type(e).__name__}: "
+                          f"{str(e)[:120]})")
+                    times[name] = False
+        for name, ts in times.items():
+            if ts is False:
                 continue
-            try:
-                t = time_moe(layer, tune)
-            except Exception as e:  # noqa: BLE001 (a tile that does not compile: say so)
-                print(f"moe layer {pack} {name}: failed ({type(e).__name__}: {str(e)[:120]})")
-                continue
+            t = float(np.median(ts))
             res["moe"][f"{pack} {name}"] = t * 1e6
+            spread = (f" (median of {len(ts)} rounds, {min(ts) * 1e6:.1f}-{max(ts) * 1e6:.1f})"
+                      if len(ts) > 1 else "")
             print(f"moe layer ({qgu.name} gate/up, {qdown.name} down) {name}: "
-                  f"{t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s")
+                  f"{t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s{spread}")
     save()
     shapes = [(QType.Q4_K, 4096, 2048, "q_proj"), (QType.Q4_K, 512, 2048, "k_proj"),
               (QType.Q6_K, 512, 2048, "v_proj"), (QType.Q4_K, 2048, 4096, "o_proj"),

@@ -22,8 +22,9 @@
 # logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
 # kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit); with
-# TCACHE=1 also $OUT/tcache.tgz, Triton's kernel cache, which a later run reads from
-# .tcache/tcache.tgz when that is carried (the i-quant run forms take 10-100 s each to build).
+# TCACHE=1 also $OUT/tcache.tgz, the kernels Triton built in this run (its cache entries), which a
+# later run reads when carried as .tcache/*.tgz (every one there; the i-quant run forms take
+# 10-100 s each to build; a file over 16 MiB does not come back).
 # PYTEST_N=N runs the tests in N processes (pytest-xdist); WARM=N builds the kernels stage's
 # kernels in N processes first (bench_moe_decode.py --warm).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
@@ -33,14 +34,16 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 STAGES=${STAGES:-"tests profile decode prompt check"}
 BUDGETS=${BUDGETS:-"2,10,40"}
-mkdir -p "$OUT"
-# everything but machine.txt goes back in one archive (a run returns a few files at most)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p $TRITON_CACHE_DIR
-[[ -f .tcache/tcache.tgz ]] && tar xzf .tcache/tcache.tgz -C $TRITON_CACHE_DIR
+for c in .tcache/*.tgz; do [[ -f $c ]] && tar xzf "$c" -C $TRITON_CACHE_DIR; done
+touch /tmp/tcache.mark  # (what is newer than this was built here)
+# everything but machine.txt goes back in one archive (a run returns a few files at most)
 pack() { (cd "$OUT" && ls | grep -vx -e machine.txt -e results.tgz >/tmp/packed \
   && tar czf results.tgz -T /tmp/packed && xargs rm -f </tmp/packed)
-  [[ -n ${TCACHE:-} ]] && tar czf "$OUT/tcache.tgz" -C $TRITON_CACHE_DIR .; }
+  [[ -n ${TCACHE:-} ]] && (cd $TRITON_CACHE_DIR && find . -mindepth 1 -maxdepth 1 -newer \
+    /tmp/tcache.mark | tar czf "$OUT/tcache.tgz" -T -); }
 trap pack EXIT
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
