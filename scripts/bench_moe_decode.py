@@ -241,7 +241,8 @@ def main() -> None:
     iq_variants = {"default tiles": {}, "x8, default tiles": {"x8": True}}
     for gq in [(2, 8, 1), (8, 8, 1), (4, 4, 1), (8, 4, 1), (2, 4, 1)]:
         iq_variants[f"x8, gate_up_iq {gq}"] = {"x8": True, "gate_up_iq": gq}
-    for dq in [(2, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 8, 1)]:
+    # (BB 1: every step's block in the row of 3 (30B-A3B's d_expert 768), so no masks)
+    for dq in [(2, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 8, 1), (8, 1, 1), (16, 1, 2)]:
         iq_variants[f"x8, down_iq {dq}"] = {"x8": True, "down_iq": dq}
     # the gate/up in the run form (iq_run_dot; d_model a multiple of 2048), (rows, split, warps):
     # (each takes 50-100 s to build)

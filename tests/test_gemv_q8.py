@@ -334,9 +334,10 @@ _MOE_X8_PACKS = """(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K
                (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
                (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
                (QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K), (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)"""
-# (larger tiles: fewer programs to interpret)
+# (larger tiles: fewer programs to interpret; the i-quant down BB 1, f one block: every step in
+# the row, so its loads unmasked, EVEN)
 _MOE_X8_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1), down_q6k_q8=(256, 2, 1),
-                    gate_up_iq=(64, 2, 1), down_iq=(256, 2, 1), gate_up=(64, 256, 1, 4),
+                    gate_up_iq=(64, 2, 1), down_iq=(256, 1, 1), gate_up=(64, 256, 1, 4),
                     down_pairs=(64, 256, 1, 4))
 
 

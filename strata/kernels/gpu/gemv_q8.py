@@ -306,11 +306,10 @@ def _run_block(r0, s, k: tl.constexpr, nb, EVEN: tl.constexpr):
     i = tl.arange(0, 4)[None, None, :]
     rb = r0 + 8 * s
     b = rb + k
+    m = _in_row(b, nb, EVEN)
     if EVEN:
-        m = tl.full(b.shape, True, tl.int1)
         m3 = tl.full((b.shape[0], b.shape[1], 4), True, tl.int1)
     else:
-        m = b < nb
         m3 = m[:, :, None] & (i >= 0)
     return rb[:, :, None], b, b[:, :, None], m, m3
 
@@ -406,7 +405,20 @@ IQ2_NEG = tl.constexpr(0x00D5E7F8)
 
 
 @triton.jit
-def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr):
+def _in_row(b, nb, EVEN: tl.constexpr):
+    """Whether blocks b are in the row (b < nb); EVEN (every step's blocks are): true when the
+    kernel is built, so the loads it masks are built unmasked (fewer instructions, and loads
+    of one address merged)."""
+    if EVEN:
+        m = tl.full(b.shape, True, tl.int1)
+    else:
+        m = b < nb
+    return m
+
+
+@triton.jit
+def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr,
+                     EVEN: tl.constexpr = False):
     """Σ_k x̂[k] · W[r, k] [R] for IQ2_XS rows at byte offsets ro ([1, 1, R, 1, 1], int64)
     from wbase (int32 words, 4-aligned) of nb blocks, x̂ as quantize_x gives it (xw: int8 values
     as int32 words, dx: per-32 scales); gsel / ssel: iq_tables(IQ2_XS).
@@ -428,7 +440,7 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr):
     acc = tl.zeros((BB, 4, R, 8, 2), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
-        m = b < nb
+        m = _in_row(b, nb, EVEN)
         o = ro + b * 74  # [BB, 1, R, 1, 1]: the block's bytes in each row
         # group j's u16: half j % 2 of the word at o + 2 + 16c + 4 (j // 2)
         e = (_u32_at(wbase, o + 2 + 16 * c + 4 * (j // 2), 0, m) >> (16 * (j % 2))) & 0xFFFF
@@ -472,7 +484,8 @@ def _sign_mask(bits, w):
 
 
 @triton.jit
-def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
+def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
+                      EVEN: tl.constexpr = False):
     """As iq2xs_spread_dot, for IQ3_XXS rows (98-byte blocks: d, 64 grid indices of 4 values,
     8 u32 of 4 x 7 ksigns bits and a 4-bit scale per 32 values, db = d (0.5 + s) / 2); grid4 /
     smask: iq_tables(IQ3_XXS) (each grid row's 4 values as bytes; the sign masks). A
@@ -490,7 +503,7 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
     acc = tl.zeros((BB, 4, R, 8, 2), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
-        m = b < nb
+        m = _in_row(b, nb, EVEN)
         o = ro + b * 98  # [BB, 1, R, 1, 1]
         # index byte 16c + 2j + w of qs: byte 2 (j % 2) + w of the word at o + 2 + 16c + 4 (j // 2)
         q4 = _u32_at(wbase, o + 2 + 16 * c + 4 * (j // 2), w * 0, m)
@@ -509,12 +522,14 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr):
 
 
 @triton.jit
-def iq_spread_dot(wbase, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, BB: tl.constexpr):
-    """iq3xxs_spread_dot if IQ3 else iq2xs_spread_dot (t0, t1: the type's iq_tables)."""
+def iq_spread_dot(wbase, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, BB: tl.constexpr,
+                  EVEN: tl.constexpr = False):
+    """iq3xxs_spread_dot if IQ3 else iq2xs_spread_dot (t0, t1: the type's iq_tables; EVEN: nb
+    a multiple of BB, the loads unmasked)."""
     if IQ3:
-        s = iq3xxs_spread_dot(wbase, ro, xw, dx, t0, t1, nb, BB)
+        s = iq3xxs_spread_dot(wbase, ro, xw, dx, t0, t1, nb, BB, EVEN)
     else:
-        s = iq2xs_spread_dot(wbase, ro, xw, dx, t0, t1, nb, BB)
+        s = iq2xs_spread_dot(wbase, ro, xw, dx, t0, t1, nb, BB, EVEN)
     return s
 
 
@@ -629,11 +644,11 @@ def _iq_rows(n, N, row_bytes):
 
 @triton.jit(do_not_specialize=["N", "K"])
 def _gemv_iq_spread_kernel(xq, dx, w, y, t0, t1, N, K, row_bytes, IQ3: tl.constexpr,
-                           R: tl.constexpr, BB: tl.constexpr):
+                           R: tl.constexpr, BB: tl.constexpr, EVEN: tl.constexpr = False):
     # y[n] = Σ_k W[n, k] x̂[k] for R rows n a program of IQ2_XS or, IQ3, IQ3_XXS
     n = tl.program_id(0) * R + tl.arange(0, R)
     s = iq_spread_dot(w.to(tl.pointer_type(tl.int32)), _iq_rows(n, N, row_bytes),
-                      xq.to(tl.pointer_type(tl.int32)), dx, t0, t1, K // 256, IQ3, BB)
+                      xq.to(tl.pointer_type(tl.int32)), dx, t0, t1, K // 256, IQ3, BB, EVEN)
     tl.store(y + n, s, mask=n < N)
 
 @triton.jit
@@ -810,7 +825,8 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
                        EVEN: tl.constexpr = False):
     # as _gate_up_q8_kernel, for IQ2_XS or (IQ3) IQ3_XXS gate and up: R rows of each a program
     # (iq_spread_dot, once for each; RUN: iq_run_dot with BB its split, rows and records
-    # 16-byte aligned and D a multiple of 2048; EVEN: of 2048 BB)
+    # 16-byte aligned and D a multiple of 2048; EVEN: D a multiple of 2048 BB for RUN, else of
+    # 256 BB, the loads unmasked)
     p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
@@ -827,9 +843,9 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
         else:
             ro = _iq_rows(n, F, row_bytes)
             g = iq_spread_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
-                              t1, D // 256, IQ3, BB)
+                              t1, D // 256, IQ3, BB, EVEN)
             u = iq_spread_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
-                              t1, D // 256, IQ3, BB)
+                              t1, D // 256, IQ3, BB, EVEN)
         hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
     tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
 
@@ -837,15 +853,18 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
 @triton.jit(do_not_specialize=["D", "F"])
 def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_ds, stride_ms,
                     row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr, R: tl.constexpr,
-                    BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr):
-    # as _down_q6k_q8_kernel, for an IQ2_XS or (IQ3) IQ3_XXS down (iq_spread_dot)
+                    BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr,
+                    EVEN: tl.constexpr = False):
+    # as _down_q6k_q8_kernel, for an IQ2_XS or (IQ3) IQ3_XXS down (iq_spread_dot; EVEN: F a
+    # multiple of 256 BB)
     p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
     if _computed(slot, p, MISS, TOPK, HOST_FROM):
         base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         total = iq_spread_dot(base.to(tl.pointer_type(tl.int32)), _iq_rows(n, D, row_bytes),
                               (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
-                              hdx + p.to(tl.int64) * (F // 32), t0, t1, F // 256, IQ3, BB)
+                              hdx + p.to(tl.int64) * (F // 32), t0, t1, F // 256, IQ3, BB,
+                              EVEN)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
 
 
@@ -955,5 +974,5 @@ def gemv_iq_spread(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, 
     if n:
         _gemv_iq_spread_kernel[(triton.cdiv(n, rows),)](
             xq, dx, w, y, grid, smask, n, k, w.stride(0), IQ3=qtype == QType.IQ3_XXS, R=rows,
-            BB=bb, num_warps=warps)
+            BB=bb, EVEN=k % (256 * bb) == 0, num_warps=warps)
     return y

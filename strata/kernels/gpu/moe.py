@@ -462,7 +462,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], IQ3=fg.qtype == QType.IQ3_XXS,
             TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host, RUN=run is not None,
-            EVEN=run is not None and d % (2048 * bb) == 0, num_warps=warps)
+            EVEN=d % ((2048 if run else 256) * bb) == 0, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8)
     if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
@@ -504,7 +504,8 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         _down_iq_kernel[(triton.cdiv(d, r), p)](
             hq, hdx, ids, slot_of, down, part, md, t0, t1, d, f, down.stride(0), md.stride(0),
             down.shape[2], IQ3=fd.qtype == QType.IQ3_XXS, TOPK=topk, R=r, BB=bb,
-            MISS=miss is not None, HOST_FROM=host_from, num_warps=warps)
+            MISS=miss is not None, HOST_FROM=host_from, EVEN=f % (256 * bb) == 0,
+            num_warps=warps)
     elif (x8 and fd.qtype in (QType.Q4_K, QType.Q6_K) and f % 256 == 0
             and _words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
         from strata.kernels.gpu.gemv_q8 import _down_q6k_q8_kernel, _down_q8_kernel, quantize_x
