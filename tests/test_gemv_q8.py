@@ -401,14 +401,15 @@ def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
                                    "down_iq": (4, 2, 1)},
                                   {"gate_up_q8": (8, 8, 2), "down_q8": (8, 4, 2),
                                    "gate_up_iq": (8, 8, 2), "down_iq": (8, 4, 2)},
-                                  {"gate_up_iq_run": (8, 1, 1)}])
+                                  {"gate_up_iq_run": (8, 1, 1), "down_iq": (8, 1, 1)}])
 @pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "Q4_K/Q4_K", "IQ2_XS/IQ3_XXS", "IQ3_XXS/IQ2_XS",
                                   "IQ2_XS/Q6_K", "Q4_K/IQ3_XXS"])
 def test_moe_x8_on_cuda(tune: dict, pack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3-30B-A3B decode layer (D 2048, F 768, 8 of 16 experts resident, 8 routed) with
     activations rounded to 8 bits, gate and up of the pack's first type and down of its second,
     one token and four, against the reference with that rounding and without; the default
-    tiles and others, the i-quant gate/up in the run form too."""
+    tiles and others, the i-quant gate/up in the run form too (with a down of BB 1: a row's
+    3 blocks, every step in it, EVEN)."""
     from strata.kernels.gpu import moe as moe_mod
 
     monkeypatch.setattr(moe_mod, "DECODE_TUNE", tune)
