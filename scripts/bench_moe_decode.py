@@ -160,7 +160,7 @@ def warm(n: int) -> None:
     on disk holds every kernel before the timed pass (their output dropped but for failures)."""
     import subprocess
 
-    args = sys.argv[1:]
+    args = [v for v in sys.argv[1:] if not v.startswith(("--warm=", "--json="))]
     for flag in ("--warm", "--json"):  # (as "--flag value")
         if flag in args:
             i = args.index(flag)
