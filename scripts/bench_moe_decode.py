@@ -288,7 +288,11 @@ def main() -> None:
               (QType.Q6_K, 512, 2048, "v_proj"), (QType.Q4_K, 2048, 4096, "o_proj"),
               (QType.Q6_K, 151936, 2048, "lm_head"), (QType.Q4_K, 14336, 4096, "14336x4096"),
               (QType.Q6_K, 14336, 4096, "14336x4096"), (QType.IQ2_XS, 14336, 4096, "14336x4096"),
-              (QType.IQ3_XXS, 14336, 4096, "14336x4096")]
+              (QType.IQ3_XXS, 14336, 4096, "14336x4096"),
+              # (four times the rows: whether more waves of programs overlap one's loads with
+              # another's compute, as the output head's 151936 rows suggest for Q6_K; timed
+              # only when --gemv-only names the shape)
+              (QType.IQ2_XS, 57344, 4096, "57344x4096"), (QType.IQ3_XXS, 57344, 4096, "57344x4096")]
     # (BN, BK, stages, warps); the last five carry more weight bytes per CTA step (more rows
     # or more warps on a row block): whether bytes in flight per SM is what bounds the GEMV
     tiles = [None, (1, 1024, 1, 2), (1, 2048, 1, 4), (2, 2048, 1, 4), (2, 1024, 1, 4),
@@ -301,8 +305,8 @@ def main() -> None:
     runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
     runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
     for q, n, k, what in [s for s in shapes if not a.moe_only and (
-            a.gemv_only is None or any(g in s[3] or g == s[0].name
-                                       for g in a.gemv_only.split(",")))]:
+            any(g in s[3] for g in (a.gemv_only or "").split(",") if g) or s[1] != 57344 and (
+                a.gemv_only is None or any(g == s[0].name for g in a.gemv_only.split(","))))]:
         nbytes = n * row_nbytes(q, k)
         copies = weight_copies(q, n, k, rng, dev) if a.q8_only else None
         for tile, rows, xdtype in [r for r in runs if (r[0] is None or r[0][1] <= k)
