@@ -10,7 +10,8 @@ Per kernel and tile, one line: registers; instructions per weight; the step's gl
 L1 per byte of weights the step streams from HBM (bytes that several lanes of a warp read, as
 block headers and, in the FMA kernel, x, count once per lane); shared-memory ops and barriers in
 the loop (layout conversions), if any. For the FMA and rows kernels with x float32 (as the
-decode step has it) and bfloat16.
+decode step has it) and bfloat16. The dp4a run forms and i-quant spread forms as built where
+every step is in the row (EVEN: loads unmasked, as at 14336 x 4096).
 
     python scripts/sass_count.py
 """
@@ -154,27 +155,28 @@ def main() -> None:
                        regs, 64 * r, 52.5 * r))
     for rl, sp, warps in ((8, 1, 1), (16, 1, 2), (4, 2, 1)):  # the run form: a thread, 8 blocks
         run_sig = {a: q6_sig.get(a, "constexpr") for a in gemv_q8._gemv_q6k_run_kernel.arg_names}
-        sass, regs = compile_sm90(gemv_q8._gemv_q6k_run_kernel, run_sig, {"RL": rl, "S": sp},
-                                  (0, 1, 2, 3, 6), warps)
+        sass, regs = compile_sm90(gemv_q8._gemv_q6k_run_kernel, run_sig,
+                                  {"RL": rl, "S": sp, "EVEN": True}, (0, 1, 2, 3, 6), warps)
         print(describe(f"dp4a run GEMV (gemv_q8.py) Q6_K RL {rl} S {sp} warps {warps}", sass,
                        regs, 512, 420))
     iq_sig = {"xq": "*i8", "dx": "*fp32", "w": "*u8", "y": "*fp32", "grid8": "*i32",
               "smask": "*i32", "N": "i32", "K": "i32", "row_bytes": "i32", "R": "constexpr",
               "BB": "constexpr"}
     fn = gemv_q8._gemv_iq_spread_kernel
-    sig = {a: iq_sig.get(a, "constexpr" if a == "IQ3" else "*i32") for a in fn.arg_names}
+    sig = {a: iq_sig.get(a, "constexpr" if a in ("IQ3", "EVEN") else "*i32")
+           for a in fn.arg_names}
     for name, iq3, nbytes in (("IQ2_XS", False, 18.5), ("IQ3_XXS", True, 24.5)):
         for r, bb in ((1, 8), (2, 8), (4, 8)):  # a thread: 64 values of a block of each row
-            sass, regs = compile_sm90(fn, sig, {"IQ3": iq3, "R": r, "BB": bb},
+            sass, regs = compile_sm90(fn, sig, {"IQ3": iq3, "R": r, "BB": bb, "EVEN": True},
                                       (0, 1, 2, 3, 4, 5, 8), 1)
             print(describe(f"dp4a spread GEMV (gemv_q8.py) {name} R {r} BB {bb} warps 1", sass,
                            regs, 64 * r, nbytes * r))
     fn = gemv_q8._gemv_iq_run_kernel
-    sig = {a: iq_sig.get(a, "constexpr" if a in ("IQ3", "RL", "S") else "*i32")
+    sig = {a: iq_sig.get(a, "constexpr" if a in ("IQ3", "RL", "S", "EVEN") else "*i32")
            for a in fn.arg_names}
     for name, iq3, nbytes in (("IQ2_XS", False, 18.5), ("IQ3_XXS", True, 24.5)):
         for rl, sp in ((8, 1), (4, 2)):  # the run form: a thread, a quarter of 8 blocks
-            sass, regs = compile_sm90(fn, sig, {"IQ3": iq3, "RL": rl, "S": sp},
+            sass, regs = compile_sm90(fn, sig, {"IQ3": iq3, "RL": rl, "S": sp, "EVEN": True},
                                       (0, 1, 2, 3, 4, 5, 8), 1)
             print(describe(f"dp4a run GEMV (gemv_q8.py) {name} RL {rl} S {sp} warps 1", sass,
                            regs, 512, 8 * nbytes))

@@ -325,7 +325,8 @@ def q6k_run_dot(wp, ro, xw, dx, nb, S: tl.constexpr, EVEN: tl.constexpr = False)
     block k of it starts 2k bytes past a 16-byte boundary known when the kernel is built: each
     16-byte piece is read as the aligned 16-byte words around it (_piece), never as
     2-byte-aligned words two loads apiece as in q6k_spread_dot (sm_90 SASS: 0.26 loads a
-    weight byte against 0.82-1.01, 3.2-3.3 instructions a weight against 5.5-6.1; L1 requests,
+    weight byte against 0.82-1.01, 3.2-3.3 instructions a weight against 5.5-6.1, 2.8 with
+    every run in the row, EVEN, its loads unmasked; L1 requests,
     not instructions, bound the spread kernels Nsight Compute has measured, Q4_K's and the
     i-quants'). A block's 16 scales are one more piece, a half's 4 dx one 16-byte load (108
     loads a thread step against 149 as byte and word loads: 18.0 against 18.8 us on 14336 x
@@ -873,9 +874,11 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
 # on float32 x); the Q6_K lm_head 151936 x 2048 122.7 us)
 GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
                 QType.IQ3_XXS: (4, 8, 1)}
-# Q6_K rows the run form takes (run_fits): (rows a program, split, warps) by the runs of 8
-# blocks a row, the most runs first (run 99: 151936 x 2048 79.7 us at rows 8 split 1 against
-# 121.4 spread; 14336 x 4096 18.0 us at rows 4 split 2, 21.4 at rows 8 split 1, 27.2 spread)
+# Q6_K, IQ2_XS and IQ3_XXS rows the run forms take (run_fits): (rows a program, split, warps)
+# by the runs of 8 blocks a row, the most runs first (run 102: 151936 x 2048 Q6_K 78.7 us at
+# rows 8 split 1 against 120.4 spread; 14336 x 4096 at rows 4 split 2 / rows 8 split 1 / the
+# best spread tile: Q6_K 17.4 / 21.1 / 27.1 us, IQ2_XS 15.1 / 16.6 / 19.3, IQ3_XXS 16.4 / 20.0
+# / 22.9)
 GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 
 
