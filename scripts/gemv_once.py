@@ -30,8 +30,8 @@ def main() -> None:
     p.add_argument("--shape", default="14336x4096", help="rows x columns")
     p.add_argument("--types", default="Q4_K,Q6_K")
     p.add_argument("--q8", action="store_true",
-                   help="also the int8-activation GEMVs (gemv_q8.py; Q4_K, Q6_K and its run "
-                   "form, IQ2_XS, IQ3_XXS)")
+                   help="also the int8-activation GEMVs (gemv_q8.py; Q4_K, Q6_K, IQ2_XS, "
+                   "IQ3_XXS, and the latter three's run forms)")
     p.add_argument("--rows", default=None, metavar="R,BK,STAGES,WARPS",
                    help="also the rows kernel (matmul.gemv_rows) with this tile, x f32 and bf16")
     p.add_argument("--launches", type=int, default=3)
@@ -48,6 +48,8 @@ def main() -> None:
             mm.quant_matmul(x, w, q, out=out)
         if a.q8 and q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS):
             from strata.kernels.gpu.gemv_q8 import (
+                GEMV_X8_RUN,
+                gemv_iq_run,
                 gemv_iq_spread,
                 gemv_q4k_spread,
                 gemv_q6k_run,
@@ -65,8 +67,12 @@ def main() -> None:
                         gemv_q6k_spread(xq, dx, w, n, k, out=out[0], bb=bb, warps=wp, rows=r)
                     else:
                         gemv_iq_spread(xq, dx, w, n, k, q, out=out[0], bb=bb, warps=wp, rows=r)
-                if q == QType.Q6_K and k % 2048 == 0:
-                    gemv_q6k_run(xq, dx, w, n, k, out=out[0])
+                if q != QType.Q4_K and k % 2048 == 0:  # the run forms at gemv_x8's tile
+                    r, sp, wp = next(t for runs, t in GEMV_X8_RUN if k // 2048 >= runs)
+                    if q == QType.Q6_K:
+                        gemv_q6k_run(xq, dx, w, n, k, out=out[0], rows=r, split=sp, warps=wp)
+                    else:
+                        gemv_iq_run(xq, dx, w, n, k, q, out=out[0], rows=r, split=sp, warps=wp)
         if a.rows:
             tile = tuple(int(v) for v in a.rows.split(","))
             for xr in (x, x.to(torch.bfloat16)):
