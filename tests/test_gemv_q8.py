@@ -466,8 +466,9 @@ def _moe_x8_layer(d: int, f: int, pack: str, what: str) -> None:
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ2_XS", "IQ3_XXS"])
 def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
     """A one-token matmul of a large QuantTensor of gemv_x8's types with x8 (--kernels fused)
-    rounds x to 8 bits and runs the type's dp4a GEMV (Q6_K: the run form, split across a row's
-    two runs at K 4096; its rows 4 bytes past a 16-byte boundary: the spread form): the product
+    rounds x to 8 bits and runs the type's dp4a GEMV (Q6_K, IQ2_XS, IQ3_XXS: the run forms,
+    split across a row's two runs at K 4096; rows 4 bytes past a 16-byte boundary: the spread
+    forms): the product
     with round8(x) to float rounding, within the rounding of the product with x; a small matrix
     or two tokens keep float32 x."""
     from strata.kernels.gpu.reference import matmul_ref, round8
