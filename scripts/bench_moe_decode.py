@@ -116,8 +116,8 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
                  quantize: bool = True) -> float:
     """The type's int8-activation GEMV (gemv_q8.py: a row's blocks spread across the threads)
     on the rotated copies of Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows, tile (rows, blocks, warps,
-    ld.global.cg (Q4_K)), or ("run", rows, split, warps): the run form (gemv_q6k_run,
-    gemv_iq_run);
+    ld.global.cg (Q4_K)), or ("run", rows, split, warps[, halves]): the run form (gemv_q6k_run,
+    gemv_iq_run, with halves its option);
     quantize False: x rounded once, outside the time (the GEMV alone)."""
     from strata.kernels.gpu.gemv_q8 import (
         gemv_iq_run,
@@ -132,7 +132,7 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
     out = torch.empty(n, device=dev)
     once = quantize_x(x)
     run = tile[0] == "run"
-    r, bb, warps, cg = tile[1:] + (False,) if run else tile
+    r, bb, warps, cg = (tile[1:4] + (len(tile) > 4 and tile[4],)) if run else tile
 
     def call(i: int) -> None:
         xq, dx, xs4 = quantize_x(x) if quantize else once
@@ -141,7 +141,7 @@ def time_gemv_q8(q: QType, n: int, k: int, copies: list, tile: tuple, dev: torch
                          split=bb)
         elif run:
             gemv_iq_run(xq, dx, copies[i % len(copies)], n, k, q, out=out, rows=r, warps=warps,
-                        split=bb)
+                        split=bb, halves=cg)
         elif q == QType.Q6_K:
             gemv_q6k_spread(xq, dx, copies[i % len(copies)], n, k, out=out, bb=bb, warps=warps,
                             rows=r)
@@ -333,10 +333,12 @@ def main() -> None:
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
             if q != QType.Q4_K and k % 2048 == 0:  # the run form: rows a program, split
                 run_tiles = ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1), (4, 4, 2))
-                if q != QType.Q6_K:  # (the i-quants' take 10-20 s each to build)
-                    run_tiles = ((8, 1, 1), (4, 2, 1))
-                q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}), GEMV alone",
-                        ("run", r, sp, wp), False) for r, sp, wp in run_tiles if sp <= k // 2048]
+                if q != QType.Q6_K:  # (the i-quants' take 10-20 s each to build; the last:
+                    # each run's blocks in two programs, gemv_iq_run's halves)
+                    run_tiles = ((8, 1, 1), (4, 2, 1), (4, 2, 1, True))
+                q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}"
+                        f"{', halves' if h else ''}), GEMV alone", ("run", r, sp, wp, *h), False)
+                       for r, sp, wp, *h in run_tiles if sp <= k // 2048]
             q8 += [(f"q8 spread {tiles[0][:3]}, x rounded inside", tiles[0], True)]
             for name, tile, qx in q8:
                 key = f"{q.name} {n}x{k} {name}"

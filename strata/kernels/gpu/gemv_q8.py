@@ -552,7 +552,7 @@ def _run_x(xw, b3, c3, rr3, t: tl.constexpr, m3):
 
 @triton.jit
 def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr,
-               EVEN: tl.constexpr = False):
+               EVEN: tl.constexpr = False, K0: tl.constexpr = 0, K1: tl.constexpr = 8):
     """Σ_k x̂[k] W[r, k] [RL] for IQ2_XS (IQ3: IQ3_XXS) rows at byte offsets ro ([RL], int64,
     16-aligned) from wp (int32 words, 16-aligned) of nb blocks (a multiple of 8); t0, t1 the
     type's iq_tables, x̂ as for iq2xs_spread_dot.
@@ -578,7 +578,7 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr,
     rr = ro[:, None]  # [RL, 1]
     rr3 = rr[:, :, None]
     for r0 in range(0, nb, 8 * S):
-        for k in tl.static_range(8):
+        for k in tl.static_range(K0, K1):  # (blocks K0 .. K1 - 1 of each run: all by default)
             sh = (BS * k) % 16  # block k's bytes start sh past its window
             rb3, b, b3, m, m3 = _run_block(r0, s, k, nb, EVEN)
             ob = tl.multiple_of(rr3 + rb3 * BS + (BS * k - sh), [16, 16, 16])
@@ -628,13 +628,23 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr,
 
 @triton.jit(do_not_specialize=["N", "K"])
 def _gemv_iq_run_kernel(xq, dx, w, y, t0, t1, N, K, row_bytes, IQ3: tl.constexpr,
-                        RL: tl.constexpr, S: tl.constexpr, EVEN: tl.constexpr = False):
-    # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of IQ2_XS or, IQ3, IQ3_XXS (iq_run_dot)
+                        RL: tl.constexpr, S: tl.constexpr, EVEN: tl.constexpr = False,
+                        HALVES: tl.constexpr = False):
+    # y[n] = Σ_k W[n, k] x̂[k] for RL rows n a program of IQ2_XS or, IQ3, IQ3_XXS (iq_run_dot);
+    # HALVES: program_id(1) takes blocks 0-3 or 4-7 of each run, added into y (zeroed): two
+    # addends onto 0, so the sum does not depend on their order
     n = tl.program_id(0) * RL + tl.arange(0, RL)
     ro = _row_offsets(n, N, row_bytes)
-    s = iq_run_dot(w.to(tl.pointer_type(tl.int32)), ro, xq.to(tl.pointer_type(tl.int32)), dx,
-                   t0, t1, K // 256, IQ3, S, EVEN)
-    tl.store(y + n, s, mask=n < N)
+    wp, xw = w.to(tl.pointer_type(tl.int32)), xq.to(tl.pointer_type(tl.int32))
+    if HALVES:
+        if tl.program_id(1) == 0:
+            s = iq_run_dot(wp, ro, xw, dx, t0, t1, K // 256, IQ3, S, EVEN, 0, 4)
+        else:
+            s = iq_run_dot(wp, ro, xw, dx, t0, t1, K // 256, IQ3, S, EVEN, 4, 8)
+        tl.atomic_add(y + n, s, mask=n < N, sem="relaxed")
+    else:
+        s = iq_run_dot(wp, ro, xw, dx, t0, t1, K // 256, IQ3, S, EVEN)
+        tl.store(y + n, s, mask=n < N)
 
 
 @triton.jit
@@ -950,18 +960,21 @@ def _iq_name(fn: str, qtype: QType) -> str:
 
 def gemv_iq_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: int,
                 qtype: QType, out: torch.Tensor | None = None, rows: int = 8, warps: int = 1,
-                split: int = 1) -> torch.Tensor:
+                split: int = 1, halves: bool = False) -> torch.Tensor:
     """y [N] f32 = W x̂ for IQ2_XS or IQ3_XXS rows w and quantize_x's x̂ (xq, dx) by iq_run_dot:
     K a multiple of 2048 (every row 16-byte aligned) and w 16-byte aligned; `rows` rows a
     program, each row's runs of 8 blocks dealt to `split` threads a quarter (rows * split * 4
-    lanes, powers of two)."""
+    lanes, powers of two); halves: twice the programs, each taking half of every run's blocks,
+    their sums added into y (zeroed first; an option for the benchmark, not timed yet)."""
     name = _iq_name("gemv_iq_run", qtype)
     y = _run_args(w, n, k, QType(qtype), xq, out, name, split, rows, warps)
     t0, t1 = iq_tables(QType(qtype), w.device)
     if n:
-        _gemv_iq_run_kernel[(triton.cdiv(n, rows),)](
+        if halves:
+            y.zero_()
+        _gemv_iq_run_kernel[(triton.cdiv(n, rows), 2 if halves else 1)](
             xq, dx, w, y, t0, t1, n, k, w.stride(0), IQ3=qtype == QType.IQ3_XXS, RL=rows,
-            S=split, EVEN=k % (2048 * split) == 0, num_warps=warps)
+            S=split, EVEN=k % (2048 * split) == 0, HALVES=halves, num_warps=warps)
     return y
 
 
