@@ -15,7 +15,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
-from strata.quant import QType, dequant_rows, dequantize
+from strata.quant import QType, dequant_rows, dequantize, dequantize_into
 
 # QuantTensor.x8: from this many rows on (the output matrix, not the attention projections:
 # rounding x is one more launch, ~1.2 us in a decode graph, which a few-thousand-row GEMV of a
@@ -164,10 +164,7 @@ def dense(ref: TensorRef, device: torch.device) -> torch.Tensor:
     raw = torch.from_numpy(ref.data())
     flat = raw.reshape(-1, raw.shape[-1])
     out = torch.empty(flat.shape[0], ref.shape[-1], dtype=torch.float32, device=device)
-    step = dequant_rows(ref.shape[-1])
-    for i in range(0, flat.shape[0], step):  # (each piece copied to the device on its own)
-        out[i:i + step] = dequantize(flat[i:i + step].to(device), ref.qtype, ref.shape[-1])
-    return out.reshape(ref.shape)
+    return dequantize_into(flat, ref.qtype, ref.shape[-1], out).reshape(ref.shape)
 
 
 @dataclass

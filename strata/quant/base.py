@@ -109,11 +109,13 @@ def dequant_rows(n_cols: int, budget_bytes: int = DEQUANT_CHUNK_BYTES) -> int:
 def dequantize_into(data: torch.Tensor, qtype: int | QType, n_cols: int, out: torch.Tensor,
                     budget_bytes: int = DEQUANT_CHUNK_BYTES) -> torch.Tensor:
     """out [..., n_cols] float32 (contiguous) = dequantize(data [..., row_nbytes]), a piece of
-    dequant_rows(n_cols, budget_bytes) rows at a time: beyond out, at most budget_bytes held."""
+    dequant_rows(n_cols, budget_bytes) rows at a time: beyond out, at most budget_bytes held.
+    data may be on another device than out (a file's tensor in host memory): each piece goes to
+    out's device on its own."""
     rows, flat = data.reshape(-1, data.shape[-1]), out.view(-1, n_cols)
     step = dequant_rows(n_cols, budget_bytes)
     for i in range(0, rows.shape[0], step):
-        flat[i:i + step] = dequantize(rows[i:i + step], qtype, n_cols)
+        flat[i:i + step] = dequantize(rows[i:i + step].to(out.device), qtype, n_cols)
     return out
 
 
