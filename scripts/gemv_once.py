@@ -48,13 +48,13 @@ def main() -> None:
             mm.quant_matmul(x, w, q, out=out)
         if a.q8 and q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS):
             from strata.kernels.gpu.gemv_q8 import (
-                GEMV_X8_RUN,
                 gemv_iq_run,
                 gemv_iq_spread,
                 gemv_q4k_spread,
                 gemv_q6k_run,
                 gemv_q6k_spread,
                 quantize_x,
+                run_tile,
             )
 
             xq, dx, xs4 = quantize_x(x[0])
@@ -68,7 +68,7 @@ def main() -> None:
                     else:
                         gemv_iq_spread(xq, dx, w, n, k, q, out=out[0], bb=bb, warps=wp, rows=r)
                 if q != QType.Q4_K and k % 2048 == 0:  # the run forms at gemv_x8's tile
-                    r, sp, wp = next(t for runs, t in GEMV_X8_RUN if k // 2048 >= runs)
+                    r, sp, wp = run_tile(k)
                     if q == QType.Q6_K:
                         gemv_q6k_run(xq, dx, w, n, k, out=out[0], rows=r, split=sp, warps=wp)
                     else:

@@ -892,6 +892,11 @@ GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 
 GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 
 
+def run_tile(k: int) -> tuple[int, int, int]:
+    """GEMV_X8_RUN's (rows a program, split, warps) for rows of k values (k % 2048 == 0)."""
+    return next(t for runs, t in GEMV_X8_RUN if k // 2048 >= runs)
+
+
 def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [1, K] float32/bf16 @ W.T -> [1, N] float32 for Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows w
     (4-byte aligned), x rounded to 8 bits first (quantize_x) and the GEMV on dp4a,
@@ -905,7 +910,7 @@ def gemv_x8(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     if q == QType.Q4_K:
         gemv_q4k_spread(xq, xs4, w, n, k, out=out[0], bb=bb, warps=warps, rows=r)
     elif run_fits(w, k):
-        r, split, warps = next(t for runs, t in GEMV_X8_RUN if k // 2048 >= runs)
+        r, split, warps = run_tile(k)
         if q == QType.Q6_K:
             gemv_q6k_run(xq, dx, w, n, k, out=out[0], rows=r, warps=warps, split=split)
         else:
