@@ -25,8 +25,8 @@
 # TCACHE=1 also $OUT/tcache.tgz, the kernels Triton built in this run (its cache entries), which a
 # later run reads when carried as .tcache/*.tgz (every one there; the i-quant run forms take
 # 10-100 s each to build; a file over 16 MiB does not come back).
-# PYTEST_N=N runs the tests in N processes (pytest-xdist); WARM=N builds the kernels stage's
-# kernels in N processes first (bench_moe_decode.py --warm).
+# PYTEST_N=N runs the tests in N processes (pytest-xdist), for at most TEST_TIMEOUT s (400);
+# WARM=N builds the kernels stage's kernels in N processes first (bench_moe_decode.py --warm).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
 set -uo pipefail
@@ -75,7 +75,7 @@ if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *pro
 fi
 if [[ $STAGES == *tests* ]]; then
   echo "== CUDA tests: decode step, decode ops, MoE kernels, grouped prompt MoE, ring, offload, prompt"
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -m cuda ${PYTEST_N:+-n $PYTEST_N} ${TESTS:-tests/test_decode_ops.py \
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m cuda ${PYTEST_N:+-n $PYTEST_N} ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \

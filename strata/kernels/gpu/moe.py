@@ -64,13 +64,12 @@ DOWN_Q6K_Q8_TILE = (4, 4, 1)
 # the same for IQ2_XS / IQ3_XXS gate and up (both of one type) and down (gemv_q8._gate_up_iq_kernel,
 # _down_iq_kernel): the i-quant types with int8-activation kernels; tiles among the fastest
 # timed on the 30B-A3B layer (bench/2026-12-01-h200-iq-run.md, medians of 5 rounds: IQ2_XS
-# gate/up with an IQ3_XXS down 28.8 us, IQ3_XXS throughout 29.6 us; 57.5 / 58.3 on float32
-# activations). A down of (8, 1, 1) timed faster (27.8 / 28.5 us: BB 1 leaves no step past
-# d_expert's 3 blocks, so its loads are unmasked) and is exact under the interpreter; it becomes
-# the default once test_moe_x8_on_cuda (which now includes it) has run it on CUDA.
+# gate/up with an IQ3_XXS down 27.8 us, IQ3_XXS throughout 28.5 us; 57.5 / 58.3 on float32
+# activations). The down's BB 1 leaves no step past d_expert's 3 blocks, so its loads are
+# unmasked (28.8 / 29.6 us with the down at (4, 4, 1)).
 IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)
 GATE_UP_IQ_TILE = (4, 4, 1)
-DOWN_IQ_TILE = (4, 4, 1)
+DOWN_IQ_TILE = (8, 1, 1)
 # "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
 # "gate_up_q8" / "down_q8" / "down_q6k_q8" / "gate_up_iq" / "down_iq" -> (R, BB, warps) instead
 # of GATE_UP_Q8_TILE / DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE / GATE_UP_IQ_TILE / DOWN_IQ_TILE;
