@@ -25,7 +25,11 @@
 # TCACHE=1 also $OUT/tcache.tgz, the kernels Triton built in this run (its cache entries), which a
 # later run reads when carried as .tcache/*.tgz (every one there; the i-quant run forms take
 # 10-100 s each to build; a file over 16 MiB does not come back).
-# PYTEST_N=N runs the tests in N processes (pytest-xdist), for at most TEST_TIMEOUT s (400);
+# PYTEST_N=N runs the tests in N processes (pytest-xdist): meant for the kernel test files, whose
+# time is building kernels (tests/test_gemv_q8.py: 39 in 192 s at N 14). The whole list in 14
+# processes was cut at 400-540 s with 153-202 of about 250 done, none failed (runs 108-110;
+# likely its CPU-pool tests, each starting a pool of the machine's cores less one): run it in one
+# process. TEST_TIMEOUT: the tests' limit in s (400).
 # WARM=N builds the kernels stage's kernels in N processes first (bench_moe_decode.py --warm).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
@@ -75,7 +79,11 @@ if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *pro
 fi
 if [[ $STAGES == *tests* ]]; then
   echo "== CUDA tests: decode step, decode ops, MoE kernels, grouped prompt MoE, ring, offload, prompt"
-  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m cuda ${PYTEST_N:+-n $PYTEST_N} ${TESTS:-tests/test_decode_ops.py \
+  # (in N processes each gets its share of torch's threads; -v names each test as it ends, and
+  # the timeout's SIGINT makes pytest print what ended, so a cut run still says what passed)
+  tenv=(); [[ -n ${PYTEST_N:-} ]] && tenv=(OMP_NUM_THREADS=$(( ($(nproc) + PYTEST_N - 1) / PYTEST_N )))
+  env "${tenv[@]}" timeout -s INT -k 30 ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m cuda \
+    ${PYTEST_N:+-n $PYTEST_N -v} --durations=15 ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \

@@ -185,7 +185,7 @@ class EngineConfig:
     cpu_share: int = 0  # a decode token's last missed pairs of gathered layers the CPU takes
     # experts of the next gathered layer copied ahead of its routing (decode); None: auto
     prefetch: int | None = None
-    threads: int | None = None  # CPU pool threads (default: cores - 1)
+    threads: int | None = None  # CPU pool threads (default: usable cores - 1, usable_cpus)
     ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
     kv_type: str = "f32"  # KV cache elements: f32 | f16 | bf16
     sequences: int = 1  # sequences decoded together (strata serve --batch): each has a KV cache

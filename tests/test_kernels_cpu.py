@@ -272,3 +272,17 @@ def test_token_pool_says_why_it_cannot_build(tmp_path, monkeypatch) -> None:
         assert not list(tmp_path.rglob("*.so"))  # nothing half-written left behind
     finally:
         token_pool._library.cache_clear()
+
+
+def test_usable_cpus_follows_the_affinity_mask(monkeypatch) -> None:
+    """The CPU pool's default thread count counts the cores this process may use (a container's
+    cpuset), not the machine's."""
+    import os
+
+    from strata.experts import cpu_pool
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert cpu_pool.usable_cpus() == 3
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert cpu_pool.usable_cpus() == 64

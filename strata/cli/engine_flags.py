@@ -31,7 +31,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="missed experts: CPU pool, copy to the GPU (in a CUDA decode step: "
                    "gathered from the pinned arena by the GPU inside the step's graph), or "
                    "split by measured cost")
-    g.add_argument("--threads", type=int, default=None, help="CPU pool threads (cores - 1)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU pool threads (the cores this process may use, less one)")
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
     g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16"],
                    help="KV cache elements: f16 or bf16 halve its memory, keys and values "

@@ -16,7 +16,7 @@ from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
-from strata.experts.cpu_pool import CpuPool
+from strata.experts.cpu_pool import CpuPool, usable_cpus
 from strata.experts.layout import ExpertLayout, expert_layouts
 from strata.experts.links import measure_links
 from strata.experts.offload import OffloadExperts
@@ -114,7 +114,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 if lent else "")
              + f"; policy {ec.cache_policy}"
              + (", seeded from the profile" if profile is not None else ""))
-    threads = ec.threads or max(1, (os.cpu_count() or 2) - 1)
+    threads = ec.threads or max(1, usable_cpus() - 1)
     pool = CpuPool(ec.cpu_kernels, threads, plan.workspace)
     max_stride = max(lay.stride for lay in layouts)
     staging = torch.empty(plan.staging_slots, max_stride, dtype=torch.uint8, device=dev)

@@ -7,6 +7,7 @@ otherwise) one batch per layer and step: every missed expert with its tokens and
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -15,6 +16,15 @@ from strata.experts.compute import Group, run_records
 from strata.experts.layout import ExpertLayout
 
 log = logging.getLogger("strata.cpu_pool")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a container's cpuset, taskset), which
+    os.cpu_count() ignores, or os.cpu_count() where the platform has no mask."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class CpuPool:
