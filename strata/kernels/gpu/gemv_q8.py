@@ -970,7 +970,8 @@ def gemv_iq_run(xq: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, n: int, k: 
     K a multiple of 2048 (every row 16-byte aligned) and w 16-byte aligned; `rows` rows a
     program, each row's runs of 8 blocks dealt to `split` threads a quarter (rows * split * 4
     lanes, powers of two); halves: twice the programs, each taking half of every run's blocks,
-    their sums added into y (zeroed first; an option for the benchmark, not timed yet)."""
+    their sums added into y (zeroed first; a benchmark option, slower than one program a run
+    on the H200, run 107)."""
     name = _iq_name("gemv_iq_run", qtype)
     y = _run_args(w, n, k, QType(qtype), xq, out, name, split, rows, warps)
     t0, t1 = iq_tables(QType(qtype), w.device)
