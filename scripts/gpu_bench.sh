@@ -18,6 +18,11 @@
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
 # OMP_WAIT_POLICY of CPU_POLICIES, CPU_ARGS added), prefetch (decode at 2 GiB with --prefetch N
 # for each N of PREFETCHES; N:S also --cpu-share S),
+# llamacpp (llama.cpp built for this GPU from .whl/llama.cpp-src.tgz, scripts/pack_llama_cpp.sh,
+# in the background from the start, LLAMA_BUILD_TIMEOUT s at most; kept in .llama-build/ for the
+# next call while the machine stays warm: test-backend-ops' one-token GEMV and 30B-A3B
+# MUL_MAT_ID timings for LLAMA_TYPES, llama-bench on the synthetic model all on the GPU and with
+# -ot exps=CPU, LLAMA_BENCH_FLAGS added),
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check (the
 # logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
 # kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
@@ -68,11 +73,27 @@ if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && which gcc g++ >/dev/null; the
   GGML_PID=$!
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
+LB=$PWD/.llama-build  # llama.cpp's CUDA build (llamacpp stage), kept while the machine stays warm
+if [[ $STAGES == *llamacpp* && ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/llama-bench ) ]]; then
+  if [[ -f .whl/llama.cpp-src.tgz ]]; then
+    ( t0=$(date +%s); rm -rf "$LB" && mkdir -p "$LB" && tar xzf .whl/llama.cpp-src.tgz -C "$LB" \
+      && cmake -S "$LB/llama.cpp" -B "$LB" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=ON \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_NUMBER=0 \
+      && timeout ${LLAMA_BUILD_TIMEOUT:-540} cmake --build "$LB" -j "$(nproc)" \
+        --target test-backend-ops llama-bench
+      echo "llama.cpp built (rc $?) in $(( $(date +%s) - t0 )) s" ) >/tmp/llama-build.log 2>&1 &
+    LLAMA_PID=$!
+  else
+    echo "llamacpp: no .whl/llama.cpp-src.tgz (scripts/pack_llama_cpp.sh makes it)"
+  fi
+fi
 QUANT=${QUANT:-Q4_K_M}  # the synthetic model's recipe (strata synth --quant)
 M=/tmp/q30-$QUANT.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
-      $STAGES == *share* || $STAGES == *prefetch* ]]; then
+      $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -190,6 +211,32 @@ if [[ $STAGES == *prompt* ]]; then
       bench "prompt_${n}_${b}_$cache" --vram-budget $b --expert-cache $cache --ctx $n \
         --prompt-len $n --gen-len 0 --runs 1 ${PROMPT_FLAGS:-}
     done
+  done
+fi
+if [[ $STAGES == *llamacpp* && -n ${LLAMA_PID:-} ]]; then
+  wait $LLAMA_PID; tail -1 /tmp/llama-build.log; cp /tmp/llama-build.log "$OUT/llamacpp_build.txt"
+fi
+if [[ $STAGES == *llamacpp* && -x $LB/bin/test-backend-ops ]]; then
+  # llama.cpp on the same GPU: test-backend-ops times each op over the same weights again and
+  # again (so a matrix that fits the 60 MB L2 is read from there: an upper bound on its speed
+  # from HBM); the one-token GEMV on 4096 x 14336 and the 30B-A3B expert matrices (MUL_MAT_ID,
+  # 128 experts, 8 used, 768 x 2048), then llama-bench on the synthetic model, all layers on the
+  # GPU and with the experts on the CPU (-ot exps=CPU, llama.cpp's way to run a MoE model larger
+  # than the GPU)
+  echo "== llama.cpp: $(cat "$LB/llama.cpp/SOURCE.txt")"
+  types=${LLAMA_TYPES:-"iq2_xs|iq3_xxs|q4_K|q6_K|q8_0"}
+  "$LB/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT \
+    -p "type_a=($types),type_b=f32,m=4096,n=1,k=14336," 2>&1 | tee "$OUT/llamacpp_mul_mat.txt" \
+    | grep -E "MUL_MAT|us/run" | tail -12
+  "$LB/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT_ID \
+    -p "type_a=($types),type_b=f32,n_mats=128,n_used=8,b=[^,]*,m=768,n=1,k=2048," 2>&1 \
+    | tee "$OUT/llamacpp_mul_mat_id.txt" | grep -E "MUL_MAT|us/run" | tail -12
+fi
+if [[ $STAGES == *llamacpp* && -x $LB/bin/llama-bench ]]; then
+  for ot in "" "exps=CPU"; do
+    echo "== llama-bench $QUANT ${ot:+-ot $ot}"
+    timeout 300 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 0 -p 512 -n 128 -r 3 ${ot:+-ot "$ot"} \
+      ${LLAMA_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/llama_bench.txt" | grep -E "^\|" | tail -4
   done
 fi
 if [[ $STAGES == *check* ]]; then  # float32-exact kernels on both sides: KL < 1e-4 expected
