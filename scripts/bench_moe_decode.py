@@ -11,6 +11,7 @@ to 8 bits (moe_forward x8), for Q4_K gate/up with a Q4_K or Q6_K down and for i-
 
     python scripts/bench_moe_decode.py [--json F] [--layer 30b|235b] [--gemv-only TEXT]
         [--moe-only] [--q8-only] [--packs TEXT] [--variants TEXT] [--repeat N] [--warm N]
+        [--same-weights]
 
 --warm N first builds every kernel the run will time in N processes at once (each one takes
 every N-th case, through Triton's cache on disk), then times them all in this one: the
@@ -21,6 +22,9 @@ i-quant run forms take 10-100 s each to build, one after another otherwise.
 
 Every figure is the median over CUDA-graph replays of 16 calls, each call on its own copy of the
 weights (rotated so that the L2 cannot hold them; the MoE layer's 8 experts change every call).
+--same-weights gives the GEMVs one copy, read again every call (from the 60 MB L2 where the
+matrix fits), as llama.cpp's test-backend-ops times its ops: to compare with its figures
+(gpu_bench.sh's llamacpp stage), never with HBM. The shape 4096x14336 is test-backend-ops' own.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from strata.quant import QType, random_rows, row_nbytes  # noqa: E402
 E, K, D, F = 128, 8, 2048, 768  # the MoE layer's shape (--layer 235b: D 4096, F 1536)
 LAYERS = {"30b": (2048, 768), "235b": (4096, 1536)}
 CALLS = 16
+SAME_WEIGHTS = False  # (--same-weights)
 
 
 def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device,
@@ -81,6 +86,8 @@ def weight_copies(q: QType, n: int, k: int, rng: np.random.Generator,
     """Copies of one random [n, k] matrix of q to rotate through (256 MiB or CALLS of them, at
     least 2), so L2 never holds the next call's weights."""
     one = torch.from_numpy(random_rows(q, n, k, rng, 0.02)).to(dev)
+    if SAME_WEIGHTS:
+        return [one]
     count = max(2, min(CALLS, (256 << 20) // one.numel() + 1))
     return [one] + [one.clone() for _ in range(count - 1)]
 
@@ -197,6 +204,9 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0, metavar="N",
                     help="build the kernels first in N processes at once (their timings "
                     "dropped), then time every case here")
+    ap.add_argument("--same-weights", action="store_true",
+                    help="the GEMVs read one copy of the weights every call (L2 where it fits: "
+                    "test-backend-ops' way, to compare with llama.cpp's figures)")
     ap.add_argument("--shard", default=None, metavar="I/N", help=argparse.SUPPRESS)
     ap.add_argument("--layer", default="30b", choices=sorted(LAYERS),
                     help="the MoE layer's expert shape: Qwen3-30B-A3B's or Qwen3-235B-A22B's")
@@ -208,12 +218,16 @@ def main() -> None:
 
     def mine() -> bool:  # the next case is this process's to time (all of them but in --warm)
         return next(cases) % shards == shard
-    global D, F  # noqa: PLW0603 (the layer helpers read the shape from here)
+    global D, F, SAME_WEIGHTS  # noqa: PLW0603 (the helpers read these from here)
     D, F = LAYERS[a.layer]
+    SAME_WEIGHTS = a.same_weights
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
     res: dict = {"hbm_copy_GBs": hbm_copy_gbs(), "layer": {"d_model": D, "d_expert": F}, "moe": {},
-                 "gemv": {}}
+                 "gemv": {}, "same_weights": SAME_WEIGHTS}
+    if SAME_WEIGHTS:
+        print("--same-weights: the GEMVs read one copy of their weights every call, from the L2 "
+              "where it fits (60 MB): their % of HBM copy is no measure of HBM")
 
     def save() -> None:  # after each part, so a run cut short keeps what it timed
         if a.json:
@@ -292,7 +306,11 @@ def main() -> None:
               # (four times the rows: whether more waves of programs overlap one's loads with
               # another's compute, as the output head's 151936 rows suggest for Q6_K; timed
               # only when --gemv-only names the shape)
-              (QType.IQ2_XS, 57344, 4096, "57344x4096"), (QType.IQ3_XXS, 57344, 4096, "57344x4096")]
+              (QType.IQ2_XS, 57344, 4096, "57344x4096"), (QType.IQ3_XXS, 57344, 4096, "57344x4096"),
+              # (llama.cpp test-backend-ops' one-token MUL_MAT: 4096 rows of 14336; also only
+              # when named)
+              *[(q, 4096, 14336, "4096x14336") for q in
+                (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS)]]
     # (BN, BK, stages, warps); the last five carry more weight bytes per CTA step (more rows
     # or more warps on a row block): whether bytes in flight per SM is what bounds the GEMV
     tiles = [None, (1, 1024, 1, 2), (1, 2048, 1, 4), (2, 2048, 1, 4), (2, 1024, 1, 4),
@@ -305,7 +323,8 @@ def main() -> None:
     runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
     runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
     for q, n, k, what in [s for s in shapes if not a.moe_only and (
-            any(g in s[3] for g in (a.gemv_only or "").split(",") if g) or s[1] != 57344 and (
+            any(g in s[3] for g in (a.gemv_only or "").split(",") if g) or s[3] in (
+                "14336x4096", "q_proj", "k_proj", "v_proj", "o_proj", "lm_head") and (
                 a.gemv_only is None or any(g == s[0].name for g in a.gemv_only.split(","))))]:
         nbytes = n * row_nbytes(q, k)
         copies = weight_copies(q, n, k, rng, dev) if a.q8_only else None
