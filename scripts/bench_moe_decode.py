@@ -352,9 +352,13 @@ def main() -> None:
                    (r, bb, wp, cg), False) for r, bb, wp, cg in tiles]
             if q != QType.Q4_K and k % 2048 == 0:  # the run form: rows a program, split
                 run_tiles = ((8, 1, 1), (16, 1, 2), (4, 2, 1), (8, 2, 2), (2, 4, 1), (4, 4, 2))
-                if q != QType.Q6_K:  # (the i-quants' take 10-20 s each to build; the last:
-                    # each run's blocks in two programs, gemv_iq_run's halves)
-                    run_tiles = ((8, 1, 1), (4, 2, 1), (4, 2, 1, True))
+                if q != QType.Q6_K:  # (the i-quants' take 10-20 s each to build; with True:
+                    # each run's blocks in two programs, gemv_iq_run's halves. 14336 rows are
+                    # 27 warps an SM whatever the tile; halves makes 54, which one-warp
+                    # programs cannot be: an SM holds 32 programs at most, so programs of 2
+                    # and 4 warps too (ptxas gives those 32-40 registers a thread, not 66-70))
+                    run_tiles = ((8, 1, 1), (4, 2, 1), (4, 2, 1, True), (8, 2, 2),
+                                 (8, 2, 2, True), (16, 2, 4, True))
                 q8 += [(f"q8 run (RL {r}{f', S {sp}' if sp > 1 else ''}, warps {wp}"
                         f"{', halves' if h else ''}), GEMV alone", ("run", r, sp, wp, *h), False)
                        for r, sp, wp, *h in run_tiles if sp <= k // 2048]

@@ -18,11 +18,11 @@ from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
 
 def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
-          qtype: str = "Q4_K", rows: int = 1, halves: bool = False) -> None:
+          qtype: str = "Q4_K", rows: int = 1, halves: bool = False, warps: int = 1) -> None:
     """Q4_K, Q6_K, IQ2_XS or IQ3_XXS rows [n, k] and a fresh x through quantize_x and the
     type's spread GEMV on `dev` (bb blocks a step, `rows` rows a program; Q4_K with rows 2
     reads past L1); qtype "Q6_K run", "IQ2_XS run", "IQ3_XXS run": gemv_q6k_run / gemv_iq_run
-    (bb: their split; halves: gemv_iq_run's)."""
+    (bb: their split; halves, warps: gemv_iq_run's)."""
     from strata.kernels.gpu.gemv_q8 import (
         gemv_iq_run,
         gemv_iq_spread,
@@ -53,7 +53,7 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
         gemv_q6k_run(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, rows=rows, split=bb)
     elif run:
         gemv_iq_run(xq.to(dev), dx.to(dev), w.to(dev), n, k, qt, out=y, rows=rows, split=bb,
-                    halves=halves)
+                    halves=halves, warps=warps)
     elif qt == QType.Q6_K:
         gemv_q6k_spread(xq.to(dev), dx.to(dev), w.to(dev), n, k, out=y, bb=bb, rows=rows)
     elif qt in (QType.IQ2_XS, QType.IQ3_XXS):
@@ -101,6 +101,9 @@ _INTERPRETED = f"""
         # each run's blocks in two programs (halves), added into y
         for n, k, r, split in ((5, 4096, 4, 2), (3, 6144, 2, 4)):
             check(rng, n, k, "cpu", split, qtype + " run", rows=r, halves=True)
+        # programs of 2 and 4 warps (the rows split across warps), with and without halves
+        check(rng, 11, 4096, "cpu", 2, qtype + " run", rows=8, warps=2)
+        check(rng, 19, 6144, "cpu", 2, qtype + " run", rows=16, warps=4, halves=True)
     # gemv_x8: quantize_x, then the type's GEMV with its tuned tile
     import torch
     torch.manual_seed(seed)  # (x too comes from the printed seed)
@@ -279,6 +282,9 @@ def test_gemv_on_cuda() -> None:
             check(rng, n, k, "cuda", split, qtype + " run", rows=r)
         for n, k, r, split in ((14336, 4096, 4, 2), (9, 6144, 2, 4)):
             check(rng, n, k, "cuda", split, qtype + " run", rows=r, halves=True)
+        for n, k, r, w, h in ((14336, 4096, 8, 2, False), (14336, 4096, 8, 2, True),
+                              (19, 6144, 16, 4, True)):
+            check(rng, n, k, "cuda", 2, qtype + " run", rows=r, warps=w, halves=h)
 
 
 def test_round8_is_quantize_x() -> None:
