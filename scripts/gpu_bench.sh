@@ -76,17 +76,8 @@ export PYTHONPATH="$PWD:$PYTHONPATH"
 LB=$PWD/.llama-build  # llama.cpp's CUDA build (llamacpp stage), kept while the machine stays warm
 if [[ $STAGES == *llamacpp* && ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/llama-bench ) ]]; then
   if [[ -f .whl/llama.cpp-src.tgz ]]; then
-    # (a build cut short by the limit goes on where it stopped in the next call)
-    ( t0=$(date +%s)
-      [[ -f $LB/Makefile ]] || { rm -rf "$LB" && mkdir -p "$LB" \
-        && tar xzf .whl/llama.cpp-src.tgz -C "$LB" \
-        && cmake -S "$LB/llama.cpp" -B "$LB" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-          -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=ON \
-          -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
-          -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_NUMBER=0; } \
-      && timeout ${LLAMA_BUILD_TIMEOUT:-540} cmake --build "$LB" -j "$(nproc)" \
-        --target test-backend-ops llama-bench
-      echo "llama.cpp built (rc $?) in $(( $(date +%s) - t0 )) s" ) >/tmp/llama-build.log 2>&1 &
+    # (scripts/build_llama_cpp.sh: a build cut short goes on in the next call)
+    bash scripts/build_llama_cpp.sh .whl/llama.cpp-src.tgz "$LB" >/tmp/llama-build.log 2>&1 &
     LLAMA_PID=$!
   else
     echo "llamacpp: no .whl/llama.cpp-src.tgz (scripts/pack_llama_cpp.sh makes it)"
