@@ -14,6 +14,11 @@ decode step has it) and bfloat16. The dp4a run forms and i-quant spread forms as
 every step is in the row (EVEN: loads unmasked, as at 14336 x 4096).
 
     python scripts/sass_count.py
+    python scripts/sass_count.py --llama-cpp MMVQ_OBJECT
+
+The second counts llama.cpp's one-token IQ2_XS and IQ3_XXS GEMVs (ggml-cuda's mul_mat_vec_q) in
+its sm_90 build the same way: MMVQ_OBJECT is scripts/build_llama_cpp.sh's
+.llama-build/ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir/mmvq.cu.o (or any such build's).
 """
 
 from __future__ import annotations
@@ -181,5 +186,47 @@ def main() -> None:
             print(describe(f"dp4a run GEMV (gemv_q8.py) {name} RL {rl} S {sp} warps 1", sass,
                            regs, 512, 8 * nbytes))
 
+# llama.cpp's one-token GEMV (ggml-cuda's mul_mat_vec_q, one column, no fusion) for the
+# i-quants: ggml_type number, weight bytes a weight (their dot products dp4a weights only; the
+# K-quants' also dp4a x against 0x01010101 for the block minimums, so 4 weights an IDP would
+# not hold for them)
+LLAMA_CPP_TYPES = {"IQ2_XS": (17, 74 / 256), "IQ3_XXS": (18, 98 / 256)}
+
+
+def llama_cpp(obj: str) -> None:
+    """The same counts for llama.cpp's mul_mat_vec_q in `obj`, the mmvq.cu object of its sm_90
+    build (scripts/build_llama_cpp.sh): every weight goes through one lane of one dp4a there,
+    so a thread step holds 4 weights per IDP in it."""
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([str(TOOLS / "cuobjdump"), "-xelf", "all", os.path.abspath(obj)], cwd=d,
+                       capture_output=True, check=True)
+        cubins = sorted(Path(d).glob("*sm_90*.cubin"))
+        if not cubins:
+            sys.exit(f"{obj}: no sm_90 machine code in it (build with CMAKE_CUDA_ARCHITECTURES=90)")
+        for cubin in cubins:
+            sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", str(cubin)], capture_output=True,
+                                  text=True, check=True).stdout.splitlines()
+            usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage",
+                                    str(cubin)], capture_output=True, text=True, check=True).stdout
+            starts = [i for i, line in enumerate(sass) if line.startswith("//----------")]
+            for name, (t, per_weight) in LLAMA_CPP_TYPES.items():
+                fn = f"_Z13mul_mat_vec_qIL9ggml_type{t}ELi1ELb0ELb0ELb0E"
+                at = [i for i in starts if f".text.{fn}" in sass[i]]
+                if not at:
+                    print(f"llama.cpp mul_mat_vec_q {name}: not in {obj}")
+                    continue
+                end = min([i for i in starts if i > at[0]] + [len(sass)])
+                body = sass[at[0]:end]
+                weights = 4 * sum(op.startswith("IDP") for op in opcodes(longest_loop(body)))
+                regs = int(re.search(rf"Function {fn}\S*:\s*REG:(\d+)", usage).group(1))
+                print(describe(f"llama.cpp mul_mat_vec_q (mmvq.cu) {name}, 1 column", body, regs,
+                               weights, weights * per_weight))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--llama-cpp"] and len(sys.argv) == 3:
+        llama_cpp(sys.argv[2])
+    elif sys.argv[1:]:
+        sys.exit("usage: python scripts/sass_count.py [--llama-cpp MMVQ_OBJECT]")
+    else:
+        main()
