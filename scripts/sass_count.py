@@ -177,12 +177,12 @@ def main() -> None:
             print(describe(f"dp4a spread GEMV (gemv_q8.py) {name} R {r} BB {bb} warps 1", sass,
                            regs, 64 * r, nbytes * r))
     fn = gemv_q8._gemv_iq_run_kernel
-    sig = {a: iq_sig.get(a, "constexpr" if a in ("IQ3", "RL", "S", "EVEN") else "*i32")
+    sig = {a: iq_sig.get(a, "constexpr" if a in ("IQ3", "RL", "S", "EVEN", "HALVES") else "*i32")
            for a in fn.arg_names}
     for name, iq3, nbytes in (("IQ2_XS", False, 18.5), ("IQ3_XXS", True, 24.5)):
         for rl, sp in ((8, 1), (4, 2)):  # the run form: a thread, a quarter of 8 blocks
-            sass, regs = compile_sm90(fn, sig, {"IQ3": iq3, "RL": rl, "S": sp, "EVEN": True},
-                                      (0, 1, 2, 3, 4, 5, 8), 1)
+            sass, regs = compile_sm90(fn, sig, {"IQ3": iq3, "RL": rl, "S": sp, "EVEN": True,
+                                                "HALVES": False}, (0, 1, 2, 3, 4, 5, 8), 1)
             print(describe(f"dp4a run GEMV (gemv_q8.py) {name} RL {rl} S {sp} warps 1", sass,
                            regs, 512, 8 * nbytes))
 

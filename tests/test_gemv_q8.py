@@ -192,10 +192,11 @@ def test_gemv_compiles_for_sm90() -> None:
         assert ("popc.b32" if iq3 else "prmt.b32") in k.asm["ptx"]
     # their run forms: the grid indices' pieces as 16-byte loads too
     fn = gemv_q8._gemv_iq_run_kernel
-    isig = {a: sig.get(a, "constexpr" if a in ("IQ3", "RL", "S") else "*i32")
+    isig = {a: sig.get(a, "constexpr" if a in ("IQ3", "RL", "S", "EVEN", "HALVES") else "*i32")
             for a in fn.arg_names}
-    for iq3 in (False, True):
-        k = triton.compile(ASTSource(fn, isig, constexprs={"IQ3": iq3, "RL": 4, "S": 2},
+    for iq3 in (False, True):  # (as timed: every run in the row, one program a run)
+        k = triton.compile(ASTSource(fn, isig, constexprs={"IQ3": iq3, "RL": 4, "S": 2,
+                                                           "EVEN": True, "HALVES": False},
                                      attrs={(i,): [["tt.divisibility", 16]]
                                             for i in (0, 1, 2, 3, 4, 5, 8)}),
                            target=target, options={"num_warps": 1})

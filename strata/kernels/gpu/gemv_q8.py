@@ -475,13 +475,15 @@ def _parity(v):
 
 
 @triton.jit
-def _sign_mask(bits, w):
-    """Word w (0: values 0-3, 1: 4-7) of a group's 8 sign bytes, 0xFF where negative, from
-    the 7 ksigns bits in bits' low bits (the eighth: their parity, ggml's ksigns table):
-    4 bits spread one to a byte by a multiply, then 0x01 -> 0xFF."""
+def _signed(g, bits, w):
+    """g (4 non-negative value bytes: word w of a group's 8) with each byte negated where the
+    group's sign is: 7 ksigns bits in bits' low bits (the eighth: their parity, ggml's ksigns
+    table); the word's 4 bits spread one to a byte by a multiply (t: 0x01 where negative),
+    then ~byte + 1 where t is (no carry: a negated byte is 0x81 or more before the 1)."""
     s7 = bits & 127
     s8 = s7 | (_parity(s7) << 7)
-    return (((s8 >> (4 * w)) & 15) * 0x204081 & 0x01010101) * 255
+    t = ((s8 >> (4 * w)) & 15) * 0x204081 & 0x01010101
+    return (g ^ (t * 255)) + t
 
 
 @triton.jit
@@ -493,7 +495,7 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
     thread's group j of quarter c is group i = 8c + j of the block: grid indices qs[2i + w]
     (w = 0, 1: its two words), signs from 7 bits (7 (i % 4)) of word i // 4. Eight levels
     leave PRMT no room for their negatives (iq2xs_spread_dot's form): the signs become byte
-    masks by arithmetic (_sign_mask; no table, so no gather) and negate the grid bytes they
+    masks by arithmetic (_signed; no table, so no gather) and negate the grid bytes they
     mark before one signed dp4a a word."""
     R: tl.constexpr = ro.shape[2]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
@@ -511,9 +513,8 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
         idx = (q4 >> (8 * (2 * (j % 2) + w))) & 255
         aux = _u32_at(wbase, o + 66 + 4 * (2 * c + j // 4), w * 0, m)  # [BB, 4, R, 8, 2]
         g = tl.load(grid4 + idx)  # 4 grid bytes
-        s = _sign_mask(aux >> (7 * (j % 4)), w)
         xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)
-        dot = _dp4a((g ^ s) + (s & 0x01010101), xj, zero, True)  # bytes negated where s is
+        dot = _dp4a(_signed(g, aux >> (7 * (j % 4)), w), xj, zero, True)
         d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + o + 0 * (c + j + w))
                     .to(tl.pointer_type(tl.int16)), mask=m,
                     other=0).to(tl.float16, bitcast=True).to(tl.float32)
@@ -604,10 +605,8 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr,
                         aux = tl.sum(tl.where(i == 2 * (c3 % 2) + j // 4, aw, 0), axis=2)
                         g0 = tl.load(t0 + ((qw >> (16 * u)) & 255))
                         g1 = tl.load(t0 + ((qw >> (16 * u + 8)) & 255))
-                        s0 = _sign_mask(aux >> (7 * (j % 4)), 0)
-                        s1 = _sign_mask(aux >> (7 * (j % 4)), 1)
-                        g0 = (g0 ^ s0) + (s0 & 0x01010101)
-                        g1 = (g1 ^ s1) + (s1 & 0x01010101)
+                        g0 = _signed(g0, aux >> (7 * (j % 4)), 0)
+                        g1 = _signed(g1, aux >> (7 * (j % 4)), 1)
                     else:
                         e = (qw >> (16 * u)) & 0xFFFF
                         sel = tl.load(t0 + (e & 511)) | tl.load(t1 + (e >> 9))
@@ -620,9 +619,13 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr,
                     if t % 2 == 1:
                         db = d * (i2f((aux >> 28) & 15, 0.0) + 0.5) * 0.5
                         acc += (db * dxj) * _i2f_signed(dot)
-                else:  # groups 2t, 2t + 1 share scale nibble t
-                    db = d * (i2f((sc16 >> (4 * t)) & 15, 0.0) + 0.5) * 0.25
-                    acc += (db * dxj) * _i2f_signed(dot)
+                else:  # groups 2t, 2t + 1 share scale nibble t: (sc + 0.5) / 4 = (2 sc + 1) / 8
+                    m = ((sc16 >> (4 * t)) & 15) * 2 + 1
+                    if t % 2 == 0:
+                        isum = dot * m
+                    else:  # the two scales of x's block j // 2 summed exactly in int32
+                        isum += dot * m
+                        acc += (d * dxj * 0.125) * isum.to(tl.float32)
     return tl.sum(acc, axis=1)
 
 
