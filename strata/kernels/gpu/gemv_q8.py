@@ -418,6 +418,23 @@ def _in_row(b, nb, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _x_block_step(acc, v, bp, b, m, c, dx, f: tl.constexpr):
+    """acc [BB, 4, R, 2] + f d dx[h] Σ v: an i-quant spread form's float step, once for each
+    32 values of x (h: groups 4h .. 4h + 3 of quarter c of blocks b); v [BB, 4, R, 8, 2] the
+    words' int32 dots times their integer scales (summed exactly: |Σ| < 2^24), bp the blocks'
+    bytes (d, fp16, first), m the blocks in the row."""
+    BB: tl.constexpr = acc.shape[0]
+    R: tl.constexpr = acc.shape[2]
+    s = tl.sum(tl.reshape(v, (BB, 4, R, 2, 8)), axis=4)
+    h = tl.arange(0, 2)[None, None, None, :]
+    d = tl.load((bp + 0 * c).to(tl.pointer_type(tl.int16)), mask=m,
+                other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BB, 4, R, 1, 1]
+    dxh = tl.load(dx + tl.reshape(b, (BB, 1, 1, 1)) * 8 + 2 * tl.reshape(c, (1, 4, 1, 1)) + h,
+                  mask=tl.reshape(m, (BB, 1, 1, 1)), other=0.0)
+    return acc + (tl.reshape(d, (BB, 4, R, 1)) * dxh * f) * s.to(tl.float32)
+
+
+@triton.jit
 def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr,
                      EVEN: tl.constexpr = False):
     """Σ_k x̂[k] · W[r, k] [R] for IQ2_XS rows at byte offsets ro ([1, 1, R, 1, 1], int64)
@@ -428,8 +445,9 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr,
     (one per 16 values). The threads spread over BB blocks x 4 quarters; a thread takes, per
     row, the 8 groups of 8 values of its quarter. A group's grid row is 8 codes (0-2) as
     nibbles (gsel, 2 KB) and its signs 4 in the nibbles (ssel, 512 B): their OR picks each
-    signed value byte with one PRMT a word, then one signed dp4a; the int32 sums of a 16-value
-    sub-block get its scale, d (0.5 + sc) / 4, and dx. (Gathering 8 value bytes and 8 sign
+    signed value byte with one PRMT a word, then one signed dp4a; each word's int32 dot times
+    its 16-value sub-block's 2 sc + 1, summed over each 32 values of x, takes d / 8 and dx in
+    one float step (_x_block_step). (Gathering 8 value bytes and 8 sign
     masks a group instead, 4 KB + 1 KB of tables, took 28.4 us against 20.1 on 14336 x 4096:
     the gathers' L1 wavefronts bound these kernels, docs/kernels.md.)"""
     R: tl.constexpr = ro.shape[2]
@@ -438,7 +456,7 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr,
     j = tl.arange(0, 8)[None, None, None, :, None]  # the quarter's group
     w = tl.arange(0, 2)[None, None, None, None, :]  # the group's word (4 values)
     zero = tl.zeros((BB, 4, R, 8, 2), tl.int32)
-    acc = tl.zeros((BB, 4, R, 8, 2), tl.float32)
+    acc = tl.zeros((BB, 4, R, 2), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = _in_row(b, nb, EVEN)
@@ -452,11 +470,9 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr,
         b8 = (wbase.to(tl.pointer_type(tl.int8)) + o).to(tl.pointer_type(tl.uint8))
         sc = (tl.load(b8 + 66 + 2 * c + j // 4 + 0 * w, mask=m, other=0).to(tl.int32)
               >> (4 * ((j // 2) % 2))) & 15
-        d = tl.load((b8 + 0 * (c + j + w)).to(tl.pointer_type(tl.int16)), mask=m,
-                    other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        dxj = tl.load(dx + b * 8 + 2 * c + j // 4 + 0 * w, mask=m, other=0.0)
-        acc += (d * (i2f(sc, 0.0) + 0.5) * 0.25 * dxj) * _i2f_signed(dot)
-    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
+        # d (sc + 0.5) / 4 = d (2 sc + 1) / 8
+        acc = _x_block_step(acc, dot * (2 * sc + 1), b8, b, m, c, dx, 0.125)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=1), axis=0)
 
 
 @triton.jit
@@ -496,14 +512,15 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
     (w = 0, 1: its two words), signs from 7 bits (7 (i % 4)) of word i // 4. Eight levels
     leave PRMT no room for their negatives (iq2xs_spread_dot's form): the signs become byte
     masks by arithmetic (_signed; no table, so no gather) and negate the grid bytes they
-    mark before one signed dp4a a word."""
+    mark before one signed dp4a a word; the dots times 2 s + 1 take d / 4 and dx once for
+    each 32 values of x (_x_block_step)."""
     R: tl.constexpr = ro.shape[2]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     c = tl.arange(0, 4)[None, :, None, None, None]
     j = tl.arange(0, 8)[None, None, None, :, None]
     w = tl.arange(0, 2)[None, None, None, None, :]
     zero = tl.zeros((BB, 4, R, 8, 2), tl.int32)
-    acc = tl.zeros((BB, 4, R, 8, 2), tl.float32)
+    acc = tl.zeros((BB, 4, R, 2), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = _in_row(b, nb, EVEN)
@@ -515,12 +532,10 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
         g = tl.load(grid4 + idx)  # 4 grid bytes
         xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)
         dot = _dp4a(_signed(g, aux >> (7 * (j % 4)), w), xj, zero, True)
-        d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + o + 0 * (c + j + w))
-                    .to(tl.pointer_type(tl.int16)), mask=m,
-                    other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        dxj = tl.load(dx + b * 8 + 2 * c + j // 4 + 0 * w, mask=m, other=0.0)
-        acc += (d * (i2f((aux >> 28) & 15, 0.0) + 0.5) * 0.5 * dxj) * _i2f_signed(dot)
-    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
+        # d (s + 0.5) / 2 = d (2 s + 1) / 4, s in aux's top bits
+        acc = _x_block_step(acc, dot * (((aux >> 27) & 30) + 1),
+                            wbase.to(tl.pointer_type(tl.int8)) + o, b, m, c, dx, 0.25)
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=1), axis=0)
 
 
 @triton.jit
