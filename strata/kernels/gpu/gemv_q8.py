@@ -226,7 +226,8 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
     2 quarters; a thread reads, per row, 4 words at each of ql + 64h + 16q, ql + 64h + 32 + 16q
     and qh + 32h + 16q, which hold the 6-bit values of the 16-value sub-blocks 8h + 2j + q
     (positions 128h + 32j + 16q + 4i + t, j = 0..3): one dp4a per 4 values with x̂, less 32 Σ xq
-    (a dp4a with ones), times the sub-block's int8 scale, in int32; then d dx per j."""
+    (a dp4a with ones), times the sub-block's int8 scale, summed over the thread's 4 words in
+    int32; then one float step, d dx, per j."""
     R: tl.constexpr = ro.shape[3]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     h = tl.arange(0, 2)[None, :, None, None, None]
@@ -234,7 +235,7 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
     i = tl.arange(0, 4)[None, None, None, None, :]
     zero = tl.zeros((BB, 2, 2, R, 4), tl.int32)
     ones = zero + 0x01010101
-    acc = tl.zeros((BB, 2, 2, R, 4), tl.float32)
+    acc = tl.zeros((BB, 2, 2, R), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = b < nb
@@ -242,18 +243,21 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
         qa = _u32_at(wbase, o + 64 * h + 16 * q, i, m)  # [BB, 2, 2, R, 4]
         qb = _u32_at(wbase, o + 64 * h + 32 + 16 * q, i, m)
         qh = _u32_at(wbase, o + 128 + 32 * h + 16 * q, i, m)
-        hd = o + 208 + 0 * (h + q + i)  # d, the same for every word of the block
-        d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd).to(tl.pointer_type(tl.int16)),
-                    mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        hd = o + 208 + 0 * (h + q)  # d, the same for every word of the block
+        d = tl.reshape(tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd)
+                               .to(tl.pointer_type(tl.int16)), mask=m, other=0)
+                       .to(tl.float16, bitcast=True).to(tl.float32), (BB, 2, 2, R))
         for j in tl.static_range(4):
             qj = _q6k_quants(qa, qb, qh, j)
             xj = tl.load(xw + b * 64 + 32 * h + 8 * j + 4 * q + i, mask=m, other=0)
             dot = _dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero)  # Σ (q - 32) xq
             sc = tl.load(wbase.to(tl.pointer_type(tl.int8)) + o + 192 + 8 * h + 2 * j + q
                          + 0 * i, mask=m, other=0).to(tl.int32)  # the 16 values' scale
-            dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * (q + i), mask=m, other=0.0)
-            acc += (d * dxj) * _i2f_signed(sc * dot)
-    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=2), axis=1), axis=0)
+            dxj = tl.reshape(tl.load(dx + b * 8 + 4 * h + j + 0 * q, mask=m, other=0.0),
+                             (BB, 2, 2, 1))
+            # the sub-block's 4 words summed in int32 (|Σ| < 2^24), one float step
+            acc += (d * dxj) * tl.sum(sc * dot, axis=4).to(tl.float32)
+    return tl.sum(tl.sum(tl.sum(acc, axis=2), axis=1), axis=0)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
