@@ -639,11 +639,11 @@ def iq_run_dot(wp, ro, xw, dx, t0, t1, nb, IQ3: tl.constexpr, S: tl.constexpr,
                         db = d * (i2f((aux >> 28) & 15, 0.0) + 0.5) * 0.5
                         acc += (db * dxj) * _i2f_signed(dot)
                 else:  # groups 2t, 2t + 1 share scale nibble t: (sc + 0.5) / 4 = (2 sc + 1) / 8
-                    m = ((sc16 >> (4 * t)) & 15) * 2 + 1
+                    sc2 = ((sc16 >> (4 * t)) & 15) * 2 + 1
                     if t % 2 == 0:
-                        isum = dot * m
+                        isum = dot * sc2
                     else:  # the two scales of x's block j // 2 summed exactly in int32
-                        isum += dot * m
+                        isum += dot * sc2
                         acc += (d * dxj * 0.125) * isum.to(tl.float32)
     return tl.sum(acc, axis=1)
 
