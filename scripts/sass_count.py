@@ -56,13 +56,19 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple[int, ...]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     try:
-        sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", f.name], capture_output=True,
-                              text=True, check=True).stdout.splitlines()
-        usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
+        sass, usage = disassemble(f.name)
     finally:
         os.unlink(f.name)
     return sass, int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def disassemble(cubin: str) -> tuple[list[str], str]:
+    """(SASS lines, cuobjdump's resource usage: registers of each function) of a cubin file."""
+    sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", cubin], capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage", cubin],
+                           capture_output=True, text=True, check=True).stdout
+    return sass, usage
 
 
 def longest_loop(sass: list[str]) -> list[str]:
@@ -204,10 +210,7 @@ def llama_cpp(obj: str) -> None:
         if not cubins:
             sys.exit(f"{obj}: no sm_90 machine code in it (build with CMAKE_CUDA_ARCHITECTURES=90)")
         for cubin in cubins:
-            sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", str(cubin)], capture_output=True,
-                                  text=True, check=True).stdout.splitlines()
-            usage = subprocess.run([str(TOOLS / "cuobjdump"), "--dump-resource-usage",
-                                    str(cubin)], capture_output=True, text=True, check=True).stdout
+            sass, usage = disassemble(str(cubin))
             starts = [i for i, line in enumerate(sass) if line.startswith("//----------")]
             for name, (t, per_weight) in LLAMA_CPP_TYPES.items():
                 fn = f"_Z13mul_mat_vec_qIL9ggml_type{t}ELi1ELb0ELb0ELb0E"
