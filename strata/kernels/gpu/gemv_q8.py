@@ -422,20 +422,20 @@ def _in_row(b, nb, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _x_block_step(acc, v, bp, b, m, c, dx, f: tl.constexpr):
-    """acc [BB, 4, R, 2] + f d dx[h] Σ v: an i-quant spread form's float step, once for each
-    32 values of x (h: groups 4h .. 4h + 3 of quarter c of blocks b); v [BB, 4, R, 8, 2] the
-    words' int32 dots times their integer scales (summed exactly: |Σ| < 2^24), bp the blocks'
-    bytes (d, fp16, first), m the blocks in the row."""
-    BB: tl.constexpr = acc.shape[0]
-    R: tl.constexpr = acc.shape[2]
-    s = tl.sum(tl.reshape(v, (BB, 4, R, 2, 8)), axis=4)
-    h = tl.arange(0, 2)[None, None, None, :]
+def _x_block_step(acc, v, bp, b, m, c, j, dx, f: tl.constexpr):
+    """acc [BB, 4, R, 1, 1] + f d (dx[0] Σ_{j < 4} v + dx[1] Σ_{j >= 4} v): an i-quant spread
+    form's float step, one for each 32 values of x (groups 4h .. 4h + 3 of quarter c of blocks
+    b take dx[h]); v [BB, 4, R, 8, 2] the words' int32 dots times their integer scales (summed
+    exactly: |Σ| < 2^24), bp the blocks' bytes (d, fp16, first), m the blocks in the row.
+    (Summed by masks, not by reshaping v to [.., 2, 8]: that form was exact under the
+    interpreter and wrong on the H200 for IQ3_XXS at BB 1 and 2, run 111.)"""
+    v0 = tl.sum(tl.sum(tl.where(j < 4, v, 0), axis=4, keep_dims=True), axis=3, keep_dims=True)
+    v1 = tl.sum(tl.sum(tl.where(j < 4, 0, v), axis=4, keep_dims=True), axis=3, keep_dims=True)
     d = tl.load((bp + 0 * c).to(tl.pointer_type(tl.int16)), mask=m,
                 other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BB, 4, R, 1, 1]
-    dxh = tl.load(dx + tl.reshape(b, (BB, 1, 1, 1)) * 8 + 2 * tl.reshape(c, (1, 4, 1, 1)) + h,
-                  mask=tl.reshape(m, (BB, 1, 1, 1)), other=0.0)
-    return acc + (tl.reshape(d, (BB, 4, R, 1)) * dxh * f) * s.to(tl.float32)
+    dx0 = tl.load(dx + b * 8 + 2 * c, mask=m, other=0.0)  # [BB, 4, 1, 1, 1]
+    dx1 = tl.load(dx + b * 8 + 2 * c + 1, mask=m, other=0.0)
+    return acc + (d * f) * (dx0 * v0.to(tl.float32) + dx1 * v1.to(tl.float32))
 
 
 @triton.jit
@@ -460,7 +460,7 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr,
     j = tl.arange(0, 8)[None, None, None, :, None]  # the quarter's group
     w = tl.arange(0, 2)[None, None, None, None, :]  # the group's word (4 values)
     zero = tl.zeros((BB, 4, R, 8, 2), tl.int32)
-    acc = tl.zeros((BB, 4, R, 2), tl.float32)
+    acc = tl.zeros((BB, 4, R, 1, 1), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = _in_row(b, nb, EVEN)
@@ -475,8 +475,8 @@ def iq2xs_spread_dot(wbase, ro, xw, dx, gsel, ssel, nb, BB: tl.constexpr,
         sc = (tl.load(b8 + 66 + 2 * c + j // 4 + 0 * w, mask=m, other=0).to(tl.int32)
               >> (4 * ((j // 2) % 2))) & 15
         # d (sc + 0.5) / 4 = d (2 sc + 1) / 8
-        acc = _x_block_step(acc, dot * (2 * sc + 1), b8, b, m, c, dx, 0.125)
-    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=1), axis=0)
+        acc = _x_block_step(acc, dot * (2 * sc + 1), b8, b, m, c, j, dx, 0.125)
+    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
 
 
 @triton.jit
@@ -524,7 +524,7 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
     j = tl.arange(0, 8)[None, None, None, :, None]
     w = tl.arange(0, 2)[None, None, None, None, :]
     zero = tl.zeros((BB, 4, R, 8, 2), tl.int32)
-    acc = tl.zeros((BB, 4, R, 2), tl.float32)
+    acc = tl.zeros((BB, 4, R, 1, 1), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = _in_row(b, nb, EVEN)
@@ -538,8 +538,8 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
         dot = _dp4a(_signed(g, aux >> (7 * (j % 4)), w), xj, zero, True)
         # d (s + 0.5) / 2 = d (2 s + 1) / 4, s in aux's top bits
         acc = _x_block_step(acc, dot * (((aux >> 27) & 30) + 1),
-                            wbase.to(tl.pointer_type(tl.int8)) + o, b, m, c, dx, 0.25)
-    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=1), axis=0)
+                            wbase.to(tl.pointer_type(tl.int8)) + o, b, m, c, j, dx, 0.25)
+    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
 
 
 @triton.jit
