@@ -58,6 +58,16 @@ def test_info_lists_types_per_layer(synth, capsys):
     assert "qwen3moe: 3 layers" in out and "IQ2_XS" in out and "IQ1_M" in out
 
 
+def test_synth_names_the_file_type(synth):
+    """general.file_type as llama.cpp numbers its types (llama-bench names the model by it):
+    IQ2_XS 20, Q4_K_M 15; none for ALL-TYPES."""
+    from gguf import GGUFReader
+
+    for recipe, ftype in (("IQ2_XS", 20), ("Q4_K_M", 15), ("ALL-TYPES", None)):
+        field = GGUFReader(synth("qwen3moe", recipe)).fields.get("general.file_type")
+        assert (field.contents() if field else None) == ftype, recipe
+
+
 def test_synth_is_deterministic_streamed_and_splits(tmp_path, capsys):
     def digest(p):
         return hashlib.sha256(p.read_bytes()).hexdigest()

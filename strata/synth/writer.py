@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGUFWriter, LlamaFileType
 
 from strata.config import ModelConfig, expected_tensors
 from strata.gguf.writer import add_tensor, write_tensor_chunks
@@ -124,6 +124,17 @@ def _add_metadata(w: GGUFWriter, p: Preset, recipe: Recipe) -> None:
     if p.d_shared:
         w.add_expert_shared_feed_forward_length(p.d_shared)
     w.add_quantization_version(2)
+    if (ftype := file_type(recipe)) is not None:
+        w.add_file_type(ftype)
+
+
+def file_type(recipe: Recipe) -> LlamaFileType | None:
+    """general.file_type for a recipe (llama.cpp names the model's type by it; without it,
+    it guesses from the commonest tensor type, F32 where the norms outnumber the rest), or None
+    for ALL-TYPES, which has no such name."""
+    name = {"F32": "ALL_F32", "IQ2_XS-MIX": "MOSTLY_IQ2_XS",
+            "MXFP4": "MOSTLY_MXFP4_MOE"}.get(recipe.name, f"MOSTLY_{recipe.name}")
+    return LlamaFileType.__members__.get(name)
 
 
 def write_model(out: Path, p: Preset, recipe: Recipe, seed: int, split_max_tensors: int = 0,

@@ -226,8 +226,10 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
     2 quarters; a thread reads, per row, 4 words at each of ql + 64h + 16q, ql + 64h + 32 + 16q
     and qh + 32h + 16q, which hold the 6-bit values of the 16-value sub-blocks 8h + 2j + q
     (positions 128h + 32j + 16q + 4i + t, j = 0..3): one dp4a per 4 values with x̂, less 32 Σ xq
-    (a dp4a with ones), times the sub-block's int8 scale, summed over the thread's 4 words in
-    int32; then one float step, d dx, per j."""
+    (a dp4a with ones), times the sub-block's int8 scale, in int32; then d dx per j. (Summing
+    a sub-block's 4 words in int32 first cut the MoE down kernel's step from 894 to 615
+    instructions but put shared-memory loads and barriers in it: its 30B-A3B layer took 26.1 us
+    against 24.9, runs 114, 106.)"""
     R: tl.constexpr = ro.shape[3]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     h = tl.arange(0, 2)[None, :, None, None, None]
@@ -235,7 +237,7 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
     i = tl.arange(0, 4)[None, None, None, None, :]
     zero = tl.zeros((BB, 2, 2, R, 4), tl.int32)
     ones = zero + 0x01010101
-    acc = tl.zeros((BB, 2, 2, R), tl.float32)
+    acc = tl.zeros((BB, 2, 2, R, 4), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = b < nb
@@ -243,21 +245,18 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
         qa = _u32_at(wbase, o + 64 * h + 16 * q, i, m)  # [BB, 2, 2, R, 4]
         qb = _u32_at(wbase, o + 64 * h + 32 + 16 * q, i, m)
         qh = _u32_at(wbase, o + 128 + 32 * h + 16 * q, i, m)
-        hd = o + 208 + 0 * (h + q)  # d, the same for every word of the block
-        d = tl.reshape(tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd)
-                               .to(tl.pointer_type(tl.int16)), mask=m, other=0)
-                       .to(tl.float16, bitcast=True).to(tl.float32), (BB, 2, 2, R))
+        hd = o + 208 + 0 * (h + q + i)  # d, the same for every word of the block
+        d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd).to(tl.pointer_type(tl.int16)),
+                    mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         for j in tl.static_range(4):
             qj = _q6k_quants(qa, qb, qh, j)
             xj = tl.load(xw + b * 64 + 32 * h + 8 * j + 4 * q + i, mask=m, other=0)
             dot = _dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero)  # Σ (q - 32) xq
             sc = tl.load(wbase.to(tl.pointer_type(tl.int8)) + o + 192 + 8 * h + 2 * j + q
                          + 0 * i, mask=m, other=0).to(tl.int32)  # the 16 values' scale
-            dxj = tl.reshape(tl.load(dx + b * 8 + 4 * h + j + 0 * q, mask=m, other=0.0),
-                             (BB, 2, 2, 1))
-            # the sub-block's 4 words summed in int32 (|Σ| < 2^24), one float step
-            acc += (d * dxj) * tl.sum(sc * dot, axis=4).to(tl.float32)
-    return tl.sum(tl.sum(tl.sum(acc, axis=2), axis=1), axis=0)
+            dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * (q + i), mask=m, other=0.0)
+            acc += (d * dxj) * _i2f_signed(sc * dot)
+    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=2), axis=1), axis=0)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -423,12 +422,12 @@ def _in_row(b, nb, EVEN: tl.constexpr):
 
 @triton.jit
 def _x_block_step(acc, v, bp, b, m, c, j, dx, f: tl.constexpr):
-    """acc [BB, 4, R, 1, 1] + f d (dx[0] Σ_{j < 4} v + dx[1] Σ_{j >= 4} v): an i-quant spread
+    """acc [BB, 4, R, 1, 1] + f d (dx[0] Σ_{j < 4} v + dx[1] Σ_{j >= 4} v): the IQ2_XS spread
     form's float step, one for each 32 values of x (groups 4h .. 4h + 3 of quarter c of blocks
     b take dx[h]); v [BB, 4, R, 8, 2] the words' int32 dots times their integer scales (summed
     exactly: |Σ| < 2^24), bp the blocks' bytes (d, fp16, first), m the blocks in the row.
     (Summed by masks, not by reshaping v to [.., 2, 8]: that form was exact under the
-    interpreter and wrong on the H200 for IQ3_XXS at BB 1 and 2, run 111.)"""
+    interpreter and wrong on the H200 for IQ3_XXS at BB 1 and 2, run 113.)"""
     v0 = tl.sum(tl.sum(tl.where(j < 4, v, 0), axis=4, keep_dims=True), axis=3, keep_dims=True)
     v1 = tl.sum(tl.sum(tl.where(j < 4, 0, v), axis=4, keep_dims=True), axis=3, keep_dims=True)
     d = tl.load((bp + 0 * c).to(tl.pointer_type(tl.int16)), mask=m,
@@ -516,15 +515,15 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
     (w = 0, 1: its two words), signs from 7 bits (7 (i % 4)) of word i // 4. Eight levels
     leave PRMT no room for their negatives (iq2xs_spread_dot's form): the signs become byte
     masks by arithmetic (_signed; no table, so no gather) and negate the grid bytes they
-    mark before one signed dp4a a word; the dots times 2 s + 1 take d / 4 and dx once for
-    each 32 values of x (_x_block_step)."""
+    mark before one signed dp4a a word, whose int32 dot takes its scale d (0.5 + s) / 2 and dx
+    in a float step of its own."""
     R: tl.constexpr = ro.shape[2]
     bb = tl.arange(0, BB)[:, None, None, None, None]  # [BB, 1, 1, 1, 1]
     c = tl.arange(0, 4)[None, :, None, None, None]
     j = tl.arange(0, 8)[None, None, None, :, None]
     w = tl.arange(0, 2)[None, None, None, None, :]
     zero = tl.zeros((BB, 4, R, 8, 2), tl.int32)
-    acc = tl.zeros((BB, 4, R, 1, 1), tl.float32)
+    acc = tl.zeros((BB, 4, R, 8, 2), tl.float32)
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = _in_row(b, nb, EVEN)
@@ -536,9 +535,14 @@ def iq3xxs_spread_dot(wbase, ro, xw, dx, grid4, smask, nb, BB: tl.constexpr,
         g = tl.load(grid4 + idx)  # 4 grid bytes
         xj = tl.load(xw + b * 64 + 16 * c + 2 * j + w, mask=m, other=0)
         dot = _dp4a(_signed(g, aux >> (7 * (j % 4)), w), xj, zero, True)
-        # d (s + 0.5) / 2 = d (2 s + 1) / 4, s in aux's top bits
-        acc = _x_block_step(acc, dot * (((aux >> 27) & 30) + 1),
-                            wbase.to(tl.pointer_type(tl.int8)) + o, b, m, c, j, dx, 0.25)
+        d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + o + 0 * (c + j + w))
+                    .to(tl.pointer_type(tl.int16)), mask=m,
+                    other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        dxj = tl.load(dx + b * 8 + 2 * c + j // 4 + 0 * w, mask=m, other=0.0)
+        # a float step a word: summing the words' dots first (_x_block_step) crosses lanes
+        # here (48 more SHFL a step in the MoE gate/up kernel at (4, 4, 1); SHFL, LDS and STS in
+        # the down at (8, 1, 1)), and that layer took 30.0 us against 28.5 (runs 114, 104)
+        acc += (d * (i2f((aux >> 28) & 15, 0.0) + 0.5) * 0.5 * dxj) * _i2f_signed(dot)
     return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=1), axis=0)
 
 
