@@ -16,6 +16,9 @@ every step is in the row (EVEN: loads unmasked, as at 14336 x 4096).
     python scripts/sass_count.py
     python scripts/sass_count.py --llama-cpp MMVQ_OBJECT
 
+The first also counts the decode MoE kernels at their default tiles: instructions a thread step
+and the SHFL and shared-memory ops in it (sums or layout conversions across lanes).
+
 The second counts llama.cpp's one-token IQ2_XS and IQ3_XXS GEMVs (ggml-cuda's mul_mat_vec_q) in
 its sm_90 build the same way: MMVQ_OBJECT is scripts/build_llama_cpp.sh's
 .llama-build/ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir/mmvq.cu.o (or any such build's).
@@ -104,11 +107,19 @@ def describe(name: str, sass: list[str], regs: int, weights: float, weight_bytes
     loads = " ".join(f"{ldg[w]}x{w}" for w in order if ldg[w])
     n_ldg = sum(ldg.values())
     nbytes = sum(LDG_BYTES.get(w, 4) * c for w, c in ldg.items())
-    shared = sum(op.startswith(("LDS", "STS", "BAR")) for op in ops)
     return (f"{name}: {regs} registers; {len(ops)} instructions a thread step, {weights:.0f} "
             f"weights: {len(ops) / weights:.2f} a weight; loads {loads} = {n_ldg} ({nbytes} B) "
             f"for {weight_bytes:g} weight bytes: {n_ldg / weight_bytes:.2f} loads and "
-            f"{nbytes / weight_bytes:.1f} B a weight byte"
+            f"{nbytes / weight_bytes:.1f} B a weight byte" + crossings(ops))
+
+
+def crossings(ops: list[str]) -> str:
+    """"; N SHFL; M shared-memory ops and barriers" for a loop's ops, where there are any: the
+    values it moves between lanes (a sum across lanes, a layout conversion), each SHFL, LDS or
+    STS a quarter of an SM's issue rate or less."""
+    shfl = sum(op.startswith("SHFL") for op in ops)
+    shared = sum(op.startswith(("LDS", "STS", "BAR")) for op in ops)
+    return ((f"; {shfl} SHFL" if shfl else "")
             + (f"; {shared} shared-memory ops and barriers" if shared else ""))
 
 
@@ -192,6 +203,39 @@ def main() -> None:
             print(describe(f"dp4a run GEMV (gemv_q8.py) {name} RL {rl} S {sp} warps 1", sass,
                            regs, 512, 8 * nbytes))
 
+MOE_SIG = {"xq": "*i8", "xs4": "*fp32", "dx": "*fp32", "hq": "*i8", "hs4": "*fp32",
+           "hdx": "*fp32", "ids": "*i32", "wts": "*fp32", "slot_of": "*i32", "gate": "*u8",
+           "up": "*u8", "h": "*fp32", "mg": "*u8", "mu": "*u8", "down": "*u8", "part": "*fp32",
+           "md": "*u8", "t0": "*i32", "t1": "*i32"}
+
+
+def moe_kernels() -> None:
+    """The decode MoE kernels at their default tiles (moe.py), one-token pairs, no miss rows, the
+    i-quant ones built EVEN as for the 30B-A3B layer (d_model 2048, d_expert 768): a
+    thread step's instructions and what crosses lanes in it (their spread dots' sums: where
+    Triton lays a summed axis across lanes, each step pays SHFL or shared memory for it)."""
+    from strata.kernels.gpu import moe
+
+    for fn, tile, consts in (
+            (gemv_q8._gate_up_q8_kernel, moe.GATE_UP_Q8_TILE, {}),
+            (gemv_q8._down_q8_kernel, moe.DOWN_Q8_TILE, {}),
+            (gemv_q8._down_q6k_q8_kernel, moe.DOWN_Q6K_Q8_TILE, {}),
+            (gemv_q8._gate_up_iq_kernel, moe.GATE_UP_IQ_TILE,
+             {"IQ3": False, "RUN": False, "EVEN": True}),
+            (gemv_q8._gate_up_iq_kernel, moe.GATE_UP_IQ_TILE,
+             {"IQ3": True, "RUN": False, "EVEN": True}),
+            (gemv_q8._down_iq_kernel, moe.DOWN_IQ_TILE, {"IQ3": False, "EVEN": True}),
+            (gemv_q8._down_iq_kernel, moe.DOWN_IQ_TILE, {"IQ3": True, "EVEN": True})):
+        r, bb, warps = tile
+        consts = {"TOPK": 8, "R": r, "BB": bb, "MISS": False, "HOST_FROM": 8, **consts}
+        sig = {a: MOE_SIG.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+        sass, regs = compile_sm90(fn, sig, consts, (), warps)
+        ops = opcodes(longest_loop(sass))
+        what = " IQ3_XXS" if consts.get("IQ3") else " IQ2_XS" if "IQ3" in consts else ""
+        print(f"MoE {fn.__name__}{what} (R {r}, BB {bb}, warps {warps}): {regs} registers; "
+              f"{len(ops)} instructions a thread step" + crossings(ops))
+
+
 # llama.cpp's one-token GEMV (ggml-cuda's mul_mat_vec_q, one column, no fusion) for the
 # i-quants: ggml_type number, weight bytes a weight (their dot products dp4a weights only; the
 # K-quants' also dp4a x against 0x01010101 for the block minimums, so 4 weights an IDP would
@@ -233,3 +277,4 @@ if __name__ == "__main__":
         sys.exit("usage: python scripts/sass_count.py [--llama-cpp MMVQ_OBJECT]")
     else:
         main()
+        moe_kernels()
