@@ -34,7 +34,8 @@
 # time is building kernels (tests/test_gemv_q8.py: 39 in 192 s at N 14). The whole list in 14
 # processes was cut at 400-540 s with 153-202 of about 250 done, none failed (runs 108-110;
 # likely its CPU-pool tests, each starting a pool of the machine's cores less one): run it in one
-# process. TEST_TIMEOUT: the tests' limit in s (400).
+# process, after the kernel files at PYTEST_N with TCACHE=1 on the same machine (run 115: 248
+# passed in 127 s with run 114's kernels built). TEST_TIMEOUT: the tests' limit in s (400).
 # WARM=N builds the kernels stage's kernels in N processes first (bench_moe_decode.py --warm).
 # Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
 # in the background while the tests run).
