@@ -210,28 +210,41 @@ MOE_SIG = {"xq": "*i8", "xs4": "*fp32", "dx": "*fp32", "hq": "*i8", "hs4": "*fp3
 
 
 def moe_kernels() -> None:
-    """The decode MoE kernels at their default tiles (moe.py), one-token pairs, no miss rows, the
-    i-quant ones built EVEN as for the 30B-A3B layer (d_model 2048, d_expert 768): a
-    thread step's instructions and what crosses lanes in it (their spread dots' sums: where
-    Triton lays a summed axis across lanes, each step pays SHFL or shared memory for it)."""
+    """The decode MoE kernels at their default tiles (moe.py) for the 30B-A3B layer (d_model 2048,
+    d_expert 768; one-token pairs, no miss rows; the i-quant ones built EVEN as there), each
+    argument 16-divisible where it is at launch (pointers; record strides; the gate/up rows'
+    bytes, and a Q4_K down's, not the other downs': 3 blocks of 210, 74 or 98 bytes): a thread
+    step's instructions and what crosses lanes in it (where Triton lays a summed axis across
+    lanes, each step pays SHFL or shared memory for it)."""
+    from strata.experts.layout import ExpertLayout
     from strata.kernels.gpu import moe
+    from strata.quant import row_nbytes
 
-    for fn, tile, consts in (
-            (gemv_q8._gate_up_q8_kernel, moe.GATE_UP_Q8_TILE, {}),
-            (gemv_q8._down_q8_kernel, moe.DOWN_Q8_TILE, {}),
-            (gemv_q8._down_q6k_q8_kernel, moe.DOWN_Q6K_Q8_TILE, {}),
+    d, f = 2048, 768
+    for fn, tile, consts, (gq, dq) in (
+            (gemv_q8._gate_up_q8_kernel, moe.GATE_UP_Q8_TILE, {}, (QType.Q4_K, QType.Q6_K)),
+            (gemv_q8._down_q8_kernel, moe.DOWN_Q8_TILE, {}, (QType.Q4_K, QType.Q4_K)),
+            (gemv_q8._down_q6k_q8_kernel, moe.DOWN_Q6K_Q8_TILE, {}, (QType.Q4_K, QType.Q6_K)),
             (gemv_q8._gate_up_iq_kernel, moe.GATE_UP_IQ_TILE,
-             {"IQ3": False, "RUN": False, "EVEN": True}),
+             {"IQ3": False, "RUN": False, "EVEN": True}, (QType.IQ2_XS, QType.IQ3_XXS)),
             (gemv_q8._gate_up_iq_kernel, moe.GATE_UP_IQ_TILE,
-             {"IQ3": True, "RUN": False, "EVEN": True}),
-            (gemv_q8._down_iq_kernel, moe.DOWN_IQ_TILE, {"IQ3": False, "EVEN": True}),
-            (gemv_q8._down_iq_kernel, moe.DOWN_IQ_TILE, {"IQ3": True, "EVEN": True})):
+             {"IQ3": True, "RUN": False, "EVEN": True}, (QType.IQ3_XXS, QType.IQ3_XXS)),
+            (gemv_q8._down_iq_kernel, moe.DOWN_IQ_TILE, {"IQ3": False, "EVEN": True},
+             (QType.IQ2_XS, QType.IQ2_XS)),
+            (gemv_q8._down_iq_kernel, moe.DOWN_IQ_TILE, {"IQ3": True, "EVEN": True},
+             (QType.IQ2_XS, QType.IQ3_XXS))):
         r, bb, warps = tile
         consts = {"TOPK": 8, "R": r, "BB": bb, "MISS": False, "HOST_FROM": 8, **consts}
         sig = {a: MOE_SIG.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
-        sass, regs = compile_sm90(fn, sig, consts, (), warps)
+        stride = ExpertLayout(0, (int(gq), int(gq), int(dq)), d, f).stride
+        down = "down" in fn.__name__
+        ints = {"row_bytes": row_nbytes(int(dq), f) if down else row_nbytes(int(gq), d),
+                **{a: stride for a in ("stride_gs", "stride_us", "stride_ds", "stride_ms")}}
+        aligned = tuple(i for i, a in enumerate(fn.arg_names)
+                        if a in MOE_SIG or ints.get(a, 1) % 16 == 0)
+        sass, regs = compile_sm90(fn, sig, consts, aligned, warps)
         ops = opcodes(longest_loop(sass))
-        what = " IQ3_XXS" if consts.get("IQ3") else " IQ2_XS" if "IQ3" in consts else ""
+        what = f" {dq.name if down else gq.name}" if "IQ3" in consts else ""
         print(f"MoE {fn.__name__}{what} (R {r}, BB {bb}, warps {warps}): {regs} registers; "
               f"{len(ops)} instructions a thread step" + crossings(ops))
 
