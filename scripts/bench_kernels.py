@@ -11,7 +11,8 @@ weights (>= 256 MB) that the 60 MB L2 cannot hold them, and triton.testing.do_be
 replays (median); launch overhead is therefore not in the kernel times. The decode MoE layer of
 Qwen3-30B-A3B (128 experts, 8 routed, gate + up + down, one token) is timed the same way and also
 eagerly (host wall time per call, launches included). The prompt MoE layer of the same model
-(512 and 4096 tokens, every expert resident) is timed eagerly through both prompt paths: the
+(32 to 4096 tokens, --moe-prompt-tokens; Q4_K/Q4_K/Q6_K and IQ2_XS/IQ2_XS/IQ3_XXS,
+--moe-prompt-types; every expert resident) is timed eagerly through both prompt paths: the
 grouped one (dequantize to bf16 -> torch._grouped_mm, moe_grouped.py) and the fused tl.dot
 kernels (moe._prompt); --moe-prompt-only runs just that.
 
@@ -58,8 +59,10 @@ ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5
              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
              "IQ4_XS", "MXFP4"]
 TOKENS = [1, 4, 16, 512, 4096]
-MOE_PROMPT_TOKENS = [512, 4096]
-MOE_PROMPT_TYPES = ("Q4_K", "Q4_K", "Q6_K")
+# the prompt MoE layer's token counts and packs (gate/up/down); moe.GROUPED_MIN_TOKENS switches
+# the 30B-A3B layer to the grouped path at 256 tokens, an estimate these rows are to settle
+MOE_PROMPT_TOKENS = [32, 64, 128, 256, 512, 4096]
+MOE_PROMPT_TYPES = [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "IQ3_XXS")]
 FUSED_GEMM = ["Q4_K", "Q6_K", "Q8_0", "IQ2_XS"]  # also timed without the cuBLAS route
 ROTATE_BYTES = 256 << 20  # weight copies per timed graph: well past the H200's 60 MB L2
 # candidate GEMV tiles (BN, BK, pipeline stages, warps) tried by --tune on the 14336 x 4096
@@ -274,18 +277,20 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, grouped: bool, rep_ms: 
                 tok_s_48_layers=tokens / (48 * sec))
 
 
-def moe_prompt_rows(report: dict, rep_ms: int) -> None:
-    for t in MOE_PROMPT_TOKENS:
-        pair = {}
-        for grouped in (True, False):
-            r = moe_prompt(MOE_PROMPT_TYPES, t, grouped, rep_ms)
-            report["moe_prompt"].append(r)
-            pair[grouped] = r
-            print(f"MoE 30B-A3B prompt layer {'/'.join(MOE_PROMPT_TYPES)} T={t:5d} "
-                  f"{r['path']:8s}: {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
-                  f"({r['tok_s_48_layers']:7.0f} tok/s for 48 layers, MoE only)", flush=True)
-        print(f"  grouped / tl.dot speed-up at T={t}: {pair[False]['us'] / pair[True]['us']:.2f}x",
-              flush=True)
+def moe_prompt_rows(report: dict, rep_ms: int, packs: list[tuple[str, str, str]],
+                    tokens: list[int]) -> None:
+    for types in packs:
+        for t in tokens:
+            pair = {}
+            for grouped in (True, False):
+                r = moe_prompt(types, t, grouped, rep_ms)
+                report["moe_prompt"].append(r)
+                pair[grouped] = r
+                print(f"MoE 30B-A3B prompt layer {'/'.join(types)} T={t:5d} "
+                      f"{r['path']:8s}: {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
+                      f"({r['tok_s_48_layers']:7.0f} tok/s for 48 layers, MoE only)", flush=True)
+            print(f"  grouped / tl.dot speed-up at T={t}: "
+                  f"{pair[False]['us'] / pair[True]['us']:.2f}x", flush=True)
 
 
 # ---- parallel compile ---------------------------------------------------------------------------
@@ -299,7 +304,7 @@ def _compile_worker(job: tuple) -> str:
         elif kind == "fused":
             fused_gemm_row(payload, 4096, 0, timed=False)
         elif kind == "moe_prompt":
-            moe_prompt(MOE_PROMPT_TYPES, payload[0], payload[1], 0, timed=False)
+            moe_prompt(payload[2], payload[0], payload[1], 0, timed=False)
         else:
             moe_decode(payload[0], 0, timed=False, table=payload[1])
         return ""
@@ -333,7 +338,16 @@ def main() -> None:
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--moe-prompt-only", action="store_true",
                     help="only the 30B-A3B prompt MoE layer, grouped vs tl.dot")
+    ap.add_argument("--moe-prompt-tokens", default=",".join(map(str, MOE_PROMPT_TOKENS)),
+                    help="the prompt MoE layer's token counts")
+    ap.add_argument("--moe-prompt-types", default=",".join("/".join(p) for p in MOE_PROMPT_TYPES),
+                    help="its packs, gate/up/down each, e.g. Q4_K/Q4_K/Q6_K")
     args = ap.parse_args()
+    ptokens = [int(t) for t in args.moe_prompt_tokens.split(",")]
+    packs = [tuple(p.split("/")) for p in args.moe_prompt_types.split(",")]
+    for pack in packs:
+        if len(pack) != 3 or any(t not in QType.__members__ for t in pack):
+            ap.error(f"--moe-prompt-types: {'/'.join(pack)!r} is not GATE/UP/DOWN of GGUF types")
     types = args.types.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
     full = set(args.full.split(","))
@@ -343,11 +357,12 @@ def main() -> None:
 
     report: dict = dict(device=torch.cuda.get_device_name(), rows=[], cublas=[], tune=[],
                         moe=[], fused_gemm=[], moe_prompt=[])
-    prompt_jobs = [("moe_prompt", (t, g)) for t in MOE_PROMPT_TOKENS for g in (True, False)]
+    prompt_jobs = [("moe_prompt", (t, g, p)) for p in packs for t in ptokens
+                   for g in (True, False)]
     if args.moe_prompt_only:
         if args.workers > 1:
             precompile(prompt_jobs, args.workers)
-        moe_prompt_rows(report, args.rep_ms)
+        moe_prompt_rows(report, args.rep_ms, packs, ptokens)
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
         return
     table = {t: formats.FORMATS[QType[t]].gemv for t in types}
@@ -408,7 +423,7 @@ def main() -> None:
         report["moe"].append(r)
         print(f"MoE 30B-A3B decode layer {'/'.join(mt)}: {r['us_graph']:.1f} us (graph), "
               f"{r['us_eager']:.1f} us eager, {r['gbs']:.0f} GB/s of expert weights", flush=True)
-    moe_prompt_rows(report, args.rep_ms)
+    moe_prompt_rows(report, args.rep_ms, packs, ptokens)
     report["targets"] = targets(report)
     for k, v in report["targets"].items():
         print(f"target {k}: {v}")
@@ -431,7 +446,7 @@ def targets(report: dict) -> dict:
         out[f"MoE decode {'/'.join(r['types'])} <= 30 us"] = \
             f"{r['us_graph']:.1f} us graph, {r['us_eager']:.1f} us eager"
     for r in report["moe_prompt"]:
-        out[f"MoE prompt layer {r['tokens']} tokens, {r['path']}"] = \
+        out[f"MoE prompt layer {'/'.join(r['types'])} {r['tokens']} tokens, {r['path']}"] = \
             f"{r['us']:.0f} us, {r['tflops']:.0f} TFLOP/s"
     return out
 

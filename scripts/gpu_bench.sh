@@ -22,7 +22,10 @@
 # in the background from the start, LLAMA_BUILD_TIMEOUT s at most; kept in .llama-build/ for the
 # next call while the machine stays warm: test-backend-ops' one-token GEMV and 30B-A3B
 # MUL_MAT_ID timings for LLAMA_TYPES, llama-bench on the synthetic model all on the GPU and with
-# -ot exps=CPU, LLAMA_BENCH_FLAGS added),
+# -ot exps=CPU, prompts of LLAMA_PROMPTS tokens (512; a list: 128,256,512), LLAMA_BENCH_FLAGS
+# added), grouped (the 30B-A3B prompt MoE layer through the grouped and the tl.dot paths by
+# token count, scripts/bench_kernels.py --moe-prompt-only, GROUPED_ARGS added, e.g.
+# "--moe-prompt-tokens 64,128"),
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check (the
 # logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
 # kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
@@ -120,6 +123,11 @@ if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
   timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" \
     ${WARM:+--warm $WARM} ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.txt" | tail -120
+fi
+if [[ $STAGES == *grouped* ]]; then  # the prompt MoE layer's two paths by token count
+  echo "== prompt MoE layer, 30B-A3B: grouped (bf16 + grouped GEMM) against tl.dot, by tokens"
+  timeout 500 python3 scripts/bench_kernels.py --moe-prompt-only --workers "$(nproc)" \
+    --out "$OUT/moe_prompt.json" ${GROUPED_ARGS:-} 2>&1 | tee "$OUT/moe_prompt.txt" | tail -40
 fi
 if [[ $STAGES == *ncu* ]]; then  # hardware counters of the one-token GEMVs (where ncu can read them)
   echo "== Nsight Compute: the one-token GEMVs, 14336 x 4096 Q4_K and Q6_K, FMA and dp4a"
@@ -230,8 +238,9 @@ fi
 if [[ $STAGES == *llamacpp* && -x $LB/bin/llama-bench ]]; then
   for ot in "" "exps=CPU"; do
     echo "== llama-bench $QUANT ${ot:+-ot $ot}"
-    timeout 300 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 0 -p 512 -n 128 -r 3 ${ot:+-ot "$ot"} \
-      ${LLAMA_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/llama_bench.txt" | grep -E "^\|" | tail -4
+    timeout 300 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 0 -p "${LLAMA_PROMPTS:-512}" -n 128 -r 3 \
+      ${ot:+-ot "$ot"} \
+      ${LLAMA_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/llama_bench.txt" | grep -E "^\|" | tail -8
   done
 fi
 if [[ $STAGES == *check* ]]; then  # float32-exact kernels on both sides: KL < 1e-4 expected
