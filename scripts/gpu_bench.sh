@@ -10,7 +10,9 @@
 # NCU_EXTRA added to ncu's arguments, e.g. --metrics), mapped
 # (bench_mapped.py), overlap (bench_gather_overlap.py), profile
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
-# Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing),
+# Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing), ttft
+# (profile_prompt.py on prompts of TTFT_LEN tokens, "128 512", every expert resident: wall time,
+# kernels busy, the longest ops),
 # decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
 # for each N of SHARES; N:T also --threads T; for each pool of SHARE_POOLS, default graph, as
 # STRATA_CPU_SHARE_POOL; SHARE_ENV="VAR=value ..." in their environment, SHARE_FLAGS added;
@@ -91,7 +93,8 @@ QUANT=${QUANT:-Q4_K_M}  # the synthetic model's recipe (strata synth --quant)
 M=/tmp/q30-$QUANT.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
-      $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ]]; then
+      $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ||
+      $STAGES == *ttft* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -171,6 +174,13 @@ if [[ $STAGES == *streaming* ]]; then
       --prompt-len 8192 --host-routing --json "$OUT/streaming_host.json" 2>&1 \
       | grep -v "^strata:  " | tail -3
   fi
+fi
+if [[ $STAGES == *ttft* ]]; then  # where a short prompt's time goes, every expert resident
+  for n in ${TTFT_LEN:-128 512}; do
+    echo "== a $n-token prompt at 40 GiB: wall time, kernels busy, the longest ops"
+    timeout 200 python3 scripts/profile_prompt.py $M --vram-budget 40 --prompt-len $n --top 20 \
+      --json "$OUT/ttft_$n.json" 2>&1 | grep -v "^strata:  " | tail -22
+  done
 fi
 if [[ $STAGES == *decode* ]]; then
   echo "== decode, VRAM sweep $BUDGETS"

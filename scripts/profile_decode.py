@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from strata.bench.profiling import kernel_rows, print_rows
 from strata.config import EngineConfig
 from strata.engine.decode_step import DecodeStep
 from strata.engine.generator import Engine
@@ -107,14 +108,8 @@ def main() -> None:
     act = torch.profiler.ProfilerActivity
     prof = torch.profiler.profile(activities=[act.CUDA if a.device == "cuda" else act.CPU])
     timed_steps(engine, a.steps, around=prof)
-    rows = []
-    for ev in prof.key_averages():
-        gpu_us = (getattr(ev, "device_time_total", 0.0) if a.device == "cuda"
-                  else ev.self_cpu_time_total)
-        if gpu_us > 0:
-            rows.append((gpu_us / a.steps, ev.count / a.steps, ev.key))
-    rows.sort(reverse=True)
-    gpu_total = sum(r[0] for r in rows)
+    every = kernel_rows(prof, a.device, a.steps, top=1 << 30)
+    gpu_total = sum(r["us"] for r in every)
     step.graphs = a.device == "cuda"
     graphs = timed_steps(engine, a.steps + 2)[2:]  # an eager step, a capture, then replays
     if a.trace:
@@ -124,13 +119,12 @@ def main() -> None:
     res = {"budget": a.vram_budget, "pieces": len(step.pieces), "fuse_route": step.fuse_route,
            "eager_ms": 1e3 * statistics.median(eager), "graphs_ms": 1e3 * statistics.median(graphs),
            "gpu_kernels_ms": gpu_total / 1e3, "host": host,
-           "kernels": [{"us_per_step": round(u, 1), "launches_per_step": c, "name": k[:120]}
-                       for u, c, k in rows[:30]]}
+           "kernels": [{"us_per_step": r["us"], "launches_per_step": r["launches"],
+                        "name": r["name"]} for r in every[:30]]}
     print(f"budget {a.vram_budget} GiB, {len(step.pieces)} pieces: step {res['eager_ms']:.2f} ms "
           f"eager, {res['graphs_ms']:.2f} ms with graphs; GPU kernels {res['gpu_kernels_ms']:.2f} "
           "ms per step; per step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
-    for r in res["kernels"]:
-        print(f"  {r['us_per_step']:9.1f} us  {r['launches_per_step']:6.1f}x  {r['name']}")
+    print_rows(every[:30], "step")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -6,8 +6,10 @@
 Runs the prompt once to warm up, then once under torch.profiler, and prints the wall time, the
 time host-to-device copies were in flight (the union of their intervals: copies on the ring's
 copy stream and any other), the time kernels ran, and their overlap, with the bytes copied and
-the rate over the wall time and over the copies' own time. --trace writes the Chrome trace
-(chrome://tracing, ui.perfetto.dev) for a look at one layer's banks.
+the rate over the wall time and over the copies' own time; then the --top ops by device time.
+A short prompt with every expert resident (--vram-budget 40 --prompt-len 128) shows where its
+time goes: kernels busy for most of the wall time, or the host between them. --trace writes
+the Chrome trace (chrome://tracing, ui.perfetto.dev) for a look at one layer's banks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from strata.bench.profiling import kernel_rows, print_rows
 from strata.config import EngineConfig
 from strata.engine.generator import Engine
 
@@ -79,6 +82,7 @@ def main() -> None:
     p.add_argument("--host-routing", action="store_true",
                    help="read every chunk's routing on the host (OffloadExperts._streams_routed "
                    "off), to compare with the device-routed streaming")
+    p.add_argument("--top", type=int, default=15, help="the longest ops by device time listed")
     p.add_argument("--trace", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -112,12 +116,14 @@ def main() -> None:
     res = {"prompt_len": a.prompt_len, "wall_s": wall, "tok_s": a.prompt_len / wall,
            "streamed_gb": streamed / 1e9, "copy_busy_s": c_us / 1e6, "kernel_busy_s": k_us / 1e6,
            "overlap_s": both / 1e6, "gbs_over_wall": streamed / wall / 1e9,
-           "gbs_while_copying": streamed / (c_us / 1e6) / 1e9 if c_us else 0.0}
+           "gbs_while_copying": streamed / (c_us / 1e6) / 1e9 if c_us else 0.0,
+           "kernels": kernel_rows(prof, a.device, top=a.top)}
     print(f"prompt {a.prompt_len} tokens: {wall:.3f} s ({res['tok_s']:.0f} tok/s); streamed "
           f"{res['streamed_gb']:.2f} GB: {res['gbs_over_wall']:.1f} GB/s over the wall time, "
           f"{res['gbs_while_copying']:.1f} GB/s while copying; copies in flight "
           f"{res['copy_busy_s']:.3f} s, kernels {res['kernel_busy_s']:.3f} s, both at once "
           f"{res['overlap_s']:.3f} s")
+    print_rows(res["kernels"], "prompt")
     if a.trace:
         prof.export_chrome_trace(a.trace)
     if a.json:
