@@ -322,10 +322,14 @@ def main() -> None:
                   (4, 512, 1, 1), (8, 512, 1, 2), (4, 1024, 1, 4), (4, 1024, 2, 2)]
     runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
     runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
-    for q, n, k, what in [s for s in shapes if not a.moe_only and (
-            any(g in s[3] for g in (a.gemv_only or "").split(",") if g) or s[3] in (
-                "14336x4096", "q_proj", "k_proj", "v_proj", "o_proj", "lm_head") and (
-                a.gemv_only is None or any(g == s[0].name for g in a.gemv_only.split(","))))]:
+    picks = [g for g in (a.gemv_only or "").split(",") if g]  # shape names and type names
+    named_only = ("57344x4096", "4096x14336")  # (timed only when --gemv-only names them)
+
+    def wanted(q: QType, what: str) -> bool:
+        return any(g in what for g in picks) or (
+            what not in named_only and (a.gemv_only is None or q.name in picks))
+
+    for q, n, k, what in [s for s in shapes if not a.moe_only and wanted(s[0], s[3])]:
         nbytes = n * row_nbytes(q, k)
         copies = weight_copies(q, n, k, rng, dev) if a.q8_only else None
         for tile, rows, xdtype in [r for r in runs if (r[0] is None or r[0][1] <= k)

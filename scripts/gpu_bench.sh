@@ -249,8 +249,7 @@ if [[ $STAGES == *llamacpp* && -x $LB/bin/llama-bench ]]; then
   for ot in "" "exps=CPU"; do
     echo "== llama-bench $QUANT ${ot:+-ot $ot}"
     timeout 300 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 0 -p "${LLAMA_PROMPTS:-512}" -n 128 -r 3 \
-      ${ot:+-ot "$ot"} \
-      ${LLAMA_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/llama_bench.txt" | grep -E "^\|" | tail -8
+      ${ot:+-ot "$ot"} ${LLAMA_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/llama_bench.txt" | grep -E "^\|" | tail -8
   done
 fi
 if [[ $STAGES == *check* ]]; then  # float32-exact kernels on both sides: KL < 1e-4 expected

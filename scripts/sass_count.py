@@ -181,9 +181,8 @@ def main() -> None:
                                   {"RL": rl, "S": sp, "EVEN": True}, (0, 1, 2, 3, 6), warps)
         print(describe(f"dp4a run GEMV (gemv_q8.py) Q6_K RL {rl} S {sp} warps {warps}", sass,
                        regs, 512, 420))
-    iq_sig = {"xq": "*i8", "dx": "*fp32", "w": "*u8", "y": "*fp32", "grid8": "*i32",
-              "smask": "*i32", "N": "i32", "K": "i32", "row_bytes": "i32", "R": "constexpr",
-              "BB": "constexpr"}
+    iq_sig = {"xq": "*i8", "dx": "*fp32", "w": "*u8", "y": "*fp32", "N": "i32", "K": "i32",
+              "row_bytes": "i32", "R": "constexpr", "BB": "constexpr"}  # (t0, t1: *i32)
     fn = gemv_q8._gemv_iq_spread_kernel
     sig = {a: iq_sig.get(a, "constexpr" if a in ("IQ3", "EVEN") else "*i32")
            for a in fn.arg_names}
