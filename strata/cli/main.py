@@ -22,6 +22,8 @@ COMMANDS = {
     "bench": ("strata.cli.bench", "measure prompt and decode speed against the machine's limits"),
     "check": ("strata.cli.check", "compare the logits of two engine configurations"),
     "profile": ("strata.cli.profile", "record routing frequency per (layer, expert) over prompts"),
+    "perplexity": ("strata.cli.perplexity",
+                   "perplexity on a text file, measured as llama.cpp's llama-perplexity does"),
 }
 
 

@@ -42,8 +42,9 @@ class PlannedTensor:
         return rows * row_nbytes(self.qtype, self.shape[-1])
 
 
-def config_of(p: Preset) -> ModelConfig:
-    """The ModelConfig a file written from preset `p` will load as."""
+def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
+    """The ModelConfig a file written from preset `p` will load as (tied_output: the file has no
+    output.weight; the embedding serves as the output head)."""
     from strata.config import ARCHITECTURES
 
     style, norm = ARCHITECTURES[p.arch]
@@ -53,7 +54,8 @@ def config_of(p: Preset) -> ModelConfig:
         context_length=p.context_length, rms_eps=p.rms_eps, rope_theta=p.rope_theta,
         rope_dim=p.head_dim, rope_style=style, n_experts=p.n_experts,
         n_experts_used=p.n_experts_used, d_expert=p.d_expert, d_shared=p.d_shared, norm_topk=norm,
-        qkv_bias=p.arch == "qwen2moe", qk_norm=p.arch == "qwen3moe", tied_output=False)
+        qkv_bias=p.arch == "qwen2moe", qk_norm=p.arch == "qwen3moe",
+        tied_output=tied_output)
 
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
@@ -100,10 +102,11 @@ def _chunks(t: PlannedTensor, seed: int, index: int, pool: ThreadPoolExecutor,
         yield pending.popleft().result()
 
 
-def _add_metadata(w: GGUFWriter, p: Preset, recipe: Recipe) -> None:
-    w.add_name(f"strata-synthetic-{p.arch}-{recipe.name}")
-    w.add_description("Synthetic model written by `strata synth`: random weights, real layout. "
-                      "Its text is meaningless.")
+def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
+                 file_type: LlamaFileType | None) -> None:
+    """The general.* and architecture keys of a model of shape `p`."""
+    w.add_name(name)
+    w.add_description(description)
     w.add_context_length(p.context_length)
     w.add_embedding_length(p.d_model)
     w.add_block_count(p.n_layers)
@@ -124,8 +127,8 @@ def _add_metadata(w: GGUFWriter, p: Preset, recipe: Recipe) -> None:
     if p.d_shared:
         w.add_expert_shared_feed_forward_length(p.d_shared)
     w.add_quantization_version(2)
-    if (ftype := file_type(recipe)) is not None:
-        w.add_file_type(ftype)
+    if file_type is not None:
+        w.add_file_type(file_type)
 
 
 def file_type(recipe: Recipe) -> LlamaFileType | None:
@@ -142,7 +145,9 @@ def write_model(out: Path, p: Preset, recipe: Recipe, seed: int, split_max_tenso
     """Write the model; return the tensors written. Split sets: OUT-0000i-of-0000n.gguf."""
     tensors = plan_tensors(p, recipe)
     w = GGUFWriter(out, p.arch, split_max_tensors=split_max_tensors, split_max_size=split_max_size)
-    _add_metadata(w, p, recipe)
+    add_metadata(w, p, f"strata-synthetic-{p.arch}-{recipe.name}",
+                 "Synthetic model written by `strata synth`: random weights, real layout. "
+                 "Its text is meaningless.", file_type(recipe))
     synthetic_vocab(p.vocab_kind, p.n_vocab).add_to(w)
     for t in tensors:
         add_tensor(w, t.name, t.shape, t.qtype, t.nbytes)
