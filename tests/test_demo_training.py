@@ -47,8 +47,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run = root / "run"
     # two calls of one schedule: the second resumes from the first's checkpoint
     args = ["train", "--corpus", str(corpus), "--tokenizer", str(tok), "--out", str(run),
-            "--shape", "test", "--device", "cpu", "--batch", "4", "--budget-minutes", "0.1", "--lr", "1e-2",
-            "--log-every", "1", "--eval-every", "2"]
+            "--shape", "test", "--device", "cpu", "--batch", "4", "--budget-minutes", "0.1",
+            "--lr", "1e-2", "--log-every", "1", "--eval-every", "2"]
     tdm.main([*args, "--stop-minutes", "0.04"])
     tdm.main(args)
     weights = root / "weights"
