@@ -55,5 +55,5 @@ def run(args: argparse.Namespace) -> int:
     dest = args.out if args.out.endswith(".npy") else args.out + ".npy"  # as np.save names it
     with atomic_path(dest, "--out") as tmp, open(tmp, "wb") as f:
         np.save(f, out)
-    print(f"strata: wrote logits {list(out.shape)} to {args.out}", file=sys.stderr)
+    print(f"strata: wrote logits {list(out.shape)} to {dest}", file=sys.stderr)
     return 0

@@ -104,7 +104,7 @@ def serve(cfg: ServeConfig, fault: FaultPlan | None) -> int:
     app = create_app(cfg, fault)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=5, timeout_keep_alive=5,
-                            http=head_timeout_protocol())
+                            http=head_timeout_protocol(cfg.head_timeout))
     server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host
     log.info("listening on http://%s:%d/v1 (model %r; the engine loads in the background, "

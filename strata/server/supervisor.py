@@ -42,14 +42,16 @@ _TICK_S = 0.25
 _RESTART_DELAY_S = 0.5
 
 
-def load_chat(model_path: str) -> Any:
-    """ChatTemplate of a model file (its first shard holds the metadata)."""
+def load_chat(model_path: str, seconds: float = 5.0) -> Any:
+    """ChatTemplate of a model file (its first shard holds the metadata), `seconds` a render."""
     from strata.gguf import GGUFFile
     from strata.tokenizer import ChatTemplate, Tokenizer
+    from strata.tokenizer.chat import TemplateLimits
 
     meta = GGUFFile(model_path).metadata
     tok = Tokenizer.from_metadata(meta, source=model_path)
-    return ChatTemplate.from_metadata(meta, tok, source=model_path)
+    return ChatTemplate.from_metadata(meta, tok, source=model_path,
+                                      limits=TemplateLimits(seconds=seconds))
 
 
 class Supervisor:
@@ -179,7 +181,7 @@ class Supervisor:
         if self.chat is not None and self.chat_path == model_path:
             return
         try:
-            self.chat = await asyncio.to_thread(load_chat, model_path)
+            self.chat = await asyncio.to_thread(load_chat, model_path, self.cfg.template_timeout)
             self.chat_path = model_path
         except Exception as e:  # the engine loaded the same file: it renders instead
             log.warning("chat template not loaded in the server process (%s: %s); the engine "

@@ -411,7 +411,7 @@ class ChatTemplate:
                 _current.budget = None
         except (_TimeUp, _Limit) as e:
             why = str(e) if isinstance(e, _Limit) else f"ran past its deadline of {lim.seconds:g} s"
-            raise StrataError(f"{self._where}: tokenizer.chat_template {why}; the request "
+            raise StrataError(f"{self._where}: tokenizer.chat_template stopped: {why}; the request "
                               "(or the template) is too large") from None
         return out
 
