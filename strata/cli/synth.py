@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from strata.cli.output import check_free
 from strata.errors import StrataError
 from strata.synth.balance import routing_balance
 from strata.synth.presets import PRESETS, get_preset
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise StrataError(f"--split-max-tensors {args.split_max_tensors}: give 0 (no split) or "
                           "more")
     total = sum(t.nbytes for t in plan_tensors(preset, recipe))
+    check_free(out, total, "synth")
     print(f"strata: writing {out}: {fmt_bytes(total)} of tensors", file=sys.stderr)
     write_model(out, preset, recipe, args.seed, args.split_max_tensors, split_size,
                 progress=sys.stderr.isatty())
