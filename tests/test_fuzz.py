@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from gguf import GGUFValueType as T
