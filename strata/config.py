@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, replace
 
 from strata.errors import ModelFileError, UnsupportedError
@@ -50,16 +52,16 @@ class ModelConfig:
 
     @classmethod
     def from_model(cls, mf: ModelFile) -> ModelConfig:
+        """The configuration, every value checked (type, range, finiteness) before anything is
+        sized from it; an error names the file and the key."""
         arch = mf.meta("general.architecture")
-        if arch not in ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
             raise UnsupportedError(f"{mf.path}: architecture {arch!r} is not supported "
                                    f"(supported: {', '.join(ARCHITECTURES)})")
         rope_style, norm_default = ARCHITECTURES[arch]
+        m = _Meta(mf, arch)
 
-        def get(key: str, default: object = ModelFileError) -> object:
-            return mf.meta(f"{arch}.{key}", default)
-
-        n_experts = int(get("expert_count", 0))
+        n_experts = m.int("expert_count", 0, 0, MAX_EXPERTS)
         if n_experts == 0:
             raise UnsupportedError(f"{mf.path}: a dense {arch} model (no {arch}.expert_count); "
                                    "Strata runs Mixture-of-Experts models only")
@@ -67,42 +69,101 @@ class ModelConfig:
             raise UnsupportedError(f"{mf.path}: experts stored as one tensor each (old Mixtral "
                                    "layout); convert it again with a recent llama.cpp to get "
                                    "merged ffn_*_exps tensors")
-        d_model, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", d_model // n_heads))
+        n_layers = m.int("block_count", lo=1, hi=MAX_DIM)
+        if n_layers > len(mf.tensors):  # bounds the tensor table built from it
+            raise ModelFileError(mf.path, f"{arch}.block_count is {n_layers} but the file holds "
+                                          f"only {len(mf.tensors)} tensors")
+        d_model = m.int("embedding_length", lo=1, hi=MAX_DIM)
+        n_heads = m.int("attention.head_count", lo=1, hi=d_model)
+        head_dim = m.int("attention.key_length", max(d_model // n_heads, 1), 1, MAX_DIM)
+        n_kv_heads = m.int("attention.head_count_kv", n_heads, 1, n_heads)
+        if n_heads % n_kv_heads:
+            raise ModelFileError(mf.path, f"{arch}.attention.head_count_kv is {n_kv_heads}, which "
+                                          f"does not divide the {n_heads} heads")
         d_expert_key = "feed_forward_length" if arch == "llama" else "expert_feed_forward_length"
         embd = mf.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelFileError(mf.path, "tensor token_embd.weight is missing")
         cfg = cls(
             arch=arch,
-            n_layers=int(get("block_count")),
+            n_layers=n_layers,
             d_model=d_model,
             n_heads=n_heads,
-            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+            n_kv_heads=n_kv_heads,
             head_dim=head_dim,
             n_vocab=embd.shape[0],
-            context_length=int(get("context_length", 4096)),
-            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_dim=int(get("rope.dimension_count", head_dim)),
+            context_length=m.int("context_length", 4096, 1, MAX_CONTEXT),
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6, 0.0, 1.0),
+            rope_theta=m.float("rope.freq_base", 10000.0, 0.0, 1e12),
+            rope_dim=m.int("rope.dimension_count", head_dim, 2, head_dim),
             rope_style=rope_style,
             n_experts=n_experts,
-            n_experts_used=int(get("expert_used_count")),
-            d_expert=int(get(d_expert_key)),
-            d_shared=int(get("expert_shared_feed_forward_length", 0)),
-            norm_topk=bool(get("expert_weights_norm", norm_default)),
+            n_experts_used=m.int("expert_used_count", lo=1, hi=n_experts),
+            d_expert=m.int(d_expert_key, lo=1, hi=MAX_DIM),
+            d_shared=m.int("expert_shared_feed_forward_length", 0, 0, MAX_DIM),
+            norm_topk=m.bool("expert_weights_norm", norm_default),
             qkv_bias="blk.0.attn_q.bias" in mf.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
             tied_output="output.weight" not in mf.tensors,
         )
+        if cfg.rope_dim % 2:
+            raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
+                                          "rotates pairs, so it must be even")
         if arch == "qwen2moe" and cfg.d_shared == 0 and "blk.0.ffn_up_shexp.weight" in mf.tensors:
             shexp = mf.tensors["blk.0.ffn_up_shexp.weight"]
             cfg = replace(cfg, d_shared=shexp.shape[0])
-        if not 0 < cfg.n_experts_used <= cfg.n_experts:
-            raise ModelFileError(mf.path, f"{arch}.expert_used_count is {cfg.n_experts_used} but "
-                                          f"there are {cfg.n_experts} experts")
         check_tensors(mf, cfg)
         return cfg
+
+
+# Bounds of the sizes a file may declare: far above every real model, low enough that nothing
+# sized from them (tensor tables, KV caches, plans) runs away before the tensors are checked.
+MAX_DIM = 1 << 20
+MAX_EXPERTS = 1 << 16
+MAX_CONTEXT = 1 << 24
+
+
+class _Meta:
+    """Typed reads of `ARCH.key` metadata: a wrong type or a value out of range is one line
+    naming the file and the key."""
+
+    def __init__(self, mf: ModelFile, arch: str):
+        self.mf, self.arch = mf, arch
+
+    def _get(self, key: str, default: object) -> tuple[str, object]:
+        name = f"{self.arch}.{key}"
+        return name, self.mf.meta(name, default)
+
+    def _bad(self, name: str, value: object, want: str) -> ModelFileError:
+        shown = repr(value) if not isinstance(value, list) else f"an array of {len(value)}"
+        return ModelFileError(self.mf.path, f"metadata key {name} is {shown[:60]}: {want}")
+
+    def int(self, key: str, default: object = ModelFileError, lo: int = 0,
+            hi: int = MAX_DIM) -> int:
+        name, v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self._bad(name, v, f"expected an integer from {lo} to {hi}")
+        return int(v)
+
+    def float(self, key: str, default: float, lo: float, hi: float) -> float:
+        """A finite number with lo < value <= hi."""
+        name, v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not lo < v <= hi:
+            raise self._bad(name, v, f"expected a finite number above {lo:g}, at most {hi:g}")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        name, v = self._get(key, default)
+        if not isinstance(v, (bool, int)) or isinstance(v, int) and v not in (0, 1):
+            raise self._bad(name, v, "expected true or false")
+        return bool(v)
+
+
+def kv_bytes(cfg: ModelConfig, tokens: int, kv_type: str = "f32") -> int:
+    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd]."""
+    width = 4 if kv_type == "f32" else 2
+    return 2 * cfg.n_layers * tokens * cfg.kv_dim * width
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -152,6 +213,28 @@ def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
         if not is_supported(ref.qtype):
             raise UnsupportedError(f"{mf.path}: tensor {name} has type {ref.info.type_name}, "
                                    "which Strata does not support")
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's cpuset, taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_threads(usable: int | None = None, load: float | None = None) -> int:
+    """Threads for CPU work: the usable cores less those other processes keep busy (the
+    1-minute load average), at least 1. On 2 cores with one busy process, 1 thread decoded at
+    ~100 tok/s where 2 fell to 20-28 (each step waits for its preempted thread)."""
+    usable = usable or usable_cores()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load = 0.0
+    busy = min(usable - 1, int(load + 0.5)) if math.isfinite(load) and load > 0 else 0
+    return max(1, usable - busy)
 
 
 # --prefetch auto on CUDA decode steps (where the cache is small: prefetch_pays):

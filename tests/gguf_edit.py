@@ -12,7 +12,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 def rewrite(src: Path, dst: Path, meta: dict[str, Any] | None = None,
             tensor_types: dict[str, int] | None = None,
             tensor_shapes: dict[str, list[int]] | None = None) -> Path:
-    """Copy src to dst, setting metadata strings/ints in `meta` (None deletes the key), and
+    """Copy src to dst, setting metadata strings/ints (or (value, GGUFValueType) pairs) in `meta`
+    (None deletes the key), and
     relabelling tensors' types or shapes (their bytes are copied as they are)."""
     meta, tensor_types, tensor_shapes = meta or {}, tensor_types or {}, tensor_shapes or {}
     r = GGUFReader(src)
@@ -26,7 +27,10 @@ def rewrite(src: Path, dst: Path, meta: dict[str, Any] | None = None,
     for key, value in meta.items():
         if value is None or key == "general.architecture":
             continue
-        vtype = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
+        if isinstance(value, tuple):  # (value, GGUFValueType): a type of one's choosing
+            value, vtype = value
+        else:
+            vtype = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
         w.add_key_value(key, value, vtype)
     for t in r.tensors:
         data = np.asarray(t.data).view(np.uint8).reshape(-1)

@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from strata.bench.ceilings import measure
 from strata.bench.runner import run_bench
 from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 
@@ -44,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_len < 1 or args.gen_len < 0 or args.runs < 1:
         raise StrataError("--prompt-len and --runs must be >= 1, --gen-len >= 0")
     base = engine_config(args)
+    for flag, path in (("--json", args.json), ("--plot", args.sweep_vram and args.plot)):
+        if path:
+            check_folder(path, flag)  # before the runs, not after
     budgets = _budgets(args.sweep_vram) if args.sweep_vram else [args.vram_budget]
     ceilings = measure()
     print("strata: ceilings " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         del engine  # the engine holds cycles: collect them, or the next budget's arena is
         gc.collect()  # filled while this one is still mapped (host RAM peak twice the arena)
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_path(args.json, "--json") as tmp, open(tmp, "w") as f:
             json.dump({"model": args.model, "ceilings": ceilings,
                        "results": [r.to_dict() for r in results]}, f, indent=1)
     if args.sweep_vram:
@@ -88,4 +92,5 @@ def plot_sweep(path: str, budgets: list[float], rates: list[float], title: str) 
     ax.set_title(title.rsplit("/", 1)[-1], fontsize=9)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path, "--plot") as tmp:
+        fig.savefig(tmp, dpi=120, format="png")

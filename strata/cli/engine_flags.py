@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 
-from strata.config import AUTO_PREFETCH, EngineConfig
+from strata.config import AUTO_PREFETCH, EngineConfig, usable_cores
 from strata.errors import StrataError
 from strata.units import parse_size
+
+log = logging.getLogger("strata")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,13 +76,33 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "at 10 GiB slower than none, so off there: docs/offload.md)")
 
 
+MAX_CACHE_SLOTS = 10_000_000  # far above layers x experts of any model
+MAX_CTX = 1 << 24
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.vram_budget is not None and args.vram_budget <= 0:
-        raise StrataError(f"--vram-budget {args.vram_budget}: give a size in GiB above 0")
-    if args.threads is not None and args.threads < 1:
-        raise StrataError(f"--threads {args.threads}: give at least 1")
-    if args.ctx is not None and args.ctx < 1:
-        raise StrataError(f"--ctx {args.ctx}: give at least 1")
+    vram = args.vram_budget
+    if vram is not None and not (math.isfinite(vram) and 0 < vram <= 1 << 20):
+        raise StrataError(f"--vram-budget {vram}: give a size in GiB above 0 (a finite number)")
+    threads = args.threads
+    if threads is not None and threads < 1:
+        raise StrataError(f"--threads {threads}: give at least 1")
+    if threads is not None and threads > (usable := usable_cores()):
+        log.warning("--threads %d: this process may use %d cores; using %d", threads, usable,
+                    usable)
+        threads = usable
+    if args.ctx is not None and not 1 <= args.ctx <= MAX_CTX:
+        raise StrataError(f"--ctx {args.ctx}: give at least 1, at most {MAX_CTX}")
+    if args.cpu_share < 0:
+        raise StrataError(f"--cpu-share {args.cpu_share}: give 0 (off) or more")
+    if args.expert_cache != "auto":
+        try:
+            slots = int(args.expert_cache)
+        except ValueError:
+            slots = -1
+        if not 0 <= slots <= MAX_CACHE_SLOTS:
+            raise StrataError(f"--expert-cache {args.expert_cache}: give auto or a number of "
+                              f"slots from 0 to {MAX_CACHE_SLOTS:,}")
     ring = None if args.ring_bytes == "auto" else _int_flag("--ring-bytes", args.ring_bytes)
     stream_min = None if args.stream_min == "auto" else _int_flag("--stream-min",
                                                                   args.stream_min)
@@ -88,12 +112,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         try:
             prefetch = int(args.prefetch)
         except ValueError:
+            prefetch = -1
+        if not 0 <= prefetch <= 1 << 16:
             raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
-                              "(0: off)") from None
+                              "(0: off)")
     return EngineConfig(
         device=args.device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
-        expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
+        expert_profile=args.expert_profile, miss=args.miss, threads=threads, ctx=args.ctx,
         kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
         cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False))
@@ -105,6 +131,6 @@ def _int_flag(flag: str, text: str) -> int:
         n = parse_size(text) if flag == "--ring-bytes" else int(text)
     except ValueError:
         n = 0
-    if n < 1:
+    if not 1 <= n <= 1 << 50:
         raise StrataError(f"{flag} {text}: give auto or a positive number")
     return n

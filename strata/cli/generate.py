@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.limits import check_kv_memory, check_sampling
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import StrataError
@@ -41,18 +42,21 @@ def model_or_demo(model: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_sampling(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
     engine = Engine.load(model_or_demo(args.model), config=engine_config(args))
     tok = engine.tokenizer
-    if args.chat is not None:
-        text = engine.chat.render([{"role": "user", "content": args.chat}])
-        ids = tok.encode(text, add_bos=False)
+    if args.chat is not None:  # the message's own special-token text stays text
+        ids = engine.chat.encode([{"role": "user", "content": args.chat}], add_bos=False)
+        text = ""
     else:
         text = args.prompt if args.prompt is not None else "Once upon a time"
         ids = tok.encode(text)
     if not ids:
         raise StrataError("--prompt: the prompt is empty")
+    engine.check_prompt(ids, args.max_tokens)
+    check_kv_memory(engine, len(ids) + args.max_tokens)
     experts = engine.model.experts
     if args.stats and hasattr(experts, "stats") and engine.model.device.type == "cuda":
         experts.stats.timer = GpuTimer(engine.config.n_layers)

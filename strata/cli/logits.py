@@ -8,6 +8,8 @@ import sys
 import numpy as np
 
 from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.limits import check_kv_memory
+from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 
@@ -41,13 +43,17 @@ def compute_logits(engine: Engine, ids: list[int]) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_folder(args.out, "--out")  # before the model loads
     engine = Engine.load(args.model, config=engine_config(args))
     if args.tokens is not None:
         ids = parse_tokens(args.tokens, engine.config.n_vocab)
     else:
         ids = engine.tokenizer.encode(args.text)
     engine.check_prompt(ids, 0)
+    check_kv_memory(engine, len(ids), "--tokens" if args.tokens is not None else "--text")
     out = compute_logits(engine, ids)
-    np.save(args.out, out)
-    print(f"strata: wrote logits {list(out.shape)} to {args.out}", file=sys.stderr)
+    dest = args.out if args.out.endswith(".npy") else args.out + ".npy"  # as np.save names it
+    with atomic_path(dest, "--out") as tmp, open(tmp, "wb") as f:
+        np.save(f, out)
+    print(f"strata: wrote logits {list(out.shape)} to {dest}", file=sys.stderr)
     return 0

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import tempfile
+import traceback
 
 from strata import __version__
+from strata.config import cpu_threads, usable_cores
 from strata.errors import StrataError
 from strata.logs import StderrHandler
 
@@ -59,16 +63,53 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
     setup_logging(args.debug)
+    set_thread_pools()
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
     except StrataError as e:
         if args.debug:
             raise
-        print(f"strata {args.command}: error: {e}", file=sys.stderr)
+        print(f"strata {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except MemoryError:
+        if args.debug:
+            raise
+        print(f"strata {args.command}: error: out of memory; lower -n, --ctx or the request's "
+              "size", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug: one line, and the traceback in a report file
+        if args.debug:
+            raise
+        report = _write_report(args.command, argv)
+        print(f"strata {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
+              f"(report: {report}; --debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def set_thread_pools() -> None:
+    """OpenMP's pool (torch's and ggml's CPU kernels) sized from the usable cores and the load,
+    unless OMP_NUM_THREADS is set: on a busy machine fewer threads degrade gently where a
+    thread per core stalls on every preempted one."""
+    if "OMP_NUM_THREADS" not in os.environ and (n := cpu_threads()) < usable_cores():
+        os.environ["OMP_NUM_THREADS"] = str(n)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _write_report(command: str, argv: list[str]) -> str:
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"strata-{command}-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"strata {__version__}: strata {' '.join(argv)}\n\n")
+            f.write(traceback.format_exc())
+        return path
+    except OSError:
+        return "none written"
 
 
 if __name__ == "__main__":

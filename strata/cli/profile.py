@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 from strata.experts.profile import save_profile
@@ -38,6 +39,7 @@ def read_prompts(path: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
+    check_folder(args.out, "--out")
     # every expert through the CPU pool: routing is what is recorded, the cache does not matter
     ec = replace(engine_config(args), offload="on", expert_cache="0", miss="cpu")
     engine = Engine.load(args.model, config=ec)
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         engine.model.forward(torch.tensor(ids), [Segment(kv, len(ids))])
         tokens += len(ids)
     counts = experts.stats.routed
-    save_profile(args.out, engine.path.name, counts, tokens)
+    with atomic_path(args.out, "--out") as tmp:
+        save_profile(tmp, engine.path.name, counts, tokens)
     share = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     print(f"strata: profiled {len(prompts)} prompts, {tokens} tokens; wrote {args.out} "
           f"(busiest expert {100 * share.max():.1f}% of its layer)", file=sys.stderr)

@@ -7,11 +7,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from strata.cli.output import check_free
 from strata.errors import StrataError
 from strata.synth.balance import routing_balance
 from strata.synth.presets import PRESETS, get_preset
 from strata.synth.recipes import RECIPES, Recipe
-from strata.synth.writer import write_model
+from strata.synth.writer import plan_tensors, write_model
 from strata.units import fmt_bytes, parse_size
 
 
@@ -47,9 +48,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise StrataError(f"--split-max-size {args.split_max_size!r}: give a size like 4G or "
                           "500M") from None
-    tensors = write_model(out, preset, recipe, args.seed, args.split_max_tensors, split_size,
-                          progress=sys.stderr.isatty())
-    total = sum(t.nbytes for t in tensors)
+    if args.split_max_tensors < 0:
+        raise StrataError(f"--split-max-tensors {args.split_max_tensors}: give 0 (no split) or "
+                          "more")
+    total = sum(t.nbytes for t in plan_tensors(preset, recipe))
+    check_free(out, total, "synth")
+    print(f"strata: writing {out}: {fmt_bytes(total)} of tensors", file=sys.stderr)
+    write_model(out, preset, recipe, args.seed, args.split_max_tensors, split_size,
+                progress=sys.stderr.isatty())
     print(f"strata: wrote {out} ({preset.arch} {args.preset}, {recipe.name}, "
           f"{fmt_bytes(total)})", file=sys.stderr)
     first = out if out.exists() else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]

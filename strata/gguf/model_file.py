@@ -2,7 +2,8 @@
 
 Split sets carry `split.no` (0-based), `split.count` and `split.tensors.count` in every shard;
 the first shard holds the model's metadata. Every shard must be present, agree on the count, and
-together hold exactly `split.tensors.count` tensors.
+together hold exactly `split.tensors.count` tensors; a key that two shards both carry must
+have one value. (Shards of two sets that agree on all of that cannot be told apart.)
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def open_model(path: str | Path) -> ModelFile:
             raise ModelFileError(first.path,
                                  "named like a split shard but has no split.count metadata")
         return ModelFile(files)
+    for key in ("split.count", "split.tensors.count"):
+        v = first.metadata.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ModelFileError(first.path, f"metadata key {key} is {v!r}: expected a count")
     if int(count) != len(files):
         raise ModelFileError(first.path, f"split.count says {count} shards but the file names say "
                                          f"{len(files)}")
@@ -108,6 +113,11 @@ def open_model(path: str | Path) -> ModelFile:
         if no != i or cnt != count:
             raise ModelFileError(f.path, f"is shard {no} of {cnt} by its metadata, expected shard "
                                          f"{i} of {count}: the shards come from different sets")
+    for f in files[1:]:  # what the shards share must agree (split.no aside)
+        for key, value in f.metadata.items():
+            if key != "split.no" and key in first.metadata and first.metadata[key] != value:
+                raise ModelFileError(f.path, f"metadata key {key} differs from {first.path.name}'s:"
+                                             " the shards come from different sets")
     model = ModelFile(files)
     expected = int(first.metadata.get("split.tensors.count", len(model.tensors)))
     if expected != len(model.tensors):

@@ -15,6 +15,7 @@ Nothing is copied: tensor data is a view into a memory map of the file.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -71,8 +72,14 @@ class _Cursor:
             if item_type in _NUMPY:
                 width = np.dtype(_NUMPY[item_type]).itemsize
                 return np.frombuffer(self.take(n * width), dtype=_NUMPY[item_type]).tolist()
-            return [self.value(item_type) for _ in range(n)]
-        raise ValueError(f"unknown metadata value type {vtype}")
+            if item_type == _ARRAY:
+                raise ValueError("an array of arrays, which GGUF models do not use")
+            if item_type != _STRING:
+                raise ValueError(f"an array of unknown value type {item_type}")
+            if n * 8 > len(self.buf) - self.pos:  # every string takes 8 bytes at least
+                raise _Truncated
+            return [self.string() for _ in range(n)]
+        raise ValueError(f"unknown value type {vtype}")
 
 
 @dataclass(frozen=True)
@@ -127,20 +134,40 @@ class GGUFFile:
         if self.version not in (2, 3):
             raise ModelFileError(self.path, f"GGUF version {self.version} is not supported (2, 3)")
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        left = self.size - cur.pos
+        # each key takes 12 bytes at least (length, type), each tensor 24 (length, dims, type,
+        # offset): counts the file cannot hold are refused before anything is sized from them
+        for what, n, least in (("metadata key", n_kv, 12), ("tensor", n_tensors, 24)):
+            if n * least > left:
+                raise ModelFileError(self.path, f"the header says {n:,} {what}s but the file has "
+                                                f"only {left:,} bytes left for them (corrupt)")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.scalar("<I"))
+            try:
+                value = cur.value(cur.scalar("<I"))
+            except ValueError as e:
+                raise ModelFileError(self.path, f"metadata key {key[:80]}: {e}") from None
+            if key in self.metadata:
+                raise ModelFileError(self.path, f"metadata key {key[:80]} appears twice")
+            self.metadata[key] = value
         raw = []
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.scalar("<I")
             if n_dims > 8:
-                raise ValueError(f"tensor {name} has {n_dims} dimensions")
+                raise ValueError(f"tensor {name[:80]} has {n_dims} dimensions")
             ne = [cur.scalar("<Q") for _ in range(n_dims)]
             raw.append((name, ne, cur.scalar("<I"), cur.scalar("<Q")))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        # llama.cpp's rule: an integer power of two (and a u32)
+        if isinstance(align, bool) or not isinstance(align, int) or not 0 < align < 2**32 \
+                or align & (align - 1):
+            raise ModelFileError(self.path, f"metadata key general.alignment is {align!r}: "
+                                            "expected a power of two (default 32)")
+        self.alignment = align
         data_start = (cur.pos + align - 1) // align * align
+        self._data_start = data_start
         self.tensors: dict[str, TensorInfo] = {}
         for name, ne, qtype, offset in raw:
             info = self._tensor_info(name, ne, qtype, data_start + offset)
@@ -158,7 +185,11 @@ class GGUFFile:
             raise ModelFileError(
                 self.path, f"tensor {name}: row length {shape[-1]} is not a multiple of the "
                 f"{type_name} block size {block}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
+        if (offset - self._data_start) % self.alignment:
+            raise ModelFileError(self.path, f"tensor {name}: data offset "
+                                 f"{offset - self._data_start} is not a multiple of "
+                                 f"general.alignment {self.alignment}")
+        nbytes = math.prod(shape) // block * type_size  # python ints: no overflow
         if offset + nbytes > self.size:
             raise ModelFileError(
                 self.path, f"truncated file: tensor {name} needs bytes up to {offset + nbytes:,} "

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from strata.errors import StrataError
 from strata.server.config import ServeConfig
 from strata.server.errors import EXCEPTION_HANDLERS, GONE, APIError, as_error, bad_request
 from strata.server.faults import FaultPlan
@@ -34,6 +35,8 @@ from strata.server.validation import ParsedRequest, parse_chat, parse_completion
 log = logging.getLogger("strata.serve")
 _BODY_TIMEOUT_S = 30.0
 _DISCONNECT_CHECK_S = 0.5
+_RENDERS = 2  # chat templates rendered at once (each in a thread, GIL-bound)
+_MAX_DEPTH = 32  # nesting of a request body's objects and arrays
 _EVENT_GRACE_S = 60.0  # beyond the watchdog: the stall path answers first, this is the backstop
 
 
@@ -43,6 +46,7 @@ class API:
         self.metrics = Metrics()
         self.sup = Supervisor(cfg, fault, self.metrics)
         self.created = int(time.time())
+        self._renders = asyncio.Semaphore(_RENDERS)
 
     # --- endpoints -------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -80,6 +84,8 @@ class API:
             if req.model is not None:
                 self._check_model(req.model, "model")
             self.sup.check_ready()
+            if kind == "chat" and self.sup.chat is not None:
+                await self._render(req)
             job = Job(self._submit(req, kind))
             self.sup.scheduler.submit(job)
             first = await self._next(job, request)
@@ -105,8 +111,25 @@ class API:
 
     def _submit(self, req: ParsedRequest, kind: str) -> Submit:
         rid = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
+        where = "messages" if kind == "chat" else "prompt"
         return Submit(rid, req.messages, req.prompt, req.sampling, req.max_tokens,
-                      self.cfg.max_tokens, req.stop, req.ignore_eos, req.template_kwargs)
+                      self.cfg.max_tokens, req.stop, req.ignore_eos, req.template_kwargs, where)
+
+    async def _render(self, req: ParsedRequest) -> None:
+        """Chat messages -> prompt token ids here, in a worker thread with the template's
+        deadline and size cap (strata.tokenizer.chat), so that a runaway template fails its own
+        request with a 400 and never holds up the engine; a few renders run at a time."""
+        chat = self.sup.chat
+        async with self._renders:
+            try:
+                ids = await asyncio.to_thread(chat.encode, req.messages, True,
+                                              **req.template_kwargs)
+            except StrataError as e:
+                raise bad_request(str(e), "messages", "invalid_template") from None
+            except RecursionError:
+                raise bad_request("messages: nested too deeply for the chat template",
+                                  "messages") from None
+        req.messages, req.prompt = None, ids
 
     async def _collect(self, job: Job, b: Builder, request: Request) -> Response:
         parts: list[str] = []
@@ -220,13 +243,31 @@ class API:
             raise APIError(408, f"the request body did not arrive within {_BODY_TIMEOUT_S:g} s",
                            code="request_timeout") from None
         try:
-            return json.loads(body)
+            data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            data = None
+        if data is None or _depth(data) > _MAX_DEPTH:
+            raise bad_request(f"the request body nests objects and arrays more than "
+                              f"{_MAX_DEPTH} deep") from None
+        return data
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.cfg.served_name, "object": "model", "created": self.created,
                 "owned_by": "strata"}
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in parsed JSON (iterative: no recursion limit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= _MAX_DEPTH:
+                todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def create_app(cfg: ServeConfig, fault: FaultPlan | None = None) -> Starlette:

@@ -193,7 +193,7 @@ class BatchRunner:
 
     def _make_sequence(self, sub: Submit) -> Sequence:
         eng = self.engine
-        where = "messages" if sub.messages is not None else "prompt"
+        where = sub.where or ("messages" if sub.messages is not None else "prompt")
         try:
             if sub.messages is not None:
                 ids = eng.chat.encode(sub.messages, True, **sub.template_kwargs)

@@ -26,6 +26,7 @@ class Submit:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate through stop tokens (benchmarks, tests)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    where: str = ""  # the request field the prompt came from ("messages" once rendered here)
 
 
 @dataclass(frozen=True)

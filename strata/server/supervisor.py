@@ -42,6 +42,18 @@ _TICK_S = 0.25
 _RESTART_DELAY_S = 0.5
 
 
+def load_chat(model_path: str, seconds: float = 5.0) -> Any:
+    """ChatTemplate of a model file (its first shard holds the metadata), `seconds` a render."""
+    from strata.gguf import GGUFFile
+    from strata.tokenizer import ChatTemplate, Tokenizer
+    from strata.tokenizer.chat import TemplateLimits
+
+    meta = GGUFFile(model_path).metadata
+    tok = Tokenizer.from_metadata(meta, source=model_path)
+    return ChatTemplate.from_metadata(meta, tok, source=model_path,
+                                      limits=TemplateLimits(seconds=seconds))
+
+
 class Supervisor:
     def __init__(self, cfg: ServeConfig, fault: FaultPlan | None, metrics: Metrics):
         self.cfg, self.fault, self.metrics = cfg, fault, metrics
@@ -58,6 +70,8 @@ class Supervisor:
         self.recent: deque[str] = deque(maxlen=20)
         self.last_progress = time.monotonic()
         self.began = time.monotonic()
+        self.chat: Any = None  # strata.tokenizer.ChatTemplate, once the engine has loaded
+        self.chat_path: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -145,6 +159,7 @@ class Supervisor:
                      eng.pid, msg.model_path, msg.device, msg.load_s, msg.context_length,
                      self.cfg.served_name)
             self.scheduler.engine_ready()
+            self._spawn(self._load_chat(msg.model_path))
         elif isinstance(msg, Stalled):
             p = self.progress or Progress("unknown", "")
             self.progress = Progress(p.stage, p.detail, p.fraction, msg.state)
@@ -158,6 +173,19 @@ class Supervisor:
                 self.metrics.tokens(msg.prompt_tokens, msg.completion_tokens)
                 self.metrics.cancelled += msg.finish_reason == "cancelled"
             self.scheduler.on_message(msg)
+
+    async def _load_chat(self, model_path: str) -> None:
+        """The model's tokenizer and chat template, here in the server process, so that chat
+        requests render (bounded, off the event loop) without the engine; until they are loaded,
+        or if they fail to, the engine renders."""
+        if self.chat is not None and self.chat_path == model_path:
+            return
+        try:
+            self.chat = await asyncio.to_thread(load_chat, model_path, self.cfg.template_timeout)
+            self.chat_path = model_path
+        except Exception as e:  # the engine loaded the same file: it renders instead
+            log.warning("chat template not loaded in the server process (%s: %s); the engine "
+                        "renders chat requests", type(e).__name__, e)
 
     def _on_exit(self, eng: EngineProcess) -> None:
         if eng is self.engine and self.state in ("loading", "ready"):
@@ -236,7 +264,9 @@ class Supervisor:
     async def _restart_or_give_up(self, summary: str, path: str | None) -> None:
         see = f"; report: {path}" if path else ""
         now = time.monotonic()
-        self.failures.append(now)
+        stage = self.progress.stage if self.progress is not None else ""
+        if stage != "request":  # a request that stalled the checks is no engine failure:
+            self.failures.append(now)  # it cannot make the server give up for good
         while self.failures and now - self.failures[0] > self.cfg.restart_window:
             self.failures.popleft()
         if len(self.failures) > self.cfg.max_restarts:

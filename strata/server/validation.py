@@ -24,6 +24,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "reasoning_effort", "cha
                    "function_call", "response_format", "audio", "modalities", "prediction",
                    "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "logprobs", "suffix"}
+_RESERVED_KWARGS = {"messages", "add_generation_prompt", "add_bos"}
 _ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -196,6 +197,10 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
     if kwargs is not None:
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        taken = sorted(set(kwargs) & _RESERVED_KWARGS)
+        if taken:
+            raise bad_request(f"chat_template_kwargs: {', '.join(taken)} is set by the server",
+                              "chat_template_kwargs")
         req.template_kwargs.update(kwargs)
     return req
 

@@ -27,6 +27,7 @@ from strata.server.protocol import (
     LoadFailed,
     Progress,
     Shutdown,
+    Submit,
 )
 
 _HEARTBEAT_S = 1.0  # the most often a long forward pass reports which layer it is in
@@ -148,7 +149,12 @@ def _serve(inbox: Connection, runner: Any, out: Outbox) -> None:
                 msg = inbox.recv()
                 if isinstance(msg, Shutdown):
                     return
+                if isinstance(msg, Submit):  # what a stall report says the engine was doing
+                    out.send(Progress("request", f"tokenizing and checking {msg.rid}",
+                                      state=runner.state()))
                 runner.handle(msg)
+                if isinstance(msg, Submit) and not runner.active:
+                    out.send(Progress("idle", "no requests", state=runner.state()))
                 timeout = 0.0
         except (EOFError, OSError):
             return  # the server is gone

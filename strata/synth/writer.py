@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 
+from strata.cli.output import atomic_folder, check_free
 from strata.config import ModelConfig, expected_tensors
 from strata.gguf.writer import add_tensor, write_tensor_chunks
 from strata.quant import random_rows, row_nbytes
@@ -142,8 +143,20 @@ def file_type(recipe: Recipe) -> LlamaFileType | None:
 
 def write_model(out: Path, p: Preset, recipe: Recipe, seed: int, split_max_tensors: int = 0,
                 split_max_size: int = 0, progress: bool = False) -> list[PlannedTensor]:
-    """Write the model; return the tensors written. Split sets: OUT-0000i-of-0000n.gguf."""
+    """Write the model; return the tensors written. Split sets: OUT-0000i-of-0000n.gguf.
+    Atomic: the files are written in a temporary folder beside `out` and moved into place when
+    complete; a stopped or failed write leaves nothing (after checking the free space)."""
+    out = Path(out)
     tensors = plan_tensors(p, recipe)
+    check_free(out, sum(t.nbytes for t in tensors), "synth")
+    with atomic_folder(out, "synth") as tmp:
+        _write(tmp / out.name, p, recipe, seed, tensors, split_max_tensors, split_max_size,
+               progress)
+    return tensors
+
+
+def _write(out: Path, p: Preset, recipe: Recipe, seed: int, tensors: list[PlannedTensor],
+           split_max_tensors: int, split_max_size: int, progress: bool) -> None:
     w = GGUFWriter(out, p.arch, split_max_tensors=split_max_tensors, split_max_size=split_max_size)
     add_metadata(w, p, f"strata-synthetic-{p.arch}-{recipe.name}",
                  "Synthetic model written by `strata synth`: random weights, real layout. "
@@ -163,7 +176,6 @@ def write_model(out: Path, p: Preset, recipe: Recipe, seed: int, split_max_tenso
     w.close()
     if bar is not None:
         bar.close()
-    return tensors
 
 
 def _progress(total: int, enabled: bool):  # noqa: ANN202 - tqdm or None

@@ -185,6 +185,10 @@ class Tokenizer:
         """The token as the file spells it (byte-level tokens in GPT-2's alphabet)."""
         return self._tokens[token]
 
+    def special_texts(self) -> list[str]:
+        """The text of every control (and unknown) token: what parse_special turns into ids."""
+        return [t for t, k in zip(self._tokens, self._kinds, strict=True) if k == _SPECIAL]
+
     def token_id(self, text: str) -> int | None:
         """The id of the token spelled exactly `text`, or None."""
         if self._ids is None:
