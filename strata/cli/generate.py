@@ -33,11 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def model_or_demo(model: str | None) -> str:
     if model:
         return model
-    from strata.synth.demo import demo_model
+    from strata.demo import DEMO_TEXT, demo_model
 
     path = demo_model()
-    print(f"strata: the demo model ({path}) has random weights: its text is meaningless",
-          file=sys.stderr)
+    print(f"strata: {DEMO_TEXT} ({path})", file=sys.stderr)
     return str(path)
 
 

@@ -2,7 +2,7 @@
 llama-perplexity measures it, so the two can be set side by side.
 
 The text is tokenized whole (the model's BOS rule; special-token text stays text unless
---parse-special), cut into chunks of --ctx tokens, and each chunk runs from an empty KV cache.
+--parse-special), cut into chunks of --ctx tokens (512 unless given), and each chunk runs from an empty KV cache.
 Only the second half of each chunk is scored: position j predicts token j + 1 for
 j = ctx/2 .. ctx - 2, so every scored token sees at least ctx/2 tokens before it. Where the model
 adds a BOS token, each chunk's first token is replaced by BOS. PPL = exp(mean NLL) over every
@@ -29,11 +29,10 @@ from strata.errors import StrataError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF file (any shard of a split set)")
     p.add_argument("--file", required=True, type=Path, help="the text to score")
-    p.add_argument("--ctx", type=int, default=512, help="tokens a chunk (default 512)")
     p.add_argument("--chunks", type=int, default=-1, help="chunks scored at most (default all)")
     p.add_argument("--parse-special", action="store_true",
                    help="turn special-token text such as <|im_end|> into its token")
-    add_engine_arguments(p)
+    add_engine_arguments(p)  # (its --ctx is the chunk's length here: 512 when not given)
 
 
 def chunk_nll(engine: Engine, chunk: list[int]) -> np.ndarray:
@@ -71,6 +70,7 @@ def perplexity(engine: Engine, ids: list[int], ctx: int, chunks: int = -1,
 
 
 def run(args: argparse.Namespace) -> int:
+    args.ctx = args.ctx or 512
     if args.ctx < 4:
         raise StrataError(f"--ctx {args.ctx}: give at least 4 tokens a chunk")
     try:

@@ -129,9 +129,9 @@ def _load(opts: EngineOptions, out: Outbox) -> Any:
 
     path = opts.model
     if path is None:
-        from strata.synth.demo import demo_model
+        from strata.demo import demo_model
 
-        out.send(Progress("loading", "finding the demo model (written on first use)", 0.0))
+        out.send(Progress("loading", "the built-in demo model", 0.0))
         path = str(demo_model())
     out.send(Progress("loading", f"loading {path} on {opts.engine.device}", 0.05))
     kwargs = {}
