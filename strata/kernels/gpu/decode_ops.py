@@ -8,7 +8,7 @@ built to be captured in a CUDA graph.
     ids, weights = route_topk(h @ router.T, n_used, norm_topk)
     h, ids, weights = norm_route(x, delta, ffn_norm, eps, router, n_used, norm_topk, sync)
 
-Every op computes the float32 reference op of strata.model.layers (rms_norm, rope_tables +
+Every op computes the float32 reference op of strata.kernels.torch_ops (rms_norm, rope_tables +
 apply_rope, attention, route) in another summation order: 1e-7..1e-6 of the output's scale under
 the interpreter, tests/test_decode_ops.py holds 1e-5. Graph safety: no host sync, no `.item()`, no
 Python branch on a device value and no allocation whose size depends on one; the decode position
@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from strata.model import layers
+from strata.kernels import torch_ops as layers
 
 ROPE_STYLES = ("neox", "normal")
 # keys per split at least (one BLOCK_N step for hd = 128): short contexts spread over as many

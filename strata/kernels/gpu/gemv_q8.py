@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import ASM, f16_bits, i2f
-from strata.kernels.gpu.moe import _computed, _record_part, _words_aligned
-from strata.kernels.gpu.tiles_kquants import _scale_min
+from strata.kernels.gpu.pairs import pair_computed, record_part, words_aligned
+from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.quant import QType, grids, row_nbytes
 from strata.quant.base import device_table
 
@@ -173,8 +173,8 @@ def _spread_block(blk, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh, zero,
     h2 = _pick(hd, 2)
     h3 = _pick(hd, 3)
     sh = 16 * (c3 % 2)  # byte 2c % 4 of the scale words (sub-block 2c), then 2c + 1
-    sc_lo, mn_lo = _scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
-    sc_hi, mn_hi = _scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
+    sc_lo, mn_lo = scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
+    sc_hi, mn_hi = scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
                               (h3 >> (sh + 8)) & 255, 2 * c3 + 1)
     return (f16_bits(h0) * (i2f(sc_lo, 0.0) * dxl * _i2f_signed(ilo)
                             + i2f(sc_hi, 0.0) * dxh * _i2f_signed(ihi))
@@ -786,7 +786,7 @@ def _run_args(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
 def run_fits(w: torch.Tensor, k: int) -> bool:
     """Whether rows w of k values (Q6_K, IQ2_XS or IQ3_XXS) can take the run forms
     (gemv_q6k_run, gemv_iq_run): K a multiple of 2048 and rows starting 16-byte aligned."""
-    return k % 2048 == 0 and _words_aligned(w, align=16)
+    return k % 2048 == 0 and words_aligned(w, align=16)
 
 
 # ---- the decode MoE kernels in this form (moe_forward(..., x8=True)) ----
@@ -808,12 +808,12 @@ def _gate_up_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, mg, mu, D, F, st
     # R rows of both a program, their blocks in flight together (spread_dot)
     p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
         g, u = spread_dot(
-            spread_rows(_record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS), n, F,
+            spread_rows(record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS), n, F,
                         row_bytes),
-            spread_rows(_record_part(up, slot, stride_us, mu, p, stride_ms, MISS), n, F,
+            spread_rows(record_part(up, slot, stride_us, mu, p, stride_ms, MISS), n, F,
                         row_bytes),
             (xq + t * D).to(tl.pointer_type(tl.int32)), xs4 + t * (D // 16), D // 256, True, BB,
             False)
@@ -829,8 +829,8 @@ def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stri
     # pair's row): R rows a program (spread_dot)
     p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
-        rows = spread_rows(_record_part(down, slot, stride_ds, md, p, stride_ms, MISS), n, D,
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        rows = spread_rows(record_part(down, slot, stride_ds, md, p, stride_ms, MISS), n, D,
                            row_bytes)
         total, _ = spread_dot(rows, rows, (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                               hs4 + p.to(tl.int64) * (F // 16), F // 256, False, BB, False)
@@ -845,8 +845,8 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
     # (q6k_spread_dot)
     p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
-        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         ro = _row_offsets(n, D, row_bytes)[None, None, None, :, None]
         total = q6k_spread_dot(base.to(tl.pointer_type(tl.int32)), ro,
                                (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
@@ -866,11 +866,11 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
     # 256 BB, the loads unmasked)
     p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
         xw = (xq + t * D).to(tl.pointer_type(tl.int32))
-        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
-        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
+        gb = record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
         if RUN:
             ro = _row_offsets(n, F, row_bytes)
             g = iq_run_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
@@ -896,8 +896,8 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
     # multiple of 256 BB)
     p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
-        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         total = iq_spread_dot(base.to(tl.pointer_type(tl.int32)), _iq_rows(n, D, row_bytes),
                               (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                               hdx + p.to(tl.int64) * (F // 32), t0, t1, F // 256, IQ3, BB,

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
-from strata.kernels.gpu.matmul import check_weights, dot_dtype, log_fallback
+from strata.kernels.gpu.matmul import dot_dtype, log_fallback
+from strata.kernels.gpu.pairs import check_moe_args, pair_computed, record_part, words_aligned
 from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
 from strata.quant import QType, dequantize
 
@@ -83,30 +84,6 @@ DECODE_TUNE: dict = {}
 # ---- decode: per pair, FMA -------------------------------------------------------------------
 
 
-@triton.jit
-def _computed(slot, p, MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
-    """Whether pair p is computed: its expert has a slot, or every pair with MISS (the record of
-    one without a slot is in its miss row) except the token's pairs from HOST_FROM on that have
-    no slot (the host computes those: strata.experts.cpu_share; HOST_FROM = TOPK: none)."""
-    if MISS:
-        live = slot > -(1 << 30)
-        if HOST_FROM < TOPK:
-            live = live & ((slot >= 0) | (p % TOPK < HOST_FROM))
-    else:
-        live = slot >= 0
-    return live
-
-
-@triton.jit
-def _record_part(slots, slot, stride_s, miss_rows, p, stride_m, MISS: tl.constexpr):
-    """uint8 pointer to pair p's part (gate, up or down) of its expert's record: in slot `slot`
-    of `slots`, or with MISS and no slot (slot < 0) in row p of `miss_rows`."""
-    base = slots + tl.maximum(slot, 0).to(tl.int64) * stride_s
-    if MISS:
-        base = tl.where(slot >= 0, base, miss_rows + p.to(tl.int64) * stride_m)
-    return base
-
-
 @triton.jit(do_not_specialize=_SIZES)
 def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, D, F,
                           stride_x, stride_gs, stride_us, stride_ms, rb_g, rb_u,
@@ -119,11 +96,11 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, p, MISS, TOPK, HOST_FROM)
+    live = pair_computed(slot, p, MISS, TOPK, HOST_FROM)
     if live:
         xr = x + (p // TOPK).to(tl.int64) * stride_x
-        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
-        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
+        gb = record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
         wg = rows(gb, n, F, rb_g)
         wu = rows(ub, n, F, rb_u)
         ag, au = gemv_tile2(QG, SG, QU, SU, BK, EVEN_D, STAGES, wg, wu, xr, D, tg, tg2, tu,
@@ -148,10 +125,10 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, p, MISS, TOPK, HOST_FROM)
+    live = pair_computed(slot, p, MISS, TOPK, HOST_FROM)
     total = tl.zeros((BN,), dtype=tl.float32)
     if live:
-        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+        base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         acc = gemv_tile(QD, SD, BK, EVEN_F, STAGES, rows(base, n, D, rb_d),
                         h + p.to(tl.int64) * F, F, td, td2,
                         tl.zeros((BN, BK // SD, SD), dtype=tl.float32))
@@ -274,39 +251,6 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
     return slot_of_expert[ids.long()] >= 0
 
 
-def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   slot_of_expert: torch.Tensor, gate_slots: torch.Tensor,
-                   up_slots: torch.Tensor, down_slots: torch.Tensor, qtypes: tuple[int, int, int],
-                   d_model: int, d_expert: int, out: torch.Tensor | None,
-                   zero: bool = True) -> tuple[tuple[QType, QType, QType], torch.Tensor]:
-    """The (gate, up, down) QTypes and `out` (when None: zeros, or uninitialized with
-    zero=False), after checking every argument of moe_forward (shared by the grouped path,
-    moe_grouped.py)."""
-    qg, qu, qd = (QType(q) for q in qtypes)
-    t, d = x.shape if x.dim() == 2 else (-1, -1)
-    if d != d_model or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be bf16/f32 [T, {d_model}] with contiguous rows, got "
-                         f"{x.dtype} {tuple(x.shape)}")
-    if ids.dim() != 2 or ids.shape[0] != t or weights.shape != ids.shape:
-        raise ValueError(f"ids and weights must be [T={t}, K], got {tuple(ids.shape)} and "
-                         f"{tuple(weights.shape)}")
-    if slot_of_expert.dtype != torch.int32 or slot_of_expert.dim() != 1:
-        raise TypeError("slot_of_expert must be int32 [E] (-1: not resident)")
-    for name, sl, n_rows, q, cols in (("gate", gate_slots, d_expert, qg, d_model),
-                                      ("up", up_slots, d_expert, qu, d_model),
-                                      ("down", down_slots, d_model, qd, d_expert)):
-        check_weights(sl, q, cols, dims=3)
-        if sl.shape[1] != n_rows:
-            raise ValueError(f"{name} slots must hold {n_rows} rows per expert, got "
-                             f"{tuple(sl.shape)}")
-    if out is None:
-        out = (torch.zeros if zero else torch.empty)(t, d_model, dtype=torch.float32,
-                                                     device=x.device)
-    elif out.shape != (t, d_model) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be float32 [{t}, {d_model}] with contiguous rows")
-    return (qg, qu, qd), out
-
-
 def use_grouped(t: int, topk: int, n_experts: int) -> bool:
     """True when moe_forward hands a call to the grouped path (moe_grouped.py)."""
     return t > DECODE_MAX_T and t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1)
@@ -356,7 +300,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if t == 0 or ids.shape[1] == 0:
         return out
     if use_grouped(t, ids.shape[1], slot_of_expert.shape[0]):
-        from strata.kernels.gpu.moe_grouped import moe_forward_grouped  # imports this module
+        from strata.kernels.gpu.moe_grouped import moe_forward_grouped
 
         kw = {} if scratch_bytes is None else {"scratch_bytes": scratch_bytes}
         return moe_forward_grouped(x, ids, weights, slot_of_expert, gate_slots, up_slots,
@@ -453,13 +397,13 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     mg, mu, md = miss if miss is not None else (gate, up, down)
     host = topk if host_from is None else host_from
     if (x8 and fg.qtype == fu.qtype and fg.qtype in IQ_X8 and d % 256 == 0
-            and _words_aligned(gate, up, mg, mu, rows=False)):
+            and words_aligned(gate, up, mg, mu, rows=False)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_iq_kernel, iq_tables, quantize_x
 
         xq, dx, _ = quantize_x(x.contiguous())
         t0, t1 = iq_tables(fg.qtype, x.device)
         run = (DECODE_TUNE.get("gate_up_iq_run") if d % 2048 == 0
-               and _words_aligned(gate, up, mg, mu, align=16) else None)
+               and words_aligned(gate, up, mg, mu, align=16) else None)
         r, bb, warps = run or DECODE_TUNE.get("gate_up_iq") or GATE_UP_IQ_TILE
         _gate_up_iq_kernel[(triton.cdiv(f, r), p)](
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
@@ -469,7 +413,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8)
     if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
-            and _words_aligned(gate, up, mg, mu)):
+            and words_aligned(gate, up, mg, mu)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_q8_kernel, quantize_x
 
         xq, _, xs4 = quantize_x(x.contiguous())
@@ -498,7 +442,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
     # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
-    if x8 and fd.qtype in IQ_X8 and f % 256 == 0 and _words_aligned(down, md, rows=False):
+    if x8 and fd.qtype in IQ_X8 and f % 256 == 0 and words_aligned(down, md, rows=False):
         from strata.kernels.gpu.gemv_q8 import _down_iq_kernel, iq_tables, quantize_x
 
         hq, hdx, _ = quantize_x(h)
@@ -510,7 +454,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
             MISS=miss is not None, HOST_FROM=host_from, EVEN=f % (256 * bb) == 0,
             num_warps=warps)
     elif (x8 and fd.qtype in (QType.Q4_K, QType.Q6_K) and f % 256 == 0
-            and _words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
+            and words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
         from strata.kernels.gpu.gemv_q8 import _down_q6k_q8_kernel, _down_q8_kernel, quantize_x
 
         hq, hdx, hs4 = quantize_x(h)
@@ -536,14 +480,6 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     else:
         torch.sum(part.view(t, topk, d), dim=1, out=out)
     return None
-
-
-def _words_aligned(*parts: torch.Tensor, rows: bool = True, align: int = 4) -> bool:
-    """Whether every row (rows False: every record) of these uint8 views starts align-byte
-    aligned (gemv_q8.py reads Q4_K rows as int32 words, a part after a Q6_K part of an odd
-    number of blocks would not be; its run forms read aligned 16-byte words)."""
-    return all(t.data_ptr() % align == 0
-               and all(st % align == 0 for st in t.stride()[:-1 if rows else 1]) for t in parts)
 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
