@@ -68,16 +68,9 @@ import triton.language as tl
 from triton import knobs
 
 from strata.kernels import torch_ops as layers
+from strata.kernels.tuning import ATTN_BLOCK_M, ATTN_MIN_CHUNK, ATTN_TARGET_CTAS
 
 ROPE_STYLES = ("neox", "normal")
-# keys per split at least (one BLOCK_N step for hd = 128): short contexts spread over as many
-# CTAs as their keys allow. With 128, a 192-key decode step kept 4-8 CTAs busy for 14 us a layer
-# (H200, scripts/profile_decode.py); a split's partial output costs T·G·hd floats
-ATTN_MIN_CHUNK = 32
-ATTN_TARGET_CTAS = 256  # Hkv·S aimed at: ~2 CTAs per SM of an H200 when every split is live
-# query rows per split CTA: tl.dot's smallest tile. The float32 FMA dot keeps [16, hd] operands
-# in registers; 32 rows spilled in the offline sm_90a builds (docs/kernels.md)
-ATTN_BLOCK_M = 16
 # the running max before the first key: finite, so exp(m_old - m_new) never computes inf - inf
 _NEG = tl.constexpr(-1.0e30)
 

@@ -39,6 +39,7 @@ import triton.language as tl
 from strata.kernels.gpu.bits import ASM, f16_bits, i2f
 from strata.kernels.gpu.pairs import pair_computed, record_part, words_aligned
 from strata.kernels.gpu.tiles_kquants import scale_min
+from strata.kernels.tuning import GEMV_X8_RUN, GEMV_X8_TILE
 from strata.quant import QType, grids, row_nbytes
 from strata.quant.base import device_table
 
@@ -903,19 +904,6 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
                               hdx + p.to(tl.int64) * (F // 32), t0, t1, F // 256, IQ3, BB,
                               EVEN)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
-
-
-# (R rows, BB blocks, warps) of the one-token GEMVs: the fastest timed on the H200 (runs 78, 82,
-# 92: 14336 x 4096 Q4_K 12.4 us, Q6_K 27.2 us, IQ2_XS 19.4 us, IQ3_XXS 23.0 us (55.6 and 61.1
-# on float32 x); the Q6_K lm_head 151936 x 2048 122.7 us)
-GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
-                QType.IQ3_XXS: (4, 8, 1)}
-# Q6_K, IQ2_XS and IQ3_XXS rows the run forms take (run_fits): (rows a program, split, warps)
-# by the runs of 8 blocks a row, the most runs first (run 102: 151936 x 2048 Q6_K 78.7 us at
-# rows 8 split 1 against 120.4 spread; 14336 x 4096 at rows 4 split 2 / rows 8 split 1 / the
-# best spread tile: Q6_K 17.4 / 21.1 / 27.1 us, IQ2_XS 15.1 / 16.6 / 19.3, IQ3_XXS 16.4 / 20.0
-# / 22.9)
-GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 
 
 def run_tile(k: int) -> tuple[int, int, int]:
