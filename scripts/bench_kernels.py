@@ -130,7 +130,8 @@ def _graph_time(calls: list, rep_ms: int) -> float:
     return ms / 1e3 / len(calls)
 
 
-def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | None = None) -> dict:
+def run_case(case: tuple, rep_ms: int, timed: bool = True,
+             dequant_min_m: int | None = None) -> dict:
     """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m: quant_matmul's
     (None: its default)."""
     from strata.kernels.gpu import quant_matmul

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from strata.config import AUTO_PREFETCH, EngineConfig
 from strata.errors import StrataError
 from strata.units import parse_size
 
+log = logging.getLogger("strata")
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    g.add_argument("--device", default="auto", metavar="auto|cpu|cuda",
+                   help="where the model runs (auto: CUDA when torch sees a GPU, else the CPU; "
+                   "the first log line says which)")
     g.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
                    help="experts in a host arena with a device cache (auto: on for cuda)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
@@ -72,7 +77,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "at 10 GiB slower than none, so off there: docs/offload.md)")
 
 
+def resolve_device(flag: str) -> tuple[str, str]:
+    """(device, why) for --device: auto is cuda when torch sees a GPU, else cpu."""
+    if flag != "auto":
+        return flag, "--device " + flag
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", "--device auto: torch sees a GPU"
+    return "cpu", "--device auto: torch sees no GPU"
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the parsed engine flags; --device auto resolved (and logged)."""
     if args.vram_budget is not None and args.vram_budget <= 0:
         raise StrataError(f"--vram-budget {args.vram_budget}: give a size in GiB above 0")
     if args.threads is not None and args.threads < 1:
@@ -90,8 +107,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         except ValueError:
             raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
                               "(0: off)") from None
+    device, why = resolve_device(args.device)
+    log.info("device: %s (%s)", device, why)
     return EngineConfig(
-        device=args.device, offload=args.offload, vram_budget_gib=args.vram_budget,
+        device=device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=args.threads, ctx=args.ctx,
         kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,

@@ -79,7 +79,8 @@ GROUPED_MIN_TOKENS = 16
 # the budget; the path itself: bench/2026-11-30-h200-offload.md)
 GROUPED_SCRATCH_BYTES = 1280 << 20
 # float32-activation decode tiles (BN, BK, stages, warps): gate and up in one K loop; the down
-# split over pairs (42.8 against 46.8 us for one CTA per token). bench/2026-11-30-h200-gathered-decode.md
+# split over pairs (42.8 against 46.8 us for one CTA per token).
+# bench/2026-11-30-h200-gathered-decode.md
 GATE_UP_TILE = (1, 512, 1, 2)
 DOWN_TILE = (4, 256, 1, 4)
 # x8 decode (R, BB, warps): Q4_K gate/up and Q4_K / Q6_K down on dp4a.
@@ -144,7 +145,8 @@ MIN_KV_TOKENS = 256
 BORROW_RECORDS = 512
 # programs of the decode prefetch's copy (each looping over its blocks): a program per block held
 # every SM's loads behind PCIe (the next layer's attention 80-100 us instead of 8); 581 / 599 /
-# 705 / 633 us with 8 / 16 / 32 / 64 (scripts/bench_gather_overlap.py). bench/2026-11-30-h200-prefetch.md
+# 705 / 633 us with 8 / 16 / 32 / 64 (scripts/bench_gather_overlap.py).
+# bench/2026-11-30-h200-prefetch.md
 PREFETCH_PROGRAMS = 16
 # a layer streams every uncached expert of a chunk (routing on the device) while its chunks route
 # to at least this fraction of them: 72% took 0.65 s streamed against 1.31 s copying the routed

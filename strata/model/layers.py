@@ -11,4 +11,5 @@ from strata.kernels.torch_ops import (
     swiglu,
 )
 
-__all__ = ["apply_rope", "attention", "attention_bf16", "rms_norm", "rope_tables", "route", "swiglu"]
+__all__ = ["apply_rope", "attention", "attention_bf16", "rms_norm", "rope_tables", "route",
+           "swiglu"]
