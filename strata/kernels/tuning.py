@@ -69,9 +69,11 @@ X8_MIN_ROWS = 8192
 # it, pairs are grouped by expert onto tensor cores. bench/2026-11-29-h200-kernels.md
 DECODE_MAX_T = 4
 # from this many tokens per expert on average (T·K / E) a prompt chunk takes the grouped bf16 path
-# (dequantize once, torch._grouped_mm): at 16 tokens the fused kernel took 95.7 us (Q4_K) against
-# ~70 estimated for bf16; from 512 tokens bf16 measured 3-5x faster. An estimate, not a measured
-# crossover (scripts/bench_kernels.py --moe-prompt-only). bench/2026-11-30-h200-offload.md
+# (dequantize once, torch._grouped_mm): at 16 tokens on 14336 x 4096 the fused kernel took 95.7 us
+# (Q4_K; 464 IQ2_XS) against ~70 estimated for bf16 (33.7 cuBLAS + ~36 writing the copy); from
+# 512 tokens bf16 measured 3-5x faster (docs/kernels.md). Qwen3-30B-A3B switches at 256 tokens.
+# An estimate, not a measured crossover (scripts/bench_kernels.py --moe-prompt-only times both).
+# bench/2026-11-30-h200-offload.md
 GROUPED_MIN_TOKENS = 16
 # bf16 expert weights the grouped path dequantizes at a time: one whole Qwen3-30B-A3B layer (128 x
 # 3 x 768 x 2048 x 2 bytes = 1.125 GiB) in one batch; larger layers in batches of experts (4 for
