@@ -29,7 +29,6 @@ Results and the measured tables: docs/kernels.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -91,17 +90,6 @@ def tune_cases(types: list[str], tiles: list[tuple] = TUNE) -> list[tuple]:
     return [(t, BIG, 1, c) for t in types for c in tiles]
 
 
-_TABLE: dict[QType, object] = {}
-
-
-def _set_gemv(qt: QType, cfg: tuple | None) -> None:
-    """Use GEMV tile `cfg` for qt (None: the table in formats.py)."""
-    from strata.kernels.gpu import formats
-
-    base = _TABLE.setdefault(qt, formats.FORMATS[qt])
-    formats.FORMATS[qt] = dataclasses.replace(base, gemv=cfg) if cfg else base
-
-
 _DRAWN: dict[tuple, torch.Tensor] = {}
 
 
@@ -142,19 +130,21 @@ def _graph_time(calls: list, rep_ms: int) -> float:
     return ms / 1e3 / len(calls)
 
 
-def run_case(case: tuple, rep_ms: int, timed: bool = True) -> dict:
-    """Run (and time) one (type, shape, M, gemv override) case."""
+def run_case(case: tuple, rep_ms: int, timed: bool = True,
+             dequant_min_m: int | None = None) -> dict:
+    """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m: quant_matmul's
+    (None: its default)."""
     from strata.kernels.gpu import quant_matmul
 
     name, shape, m, cfg = case
     qt = QType[name]
-    _set_gemv(qt, cfg)
     n, k = MODEL_SHAPES[shape]
     nbytes = n * row_nbytes(qt, k)
     ws = _weights(qt, n, k, _copies(nbytes) if timed else 1, valid=timed)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.float32)
-    calls = [lambda w=w: quant_matmul(x, w, qt, out=y) for w in ws]
+    kw = {} if dequant_min_m is None else {"dequant_min_m": dequant_min_m}
+    calls = [lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw) for w in ws]
     if not timed:
         calls[0]()
         torch.cuda.synchronize()
@@ -179,24 +169,15 @@ def cublas_row(shape: str, m: int, rep_ms: int) -> dict:
 def fused_gemm_row(name: str, m: int, rep_ms: int, timed: bool = True) -> dict:
     """The fused tensor-core kernel on the big matrix at m tokens, even where quant_matmul
     would dequantize to bf16 and call cuBLAS (matmul.DEQUANT_MIN_M)."""
-    from strata.kernels.gpu import matmul
-
-    keep = matmul.DEQUANT_MIN_M
-    matmul.DEQUANT_MIN_M = 1 << 30
-    try:
-        r = run_case((name, BIG, m, None), rep_ms, timed)
-    finally:
-        matmul.DEQUANT_MIN_M = keep
+    r = run_case((name, BIG, m, None), rep_ms, timed, dequant_min_m=1 << 30)
     return r | dict(kernel="fused tl.dot") if timed else r
 
 
-def moe_decode(types: tuple[str, str, str], rep_ms: int, timed: bool = True,
-               table: dict[str, tuple] | None = None) -> dict:
-    """Qwen3-30B-A3B decode layer: 128 experts all resident, top-8, D=2048, F=768, one token."""
+def moe_decode(types: tuple[str, str, str], rep_ms: int, timed: bool = True) -> dict:
+    """Qwen3-30B-A3B decode layer: 128 experts all resident, top-8, D=2048, F=768, one token
+    (its tiles are moe.py's, not the dense GEMV table's)."""
     from strata.kernels.gpu import moe_forward
 
-    for t in types:
-        _set_gemv(QType[t], (table or {}).get(t))
     e, topk, d, f = 128, 8, 2048, 768
     qg, qu, qd = (QType[t] for t in types)
     rng = np.random.default_rng(1)
@@ -256,22 +237,18 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, grouped: bool, rep_ms: 
     wts = torch.softmax(torch.randn(tokens, topk, device="cuda"), -1)
     x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(tokens, d, device="cuda")
-    keep = moe_mod.GROUPED_MIN_TOKENS
-    moe_mod.GROUPED_MIN_TOKENS = 0 if grouped else 1 << 30
-    try:
-        def call() -> None:
-            moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
-                                out=out)
 
-        call()
-        torch.cuda.synchronize()
-        if not timed:
-            return {}
-        import triton.testing
+    def call() -> None:
+        moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f, out=out,
+                            grouped=grouped)
 
-        sec = triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median") / 1e3
-    finally:
-        moe_mod.GROUPED_MIN_TOKENS = keep
+    call()
+    torch.cuda.synchronize()
+    if not timed:
+        return {}
+    import triton.testing
+
+    sec = triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median") / 1e3
     return dict(types=list(types), tokens=tokens, path="grouped" if grouped else "tl.dot",
                 us=sec * 1e6, tflops=2 * 3 * tokens * topk * d * f / sec / 1e12,
                 tok_s_48_layers=tokens / (48 * sec))
@@ -306,7 +283,7 @@ def _compile_worker(job: tuple) -> str:
         elif kind == "moe_prompt":
             moe_prompt(payload[2], payload[0], payload[1], 0, timed=False)
         else:
-            moe_decode(payload[0], 0, timed=False, table=payload[1])
+            moe_decode(payload, 0, timed=False)
         return ""
     except Exception as exc:  # noqa: BLE001 (reported, the timed pass shows it again)
         return f"{kind} {payload}: {type(exc).__name__}: {exc}"[:300]
@@ -383,7 +360,7 @@ def main() -> None:
     report["gemv_table"] = table
     todo = cases(types, tokens, full, table)
     if args.workers > 1:
-        precompile([("case", c) for c in todo] + [("moe", (m, table)) for m in moes]
+        precompile([("case", c) for c in todo] + [("moe", m) for m in moes]
                    + [("fused", t) for t in FUSED_GEMM if t in types] + prompt_jobs,
                    args.workers)
     hbm = hbm_copy_gbs()
@@ -419,7 +396,7 @@ def main() -> None:
         print(f"fused tl.dot GEMM {t:8s} M=4096: {r['us']:9.1f} us {r['tflops']:7.1f} TFLOP/s "
               f"{r['pct_cublas']:5.1f}% of cuBLAS", flush=True)
     for mt in moes:
-        r = moe_decode(mt, args.rep_ms, table=table)
+        r = moe_decode(mt, args.rep_ms)
         report["moe"].append(r)
         print(f"MoE 30B-A3B decode layer {'/'.join(mt)}: {r['us_graph']:.1f} us (graph), "
               f"{r['us_eager']:.1f} us eager, {r['gbs']:.0f} GB/s of expert weights", flush=True)

@@ -1,8 +1,8 @@
 """Time the one-token kernels of a decode step on the GPU, with the launch choices to pick from:
-the Qwen3-30B-A3B MoE layer (moe.DECODE_TUNE: the tiles of the gate/up and down kernels) and the
-dense GEMVs of that model and of a 14336 x 4096 matrix (matmul.GEMV_TUNE tiles), against float32
+the Qwen3-30B-A3B MoE layer (moe_forward tiles=: the tiles of the gate/up and down kernels) and
+the dense GEMVs of that model and of a 14336 x 4096 matrix (quant_matmul tile=), against float32
 cuBLAS on the same shapes and the HBM copy ceiling; the rows kernel on the same shapes
-(matmul.GEMV_ROWS_TUNE tiles: R rows a program sharing each x tile), with x float32 as the
+(quant_matmul rows_tile=: R rows a program sharing each x tile), with x float32 as the
 decode step has it and rounded to bf16 (half the x bytes; the FMA kernel's default tile is timed
 on bf16 x too); for Q4_K, Q6_K, IQ2_XS and IQ3_XXS also the int8-activation GEMVs (gemv_q8.py:
 x rounded to 8 bits, one dp4a per 4 weights, a row's blocks spread across the threads, rows
@@ -69,16 +69,13 @@ def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device,
 
 
 def time_moe(layer: dict, tune: dict) -> float:
-    """tune: moe.DECODE_TUNE's tiles, and "x8": moe_forward's x8."""
+    """tune: moe_forward's tiles (moe.TILE_KEYS), and "x8": moe_forward's x8."""
     lay = layer["lay"]
-    moe_mod.DECODE_TUNE = {k: v for k, v in tune.items() if k != "x8"}
+    tiles = {k: v for k, v in tune.items() if k != "x8"}
     g, u, d = lay.views(layer["slots"])
-    try:
-        return graph_seconds(lambda i: moe_mod.moe_forward(
-            layer["x"], layer["ids"][i], layer["wts"], layer["table"], g, u, d, lay.qtypes, D,
-            F, out=layer["out"], x8=tune.get("x8", False)))
-    finally:
-        moe_mod.DECODE_TUNE = {}
+    return graph_seconds(lambda i: moe_mod.moe_forward(
+        layer["x"], layer["ids"][i], layer["wts"], layer["table"], g, u, d, lay.qtypes, D,
+        F, out=layer["out"], x8=tune.get("x8", False), tiles=tiles))
 
 
 def weight_copies(q: QType, n: int, k: int, rng: np.random.Generator,
@@ -101,14 +98,9 @@ def time_gemv(q: QType, n: int, k: int, tile: tuple | None, rng: np.random.Gener
         copies = weight_copies(q, n, k, rng, dev)
     x = torch.randn(1, k, device=dev).to(xdtype)
     out = torch.empty(1, n, device=dev)
-    key = (int(q), n, k)
-    tune = mm.GEMV_ROWS_TUNE if rows else mm.GEMV_TUNE
-    if tile is not None:
-        tune[key] = tile
-    try:
-        t = graph_seconds(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out), CALLS)
-    finally:
-        tune.pop(key, None)
+    kw = {"rows_tile" if rows else "tile": tile} if tile is not None else {}
+    t = graph_seconds(lambda i: mm.quant_matmul(x, copies[i % len(copies)], q, out=out, **kw),
+                      CALLS)
     return t, copies
 
 

@@ -27,9 +27,9 @@ def test_demo_model_greedy_text_is_english(capfd):
     are in the prompt's language (a random model's are not; checked on the synthetic one)."""
     from strata.demo import demo_model
 
-    words = set(("the a an of to in is are be it that this for with as on by or and not can "
+    words = set("the a an of to in is are be it that this for with as on by or and not can "
                  "file files system command line program user directory which when if each "
-                 "from use used see also name value default option options set".split()))
+                 "from use used see also name value default option options set".split())
     assert main(["generate", str(demo_model()), "--prompt", "The command", "-n", "40",
                  "--temperature", "0"]) == 0
     text = capfd.readouterr().out

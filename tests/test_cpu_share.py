@@ -234,14 +234,13 @@ _HOST_FROM = """
     import numpy as np
     import torch
     from strata.kernels.gpu import gather_misses, moe_forward
-    from strata.kernels.gpu import moe as moe_mod
     from strata.kernels.gpu.reference import moe_ref
     from strata.experts.layout import ExpertLayout
     from strata.quant import QType, random_rows
 
     rng = np.random.default_rng(seed)
     # large row tiles: few programs (the interpreter's time goes by program)
-    moe_mod.DECODE_TUNE = {"gate_up": (32, 256, 1, 4), "down_pairs": (32, 256, 1, 4)}
+    tiles = {"gate_up": (32, 256, 1, 4), "down_pairs": (32, 256, 1, 4)}
     e, d, f, k = 6, 256, 256, 4
     qt = (QType.Q4_K, QType.Q8_0, QType.Q6_K)
     lay = ExpertLayout(0, tuple(int(q) for q in qt), d, f)
@@ -262,7 +261,8 @@ _HOST_FROM = """
             else:
                 assert (rows[p] == 255).all(), p
         parts = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f,
-                            miss=lay.views(rows), sum_pairs=False, host_from=host_from)
+                            miss=lay.views(rows), sum_pairs=False, host_from=host_from,
+                            tiles=tiles)
         assert parts.shape == (1, k, d)
         full = torch.arange(e, dtype=torch.int32)
         for p in range(k):

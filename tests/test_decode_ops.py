@@ -23,10 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")  # strata.kernels.gpu needs triton even for the torch path
+triton = pytest.importorskip("triton")  # the kernels, their SASS checks and the interpreter
 
 from interpreted import fresh_seed, run_interpreted  # noqa: E402
 
+from strata.kernels.gpu import decode_kernels as dk  # noqa: E402
 from strata.kernels.gpu import decode_ops as ops  # noqa: E402
 from strata.model import layers  # noqa: E402
 
@@ -308,7 +309,7 @@ def test_kv_kernels_compile_for_sm90(kv: str) -> None:
            "inv_freq": "*fp32", "pos": "*i64", "qo": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}",
            "eps": "fp32", **i32, "HAS_QN": "constexpr", "HAS_KN": "constexpr", "HD": "constexpr",
            "ROPE_DIM": "constexpr", "NEOX": "constexpr", "BLOCK_D": "constexpr"}
-    rope = triton.compile(ASTSource(ops._qk_rope_kernel, sig, constexprs={
+    rope = triton.compile(ASTSource(dk._qk_rope_kernel, sig, constexprs={
         "HAS_QN": True, "HAS_KN": True, "HD": 128, "ROPE_DIM": 128, "NEOX": True,
         "BLOCK_D": 128}), target=target)
     assert rope.asm["cubin"]
@@ -320,7 +321,7 @@ def test_kv_kernels_compile_for_sm90(kv: str) -> None:
            "part_ml": "*fp32", "scale": "fp32", **i32, "HD": "constexpr", "G": "constexpr",
            "MIN_CHUNK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
            "BLOCK_D": "constexpr", "STAGES": "constexpr"}
-    attn = triton.compile(ASTSource(ops._attn_split_kernel, sig, constexprs={
+    attn = triton.compile(ASTSource(dk._attn_split_kernel, sig, constexprs={
         "HD": 128, "G": 8, "MIN_CHUNK": ops.ATTN_MIN_CHUNK, "BLOCK_M": ops.ATTN_BLOCK_M,
         "BLOCK_N": 32, "BLOCK_D": 128, "STAGES": 2}), target=target, options={"num_warps": 8})
     assert attn.asm["cubin"]
@@ -456,7 +457,7 @@ def test_route_kernel_compiles_for_sm90(count: bool, skip: bool) -> None:
            "E": "i32", "stride_l": "i32", "K": "constexpr", "NORM": "constexpr",
            "COUNT": "constexpr", "SKIP": "constexpr", "BLOCK_E": "constexpr",
            "BLOCK_J": "constexpr"}
-    asm = sm90(ops._route_kernel, sig, {"K": 8 if count else 2, "NORM": count, "COUNT": count,
+    asm = sm90(dk._route_kernel, sig, {"K": 8 if count else 2, "NORM": count, "COUNT": count,
                                         "SKIP": skip, **ops._route_blocks(128)})
     assert asm["cubin"]
     assert asm["ttir"].count("tt.load") == 1 + skip
@@ -476,7 +477,7 @@ def test_norm_route_kernel_compiles_for_sm90(delta: int, count: bool, skip: bool
            "eps": "fp32"}
     sig.update(dict.fromkeys(["HAS_DELTA", "R", "STORE_H", "K", "NORM", "COUNT", "SKIP", "BN",
                               "BLOCK_D", "BLOCK_E", "BLOCK_J"], "constexpr"))
-    asm = sm90(ops._norm_route_kernel, sig, {
+    asm = sm90(dk._norm_route_kernel, sig, {
         "HAS_DELTA": delta > 0, "R": max(delta, 1), "STORE_H": delta > 0, "K": 8, "NORM": count,
         "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048, **ops._route_blocks(128)})
     ttir = asm["ttir"]

@@ -327,7 +327,7 @@ def test_moe_x8_under_the_interpreter() -> None:
 
 
 def test_moe_iq_run_under_the_interpreter() -> None:
-    """The same for the i-quant gate/up in the run form (moe.DECODE_TUNE "gate_up_iq_run": rows
+    """The same for the i-quant gate/up in the run form (moe_forward tiles "gate_up_iq_run": rows
     of 2048 values, one run of 8 blocks; split 2 leaves half the threads without a run), both
     i-quant packs, slots and miss rows (256 rows a program: the interpreter takes ~5 s a call
     of 2 pairs at that, 4x that at 64)."""
@@ -356,13 +356,12 @@ _MOE_X8_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1), down_q6k_q8=(256
 
 def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
     """test_moe_x8_under_the_interpreter's script: layers of 3 experts (2 with slots) of shape
-    d x f in each of packs (the source of a tuple of qtype triples), moe.DECODE_TUNE = tune."""
+    d x f in each of packs (the source of a tuple of qtype triples), moe_forward's tiles = tune."""
     return f"""
     import torch
     torch.manual_seed(seed)  # (x too comes from the printed seed)
     from strata.experts.layout import ExpertLayout
     from strata.kernels.gpu import gather_misses, moe_forward
-    from strata.kernels.gpu import moe as moe_mod
     from strata.kernels.gpu.reference import moe_ref
     from strata.quant import QType, random_rows
     rng = np.random.default_rng(seed)
@@ -385,22 +384,23 @@ def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
             part[:] = torch.stack([src[1], rows(n, k, q), src[0]])
         full = dict(layer, slot_of_expert=torch.arange(e, dtype=torch.int32),
                     **dict(zip(("gate_slots", "up_slots", "down_slots"), lay.views(records))))
-        moe_mod.DECODE_TUNE = {tune!r}
+        tiles = {tune!r}
         tol = {X8_TOL}
         for t in (1, 3) if qt[2] in (QType.Q6_K, QType.IQ3_XXS) else (3,):
             ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
             x, wts = torch.randn(t, d), torch.rand(t, 2)
-            out = moe_forward(x, ids, wts, **layer, x8=True)
+            out = moe_forward(x, ids, wts, **layer, x8=True, tiles=tiles)
             assert rel(out, moe_ref(x, ids, wts, **layer, x8=True)) < tol, (qt, t)
             assert rel(out, moe_ref(x, ids, wts, **layer)) < 3e-2, (qt, t)
             if t == 1:
-                parts = moe_forward(x, ids, wts, **layer, sum_pairs=False, x8=True)
+                parts = moe_forward(x, ids, wts, **layer, sum_pairs=False, x8=True,
+                                    tiles=tiles)
                 assert rel(parts.sum(1), moe_ref(x, ids, wts, **layer, x8=True)) < tol, qt
                 continue
             rows_ = torch.full((2 * t + 1, lay.stride), 255, dtype=torch.uint8)
             gather_misses(ids, slot_of, records, rows_, lay.nbytes)
             out = moe_forward(x, ids, wts, slot_of, *lay.views(records[[2, 0]]), qt, d, f,
-                              miss=lay.views(rows_), x8=True)
+                              miss=lay.views(rows_), x8=True, tiles=tiles)
             assert rel(out, moe_ref(x, ids, wts, **full, x8=True)) < tol, ("miss rows", qt, t)
     print("ok")
 """
@@ -417,32 +417,25 @@ def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
                                   {"gate_up_iq_run": (8, 1, 1), "down_iq": (8, 1, 1)}])
 @pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "Q4_K/Q4_K", "IQ2_XS/IQ3_XXS", "IQ3_XXS/IQ2_XS",
                                   "IQ2_XS/Q6_K", "Q4_K/IQ3_XXS"])
-def test_moe_x8_on_cuda(tune: dict, pack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_x8_on_cuda(tune: dict, pack: str) -> None:
     """A Qwen3-30B-A3B decode layer (D 2048, F 768, 8 of 16 experts resident, 8 routed) with
     activations rounded to 8 bits, gate and up of the pack's first type and down of its second,
     one token and four, against the reference with that rounding and without; the default
     tiles and others, the i-quant gate/up in the run form too (with a down of BB 1: a row's
     3 blocks, every step in it, EVEN)."""
-    from strata.kernels.gpu import moe as moe_mod
-
-    monkeypatch.setattr(moe_mod, "DECODE_TUNE", tune)
-    _moe_x8_layer(2048, 768, pack, str(tune))
+    _moe_x8_layer(2048, 768, pack, tune)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("tune", [{}, {"gate_up_iq_run": (8, 1, 1)}])
 @pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "IQ2_XS/IQ3_XXS"])
-def test_moe_x8_on_cuda_235b_shape(tune: dict, pack: str,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_x8_on_cuda_235b_shape(tune: dict, pack: str) -> None:
     """The same at Qwen3-235B-A22B's expert shape (D 4096, F 1536: 6 blocks a down row; the
     run form's threads walk two runs)."""
-    from strata.kernels.gpu import moe as moe_mod
-
-    monkeypatch.setattr(moe_mod, "DECODE_TUNE", tune)
-    _moe_x8_layer(4096, 1536, pack, str(tune))
+    _moe_x8_layer(4096, 1536, pack, tune)
 
 
-def _moe_x8_layer(d: int, f: int, pack: str, what: str) -> None:
+def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
     from strata.kernels.gpu import moe_forward
     from strata.kernels.gpu.reference import moe_ref
     from strata.quant import QType, random_rows
@@ -466,13 +459,13 @@ def _moe_x8_layer(d: int, f: int, pack: str, what: str) -> None:
     for t in (1, 4):
         ids = torch.from_numpy(np.stack([rng.permutation(e)[:8] for _ in range(t)])).cuda()
         x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, 8, device="cuda")
-        out = moe_forward(x, ids, wts, **layer, x8=True)
+        out = moe_forward(x, ids, wts, **layer, x8=True, tiles=tiles)
         ref = moe_ref(x, ids, wts, **layer, x8=True)
         err = float((out - ref).norm() / ref.norm())
-        assert err < tol, f"{what} {pack} t={t} seed={seed}: rel err {err:.2e} with rounding"
+        assert err < tol, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} with rounding"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
-        assert err < 3e-2, f"{what} {pack} t={t} seed={seed}: rel err {err:.2e} without"
+        assert err < 3e-2, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} without"
 
 
 @pytest.mark.cuda

@@ -119,6 +119,14 @@ def test_quant_matmul_takes_rows_for_listed_shapes(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(mm, "GEMV_ROWS_TUNE", {(int(QType.Q4_K), 3, 256): (2, 256, 1, 1)})
     mm.quant_matmul(torch.zeros(1, 256), torch.zeros(3, 144, dtype=torch.uint8), QType.Q4_K)
     assert launched == [(2, 256, 1, 1)]
+    # a benchmark's tile, given to the call (the table frozen: strata.kernels.tuning)
+    mm.quant_matmul(torch.zeros(1, 256), torch.zeros(5, 144, dtype=torch.uint8), QType.Q4_K,
+                    rows_tile=(4, 256, 1, 2))
+    assert launched == [(2, 256, 1, 1), (4, 256, 1, 2)]
+    from strata.kernels import tuning
+
+    with pytest.raises(TypeError):
+        tuning.GEMV_ROWS_TUNE[(int(QType.Q4_K), 3, 256)] = (2, 256, 1, 1)  # type: ignore[index]
 
 
 def test_gemv_rows_loads_x_once_a_step() -> None:

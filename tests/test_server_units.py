@@ -124,7 +124,7 @@ def test_config_file_flags_win(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert (shown["port"], shown["queue"], shown["api-key"]) == (9001, 5, "(set)")
     assert shown["env"] == {"STRATA_X": "1"} and shown["host"] == "127.0.0.1"
-    assert shown["device"] == "cpu" and shown["expert-cache"] == "auto"  # the engine's flags
+    assert shown["device"] == "auto" and shown["expert-cache"] == "auto"  # the engine's flags
 
 
 def test_print_config_is_a_config_file(tmp_path, capsys):

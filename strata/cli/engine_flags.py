@@ -15,7 +15,9 @@ log = logging.getLogger("strata")
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    g.add_argument("--device", default="auto", metavar="auto|cpu|cuda",
+                   help="where the model runs (auto: CUDA when torch sees a GPU, else the CPU; "
+                   "the first log line says which)")
     g.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
                    help="experts in a host arena with a device cache (auto: on for cuda)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
@@ -80,7 +82,19 @@ MAX_CACHE_SLOTS = 10_000_000  # far above layers x experts of any model
 MAX_CTX = 1 << 24
 
 
+def resolve_device(flag: str) -> tuple[str, str]:
+    """(device, why) for --device: auto is cuda when torch sees a GPU, else cpu."""
+    if flag != "auto":
+        return flag, "--device " + flag
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", "--device auto: torch sees a GPU"
+    return "cpu", "--device auto: torch sees no GPU"
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the parsed engine flags; --device auto resolved (and logged)."""
     vram = args.vram_budget
     if vram is not None and not (math.isfinite(vram) and 0 < vram <= 1 << 20):
         raise StrataError(f"--vram-budget {vram}: give a size in GiB above 0 (a finite number)")
@@ -116,8 +130,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if not 0 <= prefetch <= 1 << 16:
             raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
                               "(0: off)")
+    device, why = resolve_device(args.device)
+    log.info("device: %s (%s)", device, why)
     return EngineConfig(
-        device=args.device, offload=args.offload, vram_budget_gib=args.vram_budget,
+        device=device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=threads, ctx=args.ctx,
         kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,

@@ -2,8 +2,8 @@
 llama-perplexity measures it, so the two can be set side by side.
 
 The text is tokenized whole (the model's BOS rule; special-token text stays text unless
---parse-special), cut into chunks of --ctx tokens (512 unless given), and each chunk runs from an empty KV cache.
-Only the second half of each chunk is scored: position j predicts token j + 1 for
+--parse-special), cut into chunks of --ctx tokens (512 unless given), and each chunk runs from
+an empty KV cache. Only the second half of each chunk is scored: position j predicts token j + 1 for
 j = ctx/2 .. ctx - 2, so every scored token sees at least ctx/2 tokens before it. Where the model
 adds a BOS token, each chunk's first token is replaced by BOS. PPL = exp(mean NLL) over every
 scored token; the +/- is the standard error of the mean NLL carried through exp (as

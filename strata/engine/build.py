@@ -25,15 +25,14 @@ from strata.experts.policy import make_policy
 from strata.experts.profile import load_profile
 from strata.experts.ring import Ring
 from strata.gguf import ModelFile
+from strata.kernels import tuning
 from strata.model.transformer import MoETransformer
 from strata.model.weights import ModelWeights
 from strata.units import fmt_bytes
 
 log = logging.getLogger("strata")
 
-# --kernels -> the most tokens a call may have for the fused GPU kernels: up to 4 tokens they sum
-# in float32 from exact weights; past that they multiply on bf16 tensor cores
-FUSED_MAX_T = {"fused": 1 << 30, "exact": 4, "off": 0}
+FUSED_MAX_T = tuning.FUSED_MAX_T
 
 
 def auto_stream_min(costs: LinkCosts, nbytes: int, cfg: ModelConfig) -> int:

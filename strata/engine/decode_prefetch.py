@@ -40,11 +40,7 @@ from __future__ import annotations
 import torch
 
 from strata.kernels.gpu import decode_ops as ops
-
-# programs of the copy ahead (each looping over its blocks): a program per block would hold every
-# SM's loads behind PCIe and stall the compute beside it (a profile at 2 GiB: the next layer's
-# attention took 80-100 us instead of 8 while the copy ran); scripts/bench_gather_overlap.py
-PROGRAMS = 16
+from strata.kernels.tuning import PREFETCH_PROGRAMS as PROGRAMS
 
 
 class DecodePrefetch:

@@ -24,13 +24,12 @@ from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
 from strata.gguf import ModelFile
+from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
+from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30
-MARGIN = 256 << 20  # activations, allocator slack, kernels' own buffers
-MIN_KV_TOKENS = 256
-BORROW_RECORDS = 512  # the ring with what it borrows: at most this many of the largest records
 
 
 @dataclass(frozen=True)

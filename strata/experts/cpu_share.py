@@ -30,12 +30,8 @@ from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_ev
 from strata.errors import StrataError
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
+from strata.kernels.tuning import SHARE_THREADS
 
-# threads of the share's own pool at most, unless --threads says: at 2 GiB on a 16-core host two
-# pairs on 8 threads were faster than PCIe alone in both runs (43.6-46.8 tok/s against
-# 40.6-40.9); 4 threads gave 18.8-44.1, 12 and 15 threads 16.7-37.6
-# (bench/2026-11-30-h200-prefetch.md)
-SHARE_THREADS = 8
 # which pool computes the strided layers: "graph" (a ggml graph a call) or "token" (ggml's dot
 # kernels on strata.kernels.cpu.token_pool's spinning threads). Timed on the H200's host
 # (bench/2026-11-30-h200-lend.md, run 46): the token pool 5-26% faster alone, 1.4-1.9x slower

@@ -25,15 +25,10 @@ from strata.experts.gpu_hits import FusedHits
 from strata.experts.planner import MissPlanner
 from strata.experts.ring import Ring
 from strata.experts.stats import OffloadStats
+from strata.kernels import tuning
 from strata.model.weights import ExpertWeights
 
-# a layer streams every uncached expert of a chunk (routing on the device) while the chunks seen
-# routed to at least this fraction of them; below, the host reads the routing and copies only
-# those routed. On the H200 an 8K prompt whose 4096-token chunks routed to 72% of the experts
-# took 0.65 s streaming them all with the routing on the device and 1.31 s copying the 72% with
-# the routing read per layer (2.8x its own copy time, the host's syncs): the host path only pays
-# below about a third
-ROUTED_MIN = 0.4
+ROUTED_MIN = tuning.ROUTED_MIN
 
 
 class OffloadExperts:
@@ -75,7 +70,7 @@ class OffloadExperts:
         first."""
         lend = False
         if self.cache.lends:
-            from strata.kernels.gpu.moe import DECODE_MAX_T
+            from strata.kernels.tuning import DECODE_MAX_T
 
             lend = tokens <= DECODE_MAX_T and not (self.lend_ring and tokens >= self.stream_min)
             if not lend:

@@ -20,10 +20,11 @@ import torch
 from strata.config import ModelConfig
 from strata.engine.kv_cache import KVCache
 from strata.experts import ExpertExecutor, ReferenceExperts
+from strata.kernels import tuning
 from strata.model.layers import apply_rope, attention, attention_bf16, rms_norm, rope_tables, route
 from strata.model.weights import LayerWeights, ModelWeights, linear, qkv_linear
 
-BF16_ATTENTION_MIN_T = 4  # longer segments (prompt chunks) may attend on bf16 tensor cores
+BF16_ATTENTION_MIN_T = tuning.BF16_ATTENTION_MIN_T
 
 
 @dataclass

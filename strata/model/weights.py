@@ -15,12 +15,9 @@ import torch
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
+from strata.kernels.tuning import X8_MIN_ROWS
 from strata.quant import QType, dequant_rows, dequantize, dequantize_into
 
-# QuantTensor.x8: from this many rows on (the output matrix, not the attention projections:
-# rounding x is one more launch, ~1.2 us in a decode graph, which a few-thousand-row GEMV of a
-# few microseconds would not win back; an estimate, timed only for 14336 rows and up)
-X8_MIN_ROWS = 8192
 X8_TYPES = (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS)  # gemv_q8.gemv_x8's
 
 

@@ -9,14 +9,18 @@ exactly `Tokenizer.decode` of that sequence.
 from __future__ import annotations
 
 import codecs
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from strata.tokenizer.vocab import Tokenizer
+
+class TokenBytes(Protocol):
+    """What a stream needs of its tokenizer (vocab.Tokenizer has it): a token's bytes, and whether
+    the next text token starts a stretch of text."""
+
+    def token_bytes(self, token: int, skip_special: bool, fresh: bool) -> tuple[bytes, bool]: ...
 
 
 class StreamDecoder:
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: TokenBytes, skip_special: bool = False):
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

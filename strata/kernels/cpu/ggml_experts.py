@@ -26,12 +26,9 @@ from strata.kernels.cpu.ggml_graph import ExpertGraph, GroupShape
 from strata.kernels.cpu.ggml_lib import ThreadPool, supported, uses_openmp
 from strata.kernels.cpu.jobs import ExpertJob, Raw, check_call
 from strata.kernels.cpu.torch_experts import TorchExperts
+from strata.kernels.tuning import GGML_CACHE_BYTES, GGML_CACHE_GRAPHS, GGML_MAX_SLOTS
 
 log = logging.getLogger("strata.kernels")
-
-_MAX_SLOTS = 1024  # slots one weight tensor may span; beyond, jobs run as one-expert groups
-_CACHE_GRAPHS = 64  # graphs kept (decode needs ~1 per count of missed experts and quant mix)
-_CACHE_BYTES = 256 << 20  # and the bytes of their buffers
 
 
 @dataclass
@@ -145,8 +142,8 @@ class GgmlExperts:
         graph = ExpertGraph(key, self._pool)
         self._graphs[key] = graph
         while len(self._graphs) > 1 and (
-                len(self._graphs) > _CACHE_GRAPHS
-                or sum(g.nbytes for g in self._graphs.values()) > _CACHE_BYTES):
+                len(self._graphs) > GGML_CACHE_GRAPHS
+                or sum(g.nbytes for g in self._graphs.values()) > GGML_CACHE_BYTES):
             self._graphs.popitem(last=False)[1].close()
         return graph
 
@@ -180,7 +177,7 @@ def _group(qtypes: tuple[int, int, int], d_model: int, f: int,
         stride = math.gcd(*diffs) or raws[0].nbytes  # one distinct matrix: any stride will do
         slots = [d // stride for d in diffs]
         top = max(slots) + 1
-        if top > _MAX_SLOTS:
+        if top > GGML_MAX_SLOTS:
             return None
         bases.append(base)
         strides.append(stride)

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from strata.model.layers import swiglu
+from strata.kernels.torch_ops import swiglu
 from strata.quant import dequantize, row_nbytes
 
 Raw = np.ndarray | torch.Tensor  # uint8 [rows, row_nbytes], C-contiguous, on the host

@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from strata.cache import cache_dir
+from strata.kernels.tuning import SPIN_US
 from strata.quant import row_nbytes
 
 log = logging.getLogger("strata")
 
 SOURCE = Path(__file__).with_name("token_pool.c")
 MAX_EXPERTS = 16  # token_pool.c's MAX_EXPERTS
-SPIN_US = 2000  # how long an idle worker spins before it sleeps
 
 
 @functools.cache

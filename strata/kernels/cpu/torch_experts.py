@@ -16,10 +16,8 @@ import torch
 import torch.nn.functional as fn
 
 from strata.kernels.cpu.jobs import ExpertJob, as_tensor, check_call
+from strata.kernels.tuning import TORCH_BATCH_BYTES
 from strata.quant import dequantize
-
-_BATCH_BYTES = 32 << 20  # float32 weights dequantized at once: 1-2 Qwen3-30B experts (larger
-# batches measured slower: the temporaries fall out of cache)
 
 
 class TorchExperts:
@@ -41,7 +39,7 @@ class TorchExperts:
         d_model = h.shape[1]
         for (_, f), group in groups.items():
             per_job = 3 * f * d_model * 4
-            step = max(1, _BATCH_BYTES // per_job)
+            step = max(1, TORCH_BATCH_BYTES // per_job)
             for i in range(0, len(group), step):
                 self._run_batch(h, group[i:i + step], out)
 

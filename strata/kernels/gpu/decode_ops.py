@@ -8,7 +8,7 @@ built to be captured in a CUDA graph.
     ids, weights = route_topk(h @ router.T, n_used, norm_topk)
     h, ids, weights = norm_route(x, delta, ffn_norm, eps, router, n_used, norm_topk, sync)
 
-Every op computes the float32 reference op of strata.model.layers (rms_norm, rope_tables +
+Every op computes the float32 reference op of strata.kernels.torch_ops (rms_norm, rope_tables +
 apply_rope, attention, route) in another summation order: 1e-7..1e-6 of the output's scale under
 the interpreter, tests/test_decode_ops.py holds 1e-5. Graph safety: no host sync, no `.item()`, no
 Python branch on a device value and no allocation whose size depends on one; the decode position
@@ -62,24 +62,17 @@ C cache capacity (rows), E experts, K experts used per token, S attention key sp
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
-from triton import knobs
+import functools
+import os
+import sys
+from types import ModuleType
 
-from strata.model import layers
+import torch
+
+from strata.kernels import torch_ops as layers
+from strata.kernels.tuning import ATTN_BLOCK_M, ATTN_MIN_CHUNK, ATTN_TARGET_CTAS
 
 ROPE_STYLES = ("neox", "normal")
-# keys per split at least (one BLOCK_N step for hd = 128): short contexts spread over as many
-# CTAs as their keys allow. With 128, a 192-key decode step kept 4-8 CTAs busy for 14 us a layer
-# (H200, scripts/profile_decode.py); a split's partial output costs T·G·hd floats
-ATTN_MIN_CHUNK = 32
-ATTN_TARGET_CTAS = 256  # Hkv·S aimed at: ~2 CTAs per SM of an H200 when every split is live
-# query rows per split CTA: tl.dot's smallest tile. The float32 FMA dot keeps [16, hd] operands
-# in registers; 32 rows spilled in the offline sm_90a builds (docs/kernels.md)
-ATTN_BLOCK_M = 16
-# the running max before the first key: finite, so exp(m_old - m_new) never computes inf - inf
-_NEG = tl.constexpr(-1.0e30)
 
 
 def fused_decode_available(device: torch.device | str) -> bool:
@@ -88,7 +81,33 @@ def fused_decode_available(device: torch.device | str) -> bool:
 
 
 def _use_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda or bool(knobs.runtime.interpret)
+    return t.is_cuda or _interpreting()
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET, or its knob where Triton is loaded); read
+    without importing Triton, which a CPU-only install may not have."""
+    if os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes"):
+        return True
+    knobs = sys.modules.get("triton.knobs")
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """decode_kernels.py (the Triton kernel bodies), imported on the first launch."""
+    from strata.kernels.gpu import decode_kernels
+
+    return decode_kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (triton.next_power_of_2)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -125,43 +144,13 @@ def _device_int(t: torch.Tensor, name: str, device: torch.device) -> None:
 # ---- rms_norm / add_rms_norm ---------------------------------------------------------------------
 
 
-@triton.jit
-def _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr):
-    """(v, y) for one row: v = x [+ Σ_r delta_r, the rows added to each other in order first],
-    y = v * rsqrt(mean(v^2) + eps) * w (pointers at the row's first element)."""
-    # the weight first: loaded after the sum it would cost a second memory latency behind the
-    # reduction's barriers (the compiler keeps the order written)
-    wv = tl.load(w + d, mask=dm, other=0.0)
-    v = tl.load(x + d, mask=dm, other=0.0)
-    if HAS_DELTA:
-        s = tl.load(delta + d, mask=dm, other=0.0)
-        for r in tl.static_range(1, R):
-            s = s + tl.load(delta + r * stride_r + d, mask=dm, other=0.0)
-        v = v + s
-    return v, v * tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps) * wv
-
-
-@triton.jit
-def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o, eps,
-                     HAS_DELTA: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
-    # [x[t] += Σ_r delta[t, r]]; out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    dm = d < D
-    xr = x + t * stride_x
-    v, y = _norm_row(xr, delta + t * stride_d, w, d, dm, stride_r, D, eps, HAS_DELTA, R)
-    if HAS_DELTA:
-        tl.store(xr + d, v, mask=dm)
-    tl.store(out + t * stride_o + d, y, mask=dm)
-
-
 def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out: torch.Tensor) -> None:
     t, d = x.shape
-    block = triton.next_power_of_2(d)
+    block = _pow2(d)
     warps = min(16, max(1, block // 512))
     rows = 1 if delta is None or delta.dim() == 2 else delta.shape[1]
-    _rms_norm_kernel[(t,)](
+    _kernels()._rms_norm_kernel[(t,)](
         x, x if delta is None else delta, weight, out, d, x.stride(0),
         0 if delta is None else delta.stride(0), delta.stride(1) if rows > 1 else 0,
         out.stride(0), eps, HAS_DELTA=delta is not None, R=rows, BLOCK=block, num_warps=warps)
@@ -238,64 +227,6 @@ def rope_inv_freq(rope_dim: int, theta: float, device: torch.device | str) -> to
                                         device=device) / rope_dim)
 
 
-@triton.jit
-def _norm_rope(src, w, eps, pos_f, inv_freq, HAS_NORM: tl.constexpr, HD: tl.constexpr,
-               ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head row [BLOCK_D] of src: rms-normed with w (if HAS_NORM), then rotated.
-
-    out[d] = x[d]·cos(a_i) + sign·x[d']·sin(a_i) for d < ROPE_DIM, x[d] beyond, where d' is d's
-    partner (neox: d ± ROPE_DIM/2; normal: d ^ 1), i the pair index and sign -1 on the pair's
-    first element: the a·c - b·s, b·c + a·s of apply_rope."""
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    if NEOX:
-        first = d < ROPE_DIM // 2
-        partner = tl.where(first, d + ROPE_DIM // 2, d - ROPE_DIM // 2)
-        i = tl.where(first, d, d - ROPE_DIM // 2)
-    else:
-        first = d % 2 == 0
-        partner = d ^ 1
-        i = d // 2
-    rot = d < ROPE_DIM
-    x = tl.load(src + d, mask=dm, other=0.0)
-    xp = tl.load(src + partner, mask=rot, other=0.0)
-    if HAS_NORM:
-        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
-        x = x * r * tl.load(w + d, mask=dm, other=0.0)
-        xp = xp * r * tl.load(w + partner, mask=rot, other=0.0)
-    ang = pos_f * tl.load(inv_freq + i, mask=rot, other=0.0)
-    sign = tl.where(first, -1.0, 1.0)
-    return tl.where(rot, x * tl.cos(ang) + sign * xp * tl.sin(ang), x)
-
-
-@triton.jit
-def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, eps, H, C,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_qot, stride_qoh, stride_kcr, stride_kch, stride_vcr, stride_vch,
-                    HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HD: tl.constexpr,
-                    ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
-    # program (t, j): j < H: query head j -> qo[t, j]; else kv head g = j - H -> cache row pos + t
-    t = tl.program_id(0)
-    j = tl.program_id(1)
-    row = tl.load(pos).to(tl.int64) + t
-    pos_f = row.to(tl.float32)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    if j < H:
-        y = _norm_rope(q + t * stride_qt + j * stride_qh, qn, eps, pos_f, inv_freq, HAS_QN, HD,
-                       ROPE_DIM, NEOX, BLOCK_D)
-        tl.store(qo + t * stride_qot + j * stride_qoh + d, y, mask=dm)
-    else:
-        g = j - H
-        y = _norm_rope(k + t * stride_kt + g * stride_kh, kn, eps, pos_f, inv_freq, HAS_KN, HD,
-                       ROPE_DIM, NEOX, BLOCK_D)
-        ok = dm & (row < C)  # (rounded to the cache's type: --kv-type)
-        tl.store(kc + row * stride_kcr + g * stride_kch + d, y.to(kc.dtype.element_ty), mask=ok)
-        vv = tl.load(v + t * stride_vt + g * stride_vh + d, mask=dm, other=0.0)
-        tl.store(vc + row * stride_vcr + g * stride_vch + d, vv.to(vc.dtype.element_ty),
-                 mask=ok)
-
-
 def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                   pos: torch.Tensor, inv_freq: torch.Tensor, style: str,
@@ -337,13 +268,13 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if t == 0:
         return out
     if _use_kernels(q):
-        _qk_rope_kernel[(t, h + hkv)](
+        _kernels()._qk_rope_kernel[(t, h + hkv)](
             q, k, v, q if q_norm is None else q_norm, q if k_norm is None else k_norm, inv_freq,
             pos, out, k_cache, v_cache, eps, h, k_cache.shape[0], q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HD=hd, ROPE_DIM=rope_dim,
-            NEOX=style == "neox", BLOCK_D=triton.next_power_of_2(hd), num_warps=1)
+            NEOX=style == "neox", BLOCK_D=_pow2(hd), num_warps=1)
         return out
     positions = pos.reshape(1).long() + torch.arange(t, device=q.device)  # [T], on the device
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
@@ -365,101 +296,7 @@ def attention_splits(capacity: int, n_kv_heads: int) -> int:
     """S, the number of key splits (grid axis 1 of the split kernel): fixed by the capacity, so
     one captured graph serves every length; enough for ~ATTN_TARGET_CTAS CTAs at full length,
     no more than capacity / ATTN_MIN_CHUNK."""
-    return max(1, min(triton.cdiv(capacity, ATTN_MIN_CHUNK), ATTN_TARGET_CTAS // n_kv_heads))
-
-
-@triton.jit
-def _split_chunk(n, S, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys per split for n valid keys: a multiple of BLOCK_N, at least MIN_CHUNK, and at most S
-    splits needed (both kernels compute it the same way)."""
-    return tl.maximum(tl.cdiv(tl.cdiv(n, S), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-
-
-@triton.jit
-def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
-                       stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
-                       HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       STAGES: tl.constexpr):
-    # program (g·RB + b, s): query rows r = b·BLOCK_M + i of kv head g, r = t·G + (h - g·G), against
-    # keys [s·chunk, min((s+1)·chunk, n)); row r sees keys j <= n - T + t.
-    # Writes part_o[s, t, h] = Σ_j p_j v_j and part_ml[s, t, h] = (max score, Σ_j p_j),
-    # p_j = exp(score_j - max) (max = _NEG, sum 0, o 0 for a row that sees none of the keys).
-    g = tl.program_id(0) // RB
-    s = tl.program_id(1)
-    n = tl.load(length).to(tl.int32)
-    chunk = _split_chunk(n, S, MIN_CHUNK, BLOCK_N)
-    start = s * chunk
-    if start < n:
-        end = tl.minimum(start + chunk, n)
-        r = (tl.program_id(0) % RB) * BLOCK_M + tl.arange(0, BLOCK_M)
-        t = r // G
-        h = g * G + r % G
-        rm = r < T * G
-        d = tl.arange(0, BLOCK_D)
-        dm = d < HD
-        qt = tl.load(q + (t * stride_qt + h * stride_qh)[:, None] + d[None, :],
-                     mask=rm[:, None] & dm[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-        last = n - T + t  # [BLOCK_M]
-        m_i = tl.full((BLOCK_M,), _NEG, tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        kbase = kc + g.to(tl.int64) * stride_kh
-        vbase = vc + g.to(tl.int64) * stride_vh
-        for j0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
-            j = j0 + tl.arange(0, BLOCK_N)
-            jm = j < end
-            ld = jm[:, None] & dm[None, :]
-            kt = tl.load(kbase + j.to(tl.int64)[:, None] * stride_kr + d[None, :], mask=ld,
-                         other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]; rows >= n never read
-            # exact float32 products ("ieee": FMA, no TF32 rounding)
-            sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
-            sc = tl.where(jm[None, :] & (j[None, :] <= last[:, None]), sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(vbase + j.to(tl.int64)[:, None] * stride_vr + d[None, :], mask=ld,
-                         other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-            m_i = m_new
-        row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
-        tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
-        tl.store(part_ml + row * 2, m_i, mask=rm)
-        tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
-
-
-@triton.jit
-def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot,
-                        HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    # program (h, t): out[t, h] = Σ_s w_s o_s / Σ_s w_s l_s, w_s = exp(m_s - max_s m_s), over
-    # the live splits only (the others were never written)
-    h = tl.program_id(0)
-    t = tl.program_id(1)
-    n = tl.load(length).to(tl.int32)
-    live = tl.cdiv(n, _split_chunk(n, S, MIN_CHUNK, BLOCK_N))
-    sv = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    mx = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    for s0 in tl.range(0, live, BLOCK_S):
-        s = s0 + sv
-        row = (s * T + t) * H + h
-        mx = tl.maximum(mx, tl.load(part_ml + row * 2, mask=s < live, other=float("-inf")))
-    m = tl.max(mx, axis=0)
-    lsum = tl.zeros((BLOCK_S,), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    for s0 in tl.range(0, live, BLOCK_S):
-        s = s0 + sv
-        sm = s < live
-        row = ((s * T + t) * H + h).to(tl.int64)
-        w = tl.exp(tl.load(part_ml + row * 2, mask=sm, other=float("-inf")) - m)
-        lsum += w * tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
-        o = tl.load(part_o + row[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    tl.store(out + t * stride_ot + h * HD + d, acc / tl.sum(lsum, axis=0), mask=dm)
+    return max(1, min(_cdiv(capacity, ATTN_MIN_CHUNK), ATTN_TARGET_CTAS // n_kv_heads))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -494,18 +331,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale))
     s = n_splits or attention_splits(cap, hkv)
     g = h // hkv
-    rb = triton.cdiv(t * g, ATTN_BLOCK_M)  # row blocks per kv head
-    block_d = triton.next_power_of_2(hd)
+    rb = _cdiv(t * g, ATTN_BLOCK_M)  # row blocks per kv head
+    block_d = _pow2(hd)
     block_n = max(16, min(32, 4096 // block_d))
     part_o = scratch((s, t, h, hd), torch.float32, q.device)
     part_ml = scratch((s, t, h, 2), torch.float32, q.device)
-    _attn_split_kernel[(hkv * rb, s)](
+    _kernels()._attn_split_kernel[(hkv * rb, s)](
         q, k_cache, v_cache, length, part_o, part_ml, scale, t, h, s, rb, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HD=hd, G=g, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=block_n,
         BLOCK_D=block_d, STAGES=2, num_warps=8)
-    block_s = min(triton.next_power_of_2(s), max(1, 4096 // block_d))
-    _attn_reduce_kernel[(h, t)](
+    block_s = min(_pow2(s), max(1, 4096 // block_d))
+    _kernels()._attn_reduce_kernel[(h, t)](
         part_o, part_ml, length, out, t, h, s, out.stride(0), HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK,
         BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
     return out
@@ -533,22 +370,6 @@ def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---- routing -------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr):
-    # y[n] = Σ_d w[n, d] · x[d] for BN rows n
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = (n < N)[:, None]
-    acc = tl.zeros((BN, BD), tl.float32)
-    for d0 in tl.range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        dm = d < D
-        xv = tl.load(x + d, mask=dm, other=0.0)
-        wv = tl.load(w + n.to(tl.int64)[:, None] * stride_w + d[None, :], mask=nm & dm[None, :],
-                     other=0.0)
-        acc += wv * xv[None, :]
-    tl.store(y + n, tl.sum(acc, axis=1), mask=n < N)
-
-
 def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     """h @ router.T: h [T, D] f32, router [E, D] f32 (rows contiguous) -> [T, E] f32. One token
     on CUDA: `_rows_dot_kernel` (see the module doc); otherwise torch."""
@@ -560,99 +381,16 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
            f"h [1, {d}] and router [E, {d}] with contiguous rows")
     out = torch.empty((1, e), dtype=torch.float32, device=h.device)
     bn = 2
-    bd = min(1024, triton.next_power_of_2(d))
-    _rows_dot_kernel[(triton.cdiv(e, bn),)](h, router, out, e, d, router.stride(0), BN=bn,
+    bd = min(1024, _pow2(d))
+    _kernels()._rows_dot_kernel[(_cdiv(e, bn),)](h, router, out, e, d, router.stride(0), BN=bn,
                                             BD=bd, num_warps=4)
     return out
 
 
-@triton.jit
-def _finite(row, j, jm):
-    """logits row[j] (loaded past L1: another CTA may have just written them), NaN and the
-    masked tail as -inf, so the ranks below stay a permutation."""
-    v = tl.load(row + j, mask=jm, other=float("-inf"), cache_modifier=".cg")
-    return tl.where(v == v, v, float("-inf"))
-
-
-@triton.jit
-def _route_row(row, out, ids, wts, counts, skip, E, K: tl.constexpr, NORM: tl.constexpr,
-               COUNT: tl.constexpr, SKIP: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_J: tl.constexpr):
-    """route() of one logits row (at `row`) into ids / wts row `out`: softmax over E, each
-    expert's rank = how many beat it (a larger logit, or an equal one with a lower id), and the
-    K of rank < K stored at their rank (largest first, ties to the lower id): one [E, E]
-    comparison, summed in BLOCK_J columns a step, instead of K rounds of argmax, each two or
-    three reductions long. With SKIP an expert with skip[e] >= 0 is stored as id -1."""
-    e = tl.arange(0, BLOCK_E)
-    em = e < E
-    x = _finite(row, e, em)
-    rank = tl.zeros((BLOCK_E,), tl.int32)
-    for j0 in tl.static_range(0, BLOCK_E, BLOCK_J):
-        # [BLOCK_J, BLOCK_E], summed over j: Triton lays the last dim across the threads, so
-        # each thread sums its expert's column in registers (with e first, each of the 128
-        # rows was a reduction across the CTA: 4.4 us a call on an H200 against 2.7 for K
-        # rounds of argmax on one warp)
-        j = j0 + tl.arange(0, BLOCK_J)
-        xj = _finite(row, j, j < E)[:, None]
-        beats = (xj > x[None, :]) | ((xj == x[None, :]) & (j[:, None] < e[None, :]))
-        rank += tl.sum((beats & (j < E)[:, None]).to(tl.int32), axis=0)
-    ex = tl.exp(x - tl.max(x, axis=0))
-    p = ex / tl.sum(ex, axis=0)
-    sel = em & (rank < K)
-    if NORM:
-        p = p / tl.sum(tl.where(sel, p, 0.0), axis=0)
-    out_i = e
-    if SKIP:
-        out_i = tl.where(tl.load(skip + e, mask=sel, other=-1) >= 0, -1, e)
-    tl.store(ids + out * K + rank, out_i.to(tl.int64), mask=sel)
-    tl.store(wts + out * K + rank, p, mask=sel)
-    if COUNT:
-        tl.atomic_add(counts + e, tl.full((BLOCK_E,), 1, tl.int32), mask=sel)
-
-
-@triton.jit
-def _route_kernel(logits, ids, wts, counts, skip, E, stride_l, K: tl.constexpr,
-                  NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
-    # one program per token row
-    t = tl.program_id(0).to(tl.int64)
-    _route_row(logits + t * stride_l, t, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP,
-               BLOCK_E, BLOCK_J)
-
-
 def _route_blocks(e: int) -> dict:
     """BLOCK_E and BLOCK_J of the rank comparison: [BLOCK_E, BLOCK_J] a step, at most 16K."""
-    block_e = triton.next_power_of_2(e)
+    block_e = _pow2(e)
     return dict(BLOCK_E=block_e, BLOCK_J=max(1, min(block_e, 16384 // block_e)))
-
-
-@triton.jit
-def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, sync, D, E,
-                       stride_r, stride_w, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
-                       STORE_H: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
-                       COUNT: tl.constexpr, SKIP: tl.constexpr, BN: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
-    # every program: v = x [+ Σ delta], y = rms_norm(v) * w (the row recomputed from L2 in each),
-    # logits[n] = router[n] · y for its BN rows; the last program to finish (an atomic count)
-    # stores v into x (only then: the others read x) and y into h, routes the logits row and
-    # sets the count back to 0 for the next launch (graph replays)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = n < E
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    rw = tl.load(router + n.to(tl.int64)[:, None] * stride_w + d[None, :],
-                 mask=nm[:, None] & dm[None, :], other=0.0)  # issued before the norm's sum
-    v, y = _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA, R)
-    tl.store(logits + n, tl.sum(rw * y[None, :], axis=1), mask=nm)
-    tl.debug_barrier()  # every thread's logits stored before the count's release
-    if tl.atomic_add(sync, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        if HAS_DELTA:
-            tl.store(x + d, v, mask=dm)
-        if STORE_H:
-            tl.store(h + d, y, mask=dm)
-        _route_row(logits, 0, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP, BLOCK_E,
-                   BLOCK_J)
-        tl.atomic_xchg(sync, 0)
 
 
 def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -691,8 +429,8 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     wts = torch.empty((1, k), dtype=torch.float32, device=x.device)
     logits = torch.empty((e,), dtype=torch.float32, device=x.device)
     bn = 2
-    block_d = triton.next_power_of_2(d)
-    _norm_route_kernel[(triton.cdiv(e, bn),)](
+    block_d = _pow2(d)
+    _kernels()._norm_route_kernel[(_cdiv(e, bn),)](
         x, x if delta is None else delta, weight, router, h, logits, ids, wts,
         ids if counts is None else counts, ids if skip is None else skip, sync, d, e,
         delta.stride(-2) if rows > 1 else 0, router.stride(0), eps, HAS_DELTA=delta is not None,
@@ -747,7 +485,7 @@ def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
     weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
     if t == 0:
         return ids, weights
-    _route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts,
+    _kernels()._route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts,
                         ids if skip is None else skip, e, logits.stride(0), K=k,
                         NORM=bool(norm_topk), COUNT=counts is not None, SKIP=skip is not None,
                         **_route_blocks(e), num_warps=4)

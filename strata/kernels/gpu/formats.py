@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import gguf.quants as gq
 import torch
 
+from strata.kernels.tuning import GEMV_DEFAULT_TILE, GEMV_TYPE_TILES
 from strata.quant import QType, get_quant
 from strata.quant.grids import grid, ksigns, kvalues
 
@@ -20,7 +22,7 @@ from strata.quant.grids import grid, ksigns, kvalues
 class KernelFormat:
     qtype: QType
     group: int  # S: values per tile group; a power of two dividing the block
-    gemv: tuple[int, int, int, int] = (2, 512, 1, 4)  # FMA kernel: BN, BK, stages, warps
+    gemv: tuple[int, int, int, int] = GEMV_DEFAULT_TILE  # FMA kernel: BN, BK, stages, warps
     grid: type | None = None  # gguf-py class whose grid `tab` holds
     signs: bool = False  # `tab2` = ksigns
     levels: type | None = None  # gguf-py class whose 16 levels `tab` (or tab2) holds
@@ -53,16 +55,9 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return t
 
 
-# gemv (BN, BK, stages, warps): the fastest tile timed on the H200 (scripts/bench_kernels.py
-# --tune, 14336 x 4096, one token). 2 rows x 512 values per step, 4 warps, no software
-# pipelining won for every type among the first candidates; a second round (8 candidates, 5
-# types) moved Q4_K, IQ2_XS and IQ3_XXS. Pipelining the loads through shared memory
-# (stages=3) made every type slower, the i-quants (table lookups) 10x slower. A third round
-# (scripts/bench_moe_decode.py, CUDA-graph replays, 2026-11-30) moved Q4_K to 2 x 1024 x 4 warps
-# (29.1 against 39.4 us on 14336 x 4096, faster on every Qwen3-30B-A3B dense shape too) and Q6_K
-# to 1 x 1024 x 2 warps (41.9 against 48.8 us; the 151936-row output head 222 against 250 us).
-FORMATS: dict[QType, KernelFormat] = {
-    f.qtype: f
+# gemv: strata.kernels.tuning.GEMV_TYPE_TILES (the fastest timed per type), else its default
+FORMATS: MappingProxyType[QType, KernelFormat] = MappingProxyType({
+    f.qtype: replace(f, gemv=GEMV_TYPE_TILES.get(f.qtype, f.gemv))
     for f in (
         KernelFormat(QType.Q4_0, 16),
         KernelFormat(QType.Q4_1, 16),
@@ -71,21 +66,21 @@ FORMATS: dict[QType, KernelFormat] = {
         KernelFormat(QType.Q8_0, 32),
         KernelFormat(QType.Q2_K, 16),
         KernelFormat(QType.Q3_K, 16),
-        KernelFormat(QType.Q4_K, 32, (2, 1024, 1, 4)),
+        KernelFormat(QType.Q4_K, 32),
         KernelFormat(QType.Q5_K, 32),
-        KernelFormat(QType.Q6_K, 16, (1, 1024, 1, 2)),
+        KernelFormat(QType.Q6_K, 16),
         KernelFormat(QType.IQ1_S, 8, grid=gq.IQ1_S),
         KernelFormat(QType.IQ1_M, 8, grid=gq.IQ1_M),
         KernelFormat(QType.IQ2_XXS, 8, grid=gq.IQ2_XXS, signs=True),
-        KernelFormat(QType.IQ2_XS, 8, (1, 512, 1, 4), grid=gq.IQ2_XS, signs=True),
+        KernelFormat(QType.IQ2_XS, 8, grid=gq.IQ2_XS, signs=True),
         KernelFormat(QType.IQ2_S, 8, grid=gq.IQ2_S),
-        KernelFormat(QType.IQ3_XXS, 8, (1, 512, 1, 4), grid=gq.IQ3_XXS, signs=True),
+        KernelFormat(QType.IQ3_XXS, 8, grid=gq.IQ3_XXS, signs=True),
         KernelFormat(QType.IQ3_S, 8, grid=gq.IQ3_S),
         KernelFormat(QType.IQ4_NL, 16, levels=gq.IQ4_NL),
         KernelFormat(QType.IQ4_XS, 16, levels=gq.IQ4_NL),
         KernelFormat(QType.MXFP4, 16, levels=gq.MXFP4),
     )
-}
+})
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)  # read by torch.matmul (cuBLAS), no tile
 
 

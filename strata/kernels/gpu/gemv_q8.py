@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import ASM, f16_bits, i2f
-from strata.kernels.gpu.moe import _computed, _record_part, _words_aligned
-from strata.kernels.gpu.tiles_kquants import _scale_min
+from strata.kernels.gpu.pairs import pair_computed, record_part, words_aligned
+from strata.kernels.gpu.tiles_kquants import scale_min
+from strata.kernels.tuning import GEMV_X8_RUN, GEMV_X8_TILE
 from strata.quant import QType, grids, row_nbytes
 from strata.quant.base import device_table
 
@@ -173,8 +174,8 @@ def _spread_block(blk, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh, zero,
     h2 = _pick(hd, 2)
     h3 = _pick(hd, 3)
     sh = 16 * (c3 % 2)  # byte 2c % 4 of the scale words (sub-block 2c), then 2c + 1
-    sc_lo, mn_lo = _scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
-    sc_hi, mn_hi = _scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
+    sc_lo, mn_lo = scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
+    sc_hi, mn_hi = scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
                               (h3 >> (sh + 8)) & 255, 2 * c3 + 1)
     return (f16_bits(h0) * (i2f(sc_lo, 0.0) * dxl * _i2f_signed(ilo)
                             + i2f(sc_hi, 0.0) * dxh * _i2f_signed(ihi))
@@ -786,7 +787,7 @@ def _run_args(w: torch.Tensor, n: int, k: int, qtype: QType, xq: torch.Tensor,
 def run_fits(w: torch.Tensor, k: int) -> bool:
     """Whether rows w of k values (Q6_K, IQ2_XS or IQ3_XXS) can take the run forms
     (gemv_q6k_run, gemv_iq_run): K a multiple of 2048 and rows starting 16-byte aligned."""
-    return k % 2048 == 0 and _words_aligned(w, align=16)
+    return k % 2048 == 0 and words_aligned(w, align=16)
 
 
 # ---- the decode MoE kernels in this form (moe_forward(..., x8=True)) ----
@@ -808,12 +809,12 @@ def _gate_up_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, mg, mu, D, F, st
     # R rows of both a program, their blocks in flight together (spread_dot)
     p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
         g, u = spread_dot(
-            spread_rows(_record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS), n, F,
+            spread_rows(record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS), n, F,
                         row_bytes),
-            spread_rows(_record_part(up, slot, stride_us, mu, p, stride_ms, MISS), n, F,
+            spread_rows(record_part(up, slot, stride_us, mu, p, stride_ms, MISS), n, F,
                         row_bytes),
             (xq + t * D).to(tl.pointer_type(tl.int32)), xs4 + t * (D // 16), D // 256, True, BB,
             False)
@@ -829,8 +830,8 @@ def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stri
     # pair's row): R rows a program (spread_dot)
     p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
-        rows = spread_rows(_record_part(down, slot, stride_ds, md, p, stride_ms, MISS), n, D,
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        rows = spread_rows(record_part(down, slot, stride_ds, md, p, stride_ms, MISS), n, D,
                            row_bytes)
         total, _ = spread_dot(rows, rows, (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                               hs4 + p.to(tl.int64) * (F // 16), F // 256, False, BB, False)
@@ -845,8 +846,8 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
     # (q6k_spread_dot)
     p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
-        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         ro = _row_offsets(n, D, row_bytes)[None, None, None, :, None]
         total = q6k_spread_dot(base.to(tl.pointer_type(tl.int32)), ro,
                                (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
@@ -866,11 +867,11 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
     # 256 BB, the loads unmasked)
     p, n, slot = _pair(ids, slot_of, R)
     hv = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
         xw = (xq + t * D).to(tl.pointer_type(tl.int32))
-        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
-        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
+        gb = record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
         if RUN:
             ro = _row_offsets(n, F, row_bytes)
             g = iq_run_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32), t0,
@@ -896,26 +897,13 @@ def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_
     # multiple of 256 BB)
     p, n, slot = _pair(ids, slot_of, R)
     total = tl.zeros((R,), tl.float32)
-    if _computed(slot, p, MISS, TOPK, HOST_FROM):
-        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         total = iq_spread_dot(base.to(tl.pointer_type(tl.int32)), _iq_rows(n, D, row_bytes),
                               (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                               hdx + p.to(tl.int64) * (F // 32), t0, t1, F // 256, IQ3, BB,
                               EVEN)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
-
-
-# (R rows, BB blocks, warps) of the one-token GEMVs: the fastest timed on the H200 (runs 78, 82,
-# 92: 14336 x 4096 Q4_K 12.4 us, Q6_K 27.2 us, IQ2_XS 19.4 us, IQ3_XXS 23.0 us (55.6 and 61.1
-# on float32 x); the Q6_K lm_head 151936 x 2048 122.7 us)
-GEMV_X8_TILE = {QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1), QType.IQ2_XS: (4, 8, 1),
-                QType.IQ3_XXS: (4, 8, 1)}
-# Q6_K, IQ2_XS and IQ3_XXS rows the run forms take (run_fits): (rows a program, split, warps)
-# by the runs of 8 blocks a row, the most runs first (run 102: 151936 x 2048 Q6_K 78.7 us at
-# rows 8 split 1 against 120.4 spread; 14336 x 4096 at rows 4 split 2 / rows 8 split 1 / the
-# best spread tile: Q6_K 17.4 / 21.1 / 27.1 us, IQ2_XS 15.1 / 16.6 / 19.3, IQ3_XXS 16.4 / 20.0
-# / 22.9)
-GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 
 
 def run_tile(k: int) -> tuple[int, int, int]:

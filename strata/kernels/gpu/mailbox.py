@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import ASM
-
-TAKE_LIMIT = 4_000_000  # polls of done[l] before a take gives up (seconds at PCIe latency)
+from strata.kernels.tuning import TAKE_LIMIT
 
 
 @triton.jit

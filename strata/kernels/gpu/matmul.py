@@ -12,6 +12,7 @@ once per type.
 
 One token can also take the rows kernel (`gemv_rows`: R rows per program share each x tile
 instead of each reading it through L1), for the shapes listed in GEMV_ROWS_TUNE (none yet).
+Thresholds and tiles: strata.kernels.tuning; a benchmark passes others to quant_matmul.
 """
 
 from __future__ import annotations
@@ -33,23 +34,10 @@ from strata.kernels.gpu.skeletons import (
     rows,
 )
 from strata.kernels.gpu.tiles import dequant_tile
+from strata.kernels.tuning import DEQUANT_MIN_M, GEMV_MAX_M, GEMV_ROWS_TUNE, GEMV_TUNE
 from strata.quant import QType, dequantize, row_nbytes
 
 log = logging.getLogger("strata.kernels")
-
-GEMV_MAX_M = 4  # past 4 tokens the FMA kernel is compute-bound (2 FLOP per weight per token)
-# From this many tokens on, dequantize_gpu to bf16 then cuBLAS beats the fused tl.dot kernel
-# (H200, scripts/bench_kernels.py, 14336 x 4096: 2.8x at 512 tokens for Q4_K, 4.8x at 4096).
-# It needs an N x K bf16 scratch matrix.
-DEQUANT_MIN_M = 64
-
-# (GGML type, N, K) -> (BN, BK, stages, warps) for one token: the tile timed fastest on that
-# shape (scripts/bench_moe_decode.py sets candidates here to time them)
-GEMV_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
-# (GGML type, N, K) -> (R, BK, stages, warps): one-token shapes that run _gemv_rows_kernel
-# instead of _gemv_kernel. Empty until the GPU timings of scripts/bench_moe_decode.py say where
-# it is faster.
-GEMV_ROWS_TUNE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 # Sizes are not specialized (one compile serves every shape); row_bytes and strides are, so the
 # compiler knows when row starts are 16-byte aligned and can vectorize the byte reads.
@@ -205,16 +193,18 @@ def check_x(x: torch.Tensor, n_cols: int) -> None:
         raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
 
 
-def gemv_config(fmt: KernelFormat, m: int, n: int, k: int = 0,
-                ctas: int = 1) -> tuple[int, int, int, int]:
+def gemv_config(fmt: KernelFormat, m: int, n: int, k: int = 0, ctas: int = 1,
+                tile: tuple[int, int, int, int] | None = None,
+                base_tile: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
     """(BN rows per CTA, BK values per step, pipeline stages, warps) for the FMA kernel: the
     type's tile (formats.py), BN divided by the tokens (each keeps its own accumulator) and by
     what it takes to give every SM four CTAs when N (times `ctas` independent problems) is
-    short; BK halves until it divides K."""
-    tuned = GEMV_TUNE.get((int(fmt.qtype), n, k)) if m == 1 else None
+    short; BK halves until it divides K. tile: one token's tile as is (else GEMV_TUNE's for the
+    shape); base_tile: instead of the type's, adjusted as it is."""
+    tuned = (tile or GEMV_TUNE.get((int(fmt.qtype), n, k))) if m == 1 else None
     if tuned is not None:
         return tuned
-    bn, bk, stages, warps = fmt.gemv
+    bn, bk, stages, warps = base_tile or fmt.gemv
     bn = max(1, bn // triton.next_power_of_2(m))
     while bn > 1 and triton.cdiv(n, bn) * ctas < 4 * sm_count():
         bn //= 2
@@ -278,8 +268,16 @@ def dequantize_gpu(w: torch.Tensor, qtype: int | QType, n_cols: int,
 
 
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[t, n] = Σ_k x[t, k] · W[n, k]. x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32."""
+                 out: torch.Tensor | None = None, *,
+                 tile: tuple[int, int, int, int] | None = None,
+                 base_tile: tuple[int, int, int, int] | None = None,
+                 rows_tile: tuple[int, int, int, int] | None = None,
+                 dequant_min_m: int = DEQUANT_MIN_M) -> torch.Tensor:
+    """y[t, n] = Σ_k x[t, k] · W[n, k]. x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32.
+    For benchmarks (defaults: strata.kernels.tuning's): tile, one token's FMA tile (BN, BK,
+    stages, warps) as is; base_tile, the FMA tile instead of the type's (still fitted to M, N
+    and K); rows_tile, one token on the rows kernel with (R, BK, stages, warps); dequant_min_m,
+    the tokens from which the weights are dequantized for cuBLAS."""
     qtype = QType(qtype)
     k = x.shape[-1]
     fmt = kernel_format(qtype)
@@ -295,25 +293,28 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
     if m > 0 and n > 0:
-        _launch(x, w, out, fmt, nbytes)
+        _launch(x, w, out, fmt, nbytes, tile, base_tile, rows_tile, dequant_min_m)
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelFormat,
-            nbytes: int) -> None:
+            nbytes: int, tile: tuple[int, int, int, int] | None = None,
+            base_tile: tuple[int, int, int, int] | None = None,
+            rows_tile: tuple[int, int, int, int] | None = None,
+            dequant_min_m: int = DEQUANT_MIN_M) -> None:
     m, k = x.shape
     n = w.shape[0]
     tab, tab2 = fmt.tables(x.device)
     args = (x, w, out, tab, tab2, m, n, k, nbytes, x.stride(0), out.stride(0))
-    rows_tile = GEMV_ROWS_TUNE.get((int(fmt.qtype), n, k)) if m == 1 else None
+    rows_tile = (rows_tile or GEMV_ROWS_TUNE.get((int(fmt.qtype), n, k))) if m == 1 else None
     if rows_tile is not None:
         _launch_rows(x, w, out, fmt, nbytes, rows_tile)
     elif m <= GEMV_MAX_M:
-        bn, bk, stages, warps = gemv_config(fmt, m, n, k)
+        bn, bk, stages, warps = gemv_config(fmt, m, n, k, tile=tile, base_tile=base_tile)
         _gemv_kernel[(triton.cdiv(n, bn),)](*args, QT=int(fmt.qtype), S=fmt.group,
                                             BM=triton.next_power_of_2(m), BN=bn, BK=bk,
                                             EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps)
-    elif m >= DEQUANT_MIN_M and not knobs.runtime.interpret:
+    elif m >= dequant_min_m and not knobs.runtime.interpret:
         w16 = dequantize_gpu(w, fmt.qtype, k, torch.bfloat16)  # [N, K]
         mm_f32(x.to(torch.bfloat16), w16.T, out)
     else:

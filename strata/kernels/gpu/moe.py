@@ -25,86 +25,43 @@ go to moe_grouped.py instead: the experts dequantized to bf16, then torch._group
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
 
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
-from strata.kernels.gpu.matmul import check_weights, dot_dtype, log_fallback
+from strata.kernels.gpu.matmul import dot_dtype, log_fallback
+from strata.kernels.gpu.pairs import check_moe_args, pair_computed, record_part, words_aligned
 from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
+from strata.kernels.tuning import (
+    DECODE_MAX_T,
+    DOWN_IQ_TILE,
+    DOWN_Q6K_Q8_TILE,
+    DOWN_Q8_TILE,
+    DOWN_TILE,
+    GATE_UP_IQ_TILE,
+    GATE_UP_Q8_TILE,
+    GATE_UP_TILE,
+    GATHER_BLOCK,
+    GROUPED_MIN_TOKENS,
+)
 from strata.quant import QType, dequantize
 
-DECODE_MAX_T = 4  # up to here each pair reads its expert itself; beyond, pairs are grouped
-# From this many tokens per expert on average (T·K / E), prompt chunks take the grouped path
-# (moe_grouped.py: the layer's experts dequantized to bf16, then torch._grouped_mm) instead of
-# the fused tl.dot kernels. Dequantizing costs one pass over the experts whatever T is, so it
-# pays once each expert's GEMM has rows enough. At 16 tokens, on one 14336 x 4096 matrix (H200,
-# docs/kernels.md), the fused kernel took 95.7 us for Q4_K (464 us for IQ2_XS) against ~70 us
-# estimated for the bf16 route (33.7 us measured for cuBLAS at 16 tokens, plus ~36 us to write
-# the bf16 copy at copy bandwidth); from 512 tokens the bf16 route measured 3-5x faster.
-# Qwen3-30B-A3B (E=128, K=8) switches at 256 tokens. An estimate, not a measured crossover:
-# scripts/bench_kernels.py --moe-prompt-only times both paths on that layer.
-GROUPED_MIN_TOKENS = 16
-
 _SIZES = ["T", "P", "D", "F", "NC"]
-# decode tiles (BN rows, BK values per step, stages, warps), the fastest timed on the H200 for
-# the Qwen3-30B-A3B layer (scripts/bench_moe_decode.py, bench/2026-11-30-h200-offload.md): gate
-# and up share one K loop; the down GEMV runs one CTA per (pair, BN rows), then each token's K
-# partial rows are summed (split over pairs: 42.8 against 46.8 us for one CTA per (token, BN
-# rows) looping over all K experts)
-GATE_UP_TILE = (1, 512, 1, 2)
-DOWN_TILE = (4, 256, 1, 4)
-# moe_forward(..., x8=True) with Q4_K gate and up: x rounded to 8 bits, gate/up on dp4a
-# (gemv_q8._gate_up_q8_kernel), (R rows, BB blocks a step, warps)
-GATE_UP_Q8_TILE = (4, 8, 1)
-# and each pair's h rounded to 8 bits for a Q4_K or Q6_K down on dp4a (gemv_q8._down_q8_kernel,
-# _down_q6k_q8_kernel)
-DOWN_Q8_TILE = (4, 4, 1)
-DOWN_Q6K_Q8_TILE = (4, 4, 1)
-# the same for IQ2_XS / IQ3_XXS gate and up (both of one type) and down (gemv_q8._gate_up_iq_kernel,
-# _down_iq_kernel): the i-quant types with int8-activation kernels; tiles among the fastest
-# timed on the 30B-A3B layer (bench/2026-12-01-h200-iq-run.md, medians of 5 rounds: IQ2_XS
-# gate/up with an IQ3_XXS down 27.8 us, IQ3_XXS throughout 28.5 us; 57.5 / 58.3 on float32
-# activations). The down's BB 1 leaves no step past d_expert's 3 blocks, so its loads are
-# unmasked (28.8 / 29.6 us with the down at (4, 4, 1)).
-IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)
-GATE_UP_IQ_TILE = (4, 4, 1)
-DOWN_IQ_TILE = (8, 1, 1)
-# "gate_up" / "down_pairs" -> a tile to use instead (the benchmark sets it to time others);
-# "gate_up_q8" / "down_q8" / "down_q6k_q8" / "gate_up_iq" / "down_iq" -> (R, BB, warps) instead
-# of GATE_UP_Q8_TILE / DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE / GATE_UP_IQ_TILE / DOWN_IQ_TILE;
-# "gate_up_iq_run" -> (rows, split, warps): the i-quant gate/up in the run form (gemv_q8.
-# iq_run_dot) where d_model is a multiple of 2048 and the parts 16-byte aligned (timed slower
-# than the spread tile on the 30B-A3B layer: 33-37 us against 28-31, runs 101-102, so off unless
-# set)
-DECODE_TUNE: dict = {}
+IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)  # the i-quant types with int8-activation kernels
+# moe_forward(tiles=...) keys: "gate_up" / "down_pairs" -> (BN, BK, stages, warps) instead of
+# GATE_UP_TILE / DOWN_TILE; "gate_up_q8" / "down_q8" / "down_q6k_q8" / "gate_up_iq" / "down_iq"
+# -> (R, BB, warps) instead of GATE_UP_Q8_TILE / DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE /
+# GATE_UP_IQ_TILE / DOWN_IQ_TILE; "gate_up_iq_run" -> (rows, split, warps): the i-quant gate/up
+# in the run form (gemv_q8.iq_run_dot) where d_model is a multiple of 2048 and the parts 16-byte
+# aligned (off unless given: strata.kernels.tuning says why)
+TILE_KEYS = ("gate_up", "down_pairs", "gate_up_q8", "down_q8", "down_q6k_q8", "gate_up_iq",
+             "down_iq", "gate_up_iq_run")
 
 
 # ---- decode: per pair, FMA -------------------------------------------------------------------
-
-
-@triton.jit
-def _computed(slot, p, MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
-    """Whether pair p is computed: its expert has a slot, or every pair with MISS (the record of
-    one without a slot is in its miss row) except the token's pairs from HOST_FROM on that have
-    no slot (the host computes those: strata.experts.cpu_share; HOST_FROM = TOPK: none)."""
-    if MISS:
-        live = slot > -(1 << 30)
-        if HOST_FROM < TOPK:
-            live = live & ((slot >= 0) | (p % TOPK < HOST_FROM))
-    else:
-        live = slot >= 0
-    return live
-
-
-@triton.jit
-def _record_part(slots, slot, stride_s, miss_rows, p, stride_m, MISS: tl.constexpr):
-    """uint8 pointer to pair p's part (gate, up or down) of its expert's record: in slot `slot`
-    of `slots`, or with MISS and no slot (slot < 0) in row p of `miss_rows`."""
-    base = slots + tl.maximum(slot, 0).to(tl.int64) * stride_s
-    if MISS:
-        base = tl.where(slot >= 0, base, miss_rows + p.to(tl.int64) * stride_m)
-    return base
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -119,11 +76,11 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, p, MISS, TOPK, HOST_FROM)
+    live = pair_computed(slot, p, MISS, TOPK, HOST_FROM)
     if live:
         xr = x + (p // TOPK).to(tl.int64) * stride_x
-        gb = _record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
-        ub = _record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
+        gb = record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
         wg = rows(gb, n, F, rb_g)
         wu = rows(ub, n, F, rb_u)
         ag, au = gemv_tile2(QG, SG, QU, SU, BK, EVEN_D, STAGES, wg, wu, xr, D, tg, tg2, tu,
@@ -148,10 +105,10 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     slot = tl.load(slot_of + tl.load(ids + p))
-    live = _computed(slot, p, MISS, TOPK, HOST_FROM)
+    live = pair_computed(slot, p, MISS, TOPK, HOST_FROM)
     total = tl.zeros((BN,), dtype=tl.float32)
     if live:
-        base = _record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+        base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
         acc = gemv_tile(QD, SD, BK, EVEN_F, STAGES, rows(base, n, D, rb_d),
                         h + p.to(tl.int64) * F, F, td, td2,
                         tl.zeros((BN, BK // SD, SD), dtype=tl.float32))
@@ -274,42 +231,12 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
     return slot_of_expert[ids.long()] >= 0
 
 
-def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   slot_of_expert: torch.Tensor, gate_slots: torch.Tensor,
-                   up_slots: torch.Tensor, down_slots: torch.Tensor, qtypes: tuple[int, int, int],
-                   d_model: int, d_expert: int, out: torch.Tensor | None,
-                   zero: bool = True) -> tuple[tuple[QType, QType, QType], torch.Tensor]:
-    """The (gate, up, down) QTypes and `out` (when None: zeros, or uninitialized with
-    zero=False), after checking every argument of moe_forward (shared by the grouped path,
-    moe_grouped.py)."""
-    qg, qu, qd = (QType(q) for q in qtypes)
-    t, d = x.shape if x.dim() == 2 else (-1, -1)
-    if d != d_model or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be bf16/f32 [T, {d_model}] with contiguous rows, got "
-                         f"{x.dtype} {tuple(x.shape)}")
-    if ids.dim() != 2 or ids.shape[0] != t or weights.shape != ids.shape:
-        raise ValueError(f"ids and weights must be [T={t}, K], got {tuple(ids.shape)} and "
-                         f"{tuple(weights.shape)}")
-    if slot_of_expert.dtype != torch.int32 or slot_of_expert.dim() != 1:
-        raise TypeError("slot_of_expert must be int32 [E] (-1: not resident)")
-    for name, sl, n_rows, q, cols in (("gate", gate_slots, d_expert, qg, d_model),
-                                      ("up", up_slots, d_expert, qu, d_model),
-                                      ("down", down_slots, d_model, qd, d_expert)):
-        check_weights(sl, q, cols, dims=3)
-        if sl.shape[1] != n_rows:
-            raise ValueError(f"{name} slots must hold {n_rows} rows per expert, got "
-                             f"{tuple(sl.shape)}")
-    if out is None:
-        out = (torch.zeros if zero else torch.empty)(t, d_model, dtype=torch.float32,
-                                                     device=x.device)
-    elif out.shape != (t, d_model) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be float32 [{t}, {d_model}] with contiguous rows")
-    return (qg, qu, qd), out
-
-
-def use_grouped(t: int, topk: int, n_experts: int) -> bool:
-    """True when moe_forward hands a call to the grouped path (moe_grouped.py)."""
-    return t > DECODE_MAX_T and t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1)
+def use_grouped(t: int, topk: int, n_experts: int, grouped: bool | None = None) -> bool:
+    """True when moe_forward hands a call to the grouped path (moe_grouped.py): past decode
+    sizes, from GROUPED_MIN_TOKENS tokens per expert on (grouped True / False: always / never)."""
+    if t <= DECODE_MAX_T:
+        return False
+    return t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1) if grouped is None else grouped
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -319,7 +246,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 scratch_bytes: int | None = None,
                 miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 sum_pairs: bool = True, host_from: int | None = None,
-                x8: bool = False) -> torch.Tensor:
+                x8: bool = False, tiles: Mapping[str, tuple[int, ...]] | None = None,
+                grouped: bool | None = None) -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
     sum_pairs=False with no `out`: a decode call on fused kernels returns each pair's weighted
     output, [T, K, D] float32 (the caller sums a token's K rows, as decode_ops.add_rms_norm
@@ -336,7 +264,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     (both of one type), rounds x to 8 bits per 32 values and runs gate/up on integer dot
     products (gemv_q8.py: ~1e-2 relative to the product with x itself, as llama.cpp's CUDA
     path), and with a Q4_K, Q6_K, IQ2_XS or IQ3_XXS down rounds each pair's h the same way for
-    it; other types and calls keep float32 activations."""
+    it; other types and calls keep float32 activations.
+    tiles: decode tiles to use instead of strata.kernels.tuning's (TILE_KEYS; a benchmark's
+    variants); grouped: a prompt call on the grouped path (True) or the fused kernels (False)
+    whatever its size (None: use_grouped's threshold)."""
+    if tiles is not None and set(tiles) - set(TILE_KEYS):
+        raise ValueError(f"moe_forward tiles: unknown {sorted(set(tiles) - set(TILE_KEYS))}, "
+                         f"choose from {TILE_KEYS}")
     t = x.shape[0] if x.dim() == 2 else 0
     # a decode call with no `out` writes the sums straight into a new one (no zero fill + add)
     direct = (out is None and 0 < t <= DECODE_MAX_T and ids.dim() == 2 and ids.shape[1] > 0
@@ -355,8 +289,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError("host_from is for calls with miss rows")
     if t == 0 or ids.shape[1] == 0:
         return out
-    if use_grouped(t, ids.shape[1], slot_of_expert.shape[0]):
-        from strata.kernels.gpu.moe_grouped import moe_forward_grouped  # imports this module
+    if use_grouped(t, ids.shape[1], slot_of_expert.shape[0], grouped):
+        from strata.kernels.gpu.moe_grouped import moe_forward_grouped
 
         kw = {} if scratch_bytes is None else {"scratch_bytes": scratch_bytes}
         return moe_forward_grouped(x, ids, weights, slot_of_expert, gate_slots, up_slots,
@@ -373,15 +307,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if t <= DECODE_MAX_T:
         parts = _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts,
                         None if direct and not sum_pairs else out, miss, accumulate=not direct,
-                        host_from=host_from, x8=x8)
+                        host_from=host_from, x8=x8, tiles=tiles or {})
         if parts is not None:
             return parts
     else:
         _prompt(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
     return out
-
-
-GATHER_BLOCK = 4096  # int32 words per program: 16 KB in flight each
 
 
 def gather_misses(ids: torch.Tensor, slot_of_expert: torch.Tensor, records: torch.Tensor,
@@ -439,8 +370,10 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
             out: torch.Tensor | None, miss: tuple[torch.Tensor, ...] | None = None,
             accumulate: bool = True, host_from: int | None = None,
-            x8: bool = False) -> torch.Tensor | None:
+            x8: bool = False, tiles: Mapping[str, tuple[int, ...]] | None = None,
+            ) -> torch.Tensor | None:
     """Into out (accumulate: +=), or with out None the pairs' rows [T, K, D], returned."""
+    tiles = tiles or {}
     fg, fu, fd = fmts
     t, d = x.shape
     topk = ids.shape[1]
@@ -453,34 +386,34 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     mg, mu, md = miss if miss is not None else (gate, up, down)
     host = topk if host_from is None else host_from
     if (x8 and fg.qtype == fu.qtype and fg.qtype in IQ_X8 and d % 256 == 0
-            and _words_aligned(gate, up, mg, mu, rows=False)):
+            and words_aligned(gate, up, mg, mu, rows=False)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_iq_kernel, iq_tables, quantize_x
 
         xq, dx, _ = quantize_x(x.contiguous())
         t0, t1 = iq_tables(fg.qtype, x.device)
-        run = (DECODE_TUNE.get("gate_up_iq_run") if d % 2048 == 0
-               and _words_aligned(gate, up, mg, mu, align=16) else None)
-        r, bb, warps = run or DECODE_TUNE.get("gate_up_iq") or GATE_UP_IQ_TILE
+        run = (tiles.get("gate_up_iq_run") if d % 2048 == 0
+               and words_aligned(gate, up, mg, mu, align=16) else None)
+        r, bb, warps = run or tiles.get("gate_up_iq") or GATE_UP_IQ_TILE
         _gate_up_iq_kernel[(triton.cdiv(f, r), p)](
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], IQ3=fg.qtype == QType.IQ3_XXS,
             TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host, RUN=run is not None,
             EVEN=d % ((2048 if run else 256) * bb) == 0, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
-                            accumulate, host, x8)
+                            accumulate, host, x8, tiles)
     if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
-            and _words_aligned(gate, up, mg, mu)):
+            and words_aligned(gate, up, mg, mu)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_q8_kernel, quantize_x
 
         xq, _, xs4 = quantize_x(x.contiguous())
-        r, bb, warps = DECODE_TUNE.get("gate_up_q8") or GATE_UP_Q8_TILE
+        r, bb, warps = tiles.get("gate_up_q8") or GATE_UP_Q8_TILE
         _gate_up_q8_kernel[(triton.cdiv(f, r), p)](
             xq, xs4, ids, weights, slot_of, gate, up, h, mg, mu, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
             MISS=miss is not None, HOST_FROM=host, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
-                            accumulate, host, x8)
-    bn, bk, st, w = DECODE_TUNE.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
+                            accumulate, host, x8, tiles)
+    bn, bk, st, w = tiles.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
         x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
         gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
@@ -492,37 +425,39 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
 
 def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: ANN001
                  out: torch.Tensor | None, t: int, topk: int, d: int, f: int, miss,
-                 accumulate: bool, host_from: int, x8: bool = False) -> torch.Tensor | None:
+                 accumulate: bool, host_from: int, x8: bool = False,
+                 tiles: Mapping[str, tuple[int, ...]] | None = None) -> torch.Tensor | None:
     """The down half of _decode: partial rows per pair, then each token's K rows summed into
     out (or, out None, the rows returned as [T, K, D])."""
+    tiles = tiles or {}
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
     # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
-    if x8 and fd.qtype in IQ_X8 and f % 256 == 0 and _words_aligned(down, md, rows=False):
+    if x8 and fd.qtype in IQ_X8 and f % 256 == 0 and words_aligned(down, md, rows=False):
         from strata.kernels.gpu.gemv_q8 import _down_iq_kernel, iq_tables, quantize_x
 
         hq, hdx, _ = quantize_x(h)
         t0, t1 = iq_tables(fd.qtype, h.device)
-        r, bb, warps = DECODE_TUNE.get("down_iq") or DOWN_IQ_TILE
+        r, bb, warps = tiles.get("down_iq") or DOWN_IQ_TILE
         _down_iq_kernel[(triton.cdiv(d, r), p)](
             hq, hdx, ids, slot_of, down, part, md, t0, t1, d, f, down.stride(0), md.stride(0),
             down.shape[2], IQ3=fd.qtype == QType.IQ3_XXS, TOPK=topk, R=r, BB=bb,
             MISS=miss is not None, HOST_FROM=host_from, EVEN=f % (256 * bb) == 0,
             num_warps=warps)
     elif (x8 and fd.qtype in (QType.Q4_K, QType.Q6_K) and f % 256 == 0
-            and _words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
+            and words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
         from strata.kernels.gpu.gemv_q8 import _down_q6k_q8_kernel, _down_q8_kernel, quantize_x
 
         hq, hdx, hs4 = quantize_x(h)
         q4 = fd.qtype == QType.Q4_K
-        r, bb, warps = ((DECODE_TUNE.get("down_q8") or DOWN_Q8_TILE) if q4
-                        else (DECODE_TUNE.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
+        r, bb, warps = ((tiles.get("down_q8") or DOWN_Q8_TILE) if q4
+                        else (tiles.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
         (_down_q8_kernel if q4 else _down_q6k_q8_kernel)[(triton.cdiv(d, r), p)](
             hq, hs4 if q4 else hdx, ids, slot_of, down, part, md, d, f, down.stride(0),
             md.stride(0), down.shape[2], TOPK=topk, R=r, BB=bb, MISS=miss is not None,
             HOST_FROM=host_from, num_warps=warps)
     else:
-        bn, bk, stages, warps = (DECODE_TUNE.get("down_pairs")
+        bn, bk, stages, warps = (tiles.get("down_pairs")
                                  or decode_tile(DOWN_TILE, (fd,), f))
         _down_pairs_kernel[(triton.cdiv(d, bn), p)](
             h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
@@ -536,14 +471,6 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     else:
         torch.sum(part.view(t, topk, d), dim=1, out=out)
     return None
-
-
-def _words_aligned(*parts: torch.Tensor, rows: bool = True, align: int = 4) -> bool:
-    """Whether every row (rows False: every record) of these uint8 views starts align-byte
-    aligned (gemv_q8.py reads Q4_K rows as int32 words, a part after a Q6_K part of an odd
-    number of blocks would not be; its run forms read aligned 16-byte words)."""
-    return all(t.data_ptr() % align == 0
-               and all(st % align == 0 for st in t.stride()[:-1 if rows else 1]) for t in parts)
 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],

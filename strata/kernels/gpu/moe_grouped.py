@@ -58,17 +58,14 @@ from triton import knobs
 from strata.engine.waits import to_device
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
-from strata.kernels.gpu.moe import check_moe_args
+from strata.kernels.gpu.pairs import check_moe_args
 from strata.kernels.gpu.skeletons import group_mask, rows
 from strata.kernels.gpu.tiles import dequant_tile
+from strata.kernels.tuning import GROUPED_SCRATCH_BYTES
 from strata.quant import QType, dequantize
 
 log = logging.getLogger("strata.kernels")
 
-# bf16 expert weights dequantized at a time: fits one whole Qwen3-30B-A3B layer (128 experts x
-# 3 x 768 x 2048 x 2 bytes = 1.125 GiB), so that layer runs as one batch; larger layers run in
-# batches of experts (e.g. 4 for Qwen3-235B-A22B's 4.5 GiB).
-GROUPED_SCRATCH_BYTES = 1280 << 20
 MAX_GROUPS = 1023  # torch._grouped_mm's CUTLASS kernel takes fewer than 1024 groups
 
 

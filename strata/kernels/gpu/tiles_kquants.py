@@ -42,7 +42,7 @@ def q3_k(wr, k0, g, s, m, tab, tab2):
 
 
 @triton.jit
-def _scale_min(b1, b2, b3, i):
+def scale_min(b1, b2, b3, i):
     """6-bit (scale, min) of sub-block i from header bytes 4 + j, 8 + j, 12 + j (j = i % 4)."""
     sc = tl.where(i < 4, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
     mn = tl.where(i < 4, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
@@ -53,7 +53,7 @@ def _scale_min(b1, b2, b3, i):
 def _scale_min_k4(b, i, m):
     """6-bit (scale, min) of sub-block i from the 12 bytes at b + 4 (see kquants.scale_min_k4)."""
     j = i % 4
-    return _scale_min(u8(b + 4 + j, m), u8(b + 8 + j, m), u8(b + 12 + j, m), i)
+    return scale_min(u8(b + 4 + j, m), u8(b + 8 + j, m), u8(b + 12 + j, m), i)
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _header_k4(b, i, m, WIDE: tl.constexpr):
         h0, h1 = u32x2(b, m)  # d | dmin, scale bytes 0-3
         h2, h3 = u32x2(b + 8, m)  # scale bytes 4-11
         sh = (i % 4) * 8
-        sc, mn = _scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, i)
+        sc, mn = scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, i)
         d = f16_bits(h0)
         dmin = f16_bits(h0 >> 16)
     else:

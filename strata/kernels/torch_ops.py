@@ -1,0 +1,94 @@
+"""The building blocks of the reference forward pass, in float32: the model's layers
+(strata.model.layers) and the torch paths of the kernels (decode_ops, the CPU experts) are built
+on these, so they sit below both.
+
+Legend: T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim, E experts, K used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight, over the last dimension."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, dim/2] for angle(p, i) = p * theta^(-2i/dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
+                                            device=positions.device) / dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, dim/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotate the first `2 * cos.shape[-1]` dims of each head. x: [T, heads, hd].
+
+    neox: pairs (i, i + dim/2) (the qwen families);
+    normal: adjacent pairs (2i, 2i+1) (llama in GGUF).
+    """
+    dim = 2 * cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, dim/2]
+    if style == "neox":
+        a, b = rot[..., : dim // 2], rot[..., dim // 2:]
+        out = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int) -> torch.Tensor:
+    """Causal GQA attention of queries at positions q_pos0.. over keys 0..n_k-1.
+
+    softmax(q k^T / sqrt(hd) + mask) v, where query i sees keys j <= q_pos0 + i. Runs through
+    torch's fused attention (no [H, Tq, Tk] score matrix in memory on CUDA).
+    q: [Tq, H, hd]; k, v: [Tk, Hkv, hd] -> [Tq, H*hd]
+    """
+    Tq, H, hd = q.shape
+    Tk = k.shape[0]
+    q_idx = torch.arange(Tq, device=q.device)[:, None] + q_pos0
+    mask = torch.arange(Tk, device=q.device)[None, :] <= q_idx  # [Tq, Tk], True = attend
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        enable_gqa=True)  # [H, Tq, hd]
+    return out.transpose(0, 1).reshape(Tq, H * hd)
+
+
+def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same causal attention for a prompt chunk whose queries are the last Tq of the Tk
+    keys, on bf16 tensor cores (flash attention; float32 out): the --kernels fused prompt path.
+    At a long context float32 attention costs more than all the chunk's experts.
+    q: [Tq, H, hd]; k, v: [Tk, Hkv, hd] -> [Tq, H*hd]"""
+    from torch.nn.attention.bias import causal_lower_right
+
+    Tq, H, hd = q.shape
+    Tk, Hkv = k.shape[:2]
+    qb, kb, vb = (t.transpose(0, 1).to(torch.bfloat16)[None] for t in (q, k, v))
+    if Hkv != H:  # the flash kernel takes equal head counts
+        kb, vb = kb.repeat_interleave(H // Hkv, 1), vb.repeat_interleave(H // Hkv, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=causal_lower_right(Tq, Tk))  # [1, H, Tq, hd]
+    return out[0].transpose(0, 1).reshape(Tq, H * hd).float()
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int,
+          norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, keep the top k, optionally renormalize them to sum to 1.
+
+    h: [T, D], router: [E, D] -> ids [T, K] (int64), weights [T, K] (float32)
+    """
+    probs = torch.softmax(h @ router.T, dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights
+
+
+def swiglu(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+           w_down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate h) * up h). h: [T, D]; w_gate, w_up: [F, D]; w_down: [D, F] -> [T, D]"""
+    return (torch.nn.functional.silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T

@@ -1,0 +1,164 @@
+"""Every tuned threshold and tile, in one place: why it has its value, and the record under bench/
+it came from ("estimate" where nothing has timed the choice yet).
+
+Frozen: tuples, ints and read-only mappings, never changed at run time. A benchmark that times
+other values passes them to the launcher (quant_matmul's tile / base_tile / rows_tile /
+dequant_min_m, moe_forward's tiles / grouped) instead of changing this table.
+
+Tiles: FMA GEMV (BN rows, BK values a step, stages, warps); dp4a GEMV (R rows, BB blocks a step,
+warps); run forms (rows a program, split, warps). Numbers: H200, Qwen3-30B-A3B shapes
+(D 2048, F 768, E 128, K 8) unless a line says otherwise.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from strata.quant import QType
+
+# ---- dense matmul (kernels/gpu/matmul.py, formats.py) -------------------------------------------
+
+# up to this many tokens the FMA GEMV streams the weights once; past it, it is compute-bound
+# (2 FLOP per weight per token). bench/2026-11-29-h200-kernels.md
+GEMV_MAX_M = 4
+# from this many tokens on, dequantize to bf16 then cuBLAS beats the fused tl.dot kernel (14336 x
+# 4096: 2.8x at 512 tokens for Q4_K, 4.8x at 4096); needs an N x K bf16 scratch.
+# bench/2026-11-29-h200-kernels.md
+DEQUANT_MIN_M = 64
+# the FMA GEMV tile of a type not in GEMV_TYPE_TILES: 2 rows x 512 values, no pipelining, won for
+# every type in the first round (stages=3 slowed every type, the i-quants 10x).
+# bench/2026-11-29-h200-kernels.md
+GEMV_DEFAULT_TILE = (2, 512, 1, 4)
+# per type, the fastest timed on 14336 x 4096, one token, in CUDA-graph replays: Q4_K 29.1 against
+# 39.4 us, Q6_K 41.9 against 48.8 (the 151936-row head 222 against 250).
+# bench/2026-11-30-h200-gathered-decode.md
+GEMV_TYPE_TILES = MappingProxyType({
+    QType.Q4_K: (2, 1024, 1, 4),
+    QType.Q6_K: (1, 1024, 1, 2),
+    QType.IQ2_XS: (1, 512, 1, 4),
+    QType.IQ3_XXS: (1, 512, 1, 4),
+})
+# (GGML type, N, K) -> FMA tile used as is for one token of that shape: none has beaten the
+# type's tile yet (scripts/bench_moe_decode.py times candidates through quant_matmul(tile=)).
+# bench/2026-11-30-h200-gathered-decode.md
+GEMV_TUNE: MappingProxyType[tuple[int, int, int], tuple[int, int, int, int]] = MappingProxyType({})
+# (GGML type, N, K) -> (R, BK, stages, warps): one-token shapes on the rows kernel (R rows share
+# each x tile); none: it was not faster where timed. bench/2026-11-30-h200-prefetch2.md
+GEMV_ROWS_TUNE: MappingProxyType[tuple[int, int, int], tuple[int, int, int, int]] = \
+    MappingProxyType({})
+
+# ---- one-token GEMVs on int8 activations (kernels/gpu/gemv_q8.py) -------------------------------
+
+# spread forms, the fastest timed (runs 78, 82, 92): 14336 x 4096 Q4_K 12.4 us, Q6_K 27.2,
+# IQ2_XS 19.4, IQ3_XXS 23.0 (55.6 / 61.1 on float32 x); Q6_K head 151936 x 2048 122.7 us.
+# bench/2026-11-30-h200-int8-activations.md, bench/2026-11-30-h200-iquants.md
+GEMV_X8_TILE = MappingProxyType({QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1),
+                                 QType.IQ2_XS: (4, 8, 1), QType.IQ3_XXS: (4, 8, 1)})
+# run forms by the runs of 8 blocks a row, most runs first: (runs, (rows, split, warps)); run 102:
+# 151936 x 2048 Q6_K 78.7 us at rows 8 split 1 against 120.4 spread; 14336 x 4096 Q6_K 17.4 us
+# at rows 4 split 2. bench/2026-12-01-h200.md, bench/2026-12-01-h200-iq-run.md
+GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
+# QuantTensor.x8 from this many rows on (the output head, not the attention projections): rounding
+# x is one more launch (~1.2 us a graph) that a short GEMV would not win back; an estimate, timed
+# only from 14336 rows. bench/2026-11-30-h200-iquants.md
+X8_MIN_ROWS = 8192
+
+# ---- MoE layer (kernels/gpu/moe.py, moe_grouped.py) ---------------------------------------------
+
+# up to this many tokens each pair reads its expert itself (decode, short verify windows); past
+# it, pairs are grouped by expert onto tensor cores. bench/2026-11-29-h200-kernels.md
+DECODE_MAX_T = 4
+# from this many tokens per expert on average (T·K / E) a prompt chunk takes the grouped bf16 path
+# (dequantize once, torch._grouped_mm): at 16 tokens on 14336 x 4096 the fused kernel took 95.7 us
+# (Q4_K; 464 IQ2_XS) against ~70 estimated for bf16 (33.7 cuBLAS + ~36 writing the copy); from
+# 512 tokens bf16 measured 3-5x faster (docs/kernels.md). Qwen3-30B-A3B switches at 256 tokens.
+# An estimate, not a measured crossover (scripts/bench_kernels.py --moe-prompt-only times both).
+# bench/2026-11-30-h200-offload.md
+GROUPED_MIN_TOKENS = 16
+# bf16 expert weights the grouped path dequantizes at a time: one whole Qwen3-30B-A3B layer (128 x
+# 3 x 768 x 2048 x 2 bytes = 1.125 GiB) in one batch; larger layers in batches of experts (4 for
+# Qwen3-235B-A22B's 4.5 GiB). Sized, not timed (bench: none; memory_plan caps it at an eighth of
+# the budget; the path itself: bench/2026-11-30-h200-offload.md)
+GROUPED_SCRATCH_BYTES = 1280 << 20
+# float32-activation decode tiles (BN, BK, stages, warps): gate and up in one K loop; the down
+# split over pairs (42.8 against 46.8 us for one CTA per token).
+# bench/2026-11-30-h200-gathered-decode.md
+GATE_UP_TILE = (1, 512, 1, 2)
+DOWN_TILE = (4, 256, 1, 4)
+# x8 decode (R, BB, warps): Q4_K gate/up and Q4_K / Q6_K down on dp4a.
+# bench/2026-11-30-h200-int8-activations.md
+GATE_UP_Q8_TILE = (4, 8, 1)
+DOWN_Q8_TILE = (4, 4, 1)
+DOWN_Q6K_Q8_TILE = (4, 4, 1)
+# x8 decode, IQ2_XS / IQ3_XXS gate/up and down (medians of 5 rounds: 27.8 / 28.5 us against 57.5 /
+# 58.3 on float32); the down's BB 1 leaves its loads unmasked (28.8 / 29.6 at (4, 4, 1)); the run
+# form of the gate/up timed slower (33-37 us against 28-31), so off. bench/2026-12-01-h200-iq-run.md
+GATE_UP_IQ_TILE = (4, 4, 1)
+DOWN_IQ_TILE = (8, 1, 1)
+# gather_misses: int32 words a program, 16 KB in flight each; not timed against others (bench:
+# none; the copy's program count was: PREFETCH_PROGRAMS)
+GATHER_BLOCK = 4096
+
+# ---- decode attention (kernels/gpu/decode_ops.py) -----------------------------------------------
+
+# keys per split at least (one BLOCK_N step for hd 128): with 128, a 192-key step kept 4-8 CTAs
+# busy for 14 us a layer; 32 took the split kernel from 14.1 to 8.1 us.
+# bench/2026-11-30-h200-gathered-decode.md
+ATTN_MIN_CHUNK = 32
+# Hkv·S aimed at: ~2 CTAs per SM of an H200 when every split is live; an estimate (bench: none)
+ATTN_TARGET_CTAS = 256
+# query rows per split CTA: tl.dot's smallest tile; 32 rows spilled in the offline sm_90a builds
+# (docs/kernels.md; bench: none)
+ATTN_BLOCK_M = 16
+
+# ---- the CPU share and the mailbox (kernels/gpu/mailbox.py, kernels/cpu, experts/cpu_share.py) --
+
+# polls of done[l] before a take gives up: seconds at PCIe latency, far past any real share.
+# bench/2026-11-30-h200-cpu-share.md
+TAKE_LIMIT = 4_000_000
+# the share's own pool at most, unless --threads says: two pairs on 8 threads beat PCIe alone
+# (43.6-46.8 tok/s against 40.6-40.9); 4 threads 18.8-44.1, 12 and 15 threads 16.7-37.6.
+# bench/2026-11-30-h200-prefetch.md
+SHARE_THREADS = 8
+# microseconds an idle token-pool worker spins before it sleeps: a decode step's next layer
+# comes within it; not timed against others (bench: none; the pool itself:
+# bench/2026-11-30-h200-lend.md)
+SPIN_US = 2000
+# ggml expert graphs: slots one weight tensor may span (beyond, one-expert groups), graphs kept
+# (decode needs ~1 per count of missed experts and quant mix) and their buffers' bytes: bounds,
+# not timed (bench: none; the ggml path itself: bench/2026-11-29-cpu-experts.md)
+GGML_MAX_SLOTS = 1024
+GGML_CACHE_GRAPHS = 64
+GGML_CACHE_BYTES = 256 << 20
+# float32 weights the torch CPU path dequantizes at once: 1-2 Qwen3-30B experts; larger batches
+# measured slower (the temporaries fall out of cache; no record keeps those timings, bench: none;
+# the torch path itself: bench/2026-11-29-cpu-experts.md)
+TORCH_BATCH_BYTES = 32 << 20
+
+# ---- engine and experts (engine/*, experts/offload.py, model/transformer.py) ---------------------
+
+# VRAM kept out of the plan: activations, allocator slack, kernels' own buffers; a bound, not
+# timed (bench: none; the plan on the GPU: bench/2026-11-29-h200-offload.md)
+PLAN_MARGIN = 256 << 20
+# the smallest KV cache a plan accepts (tokens): a floor for a useful context (bench: none)
+MIN_KV_TOKENS = 256
+# the ring with what it borrows: at most this many of the largest records.
+# bench/2026-11-30-h200-prompt-streaming.md
+BORROW_RECORDS = 512
+# programs of the decode prefetch's copy (each looping over its blocks): a program per block held
+# every SM's loads behind PCIe (the next layer's attention 80-100 us instead of 8); 581 / 599 /
+# 705 / 633 us with 8 / 16 / 32 / 64 (scripts/bench_gather_overlap.py).
+# bench/2026-11-30-h200-prefetch.md
+PREFETCH_PROGRAMS = 16
+# a layer streams every uncached expert of a chunk (routing on the device) while its chunks route
+# to at least this fraction of them: 72% took 0.65 s streamed against 1.31 s copying the routed
+# ones with host syncs; the host path pays below about a third.
+# bench/2026-11-30-h200-prompt-streaming.md
+ROUTED_MIN = 0.4
+# --kernels MODE -> the most tokens a pass runs on the fused kernels: every pass (fused), decode
+# sizes only (exact: the FMA kernels' float32 sums, up to DECODE_MAX_T tokens), none (off).
+# Modes, not timings (bench: none; the kernels: bench/2026-11-29-h200-kernels.md)
+FUSED_MAX_T = MappingProxyType({"fused": 1 << 30, "exact": 4, "off": 0})
+# longer segments (prompt chunks) may attend on bf16 flash attention under --kernels fused.
+# bench/2026-11-30-h200-offload.md
+BF16_ATTENTION_MIN_T = 4
