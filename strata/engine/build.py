@@ -12,7 +12,6 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
-from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
@@ -27,6 +26,7 @@ from strata.experts.ring import Ring
 from strata.gguf import ModelFile
 from strata.model.transformer import MoETransformer
 from strata.model.weights import ModelWeights
+from strata.runtime.kv_cache import kv_dtype
 from strata.units import fmt_bytes
 
 log = logging.getLogger("strata")

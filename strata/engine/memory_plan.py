@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig, ModelConfig, expected_tensors, prefetch_pays
-from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
 from strata.gguf import ModelFile
 from strata.quant import DEQUANT_CHUNK_BYTES
+from strata.runtime.kv_cache import kv_dtype
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30

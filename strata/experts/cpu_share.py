@@ -26,10 +26,10 @@ import time
 import numpy as np
 import torch
 
-from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_event
 from strata.errors import StrataError
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
+from strata.runtime.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_event
 
 # threads of the share's own pool at most, unless --threads says: at 2 GiB on a 16-core host two
 # pairs on 8 threads were faster than PCIe alone in both runs (43.6-46.8 tok/s against

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from strata.engine.waits import to_device, to_host
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.compute import Group, group_pairs, run_records
@@ -26,6 +25,7 @@ from strata.experts.planner import MissPlanner
 from strata.experts.ring import Ring
 from strata.experts.stats import OffloadStats
 from strata.model.weights import ExpertWeights
+from strata.runtime.waits import to_device, to_host
 
 # a layer streams every uncached expert of a chunk (routing on the device) while the chunks seen
 # routed to at least this fraction of them; below, the host reads the routing and copies only

@@ -55,13 +55,13 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from strata.engine.waits import to_device
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
 from strata.kernels.gpu.moe import check_moe_args
 from strata.kernels.gpu.skeletons import group_mask, rows
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.quant import QType, dequantize
+from strata.runtime.waits import to_device
 
 log = logging.getLogger("strata.kernels")
 
