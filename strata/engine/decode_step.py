@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from strata.experts.paths import StepAids
 from strata.kernels.gpu import decode_ops as ops
 from strata.model.parts import StaticStep
 from strata.runtime.kv_cache import KVCache, KVPool
@@ -87,16 +88,14 @@ class DecodeStep:
         cfg, dev = model.cfg, model.device
         self.device = dev
         self.graphs = mode == "graphs" and dev.type == "cuda"
-        # layers with experts outside VRAM whose misses the GPU gathers itself: the step reads
-        # their records from the mapped arena (no host round trip; OffloadExperts.gathered)
-        routed = [layer.ffn.routed for layer in model.layers]  # (a dense layer: no experts)
-        self.gathered = [routed[i] and dev.type == "cuda" and not ex.resident(i, 1)
-                         and ex.gathers(i, cfg.n_experts_used)
-                         for i in range(cfg.n_layers)]
-        self.host = [routed[i] and not (dev.type == "cuda" and ex.resident(i, 1))
-                     and not self.gathered[i]
-                     and not (dev.type == "cpu" and ex.cache.layers[i].capacity == cfg.n_experts)
-                     for i in range(cfg.n_layers)]
+        # each layer's path, chosen by the executor from its plan (OffloadExperts.decode_paths):
+        # resident (in the piece), gathered (in the piece: the GPU gathers its misses from
+        # the mapped arena, no host round trip), host_hits / host (the piece ends after its
+        # routing: the host plans its misses, a short graph computes its hits in host_hits)
+        self.paths = ex.decode_paths(cfg.n_experts_used,
+                                     [layer.ffn.routed for layer in model.layers])
+        self.gathered = [p == "gathered" for p in self.paths]
+        self.host = [p in ("host", "host_hits") for p in self.paths]
         self.gathered_layers = np.flatnonzero(self.gathered).astype(np.int64)
         # the gathered layers' routing counts of the last step, read on the host at the next
         self._counts_host = torch.zeros(len(self.gathered_layers), cfg.n_experts,
@@ -105,12 +104,10 @@ class DecodeStep:
         self._counts_copied: tuple[torch.cuda.Event, np.ndarray, int] | None = None
         ex.stats.settlers.append(self.settle)  # counters are complete whenever read
         # host layers whose hits the piece computes on the device (the host adds the misses)
-        self.hits_in_piece = [h and dev.type == "cuda" and ex.fused.covers(i, 1)
-                              for i, h in enumerate(self.host)]
+        self.hits_in_piece = [p == "host_hits" for p in self.paths]
         self.pieces = cut_pieces(cfg.n_layers, self.host)
-        self.resident_layers = np.array([i for i in range(cfg.n_layers) if routed[i]
-                                         and not self.host[i] and not self.gathered[i]],
-                                        dtype=np.int64)
+        self.resident_layers = np.array([i for i, p in enumerate(self.paths)
+                                         if p == "resident"], dtype=np.int64)
         f32 = dict(dtype=torch.float32, device=dev)
         K = cfg.n_experts_used
         # inputs: token, position of the new token, KV length after it
@@ -130,25 +127,26 @@ class DecodeStep:
         self.logits = torch.zeros(1, cfg.n_vocab, **f32)
         # --cpu-share: the CPU pool computes a gathered layer's last missed pairs meanwhile
         self.share = None
-        if ex.cpu_share and len(self.gathered_layers):
+        opt = ex.options
+        if opt.cpu_share and len(self.gathered_layers):
             if any(self.host):  # the pool would serve two threads at once
                 log.warning("--cpu-share %d: off, %d layer(s) of this plan wait on the host",
-                            ex.cpu_share, sum(self.host))
+                            opt.cpu_share, sum(self.host))
             else:
                 from strata.experts.cpu_share import CpuShare
 
-                self.share = CpuShare(ex, self.gathered_layers.tolist(), ex.cpu_share, K,
+                self.share = CpuShare(ex, self.gathered_layers.tolist(), opt.cpu_share, K,
                                       cfg.d_model, dev)
                 # its worker thread and mapped mailbox go with the step
                 weakref.finalize(self, self.share.close)
         # --prefetch: the next gathered layer's likely experts copied while a layer computes
         self.prefetch = None
-        if ex.prefetch and dev.type == "cuda":
+        if opt.prefetch and dev.type == "cuda":
             pairs = np.intersect1d(self.gathered_layers, self.gathered_layers + 1).size
             # --prefetch auto (which the memory plan keeps only where the cache is small): said
             # as a plan line; given N: a warning
-            say = log.info if ex.prefetch_auto else log.warning
-            flag = "--prefetch " + ("auto" if ex.prefetch_auto else str(ex.prefetch))
+            say = log.info if opt.prefetch_auto else log.warning
+            flag = "--prefetch " + ("auto" if opt.prefetch_auto else str(opt.prefetch))
             if any(self.host):  # (a piece ends at a host layer: the side stream would dangle)
                 say("%s: off, %d layer(s) of this plan wait on the host", flag, sum(self.host))
             elif not pairs:
@@ -158,10 +156,11 @@ class DecodeStep:
                 from strata.engine.decode_prefetch import DecodePrefetch
 
                 self.prefetch = DecodePrefetch(model, self.gathered_layers.tolist(),
-                                               ex.prefetch, self.staging)
+                                               opt.prefetch, self.staging)
                 # the experts copied ahead for each gathered layer, read with the counts
-                self._ahead_host = torch.full((len(self.gathered_layers), ex.prefetch), -1,
+                self._ahead_host = torch.full((len(self.gathered_layers), opt.prefetch), -1,
                                               dtype=torch.int64, pin_memory=True)
+        self.aids = StepAids(self.staging, self.share, self.prefetch)  # (for gathered layers)
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
@@ -198,10 +197,10 @@ class DecodeStep:
         self.inputs.copy_(self.inputs_host, non_blocking=True)
         if self.device.type == "cuda":
             self._inputs_read = self._record()
-        self.ex.cache.flush()  # the graphs read tables that hold for the whole step
-        if len(self.gathered_layers):  # the tables this step reads, for its counters
-            tables = np.stack([self.ex.cache.layers[i].slot_of for i in self.gathered_layers])
-        key = (kv.store.data_ptr(), kv.capacity, self.ex.cache.slots_key())
+        # the tables the graphs read hold for the whole step; the gathered layers', for their
+        # counters; what the graphs hold of the slot tensors
+        tables, slots = self.ex.begin_step(self.gathered_layers)
+        key = (kv.store.data_ptr(), kv.capacity, slots)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         timer = self.ex.stats.timer
@@ -220,14 +219,13 @@ class DecodeStep:
             else:
                 self._tail(piece.host_layer)
             if routed is not None:  # a slot the hits read is overwritten only after them
-                self.ex.cache.layers[piece.host_layer].used = self._record()
+                self.ex.slots_read([piece.host_layer], self._record())
             self._host_layer(piece.host_layer, routed)
         if self.device.type == "cuda":  # device_hits leaves the counting to the host
-            self.ex.stats.hits[self.resident_layers] += self.cfg.n_experts_used
+            self.ex.account(self.resident_layers, hits=self.cfg.n_experts_used)
             if len(self.gathered_layers):
-                done = self._record()  # slots this step reads are overwritten after it
-                for i in self.gathered_layers:
-                    self.ex.cache.layers[i].used = done
+                # slots this step reads are overwritten after it
+                self.ex.slots_read(self.gathered_layers, self._record())
                 self.settle()  # the last step's routing, while the GPU runs this one
                 self._copy_counts(tables, step)
         if self.share is not None:
@@ -329,35 +327,17 @@ class DecodeStep:
 
     def _experts(self, i: int, h: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
                  sum_pairs: bool) -> torch.Tensor:
-        """A layer's routed experts inside a piece (StaticStep.experts). Without a shared
-        expert (not sum_pairs) the K rows of the token may come back unsummed: the next
-        residual step (add_rms_norm) adds them, one launch fewer a layer."""
-        pf = self.prefetch
-        if self.gathered[i]:
-            share = self.share  # (with one, the CPU takes the token's last misses)
-            if share is not None:
-                share.post(i, ids, wts, h)
-            delta = self.ex.gathered(
-                i, h, ids, wts, self.staging, sum_pairs=sum_pairs,
-                host_from=share.host_from if share else None,
-                prefetched=pf.ready(i) if pf is not None else None,
-                then=(lambda i=i, pf=pf: pf.issue(i)) if pf is not None else None)
-            if share is not None:
-                share.take(i, delta[0, -1] if delta.dim() == 3 else delta[0])
-            return delta
-        if self.device.type == "cuda":  # (routing counted by route_topk)
-            return self.ex.device_hits(i, h, ids, wts, count=False, sum_pairs=sum_pairs)
-        return self.ex.run(i, None, h, ids, wts)
+        """A layer's routed experts inside a piece (StaticStep.experts): the executor's path
+        for the layer (resident or gathered, with the step's staging rows, CPU share and
+        prefetch). Without a shared expert (not sum_pairs) the K rows of the token may come
+        back unsummed: the next residual step (add_rms_norm) adds them, one launch fewer a
+        layer."""
+        return self.ex.step_experts(self.paths[i], i, h, ids, wts, sum_pairs, self.aids)
 
     def _counter(self, layer: int, piece: Piece) -> torch.Tensor | None:
-        """Where route_topk counts a layer's routing on the device: the gathered layers' own
-        counter (read by settle), the stats' for layers whose routing the host never reads;
-        None where the host counts (host layers, the CPU)."""
-        if self.gathered[layer]:
-            return self.ex.gather_counts(self.device)[layer]
-        if self.device.type == "cuda" and layer != piece.host_layer:
-            return self.ex.stats.routed_on_device(self.device)[layer]
-        return None
+        """Where route_topk counts a layer's routing on the device (OffloadExperts.
+        step_counter; None where the host counts: a host layer, the CPU)."""
+        return self.ex.step_counter(layer, self.paths[layer], layer == piece.host_layer)
 
     def _tail(self, layer: int) -> None:
         """A host layer's device part, after its routing went to the host: the shared expert and

@@ -159,7 +159,7 @@ class CpuShare:
         # its own pool (kernel library instance and threads): ggml's is one per calling thread
         broken: BaseException | None = None
         try:
-            threads = (getattr(self.ex, "cpu_share_threads", None)
+            threads = (self.ex.options.cpu_share_threads
                        or min(self.ex.pool.threads, SHARE_THREADS))
             self.pool = CpuPool(self.ex.pool.kind, threads, self.ex.pool.workspace_bytes)
             self._strided = self._strided_layers()
