@@ -60,20 +60,16 @@ def main() -> None:
         log["bytes"][bank.layer] += len(bank.experts) * bank.lay.nbytes
         return copy0(self, arena, bank, waits)
 
-    routed0 = offload.OffloadExperts._run_streamed_routed
-    host0 = offload.OffloadExperts._run_streamed
+    choose0 = offload.OffloadExperts.choose
 
-    def routed(self, layer, *args, **kw):  # noqa: ANN001
-        paths[layer] = "routed"
-        return routed0(self, layer, *args, **kw)
-
-    def host(self, layer, *args, **kw):  # noqa: ANN001
-        paths[layer] = "host"
-        return host0(self, layer, *args, **kw)
+    def choose(self, layer, tokens, topk):  # noqa: ANN001
+        path = choose0(self, layer, tokens, topk)
+        if path in ("streamed_routed", "streamed"):  # (the executor's two streaming paths)
+            paths[layer] = "routed" if path == "streamed_routed" else "host"
+        return path
 
     ring_mod.Ring._copy = copy
-    offload.OffloadExperts._run_streamed_routed = routed
-    offload.OffloadExperts._run_streamed = host
+    offload.OffloadExperts.choose = choose
     report = []
     first = None
     for i in range(a.passes):

@@ -12,14 +12,13 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
-from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.cpu_pool import CpuPool, usable_cpus
 from strata.experts.layout import ExpertLayout, expert_layouts
 from strata.experts.links import measure_links
-from strata.experts.offload import OffloadExperts
+from strata.experts.offload import OffloadExperts, OffloadOptions
 from strata.experts.planner import LinkCosts, MissPlanner, check_miss_mode
 from strata.experts.policy import make_policy
 from strata.experts.profile import load_profile
@@ -28,6 +27,7 @@ from strata.gguf import ModelFile
 from strata.kernels import tuning
 from strata.model.transformer import MoETransformer
 from strata.model.weights import ModelWeights
+from strata.runtime.kv_cache import kv_dtype
 from strata.units import fmt_bytes
 
 log = logging.getLogger("strata")
@@ -123,22 +123,23 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     stream_min = ec.stream_min or auto_stream_min(costs, layouts[0].nbytes, cfg)
     log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
              f"{fmt_bytes(plan.ring)} ring")
-    executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, plan.workspace,
-                              [staging], Ring(plan.ring, dev, grouped=ec.kernels == "fused"),
-                              stream_min, debug=ec.debug, fused_max_t=fused_max_t,
-                              prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow)
-    executor.lend_ring = plan.lent_ring and cache.lends
-    executor.cpu_share = ec.cpu_share
-    executor.fused.x8 = ec.kernels == "fused"  # (exact: float32 x everywhere)
-    executor.prefetch = ec.prefetch if dev.type == "cuda" else 0
-    executor.prefetch_auto = auto_prefetch  # (then it is off without a word where it cannot run)
     for flag, n in (("--cpu-share", ec.cpu_share),
                     ("--prefetch", 0 if auto_prefetch else ec.prefetch)):
         if n and (dev.type != "cuda" or ec.decode_step == "off"):
             log.warning(f"{flag} {n}: off (it serves CUDA decode steps; this engine runs "
                         f"{'on the CPU' if dev.type != 'cuda' else 'without them'})")
-    # the share's own pool: --threads as given, else at most SHARE_THREADS (cpu_share.py)
-    executor.cpu_share_threads = ec.threads
+    options = OffloadOptions(
+        workspace_bytes=plan.workspace, stream_min=stream_min, fused_max_t=fused_max_t,
+        x8=ec.kernels == "fused",  # (exact: float32 x everywhere)
+        prompt_scratch=plan.prompt_weights, ring_borrow=plan.ring_borrow,
+        lend_ring=plan.lent_ring and cache.lends, cpu_share=ec.cpu_share,
+        # the share's own pool: --threads as given, else at most SHARE_THREADS (cpu_share.py)
+        cpu_share_threads=ec.threads,
+        prefetch=ec.prefetch if dev.type == "cuda" else 0,
+        prefetch_auto=auto_prefetch,  # (then it is off without a word where it cannot run)
+        debug=ec.debug)
+    executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, [staging],
+                              Ring(plan.ring, dev, grouped=ec.kernels == "fused"), options)
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"

@@ -13,6 +13,12 @@ staging copies); the next piece starts by adding both.
     ...
     last:    x += moe(mk); layers .. L-1; norm; logits
 
+A piece runs the model's own layers (strata.model.parts.Layer: begin, then finish) in a
+StaticStep context, the same part objects as the plain forward's: each picks the fused decode
+kernels there (qk_rope_store and decode_attention, norm_route, add_rms_norm) over the static
+buffers; a host layer's piece stops after its begin. The experts of a layer inside a piece are
+the executor's device paths (`_experts`).
+
 With every expert resident the step is one graph: one launch per token. Each tensor that crosses
 a piece boundary is static; the token, position and KV length are device tensors, so a piece is
 captured once per KV storage (KVCache.store) and replayed for every later token. A step whose
@@ -25,18 +31,17 @@ Legend: D hidden, H heads, Hkv kv heads, hd head dim, K experts per token, V voc
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from strata.engine.kv_cache import KVCache, KVPool
-from strata.engine.waits import wait_event
+from strata.experts.paths import StepAids
 from strata.kernels.gpu import decode_ops as ops
-from strata.model.transformer import shared_expert
-from strata.model.weights import LayerWeights, linear, qkv_linear
+from strata.model.parts import StaticStep
+from strata.runtime.kv_cache import KVCache, KVPool
+from strata.runtime.waits import wait_event
 
 log = logging.getLogger("strata")
 
@@ -83,14 +88,14 @@ class DecodeStep:
         cfg, dev = model.cfg, model.device
         self.device = dev
         self.graphs = mode == "graphs" and dev.type == "cuda"
-        # layers with experts outside VRAM whose misses the GPU gathers itself: the step reads
-        # their records from the mapped arena (no host round trip; OffloadExperts.gathered)
-        self.gathered = [dev.type == "cuda" and not ex.resident(i, 1)
-                         and ex.gathers(i, cfg.n_experts_used)
-                         for i in range(cfg.n_layers)]
-        self.host = [not (dev.type == "cuda" and ex.resident(i, 1)) and not self.gathered[i]
-                     and not (dev.type == "cpu" and ex.cache.layers[i].capacity == cfg.n_experts)
-                     for i in range(cfg.n_layers)]
+        # each layer's path, chosen by the executor from its plan (OffloadExperts.decode_paths):
+        # resident (in the piece), gathered (in the piece: the GPU gathers its misses from
+        # the mapped arena, no host round trip), host_hits / host (the piece ends after its
+        # routing: the host plans its misses, a short graph computes its hits in host_hits)
+        self.paths = ex.decode_paths(cfg.n_experts_used,
+                                     [layer.ffn.routed for layer in model.layers])
+        self.gathered = [p == "gathered" for p in self.paths]
+        self.host = [p in ("host", "host_hits") for p in self.paths]
         self.gathered_layers = np.flatnonzero(self.gathered).astype(np.int64)
         # the gathered layers' routing counts of the last step, read on the host at the next
         self._counts_host = torch.zeros(len(self.gathered_layers), cfg.n_experts,
@@ -99,11 +104,10 @@ class DecodeStep:
         self._counts_copied: tuple[torch.cuda.Event, np.ndarray, int] | None = None
         ex.stats.settlers.append(self.settle)  # counters are complete whenever read
         # host layers whose hits the piece computes on the device (the host adds the misses)
-        self.hits_in_piece = [h and dev.type == "cuda" and ex.fused.covers(i, 1)
-                              for i, h in enumerate(self.host)]
+        self.hits_in_piece = [p == "host_hits" for p in self.paths]
         self.pieces = cut_pieces(cfg.n_layers, self.host)
-        self.resident_layers = np.array([i for i in range(cfg.n_layers) if not self.host[i]
-                                         and not self.gathered[i]], dtype=np.int64)
+        self.resident_layers = np.array([i for i, p in enumerate(self.paths)
+                                         if p == "resident"], dtype=np.int64)
         f32 = dict(dtype=torch.float32, device=dev)
         K = cfg.n_experts_used
         # inputs: token, position of the new token, KV length after it
@@ -123,25 +127,26 @@ class DecodeStep:
         self.logits = torch.zeros(1, cfg.n_vocab, **f32)
         # --cpu-share: the CPU pool computes a gathered layer's last missed pairs meanwhile
         self.share = None
-        if ex.cpu_share and len(self.gathered_layers):
+        opt = ex.options
+        if opt.cpu_share and len(self.gathered_layers):
             if any(self.host):  # the pool would serve two threads at once
                 log.warning("--cpu-share %d: off, %d layer(s) of this plan wait on the host",
-                            ex.cpu_share, sum(self.host))
+                            opt.cpu_share, sum(self.host))
             else:
                 from strata.experts.cpu_share import CpuShare
 
-                self.share = CpuShare(ex, self.gathered_layers.tolist(), ex.cpu_share, K,
+                self.share = CpuShare(ex, self.gathered_layers.tolist(), opt.cpu_share, K,
                                       cfg.d_model, dev)
                 # its worker thread and mapped mailbox go with the step
                 weakref.finalize(self, self.share.close)
         # --prefetch: the next gathered layer's likely experts copied while a layer computes
         self.prefetch = None
-        if ex.prefetch and dev.type == "cuda":
+        if opt.prefetch and dev.type == "cuda":
             pairs = np.intersect1d(self.gathered_layers, self.gathered_layers + 1).size
             # --prefetch auto (which the memory plan keeps only where the cache is small): said
             # as a plan line; given N: a warning
-            say = log.info if ex.prefetch_auto else log.warning
-            flag = "--prefetch " + ("auto" if ex.prefetch_auto else str(ex.prefetch))
+            say = log.info if opt.prefetch_auto else log.warning
+            flag = "--prefetch " + ("auto" if opt.prefetch_auto else str(opt.prefetch))
             if any(self.host):  # (a piece ends at a host layer: the side stream would dangle)
                 say("%s: off, %d layer(s) of this plan wait on the host", flag, sum(self.host))
             elif not pairs:
@@ -151,10 +156,11 @@ class DecodeStep:
                 from strata.engine.decode_prefetch import DecodePrefetch
 
                 self.prefetch = DecodePrefetch(model, self.gathered_layers.tolist(),
-                                               ex.prefetch, self.staging)
+                                               opt.prefetch, self.staging)
                 # the experts copied ahead for each gathered layer, read with the counts
-                self._ahead_host = torch.full((len(self.gathered_layers), ex.prefetch), -1,
+                self._ahead_host = torch.full((len(self.gathered_layers), opt.prefetch), -1,
                                               dtype=torch.int64, pin_memory=True)
+        self.aids = StepAids(self.staging, self.share, self.prefetch)  # (for gathered layers)
         pin = dev.type == "cuda"
         self.host_bufs = (torch.zeros(1, K, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(1, K, dtype=torch.float32, pin_memory=pin),
@@ -164,7 +170,6 @@ class DecodeStep:
         self._host_read: torch.cuda.Event | None = None  # the last uploads read the buffers
         self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # norm_route's count
         self.inv_freq = ops.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dev)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None
         self._warm: tuple[int, int] | None = None  # the storage whose eager step ran
         self._inputs_read: torch.cuda.Event | None = None
@@ -192,10 +197,10 @@ class DecodeStep:
         self.inputs.copy_(self.inputs_host, non_blocking=True)
         if self.device.type == "cuda":
             self._inputs_read = self._record()
-        self.ex.cache.flush()  # the graphs read tables that hold for the whole step
-        if len(self.gathered_layers):  # the tables this step reads, for its counters
-            tables = np.stack([self.ex.cache.layers[i].slot_of for i in self.gathered_layers])
-        key = (kv.store.data_ptr(), kv.capacity, self.ex.cache.slots_key())
+        # the tables the graphs read hold for the whole step; the gathered layers', for their
+        # counters; what the graphs hold of the slot tensors
+        tables, slots = self.ex.begin_step(self.gathered_layers)
+        key = (kv.store.data_ptr(), kv.capacity, slots)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         timer = self.ex.stats.timer
@@ -214,14 +219,13 @@ class DecodeStep:
             else:
                 self._tail(piece.host_layer)
             if routed is not None:  # a slot the hits read is overwritten only after them
-                self.ex.cache.layers[piece.host_layer].used = self._record()
+                self.ex.slots_read([piece.host_layer], self._record())
             self._host_layer(piece.host_layer, routed)
         if self.device.type == "cuda":  # device_hits leaves the counting to the host
-            self.ex.stats.hits[self.resident_layers] += self.cfg.n_experts_used
+            self.ex.account(self.resident_layers, hits=self.cfg.n_experts_used)
             if len(self.gathered_layers):
-                done = self._record()  # slots this step reads are overwritten after it
-                for i in self.gathered_layers:
-                    self.ex.cache.layers[i].used = done
+                # slots this step reads are overwritten after it
+                self.ex.slots_read(self.gathered_layers, self._record())
                 self.settle()  # the last step's routing, while the GPU runs this one
                 self._copy_counts(tables, step)
         if self.share is not None:
@@ -283,8 +287,10 @@ class DecodeStep:
     # ---- pieces (captured or eager) ---------------------------------------------------------
 
     def _piece(self, piece: Piece, kv: KVCache) -> None:
-        cfg, w, x = self.cfg, self.model.w, self.x
-        layers = w.layers
+        """The piece's layers, each the model's own Layer over the static buffers."""
+        w, x = self.model.w, self.x
+        ctx = StaticStep(kv, self.inputs[1:2], self.inputs[2:3], self.inv_freq, self.sync,
+                         self.fuse_route, lambda i: self._counter(i, piece), self._experts)
         if piece.first:
             x.copy_(w.embed.rows(self.inputs[0:1]))
             if self.share is not None:
@@ -303,64 +309,42 @@ class DecodeStep:
                 delta = self.moe_out + self.carry
         pf = self.prefetch
         for i in piece.layers:
-            lw = layers[i]
-            h = (ops.rms_norm(x, lw.attn_norm, cfg.rms_eps) if delta is None
-                 else ops.add_rms_norm(x, delta, lw.attn_norm, cfg.rms_eps))
-            attn = self._attention(i, lw, h, kv)
-            # x += attn; h = its norm; the router and its top K: one launch on CUDA
-            h, ids, wts = ops.norm_route(x, attn, lw.ffn_norm, cfg.rms_eps, lw.router,
-                                         cfg.n_experts_used, cfg.norm_topk, self.sync,
-                                         counts=self._counter(i, piece), fuse=self.fuse_route)
+            layer = self.model.layers[i]
+            # x += delta; attention; x += attn; h = its norm; the router and its top K (the
+            # last three one launch on CUDA)
+            r = layer.begin(x, delta, ctx)
             if pf is not None:
                 pf.guess(i, x)
             if i == piece.host_layer:
-                self.h.copy_(h)
-                self.ids.copy_(ids)
-                self.wts.copy_(wts)
-                for buf, src in zip(self.host_bufs, (ids, wts, h), strict=True):
+                self.h.copy_(r.h)
+                self.ids.copy_(r.ids)
+                self.wts.copy_(r.wts)
+                for buf, src in zip(self.host_bufs, (r.ids, r.wts, r.h), strict=True):
                     buf.copy_(src, non_blocking=True)
                 return  # the layer's hits and shared expert: _tail
-            # the experts' K rows of the token may come back unsummed: the next residual
-            # step (add_rms_norm) adds them, one launch fewer a layer
-            rows = lw.shared_w1 is None
-            if self.gathered[i]:
-                share = self.share  # (with one, the CPU takes the token's last misses)
-                if share is not None:
-                    share.post(i, ids, wts, h)
-                delta = self.ex.gathered(
-                    i, h, ids, wts, self.staging, sum_pairs=not rows,
-                    host_from=share.host_from if share else None,
-                    prefetched=pf.ready(i) if pf is not None else None,
-                    then=(lambda i=i, pf=pf: pf.issue(i)) if pf is not None else None)
-                if share is not None:
-                    share.take(i, delta[0, -1] if delta.dim() == 3 else delta[0])
-            elif self.device.type == "cuda":  # (routing counted by route_topk)
-                delta = self.ex.device_hits(i, h, ids, wts, count=False, sum_pairs=not rows)
-            else:
-                delta = self.ex.run(i, None, h, ids, wts)
-            if lw.shared_w1 is not None:
-                delta = delta + shared_expert(lw, h)
-        h = (ops.rms_norm(x, w.output_norm, cfg.rms_eps) if delta is None
-             else ops.add_rms_norm(x, delta, w.output_norm, cfg.rms_eps))
-        self.logits.copy_(linear(h, w.output))
+            delta = layer.finish(r, ctx)  # (_experts, + the shared expert)
+        self.logits.copy_(self.model.head.forward(x, delta, ctx))
+
+    def _experts(self, i: int, h: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
+                 sum_pairs: bool) -> torch.Tensor:
+        """A layer's routed experts inside a piece (StaticStep.experts): the executor's path
+        for the layer (resident or gathered, with the step's staging rows, CPU share and
+        prefetch). Without a shared expert (not sum_pairs) the K rows of the token may come
+        back unsummed: the next residual step (add_rms_norm) adds them, one launch fewer a
+        layer."""
+        return self.ex.step_experts(self.paths[i], i, h, ids, wts, sum_pairs, self.aids)
 
     def _counter(self, layer: int, piece: Piece) -> torch.Tensor | None:
-        """Where route_topk counts a layer's routing on the device: the gathered layers' own
-        counter (read by settle), the stats' for layers whose routing the host never reads;
-        None where the host counts (host layers, the CPU)."""
-        if self.gathered[layer]:
-            return self.ex.gather_counts(self.device)[layer]
-        if self.device.type == "cuda" and layer != piece.host_layer:
-            return self.ex.stats.routed_on_device(self.device)[layer]
-        return None
+        """Where route_topk counts a layer's routing on the device (OffloadExperts.
+        step_counter; None where the host counts: a host layer, the CPU)."""
+        return self.ex.step_counter(layer, self.paths[layer], layer == piece.host_layer)
 
     def _tail(self, layer: int) -> None:
         """A host layer's device part, after its routing went to the host: the shared expert and
         (where the fused kernels cover it) the hits, into `carry` for the next piece. Its own
         graph, so the host plans the misses meanwhile."""
-        lw = self.model.w.layers[layer]
-        carry = (shared_expert(lw, self.h) if lw.shared_w1 is not None
-                 else torch.zeros_like(self.h))
+        shared = self.model.layers[layer].ffn.shared
+        carry = shared.forward(self.h) if shared is not None else torch.zeros_like(self.h)
         if self.hits_in_piece[layer]:
             carry = carry + self.ex.device_hits(layer, self.h, self.ids, self.wts, count=False)
         self.carry.copy_(carry)
@@ -397,19 +381,6 @@ class DecodeStep:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
-
-    def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        cfg = self.cfg
-        q, k, v = qkv_linear(h, lw)
-        if cfg.qkv_bias:
-            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-        q = ops.qk_rope_store(
-            q.view(1, cfg.n_heads, cfg.head_dim), k.view(1, cfg.n_kv_heads, cfg.head_dim),
-            v.view(1, cfg.n_kv_heads, cfg.head_dim), lw.q_norm if cfg.qk_norm else None,
-            lw.k_norm if cfg.qk_norm else None, cfg.rms_eps, self.inputs[1:2], self.inv_freq,
-            cfg.rope_style, kv.k[i], kv.v[i])
-        out = ops.decode_attention(q, kv.k[i], kv.v[i], self.inputs[2:3], self.scale)
-        return linear(out, lw.wo)
 
     def _host_layer(self, layer: int, routed: torch.cuda.Event | None) -> None:
         """The experts of a layer with misses, run by the offload executor: only the misses

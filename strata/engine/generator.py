@@ -11,13 +11,13 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.build import build_model
-from strata.engine.kv_cache import KVCache
 from strata.engine.memory_plan import auto_chunk
 from strata.engine.sampling import SamplingParams, sample
-from strata.engine.waits import PROGRESS
 from strata.errors import StrataError
 from strata.gguf import open_model
 from strata.model.transformer import MoETransformer, Segment
+from strata.runtime.kv_cache import KVCache
+from strata.runtime.waits import PROGRESS
 from strata.tokenizer import ChatTemplate, Tokenizer
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig, ModelConfig, expected_tensors, prefetch_pays
-from strata.engine.kv_cache import kv_dtype
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
@@ -27,6 +26,7 @@ from strata.gguf import ModelFile
 from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
+from strata.runtime.kv_cache import kv_dtype
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.engine.waits import to_host
 from strata.errors import StrataError
+from strata.runtime.waits import to_host
 
 
 @dataclass(frozen=True)

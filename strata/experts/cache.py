@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from strata.engine.waits import to_device
 from strata.experts.layout import ExpertLayout
 from strata.experts.policy import Policy
+from strata.runtime.waits import to_device
 
 
 @dataclass

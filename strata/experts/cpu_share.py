@@ -26,11 +26,11 @@ import time
 import numpy as np
 import torch
 
-from strata.engine.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_event
 from strata.errors import StrataError
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 from strata.kernels.tuning import SHARE_THREADS
+from strata.runtime.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_event
 
 # which pool computes the strided layers: "graph" (a ggml graph a call) or "token" (ggml's dot
 # kernels on strata.kernels.cpu.token_pool's spinning threads). Timed on the H200's host
@@ -155,7 +155,7 @@ class CpuShare:
         # its own pool (kernel library instance and threads): ggml's is one per calling thread
         broken: BaseException | None = None
         try:
-            threads = (getattr(self.ex, "cpu_share_threads", None)
+            threads = (self.ex.options.cpu_share_threads
                        or min(self.ex.pool.threads, SHARE_THREADS))
             self.pool = CpuPool(self.ex.pool.kind, threads, self.ex.pool.workspace_bytes)
             self._strided = self._strided_layers()

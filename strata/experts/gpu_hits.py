@@ -28,13 +28,12 @@ def fused_kernels_available(device: torch.device) -> bool:
 
 class FusedHits:
     def __init__(self, layouts: list[ExpertLayout], device: torch.device,
-                 max_t: int = 1 << 30, scratch_bytes: int | None = None):
+                 max_t: int = 1 << 30, scratch_bytes: int | None = None, x8: bool = False):
         """max_t: the most tokens a call may have for the fused kernels (0: never);
-        scratch_bytes: the prompt path's bf16 weight scratch (the memory plan's)."""
-        self.max_t, self.scratch_bytes = max_t, scratch_bytes
-        # decode calls round activations to 8 bits for a Q4_K, IQ2_XS or IQ3_XXS gate/up and a
-        # Q4_K, Q6_K, IQ2_XS or IQ3_XXS down (moe_forward x8; --kernels fused)
-        self.x8 = False
+        scratch_bytes: the prompt path's bf16 weight scratch (the memory plan's); x8: decode
+        calls round activations to 8 bits for a Q4_K, IQ2_XS or IQ3_XXS gate/up and a Q4_K,
+        Q6_K, IQ2_XS or IQ3_XXS down (moe_forward x8; --kernels fused)."""
+        self.max_t, self.scratch_bytes, self.x8 = max_t, scratch_bytes, x8
         self.on = max_t > 0 and fused_kernels_available(device)
         self.covered = [False] * len(layouts)
         if self.on:

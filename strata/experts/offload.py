@@ -1,6 +1,17 @@
 """The offload executor: hits from cache slots, misses on the CPU pool or copied over PCIe.
 
-One layer of one step (`run`):
+It is built whole: its parts (arena, cache, planner, CPU pool, staging rows, ring) and one frozen
+OffloadOptions from the memory plan and the flags (engine/build.py). Its ways of running a layer
+are named paths (strata.experts.paths) behind one interface, picked in one place each:
+
+    choose(layer, tokens, topk)     a pass:  resident | streamed_routed | streamed | planned
+    decode_paths(topk, routed)      a decode step's layers: resident | gathered | host_hits |
+                                    host | none (a layer without routed experts)
+
+and every pair and byte is counted through one call (`account`); a decode step says which slots
+its graphs read through `slots_read`.
+
+One layer of a planned pass (`run`):
     1. route -> groups of (expert, tokens); the policy sees them
     2. hits: experts resident in slots; misses split by the planner into CPU and copy
     3. copies: each copy-miss is admitted into a slot (evicting per policy, never an expert this
@@ -12,53 +23,105 @@ One layer of one step (`run`):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from strata.engine.waits import to_device, to_host
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.compute import Group, group_pairs, run_records
 from strata.experts.gpu_hits import FusedHits
+from strata.experts.paths import (
+    DeviceHits,
+    Gathered,
+    Path,
+    Planned,
+    Resident,
+    StepAids,
+    Streamed,
+    StreamedRouted,
+)
 from strata.experts.planner import MissPlanner
 from strata.experts.ring import Ring
 from strata.experts.stats import OffloadStats
 from strata.kernels import tuning
 from strata.model.weights import ExpertWeights
+from strata.runtime.waits import to_device, to_host
 
 ROUTED_MIN = tuning.ROUTED_MIN
+
+# a decode step's layer: in the piece with every expert in a slot; in the piece, its misses
+# gathered by the GPU; after the piece, the host planning its misses while a short graph
+# computes its hits (host_hits) or the host running it whole; none: no routed experts
+DECODE_PATHS = ("resident", "gathered", "host_hits", "host", "none")
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Everything the executor is built with besides its parts."""
+
+    workspace_bytes: int = 0  # the dequantizing paths' scratch (the memory plan's workspace)
+    stream_min: int = 1 << 30  # passes of this many tokens stream their misses (the ring)
+    fused_max_t: int = 1 << 30  # the most tokens a call may have for the fused kernels
+    x8: bool = False  # decode calls round activations to 8 bits (--kernels fused)
+    prompt_scratch: int | None = None  # the prompt path's bf16 weight scratch
+    ring_borrow: int = 0  # VRAM the ring may add to itself for passes that stream
+    # the cache's lent slots take the ring's VRAM too while they live (memory plan: one
+    # decoding sequence); the ring is then empty
+    lend_ring: bool = False
+    cpu_share: int = 0  # a decode token's last missed pairs the CPU takes (--cpu-share)
+    cpu_share_threads: int | None = None  # its pool's threads (--threads, if given)
+    prefetch: int = 0  # experts of the next gathered layer copied ahead (--prefetch)
+    prefetch_auto: bool = False  # --prefetch auto: off without a warning where it cannot run
+    debug: bool = False  # check the cache's integrity after each layer
 
 
 class OffloadExperts:
     def __init__(self, arena: Arena, cache: ExpertCache, planner: MissPlanner, cpu_pool,  # noqa: ANN001
-                 workspace_bytes: int, staging: list[torch.Tensor], ring: Ring | None = None,
-                 stream_min: int = 1 << 30, debug: bool = False, fused_max_t: int = 1 << 30,
-                 prompt_scratch: int | None = None, ring_borrow: int = 0):
-        """ring_borrow: VRAM the ring may add to itself for passes that stream (before_pass)."""
+                 staging: list[torch.Tensor], ring: Ring | None = None,
+                 options: OffloadOptions | None = None):
+        options = options or OffloadOptions()
         self.arena, self.cache, self.planner, self.pool = arena, cache, planner, cpu_pool
-        self.workspace_bytes, self.staging, self.debug = workspace_bytes, staging, debug
-        self.ring, self.stream_min = ring, stream_min
-        self.ring_base, self.ring_borrow = (ring.nbytes if ring else 0), ring_borrow
-        self.cpu_share = 0  # a decode token's last missed pairs the CPU takes (--cpu-share)
-        self.cpu_share_threads: int | None = None  # its pool's threads (--threads, if given)
-        self.prefetch = 0  # experts of the next gathered layer copied ahead (--prefetch)
-        self.prefetch_auto = False  # --prefetch auto: off without a warning where it cannot run
+        self.staging, self.ring, self.options = staging, ring, options
+        self.ring_base = ring.nbytes if ring else 0
         self.device = cache.device
-        self.fused = FusedHits(arena.layouts, self.device, fused_max_t, prompt_scratch)
+        self.fused = FusedHits(arena.layouts, self.device, options.fused_max_t,
+                               options.prompt_scratch, x8=options.x8)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
+        self.paths: dict[str, Path] = {p.name: p(self) for p in (
+            Resident, StreamedRouted, Streamed, Planned, DeviceHits, Gathered)}
         # device-routed prompt chunks: counts kept on the device until the stats are read
         self._dev_counts: tuple[torch.Tensor, torch.Tensor] | None = None
         self._dev_pending = False
         self._gathered_dev: torch.Tensor | None = None  # see gather_counts
-        # the cache's lent slots take the ring's VRAM too while they live (memory plan: one
-        # decoding sequence); the ring is then empty
-        self.lend_ring = False
         # per layer: the fraction of its uncached experts a streamed chunk routed to, last seen
         # (_streams_routed copies them all only when nearly all are used)
         self.routed_fraction: dict[int, float] = {}
-        self.stats.settlers.append(self._settle)
+        self.stats.settlers.append(self.settle_routed)
+
+    # ---- the options, by name -----------------------------------------------------------------
+
+    stream_min = property(lambda self: self.options.stream_min)
+    workspace_bytes = property(lambda self: self.options.workspace_bytes)
+    debug = property(lambda self: self.options.debug)
+    ring_borrow = property(lambda self: self.options.ring_borrow)
+    cpu_share = property(lambda self: self.options.cpu_share)
+    cpu_share_threads = property(lambda self: self.options.cpu_share_threads)
+    prefetch = property(lambda self: self.options.prefetch)
+    prefetch_auto = property(lambda self: self.options.prefetch_auto)
+
+    @property
+    def lend_ring(self) -> bool:
+        return self.options.lend_ring
+
+    @lend_ring.setter
+    def lend_ring(self, on: bool) -> None:
+        """(For a cache swapped in with lent slots, as tests do; the plan decides otherwise.)"""
+        self.options = replace(self.options, lend_ring=on)
+
+    # ---- a pass -------------------------------------------------------------------------------
 
     def before_pass(self, tokens: int) -> None:
         """Called before each forward pass or decode step of `tokens` tokens: a pass whose
@@ -80,58 +143,78 @@ class OffloadExperts:
                 self.ring_borrow if tokens >= self.stream_min else 0))
         if lend:
             n, nbytes = self.cache.lend(True)
-            self.stats.admissions += n
-            self.stats.bytes_h2d += nbytes
+            self.account(None, nbytes=nbytes, admissions=n)
+
+    def choose(self, layer: int, tokens: int, topk: int) -> str:
+        """The path of a layer in a pass of `tokens` tokens (strata.experts.paths)."""
+        if self.resident(layer, tokens):
+            return "resident"
+        if self._streams_routed(layer, tokens, topk):
+            return "streamed_routed"
+        if self.ring is not None and tokens >= self.stream_min:
+            return "streamed"
+        return "planned"
 
     def run(self, layer: int, experts: ExpertWeights | None, h: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor, host: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """host: (ids, weights, h) already copied to the host (the decode step's pinned
-        buffers), saving the syncs of copying them here."""
-        lay = self.arena.layouts[layer]
-        ls = self.cache.layers[layer]
-        if self.resident(layer, h.shape[0]):
-            return self._run_resident(layer, h, ids, weights)
-        if self._streams_routed(layer, h.shape[0], ids.shape[1]):
+        """Σ_k weights[t, k] * expert_{ids[t, k]}(h[t]): [T, D]. host: (ids, weights, h)
+        already copied to the host (the decode step's pinned buffers), saving the syncs of
+        copying them here."""
+        path = self.choose(layer, h.shape[0], ids.shape[1])
+        if path == "streamed_routed":
             return self._run_streamed_routed(layer, h, ids, weights)
-        if host is None:
-            host = (to_host(ids, f"layer {layer} routing ids"),
-                    to_host(weights.float(), f"layer {layer} routing weights"), None)
-        by_expert = self._routed(layer, host[0], host[1])
-        hits = [e for e in by_expert if ls.slot_of[e] >= 0]
-        misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
-        if self.ring is not None and h.shape[0] >= self.stream_min:
-            return self._run_streamed(layer, hits, [e for e, _ in misses], by_expert, h, ids,
-                                      weights)
-        to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
+        return self.paths[path].run(layer, h, ids, weights, host)
 
-        keep = set(hits) | set(to_copy)
-        staged = []
-        for e in to_copy:
-            slot = self.cache.admit(layer, e, self.arena.record(layer, e), keep, force=True)
-            (hits if slot is not None else staged).append(e)
-            self.stats.bytes_h2d += lay.nbytes
-        out = torch.zeros_like(h)
-        h_host = h
-        if to_cpu and self.device.type != "cpu":
-            h_host = host[2] if host[2] is not None else to_host(h, f"layer {layer} activations")
-        self.cache.before_compute(layer)
-        self._run_hits(layer, hits, by_expert, h, ids, weights, out)
-        self._run_staged(layer, [by_expert[e] for e in staged], h, out, ids, weights)
-        self.cache.after_compute(layer)
-        if to_cpu:
-            out += to_device(self._run_cpu(layer, [by_expert[e] for e in to_cpu], h_host),
-                             self.device)
-            self._admit_after(layer, to_cpu, keep)
-        n_copy = sum(len(by_expert[e].tokens) for e in to_copy)
-        self.stats.hits[layer] += sum(len(g.tokens) for g in by_expert.values()) - n_copy - sum(
-            len(by_expert[e].tokens) for e in to_cpu)
-        self.stats.streamed[layer] += n_copy
-        self.stats.cpu[layer] += sum(len(by_expert[e].tokens) for e in to_cpu)
-        if self.debug:
-            self.cache.check_integrity()
-        return out
+    def _run_streamed_routed(self, layer: int, h: torch.Tensor, ids: torch.Tensor,
+                             weights: torch.Tensor) -> torch.Tensor:
+        """(The streamed_routed path, by a name of its own: tests count the layers it runs.)"""
+        return self.paths["streamed_routed"].run(layer, h, ids, weights)
 
-    def _routed(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> dict[int, Group]:
+    def resident(self, layer: int, tokens: int) -> bool:
+        """Every expert of the layer has a slot (for good: a full layer never evicts) and the
+        fused kernels cover its types: the layer runs without the host."""
+        return (self.cache.layers[layer].capacity == self.arena.n_experts
+                and self.fused.covers(layer, tokens))
+
+    def _streams_routed(self, layer: int, tokens: int, topk: int) -> bool:
+        """A prompt chunk so large that nearly every expert is routed to (4 pairs per expert on
+        average), on the ring's bank path: the layer's uncached experts are all streamed, the
+        next layer's are queued behind them (copied as this layer's banks free, while attention
+        runs), and the routing stays on the device."""
+        return (self.ring is not None and self.ring.grouped and tokens >= self.stream_min
+                and tokens * topk >= 4 * self.arena.n_experts
+                and self.routed_fraction.get(layer, 1.0) >= ROUTED_MIN)
+
+    def prefetch_next(self, layer: int, tokens: int, topk: int) -> None:
+        """Queue the next layer's uncached experts behind this layer's banks when that layer
+        will stream them all (_streams_routed): copied as this layer's banks free."""
+        if layer + 1 < len(self.arena.layouts) and self._streams_routed(layer + 1, tokens, topk):
+            uncached = np.flatnonzero(self.cache.layers[layer + 1].slot_of < 0)
+            self.ring.prefetch(self.arena, layer + 1, uncached.tolist())
+
+    # ---- accounting -----------------------------------------------------------------------------
+
+    def account(self, layer: int | Sequence[int] | slice | None, hits: int | np.ndarray = 0,
+                streamed: int | np.ndarray = 0, cpu: int | np.ndarray = 0, nbytes: int = 0,
+                admissions: int = 0) -> None:
+        """The one place pairs and bytes are counted: pairs of `layer` (a layer, several, or
+        a slice of them) served from cache slots, computed from copied records, computed by the
+        CPU pool; expert bytes copied to the device and cache admissions (any layer)."""
+        st = self.stats
+        if layer is not None:
+            st.hits[layer] += hits
+            st.streamed[layer] += streamed
+            st.cpu[layer] += cpu
+        st.bytes_h2d += nbytes
+        st.admissions += admissions
+
+    def slots_read(self, layers: Sequence[int], event: torch.cuda.Event) -> None:
+        """A decode step queued reads of these layers' slots up to `event`: no copy overwrites
+        one of them before it."""
+        for i in layers:
+            self.cache.layers[int(i)].used = event
+
+    def routed(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> dict[int, Group]:
         """A step's pairs of one layer grouped by expert (host tensors); the policy and the
         routing counters see them."""
         groups = group_pairs(ids, weights)
@@ -140,21 +223,95 @@ class OffloadExperts:
         self.stats.count(layer, experts, counts)
         return {g.expert: g for g in groups}
 
-    def resident(self, layer: int, tokens: int) -> bool:
-        """Every expert of the layer has a slot (for good: a full layer never evicts) and the
-        fused kernels cover its types: the layer runs without the host."""
-        return (self.cache.layers[layer].capacity == self.arena.n_experts
-                and self.fused.covers(layer, tokens))
+    def count_routed(self, layer: int, ids: torch.Tensor, table: torch.Tensor) -> None:
+        """Count a device-routed layer's pairs on the device: routed per expert (for the stats'
+        routing counters and the policy, at settle_routed) and hits / streamed per layer
+        (against the table of the chunk: the cache may change before the counts are read)."""
+        flat = ids.reshape(-1).long()
+        if self._dev_counts is None:
+            n_layers, n_experts = len(self.arena.layouts), self.arena.n_experts
+            self._dev_counts = (torch.zeros(n_layers, n_experts, dtype=torch.int64,
+                                            device=ids.device),
+                                torch.zeros(2, n_layers, dtype=torch.int64, device=ids.device))
+        touch, split = self._dev_counts
+        touch[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        hit = (table[flat] >= 0).long().sum()
+        split[0, layer] += hit
+        split[1, layer] += flat.numel() - hit
+        self._dev_pending = True
 
-    def _run_resident(self, layer: int, h: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor) -> torch.Tensor:
-        """Every expert of the layer has a slot: the fused kernels read the slot table on the
-        device, with no routing sync to the host."""
-        self.cache.before_compute(layer)
-        out = self.device_hits(layer, h, ids, weights, count=True)
-        self.cache.after_compute(layer)
-        self.stats.hits[layer] += ids.numel()
+    def settle_routed(self) -> None:
+        """Device-routed layers' counts to the host: hits and streamed pairs per layer, and
+        the routing for the policies (one bounded wait)."""
+        if not self._dev_pending:
+            return
+        self._dev_pending = False
+        touch_dev, split_dev = self._dev_counts
+        # copies: on the CPU device to_host returns the tensor itself, zeroed next
+        touch = to_host(touch_dev, "the prompt's routing counts").numpy().copy()
+        split = to_host(split_dev, "the prompt's hit counts").numpy().copy()
+        with torch.inference_mode():  # the counters were made in it
+            touch_dev.zero_()
+            split_dev.zero_()
+        self.account(slice(None), hits=split[0], streamed=split[1])
+        for layer in np.flatnonzero(touch.sum(1)):
+            experts = np.flatnonzero(touch[layer])
+            ls = self.cache.layers[layer]
+            self.stats.count(layer, experts, touch[layer][experts])
+            ls.policy.touch(experts.tolist(), touch[layer][experts].tolist())
+            uncached = ls.slot_of < 0
+            if uncached.any():  # (the chunks since the last settle, together)
+                self.routed_fraction[layer] = float((touch[layer][uncached] > 0).mean())
+
+    # ---- a decode step --------------------------------------------------------------------------
+
+    def decode_paths(self, topk: int, routed: Sequence[bool]) -> list[str]:
+        """Each layer's path in a decode step (DECODE_PATHS), chosen once from the plan: on
+        CUDA resident where every expert has a slot and the fused kernels cover the layer,
+        else gathered where the GPU can gather its misses (gathers), else host_hits where
+        the fused kernels cover its hits, else host; on the CPU resident where every expert
+        has a slot, else host. routed[l]: layer l has routed experts."""
+        cuda = self.device.type == "cuda"
+        out = []
+        for i, has in enumerate(routed):
+            if not has:
+                out.append("none")
+            elif (cuda and self.resident(i, 1)) or (
+                    not cuda and self.cache.layers[i].capacity == self.arena.n_experts):
+                out.append("resident")
+            elif cuda and self.gathers(i, topk):
+                out.append("gathered")
+            else:
+                out.append("host_hits" if cuda and self.fused.covers(i, 1) else "host")
         return out
+
+    def begin_step(self, gathered: Sequence[int]) -> tuple[np.ndarray | None, tuple]:
+        """Before a decode step: the cache's pending changes land (the step's graphs read
+        tables that then hold for the whole step). Returns the slot tables (slot_of, [G, E])
+        of the gathered layers as the step reads them (None without any), and the slot
+        tensors' key (ExpertCache.slots_key: what captured graphs hold)."""
+        self.cache.flush()
+        tables = (np.stack([self.cache.layers[i].slot_of for i in gathered]) if len(gathered)
+                  else None)
+        return tables, self.cache.slots_key()
+
+    def step_experts(self, path: str, layer: int, h: torch.Tensor, ids: torch.Tensor,
+                     weights: torch.Tensor, sum_pairs: bool, aids: StepAids) -> torch.Tensor:
+        """A decode step's layer inside its piece, on its decode path (resident: device_hits,
+        gathered: gathered), device work only on CUDA."""
+        name = {"resident": "device_hits", "gathered": "gathered"}[path]
+        return self.paths[name].run(layer, h, ids, weights, sum_pairs=sum_pairs, aids=aids)
+
+    def step_counter(self, layer: int, path: str, ends_piece: bool) -> torch.Tensor | None:
+        """Where a decode step's route_topk counts a layer's routing on the device: a gathered
+        layer's own counter (read by the step's settle: after_gathered), the stats' for layers
+        whose routing the host never reads; None where the host counts (a layer that ends its
+        piece, the CPU device)."""
+        if path == "gathered":
+            return self.gather_counts(self.device)[layer]
+        if self.device.type == "cuda" and not ends_piece:
+            return self.stats.routed_on_device(self.device)[layer]
+        return None
 
     def device_hits(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     count: bool, sum_pairs: bool = True) -> torch.Tensor:
@@ -226,9 +383,6 @@ class OffloadExperts:
         ls.policy.touch(experts.tolist(), n.tolist())
         self.stats.count(layer, experts, n)
         hit = slot_of[experts] >= 0
-        self.stats.hits[layer] += int(n[hit].sum())
-        self.stats.streamed[layer] += int(n[~hit].sum()) - len(on_cpu)
-        self.stats.cpu[layer] += len(on_cpu)
         missed = experts[~hit].tolist()
         copied = len(missed) - len(on_cpu)  # records that crossed PCIe for this layer
         if ahead is not None:  # (a guess the CPU share computed was copied for nothing)
@@ -237,7 +391,8 @@ class OffloadExperts:
             self.stats.ahead_used[layer] += used
             self.stats.ahead_unused[layer] += len(ahead) - used
             copied += len(ahead) - used
-        self.stats.bytes_h2d += copied * ls.layout.nbytes
+        self.account(layer, hits=int(n[hit].sum()), streamed=int(n[~hit].sum()) - len(on_cpu),
+                     cpu=len(on_cpu), nbytes=copied * ls.layout.nbytes)
         if missed:
             self._admit_after(layer, missed, set(experts.tolist()))
 
@@ -257,9 +412,9 @@ class OffloadExperts:
             experts, counts = np.unique(flat, return_counts=True)
             ls.policy.touch(experts.tolist(), counts.tolist())
             self.stats.count(layer, experts, counts)
-            self.stats.hits[layer] += flat.size
+            self.account(layer, hits=flat.size)
             return None
-        by_expert = self._routed(layer, host[0], host[1])
+        by_expert = self.routed(layer, host[0], host[1])
         hits = [e for e in by_expert if ls.slot_of[e] >= 0]
         misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
         to_cpu, to_copy = self.planner.split(misses, lay.nbytes)
@@ -269,10 +424,8 @@ class OffloadExperts:
             staging[j, : lay.stride].copy_(self.arena.record(layer, e), non_blocking=True)
             table[e] = j
         n = {e: len(by_expert[e].tokens) for e in by_expert}
-        self.stats.hits[layer] += sum(n[e] for e in hits)
-        self.stats.streamed[layer] += sum(n[e] for e in to_copy)
-        self.stats.cpu[layer] += sum(n[e] for e in to_cpu)
-        self.stats.bytes_h2d += len(to_copy) * lay.nbytes
+        self.account(layer, hits=sum(n[e] for e in hits), streamed=sum(n[e] for e in to_copy),
+                     cpu=sum(n[e] for e in to_cpu), nbytes=len(to_copy) * lay.nbytes)
         out = None
         if to_cpu:
             out = self._run_cpu(layer, [by_expert[e] for e in to_cpu], host[2])
@@ -280,6 +433,8 @@ class OffloadExperts:
         if self.debug:
             self.cache.check_integrity()
         return out
+
+    # ---- what the paths share -----------------------------------------------------------------
 
     def _run_hits(self, layer: int, hits: list[int], by_expert: dict[int, Group],
                   h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -298,115 +453,6 @@ class OffloadExperts:
             return
         slots = torch.tensor([int(ls.slot_of[e]) for e in hits], device=self.device)
         run_records(ls.layout, ls.slots[slots], groups, h, out, self.workspace_bytes)
-
-    def _run_streamed(self, layer: int, hits: list[int], misses: list[int],
-                      by_expert: dict[int, Group], h: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk whose routing the host reads (chunks too small for _streams_routed, or
-        the ring's per-buffer path): hits from their slots, every routed miss through the ring;
-        the cache is left as it is for decode."""
-        copied = self.ring.streamed_bytes
-        uncached = int((self.cache.layers[layer].slot_of < 0).sum())
-        self.routed_fraction[layer] = len(misses) / uncached if uncached else 1.0
-        self.ring.prefetch(self.arena, layer, misses)  # (queued before the next layer's)
-        self._prefetch_next(layer, h.shape[0], ids.shape[1])
-        out = torch.zeros_like(h)
-        self.cache.before_compute(layer)
-        self._run_hits(layer, hits, by_expert, h, ids, weights, out)
-        self.ring.stream(self.arena, layer, [by_expert[e] for e in misses], h, out,
-                         self.workspace_bytes)
-        self.cache.after_compute(layer)
-        self.stats.hits[layer] += sum(len(by_expert[e].tokens) for e in hits)
-        self.stats.streamed[layer] += sum(len(by_expert[e].tokens) for e in misses)
-        self.stats.bytes_h2d += self.ring.streamed_bytes - copied  # prefetched copies too
-        if self.debug:
-            self.cache.check_integrity()
-        return out
-
-    def _streams_routed(self, layer: int, tokens: int, topk: int) -> bool:
-        """A prompt chunk so large that nearly every expert is routed to (4 pairs per expert on
-        average), on the ring's bank path: the layer's uncached experts are all streamed, the
-        next layer's are queued behind them (copied as this layer's banks free, while attention
-        runs), and the routing stays on the device."""
-        return (self.ring is not None and self.ring.grouped and tokens >= self.stream_min
-                and tokens * topk >= 4 * self.arena.n_experts
-                and self.routed_fraction.get(layer, 1.0) >= ROUTED_MIN)
-
-    def _prefetch_next(self, layer: int, tokens: int, topk: int) -> None:
-        """Queue the next layer's uncached experts behind this layer's banks when that layer
-        will stream them all (_streams_routed): copied as this layer's banks free."""
-        if layer + 1 < len(self.arena.layouts) and self._streams_routed(layer + 1, tokens, topk):
-            uncached = np.flatnonzero(self.cache.layers[layer + 1].slot_of < 0)
-            self.ring.prefetch(self.arena, layer + 1, uncached.tolist())
-
-    def _run_streamed_routed(self, layer: int, h: torch.Tensor, ids: torch.Tensor,
-                             weights: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk with no host sync: hits from their slots and every uncached expert
-        through the ring (moe_forward_grouped for both, which sort the pairs on the device);
-        the counters and the policy see the routing when they are read (_settle)."""
-        from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, moe_forward_grouped
-
-        ls = self.cache.layers[layer]
-        lay = ls.layout
-        copied = self.ring.streamed_bytes
-        self.ring.prefetch(self.arena, layer, np.flatnonzero(ls.slot_of < 0).tolist())
-        self._prefetch_next(layer, h.shape[0], ids.shape[1])
-        out = torch.zeros_like(h)
-        scratch = self.fused.scratch_bytes
-        kw = {} if scratch is None else {"scratch_bytes": scratch}
-        self.cache.before_compute(layer)
-        if ls.capacity:
-            moe_forward_grouped(h, ids, weights.float(), ls.table, *lay.views(ls.slots),
-                                lay.qtypes, lay.d_model, lay.d_expert, out=out, **kw)
-        self.ring.stream_routed(self.arena, layer, h, ids, weights.float(), out,
-                                scratch if scratch is not None else GROUPED_SCRATCH_BYTES)
-        self.cache.after_compute(layer)
-        self._count_routed(layer, ids, ls.table)
-        self.stats.bytes_h2d += self.ring.streamed_bytes - copied
-        if self.debug:
-            self.cache.check_integrity()
-        return out
-
-    def _count_routed(self, layer: int, ids: torch.Tensor, table: torch.Tensor) -> None:
-        """Count a device-routed layer's pairs on the device: routed per expert (for the stats'
-        routing counters and the policy, at _settle) and hits / streamed per layer (against
-        the table of the chunk: the cache may change before the counts are read)."""
-        flat = ids.reshape(-1).long()
-        if self._dev_counts is None:
-            n_layers, n_experts = len(self.arena.layouts), self.arena.n_experts
-            self._dev_counts = (torch.zeros(n_layers, n_experts, dtype=torch.int64,
-                                            device=ids.device),
-                                torch.zeros(2, n_layers, dtype=torch.int64, device=ids.device))
-        touch, split = self._dev_counts
-        touch[layer].scatter_add_(0, flat, torch.ones_like(flat))
-        hit = (table[flat] >= 0).long().sum()
-        split[0, layer] += hit
-        split[1, layer] += flat.numel() - hit
-        self._dev_pending = True
-
-    def _settle(self) -> None:
-        """Device-routed layers' counts to the host: hits and streamed pairs per layer, and
-        the routing for the policies (one bounded wait)."""
-        if not self._dev_pending:
-            return
-        self._dev_pending = False
-        touch_dev, split_dev = self._dev_counts
-        # copies: on the CPU device to_host returns the tensor itself, zeroed next
-        touch = to_host(touch_dev, "the prompt's routing counts").numpy().copy()
-        split = to_host(split_dev, "the prompt's hit counts").numpy().copy()
-        with torch.inference_mode():  # the counters were made in it
-            touch_dev.zero_()
-            split_dev.zero_()
-        self.stats.hits += split[0]
-        self.stats.streamed += split[1]
-        for layer in np.flatnonzero(touch.sum(1)):
-            experts = np.flatnonzero(touch[layer])
-            ls = self.cache.layers[layer]
-            self.stats.count(layer, experts, touch[layer][experts])
-            ls.policy.touch(experts.tolist(), touch[layer][experts].tolist())
-            uncached = ls.slot_of < 0
-            if uncached.any():  # (the chunks since the last settle, together)
-                self.routed_fraction[layer] = float((touch[layer][uncached] > 0).mean())
 
     def _run_staged(self, layer: int, groups: list[Group], h: torch.Tensor, out: torch.Tensor,
                     ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -450,5 +496,4 @@ class OffloadExperts:
         best = max(experts, key=lambda e: ls.policy.counts[e] if hasattr(ls.policy, "counts")
                    else 0)
         if self.cache.admit(layer, best, self.arena.record(layer, best), keep) is not None:
-            self.stats.admissions += 1
-            self.stats.bytes_h2d += self.arena.layouts[layer].nbytes
+            self.account(None, nbytes=self.arena.layouts[layer].nbytes, admissions=1)

@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.engine.waits import to_device
 from strata.experts.arena import Arena
 from strata.experts.compute import Group, run_records
 from strata.experts.layout import ExpertLayout
+from strata.runtime.waits import to_device
 
 log = logging.getLogger("strata.ring")
 

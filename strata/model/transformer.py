@@ -1,7 +1,10 @@
-"""The MoE transformer forward pass shared by qwen3moe, qwen2moe and Mixtral-style llama.
+"""The MoE transformer shared by qwen3moe, qwen2moe and Mixtral-style llama.
 
 The architectures differ only in what ModelConfig records: RoPE style, QKV bias, per-head q/k norms,
-a gated shared expert, and whether the top-k routing weights are renormalized.
+a gated shared expert, and whether the top-k routing weights are renormalized. Each layer is built
+from parts (strata.model.parts: a token mixer and a feed-forward, chosen per layer index), which
+every path calls: this forward, and the decode step (strata.engine.decode_step) over its static
+buffers.
 
 One forward runs a batch of segments: each segment is some new tokens of one sequence, appended to
 that sequence's KV cache. Attention runs per segment; every other matmul (and so every expert read)
@@ -13,26 +16,19 @@ Legend: T tokens in the batch, D hidden, H heads, Hkv kv heads, hd head dim, V v
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from strata.config import ModelConfig
-from strata.engine.kv_cache import KVCache
 from strata.experts import ExpertExecutor, ReferenceExperts
-from strata.kernels import tuning
-from strata.model.layers import apply_rope, attention, attention_bf16, rms_norm, rope_tables, route
-from strata.model.weights import LayerWeights, ModelWeights, linear, qkv_linear
+from strata.model.layers import rope_tables
+from strata.model.parts import Head, Layer, Segment, Segments
+from strata.model.parts.attention import BF16_ATTENTION_MIN_T
+from strata.model.parts.ffn import SharedExpert
+from strata.model.weights import LayerWeights, ModelWeights
+from strata.runtime.kv_cache import KVCache
 
-BF16_ATTENTION_MIN_T = tuning.BF16_ATTENTION_MIN_T
-
-
-@dataclass
-class Segment:
-    """`length` new tokens of one sequence, at positions kv.length .. kv.length + length - 1."""
-
-    kv: KVCache
-    length: int
+__all__ = ["BF16_ATTENTION_MIN_T", "MoETransformer", "Segment", "shared_expert"]
 
 
 class MoETransformer:
@@ -40,6 +36,8 @@ class MoETransformer:
                  experts: ExpertExecutor | None = None):
         self.cfg, self.w, self.device = cfg, weights, device
         self.experts = experts or ReferenceExperts()
+        self.layers = [Layer.build(cfg, lw, i) for i, lw in enumerate(weights.layers)]
+        self.head = Head(weights.output_norm, weights.output, cfg.rms_eps)
         self.step = None  # a DecodeStep (strata.engine.decode_step) when the engine made one
         self.max_chunk: int | None = None  # prompt tokens per forward the memory plan allows
         # CUDA with --kernels fused: prompt chunks attend on bf16 tensor cores, a few tokens
@@ -82,17 +80,17 @@ class MoETransformer:
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
+        ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
-        for i, lw in enumerate(self.w.layers):
-            x = x + self._attention(i, lw, rms_norm(x, lw.attn_norm, cfg.rms_eps), cos, sin,
-                                    segments)
-            x = x + self._moe(i, lw, rms_norm(x, lw.ffn_norm, cfg.rms_eps))
+        delta = None  # each layer's output, added by the next residual step
+        for layer in self.layers:
+            delta = layer.forward(x, delta, ctx)
         for s in segments:
             s.kv.advance(s.length)
+        ends = None
         if not all_logits:
             ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
-            x = x[ends]
-        logits = linear(rms_norm(x, self.w.output_norm, cfg.rms_eps), self.w.output)
+        logits = self.head.forward(x, delta, ctx, rows=ends)
         if timer:
             timer.stop(t0)
         return logits
@@ -101,53 +99,7 @@ class MoETransformer:
         """The experts' GPU timer when --stats asked for one (CUDA only)."""
         return getattr(getattr(self.experts, "stats", None), "timer", None)
 
-    def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        cfg = self.cfg
-        T = h.shape[0]
-        q, k, v = qkv_linear(h, lw)
-        if cfg.qkv_bias:
-            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-        q = q.view(T, cfg.n_heads, cfg.head_dim)
-        k = k.view(T, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(T, cfg.n_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, lw.q_norm, cfg.rms_eps), rms_norm(k, lw.k_norm, cfg.rms_eps)
-        q, k = apply_rope(q, cos, sin, cfg.rope_style), apply_rope(k, cos, sin, cfg.rope_style)
-        out, start = [], 0
-        for s in segments:
-            sl = slice(start, start + s.length)
-            keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
-            if self.fused_attention and s.length > BF16_ATTENTION_MIN_T:
-                out.append(attention_bf16(q[sl], keys, values))
-            elif self.fused_attention and keys.dtype != torch.float32:
-                # a few tokens (batched decode) over a half-size cache: the decode kernel
-                # reads its rows as they are, where attention() would need a float32 copy
-                from strata.kernels.gpu import decode_ops
-
-                end = torch.full((1,), s.kv.length + s.length, device=q.device)
-                out.append(decode_ops.decode_attention(q[sl], s.kv.k[i], s.kv.v[i], end,
-                                                       cfg.head_dim ** -0.5))
-            else:  # (keys and values as stored: rounded to --kv-type)
-                out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
-            start += s.length
-        return linear(torch.cat(out), lw.wo)
-
-    def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        ids, weights = route(h, lw.router, cfg.n_experts_used, cfg.norm_topk)  # [T, K]
-        timer = self.gpu_timer()
-        t0 = timer.start() if timer else None
-        out = self.experts.run(i, lw.experts, h, ids, weights)
-        if timer:
-            timer.stop(t0, layer=i)
-        if lw.shared_w1 is not None:
-            out = out + shared_expert(lw, h)
-        return out
-
 
 def shared_expert(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
     """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h). h: [T, D] -> [T, D]"""
-    gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
-    act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
-    return gate * linear(act, lw.shared_w2)
+    return SharedExpert(lw).forward(h)

@@ -190,7 +190,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [hd]
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor  # [D]
-    router: torch.Tensor  # [E, D]
+    router: torch.Tensor | None  # [E, D] (None: a dense feed-forward, ffn_gate/up/down)
     experts: ExpertWeights | None  # None when the offload runtime holds the experts
     shared_gate: torch.Tensor | None = None  # [D]: sigmoid(x . w) scales the shared expert
     shared_w1: Weight | None = None  # gate [S, D]
@@ -199,6 +199,10 @@ class LayerWeights:
     # the leading n of q, k, v in one matrix (n = 2 or 3) when they share a format, so a decode
     # token runs one GEMV for them; wq/wk/wv are then row views of it (fuse_qkv)
     qkv: tuple[Weight, int] | None = None
+    # a dense feed-forward (parts.spec.layer_spec's "dense" layers): gate, up [F, D], down [D, F]
+    ffn_gate: Weight | None = None
+    ffn_up: Weight | None = None
+    ffn_down: Weight | None = None
 
 
 @dataclass
@@ -214,6 +218,8 @@ class ModelWeights:
              x8: bool = False) -> ModelWeights:
         """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
         experts=False leaves the routed experts to the offload runtime; x8: QuantTensor.x8."""
+        from strata.model.parts.spec import layer_spec  # (parts import this module)
+
         t = mf.tensors
 
         def d(name: str) -> torch.Tensor:
@@ -232,16 +238,21 @@ class ModelWeights:
         layers = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
+            attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
+                        wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
+                        wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
+                        bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
+                        q_norm=opt(p + "attn_q_norm.weight"),
+                        k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=d(p + "ffn_norm.weight"))
+            if layer_spec(cfg, i).ffn == "dense":
+                layers.append(LayerWeights(
+                    **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
+                    ffn_up=m(p + "ffn_up.weight"), ffn_down=m(p + "ffn_down.weight")))
+                continue
             ex = ExpertWeights(*(QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], device)
                                  for w in ("gate", "up", "down"))) if experts else None
             layers.append(LayerWeights(
-                attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
-                wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
-                wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
-                bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
-                q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
-                ffn_norm=d(p + "ffn_norm.weight"), router=d(p + "ffn_gate_inp.weight"),
-                experts=ex,
+                **attn, router=d(p + "ffn_gate_inp.weight"), experts=ex,
                 shared_gate=opt(p + "ffn_gate_inp_shexp.weight"),
                 shared_w1=opt(p + "ffn_gate_shexp.weight", True),
                 shared_w3=opt(p + "ffn_up_shexp.weight", True),

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.engine.generator import Engine
-from strata.engine.kv_cache import KVCache
 from strata.engine.sampling import SamplingParams, sample
-from strata.engine.waits import PROGRESS, StallError
 from strata.errors import StrataError
 from strata.model.transformer import Segment
+from strata.runtime.kv_cache import KVCache
+from strata.runtime.waits import PROGRESS, StallError
 from strata.server.faults import FaultTrigger
 from strata.server.protocol import (
     Accepted,

@@ -5,7 +5,7 @@
     ACTION  stall    stop making progress there: sleep forever, report nothing
             crash    exit there at once with os._exit(CRASH_EXIT_CODE), no cleanup
             timeout  raise the engine's StallError there, as a bounded wait that ran out does
-                     (engine/waits.py); prefill and decode only
+                     (runtime/waits.py); prefill and decode only
     STAGE   load     at the start of loading the model
             prefill  before the first forward pass that holds a request's prompt
             decode   before a request's Nth decode step (N >= 1, default 1); decode step 1 is
@@ -120,7 +120,7 @@ class FaultTrigger:
         if f.action == "crash":
             os._exit(CRASH_EXIT_CODE)
         if f.action == "timeout":
-            from strata.engine.waits import StallError  # torch: only in the engine process
+            from strata.runtime.waits import StallError  # torch: only in the engine process
 
             raise StallError(f"STRATA_FAULT {f}: an injected wait timeout (a real one names "
                              "what it waited for, and where)")

@@ -101,7 +101,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class Stalled:
-    """The engine gave up a bounded wait (engine/waits.py): a stall, reported at once."""
+    """The engine gave up a bounded wait (runtime/waits.py): a stall, reported at once."""
 
     message: str
     state: dict[str, Any] = field(default_factory=dict)

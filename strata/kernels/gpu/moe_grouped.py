@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from strata.engine.waits import to_device
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
 from strata.kernels.gpu.pairs import check_moe_args
@@ -63,6 +62,7 @@ from strata.kernels.gpu.skeletons import group_mask, rows
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.kernels.tuning import GROUPED_SCRATCH_BYTES
 from strata.quant import QType, dequantize
+from strata.runtime.waits import to_device
 
 log = logging.getLogger("strata.kernels")
 

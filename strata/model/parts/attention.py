@@ -1,0 +1,78 @@
+"""Token mixers: what a layer runs before its feed-forward. Each is a class with
+`forward(h, ctx) -> [T, D]` (h the normed residual) that picks its kernels from the context.
+
+GQAAttention: full causal grouped-query attention with RoPE (qwen3moe, qwen2moe, llama): the
+q/k/v projections (+ bias), per-head q/k RMS norms (qwen3moe), RoPE on the first rope_dim dims,
+the new keys and values appended to the KV cache, attention over every cached row, then wo.
+Sliding-window attention, attention sinks, MLA and gated linear attention go beside it, as
+classes of their own with the same forward (and a name in layer.MIXERS).
+
+Legend: T tokens, D hidden, H heads, Hkv kv heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.config import ModelConfig
+from strata.kernels.tuning import BF16_ATTENTION_MIN_T
+from strata.model.layers import apply_rope, attention, attention_bf16, rms_norm
+from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
+from strata.model.weights import LayerWeights, linear, qkv_linear
+
+
+class GQAAttention:
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
+        self.lw, self.layer = lw, layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.eps, self.rope_style = cfg.rms_eps, cfg.rope_style
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """h [T, D] -> attention output after wo [T, D]; the KV cache gets the new rows."""
+        lw = self.lw
+        q, k, v = qkv_linear(h, lw)  # [T, H*hd], [T, Hkv*hd], [T, Hkv*hd]
+        if self.qkv_bias:
+            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+        T = h.shape[0]
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        out = self._step(q, k, v, ctx) if ctx.static else self._segments(q, k, v, ctx)
+        return linear(out, lw.wo)
+
+    def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              ctx: StaticStep) -> torch.Tensor:
+        """One token over static buffers: q/k norms, RoPE and the cache store in one launch,
+        then flash decoding over the rows up to ctx.length (two launches)."""
+        ops, lw, kv, i = decode_ops(), self.lw, ctx.kv, self.layer
+        q = ops.qk_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
+                              lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
+                              ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i])
+        return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale)  # [1, H*hd]
+
+    def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  ctx: Segments) -> torch.Tensor:
+        """Each segment appends its keys and values to its own cache and attends over it."""
+        lw, i = self.lw, self.layer
+        if self.qk_norm:
+            q, k = rms_norm(q, lw.q_norm, self.eps), rms_norm(k, lw.k_norm, self.eps)
+        q, k = (apply_rope(q, ctx.cos, ctx.sin, self.rope_style),
+                apply_rope(k, ctx.cos, ctx.sin, self.rope_style))
+        out, start = [], 0
+        for s in ctx.segments:
+            sl = slice(start, start + s.length)
+            keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
+            if ctx.fused_attention and s.length > BF16_ATTENTION_MIN_T:
+                out.append(attention_bf16(q[sl], keys, values))
+            elif ctx.fused_attention and keys.dtype != torch.float32:
+                # a few tokens (batched decode) over a half-size cache: the decode kernel
+                # reads its rows as they are, where attention() would need a float32 copy
+                end = torch.full((1,), s.kv.length + s.length, device=q.device)
+                out.append(decode_ops().decode_attention(q[sl], s.kv.k[i], s.kv.v[i], end,
+                                                         self.scale))
+            else:  # (keys and values as stored: rounded to --kv-type)
+                out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
+            start += s.length
+        return torch.cat(out)  # [T, H*hd]

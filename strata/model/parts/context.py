@@ -1,0 +1,99 @@
+"""What a layer's parts are called with: the tokens' context, which also picks their kernels.
+
+    Segments    new tokens of one or more sequences (a prompt chunk, a few sequences decoding
+                together): positions from each segment's KV cache, the reference ops, torch's
+                attention (flash attention on bf16 for long segments with --kernels fused)
+    StaticStep  one token of one sequence over the decode step's static buffers: the position
+                and KV length are device tensors, so the same launches can be captured once as
+                CUDA graphs and replayed; the fused decode kernels (decode_ops)
+
+A part reads `ctx.static` and picks its kernels; the layer is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from strata.runtime.kv_cache import KVCache
+
+
+@dataclass
+class Segment:
+    """`length` new tokens of one sequence, at positions kv.length .. kv.length + length - 1."""
+
+    kv: KVCache
+    length: int
+
+
+@dataclass
+class Segments:
+    """The context of a forward pass over segments (MoETransformer.forward).
+
+    cos, sin [T, rope_dim/2]: RoPE at every token's position; experts: the model's
+    ExpertExecutor; timer: --stats' GPU timer (each layer's experts timed), or None;
+    fused_attention: CUDA with --kernels fused (see GQAAttention)."""
+
+    segments: Sequence[Segment]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    experts: object  # ExpertExecutor (strata.experts): run(layer, weights, h, ids, weights)
+    timer: object | None = None  # GpuTimer (strata.experts.stats)
+    fused_attention: bool = False
+    static = False
+
+    def run_experts(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,
+                    wts: torch.Tensor, sum_pairs: bool = True) -> torch.Tensor:
+        """Σ_k wts[t, k] * expert_{ids[t, k]}(h[t]) -> [T, D] (summed: sum_pairs is the decode
+        step's)."""
+        t0 = self.timer.start() if self.timer else None
+        out = self.experts.run(layer, weights, h, ids, wts)
+        if self.timer:
+            self.timer.stop(t0, layer=layer)
+        return out
+
+
+@dataclass
+class StaticStep:
+    """The context of one decode token over static buffers (strata.engine.decode_step).
+
+    kv: the sequence's cache (its storage fixed for the capture); pos, length: int64 [1] on the
+    device, the token's position and the KV rows after it; inv_freq: RoPE's table
+    (decode_ops.rope_inv_freq); sync: norm_route's count; fuse_route: the residual step and
+    the routing in one launch; counts(layer): where the layer's routing is counted on the
+    device (or None); experts(layer, h, ids, wts, sum_pairs): the executor's decode path for
+    the layer, which may return the K pairs' rows unsummed ([1, K, D]) when not sum_pairs:
+    the next residual step (add_rms_norm) sums them."""
+
+    kv: KVCache
+    pos: torch.Tensor
+    length: torch.Tensor
+    inv_freq: torch.Tensor
+    sync: torch.Tensor
+    fuse_route: bool
+    counts: Callable[[int], torch.Tensor | None]
+    experts: Callable[..., torch.Tensor]
+    static = True
+
+    def run_experts(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,
+                    wts: torch.Tensor, sum_pairs: bool = True) -> torch.Tensor:
+        return self.experts(layer, h, ids, wts, sum_pairs)
+
+
+Context = Segments | StaticStep
+
+
+def decode_ops():  # noqa: ANN201 (the module)
+    """strata.kernels.gpu.decode_ops, imported on first use: the reference path needs no
+    Triton."""
+    global _OPS
+    if _OPS is None:
+        from strata.kernels.gpu import decode_ops as ops
+
+        _OPS = ops
+    return _OPS
+
+
+_OPS = None

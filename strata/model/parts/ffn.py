@@ -1,0 +1,99 @@
+"""Feed-forward parts: what a layer runs after its mixer. Each has a verb pair, so that a decode
+step can stop in between (a layer whose experts need the host ends a CUDA graph after routing):
+
+    begin(x, attn, ctx) -> Routing     x += attn (in place); h = rms_norm(x); the routing of h
+    finish(r, ctx) -> [T, D]           the part's output (added by the next residual step)
+
+RoutedExperts: softmax routing over E experts, the top K (renormalized where cfg.norm_topk), the
+experts run by the context's expert executor, plus a gated shared expert where the layer has one
+(qwen2moe). In a static step the residual step, the norm, the router and its top K are one launch
+(decode_ops.norm_route), and with no shared expert the K rows may come back unsummed for the
+next residual step to add (one launch fewer a layer).
+DenseFFN: one SwiGLU over every token, for architectures whose first layers are dense (none of
+today's: see layer.layer_spec).
+
+Legend: T tokens, D hidden, E experts, K used a token, F / S expert / shared hidden.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from strata.config import ModelConfig
+from strata.model.layers import route
+from strata.model.parts.context import Context, decode_ops
+from strata.model.parts.norm import add_norm
+from strata.model.weights import LayerWeights, Weight, linear
+
+
+class Routing(NamedTuple):
+    h: torch.Tensor  # [T, D] the feed-forward's input (the normed residual)
+    ids: torch.Tensor | None  # int64 [T, K] (None: a dense part)
+    wts: torch.Tensor | None  # float32 [T, K]
+
+
+def swiglu(h: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
+    """down(silu(gate h) * up h), each weight dense or in GGUF blocks. h [T, D] -> [T, D]"""
+    return linear(torch.nn.functional.silu(linear(h, gate)) * linear(h, up), down)
+
+
+class SharedExpert:
+    """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h)."""
+
+    def __init__(self, lw: LayerWeights):
+        self.lw = lw
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, D] -> [T, D]"""
+        lw = self.lw
+        gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
+        act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
+        return gate * linear(act, lw.shared_w2)
+
+
+class RoutedExperts:
+    routed = True
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
+        self.lw, self.layer = lw, layer
+        self.k, self.norm_topk, self.eps = cfg.n_experts_used, cfg.norm_topk, cfg.rms_eps
+        self.shared = SharedExpert(lw) if lw.shared_w1 is not None else None
+
+    def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
+        lw = self.lw
+        if ctx.static:  # one launch on CUDA (decode_ops.norm_route)
+            h, ids, wts = decode_ops().norm_route(
+                x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,
+                counts=ctx.counts(self.layer), fuse=ctx.fuse_route)
+            return Routing(h, ids, wts)
+        h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
+        ids, wts = route(h, lw.router, self.k, self.norm_topk)  # [T, K]
+        return Routing(h, ids, wts)
+
+    def finish(self, r: Routing, ctx: Context) -> torch.Tensor:
+        """The routed experts' weighted sum, plus the shared expert: [T, D] (or, in a static
+        step without a shared expert, possibly the K rows [1, K, D])."""
+        out = ctx.run_experts(self.layer, self.lw.experts, r.h, r.ids, r.wts,
+                              sum_pairs=self.shared is not None)
+        if self.shared is not None:
+            out = out + self.shared.forward(r.h)
+        return out
+
+
+class DenseFFN:
+    """One SwiGLU for every token (lw.ffn_gate, ffn_up [F, D], ffn_down [D, F])."""
+
+    routed = False
+    shared = None
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
+        self.lw, self.layer, self.eps = lw, layer, cfg.rms_eps
+
+    def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
+        return Routing(add_norm(x, attn, self.lw.ffn_norm, self.eps, ctx), None, None)
+
+    def finish(self, r: Routing, ctx: Context) -> torch.Tensor:
+        lw = self.lw
+        return swiglu(r.h, lw.ffn_gate, lw.ffn_up, lw.ffn_down)

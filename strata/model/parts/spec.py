@@ -1,0 +1,22 @@
+"""Which parts a layer is built from, per layer index of an architecture (ModelConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    mixer: str = "gqa"  # layer.MIXERS: full grouped-query attention
+    ffn: str = "routed"  # layer.FFNS: routed experts (a shared expert where the layer has one)
+
+
+def layer_spec(cfg: ModelConfig, index: int) -> LayerSpec:
+    """The parts of layer `index`. Every architecture today: full GQA attention, routed experts
+    (with a shared expert where the layer's weights have one). An architecture with dense first
+    layers (deepseek2's leading_dense_block_count) gives ffn="dense" below that index, and
+    ModelWeights.load reads their ffn_gate / ffn_up / ffn_down; one with sliding-window layers
+    names their mixer per index here."""
+    return LayerSpec()
