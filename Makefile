@@ -14,8 +14,9 @@ JOBS ?= $(shell nproc)
 # The versions pyproject.toml pins in its extras; a wheel of each is built once.
 GGML_PYTHON := 0.0.45
 LLAMA_CPP_PYTHON := 0.3.36
-# The tests load llama.cpp's text model only: its multimodal library (mtmd) is not built.
-LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF
+# Python loads libllama and libggml only: llama.cpp's multimodal library (mtmd) and its common
+# library (scripts/llama_cpp_lean.cmake) are not built.
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/scripts/llama_cpp_lean.cmake
 
 .PHONY: demo test lint install base wheels clean
 
