@@ -50,8 +50,8 @@ define wheel
 endef
 
 wheels: $(BIN)/python
-	$(call wheel,ggml-python,$(GGML_PYTHON),about 2 minutes on 2 cores,)
-	$(call wheel,llama-cpp-python,$(LLAMA_CPP_PYTHON),about 7 minutes on 2 cores,$(LLAMA_CMAKE_ARGS))
+	$(call wheel,ggml-python,$(GGML_PYTHON),about 1.5 minutes on 2 cores,)
+	$(call wheel,llama-cpp-python,$(LLAMA_CPP_PYTHON),about 4.5 minutes on 2 cores,$(LLAMA_CMAKE_ARGS))
 
 $(STAMP): pyproject.toml | $(BASE)
 	@$(MAKE) --no-print-directory wheels
