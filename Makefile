@@ -16,7 +16,8 @@ GGML_PYTHON := 0.0.45
 LLAMA_CPP_PYTHON := 0.3.36
 # Python loads libllama and libggml only: llama.cpp's multimodal library (mtmd) and its common
 # library (scripts/llama_cpp_lean.cmake) are not built.
-LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/scripts/llama_cpp_lean.cmake
+LLAMA_LEAN := $(CURDIR)/scripts/llama_cpp_lean.cmake
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMA_LEAN)
 
 .PHONY: demo test lint install base wheels clean
 
