@@ -1,24 +1,68 @@
 # The two commands that set up a fresh machine: `make demo` and `make test`.
+# `make demo` installs what the demo runs (torch and strata's base dependencies); `make test` adds
+# the test extras, whose ggml-python and llama-cpp-python PyPI ships as sources only: they are
+# built once into a wheelhouse that every later venv on the machine reuses.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
+# Built for this machine's CPU (ggml's -march=native), so kept per machine, not shared.
+WHEELS ?= $(HOME)/.cache/strata-wheels
+JOBS ?= $(shell nproc)
+# The versions pyproject.toml pins in its extras; a wheel of each is built once.
+GGML_PYTHON := 0.0.45
+LLAMA_CPP_PYTHON := 0.3.36
+# Python loads libllama and libggml only: llama.cpp's multimodal library (mtmd) and its common
+# library (scripts/llama_cpp_lean.cmake) are not built.
+LLAMA_LEAN := $(CURDIR)/scripts/llama_cpp_lean.cmake
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMA_LEAN)
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install base wheels clean
 
 $(BIN)/python:
+	@echo "== [1/4] venv: $(VENV) from $(PY)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(PIP) install -q --upgrade pip
 
 # torch first, pinned, so that a CPU machine takes the small CPU build instead of a CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+$(BASE): $(BIN)/python pyproject.toml
+	@echo "== [2/4] base install: torch 2.13.0, then strata and its base dependencies"
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $(BASE)
+
+base: $(BASE)
+
+# A pinned package the venv already holds is not built again; one in the wheelhouse neither.
+define wheel
+	@if $(BIN)/python -c "import importlib.metadata as m, sys; \
+		sys.exit(m.version('$(1)') != '$(2)')" 2>/dev/null; then \
+		echo "== [3/4] $(1) $(2): already in $(VENV)"; \
+	elif ls $(WHEELS)/$(subst -,_,$(1))-$(2)-*.whl >/dev/null 2>&1; then \
+		echo "== [3/4] $(1) $(2): wheel in $(WHEELS)"; \
+	else \
+		echo "== [3/4] $(1) $(2): building a wheel from source into $(WHEELS) ($(JOBS) jobs; $(3))"; \
+		mkdir -p $(WHEELS); \
+		CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) CMAKE_ARGS="$(4)" \
+			$(PIP) wheel -q --no-deps -w $(WHEELS) $(1)==$(2) || exit 1; \
+	fi
+endef
+
+wheels: $(BIN)/python
+	$(call wheel,ggml-python,$(GGML_PYTHON),about 1.5 minutes on 2 cores,)
+	$(call wheel,llama-cpp-python,$(LLAMA_CPP_PYTHON),about 4.5 minutes on 2 cores,$(LLAMA_CMAKE_ARGS))
+
+$(STAMP): pyproject.toml | $(BASE)
+	@$(MAKE) --no-print-directory wheels
+	@echo "== [4/4] test extras: pytest, ruff, transformers, triton, ... (wheels from $(WHEELS))"
+	$(PIP) install -q --find-links $(WHEELS) -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(BIN)/strata generate --prompt "The quick brown fox" -n 32 --seed 1
 
 lint: $(STAMP)

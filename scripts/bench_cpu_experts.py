@@ -9,7 +9,7 @@ bytes of one call / median call time. Also measured: host RAM read
 expert, one token). "best" is the fastest call: on a shared machine the median carries
 other processes' load, most of all at thread counts near the core count.
 
-    .venv/bin/python scripts/bench_cpu_experts.py --json bench/cpu_experts.json
+    .venv/bin/python scripts/bench_cpu_experts.py --json /tmp/cpu_experts.json
 
 --share times, instead, the call of a decode step's CPU share (run_strided: one token through 1
 or 2 experts picked by slot in a layer's records; on the ggml graph, GgmlExperts, and on the C
