@@ -126,8 +126,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         try:
             prefetch = int(args.prefetch)
         except ValueError:
-            prefetch = -1
-        if not 0 <= prefetch <= 1 << 16:
+            raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
+                              "(0: off)") from None
+        if abs(prefetch) > 1 << 16:  # (the model's own range is checked where it is built)
             raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
                               "(0: off)")
     device, why = resolve_device(args.device)
