@@ -8,6 +8,7 @@ it (400 for a prompt that does not fit), then answer in one piece or stream it a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -34,10 +35,19 @@ from strata.server.validation import ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("strata.serve")
 _BODY_TIMEOUT_S = 30.0
+# a body over --max-body but at most this many times it is read and dropped before the 413
+_DRAIN_MAX = 16
+
+
 _DISCONNECT_CHECK_S = 0.5
 _RENDERS = 2  # chat templates rendered at once (each in a thread, GIL-bound)
 _MAX_DEPTH = 32  # nesting of a request body's objects and arrays
 _EVENT_GRACE_S = 60.0  # beyond the watchdog: the stall path answers first, this is the backstop
+
+
+async def _drain(request: Request) -> None:
+    async for _ in request.stream():
+        pass
 
 
 class API:
@@ -228,6 +238,11 @@ class API:
         too_big = APIError(413, f"the request body is larger than --max-body ({limit} bytes)",
                            code="request_too_large")
         if size.isdigit() and int(size) > limit:
+            # read (and drop) a body of moderate size first, so that a client still sending it
+            # gets the 413 instead of a broken pipe; a far larger one is refused at once
+            if int(size) <= _DRAIN_MAX * limit:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(_drain(request), _BODY_TIMEOUT_S)
             raise too_big
         body = bytearray()
 
