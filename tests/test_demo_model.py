@@ -1,0 +1,77 @@
+"""The trained demo model as a test bed: the expert cache and its policies on a real model's
+routing of real text (a random model routes near-uniformly), decoded token by token through the
+offload runtime's decode step, against the reference path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata.config import EngineConfig
+from strata.demo import demo_model
+from strata.engine.generator import Engine
+
+from hf_reference import kl_per_position
+
+TEXT = ("The kill command sends a signal to a process. If no signal is given, it sends TERM, "
+        "which asks the process to exit. To list the signals, run kill -l. A process that "
+        "ignores TERM can be stopped with KILL, which cannot be caught.\n\n"
+        "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n")
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[int], np.ndarray]:
+    engine = Engine.load(demo_model())
+    ids = engine.tokenizer.encode(TEXT)
+    kv = engine.model.new_cache(len(ids))
+    logits = engine.run_prompt(ids, kv, all_logits=True).float().numpy()
+    return ids, logits
+
+
+def decode_all(engine: Engine, ids: list[int]) -> np.ndarray:
+    kv = engine.model.new_cache(len(ids))
+    out = [engine.model.decode(t, kv).float().clone() for t in ids]
+    return torch.cat(out).numpy()
+
+
+def test_demo_model_knows_its_text(reference):
+    """Trained, not random: the next token of this text is far likelier than chance."""
+    ids, logits = reference
+    logp = torch.log_softmax(torch.from_numpy(logits[:-1]).double(), -1)
+    nll = -logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+    assert nll < 0.5 * np.log(logits.shape[1]), nll  # uniform would be log(8192) = 9.0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("slots", ["8", "40"])
+def test_cache_on_real_routing_gives_reference_logits(reference, policy, slots):
+    ids, ref = reference
+    engine = Engine.load(demo_model(), config=EngineConfig(
+        device="cpu", offload="on", expert_cache=slots, cache_policy=policy, miss="cpu",
+        cpu_kernels="torch", kernels="exact", debug=True))  # debug: the cache's invariants
+    ours = decode_all(engine, ids)
+    assert kl_per_position(ref, ours).max() < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    st = engine.model.experts.stats
+    cfg = engine.config
+    assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == \
+        len(ids) * cfg.n_layers * cfg.n_experts_used
+    assert 0 < st.hit_rate < 1
+
+
+def test_real_routing_is_skewed_and_lfu_keeps_more_of_it(reference):
+    """On real text some experts are busier than others (unlike a random model's routing), and
+    LFU, which keeps the busy ones, hits more often than LRU at the same small cache."""
+    ids, _ = reference
+    rates = {}
+    for policy in ("lru", "lfu"):
+        engine = Engine.load(demo_model(), config=EngineConfig(
+            device="cpu", offload="on", expert_cache="20", cache_policy=policy, miss="cpu"))
+        decode_all(engine, ids)
+        st = engine.model.experts.stats
+        rates[policy] = st.hit_rate
+        routed = st.routed
+    share = routed.max(1) / routed.sum(1)
+    assert share.max() > 2.0 / engine.config.n_experts  # the busiest expert: twice its share
+    assert rates["lfu"] > rates["lru"], rates
