@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml | $(BASE)
 install: $(STAMP)
 
 demo: $(BASE)
-	$(BIN)/strata generate --prompt "The quick brown fox" -n 32 --seed 1
+	$(BIN)/strata generate --prompt "The Linux kernel" -n 48 --seed 1
 
 lint: $(STAMP)
 	$(BIN)/ruff check strata tests scripts

@@ -1,7 +1,7 @@
 """The demo model's loss curve (train and held-out loss against tokens seen) as a PNG, from the
 log.jsonl that scripts/train_demo_model.py writes.
 
-    python scripts/plot_demo_training.py out/demo-run/log.jsonl bench/2026-12-01-demo-model-loss.png
+    python scripts/plot_demo_training.py out/demo-run/log.jsonl bench/2026-12-01-demo-model/loss.png
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 
-def hf_gguf_logits(path: Path, tokens: list[int]) -> np.ndarray:
-    """transformers' own GGUF loader; the config mapping misses the MoE sizes, set them by hand."""
+def hf_gguf_logits(path: Path, tokens: list[int], tied_output: bool = False) -> np.ndarray:
+    """transformers' own GGUF loader; the config mapping misses the MoE sizes, set them by hand
+    (and, for a file without output.weight, that its embedding is the output head)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     reader = GGUFReader(path)
@@ -30,6 +31,7 @@ def hf_gguf_logits(path: Path, tokens: list[int]) -> np.ndarray:
     if arch == "qwen2moe":
         config.shared_expert_intermediate_size = meta("expert_shared_feed_forward_length")
         config.norm_topk_prob = False
+    config.tie_word_embeddings = tied_output
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                  dtype=torch.float32)
     with torch.no_grad():

@@ -75,3 +75,18 @@ def test_real_routing_is_skewed_and_lfu_keeps_more_of_it(reference):
     share = routed.max(1) / routed.sum(1)
     assert share.max() > 2.0 / engine.config.n_experts  # the busiest expert: twice its share
     assert rates["lfu"] > rates["lru"], rates
+
+
+def test_shipped_pack_loads_in_transformers_and_agrees():
+    """HF transformers' own GGUF loader reads the shipped Q4_K_M pack (dequantizing it), and its
+    float32 forward gives Strata's reference logits."""
+    pytest.importorskip("transformers")
+    from hf_reference import hf_gguf_logits
+
+    path = demo_model()
+    ids = Engine.load(path).tokenizer.encode(TEXT)[:48]
+    theirs = hf_gguf_logits(path, ids, tied_output=True)
+    engine = Engine.load(path)
+    ours = engine.run_prompt(ids, engine.model.new_cache(len(ids)), all_logits=True).numpy()
+    assert kl_per_position(theirs, ours).max() < 1e-4
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
