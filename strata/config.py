@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from strata.errors import ModelFileError, UnsupportedError
 from strata.gguf import ModelFile
+from strata.kernels.tuning import AUTO_PREFETCH
 
 # architecture -> (RoPE style, routing weights renormalized over the top-k by default)
 # llama.cpp's converter permutes llama's Q/K rows so that RoPE rotates adjacent pairs ("normal");
@@ -237,12 +238,6 @@ def cpu_threads(usable: int | None = None, load: float | None = None) -> int:
     return max(1, usable - busy)
 
 
-# --prefetch auto on CUDA decode steps (where the cache is small: prefetch_pays):
-# at 2 GiB (30B-A3B, H200, LRU, before lent slots) 2 gave 42.8-45.1 tok/s against 40.6-40.9
-# without, 1 gave 42.2 and 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md); with LFU and lent
-# slots 4 gave 66.2 against 61.9 for 2 on one machine (3: 63.7 on another), and 104.3 at 4 GiB
-# against 99.3 (bench/2026-11-30-h200-lfu.md)
-AUTO_PREFETCH = 4
 
 
 def prefetch_pays(slots: list[int], k: int) -> bool:
@@ -268,7 +263,7 @@ class EngineConfig:
     cpu_share: int = 0  # a decode token's last missed pairs of gathered layers the CPU takes
     # experts of the next gathered layer copied ahead of its routing (decode); None: auto
     prefetch: int | None = None
-    threads: int | None = None  # CPU pool threads (default: usable cores - 1, usable_cpus)
+    threads: int | None = None  # CPU pool threads (default: cpu_pool.default_threads)
     ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
     kv_type: str = "f32"  # KV cache elements: f32 | f16 | bf16
     sequences: int = 1  # sequences decoded together (strata serve --batch): each has a KV cache

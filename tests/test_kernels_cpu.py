@@ -274,15 +274,19 @@ def test_token_pool_says_why_it_cannot_build(tmp_path, monkeypatch) -> None:
         token_pool._library.cache_clear()
 
 
-def test_usable_cpus_follows_the_affinity_mask(monkeypatch) -> None:
+def test_pool_threads_follow_the_affinity_mask_and_the_load(monkeypatch) -> None:
     """The CPU pool's default thread count counts the cores this process may use (a container's
-    cpuset), not the machine's."""
+    cpuset), not the machine's, less those other processes keep busy, less the driving thread."""
     import os
 
     from strata.experts import cpu_pool
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    assert cpu_pool.usable_cpus() == 3
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert cpu_pool.default_threads() == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))  # one core kept busy
+    assert cpu_pool.default_threads() == 1
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
-    assert cpu_pool.usable_cpus() == 64
+    monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
+    assert cpu_pool.default_threads() == 55

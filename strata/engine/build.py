@@ -15,7 +15,7 @@ from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
-from strata.experts.cpu_pool import CpuPool, usable_cpus
+from strata.experts.cpu_pool import CpuPool, default_threads
 from strata.experts.layout import ExpertLayout, expert_layouts
 from strata.experts.links import measure_links
 from strata.experts.offload import OffloadExperts, OffloadOptions
@@ -113,7 +113,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 if lent else "")
              + f"; policy {ec.cache_policy}"
              + (", seeded from the profile" if profile is not None else ""))
-    threads = ec.threads or max(1, usable_cpus() - 1)
+    threads = ec.threads or default_threads()
     pool = CpuPool(ec.cpu_kernels, threads, plan.workspace)
     max_stride = max(lay.stride for lay in layouts)
     staging = torch.empty(plan.staging_slots, max_stride, dtype=torch.uint8, device=dev)

@@ -7,10 +7,10 @@ otherwise) one batch per layer and step: every missed expert with its tokens and
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from strata.config import cpu_threads
 from strata.experts.arena import Arena
 from strata.experts.compute import Group, run_records
 from strata.experts.layout import ExpertLayout
@@ -18,13 +18,11 @@ from strata.experts.layout import ExpertLayout
 log = logging.getLogger("strata.cpu_pool")
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask (a container's cpuset, taskset), which
-    os.cpu_count() ignores, or os.cpu_count() where the platform has no mask."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+def default_threads() -> int:
+    """The CPU pool's threads when --threads is not given: the cores this process may use (its
+    affinity mask) less those other processes keep busy (strata.config.cpu_threads), less one
+    for the thread that drives the GPU, at least 1."""
+    return max(1, cpu_threads() - 1)
 
 
 class CpuPool:

@@ -162,3 +162,10 @@ FUSED_MAX_T = MappingProxyType({"fused": 1 << 30, "exact": 4, "off": 0})
 # longer segments (prompt chunks) may attend on bf16 flash attention under --kernels fused.
 # bench/2026-11-30-h200-offload.md
 BF16_ATTENTION_MIN_T = 4
+
+# --prefetch auto on CUDA decode steps (where the cache is small: prefetch_pays):
+# at 2 GiB (30B-A3B, H200, LRU, before lent slots) 2 gave 42.8-45.1 tok/s against 40.6-40.9
+# without, 1 gave 42.2 and 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md); with LFU and lent
+# slots 4 gave 66.2 against 61.9 for 2 on one machine (3: 63.7 on another), and 104.3 at 4 GiB
+# against 99.3 (bench/2026-11-30-h200-lfu.md)
+AUTO_PREFETCH = 4
