@@ -221,3 +221,26 @@ def test_chat_end_of_input_exits_0(synth):
     t.expect(r">>> ")
     t.type(b"\x04")  # Ctrl-D at an empty line: end of input
     assert t.wait() == 0
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("cuda:x", "give cuda:N with N a device number"),
+    ("gpu", "choose auto, cpu, cuda or cuda:N"),
+    ("cuda:64", "no such device"),
+])
+def test_device_flag_checked(flag, message):
+    from strata.cli.engine_flags import resolve_device
+
+    with pytest.raises(StrataError, match=message):
+        resolve_device(flag)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's answer")
+def test_cuda_0_on_a_cpu_machine_is_one_line(synth):
+    r = subprocess.run([sys.executable, "-m", "strata", "chat", str(synth("qwen3moe", "Q4_K_M")),
+                        "--device", "cuda:0"], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "strata chat: error: --device cuda:0: no such device; torch sees no CUDA device; use "
+        "--device cpu")
