@@ -285,4 +285,4 @@ class EngineConfig:
 
     @property
     def use_offload(self) -> bool:
-        return self.offload == "on" or (self.offload == "auto" and self.device == "cuda")
+        return self.offload == "on" or (self.offload == "auto" and self.device.startswith("cuda"))

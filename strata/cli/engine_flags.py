@@ -15,9 +15,10 @@ log = logging.getLogger("strata")
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", metavar="auto|cpu|cuda",
-                   help="where the model runs (auto: CUDA when torch sees a GPU, else the CPU; "
-                   "the first log line says which)")
+    g.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                   help="where the model runs: cuda is the current CUDA device, cuda:N the N-th "
+                   "visible one (auto: cuda when torch sees a GPU, else cpu; the first log line "
+                   "says which)")
     g.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
                    help="experts in a host arena with a device cache (auto: on for cuda)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
@@ -67,15 +68,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-share", type=int, default=0, metavar="N",
                    help="CUDA decode steps whose layers gather their misses over PCIe: a CPU "
                    "pool of its own (8 threads unless --threads) computes each token's last N "
-                   "missed pairs meanwhile (0: off; at 2 GiB, 2 on 8 threads measured 7-14%% "
-                   "faster than PCIe alone, other settings not reliably: docs/offload.md)")
+                   "missed pairs meanwhile (0: off; what it gains: docs/offload.md)")
     g.add_argument("--prefetch", default="auto", metavar="auto|N",
                    help="CUDA decode steps whose layers gather their misses over PCIe: while a "
                    "layer computes, copy the N experts the next layer's router ranks best for "
                    "the current hidden state (less those in VRAM already), so its gather finds "
                    f"them in VRAM (0: off; auto: {AUTO_PREFETCH} where the cache holds fewer "
-                   "slots a layer than a token's experts: at 2 GiB measured 7%% faster than 2 and "
-                   "at 10 GiB slower than none, so off there: docs/offload.md)")
+                   "slots a layer than a token's experts, else off; measurements: "
+                   "docs/offload.md)")
 
 
 MAX_CACHE_SLOTS = 10_000_000  # far above layers x experts of any model
@@ -83,9 +83,25 @@ MAX_CTX = 1 << 24
 
 
 def resolve_device(flag: str) -> tuple[str, str]:
-    """(device, why) for --device: auto is cuda when torch sees a GPU, else cpu."""
-    if flag != "auto":
+    """(device, why) for --device: auto is cuda when torch sees a GPU, else cpu; cuda:N must name
+    a visible device."""
+    if flag in ("cpu", "cuda"):
         return flag, "--device " + flag
+    if flag.startswith("cuda:"):
+        index = flag[5:]
+        if not (index.isascii() and index.isdigit()):
+            raise StrataError(f"--device {flag}: give cuda:N with N a device number (0, 1, ...)")
+        import torch
+
+        n = torch.cuda.device_count()
+        if int(index) >= n:
+            seen = (f"torch sees {n} CUDA device{'s' if n > 1 else ''} (cuda:0"
+                    f"{f'..cuda:{n - 1}' if n > 1 else ''})" if n else
+                    "torch sees no CUDA device; use --device cpu")
+            raise StrataError(f"--device {flag}: no such device; {seen}")
+        return f"cuda:{int(index)}", "--device " + flag
+    if flag != "auto":
+        raise StrataError(f"--device {flag}: choose auto, cpu, cuda or cuda:N")
     import torch
 
     if torch.cuda.is_available():

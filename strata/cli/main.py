@@ -19,6 +19,8 @@ from strata.logs import StderrHandler
 COMMANDS = {
     "generate": ("strata.cli.generate",
                  "generate text from a prompt (the demo model without MODEL)"),
+    "chat": ("strata.cli.chat",
+             "chat with a model in the terminal (the demo model without MODEL)"),
     "logits": ("strata.cli.logits", "write the logits of a token sequence to a .npy file"),
     "info": ("strata.cli.info", "show a model's architecture, shapes and tensor types per layer"),
     "synth": ("strata.cli.synth", "write a synthetic GGUF model (real layout, random weights)"),

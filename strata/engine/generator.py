@@ -40,12 +40,22 @@ class GenerationStats:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise StrataError("--device cuda: no CUDA device is available (torch sees none); "
+    """The torch device of --device cpu|cuda|cuda:N; a CUDA one becomes the current device, so
+    that the engine's own "cuda" tensors and streams land on it too."""
+    if name != "cpu" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise StrataError(f"--device {name}: choose cpu, cuda or cuda:N")
+    if name == "cpu":
+        return torch.device(name)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise StrataError(f"--device {name}: no CUDA device is available (torch sees none); "
                           "use --device cpu")
-    if name not in ("cpu", "cuda"):
-        raise StrataError(f"--device {name}: choose cpu or cuda")
-    return torch.device(name)
+    dev = torch.device(name)
+    if dev.index is not None and dev.index >= n:
+        raise StrataError(f"--device {name}: no such device; torch sees {n} (cuda:0..cuda:{n - 1})")
+    if dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
 
 
 @dataclass

@@ -84,6 +84,51 @@ class API:
                                    loaded=self.sup.state == "ready", restarts=self.sup.restarts)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    async def tokenize(self, request: Request) -> Response:
+        """llama-server's POST /tokenize: {"content", "add_special", "with_pieces"} ->
+        {"tokens": [id, ...]} or, with pieces, [{"id", "piece"}, ...] (a piece that is not whole
+        UTF-8 is its list of bytes). Special-token text in the content becomes control tokens."""
+        self._authorize(request)
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise bad_request("content: give a string", "content")
+        flags = {}
+        for name in ("add_special", "with_pieces"):
+            flags[name] = body.get(name, False)
+            if not isinstance(flags[name], bool):
+                raise bad_request(f"{name}: give true or false", name)
+        tok = self._tokenizer()
+        async with self._renders:
+            ids = await asyncio.to_thread(tok.encode, content, flags["add_special"], True)
+        if not flags["with_pieces"]:
+            return JSONResponse({"tokens": ids})
+        return JSONResponse({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
+
+    async def detokenize(self, request: Request) -> Response:
+        """llama-server's POST /detokenize: {"tokens": [id, ...]} -> {"content": text}."""
+        self._authorize(request)
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        ids = body.get("tokens")
+        tok = self._tokenizer()
+        if not isinstance(ids, list) or not all(
+                type(i) is int and 0 <= i < tok.vocab_size for i in ids):
+            raise bad_request(f"tokens: give a list of token ids from 0 to {tok.vocab_size - 1}",
+                              "tokens")
+        return JSONResponse({"content": tok.decode(ids)})
+
+    def _tokenizer(self) -> Any:
+        """The model's tokenizer, loaded in this process with the chat template."""
+        self.sup.check_ready()
+        if self.sup.chat is None:
+            raise APIError(503, "the tokenizer did not load in the server process (see its log)",
+                           code="engine_unavailable")
+        return self.sup.chat.tokenizer
+
     # --- generation ------------------------------------------------------------------------
     async def _generate(self, request: Request, kind: str) -> Response:
         endpoint = request.url.path
@@ -285,6 +330,15 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+def _piece(tok: Any, token: int) -> str | list[int]:
+    """A token's text as the model writes it alone, or its bytes where they are not UTF-8."""
+    data, _ = tok.token_bytes(token, False, False)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
 def create_app(cfg: ServeConfig, fault: FaultPlan | None = None) -> Starlette:
     api = API(cfg, fault)
 
@@ -301,6 +355,8 @@ def create_app(cfg: ServeConfig, fault: FaultPlan | None = None) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
     ]

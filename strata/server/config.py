@@ -209,8 +209,8 @@ def check(cfg: ServeConfig) -> None:
         v = getattr(cfg, name)
         if not lo <= v <= hi:
             raise StrataError(f"--{name.replace('_', '-')} {v}: must be between {lo} and {hi}")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise StrataError(f"--device {cfg.device}: choose auto, cpu or cuda")
+    if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
+        raise StrataError(f"--device {cfg.device}: choose auto, cpu, cuda or cuda:N")
     cfg.engine_config()  # raises on a bad engine flag
     if cfg.model is not None and not Path(cfg.model).is_file():
         raise StrataError(f"{cfg.model}: no such model file")

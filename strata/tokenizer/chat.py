@@ -357,6 +357,10 @@ class ChatTemplate:
         texts = sorted(tokenizer.special_texts(), key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
     @classmethod
     def from_metadata(
         cls, meta: Mapping[str, Any], tokenizer: Tokenizer, source: str = "",

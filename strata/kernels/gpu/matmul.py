@@ -221,7 +221,8 @@ def sm_count() -> int:
     bigger programs run faster)."""
     if not _SMS:
         ok = torch.cuda.is_available() and not knobs.runtime.interpret
-        _SMS.append(torch.cuda.get_device_properties(0).multi_processor_count if ok else 1)
+        props = torch.cuda.get_device_properties(torch.cuda.current_device()) if ok else None
+        _SMS.append(props.multi_processor_count if props is not None else 1)
     return _SMS[0]
 
 
