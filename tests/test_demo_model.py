@@ -60,21 +60,21 @@ def test_cache_on_real_routing_gives_reference_logits(reference, policy, slots):
     assert 0 < st.hit_rate < 1
 
 
-def test_real_routing_is_skewed_and_lfu_keeps_more_of_it(reference):
-    """On real text some experts are busier than others (unlike a random model's routing), and
-    LFU, which keeps the busy ones, hits more often than LRU at the same small cache."""
+def test_real_routing_has_locality_a_cache_keeps(reference):
+    """On real text some experts are busier than others and routing repeats itself (unlike a
+    random model's near-uniform routing, where a cache of a quarter of the experts hits about a
+    quarter of the time): each policy's cache of 20 of the 80 experts serves well over a quarter
+    of the pairs (measured: LRU 39.6%, LFU 40.9% on this text)."""
     ids, _ = reference
-    rates = {}
     for policy in ("lru", "lfu"):
         engine = Engine.load(demo_model(), config=EngineConfig(
             device="cpu", offload="on", expert_cache="20", cache_policy=policy, miss="cpu"))
         decode_all(engine, ids)
         st = engine.model.experts.stats
-        rates[policy] = st.hit_rate
-        routed = st.routed
-    share = routed.max(1) / routed.sum(1)
-    assert share.max() > 2.0 / engine.config.n_experts  # the busiest expert: twice its share
-    assert rates["lfu"] > rates["lru"], rates
+        cfg = engine.config
+        assert st.hit_rate > 1.4 * 20 / (cfg.n_layers * cfg.n_experts), (policy, st.hit_rate)
+    share = st.routed.max(1) / st.routed.sum(1)
+    assert share.max() > 2.0 / cfg.n_experts  # the busiest expert: twice an even share
 
 
 def test_shipped_pack_loads_in_transformers_and_agrees():
