@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from strata.quant import QType
+from gguf import GGMLQuantizationType as QType  # (strata.quant would import torch)
 
 # ---- dense matmul (kernels/gpu/matmul.py, formats.py) -------------------------------------------
 
