@@ -90,3 +90,33 @@ def test_shipped_pack_loads_in_transformers_and_agrees():
     ours = engine.run_prompt(ids, engine.model.new_cache(len(ids)), all_logits=True).numpy()
     assert kl_per_position(theirs, ours).max() < 1e-4
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_perplexity_command_scores_as_llama_cpp(tmp_path, capsys):
+    """`strata perplexity` scores chunks as llama-perplexity does: the same figure, within the
+    8-bit activation rounding of llama.cpp's CPU path, as llama.cpp's own logits scored so."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from strata.cli.main import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 3)
+    ctx = 64
+    assert main(["perplexity", str(demo_model()), "--file", str(text), "--ctx", str(ctx)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("Final estimate: PPL = "), line
+    ours = float(line.split()[4])
+
+    m = llama_cpp.Llama(str(demo_model()), logits_all=True, n_ctx=ctx, n_threads=2,
+                        verbose=False)
+    ids = m.tokenize(text.read_text().encode(), add_bos=False, special=False)
+    nll = []
+    for c in range(len(ids) // ctx):
+        chunk = ids[c * ctx:(c + 1) * ctx]
+        m.reset()
+        m.eval(chunk)
+        logp = torch.log_softmax(torch.tensor(np.array(m.scores[:ctx]), dtype=torch.float64), -1)
+        first = ctx // 2
+        nll += [-logp[j, chunk[j + 1]].item() for j in range(first, ctx - 1)]
+    m.close()
+    theirs = float(np.exp(np.mean(nll)))
+    assert len(ids) // ctx >= 2 and abs(ours / theirs - 1) < 0.01, (ours, theirs)
