@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -115,11 +115,6 @@ class OffloadExperts:
     @property
     def lend_ring(self) -> bool:
         return self.options.lend_ring
-
-    @lend_ring.setter
-    def lend_ring(self, on: bool) -> None:
-        """(For a cache swapped in with lent slots, as tests do; the plan decides otherwise.)"""
-        self.options = replace(self.options, lend_ring=on)
 
     # ---- a pass -------------------------------------------------------------------------------
 
