@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import LlamaFileType
+
 from strata.bench.runner import BenchResult, cell_name
 from strata.gguf.model_file import open_model
 
@@ -33,7 +35,8 @@ def matrix(prompts: list[int], gen: int, depths: list[int]) -> list[Cell]:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    label: str  # arch, parameters and the type holding most bytes: "qwen3moe 30.5B Q4_K"
+    label: str  # arch, parameters, file type (as llama-bench names the model): "qwen3moe 30.53B
+    # Q4_K_M"; without general.file_type the tensor type holding most bytes
     size_gib: float
     params: int
 
@@ -49,6 +52,10 @@ def model_info(path: str | Path) -> ModelInfo:
         by_type[t.info.type_name] += t.info.nbytes
     arch = mf.metadata.get("general.architecture", "?")
     qtype = by_type.most_common(1)[0][0] if by_type else "?"
+    try:
+        qtype = LlamaFileType(int(mf.metadata["general.file_type"])).name.removeprefix("MOSTLY_")
+    except (KeyError, ValueError, TypeError):
+        pass
     return ModelInfo(f"{arch} {_count(params)} {qtype}", mf.nbytes / 2**30, params)
 
 
