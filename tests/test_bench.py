@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 from strata.cli.main import main
 
@@ -55,3 +56,93 @@ def test_bench_warms_up_again_while_a_prompt_path_changes(synth, tmp_path, capsy
     r = bench("b.json", 2, 0)
     assert r["warmups"] == 2 and len(r["decode_tok_s_all"]) == 1
     assert "after 2 warm-up runs" in capsys.readouterr().err
+
+
+def test_bench_matrix_has_every_cell(synth, tmp_path, capsys):
+    """-p 16,32 -n 4 -d 0,16: pp16, pp32, tg4, tg4 @ d16, each in the JSON's results and table
+    and a row of the printed markdown table, with the spread of -r 2 runs."""
+    out = tmp_path / "m.json"
+    code = main(["bench", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on", "-p", "16,32",
+                 "-n", "4", "-d", "0,16", "-r", "2", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    names = ["pp16", "pp32", "tg4", "tg4 @ d16"]
+    data = json.loads(out.read_text())
+    assert data["decode_input"] == "random" and data["backend"] == "CPU"
+    assert data["model_info"]["params"] > 0 and data["model_info"]["size_gib"] > 0
+    res = data["results"]
+    assert [r["test"] for r in res] == names
+    assert [(r["prompt_len"], r["gen_len"], r["depth"]) for r in res] == [
+        (16, 0, 0), (32, 0, 0), (0, 4, 0), (16, 4, 16)]
+    assert [r["kv_length_before_decode"] for r in res] == [16, 32, 0, 16]
+    for r in res[:2]:
+        assert r["prompt_tok_s"] > 0 and len(r["prompt_tok_s_all"]) == 2
+    for r in res[2:]:
+        assert r["decode_tok_s"] > 0 and len(r["decode_tok_s_all"]) == 2
+        assert r["decode_input"] == "random" and 0 <= r["hit_rate"] <= 1
+    assert res[2]["prompt_tok_s"] is None  # tg4 at depth 0: no prompt at all
+    assert [row["test"] for row in data["table"]] == names
+    lines = [ln for ln in captured.out.splitlines() if ln.startswith("| qwen3moe")]
+    assert [ln.split(" | ")[4] for ln in lines] == names
+    assert all(" ± " in ln.split(" | ")[5] for ln in lines)
+    assert lines[3].split(" | ")[6].endswith("%") and lines[0].split(" | ")[6] == "-"
+    assert "| model | size | params | backend | test | t/s |" in captured.out
+    assert "decode inputs: random tokens" in captured.out
+
+
+def _recorded(synth, monkeypatch, decode_input: str, prompt_len: int, runs: int = 1):
+    """run_bench on the tiny model, recording each decode step's input and the KV cache's length
+    at each run's first step."""
+    from strata.bench.runner import run_bench
+    from strata.engine.generator import Engine
+
+    engine = Engine.load(synth("qwen3moe", "Q4_K_M"))
+    model, inputs, starts = engine.model, [], []
+    plain = model.decode
+
+    def decode(token, kv):  # noqa: ANN001, ANN202
+        if not inputs or len(inputs[-1]) == 6:
+            inputs.append([])
+            starts.append(kv.length)
+        inputs[-1].append(token)
+        return plain(token, kv)
+
+    monkeypatch.setattr(model, "decode", decode)
+    res = run_bench(engine, prompt_len, 6, runs, seed=3, decode_input=decode_input)
+    return res, inputs, starts
+
+
+def test_random_decode_inputs_differ_from_greedy(synth, monkeypatch):
+    greedy, g_in, _ = _recorded(synth, monkeypatch, "greedy", 8)
+    rand, r_in, _ = _recorded(synth, monkeypatch, "random", 8)
+    assert greedy.decode_input == "greedy" and rand.decode_input == "random"
+    assert len(g_in) == len(r_in) == 2  # the warm-up and one measured run
+    # greedy feeds the model's own argmax back: the same prompt gives the same inputs each run
+    assert g_in[0] == g_in[1]
+    # random: a fresh seeded draw each run, none of them the greedy sequence
+    assert r_in[0] != r_in[1] and g_in[0] not in r_in
+    assert len(set(r_in[0] + r_in[1])) > len(set(g_in[0]))
+    again = _recorded(synth, monkeypatch, "random", 8)[1]
+    assert again == r_in  # seeded: the same draws in the same order
+
+
+def test_depth_fills_the_kv_cache_and_runs_give_a_spread(synth, monkeypatch):
+    for depth in (0, 16):
+        res, inputs, starts = _recorded(synth, monkeypatch, "random", depth, runs=3)
+        assert starts == [depth] * 4  # the warm-up and 3 runs, each on a fresh cache
+        assert res.kv_length_before_decode == res.depth == depth
+        assert res.test == ("tg6" if depth == 0 else "pp16 + tg6 @ d16")
+        assert len(res.decode_tok_s_all) == 3
+        # the ± is the runs' sample standard deviation (the list is rounded to 3 decimals)
+        std = statistics.stdev(res.decode_tok_s_all)
+        assert std > 0 and abs(res.decode_tok_s_std - std) < 1e-2
+
+
+def test_bench_rejects_mixed_and_bad_shapes(synth, capsys):
+    m = str(synth("qwen3moe", "Q4_K_M"))
+    assert main(["bench", m, "-p", "16", "--prompt-len", "16"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["bench", m, "-d", "0,x"]) == 2
+    assert "-d" in capsys.readouterr().err
+    assert main(["bench", m, "-p", "0", "-n", "0"]) == 2
+    assert "no test" in capsys.readouterr().err

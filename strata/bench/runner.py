@@ -1,5 +1,10 @@
 """strata bench: prompt and decode speed of one engine configuration, with the hit rate, the bytes
-moved, memory peaks, and the fraction of DESIGN.md's bandwidth bound reached:
+moved, memory peaks, and the fraction of DESIGN.md's bandwidth bound reached. One run_bench call is
+one test of llama-bench's matrix: a prompt of prompt_len random tokens in a fresh KV cache (timed:
+ppN; or the depth D that a decode test starts from), then gen_len decode steps (timed: tgN @ dD).
+Decode feeds random tokens by default (llama-bench's tg: each step's input is the next token of a
+seeded uniform draw over the vocabulary, not the one the model picked): a random model's greedy
+output loops over a few tokens, which keeps the same experts hot and flatters the cache.
 
     decode time per token >= Σ_layers max((dense_l + hit expert bytes_l) / HBM,
                                           CPU-computed bytes_l / host RAM bandwidth,
@@ -22,10 +27,10 @@ from strata.engine.generator import Engine
 @dataclass
 class BenchResult:
     config: dict
-    prompt_len: int
+    prompt_len: int  # the prompt's tokens: ppN's N, or the depth a decode test starts from
     gen_len: int
     runs: int
-    prompt_tok_s: float
+    prompt_tok_s: float | None  # None without a prompt (tgN at depth 0)
     decode_tok_s: float
     decode_tok_s_all: list[float]
     hit_rate: float | None
@@ -50,10 +55,24 @@ class BenchResult:
     decode_captures: int = 0  # CUDA graph captures during the measured runs' decode steps
     warmups: int = 1  # runs not counted: one, more while one changed a layer's prompt path
     ceilings: dict = field(default_factory=dict)
+    test: str = ""  # llama-bench's name: pp512, tg64 @ d4096 (pp128 + tg64 @ d128: both timed)
+    depth: int = 0  # KV cache tokens before the first timed decode step (prompt_len with gen_len)
+    decode_input: str = "random"  # random tokens (llama-bench's tg) or greedy (the argmax fed back)
+    kv_length_before_decode: int = 0  # the cache's length the timed steps started from (= depth)
+    prompt_tok_s_all: list[float] = field(default_factory=list)  # each measured run's
+    prompt_tok_s_std: float = 0.0  # sample standard deviation of those (llama-bench's ±)
+    decode_tok_s_std: float = 0.0
 
     def lines(self) -> list[str]:
-        out = [f"prompt {self.prompt_len} tokens: {self.prompt_tok_s:.1f} tok/s; decode "
-               f"{self.gen_len} tokens: {self.decode_tok_s:.2f} tok/s (median of {self.runs}"
+        parts = []
+        if self.prompt_len and self.prompt_tok_s is not None:
+            parts.append(f"prompt {self.prompt_len} tokens: {self.prompt_tok_s:.1f} "
+                         f"± {self.prompt_tok_s_std:.1f} tok/s")
+        if self.gen_len:
+            parts.append(f"decode {self.gen_len} {self.decode_input} tokens at depth "
+                         f"{self.depth}: {self.decode_tok_s:.2f} ± {self.decode_tok_s_std:.2f} "
+                         "tok/s")
+        out = [f"{self.test}: " + "; ".join(parts) + f" (median of {self.runs}"
                + (f", after {self.warmups} warm-up runs)" if self.warmups > 1 else ")")]
         if self.prompt_streamed_gib:
             out.append(f"prompt: {self.prompt_chunks} chunks streamed "
@@ -113,11 +132,35 @@ def _prompt_paths(experts) -> tuple[bool, ...] | None:  # noqa: ANN001 - any kin
                  for layer in range(len(experts.arena.layouts)))
 
 
+DECODE_INPUTS = ("random", "greedy")
+
+
+def cell_name(prompt_len: int, gen_len: int, timed_prompt: bool) -> str:
+    """llama-bench's test names: pp512, tg64, tg64 @ d4096; a timed prompt then decode steps on
+    it (the older --prompt-len P --gen-len N): pp128 + tg64 @ d128."""
+    tg = f"tg{gen_len}" + (f" @ d{prompt_len}" if prompt_len else "")
+    if not gen_len:
+        return f"pp{prompt_len}"
+    return f"pp{prompt_len} + {tg}" if timed_prompt and prompt_len else tg
+
+
+def spread(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
 def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: int = 0,
-              ceilings: dict | None = None) -> BenchResult:
+              ceilings: dict | None = None, decode_input: str = "random",
+              test: str | None = None) -> BenchResult:
+    """prompt_len random tokens (seeded, the same each run) into a fresh KV cache, then gen_len
+    decode steps whose inputs are random tokens (a new seeded draw each run) or, with
+    decode_input="greedy", each step's argmax; runs measured runs after the warm-up."""
+    if decode_input not in DECODE_INPUTS:
+        raise ValueError(f"decode_input {decode_input!r}: one of {DECODE_INPUTS}")
     model, cfg = engine.model, engine.config
     rng = np.random.default_rng(seed)
     prompt = torch.from_numpy(rng.integers(0, cfg.n_vocab, prompt_len)).long()
+    inputs = np.random.default_rng([seed, 1])  # decode inputs, apart from the prompt's draw
+    kv_before = 0
     experts = getattr(model.experts, "stats", None)
     dev = model.device
     peaks = [0, 0]  # bytes allocated at most during the prompts, during the decode steps
@@ -137,15 +180,17 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     share_sum = dict.fromkeys(("layers", "idle_s", "answer_s", "pool_s"), 0.0)
     warmups, r = 0, 0
     while r < runs + 1:  # run 0 warms up and is not counted
-        kv = model.new_cache(prompt_len + gen_len)
+        kv = model.new_cache(max(prompt_len + gen_len, 1))
         paths = _prompt_paths(model.experts)
         ring = getattr(model.experts, "ring", None)
         streamed0 = ring.streamed_bytes if ring is not None else 0
+        draw = inputs.integers(0, cfg.n_vocab, max(gen_len, 1)).tolist()  # [gen_len]
         _sync(engine)
         t0 = time.perf_counter()
-        logits = engine.run_prompt(prompt.tolist(), kv)
+        logits = engine.run_prompt(prompt.tolist(), kv) if prompt_len else None
         _sync(engine)
         t1 = time.perf_counter()
+        kv_before = kv.length
         peak(0)
         streamed = (ring.streamed_bytes if ring is not None else 0) - streamed0
         # read after every prompt, the warm-up's too: reading settles the device-routed
@@ -156,10 +201,15 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         again = r == 0 and warmups + 1 < MAX_WARMUPS and _prompt_paths(model.experts) != paths
         share_before = dict(share.timing) if share is not None else None
         captured0 = step.steps["captured"] if step is not None else 0
-        token = int(logits[0].argmax())
-        for _ in range(gen_len):
-            logits = model.decode(token, kv)
-            token = int(logits[0].argmax())  # the host needs the token: a real sync per step
+        if decode_input == "random":
+            for token in draw[:gen_len]:
+                model.decode(token, kv)
+                _sync(engine)  # as llama-bench synchronizes after each step
+        else:
+            token = int(logits[0].argmax()) if logits is not None else draw[0]
+            for _ in range(gen_len):
+                logits = model.decode(token, kv)
+                token = int(logits[0].argmax())  # the host needs the token: a real sync per step
         t2 = time.perf_counter()
         peak(1)
         if r and before is not None:
@@ -177,14 +227,19 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         else:
             warmups += 1
         r += 0 if again else 1
+    p_rates = [prompt_len / t for t in p_times] if prompt_len else []
     res = BenchResult(
         config={}, prompt_len=prompt_len, gen_len=gen_len, runs=runs,
-        prompt_tok_s=prompt_len / statistics.median(p_times),
+        prompt_tok_s=statistics.median(p_rates) if p_rates else None,
         decode_tok_s=statistics.median(d_rates), decode_tok_s_all=[round(x, 3) for x in d_rates],
         hit_rate=None, h2d_bytes_per_token=None, cpu_pairs_per_token=None,
         vram_peak_gib=max(peaks) / 2**30 if dev.type == "cuda" else None,
         host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        ceilings=ceilings or {})
+        ceilings=ceilings or {},
+        test=test or cell_name(prompt_len, gen_len, timed_prompt=True),
+        depth=prompt_len if gen_len else 0, decode_input=decode_input,
+        kv_length_before_decode=kv_before, prompt_tok_s_all=[round(x, 3) for x in p_rates],
+        prompt_tok_s_std=spread(p_rates), decode_tok_s_std=spread(d_rates))
     if dev.type == "cuda":
         res.vram_peak_prompt_gib, res.vram_peak_decode_gib = (x / 2**30 for x in peaks)
     pf = getattr(getattr(model, "step", None), "prefetch", None)
@@ -194,7 +249,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     if share_sum["layers"]:
         n = share_sum["layers"] / 1e6
         res.share_us = {k[:-2]: share_sum[k] / n for k in ("idle_s", "answer_s", "pool_s")}
-    res.prompt_chunks = -(-prompt_len // engine.prefill_chunk(prompt_len))
+    res.prompt_chunks = -(-prompt_len // engine.prefill_chunk(max(prompt_len, 1)))
     if p_streamed and p_streamed[0]:
         i = p_times.index(statistics.median_low(p_times))
         res.prompt_streamed_gib = p_streamed[i] / 2**30

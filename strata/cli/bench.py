@@ -1,5 +1,7 @@
-"""strata bench: prompt and decode tok/s (median of runs), hit rate, bytes moved, memory peaks and
-the fraction of the bandwidth bound, with the machine's ceilings measured in the same run."""
+"""strata bench: llama-bench's matrix (-p prompt lengths, -n decode tokens, -d depths, -r runs) as
+prompt and decode tok/s (median ± standard deviation of runs), with the hit rate, bytes moved,
+memory peaks and the fraction of the bandwidth bound, the machine's ceilings measured in the same
+run."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import sys
 from dataclasses import asdict, replace
 
 from strata.bench.ceilings import measure
-from strata.bench.runner import run_bench
+from strata.bench.runner import DECODE_INPUTS, cell_name, run_bench
+from strata.bench.table import Cell, markdown, matrix, model_info, rows
 from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
@@ -19,11 +22,27 @@ from strata.errors import StrataError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF file (any shard of a split set)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (128)")
-    p.add_argument("--gen-len", type=int, default=64, help="tokens to decode (64)")
-    p.add_argument("--runs", type=int, default=3,
-                   help="measured runs after a warm-up run (3); the warm-up is run again, up to "
-                   "3 times, while it changes which layers' prompt chunks stream every expert")
+    p.add_argument("-p", "--n-prompt", default=None, metavar="N,N,...",
+                   help="prompt tests ppN: N random tokens into a fresh KV cache (128)")
+    p.add_argument("-n", "--n-gen", type=int, default=None, metavar="N",
+                   help="decode tests tgN: N decode steps at each -d depth (64; 0: none)")
+    p.add_argument("-d", "--n-depth", default=None, metavar="D,D,...",
+                   help="depths of the decode tests: the KV cache first filled with a random "
+                   "prompt of D tokens, then the -n steps timed (0)")
+    p.add_argument("-r", "--repetitions", "--runs", dest="runs", type=int, default=3,
+                   help="measured runs of each test after a warm-up run (3): the median ± the "
+                   "standard deviation; the warm-up is run again, up to 3 times, while it "
+                   "changes which layers' prompt chunks stream every expert")
+    p.add_argument("--decode-input", default="random", choices=DECODE_INPUTS,
+                   help="decode steps' inputs: uniform random tokens, a seeded draw (random: "
+                   "llama-bench's tg), or each step's argmax fed back (greedy: a random "
+                   "model's greedy output loops over a few tokens, which flatters the cache)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (0)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="one test instead of the matrix: a timed prompt of this many tokens "
+                   "then --gen-len decode steps on it (pp128 + tg64 @ d128)")
+    p.add_argument("--gen-len", type=int, default=None,
+                   help="with --prompt-len: the decode steps (64)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--sweep-vram", default=None, metavar="GIB,GIB,...",
                    help="run once per VRAM budget and plot decode tok/s against it (--plot)")
@@ -41,10 +60,46 @@ def _budgets(spec: str) -> list[float]:
     return out
 
 
+def _lengths(spec: str, flag: str, least: int) -> list[int]:
+    try:
+        out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise StrataError(f"{flag} {spec!r}: give token counts, e.g. 128,512") from None
+    if not out or min(out) < least:
+        raise StrataError(f"{flag} {spec!r}: give token counts >= {least}")
+    return out
+
+
+def cells(args: argparse.Namespace) -> list[Cell]:
+    """The tests to run: llama-bench's matrix, or the one test of --prompt-len/--gen-len."""
+    new = args.n_prompt is not None or args.n_gen is not None or args.n_depth is not None
+    old = args.prompt_len is not None or args.gen_len is not None
+    if new and old:
+        raise StrataError("give -p/-n/-d or --prompt-len/--gen-len, not both")
+    if args.runs < 1:
+        raise StrataError("--runs must be >= 1")
+    if old:
+        p = 128 if args.prompt_len is None else args.prompt_len
+        n = 64 if args.gen_len is None else args.gen_len
+        if p < 1 or n < 0:
+            raise StrataError("--prompt-len must be >= 1, --gen-len >= 0")
+        return [Cell(p, n, cell_name(p, n, timed_prompt=True))]
+    prompts = _lengths(args.n_prompt or "128", "-p", 0)
+    n = 64 if args.n_gen is None else args.n_gen
+    if n < 0:
+        raise StrataError("-n must be >= 0")
+    out = matrix(prompts, n, _lengths(args.n_depth or "0", "-d", 0))
+    if not out:
+        raise StrataError("-p and -n give no test: ask for a prompt length or decode tokens > 0")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.prompt_len < 1 or args.gen_len < 0 or args.runs < 1:
-        raise StrataError("--prompt-len and --runs must be >= 1, --gen-len >= 0")
+    tests = cells(args)
     base = engine_config(args)
+    need = max(c.prompt_len + c.gen_len for c in tests)
+    if base.ctx is None and need > 4096:  # plan the KV cache for the longest test
+        base = replace(base, ctx=need)
     for flag, path in (("--json", args.json), ("--plot", args.sweep_vram and args.plot)):
         if path:
             check_folder(path, flag)  # before the runs, not after
@@ -52,28 +107,50 @@ def run(args: argparse.Namespace) -> int:
     ceilings = measure()
     print("strata: ceilings " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in ceilings.items()), file=sys.stderr)
-    results = []
+    info = model_info(args.model)
+    print(f"strata: decode inputs: {_inputs(args)}", file=sys.stderr)
+    results, backend = [], "CPU"
     for budget in budgets:
         ec = replace(base, vram_budget_gib=budget)
         engine = Engine.load(args.model, config=ec)
-        res = run_bench(engine, args.prompt_len, args.gen_len, args.runs, ceilings=ceilings)
-        res.config = asdict(ec)
-        results.append(res)
+        backend = "CUDA" if engine.model.device.type == "cuda" else "CPU"
+        if need > engine.config.context_length:
+            raise StrataError(f"a test needs {need} tokens of context; the model has "
+                              f"{engine.config.context_length}")
         head = f"strata bench ({'budget ' + str(budget) + ' GiB' if budget else 'default'}): "
-        print(head + "\n  ".join(res.lines()), file=sys.stderr)
+        for c in tests:
+            res = run_bench(engine, c.prompt_len, c.gen_len, args.runs, seed=args.seed,
+                            ceilings=ceilings, decode_input=args.decode_input, test=c.name)
+            res.config = asdict(ec)
+            results.append(res)
+            print(head + "\n  ".join(res.lines()), file=sys.stderr)
         del engine  # the engine holds cycles: collect them, or the next budget's arena is
         gc.collect()  # filled while this one is still mapped (host RAM peak twice the arena)
+    table = rows(results)
+    print(f"decode inputs: {_inputs(args)}; t/s: median ± standard deviation of "
+          f"{args.runs} run(s)\n" + markdown(info, backend, table))
     if args.json:
         with atomic_path(args.json, "--json") as tmp, open(tmp, "w") as f:
-            json.dump({"model": args.model, "ceilings": ceilings,
+            json.dump({"model": args.model, "model_info": info.to_dict(), "backend": backend,
+                       "decode_input": args.decode_input, "seed": args.seed,
+                       "ceilings": ceilings, "table": table,
                        "results": [r.to_dict() for r in results]}, f, indent=1)
     if args.sweep_vram:
-        plot_sweep(args.plot, budgets, [r.decode_tok_s for r in results], args.model)
+        curves = {c.name: [r.decode_tok_s for r in results if r.test == c.name]
+                  for c in tests if c.gen_len}
+        plot_sweep(args.plot, budgets, curves, args.model)
         print(f"strata: wrote {args.plot}", file=sys.stderr)
     return 0
 
 
-def plot_sweep(path: str, budgets: list[float], rates: list[float], title: str) -> None:
+def _inputs(args: argparse.Namespace) -> str:
+    if args.decode_input == "greedy":
+        return "greedy (each step's argmax fed back)"
+    return f"random tokens (uniform over the vocabulary, seed {args.seed}; llama-bench's tg)"
+
+
+def plot_sweep(path: str, budgets: list[float], curves: dict[str, list[float]],
+               title: str) -> None:
     try:
         import matplotlib
 
@@ -86,7 +163,10 @@ def plot_sweep(path: str, budgets: list[float], rates: list[float], title: str) 
                           "the results above (and --json) are complete; reinstall matplotlib "
                           "to draw the plot") from None
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(budgets, rates, marker="o")
+    for name, rates in curves.items():
+        ax.plot(budgets, rates, marker="o", label=name)
+    if len(curves) > 1:
+        ax.legend(fontsize=8)
     ax.set_xlabel("VRAM budget (GiB)")
     ax.set_ylabel("decode tok/s")
     ax.set_title(title.rsplit("/", 1)[-1], fontsize=9)
