@@ -110,3 +110,19 @@ def test_routing_diffs_match_the_traces(model):
     ia, ib = traces[0].ids(), traces[1].ids()
     for layer, t, ea, eb, _ in diffs:
         assert ea == set(ia[layer][t].tolist()) != eb == set(ib[layer][t].tolist())
+
+
+def test_the_router_runs_in_float32_whatever_its_input_holds():
+    """route() and the pinned weights compute softmax(h @ router.T) in float32, also for a
+    bfloat16 h (the router's input after a bf16 path) or router."""
+    import torch
+
+    from strata.kernels.torch_ops import route, route_weights
+
+    g = torch.Generator().manual_seed(0)
+    h, router = torch.randn(5, 64, generator=g), torch.randn(8, 64, generator=g)
+    ids, wts = route(h.bfloat16(), router.bfloat16(), 2, True)
+    ref_ids, ref_wts = route(h.bfloat16().float(), router.bfloat16().float(), 2, True)
+    assert wts.dtype == torch.float32 and torch.equal(ids, ref_ids) and torch.equal(wts, ref_wts)
+    pinned = route_weights(h.bfloat16(), router.bfloat16(), ids, True)
+    assert pinned.dtype == torch.float32 and torch.equal(pinned, ref_wts)
