@@ -7,6 +7,13 @@ Prints first-token (the last prompt position) and all-position KL(a || b), max a
 agreement; exit code 1 when they differ beyond --max-kl or disagree on a top token. With
 --decode N the last N tokens go through one decode step each (the CUDA-graph decode step where
 the configuration has one) instead of the prompt, and their positions are reported apart.
+
+Then the routing: both configurations run again recording every routed layer's top-K experts per
+token (strata.model.parts.routing; decode steps eager), the (layer, token) pairs whose expert sets
+differ are counted and the first few shown with A's router margin between its K-th and (K+1)-th
+expert, and B runs once more with its routing pinned to A's experts (B's weights for them): a KL
+spike that falls to the path's usual level when pinned is a router near-tie flipped by rounding;
+one that stays is not routing.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from strata.cli.logits import compute_logits, parse_tokens
 from strata.config import EngineConfig
 from strata.engine.generator import Engine
 from strata.errors import StrataError
+from strata.model.parts.routing import RoutingPin, RoutingTrace, attach
+
+SHOWN = 5  # routing differences listed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kl", type=float, default=1e-4, help="tolerance (1e-4)")
     p.add_argument("--decode", type=int, default=0, metavar="N",
                    help="run the last N tokens as decode steps, one token each (0)")
+    p.add_argument("--no-routing", dest="routing", action="store_false",
+                   help="skip the routing comparison and the pinned rerun")
 
 
 def parse_flags(name: str, text: str) -> EngineConfig:
@@ -72,7 +84,7 @@ def kl_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     ca, cb = parse_flags("a", args.a), parse_flags("b", args.b)
-    logits = []
+    logits, traces = [], []
     ids: list[int] | None = None
     for ec in (ca, cb):
         engine = Engine.load(args.model, config=ec)
@@ -87,11 +99,54 @@ def run(args: argparse.Namespace) -> int:
             if not 0 <= args.decode < len(ids):
                 raise StrataError(f"--decode {args.decode}: give 0 .. {len(ids) - 1} (the "
                                   "tokens after the first go through decode steps)")
-        logits.append(decode_logits(engine, ids, args.decode) if args.decode
-                      else compute_logits(engine, ids))
+        logits.append(run_logits(engine, ids, args.decode))
+        if args.routing:
+            traces.append(RoutingTrace())
+            with attach(engine.model, traces[-1]):
+                run_logits(engine, ids, args.decode)
+            if len(traces) == 2:
+                with attach(engine.model, RoutingPin(traces[0].ids())):
+                    pinned = run_logits(engine, ids, args.decode)
         del engine
         gc.collect()
     a, b = logits
+    ok = report(a, b, ids, args)
+    if args.routing:
+        report_routing(traces[0], traces[1])
+        kl = kl_rows(a, pinned)
+        print(f"routing pinned to A: KL max {kl.max():.3e} mean {kl.mean():.3e}  first token "
+              f"{kl[-1]:.3e}  (unpinned max {kl_rows(a, b).max():.3e})")
+    return 0 if ok else 1
+
+
+def run_logits(engine: Engine, ids: list[int], n_decode: int) -> np.ndarray:
+    return decode_logits(engine, ids, n_decode) if n_decode else compute_logits(engine, ids)
+
+
+def routing_diffs(ta: RoutingTrace, tb: RoutingTrace) -> list[tuple[int, int, set, set, float]]:
+    """(layer, token, A's experts, B's, A's margin p_K - p_K+1) where the sets differ, by token
+    then layer."""
+    ia, ib, margin = ta.ids(), tb.ids(), ta.margins()
+    out = []
+    for layer in sorted(ia):
+        a, b = np.sort(ia[layer], -1), np.sort(ib[layer], -1)
+        for t in np.flatnonzero((a != b).any(-1)):
+            out.append((layer, int(t), set(a[t].tolist()), set(b[t].tolist()),
+                        float(margin[layer][t])))
+    return sorted(out, key=lambda d: (d[1], d[0]))
+
+
+def report_routing(ta: RoutingTrace, tb: RoutingTrace) -> None:
+    diffs = routing_diffs(ta, tb)
+    pairs = sum(len(v) for v in ta.ids().values())
+    print(f"routing: {len(diffs)} of {pairs} (layer, token) pairs differ in their experts")
+    for layer, t, ea, eb, m in diffs[:SHOWN]:
+        print(f"  layer {layer} token {t}: A {sorted(ea)} B {sorted(eb)}  A's margin {m:.2e}")
+    if len(diffs) > SHOWN:
+        print(f"  ... {len(diffs) - SHOWN} more")
+
+
+def report(a: np.ndarray, b: np.ndarray, ids: list[int], args: argparse.Namespace) -> bool:
     kl = kl_rows(a, b)
     top = a.argmax(-1) == b.argmax(-1)
     diff = np.abs(a - b)
@@ -106,4 +161,4 @@ def run(args: argparse.Namespace) -> int:
     ok = kl.max() <= args.max_kl and top.all()
     print("same within tolerance" if ok else f"DIFFERENT beyond --max-kl {args.max_kl:g} or on "
           "a top token", file=sys.stderr if not ok else sys.stdout)
-    return 0 if ok else 1
+    return ok

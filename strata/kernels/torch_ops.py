@@ -81,11 +81,25 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int,
 
     h: [T, D], router: [E, D] -> ids [T, K] (int64), weights [T, K] (float32)
     """
-    probs = torch.softmax(h @ router.T, dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, k, dim=-1)
+    weights, ids = torch.topk(router_probs(h, router), k, dim=-1)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     return ids, weights
+
+
+def router_probs(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """softmax(h @ router.T) in float32 (whatever h and router hold): [T, D], [E, D] -> [T, E]"""
+    return torch.softmax(h.float() @ router.float().T, dim=-1)
+
+
+def route_weights(h: torch.Tensor, router: torch.Tensor, ids: torch.Tensor,
+                  norm_topk: bool) -> torch.Tensor:
+    """route()'s weights for given experts (routing pinned): the router's probabilities of
+    ids [T, K], renormalized to sum 1 where norm_topk -> float32 [T, K]"""
+    weights = router_probs(h, router).gather(1, ids)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights
 
 
 def swiglu(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

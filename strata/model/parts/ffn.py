@@ -55,6 +55,9 @@ class SharedExpert:
 
 class RoutedExperts:
     routed = True
+    # strata check's RoutingTrace or RoutingPin (parts/routing.py): called after the router
+    # with (layer, routing, router, k, norm_topk), returns the routing to go on with
+    hook = None
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
         self.lw, self.layer = lw, layer
@@ -67,9 +70,12 @@ class RoutedExperts:
             h, ids, wts = decode_ops().norm_route(
                 x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,
                 counts=ctx.counts(self.layer), fuse=ctx.fuse_route)
-            return Routing(h, ids, wts)
-        h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
-        ids, wts = route(h, lw.router, self.k, self.norm_topk)  # [T, K]
+        else:
+            h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
+            ids, wts = route(h, lw.router, self.k, self.norm_topk)  # [T, K]
+        if self.hook is not None:  # (never set in a captured step: see routing.attach)
+            return self.hook(self.layer, Routing(h, ids, wts), lw.router, self.k,
+                             self.norm_topk)
         return Routing(h, ids, wts)
 
     def finish(self, r: Routing, ctx: Context) -> torch.Tensor:
