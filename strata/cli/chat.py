@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -88,61 +87,46 @@ class Session:
         self.capacity = capacity
         self.kv: Any = None
         self.cached: list[int] = []
-        self.reused = self.ran = 0  # prompt tokens the last answer found in the cache / ran
-        self.prompt_s = self.decode_s = 0.0
-        self.decode_steps = 0
+        self.reused = 0  # prompt tokens the last answer found in the cache
         self.finish = ""
+
+    @property
+    def ran(self) -> int:
+        """Prompt tokens the last answer ran (those not found in the cache)."""
+        return self.engine.stats.prompt_tokens
 
     def reset(self) -> None:
         self.kv, self.cached = None, []
 
     def answer(self, ids: list[int], params: Any) -> Any:
         """Yield the answer's token ids (not the stop token); the cache keeps what it ran."""
-        import torch
-
-        from strata.engine.sampling import sample
-
         eng = self.engine
         keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # >= 1 token runs: its logits
         if self.kv is None or keep == 0:
             self.kv, keep = eng.model.new_cache(self.capacity), 0
         self.kv.truncate(keep)
-        self.cached, self.reused, self.ran = ids[:keep], keep, len(ids) - keep
-        self.prompt_s = self.decode_s = 0.0
-        self.decode_steps, self.finish = 0, "length"
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        t0 = time.perf_counter()
-        logits = eng.run_prompt(ids[keep:], self.kv)[0]
-        self.cached = list(ids)
-        token = -1
-        for i in range(params.max_tokens):
-            if i:
-                logits = eng.model.decode(token, self.kv)[0]
-                self.cached.append(token)
-            token = sample(logits, params, gen)
-            now = time.perf_counter()
-            if i == 0:
-                self.prompt_s = now - t0
-            else:
-                self.decode_s += now - t0
-                self.decode_steps += 1
-            t0 = now
-            if token in eng.tokenizer.stop_ids:
-                self.finish = "stop"
-                return
+        self.reused, self.finish = keep, ""
+        self.cached = list(ids)  # and the answer: settle cuts it to what the cache holds
+        for token in eng.generate(ids, params, kv=self.kv):
+            self.cached.append(token)
             yield token
+        self.finish = eng.stats.finish_reason
+        self.settle()
 
     def settle(self) -> None:
-        """After an interrupted answer: the cache holds only the tokens it committed."""
+        """After an answer, or an interrupted one: the cache holds only the tokens it committed
+        (the last token sampled is not in it)."""
         if self.kv is not None:
             self.cached = self.cached[:self.kv.length]
             self.kv.truncate(len(self.cached))
 
     def line(self, generated: int) -> str:
-        pre = self.ran / self.prompt_s if self.prompt_s else 0.0
-        tok_s = self.decode_steps / self.decode_s if self.decode_s else 0.0
-        return (f"strata: prompt {self.ran} new tokens ({self.reused} reused) at {pre:.1f} "
-                f"tok/s; answer {generated} tokens at {tok_s:.1f} tok/s ({self.finish})")
+        st = self.engine.stats
+        pre = st.prompt_tokens / st.prompt_s if st.prompt_s else 0.0
+        tok_s = st.decode_steps / st.decode_s if st.decode_s else 0.0
+        return (f"strata: prompt {st.prompt_tokens} new tokens ({self.reused} reused) at "
+                f"{pre:.1f} tok/s; answer {generated} tokens at {tok_s:.1f} tok/s "
+                f"({self.finish})")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -126,14 +126,25 @@ class Engine:
             PROGRESS.steps += 1
         return torch.cat(out) if all_logits else out[-1]
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        """Yield generated token ids until a stop token or max_tokens; fills self.stats."""
+    def generate(self, prompt: list[int], params: SamplingParams,
+                 kv: KVCache | None = None) -> Iterator[int]:
+        """Yield generated token ids until a stop token or max_tokens; fills self.stats.
+
+        kv: a cache that already holds the prompt's first kv.length tokens (a chat's earlier
+        turns): only the rest run (stats.prompt_tokens counts those); it grows by every token
+        run, so after the answer it holds the prompt and the answer but its last token."""
         self.check_prompt(prompt, params.max_tokens)
-        st = self.stats = GenerationStats(prompt_tokens=len(prompt), finish_reason="length")
+        if kv is not None and not kv.length < len(prompt):
+            raise ValueError(f"the cache holds {kv.length} tokens: at least one of the "
+                             f"{len(prompt)} of the prompt must run")
+        done = 0 if kv is None else kv.length
+        st = self.stats = GenerationStats(prompt_tokens=len(prompt) - done,
+                                          finish_reason="length")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        kv = self.model.new_cache(len(prompt) + params.max_tokens)
+        if kv is None:
+            kv = self.model.new_cache(len(prompt) + params.max_tokens)
         t0 = time.perf_counter()
-        logits = self.run_prompt(prompt, kv)[0]
+        logits = self.run_prompt(prompt[done:], kv)[0]
         token = -1
         for i in range(params.max_tokens):
             if i:
