@@ -163,8 +163,22 @@ def test_chat_in_a_browser(keyed_server, browser):
     assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == 1
     assert d.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("textContent") == stored
     assert d.find_element(By.ID, "key").get_attribute("value") == KEY
-    d.find_element(By.ID, "new").click()
-    assert d.find_elements(By.CSS_SELECTOR, ".msg") == []
+
+    d.execute_script(_IGNORE_EOS)  # a long answer, stopped after a few pieces
+    limit = d.find_element(By.ID, "max-tokens")
+    limit.clear()
+    limit.send_keys("3000")
+    d.find_element(By.ID, "input").send_keys("Go on", Keys.ENTER)
+
+    def second(attr: str) -> str | None:
+        answers = d.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+        return answers[1].get_attribute(attr) if len(answers) > 1 else None
+
+    wait.until(lambda _: int(second("data-chunks") or 0) >= 3)
+    d.find_element(By.ID, "stop").click()
+    wait.until(lambda _: second("data-done"))
+    assert d.find_elements(By.CSS_SELECTOR, ".stats")[1].text.endswith(" · stopped")
+    s.wait_health(lambda h: h["running"] == 0, timeout=30, what="the stopped answer cancelled")
 
 
 # the test's own addition to the page's requests (the page sends no ignore_eos)
