@@ -19,7 +19,7 @@ LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_LEAN := $(CURDIR)/scripts/llama_cpp_lean.cmake
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMA_LEAN)
 
-.PHONY: demo test lint install base wheels clean
+.PHONY: demo test lint install base wheels browser clean
 
 $(BIN)/python:
 	@echo "== [1/4] venv: $(VENV) from $(PY)"
@@ -68,7 +68,25 @@ demo: $(BASE)
 lint: $(STAMP)
 	$(BIN)/ruff check strata tests scripts
 
-test: $(STAMP) lint
+# The chat page's browser test drives Debian's chromium through chromium-driver (selenium comes with
+# the test extras). Installed with apt-get where it exists and they are missing; elsewhere, or when
+# the install fails, that one test skips and says why.
+BROWSER_PKGS := chromium chromium-driver
+browser:
+	@command -v apt-get >/dev/null 2>&1 || exit 0; \
+	missing=""; for p in $(BROWSER_PKGS); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	[ -n "$$missing" ] || exit 0; \
+	sudo=""; if [ "$$(id -u)" != 0 ]; then \
+		if command -v sudo >/dev/null 2>&1; then sudo="sudo"; else \
+			echo "== browser test: needs$$missing; not root and no sudo, so it will skip"; exit 0; fi; \
+	fi; \
+	echo "== browser test: apt-get install$$missing (headless browser and its driver)"; \
+	$$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing \
+		|| echo "== browser test: apt-get failed, so it will skip"
+
+test: $(STAMP) lint browser
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
+import importlib.resources
 import json
 import logging
 import time
@@ -19,7 +21,13 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from strata.errors import StrataError
@@ -43,6 +51,14 @@ _DISCONNECT_CHECK_S = 0.5
 _RENDERS = 2  # chat templates rendered at once (each in a thread, GIL-bound)
 _MAX_DEPTH = 32  # nesting of a request body's objects and arrays
 _EVENT_GRACE_S = 60.0  # beyond the watchdog: the stall path answers first, this is the backstop
+# the chat page may talk to this server only: inline script and style, nothing from elsewhere
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+    "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 async def _drain(request: Request) -> None:
@@ -59,6 +75,11 @@ class API:
         self._renders = asyncio.Semaphore(_RENDERS)
 
     # --- endpoints -------------------------------------------------------------------------
+    async def page(self, request: Request) -> Response:
+        """GET /: the chat page (static/chat.html). It needs no key: it holds none, and the key
+        a user types into it goes with each API call it makes."""
+        return HTMLResponse(_chat_page(), headers=_PAGE_HEADERS)
+
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
@@ -318,6 +339,11 @@ class API:
                 "owned_by": "strata"}
 
 
+@functools.cache
+def _chat_page() -> str:
+    return (importlib.resources.files("strata.server") / "static" / "chat.html").read_text("utf-8")
+
+
 def _depth(value: Any) -> int:
     """How deep objects and arrays nest in parsed JSON (iterative: no recursion limit)."""
     deepest, todo = 0, [(value, 1)]
@@ -351,6 +377,7 @@ def create_app(cfg: ServeConfig, fault: FaultPlan | None = None) -> Starlette:
             await api.sup.close()
 
     routes = [
+        Route("/", api.page, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
