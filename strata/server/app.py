@@ -121,7 +121,7 @@ class API:
             flags[name] = body.get(name, False)
             if not isinstance(flags[name], bool):
                 raise bad_request(f"{name}: give true or false", name)
-        tok = self._tokenizer()
+        tok = await self._tokenizer()
         async with self._renders:
             ids = await asyncio.to_thread(tok.encode, content, flags["add_special"], True)
         if not flags["with_pieces"]:
@@ -135,20 +135,22 @@ class API:
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         ids = body.get("tokens")
-        tok = self._tokenizer()
+        tok = await self._tokenizer()
         if not isinstance(ids, list) or not all(
                 type(i) is int and 0 <= i < tok.vocab_size for i in ids):
             raise bad_request(f"tokens: give a list of token ids from 0 to {tok.vocab_size - 1}",
                               "tokens")
         return JSONResponse({"content": tok.decode(ids)})
 
-    def _tokenizer(self) -> Any:
-        """The model's tokenizer, loaded in this process with the chat template."""
+    async def _tokenizer(self) -> Any:
+        """The model's tokenizer, loaded in this process with the chat template (a request that
+        comes while it loads, just after the engine did, waits for it)."""
         self.sup.check_ready()
-        if self.sup.chat is None:
+        chat = await self.sup.loaded_chat()
+        if chat is None:
             raise APIError(503, "the tokenizer did not load in the server process (see its log)",
                            code="engine_unavailable")
-        return self.sup.chat.tokenizer
+        return chat.tokenizer
 
     # --- generation ------------------------------------------------------------------------
     async def _generate(self, request: Request, kind: str) -> Response:

@@ -71,6 +71,7 @@ class Supervisor:
         self.last_progress = time.monotonic()
         self.began = time.monotonic()
         self.chat: Any = None  # strata.tokenizer.ChatTemplate, once the engine has loaded
+        self._chat_loading: asyncio.Future | None = None  # its load, under way or done
         self.chat_path: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -159,7 +160,7 @@ class Supervisor:
                      eng.pid, msg.model_path, msg.device, msg.load_s, msg.context_length,
                      self.cfg.served_name)
             self.scheduler.engine_ready()
-            self._spawn(self._load_chat(msg.model_path))
+            self._chat_loading = self._spawn(self._load_chat(msg.model_path))
         elif isinstance(msg, Stalled):
             p = self.progress or Progress("unknown", "")
             self.progress = Progress(p.stage, p.detail, p.fraction, msg.state)
@@ -173,6 +174,13 @@ class Supervisor:
                 self.metrics.tokens(msg.prompt_tokens, msg.completion_tokens)
                 self.metrics.cancelled += msg.finish_reason == "cancelled"
             self.scheduler.on_message(msg)
+
+    async def loaded_chat(self) -> Any:
+        """The chat template (and tokenizer) of this process, waiting for a load under way (it
+        starts when the engine reports it has loaded); None where it failed to load."""
+        if self._chat_loading is not None and not self._chat_loading.done():
+            await asyncio.shield(self._chat_loading)
+        return self.chat
 
     async def _load_chat(self, model_path: str) -> None:
         """The model's tokenizer and chat template, here in the server process, so that chat
@@ -297,8 +305,9 @@ class Supervisor:
                     pass  # the loop is shutting down
         return call
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Future:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
