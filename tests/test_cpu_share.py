@@ -18,10 +18,10 @@ from test_offload import TOKENS, assert_same, offload
 from strata.cli.logits import compute_logits
 from strata.cli.main import main
 from strata.engine.generator import Engine
-from strata.engine.waits import StallError
 from strata.errors import StrataError
 from strata.experts.compute import Group
 from strata.experts.cpu_share import CpuShare
+from strata.runtime.waits import StallError
 
 triton = pytest.importorskip("triton")
 

@@ -13,8 +13,8 @@ from strata.cli.logits import compute_logits
 from strata.config import EngineConfig
 from strata.engine.decode_step import cut_pieces
 from strata.engine.generator import Engine
-from strata.engine.kv_cache import KV_TYPES
 from strata.engine.sampling import SamplingParams
+from strata.runtime.kv_cache import KV_TYPES
 
 from hf_reference import kl_per_position
 

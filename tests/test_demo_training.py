@@ -26,7 +26,6 @@ import train_demo_model as tdm  # noqa: E402
 TEXT = ("The kernel schedules each task on a processor. When a task waits for input, another "
         "one runs.\n\ndef area(r):\n    return 3.14159 * r * r  # the area of a circle\n\n"
         "Use the --verbose flag to print each file's name as it is copied; 42 files, 7 MB.\n")
-CHAT = tdm.SEP  # documents end with it in the corpus files
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +38,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     docs = [" ".join(rng.permutation(words)) for _ in range(60)]
     docs.append("<|im_start|>user\nWhat is cp?<|im_end|>\n<|im_start|>assistant\n"
                 "cp copies files.<|im_end|>\n")
-    (corpus / "train.txt").write_text("".join(d + f"\n{CHAT}\n" for d in docs))
-    (corpus / "heldout.txt").write_text(TEXT + f"\n{CHAT}\n")
+    (corpus / "train.txt").write_text("".join(d + f"\n{tdm.SEP}\n" for d in docs))
+    (corpus / "heldout.txt").write_text(TEXT + f"\n{tdm.SEP}\n")
     tok = root / "tokenizer.json"
     tdm.main(["tokenizer", "--corpus", str(corpus / "train.txt"), "--vocab", "320",
               "--out", str(tok)])
