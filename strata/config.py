@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "qwen3moe": ("neox", True),
     "qwen2moe": ("neox", False),
     "llama": ("normal", True),
+    "gpt-oss": ("neox", True),  # strata.arch.gpt_oss: sinks, sliding windows, YaRN, biases
 }
 
 
@@ -42,6 +43,12 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     tied_output: bool
+    # gpt-oss (strata.arch.gpt_oss); the defaults are every other architecture's
+    sliding_window: int = 0  # tokens a sliding layer attends over (0: none)
+    attn_sinks: bool = False  # a learned sink logit per head (blk.N.attn_sinks.weight)
+    rope_yarn: object | None = None  # strata.arch.gpt_oss.Yarn, or None (plain RoPE)
+    moe_bias: bool = False  # biases on the attention output, the router and the experts
+    expert_act: str = "swiglu"  # swiglu | swiglu_oai (gpt-oss's clamped SwiGLU)
 
     @property
     def q_dim(self) -> int:
@@ -107,6 +114,10 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
             tied_output="output.weight" not in mf.tensors,
         )
+        if arch == "gpt-oss":
+            from strata.arch import gpt_oss
+
+            cfg = replace(cfg, **gpt_oss.read_fields(m, n_layers))
         if cfg.rope_dim % 2:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
@@ -175,6 +186,11 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         t["output.weight"] = (V, D)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
+        if cfg.arch == "gpt-oss":
+            from strata.arch.gpt_oss import layer_tensors
+
+            t |= layer_tensors(cfg, p)
+            continue
         t |= {
             p + "attn_norm.weight": (D,),
             p + "attn_q.weight": (cfg.q_dim, D),

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from strata.kernels.torch_ops import expert_mlp
 from strata.model.layers import swiglu
 from strata.model.weights import ExpertWeights
 
@@ -32,6 +33,11 @@ class ReferenceExperts:
         out = torch.zeros_like(h)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e
-            y = swiglu(h[tok], experts.gate.rows(e), experts.up.rows(e), experts.down.rows(e))
+            b = experts.bias
+            if b is None:
+                y = swiglu(h[tok], experts.gate.rows(e), experts.up.rows(e), experts.down.rows(e))
+            else:  # biases and the activation of the layer's experts (gpt-oss)
+                y = expert_mlp(h[tok], experts.gate.rows(e), experts.up.rows(e),
+                               experts.down.rows(e), b.gate[e], b.up[e], b.down[e], b.act)
             out.index_add_(0, tok, y * weights[tok, slot, None])
         return out

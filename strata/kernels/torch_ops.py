@@ -7,6 +7,8 @@ Legend: T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim, E e
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -15,12 +17,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope_tables(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, dim/2] for angle(p, i) = p * theta^(-2i/dim)."""
+def rope_tables(positions: torch.Tensor, dim: int, theta: float,
+                yarn: object | None = None) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, dim/2] for angle(p, i) = p * theta^(-2i/dim); with yarn (an
+    arch.gpt_oss.Yarn) the YaRN frequencies and both tables times its mscale."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
                                             device=positions.device) / dim)
+    mscale = 1.0
+    if yarn is not None:
+        inv_freq, mscale = yarn_inv_freq(inv_freq, dim, theta, yarn)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, dim/2]
-    return angles.cos(), angles.sin()
+    if mscale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * mscale, angles.sin() * mscale
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float,
+                  yarn: object) -> tuple[torch.Tensor, float]:
+    """YaRN as ggml's rope_yarn computes it: pair i's angle mixes the interpolated one
+    (freq_scale = 1 / factor) and the original by ramp r_i = ext_factor * (1 - clamp((i - lo)
+    / max(0.001, hi - lo), 0, 1)), lo/hi = floor/ceil of the dims where beta_fast/beta_slow
+    rotations fit the original context; mscale = attn_factor * (1 + 0.1 ln factor) where
+    ext_factor != 0. inv_freq [dim/2] -> (its YaRN version [dim/2], mscale)"""
+    freq_scale = 1.0 / yarn.factor
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(yarn.orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(0.0, math.floor(corr_dim(yarn.beta_fast)))
+    hi = min(dim - 1.0, math.ceil(corr_dim(yarn.beta_slow)))
+    i = torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device)
+    ramp = (1 - ((i - lo) / max(0.001, hi - lo)).clamp(0, 1)) * yarn.ext_factor  # [dim/2]
+    mscale = yarn.attn_factor
+    if yarn.ext_factor != 0:
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    return inv_freq * (freq_scale * (1 - ramp) + ramp), mscale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
@@ -106,3 +137,23 @@ def swiglu(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
            w_down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate h) * up h). h: [T, D]; w_gate, w_up: [F, D]; w_down: [D, F] -> [T, D]"""
     return (torch.nn.functional.silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+
+
+def glu(g: torch.Tensor, u: torch.Tensor, act: str = "swiglu") -> torch.Tensor:
+    """The gated activation of an expert: swiglu silu(g) * u, or swiglu_oai (gpt-oss, ggml's
+    swiglu_oai): g' = min(g, limit), u' = clamp(u, -limit, limit),
+    (u' + 1) * g' * sigmoid(alpha g')."""
+    if act == "swiglu":
+        return torch.nn.functional.silu(g) * u
+    from strata.arch.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+    g = g.clamp(max=SWIGLU_LIMIT)
+    return (u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT) + 1) * (g * torch.sigmoid(SWIGLU_ALPHA * g))
+
+
+def expert_mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               b_gate: torch.Tensor, b_up: torch.Tensor, b_down: torch.Tensor,
+               act: str) -> torch.Tensor:
+    """One expert with biases: down(glu(gate h + b_gate, up h + b_up)) + b_down.
+    h: [T, D]; w_gate, w_up: [F, D]; w_down: [D, F]; b_gate, b_up: [F]; b_down: [D] -> [T, D]"""
+    return glu(h @ w_gate.T + b_gate, h @ w_up.T + b_up, act) @ w_down.T + b_down

@@ -79,7 +79,7 @@ class MoETransformer:
         t0 = timer.start() if timer else None
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
-        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
         delta = None  # each layer's output, added by the next residual step

@@ -164,13 +164,30 @@ def dense(ref: TensorRef, device: torch.device) -> torch.Tensor:
     return dequantize_into(flat, ref.qtype, ref.shape[-1], out).reshape(ref.shape)
 
 
+@dataclass(frozen=True)
+class ExpertBias:
+    """The experts' biases and activation beyond plain SwiGLU (gpt-oss): float32 gate, up
+    [E, F] and down [E, D]; act "swiglu_oai": the clamped SwiGLU (strata.arch.gpt_oss)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    act: str = "swiglu_oai"
+
+    def to(self, device: torch.device) -> ExpertBias:
+        return replace(self, gate=self.gate.to(device), up=self.up.to(device),
+                       down=self.down.to(device))
+
+
 @dataclass
 class ExpertWeights:
-    """One layer's routed experts: gate/up [E, F, D] and down [E, D, F], in GGUF blocks."""
+    """One layer's routed experts: gate/up [E, F, D] and down [E, D, F], in GGUF blocks;
+    bias: their biases and activation where the architecture has them (gpt-oss)."""
 
     gate: QuantTensor
     up: QuantTensor
     down: QuantTensor
+    bias: ExpertBias | None = None
 
     @property
     def nbytes(self) -> int:
@@ -203,6 +220,12 @@ class LayerWeights:
     ffn_gate: Weight | None = None
     ffn_up: Weight | None = None
     ffn_down: Weight | None = None
+    # gpt-oss: the attention output's bias [D], a sink logit per head [H], the router's bias
+    # [E], the experts' biases (also on ExpertWeights.bias, for the offload runtime's layers)
+    bo: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
+    expert_bias: ExpertBias | None = None
 
 
 @dataclass
@@ -243,14 +266,22 @@ class ModelWeights:
                         wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
                         bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
                         q_norm=opt(p + "attn_q_norm.weight"),
-                        k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=d(p + "ffn_norm.weight"))
+                        k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=d(p + (
+                            "post_attention_norm.weight" if cfg.arch == "gpt-oss"
+                            else "ffn_norm.weight")))
             if layer_spec(cfg, i).ffn == "dense":
                 layers.append(LayerWeights(
                     **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
                     ffn_up=m(p + "ffn_up.weight"), ffn_down=m(p + "ffn_down.weight")))
                 continue
+            bias = expert_bias(mf, cfg, i, device)
             ex = ExpertWeights(*(QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], device)
-                                 for w in ("gate", "up", "down"))) if experts else None
+                                 for w in ("gate", "up", "down")), bias=bias) if experts else None
+            if cfg.moe_bias:
+                attn |= dict(bo=d(p + "attn_output.bias"), router_bias=d(p + "ffn_gate_inp.bias"),
+                             expert_bias=bias)
+            if cfg.attn_sinks:
+                attn["sinks"] = d(p + "attn_sinks.weight")
             layers.append(LayerWeights(
                 **attn, router=d(p + "ffn_gate_inp.weight"), experts=ex,
                 shared_gate=opt(p + "ffn_gate_inp_shexp.weight"),
@@ -264,3 +295,14 @@ class ModelWeights:
         embed = QuantTensor.load(t["token_embd.weight"], device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
         return cls(embed, layers, d("output_norm.weight"), output)
+
+
+def expert_bias(mf: ModelFile, cfg: ModelConfig, layer: int,
+                device: torch.device) -> ExpertBias | None:
+    """Layer `layer`'s expert biases and activation (gpt-oss), float32 on `device`; None for an
+    architecture with plain SwiGLU experts."""
+    if not cfg.moe_bias:
+        return None
+    p = f"blk.{layer}."
+    g, u, dn = (dense(mf.tensors[p + f"ffn_{w}_exps.bias"], device) for w in ("gate", "up", "down"))
+    return ExpertBias(g, u, dn, cfg.expert_act)

@@ -22,8 +22,9 @@ def routing_balance(path: Path, n_tokens: int = 512, seed: int = 0) -> str:
     ids = torch.randint(0, cfg.n_vocab, (n_tokens,), generator=g)
     x = QuantTensor.load(mf.tensors["token_embd.weight"], cpu).rows(ids)  # [T, D]
     shares = []
+    ffn_norm = "post_attention_norm" if cfg.arch == "gpt-oss" else "ffn_norm"
     for i in range(cfg.n_layers):
-        norm = dense(mf.tensors[f"blk.{i}.ffn_norm.weight"], cpu)
+        norm = dense(mf.tensors[f"blk.{i}.{ffn_norm}.weight"], cpu)
         router = dense(mf.tensors[f"blk.{i}.ffn_gate_inp.weight"], cpu)
         chosen, _ = route(rms_norm(x, norm, cfg.rms_eps), router, cfg.n_experts_used,
                           cfg.norm_topk)

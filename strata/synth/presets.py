@@ -24,6 +24,9 @@ class Preset:
     context_length: int = 4096
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
+    sliding_window: int = 0  # gpt-oss: the sliding layers' window
+    yarn_factor: float = 0.0  # gpt-oss: YaRN RoPE scaling (0: none)
+    yarn_orig_ctx: int = 0
 
     @property
     def vocab_kind(self) -> str:
@@ -35,6 +38,10 @@ _TINY = {
     "qwen3moe": Preset("qwen3moe", 3, 256, 4, 2, 64, 8, 2, 256, 1024, 512),
     "qwen2moe": Preset("qwen2moe", 3, 256, 4, 4, 64, 6, 2, 256, 1024, 512, d_shared=512),
     "llama": Preset("llama", 3, 256, 4, 2, 64, 4, 2, 512, 1024, 512, rms_eps=1e-5),
+    # 4 layers: two sliding (window 16, shorter than the tests' prompts), two full
+    "gpt-oss": Preset("gpt-oss", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 256, context_length=8192,
+                      rope_theta=150000.0, rms_eps=1e-5, sliding_window=16, yarn_factor=32.0,
+                      yarn_orig_ctx=4096),
 }
 
 _REAL = {
@@ -46,6 +53,14 @@ _REAL = {
                     d_shared=5632, context_length=8192),
     "mixtral-8x7b": Preset("llama", 32, 4096, 32, 8, 128, 8, 2, 14336, 32000, 14336,
                            context_length=32768, rms_eps=1e-5),
+    # from openai/gpt-oss-20b and -120b's config.json (2880-wide rows: MXFP4 experts, 32-value
+    # block types elsewhere)
+    "gpt-oss-20b": Preset("gpt-oss", 24, 2880, 64, 8, 64, 32, 4, 2880, 201088, 2880,
+                          context_length=131072, rope_theta=150000.0, rms_eps=1e-5,
+                          sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
+    "gpt-oss-120b": Preset("gpt-oss", 36, 2880, 64, 8, 64, 128, 4, 2880, 201088, 2880,
+                           context_length=131072, rope_theta=150000.0, rms_eps=1e-5,
+                           sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
 }
 
 PRESETS = ["tiny", *_REAL]

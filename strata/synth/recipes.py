@@ -123,8 +123,8 @@ class Recipe:
     def type_for(self, name: str, shape: tuple[int, ...], n_layers: int) -> Q:
         base = name.removesuffix(".weight").removesuffix(".bias")
         role = _ROLES.get(base.split(".")[-1])
-        if role is None or len(shape) == 1:
-            return Q.F32  # norms, biases, routers, the shared-expert gate
+        if role is None or len(shape) == 1 or name.endswith(".bias"):
+            return Q.F32  # norms, biases (gpt-oss's experts' too), routers, the shared gate
         m = _LAYER.match(name)
         t = self.rule(role, int(m[1]) if m else 0, n_layers)
         for pattern, ot in self.overrides:

@@ -12,11 +12,11 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType
+from gguf import GGUFWriter, LlamaFileType, RopeScalingType
 
 from strata.cli.output import atomic_folder, check_free
 from strata.config import ModelConfig, expected_tensors
@@ -49,14 +49,21 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
     from strata.config import ARCHITECTURES
 
     style, norm = ARCHITECTURES[p.arch]
-    return ModelConfig(
+    cfg = ModelConfig(
         arch=p.arch, n_layers=p.n_layers, d_model=p.d_model, n_heads=p.n_heads,
         n_kv_heads=p.n_kv_heads, head_dim=p.head_dim, n_vocab=p.n_vocab,
         context_length=p.context_length, rms_eps=p.rms_eps, rope_theta=p.rope_theta,
         rope_dim=p.head_dim, rope_style=style, n_experts=p.n_experts,
         n_experts_used=p.n_experts_used, d_expert=p.d_expert, d_shared=p.d_shared, norm_topk=norm,
-        qkv_bias=p.arch == "qwen2moe", qk_norm=p.arch == "qwen3moe",
+        qkv_bias=p.arch in ("qwen2moe", "gpt-oss"), qk_norm=p.arch == "qwen3moe",
         tied_output=tied_output)
+    if p.arch == "gpt-oss":
+        from strata.arch.gpt_oss import Yarn
+
+        cfg = replace(cfg, sliding_window=p.sliding_window, attn_sinks=True, moe_bias=True,
+                      expert_act="swiglu_oai", rope_yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
+                      if p.yarn_factor else None)
+    return cfg
 
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
@@ -67,6 +74,8 @@ def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
             std, mean = (0.1, 1.0) if is_norm else (0.1, 0.0)
             if name.endswith("ffn_gate_inp_shexp.weight"):
                 std = shape[0] ** -0.5
+            if name.endswith("attn_sinks.weight"):  # sink logits that take a real share
+                std, mean = 1.0, 0.0
         elif "ffn_gate_inp" in name:
             std, mean = 2.0 * shape[-1] ** -0.5, 0.0
         elif name == "token_embd.weight":
@@ -127,6 +136,12 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
         w.add_expert_feed_forward_length(p.d_expert)
     if p.d_shared:
         w.add_expert_shared_feed_forward_length(p.d_shared)
+    if p.sliding_window:
+        w.add_sliding_window(p.sliding_window)
+    if p.yarn_factor:  # as llama.cpp's converter writes gpt-oss's rope_scaling
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(p.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
     w.add_quantization_version(2)
     if file_type is not None:
         w.add_file_type(file_type)

@@ -22,14 +22,16 @@ import torch
 
 from strata.config import ModelConfig
 from strata.model.parts.attention import GQAAttention
+from strata.model.parts.biased_ffn import BiasedRoutedExperts
 from strata.model.parts.context import Context
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
 from strata.model.parts.norm import add_norm
+from strata.model.parts.sink_attention import SinkAttention
 from strata.model.parts.spec import layer_spec
 from strata.model.weights import LayerWeights, Weight, linear
 
-MIXERS = {"gqa": GQAAttention}
-FFNS = {"routed": RoutedExperts, "dense": DenseFFN}
+MIXERS = {"gqa": GQAAttention, "sinks": SinkAttention}
+FFNS = {"routed": RoutedExperts, "dense": DenseFFN, "routed_bias": BiasedRoutedExperts}
 
 
 class Layer:

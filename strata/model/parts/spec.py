@@ -19,4 +19,6 @@ def layer_spec(cfg: ModelConfig, index: int) -> LayerSpec:
     layers (deepseek2's leading_dense_block_count) gives ffn="dense" below that index, and
     ModelWeights.load reads their ffn_gate / ffn_up / ffn_down; one with sliding-window layers
     names their mixer per index here."""
+    if cfg.arch == "gpt-oss":  # sinks on every layer, the window per index (arch.gpt_oss)
+        return LayerSpec(mixer="sinks", ffn="routed_bias")
     return LayerSpec()

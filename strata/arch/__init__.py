@@ -1,0 +1,1 @@
+"""Per-architecture metadata and tensor tables beyond the shared ones in strata.config."""

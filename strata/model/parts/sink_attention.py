@@ -1,0 +1,120 @@
+"""Attention with sinks over a full or sliding window (gpt-oss): GQAAttention's projections
+(+ biases) and neox RoPE (YaRN tables where the file has them), then each head's softmax over
+its keys and one learned sink logit s_h that takes probability and gives no value:
+
+    p = softmax([q k_j^T * scale for j in window(i)] ++ [s_h]);  out = Σ_j p_j v_j  (sink dropped)
+    window(i) = {j <= i} (full layers), {i - W < j <= i} (sliding layers, W = sliding_window)
+
+then wo and its bias. The KV cache keeps every row on both kinds of layer (a sliding layer reads
+only its last W). In a static step (the decode step's buffers) the attention is torch ops over
+the whole static cache, masked by length and window: no host sync, shapes independent of the
+position, so it captures as CUDA graphs; decode_ops' fused kernel knows neither sinks nor
+windows.
+
+Legend: T tokens, Tk keys, C cache rows, H heads, Hkv kv heads, hd head dim, W window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.arch.gpt_oss import is_sliding
+from strata.config import ModelConfig
+from strata.model.layers import apply_rope
+from strata.model.parts.attention import GQAAttention
+from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
+from strata.model.weights import LayerWeights
+
+_QUERY_BLOCK = 1024  # queries per score matrix [H, block, Tk]: bounds a long prompt's memory
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int,
+                   sinks: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Causal GQA attention with a sink logit per head, queries at positions q_pos0.. over keys
+    0..Tk-1, each query seeing at most its last `window` keys (0: all). float32.
+    q: [T, H, hd]; k, v: [Tk, Hkv, hd]; sinks [H] -> [T, H*hd]"""
+    T, H, hd = q.shape
+    Tk, Hkv = k.shape[:2]
+    kh = k.float().repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, Tk, hd]
+    vh = v.float().repeat_interleave(H // Hkv, 1).transpose(0, 1)
+    key_pos = torch.arange(Tk, device=q.device)[None, :]
+    out = []
+    for a in range(0, T, _QUERY_BLOCK):
+        qb = q[a:a + _QUERY_BLOCK].transpose(0, 1)  # [H, t, hd]
+        q_pos = torch.arange(a, a + qb.shape[1], device=q.device)[:, None] + q_pos0
+        mask = key_pos <= q_pos  # [t, Tk]
+        if window:
+            mask &= key_pos > q_pos - window
+        scores = (qb @ kh.transpose(1, 2)) * scale  # [H, t, Tk]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float()[:, None, None].expand(H, qb.shape[1], 1)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [H, t, Tk]
+        out.append((p @ vh).transpose(0, 1).reshape(-1, H * hd))  # [t, H*hd]
+    return torch.cat(out)
+
+
+def static_sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          length: torch.Tensor, sinks: torch.Tensor, window: int,
+                          scale: float) -> torch.Tensor:
+    """sink_attention of one token at position length-1 over cache rows [0, length) (and within
+    the window), for a length held on the device: the whole cache is read, rows outside
+    masked (their stale values zeroed, so that no NaN of an unwritten row leaks in).
+    q [1, H, hd]; k_cache, v_cache [C, Hkv, hd]; length int64 [1] -> [1, H*hd]"""
+    _, H, hd = q.shape
+    C, Hkv = k_cache.shape[:2]
+    rows = torch.arange(C, device=q.device)
+    keep = rows < length  # [C]
+    if window:
+        keep &= rows >= length - window
+    kh = k_cache.float().repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, C, hd]
+    vh = torch.where(keep[:, None, None], v_cache.float(), 0.0)
+    vh = vh.repeat_interleave(H // Hkv, 1).transpose(0, 1)
+    scores = (q.transpose(0, 1) @ kh.transpose(1, 2)) * scale  # [H, 1, C]
+    scores = torch.where(keep, scores, float("-inf"))
+    p = torch.softmax(torch.cat([scores, sinks.float()[:, None, None]], dim=-1), -1)[..., :-1]
+    return (p @ vh).transpose(0, 1).reshape(1, H * hd)
+
+
+class SinkAttention(GQAAttention):
+    """Attention with sinks: sliding-window on the layers arch.gpt_oss.is_sliding names, full
+    on the others."""
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
+        super().__init__(cfg, lw, layer)
+        self.window = cfg.sliding_window if is_sliding(cfg, layer) else 0
+        self.mscale = 1.0
+        if cfg.rope_yarn is not None:  # the static step's RoPE table carries no mscale
+            from strata.kernels.torch_ops import yarn_inv_freq
+
+            self.mscale = yarn_inv_freq(torch.ones(cfg.rope_dim // 2), cfg.rope_dim,
+                                        cfg.rope_theta, cfg.rope_yarn)[1]
+
+    def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
+        out = super().forward(h, ctx)  # [T, D]
+        return out + self.lw.bo if self.lw.bo is not None else out
+
+    def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              ctx: StaticStep) -> torch.Tensor:
+        """RoPE and the cache store in one launch (q and k scaled by YaRN's mscale first: the
+        rotation is linear), then the masked attention over the static cache."""
+        ops, kv, i = decode_ops(), ctx.kv, self.layer
+        if self.mscale != 1.0:
+            q, k = q * self.mscale, k * self.mscale
+        q = ops.qk_rope_store(q, k, v, None, None, self.eps, ctx.pos, ctx.inv_freq,
+                              self.rope_style, kv.k[i], kv.v[i])
+        return static_sink_attention(q, kv.k[i], kv.v[i], ctx.length, self.lw.sinks,
+                                     self.window, self.scale)
+
+    def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  ctx: Segments) -> torch.Tensor:
+        """Each segment appends its keys and values to its own cache and attends over it."""
+        q, k = (apply_rope(q, ctx.cos, ctx.sin, self.rope_style),
+                apply_rope(k, ctx.cos, ctx.sin, self.rope_style))
+        out, start = [], 0
+        for s in ctx.segments:
+            sl = slice(start, start + s.length)
+            keys, values = s.kv.append(self.layer, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
+            out.append(sink_attention(q[sl], keys, values, s.kv.length, self.lw.sinks,
+                                      self.window, self.scale))
+            start += s.length
+        return torch.cat(out)  # [T, H*hd]
