@@ -23,6 +23,27 @@ def _layer_types(mf: ModelFile, i: int) -> str:
             f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/{t('ffn_down_exps')}")
 
 
+def _window_lines(cfg: ModelConfig) -> list[str]:
+    """Which layers attend over a sliding window and which over everything (gpt-oss)."""
+    if not cfg.sliding_window:
+        return []
+    from strata.arch.gpt_oss import is_sliding
+
+    sliding = [i for i in range(cfg.n_layers) if is_sliding(cfg, i)]
+    full = [i for i in range(cfg.n_layers) if not is_sliding(cfg, i)]
+    return [f"layers       sliding window {cfg.sliding_window}: {_runs(sliding)}; "
+            f"full attention: {_runs(full)}"]
+
+
+def _runs(layers: list[int]) -> str:
+    """0, 2, 4, 6 -> '0-6 step 2'; a short list as it is; none -> 'none'."""
+    if not layers:
+        return "none"
+    if len(layers) > 3 and len({b - a for a, b in zip(layers[:-1], layers[1:], strict=True)}) == 1:
+        return f"{layers[0]}-{layers[-1]} step {layers[1] - layers[0]} ({len(layers)})"
+    return ", ".join(map(str, layers))
+
+
 def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
     expert_bytes = sum(r.info.nbytes for n, r in mf.tensors.items() if "_exps." in n)
     per_token = expert_bytes * cfg.n_experts_used / cfg.n_experts
@@ -36,7 +57,10 @@ def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
         f"hidden {cfg.d_expert}" + (f", shared expert {cfg.d_shared}" if cfg.d_shared else "")
         + f", top-k weights {'renormalized' if cfg.norm_topk else 'as routed'}",
         f"attention    rope {cfg.rope_style} theta {cfg.rope_theta:g}"
-        + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else ""),
+        + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else "")
+        + (f", yarn x{cfg.rope_yarn.factor:g} of {cfg.rope_yarn.orig_ctx}" if cfg.rope_yarn
+           else "") + (", sinks" if cfg.attn_sinks else ""),
+        *_window_lines(cfg),
         f"size         {fmt_bytes(mf.nbytes)}: experts {fmt_bytes(expert_bytes)}, "
         f"dense {fmt_bytes(mf.nbytes - expert_bytes)}; routed expert bytes per token "
         f"{fmt_bytes(per_token)}",

@@ -39,7 +39,7 @@ _TINY = {
     "qwen2moe": Preset("qwen2moe", 3, 256, 4, 4, 64, 6, 2, 256, 1024, 512, d_shared=512),
     "llama": Preset("llama", 3, 256, 4, 2, 64, 4, 2, 512, 1024, 512, rms_eps=1e-5),
     # 4 layers: two sliding (window 16, shorter than the tests' prompts), two full
-    "gpt-oss": Preset("gpt-oss", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 256, context_length=8192,
+    "gpt-oss": Preset("gpt-oss", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 256, context_length=131072,
                       rope_theta=150000.0, rms_eps=1e-5, sliding_window=16, yarn_factor=32.0,
                       yarn_orig_ctx=4096),
 }
