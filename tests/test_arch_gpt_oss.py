@@ -96,7 +96,8 @@ def test_incremental_decode_equals_full_forward(synth):
     model = engine.model
     kv = model.new_cache(len(tokens))
     steps = [model.forward(torch.tensor(tokens[:5]), [Segment(kv, 5)], all_logits=True)]
-    steps += [model.decode(t, kv) for t in tokens[5:]]  # one token at a time, past the window
+    # one token at a time, past the window (the logits of a decode step are its own buffer)
+    steps += [model.decode(t, kv).clone() for t in tokens[5:]]
     step = torch.cat(steps).numpy()
     assert kl_per_position(full, step).max() < 1e-8
     assert (full.argmax(-1) == step.argmax(-1)).all()
@@ -168,3 +169,54 @@ def test_info_shows_windows_and_mxfp4(synth):
     text = "\n".join(describe(mf, ModelConfig.from_model(mf)))
     assert "sliding window 16: 0, 2; full attention: 1, 3" in text and "sinks" in text
     assert "MXFP4/MXFP4/MXFP4" in text and "yarn x32 of 4096" in text
+
+
+# ---- the offload runtime on the CPU (as tests/test_offload.py runs qwen3moe) -------------------
+
+
+@pytest.fixture(scope="module")
+def mxfp4(synth):
+    path = synth("gpt-oss", "MXFP4")
+    tokens = prompt(2)
+    return path, tokens, compute_logits(Engine.load(path), tokens)
+
+
+def offload(path, **kw) -> Engine:
+    from strata.config import EngineConfig
+
+    kw.setdefault("cpu_kernels", "torch")
+    kw.setdefault("kernels", "exact")
+    return Engine.load(path, config=EngineConfig(device="cpu", offload="on", debug=True, **kw))
+
+
+def assert_same(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert kl_per_position(ref, ours).max() < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+# cache: none, one slot in all, a few, every expert of every layer (4 layers x 8)
+@pytest.mark.parametrize("cache", ["0", "1", "5", "32"])
+@pytest.mark.parametrize("miss", ["cpu", "dma"])
+def test_offload_paths_give_reference_logits(mxfp4, cache, miss):
+    path, tokens, ref = mxfp4
+    engine = offload(path, expert_cache=cache, miss=miss, stream_min=1 << 20)
+    assert_same(compute_logits(engine, tokens), ref)
+    st = engine.model.experts.stats
+    assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == len(tokens) * 4 * 2
+    if miss == "cpu" and cache != "32":
+        assert st.cpu.sum() > 0
+
+
+@pytest.mark.parametrize("cpu_kernels", ["torch", "auto"])
+def test_offload_prompt_ring_and_decode(mxfp4, cpu_kernels):
+    """Prompt chunks streamed through the ring, then decode steps on the miss paths; ggml's CPU
+    kernels (auto) leave biased experts to the torch path, which is float32-exact."""
+    path, tokens, ref = mxfp4
+    engine = offload(path, expert_cache="3", stream_min=2, prefill="8", cpu_kernels=cpu_kernels)
+    assert_same(compute_logits(engine, tokens), ref)
+    model = engine.model
+    assert model.step is not None  # the decode step, eager on the CPU: the parts' static paths
+    kv = model.new_cache(len(tokens))
+    steps = [model.forward(torch.tensor(tokens[:18]), [Segment(kv, 18)], all_logits=True)]
+    steps += [model.decode(t, kv).clone() for t in tokens[18:]]
+    assert_same(torch.cat(steps).numpy(), ref)

@@ -138,8 +138,10 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         prefetch=ec.prefetch if dev.type == "cuda" else 0,
         prefetch_auto=auto_prefetch,  # (then it is off without a word where it cannot run)
         debug=ec.debug)
+    # (the ring's grouped banks compute plain SwiGLU: experts with biases stream per buffer)
+    grouped = ec.kernels == "fused" and not cfg.moe_bias
     executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, [staging],
-                              Ring(plan.ring, dev, grouped=ec.kernels == "fused"), options)
+                              Ring(plan.ring, dev, grouped=grouped), options)
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from strata.experts.layout import ExpertLayout
+from strata.kernels.torch_ops import glu
 from strata.quant import DEQUANT_CHUNK_BYTES, DEQUANT_PEAK, dequantize_into
 
 
@@ -73,7 +74,16 @@ def _run_chunk(layout: ExpertLayout, records: torch.Tensor, groups: list[Group],
         wts[j, : len(gr.tokens)] = gr.weights
     idx, wts = idx.to(h.device, non_blocking=True), wts.to(h.device, non_blocking=True)
     x = h[idx]  # [n, M, D]; padding rows read token 0 and get weight 0
-    act = torch.nn.functional.silu(torch.bmm(x, w_gate.transpose(1, 2))) * torch.bmm(
-        x, w_up.transpose(1, 2))  # [n, M, F]
-    y = torch.bmm(act, w_down.transpose(1, 2)) * wts[..., None]  # [n, M, D]
+    b = layout.bias
+    if b is None:
+        act = torch.nn.functional.silu(torch.bmm(x, w_gate.transpose(1, 2))) * torch.bmm(
+            x, w_up.transpose(1, 2))  # [n, M, F]
+        y = torch.bmm(act, w_down.transpose(1, 2)) * wts[..., None]  # [n, M, D]
+    else:  # the experts' biases and activation (gpt-oss)
+        e = torch.tensor([gr.expert for gr in groups])
+        bg, bu, bd = (t[e][:, None].to(h.device, non_blocking=True)
+                      for t in (b.gate, b.up, b.down))  # [n, 1, F], [n, 1, F], [n, 1, D]
+        act = glu(torch.bmm(x, w_gate.transpose(1, 2)) + bg,
+                  torch.bmm(x, w_up.transpose(1, 2)) + bu, b.act)  # [n, M, F]
+        y = (torch.bmm(act, w_down.transpose(1, 2)) + bd) * wts[..., None]  # [n, M, D]
     out.index_add_(0, idx.flatten(), y.reshape(-1, D))

@@ -51,7 +51,7 @@ class CpuPool:
     def run_records(self, lay: ExpertLayout, records: list[torch.Tensor], groups: list[Group],
                     h: torch.Tensor, out: torch.Tensor) -> None:
         """The same for experts in any host records (arena rows, or cache slots on the CPU)."""
-        if self.kernels is None:
+        if self.kernels is None or lay.bias is not None:  # (ggml's graph: plain SwiGLU only)
             run_records(lay, torch.stack(records), groups, h, out, self.workspace_bytes)
             return
         from strata.kernels.cpu import ExpertJob

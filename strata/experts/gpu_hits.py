@@ -39,7 +39,9 @@ class FusedHits:
         if self.on:
             from strata.kernels.gpu import has_fused
 
-            self.covered = [all(has_fused(q) for q in lay.qtypes) for lay in layouts]
+            # (experts with biases, gpt-oss: the fused kernels compute plain SwiGLU only)
+            self.covered = [all(has_fused(q) for q in lay.qtypes) and lay.bias is None
+                            for lay in layouts]
             missing = [lay.layer for lay, c in zip(layouts, self.covered, strict=True) if not c]
             if missing:
                 log.info("fused MoE kernels cover %d of %d layers; layers %s dequantize first",

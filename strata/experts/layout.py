@@ -11,7 +11,7 @@ written into them, never from an assumed uniform format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,9 @@ class ExpertLayout:
     qtypes: tuple[int, int, int]  # gate, up, down
     d_model: int
     d_expert: int
+    # the experts' biases and activation (weights.ExpertBias: gpt-oss), float32 on the host;
+    # every path that computes from records adds them (compute.run_records); None: plain SwiGLU
+    bias: object | None = field(default=None, compare=False)
 
     @property
     def part_nbytes(self) -> tuple[int, int, int]:
@@ -58,8 +61,11 @@ class ExpertLayout:
 
 
 def expert_layouts(mf: ModelFile, cfg: ModelConfig) -> list[ExpertLayout]:
+    from strata.model.weights import expert_bias
+
     out = []
     for i in range(cfg.n_layers):
         q = tuple(mf.tensors[f"blk.{i}.ffn_{w}_exps.weight"].qtype for w in ("gate", "up", "down"))
-        out.append(ExpertLayout(i, q, cfg.d_model, cfg.d_expert))
+        bias = expert_bias(mf, cfg, i, torch.device("cpu"))
+        out.append(ExpertLayout(i, q, cfg.d_model, cfg.d_expert, bias))
     return out
