@@ -103,7 +103,36 @@ def test_incremental_decode_equals_full_forward(synth):
     assert (full.argmax(-1) == step.argmax(-1)).all()
 
 
+def test_harmony_template_renders_with_reasoning_effort(synth):
+    engine = Engine.load(synth("gpt-oss", "MXFP4"))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+            {"role": "user", "content": "Again"}]
+    text = engine.chat.render(msgs, True, reasoning_effort="high")
+    assert "Reasoning: high" in text and text.endswith("<|start|>assistant")
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.<|end|>" in text
+    assert "<|start|>assistant<|channel|>final<|message|>Hello.<|end|>" in text
+    assert "Reasoning: medium" in engine.chat.render(msgs[:2], True)  # the template's default
+    ids = engine.chat.encode(msgs[:2], True, reasoning_effort="low")
+    tok = engine.tokenizer
+    assert ids[0] == tok.token_id("<|start|>") and tok.decode(ids).endswith("<|start|>assistant")
+    assert ids.count(tok.token_id("<|message|>")) == 3  # system, developer, user: one token each
+    assert tok.eos_id == tok.token_id("<|return|>")
+    # generation stops at <|return|> and <|call|>, not at the <|end|> of an analysis message
+    assert {tok.token_id("<|return|>"), tok.token_id("<|call|>")} <= tok.stop_ids
+    assert tok.token_id("<|end|>") not in tok.stop_ids
+
+
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+
+def test_gpt4o_pre_tokenizer_matches_llama_cpp(synth):
+    path = synth("gpt-oss", "MXFP4")
+    text = ("Hello World's HTTPServer isn't 12345 tokens; CamelCaseWords\n\n  don't "
+            "ÉCOLE été 3.14159/2  \tend")
+    theirs = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(
+        text.encode(), add_bos=False, special=False)
+    assert Engine.load(path).tokenizer.encode(text) == theirs
 
 
 def llama_logits(path, tokens: list[int]) -> np.ndarray:

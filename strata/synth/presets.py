@@ -30,7 +30,7 @@ class Preset:
 
     @property
     def vocab_kind(self) -> str:
-        return "mistral" if self.arch == "llama" else "qwen"
+        return {"llama": "mistral", "gpt-oss": "harmony"}.get(self.arch, "qwen")
 
 
 # tiny: every row length a multiple of 256 so every block type applies; runs in seconds on a CPU.

@@ -28,6 +28,13 @@ _QWEN35 = (
     + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
     + r"|\s+(?!\S)|\s+"
 )
+# o200k (gpt-4o, gpt-oss): tokenizer.json's regex, which llama.cpp rewrites for its own engine
+_CASED = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CASED
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CASED
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # What llama.cpp uses when `tokenizer.ggml.pre` is missing or "default": GPT-2's regex between a
 # punctuation split and two digit splits.
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -54,6 +61,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "deepseek-r1-qwen": _QWEN2_PRE,
     "megrez": _QWEN2_PRE,
     "qwen35": PreTokenizer((_QWEN35,)),
+    "gpt-4o": PreTokenizer((_GPT4O,)),
 }
 
 

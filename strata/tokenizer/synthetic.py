@@ -50,6 +50,41 @@ QWEN_TEMPLATE = """\
 {%- endif %}
 """
 
+# gpt-oss's harmony format, in the shape of its own template: a system message that states the
+# reasoning effort (reasoning_effort, default medium), the request's system message as the
+# developer's instructions, past assistant turns on the final channel (their reasoning, where
+# given, on the analysis channel of the last one), tool results from functions.NAME
+HARMONY_TEMPLATE = """\
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort
+    else 'medium' %}
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n' }}
+{{- 'Knowledge cutoff: 2024-06\\n\\nReasoning: ' + effort + '\\n\\n' }}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every '
+    'message.<|end|>' }}
+{%- for message in messages %}
+    {%- if message.role == 'system' or message.role == 'developer' %}
+        {{- '<|start|>developer<|message|># Instructions\\n\\n' + message.content + '<|end|>' }}
+    {%- elif message.role == 'user' %}
+        {{- '<|start|>user<|message|>' + message.content + '<|end|>' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set thinking = message.thinking or message.reasoning_content %}
+        {%- if thinking and loop.last %}
+            {{- '<|start|>assistant<|channel|>analysis<|message|>' + thinking + '<|end|>' }}
+        {%- endif %}
+        {{- '<|start|>assistant<|channel|>final<|message|>' + (message.content or '')
+            + '<|end|>' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|start|>functions.' + (message.name or 'tool') + ' to=assistant<|channel|>'
+            'commentary<|message|>' + message.content + '<|end|>' }}
+    {%- else %}
+        {{- raise_exception('Unsupported role: ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start|>assistant' }}
+{%- endif %}
+"""
+
 MISTRAL_TEMPLATE = """\
 {%- if messages and messages[0].role == 'system' %}
     {%- set system = messages[0].content %}
@@ -123,7 +158,10 @@ def synthetic_vocab(kind: str, n_vocab: int) -> SyntheticVocab:
         return _qwen(n_vocab)
     if kind == "mistral":
         return _mistral(n_vocab)
-    raise ValueError(f"unknown synthetic vocabulary kind {kind!r} (known: qwen, mistral)")
+    if kind == "harmony":
+        return _harmony(n_vocab)
+    raise ValueError(f"unknown synthetic vocabulary kind {kind!r} (known: qwen, mistral, "
+                     "harmony)")
 
 
 def _learn_merges(pre: pre_tokenizers.PreTokenizer, alphabet: list[str], texts: list[str],
@@ -186,4 +224,27 @@ def _mistral(n_vocab: int) -> SyntheticVocab:
         model="llama", pre=None, tokens=tokens, token_types=types, merges=[], scores=scores,
         bos_id=1, eos_id=2, eot_id=None, pad_id=None, add_bos=True,
         chat_template=MISTRAL_TEMPLATE,
+    )  # fmt: skip
+
+
+def _harmony(n_vocab: int) -> SyntheticVocab:
+    """gpt-oss's layout: byte-level BPE, pre "gpt-4o", harmony's control tokens; generation
+    ends at <|return|> (eos; llama.cpp also stops at <|call|>, a tool call)."""
+    alphabet = byte_alphabet()
+    specials = [(t, CONTROL) for t in ("<|startoftext|>", "<|endoftext|>", "<|return|>",
+                                        "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                                        "<|message|>", "<|call|>")]
+    base = len(alphabet) + len(specials)
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZERS["gpt-4o"].regexes[0]), behavior="isolated")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    merges = _learn_merges(pre_tokenizers.Sequence([split, byte_level]), alphabet, [CORPUS],
+                           n_vocab - base)
+    tokens = alphabet + [left + right for left, right in merges] + [t for t, _ in specials]
+    types = [NORMAL] * (len(tokens) - len(specials)) + [kind for _, kind in specials]
+    _pad(tokens, types, n_vocab, base, "harmony")
+    return SyntheticVocab(
+        model="gpt2", pre="gpt-4o", tokens=tokens, token_types=types,
+        merges=[f"{left} {right}" for left, right in merges], scores=None,
+        bos_id=tokens.index("<|startoftext|>"), eos_id=tokens.index("<|return|>"), eot_id=None,
+        pad_id=tokens.index("<|endoftext|>"), add_bos=False, chat_template=HARMONY_TEMPLATE,
     )  # fmt: skip

@@ -155,6 +155,10 @@ class Tokenizer:
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         stops = {eos, token_id("eot_token_id"), token_id("eom_token_id")}
         stops |= {vocab[t] for t in END_OF_TURN_TEXTS if t in vocab}
+        if "<|return|>" in vocab and "<|call|>" in vocab and "<|end|>" in vocab:
+            # harmony (gpt-oss): <|end|> closes a message (the analysis before the final one),
+            # not the turn; llama.cpp drops it from its end-of-generation set the same way
+            stops.discard(vocab["<|end|>"])
         stops.discard(None)
         return cls(backend, tokens, types, byte_level=model == "gpt2", space_prefix=space_prefix,
                    bos_id=bos, eos_id=eos, stop_ids=frozenset(stops), add_bos=add_bos)  # fmt: skip
