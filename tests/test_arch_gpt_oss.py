@@ -1,12 +1,14 @@
 """gpt-oss against references nobody here wrote: HF transformers' GptOss built from the same
 dequantized weights, and llama.cpp (llama-cpp-python) reading the same file; incremental decode
-against a full forward; the prompts run past the tiny preset's sliding window (16 tokens).
+against a full forward; the offload runtime's paths and the decode step against the reference.
+Prompts run past the tiny preset's sliding window (16 tokens).
 
-llama.cpp rounds activations inside its dot products (to f16 for F16 weights, to 8 bits for
-MXFP4 / Q8_0), so a token whose router has a near-tie between its K-th and (K+1)-th expert may
-route differently there, which is neither engine's error (one such flip moves a position's KL to
-~0.3). The llama.cpp tests therefore run a prompt whose every routing has a clear margin on the
-reference path (chosen by seed below), and hold the rest to the bounds.
+llama.cpp runs with its attention in float32 here (an F32 KV cache, no flash attention), as
+Strata's reference path does: with its default f16 cache, one prompt in a few moves by a KL of
+~0.3 at some position, on F16 files too. It still rounds activations to 8 bits (q8_0) inside
+its MXFP4 dot products; on this model (the clamped SwiGLU's activations reach tens) that moves
+logits past test_llama_cpp's quantized bound, so the MXFP4 test rounds Strata's expert inputs
+the same way (q8_0, as ggml's quantize_row_q8_0) and holds the result to the F16 bound.
 """
 
 from __future__ import annotations
@@ -29,37 +31,6 @@ N_TOKENS = 40  # > 2 x the tiny preset's window of 16
 
 def prompt(seed: int, n: int = N_TOKENS, vocab: int = 1024) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
-
-
-def routing_margin(engine: Engine, tokens: list[int]) -> float:
-    """The smallest gap, over every routed layer and token, between the K-th and (K+1)-th
-    router logit (biases included) on the reference path."""
-    gaps = []
-    model = engine.model
-
-    def hook(layer, r, router, k, norm_topk):
-        bias = model.layers[layer].ffn.lw.router_bias
-        top = (r.h @ router.T + bias).topk(k + 1, dim=-1).values  # [T, K+1]
-        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
-        return r
-
-    for layer in model.layers:
-        layer.ffn.hook = hook
-    try:
-        compute_logits(engine, tokens)
-    finally:
-        for layer in model.layers:
-            layer.ffn.hook = None
-    return min(gaps)
-
-
-def clear_prompt(engine: Engine, margin: float, n: int = 20) -> list[int]:
-    """The first prompt of n tokens (past the window) whose every routing has this margin."""
-    for seed in range(200):
-        tokens = prompt(seed, n)
-        if routing_margin(engine, tokens) > margin:
-            return tokens
-    raise AssertionError(f"no prompt routes with a margin of {margin}")
 
 
 def test_config_reads_what_llama_cpp_reads(synth):
@@ -123,9 +94,14 @@ def test_harmony_template_renders_with_reasoning_effort(synth):
     assert tok.token_id("<|end|>") not in tok.stop_ids
 
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+try:
+    import llama_cpp
+except ImportError:  # (the tests below it skip; the rest of the file runs)
+    llama_cpp = None
+needs_llama = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed")
 
 
+@needs_llama
 def test_gpt4o_pre_tokenizer_matches_llama_cpp(synth):
     path = synth("gpt-oss", "MXFP4")
     text = ("Hello World's HTTPServer isn't 12345 tokens; CamelCaseWords\n\n  don't "
@@ -136,70 +112,53 @@ def test_gpt4o_pre_tokenizer_matches_llama_cpp(synth):
 
 
 def llama_logits(path, tokens: list[int]) -> np.ndarray:
-    model = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+    model = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False,
+                            type_k=0, type_v=0, flash_attn=False)  # (0: GGML_TYPE_F32)
     model.eval(tokens)
     out = np.array(model.scores[: len(tokens)], dtype=np.float32)
     model.close()
     return out
 
 
-def test_float32_matches_llama_cpp_on_any_prompt(synth):
-    path = synth("gpt-oss", "F32")  # llama.cpp computes in float32 too: no margin needed
+@needs_llama
+@pytest.mark.parametrize("recipe", ["F32", "F16"])
+def test_float_weights_match_llama_cpp(synth, recipe):
+    path = synth("gpt-oss", recipe)
     tokens = prompt(0)
     ours = compute_logits(Engine.load(path), tokens)
     theirs = llama_logits(path, tokens)
-    assert kl_per_position(theirs, ours).max() < 1e-4
+    assert kl_per_position(theirs, ours).max() < (1e-4 if recipe == "F32" else 1e-3)
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
-def test_f16_matches_llama_cpp(synth):
-    path = synth("gpt-oss", "F16")
-    engine = Engine.load(path)
-    tokens = clear_prompt(engine, 0.01)  # f16 rounding: measured to matter below ~0.002
-    ours = compute_logits(engine, tokens)
+def q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as ggml's quantize_row_q8_0 does (32 values a block, d = amax / 127 kept in
+    f16, codes rounded half away from zero), back to float32."""
+    b = x.reshape(-1, 32)
+    d = b.abs().amax(1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.sign(b * inv) * torch.floor((b * inv).abs() + 0.5)
+    return (codes * d.half().float()).reshape(x.shape)
+
+
+@needs_llama
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mxfp4_experts_match_llama_cpp(synth, monkeypatch, seed):
+    import strata.experts.reference as reference
+    from strata.kernels.torch_ops import glu
+
+    def rounded_mlp(h, w_gate, w_up, w_down, b_gate, b_up, b_down, act):  # noqa: ANN001, ANN202
+        x = q8_0(h)
+        return q8_0(glu(x @ w_gate.T + b_gate, x @ w_up.T + b_up, act)) @ w_down.T + b_down
+
+    # MXFP4 experts, the rest F32 (MXFP4's recipe puts attention at Q8_0: more rounding)
+    path = synth("gpt-oss", "F32,blk.*.ffn_*_exps.weight=MXFP4")
+    monkeypatch.setattr(reference, "expert_mlp", rounded_mlp)
+    tokens = prompt(seed)
+    ours = compute_logits(Engine.load(path), tokens)
     theirs = llama_logits(path, tokens)
     assert kl_per_position(theirs, ours).max() < 1e-3
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
-
-
-def test_mxfp4_experts_match_llama_cpp(synth):
-    # MXFP4 experts, the rest F32 (MXFP4's recipe puts attention at Q8_0, which adds its own
-    # 8-bit rounding of the activations and so more near-ties)
-    path = synth("gpt-oss", "F32,blk.*.ffn_*_exps.weight=MXFP4")
-    engine = Engine.load(path)
-    tokens = clear_prompt(engine, 0.025)
-    ours = compute_logits(engine, tokens)
-    theirs = llama_logits(path, tokens)
-    kl = kl_per_position(theirs, ours)
-    assert kl.mean() < 2e-2 and kl.max() < 1e-1, kl  # test_llama_cpp's quantized bound
-    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.75
-
-
-@pytest.mark.parametrize("preset,experts", [("gpt-oss-20b", 32), ("gpt-oss-120b", 128)])
-def test_real_shapes_plan_with_fewer_layers(preset, experts):
-    from dataclasses import replace
-
-    from strata.synth.presets import get_preset
-    from strata.synth.recipes import Recipe
-    from strata.synth.writer import config_of, plan_tensors
-
-    p = replace(get_preset(preset, "gpt-oss"), n_layers=2)
-    planned = {t.name: t for t in plan_tensors(p, Recipe("MXFP4"))}
-    assert planned["blk.1.ffn_gate_exps.weight"].shape == (experts, 2880, 2880)
-    assert planned["blk.1.ffn_gate_exps.weight"].qtype == QType.MXFP4  # 2880 = 90 blocks of 32
-    assert planned["blk.1.ffn_gate_exps.bias"].qtype == QType.F32
-    assert config_of(p).sliding_window == 128 and "blk.2.attn_q.weight" not in planned
-
-
-def test_info_shows_windows_and_mxfp4(synth):
-    from strata.cli.info import describe
-
-    mf = open_model(synth("gpt-oss", "MXFP4"))
-    text = "\n".join(describe(mf, ModelConfig.from_model(mf)))
-    assert "sliding window 16: 0, 2; full attention: 1, 3" in text and "sinks" in text
-    assert "MXFP4/MXFP4/MXFP4" in text and "yarn x32 of 4096" in text
-
-
 # ---- the offload runtime on the CPU (as tests/test_offload.py runs qwen3moe) -------------------
 
 
@@ -210,12 +169,12 @@ def mxfp4(synth):
     return path, tokens, compute_logits(Engine.load(path), tokens)
 
 
-def offload(path, **kw) -> Engine:
+def offload(path, device: str = "cpu", **kw) -> Engine:
     from strata.config import EngineConfig
 
     kw.setdefault("cpu_kernels", "torch")
     kw.setdefault("kernels", "exact")
-    return Engine.load(path, config=EngineConfig(device="cpu", offload="on", debug=True, **kw))
+    return Engine.load(path, config=EngineConfig(device=device, offload="on", debug=True, **kw))
 
 
 def assert_same(ours: np.ndarray, ref: np.ndarray) -> None:
@@ -249,3 +208,54 @@ def test_offload_prompt_ring_and_decode(mxfp4, cpu_kernels):
     steps = [model.forward(torch.tensor(tokens[:18]), [Segment(kv, 18)], all_logits=True)]
     steps += [model.decode(t, kv).clone() for t in tokens[18:]]
     assert_same(torch.cat(steps).numpy(), ref)
+
+
+# ---- the decode step's static paths (eager on the CPU, CUDA graphs on a GPU) ------------------
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_static_sink_attention_equals_reference(device, window):
+    """Over a cache whose rows past the length are garbage (NaN), for lengths below, at and past
+    the window."""
+    from strata.model.parts.sink_attention import sink_attention, static_sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    C, H, Hkv, hd = 37, 4, 2, 16
+    q = torch.randn(1, H, hd, generator=g).to(device)
+    k, v = (torch.randn(C, Hkv, hd, generator=g).to(device) for _ in range(2))
+    sinks = torch.randn(H, generator=g).to(device)
+    for n in (1, 4, 5, 6, 23):
+        kc, vc = k.clone(), v.clone()
+        kc[n:], vc[n:] = float("nan"), float("nan")
+        length = torch.tensor([n], device=device)
+        ours = static_sink_attention(q, kc, vc, length, sinks, window, hd ** -0.5)
+        ref = sink_attention(q, k[:n], v[:n], n - 1, sinks, window, hd ** -0.5)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache", ["0", "5", "32"])  # 4 layers x 8 experts: none, some, all
+@pytest.mark.parametrize("miss", ["cpu", "dma"])
+def test_decode_step_gives_reference_logits(mxfp4, cache, miss, device):
+    path, tokens, ref = mxfp4
+    engine = offload(path, device=device, expert_cache=cache, miss=miss)
+    step = engine.model.step
+    assert step is not None and step.graphs == (device == "cuda")
+    kv = engine.model.new_cache(len(tokens))
+    engine.run_prompt(tokens[:4], kv)
+    out = [engine.model.decode(t, kv).float().cpu().numpy().copy() for t in tokens[4:]]
+    assert_same(np.concatenate(out), ref[4:])  # 36 steps, past the window of 16
+    if device == "cuda":
+        assert not step._failed and step._captured is not None
+
+
+def test_routing_trace_and_pin_see_the_router_bias(mxfp4):
+    from strata.model.parts.routing import RoutingPin, RoutingTrace, attach
+
+    path, tokens, ref = mxfp4
+    engine = Engine.load(path)
+    trace = RoutingTrace()
+    with attach(engine.model, trace):
+        assert_same(compute_logits(engine, tokens), ref)
+    assert min(m.min() for m in trace.margins().values()) >= 0
+    with attach(engine.model, RoutingPin(trace.ids())):
+        assert_same(compute_logits(engine, tokens), ref)

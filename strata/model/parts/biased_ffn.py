@@ -1,7 +1,9 @@
 """Routed experts with a biased router (gpt-oss): logits = h router^T + b, the top K of them,
 softmax over those K (llama.cpp's SOFTMAX_WEIGHT gating; the same weights as a softmax over all
 E renormalized over the top K). The experts' own biases and activation travel with the layer's
-expert weights (weights.ExpertBias), so every executor path computes the same expert.
+expert weights (weights.ExpertBias), so every executor path computes the same expert. A
+routing hook (strata check's trace or pin: parts/routing.py) sees the bias as one more router
+column over [h, 1], so its probabilities are the layer's.
 
 Legend: T tokens, D hidden, E experts, K used a token.
 """
@@ -33,6 +35,10 @@ class BiasedRoutedExperts(RoutedExperts):
             ids, wts = ops.route_topk(logits, self.k, True, counts=ctx.counts(self.layer))
         else:
             ids, wts = route_biased(h, lw.router, lw.router_bias, self.k)
-        if self.hook is not None:
-            return self.hook(self.layer, Routing(h, ids, wts), lw.router, self.k, True)
+        if self.hook is not None:  # (strata check) the bias as a router column over [h, 1]
+            one = torch.ones(h.shape[0], 1, dtype=h.dtype, device=h.device)
+            router = torch.cat([lw.router, lw.router_bias[:, None]], dim=1)  # [E, D + 1]
+            r = self.hook(self.layer, Routing(torch.cat([h, one], 1), ids, wts), router,
+                          self.k, True)
+            return Routing(h, r.ids, r.wts)
         return Routing(h, ids, wts)

@@ -25,7 +25,9 @@ from strata.model.parts.attention import GQAAttention
 from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
 from strata.model.weights import LayerWeights
 
-_QUERY_BLOCK = 1024  # queries per score matrix [H, block, Tk]: bounds a long prompt's memory
+# the float32 score matrix [H, block, Tk] of a prompt chunk is held to this many bytes (a block
+# of queries at a time): 64 heads over 8k keys take 2 MiB a query
+_SCORE_BYTES = 256 << 20
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int,
@@ -38,9 +40,9 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: in
     kh = k.float().repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, Tk, hd]
     vh = v.float().repeat_interleave(H // Hkv, 1).transpose(0, 1)
     key_pos = torch.arange(Tk, device=q.device)[None, :]
-    out = []
-    for a in range(0, T, _QUERY_BLOCK):
-        qb = q[a:a + _QUERY_BLOCK].transpose(0, 1)  # [H, t, hd]
+    out, block = [], max(1, _SCORE_BYTES // (4 * H * max(Tk, 1)))
+    for a in range(0, T, block):
+        qb = q[a:a + block].transpose(0, 1)  # [H, t, hd]
         q_pos = torch.arange(a, a + qb.shape[1], device=q.device)[:, None] + q_pos0
         mask = key_pos <= q_pos  # [t, Tk]
         if window:
