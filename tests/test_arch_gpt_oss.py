@@ -259,3 +259,24 @@ def test_routing_trace_and_pin_see_the_router_bias(mxfp4):
     assert min(m.min() for m in trace.margins().values()) >= 0
     with attach(engine.model, RoutingPin(trace.ids())):
         assert_same(compute_logits(engine, tokens), ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("cache", ["3", "32"])
+def test_cuda_fused_kernels_and_graphs_within_rounding(mxfp4, kv_type, cache):
+    """--kernels fused on CUDA: the dense weights' fused kernels, the experts' torch paths (no
+    fused MoE kernel has biases), decode steps captured as CUDA graphs over the static cache
+    (f16: rounded keys and values): the logits move by rounding, not more."""
+    path, tokens, ref = mxfp4
+    engine = offload(path, "cuda", expert_cache=cache, kv_type=kv_type, kernels="fused")
+    step = engine.model.step
+    assert step is not None and step.graphs
+    kv = engine.model.new_cache(len(tokens))
+    engine.run_prompt(tokens[:4], kv)
+    out = np.concatenate([engine.model.decode(t, kv).float().cpu().numpy().copy()
+                          for t in tokens[4:]])
+    kl = kl_per_position(ref[4:], out)
+    assert kl.max() < 2e-3, kl
+    assert (out.argmax(-1) == ref[4:].argmax(-1)).mean() >= 0.9
+    assert not step._failed and step.steps["replayed"] >= len(tokens) - 5
