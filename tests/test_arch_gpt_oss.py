@@ -280,3 +280,20 @@ def test_cuda_fused_kernels_and_graphs_within_rounding(mxfp4, kv_type, cache):
     assert kl.max() < 2e-3, kl
     assert (out.argmax(-1) == ref[4:].argmax(-1)).mean() >= 0.9
     assert not step._failed and step.steps["replayed"] >= len(tokens) - 5
+
+
+@pytest.mark.parametrize("meta,shapes,says", [
+    ({"gpt-oss.rope.scaling.type": "linear"}, {}, "gpt-oss.rope.scaling.type is 'linear'"),
+    ({"gpt-oss.attention.sliding_window": None}, {}, "gpt-oss.attention.sliding_window"),
+    ({}, {"blk.1.ffn_up_exps.bias": [128, 16]}, "tensor blk.1.ffn_up_exps.bias has shape"),
+])
+def test_bad_gpt_oss_files_are_refused_in_one_line(synth, tmp_path, meta, shapes, says):
+    from gguf_edit import rewrite
+
+    from strata.errors import StrataError
+
+    bad = rewrite(synth("gpt-oss", "F16"), tmp_path / "bad.gguf", meta=meta,
+                  tensor_shapes=shapes)
+    with pytest.raises(StrataError) as err:
+        ModelConfig.from_model(open_model(bad))
+    assert says in str(err.value) and "\n" not in str(err.value)
