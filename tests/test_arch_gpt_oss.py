@@ -195,12 +195,10 @@ def test_offload_paths_give_reference_logits(mxfp4, cache, miss):
         assert st.cpu.sum() > 0
 
 
-@pytest.mark.parametrize("cpu_kernels", ["torch", "auto"])
-def test_offload_prompt_ring_and_decode(mxfp4, cpu_kernels):
-    """Prompt chunks streamed through the ring, then decode steps on the miss paths; ggml's CPU
-    kernels (auto) leave biased experts to the torch path, which is float32-exact."""
+def test_offload_prompt_ring_and_decode(mxfp4):
+    """Prompt chunks streamed through the ring, then decode steps on the miss paths."""
     path, tokens, ref = mxfp4
-    engine = offload(path, expert_cache="3", stream_min=2, prefill="8", cpu_kernels=cpu_kernels)
+    engine = offload(path, expert_cache="3", stream_min=2, prefill="8")
     assert_same(compute_logits(engine, tokens), ref)
     model = engine.model
     assert model.step is not None  # the decode step, eager on the CPU: the parts' static paths
@@ -208,6 +206,29 @@ def test_offload_prompt_ring_and_decode(mxfp4, cpu_kernels):
     steps = [model.forward(torch.tensor(tokens[:18]), [Segment(kv, 18)], all_logits=True)]
     steps += [model.decode(t, kv).clone() for t in tokens[18:]]
     assert_same(torch.cat(steps).numpy(), ref)
+
+
+def test_ggml_cpu_misses_with_biases(synth, monkeypatch):
+    """ggml's CPU kernels run the biased experts (add, swiglu_oai) on q8_0-rounded inputs (its
+    MXFP4 dot products' partner): equal to the reference with that rounding (q8_0 above)."""
+    pytest.importorskip("ggml", reason="ggml-python not installed")
+    import strata.experts.reference as reference
+    from strata.kernels.torch_ops import glu
+
+    def rounded_mlp(h, w_gate, w_up, w_down, b_gate, b_up, b_down, act):  # noqa: ANN001, ANN202
+        x = q8_0(h)
+        return q8_0(glu(x @ w_gate.T + b_gate, x @ w_up.T + b_up, act)) @ w_down.T + b_down
+
+    path = synth("gpt-oss", "F32,blk.*.ffn_*_exps.weight=MXFP4")
+    tokens = prompt(3)
+    engine = offload(path, expert_cache="0", miss="cpu", cpu_kernels="ggml", stream_min=1 << 20)
+    assert engine.model.experts.pool.kind == "ggml"
+    ours = compute_logits(engine, tokens)
+    assert engine.model.experts.stats.cpu.sum() == len(tokens) * 4 * 2
+    monkeypatch.setattr(reference, "expert_mlp", rounded_mlp)
+    ref = compute_logits(Engine.load(path), tokens)
+    assert kl_per_position(ref, ours).max() < 1e-3
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
 # ---- the decode step's static paths (eager on the CPU, CUDA graphs on a GPU) ------------------
@@ -288,9 +309,9 @@ def test_cuda_fused_kernels_and_graphs_within_rounding(mxfp4, kv_type, cache):
     ({}, {"blk.1.ffn_up_exps.bias": [128, 16]}, "tensor blk.1.ffn_up_exps.bias has shape"),
 ])
 def test_bad_gpt_oss_files_are_refused_in_one_line(synth, tmp_path, meta, shapes, says):
-    from gguf_edit import rewrite
-
     from strata.errors import StrataError
+
+    from gguf_edit import rewrite
 
     bad = rewrite(synth("gpt-oss", "F16"), tmp_path / "bad.gguf", meta=meta,
                   tensor_shapes=shapes)

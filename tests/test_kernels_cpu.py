@@ -290,3 +290,21 @@ def test_pool_threads_follow_the_affinity_mask_and_the_load(monkeypatch) -> None
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
     assert cpu_pool.default_threads() == 55
+
+
+def test_biased_experts(backend) -> None:
+    # gpt-oss's experts: biases on gate, up and down and the clamped SwiGLU, in arena records
+    # (one group) and one job alone; activations large enough that the clamps bite
+    rng, seed = fresh_rng()
+    q = (QType.MXFP4, QType.MXFP4, QType.MXFP4)
+    experts = arena(rng, q, 4)
+    h = torch.from_numpy(rng.normal(scale=30.0, size=(5, D)).astype(np.float32))
+
+    def biased(mats, tokens: list[int]) -> ExpertJob:
+        j = job(mats, q, tokens, rng)
+        b = tuple(torch.from_numpy(rng.normal(size=n).astype(np.float32)) for n in (F, F, D))
+        return ExpertJob(j.gate, j.up, j.down, j.qtypes, j.tokens, j.weights, b, "swiglu_oai")
+
+    check(backend, h, [biased(experts[2], [1]), biased(experts[0], [0, 1, 4]),
+                       biased(experts[3], list(range(5)))], seed)
+    check(backend, h, [biased(experts[1], [2, 3])], seed)

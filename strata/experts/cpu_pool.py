@@ -51,13 +51,15 @@ class CpuPool:
     def run_records(self, lay: ExpertLayout, records: list[torch.Tensor], groups: list[Group],
                     h: torch.Tensor, out: torch.Tensor) -> None:
         """The same for experts in any host records (arena rows, or cache slots on the CPU)."""
-        if self.kernels is None or lay.bias is not None:  # (ggml's graph: plain SwiGLU only)
+        if self.kernels is None:
             run_records(lay, torch.stack(records), groups, h, out, self.workspace_bytes)
             return
         from strata.kernels.cpu import ExpertJob
 
-        jobs = []
+        jobs, b = [], lay.bias  # (b: the experts' biases and activation, gpt-oss)
         for g, rec in zip(groups, records, strict=True):
             gate, up, down = lay.views(rec)
-            jobs.append(ExpertJob(gate, up, down, lay.qtypes, g.tokens, g.weights))
+            bias = None if b is None else (b.gate[g.expert], b.up[g.expert], b.down[g.expert])
+            jobs.append(ExpertJob(gate, up, down, lay.qtypes, g.tokens, g.weights, bias,
+                                  "swiglu" if b is None else b.act))
         self.kernels.run(h, jobs, out)

@@ -79,6 +79,12 @@ class GgmlExperts:
                 graph.point_weights(gi, part, g.bases[part], g.strides[part])
             if g.slots is not None:  # else every id is 0, as the buffer was made
                 ids[:, r:r + g.shape.rows] = g.slots
+            if g.shape.oai:  # each row's expert biases
+                counts = [j.tokens.shape[0] for j in g.jobs]
+                for part, buf in enumerate(graph.biases[gi]):
+                    rows = torch.stack([j.bias[part] for j in g.jobs])  # [k, F or D]
+                    buf.copy_(rows if len(counts) == sum(counts)
+                              else rows.repeat_interleave(torch.tensor(counts), 0))
             r += g.shape.rows
         graph.compute()
         out.index_add_(0, tokens, graph.out)
@@ -117,9 +123,9 @@ class GgmlExperts:
         rest = []
         for job in jobs:
             if job.tokens.shape[0]:
-                by_sig[(job.qtypes, job.gate.shape[0])].append(job)
+                by_sig[(job.qtypes, job.gate.shape[0], job.act)].append(job)
         groups = []
-        for (qtypes, f), group in by_sig.items():
+        for (qtypes, f, act), group in by_sig.items():
             if not all(supported(q) for q in qtypes):
                 rest += group
                 if qtypes not in self._warned:
@@ -127,11 +133,12 @@ class GgmlExperts:
                     log.warning("ggml lacks one of the types %s: those experts run on torch",
                                 qtypes)
                 continue
-            g = _group(qtypes, d_model, f, group)
+            oai = act == "swiglu_oai"
+            g = _group(qtypes, d_model, f, group, oai)
             if g is not None:
                 groups.append(g)
             else:  # matrices not evenly spaced (separate buffers): one group per job
-                groups += [_group(qtypes, d_model, f, [job]) for job in group]
+                groups += [_group(qtypes, d_model, f, [job], oai) for job in group]
         return groups, rest
 
     def _graph(self, key: tuple[GroupShape, ...]) -> ExpertGraph:
@@ -159,13 +166,13 @@ def _address(raw: Raw) -> int:
     return raw.__array_interface__["data"][0]
 
 
-def _group(qtypes: tuple[int, int, int], d_model: int, f: int,
-           jobs: list[ExpertJob]) -> _Group | None:
+def _group(qtypes: tuple[int, int, int], d_model: int, f: int, jobs: list[ExpertJob],
+           oai: bool = False) -> _Group | None:
     """Slots of each job's gate/up/down in one strided tensor per part; None if too spread."""
     rows = sum(j.tokens.shape[0] for j in jobs)
     if len(jobs) == 1:  # one expert: slot 0 of a one-slot tensor
         j = jobs[0]
-        shape = GroupShape(qtypes, d_model, f, (1, 1, 1), rows)
+        shape = GroupShape(qtypes, d_model, f, (1, 1, 1), rows, oai)
         bases = (_address(j.gate), _address(j.up), _address(j.down))
         return _Group(shape, jobs, bases, (j.gate.nbytes, j.up.nbytes, j.down.nbytes), None)
     bases, strides, n_slots, part_slots = [], [], [], []
@@ -183,7 +190,7 @@ def _group(qtypes: tuple[int, int, int], d_model: int, f: int,
         strides.append(stride)
         n_slots.append(1 << (top - 1).bit_length())  # a power of two: fewer distinct graphs
         part_slots.append(slots)
-    shape = GroupShape(qtypes, d_model, f, tuple(n_slots), rows)
+    shape = GroupShape(qtypes, d_model, f, tuple(n_slots), rows, oai)
     slots = np.array(part_slots, dtype=np.int32)  # [3, k]
     if rows != len(jobs):  # some job has several tokens: one column per row
         slots = np.repeat(slots, [j.tokens.shape[0] for j in jobs], axis=1)  # [3, N_g]

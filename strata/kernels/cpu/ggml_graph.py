@@ -16,6 +16,10 @@ so mul_mat_id reads each job's bytes where they are, with no copy. Per group:
     y = mul_mat_id(down, a, ids_d)                                          [D, 1, N_g]
     out_g = y * w                    # w [1, 1, N_g]: routing weight of each row   [D, 1, N_g]
 
+A group of experts with biases (gpt-oss, GroupShape.oai) adds each row's expert biases b_g, b_u
+[F, 1, N_g] and b_d [D, 1, N_g] to g, u and y, and takes ggml's swiglu_oai (the clamped SwiGLU
+of strata.arch.gpt_oss) for a.
+
 Every tensor's memory is a torch buffer the graph owns (x, ids, w, out are views of one buffer
 each for all groups); only the weight tensors are re-pointed per call, by writing their headers'
 data and nb fields through numpy views (a ctypes field write costs several times more). The
@@ -31,10 +35,11 @@ import ggml
 import numpy as np
 import torch
 
+from strata.arch.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 from strata.kernels.cpu.ggml_lib import Context, ThreadPool, point
 
 F32, I32 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_I32
-_TENSORS_PER_GROUP = 13  # 3 weights, x, 3 ids, w, g, u, a, y, out
+_TENSORS_PER_GROUP = 19  # 3 weights, x, 3 ids, w, g, u, a, y, out (+ 3 biases, 3 sums)
 _U64 = 8
 _DATA = ggml.ggml_tensor.data.offset // _U64  # header fields, in uint64 words
 _NB2 = ggml.ggml_tensor.nb.offset // _U64 + 2
@@ -49,6 +54,7 @@ class GroupShape(NamedTuple):
     d_expert: int  # F
     slots: tuple[int, int, int]  # S of gate, up, down (a power of two >= the highest slot + 1)
     rows: int  # N_g
+    oai: bool = False  # biases and the clamped SwiGLU (gpt-oss)
 
 
 class ExpertGraph:
@@ -64,6 +70,8 @@ class ExpertGraph:
         self.ids_np = self.ids.numpy()  # the same memory, for cheap scalar fills
         self.w = torch.empty(n)  # [N] routing weight of each row
         self.out = torch.empty(n, d_model)  # [N, D] weighted expert outputs
+        # per group with biases: each row's expert biases, gate / up [N_g, F], down [N_g, D]
+        self.biases: list[tuple[torch.Tensor, ...] | None] = []
         self.x_np, self.w_np, self.out_np = self.x.numpy(), self.w.numpy(), self.out.numpy()
         self._buffers: list[torch.Tensor] = []  # intermediates g, u, a, y
         self._ctx = Context(_TENSORS_PER_GROUP * len(shapes), 16 * len(shapes))
@@ -82,7 +90,8 @@ class ExpertGraph:
 
     @property
     def nbytes(self) -> int:
-        bufs = [self.x, self.ids, self.w, self.out, self._work, *self._buffers]
+        bufs = [self.x, self.ids, self.w, self.out, self._work, *self._buffers,
+                *(b for group in self.biases if group is not None for b in group)]
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def _add_group(self, s: GroupShape, r: int):
@@ -99,11 +108,24 @@ class ExpertGraph:
             point(t.contents, self.ids[p, r:r + rows])
         g = ggml.ggml_mul_mat_id(ctx.ptr, w[0], x, ids[0])  # [F, 1, N_g]
         u = ggml.ggml_mul_mat_id(ctx.ptr, w[1], x, ids[1])
-        a = ggml.ggml_swiglu_split(ctx.ptr, g, u)  # silu(g) * u
+        nodes = [(g, f), (u, f)]
+        self.biases.append(None)
+        if s.oai:  # + each row's biases; the clamped SwiGLU
+            self.biases[-1] = (torch.zeros(rows, f), torch.zeros(rows, f), torch.zeros(rows, d))
+            bg, bu, bd = (ctx.tensor(F32, (b.shape[1], 1, rows), b) for b in self.biases[-1])
+            g, u = ggml.ggml_add(ctx.ptr, g, bg), ggml.ggml_add(ctx.ptr, u, bu)
+            nodes += [(g, f), (u, f)]
+            a = ggml.ggml_swiglu_oai(ctx.ptr, g, u, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        else:
+            a = ggml.ggml_swiglu_split(ctx.ptr, g, u)  # silu(g) * u
         y = ggml.ggml_mul_mat_id(ctx.ptr, w[2], a, ids[2])  # [D, 1, N_g]
+        nodes += [(a, f), (y, d)]
+        if s.oai:
+            y = ggml.ggml_add(ctx.ptr, y, bd)
+            nodes.append((y, d))
         wt = ctx.tensor(F32, (1, 1, rows), self.w[r:r + rows])
         out = ggml.ggml_mul(ctx.ptr, y, wt)  # [D, 1, N_g]
-        for t, cols in ((g, f), (u, f), (a, f), (y, d)):
+        for t, cols in nodes:
             buf = torch.empty(rows, cols)
             self._buffers.append(buf)
             point(t.contents, buf)

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from strata.kernels.torch_ops import swiglu
+from strata.kernels.torch_ops import expert_mlp, swiglu
 from strata.quant import dequantize, row_nbytes
 
 Raw = np.ndarray | torch.Tensor  # uint8 [rows, row_nbytes], C-contiguous, on the host
@@ -32,14 +32,18 @@ class ExpertJob:
     qtypes: tuple[int, int, int]  # GGML types of gate, up, down
     tokens: torch.Tensor  # int64 [n]: rows of h routed to this expert
     weights: torch.Tensor  # float32 [n]: their routing weights
+    # gpt-oss: the expert's biases (float32 gate [F], up [F], down [D]) and its activation
+    # ("swiglu_oai", torch_ops.glu); None: down(silu(gate x) * up x)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    act: str = "swiglu"
 
     @property
     def d_expert(self) -> int:
         return int(self.gate.shape[0])
 
-    def signature(self) -> tuple[tuple[int, int, int], int]:
-        """(qtypes, F): jobs that share it can share one kernel launch."""
-        return self.qtypes, self.d_expert
+    def signature(self) -> tuple[tuple[int, int, int], int, str]:
+        """(qtypes, F, activation): jobs that share it can share one kernel launch."""
+        return self.qtypes, self.d_expert, self.act
 
 
 class CpuExperts(Protocol):
@@ -106,5 +110,8 @@ def reference_run(h: torch.Tensor, jobs: list[ExpertJob], out: torch.Tensor) -> 
         w_gate = dequantize(as_tensor(job.gate), qg, d_model)  # [F, D]
         w_up = dequantize(as_tensor(job.up), qu, d_model)  # [F, D]
         w_down = dequantize(as_tensor(job.down), qd, f)  # [D, F]
-        y = swiglu(h[job.tokens], w_gate, w_up, w_down)  # [n, D]
+        if job.bias is None:
+            y = swiglu(h[job.tokens], w_gate, w_up, w_down)  # [n, D]
+        else:
+            y = expert_mlp(h[job.tokens], w_gate, w_up, w_down, *job.bias, job.act)
         out.index_add_(0, job.tokens, y * job.weights[:, None])

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as fn
 
 from strata.kernels.cpu.jobs import ExpertJob, as_tensor, check_call
+from strata.kernels.torch_ops import glu
 from strata.kernels.tuning import TORCH_BATCH_BYTES
 from strata.quant import dequantize
 
@@ -37,7 +38,7 @@ class TorchExperts:
             if job.tokens.numel():
                 groups[job.signature()].append(job)
         d_model = h.shape[1]
-        for (_, f), group in groups.items():
+        for (_, f, _), group in groups.items():
             per_job = 3 * f * d_model * 4
             step = max(1, TORCH_BATCH_BYTES // per_job)
             for i in range(0, len(group), step):
@@ -62,7 +63,14 @@ class TorchExperts:
         weights = torch.cat([j.weights for j in jobs])  # [N]
         counts = [j.tokens.numel() for j in jobs]
         x = h.index_select(0, tokens)  # [N, D]
-        if all(c == counts[0] for c in counts):  # same n for every expert: batched matmuls
+        if jobs[0].bias is not None:  # biases and their activation (gpt-oss), expert by expert
+            ys = []
+            for e, (j, xe) in enumerate(zip(jobs, torch.split(x, counts), strict=True)):
+                bg, bu, bd = j.bias
+                gu = xe @ w_gu[e].T  # [n, 2F]
+                ys.append(glu(gu[:, :f] + bg, gu[:, f:] + bu, j.act) @ w_down[e].T + bd)
+            y = torch.cat(ys)  # [N, D]
+        elif all(c == counts[0] for c in counts):  # same n for every expert: batched matmuls
             gu = torch.bmm(x.view(k, counts[0], d_model), w_gu.transpose(1, 2))  # [k, n, 2F]
             a = fn.silu(gu[..., :f]) * gu[..., f:]  # [k, n, F]
             y = torch.bmm(a, w_down.transpose(1, 2)).view(-1, d_model)  # [N, D]
