@@ -94,6 +94,18 @@ def test_harmony_template_renders_with_reasoning_effort(synth):
     assert tok.token_id("<|end|>") not in tok.stop_ids
 
 
+def test_reasoning_effort_of_a_chat_request_reaches_the_template(synth):
+    """The server's path: a request's reasoning_effort goes into its template arguments, which
+    chat.encode hands the file's template (server/batching.py)."""
+    from strata.server.validation import parse_chat
+
+    engine = Engine.load(synth("gpt-oss", "MXFP4"))
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                      "reasoning_effort": "low"}, 64)
+    text = engine.tokenizer.decode(engine.chat.encode(req.messages, True, **req.template_kwargs))
+    assert "Reasoning: low" in text
+
+
 try:
     import llama_cpp
 except ImportError:  # (the tests below it skip; the rest of the file runs)
