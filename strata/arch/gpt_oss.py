@@ -14,12 +14,13 @@ Legend: D hidden, H heads, E experts, F expert hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from strata.errors import ModelFileError, UnsupportedError
 
-if TYPE_CHECKING:
-    from strata.config import ModelConfig, _Meta
+# cfg below is a strata.config.ModelConfig and m its typed metadata reader (config._Meta): not
+# imported, as strata.config imports this module
+ModelConfig = _Meta = Any
 
 ARCH = "gpt-oss"
 SWIGLU_ALPHA = 1.702  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants (HF: swiglu_alpha, _limit)
