@@ -174,10 +174,6 @@ class ExpertBias:
     down: torch.Tensor
     act: str = "swiglu_oai"
 
-    def to(self, device: torch.device) -> ExpertBias:
-        return replace(self, gate=self.gate.to(device), up=self.up.to(device),
-                       down=self.down.to(device))
-
 
 @dataclass
 class ExpertWeights:
@@ -221,11 +217,10 @@ class LayerWeights:
     ffn_up: Weight | None = None
     ffn_down: Weight | None = None
     # gpt-oss: the attention output's bias [D], a sink logit per head [H], the router's bias
-    # [E], the experts' biases (also on ExpertWeights.bias, for the offload runtime's layers)
+    # [E] (the experts' own ride on ExpertWeights.bias and, offloaded, ExpertLayout.bias)
     bo: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
     router_bias: torch.Tensor | None = None
-    expert_bias: ExpertBias | None = None
 
 
 @dataclass
@@ -274,12 +269,11 @@ class ModelWeights:
                     **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
                     ffn_up=m(p + "ffn_up.weight"), ffn_down=m(p + "ffn_down.weight")))
                 continue
-            bias = expert_bias(mf, cfg, i, device)
             ex = ExpertWeights(*(QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], device)
-                                 for w in ("gate", "up", "down")), bias=bias) if experts else None
+                                 for w in ("gate", "up", "down")),
+                               bias=expert_bias(mf, cfg, i, device)) if experts else None
             if cfg.moe_bias:
-                attn |= dict(bo=d(p + "attn_output.bias"), router_bias=d(p + "ffn_gate_inp.bias"),
-                             expert_bias=bias)
+                attn |= dict(bo=d(p + "attn_output.bias"), router_bias=d(p + "ffn_gate_inp.bias"))
             if cfg.attn_sinks:
                 attn["sinks"] = d(p + "attn_sinks.weight")
             layers.append(LayerWeights(
