@@ -246,24 +246,81 @@ def test_ggml_cpu_misses_with_biases(synth, monkeypatch):
 # ---- the decode step's static paths (eager on the CPU, CUDA graphs on a GPU) ------------------
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_static_sink_attention_equals_reference(device, window):
-    """Over a cache whose rows past the length are garbage (NaN), for lengths below, at and past
-    the window."""
-    from strata.model.parts.sink_attention import sink_attention, static_sink_attention
+# (T, H, Hkv, hd, capacity, window, n_splits): one token and a few, windows shorter and longer
+# than a split, sinks on every case (None: attention_splits)
+SINK_CASES = [(1, 4, 2, 16, 37, 0, None), (1, 4, 2, 16, 37, 5, None), (3, 8, 2, 64, 300, 16, 4),
+              (2, 4, 4, 32, 260, 128, 8), (1, 64, 8, 64, 600, 128, None)]
 
-    g = torch.Generator().manual_seed(0)
-    C, H, Hkv, hd = 37, 4, 2, 16
-    q = torch.randn(1, H, hd, generator=g).to(device)
-    k, v = (torch.randn(C, Hkv, hd, generator=g).to(device) for _ in range(2))
-    sinks = torch.randn(H, generator=g).to(device)
-    for n in (1, 4, 5, 6, 23):
-        kc, vc = k.clone(), v.clone()
-        kc[n:], vc[n:] = float("nan"), float("nan")
-        length = torch.tensor([n], device=device)
-        ours = static_sink_attention(q, kc, vc, length, sinks, window, hd ** -0.5)
-        ref = sink_attention(q, k[:n], v[:n], n - 1, sinks, window, hd ** -0.5)
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+def check_sink_decode(device: str, seed: int) -> None:
+    """decode_attention with window and sinks equals sink_attention, over a cache whose rows past
+    the length are NaN, for lengths below, at and past the window."""
+    from strata.kernels.gpu import decode_ops as ops
+    from strata.model.parts.sink_attention import sink_attention
+
+    g = torch.Generator().manual_seed(seed)
+    for t, h, hkv, hd, cap, window, splits in SINK_CASES:
+        sinks = torch.randn(h, generator=g).to(device)
+        q = torch.randn(t, h, hd, generator=g).to(device)
+        for n in sorted({t, window, window + 1, cap - 3, cap} - {0}):
+            if n < t:
+                continue
+            k, v = (torch.randn(cap, hkv, hd, generator=g).to(device) for _ in range(2))
+            kc, vc = k.clone(), v.clone()
+            kc[n:], vc[n:] = float("nan"), float("nan")
+            out = ops.decode_attention(q, kc, vc, torch.tensor([n], device=device), hd ** -0.5,
+                                       n_splits=splits, window=window, sinks=sinks)
+            ref = sink_attention(q, k[:n], v[:n], n - t, sinks, window, hd ** -0.5)
+            err = float((out - ref).abs().max() / ref.abs().max())
+            assert err < 1e-5, (t, h, hkv, hd, window, n, err)
+
+
+def test_decode_attention_with_window_and_sinks(device):
+    check_sink_decode(device, 0)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_window_and_sink_kernels_compile_for_sm90(kv):
+    """Without a GPU: Triton compiles both attention kernels with a window and sinks for sm_90
+    (as tests/test_decode_ops.py does for the plain ones)."""
+    triton = pytest.importorskip("triton", reason="triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import decode_kernels as dk
+    from strata.kernels.gpu import decode_ops as ops
+
+    target = GPUTarget("cuda", 90, 32)
+    i32 = dict.fromkeys(("T", "H", "S", "RB", "stride_qt", "stride_qh", "stride_kr",
+                         "stride_kh", "stride_vr", "stride_vh"), "i32")
+    const = dict(HD=64, G=8, MIN_CHUNK=ops.ATTN_MIN_CHUNK, BLOCK_M=ops.ATTN_BLOCK_M,
+                 BLOCK_N=32, BLOCK_D=64, STAGES=2, WINDOW=128)
+    sig = {"q": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}", "length": "*i64", "part_o": "*fp32",
+           "part_ml": "*fp32", "scale": "fp32", **i32, **dict.fromkeys(const, "constexpr")}
+    split = triton.compile(ASTSource(dk._attn_split_kernel, sig, constexprs=const),
+                           target=target, options={"num_warps": 8})
+    assert split.asm["cubin"]
+    const = dict(HD=64, MIN_CHUNK=ops.ATTN_MIN_CHUNK, BLOCK_N=32, BLOCK_S=16, BLOCK_D=64,
+                 WINDOW=128, HAS_SINKS=True)
+    sig = {"part_o": "*fp32", "part_ml": "*fp32", "length": "*i64", "out": "*fp32",
+           "T": "i32", "H": "i32", "S": "i32", "stride_ot": "i32", "sinks": "*fp32",
+           **dict.fromkeys(const, "constexpr")}
+    reduce = triton.compile(ASTSource(dk._attn_reduce_kernel, sig, constexprs=const),
+                            target=target, options={"num_warps": 4})
+    assert reduce.asm["cubin"]
+
+
+def test_decode_attention_kernels_with_window_and_sinks_interpreted():
+    """The Triton kernels (window start, sinks) on the CPU under Triton's interpreter."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from interpreted import fresh_seed, run_interpreted
+
+    run_interpreted("""
+        sys.path.insert(0, "tests")
+        from test_arch_gpt_oss import check_sink_decode
+        check_sink_decode("cpu", seed)
+        print("ok")
+    """, fresh_seed(), timeout=600)
 
 
 @pytest.mark.parametrize("cache", ["0", "5", "32"])  # 4 layers x 8 experts: none, some, all

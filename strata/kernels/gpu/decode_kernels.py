@@ -108,20 +108,32 @@ def _split_chunk(n, S, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _window_lo(n, T, WINDOW: tl.constexpr):
+    """The first key any of the T rows sees: 0, or with a sliding window the first of row 0's
+    (both attention kernels split [lo, n) the same way)."""
+    lo = n * 0
+    if WINDOW:  # (None, as a caller that names no WINDOW compiles it: 0)
+        lo = tl.maximum(n - T + 1 - WINDOW, 0)
+    return lo
+
+
+@triton.jit
 def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
                        stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                        HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       STAGES: tl.constexpr, WINDOW: tl.constexpr = 0):
     # program (g·RB + b, s): query rows r = b·BLOCK_M + i of kv head g, r = t·G + (h - g·G), against
-    # keys [s·chunk, min((s+1)·chunk, n)); row r sees keys j <= n - T + t.
+    # keys [lo + s·chunk, min(lo + (s+1)·chunk, n)); row r sees keys j <= n - T + t (and, with a
+    # sliding WINDOW, j > n - T + t - WINDOW; lo = the first key row 0 sees, else 0).
     # Writes part_o[s, t, h] = Σ_j p_j v_j and part_ml[s, t, h] = (max score, Σ_j p_j),
     # p_j = exp(score_j - max) (max = _NEG, sum 0, o 0 for a row that sees none of the keys).
     g = tl.program_id(0) // RB
     s = tl.program_id(1)
     n = tl.load(length).to(tl.int32)
-    chunk = _split_chunk(n, S, MIN_CHUNK, BLOCK_N)
-    start = s * chunk
+    lo = _window_lo(n, T, WINDOW)
+    chunk = _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N)
+    start = lo + s * chunk
     if start < n:
         end = tl.minimum(start + chunk, n)
         r = (tl.program_id(0) % RB) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -146,7 +158,10 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
                          other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]; rows >= n never read
             # exact float32 products ("ieee": FMA, no TF32 rounding)
             sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
-            sc = tl.where(jm[None, :] & (j[None, :] <= last[:, None]), sc, float("-inf"))
+            seen = jm[None, :] & (j[None, :] <= last[:, None])
+            if WINDOW:
+                seen = seen & (j[None, :] > last[:, None] - WINDOW)
+            sc = tl.where(seen, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new[:, None])
@@ -162,15 +177,18 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
 
 
 @triton.jit
-def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot,
+def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
                         HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    # program (h, t): out[t, h] = Σ_s w_s o_s / Σ_s w_s l_s, w_s = exp(m_s - max_s m_s), over
-    # the live splits only (the others were never written)
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                        WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False):
+    # program (h, t): out[t, h] = Σ_s w_s o_s / (Σ_s w_s l_s [+ exp(sink_h - m)]),
+    # w_s = exp(m_s - m), m = max(max_s m_s [, sink_h]), over the live splits only (the others
+    # were never written); a sink takes its share of the softmax and gives no value
     h = tl.program_id(0)
     t = tl.program_id(1)
     n = tl.load(length).to(tl.int32)
-    live = tl.cdiv(n, _split_chunk(n, S, MIN_CHUNK, BLOCK_N))
+    lo = _window_lo(n, T, WINDOW)
+    live = tl.cdiv(n - lo, _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N))
     sv = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     dm = d < HD
@@ -180,6 +198,9 @@ def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot,
         row = (s * T + t) * H + h
         mx = tl.maximum(mx, tl.load(part_ml + row * 2, mask=s < live, other=float("-inf")))
     m = tl.max(mx, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32)
+        m = tl.maximum(m, sink)
     lsum = tl.zeros((BLOCK_S,), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for s0 in tl.range(0, live, BLOCK_S):
@@ -191,7 +212,10 @@ def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot,
         o = tl.load(part_o + row[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :],
                     other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
-    tl.store(out + t * stride_ot + h * HD + d, acc / tl.sum(lsum, axis=0), mask=dm)
+    den = tl.sum(lsum, axis=0)
+    if HAS_SINKS:
+        den += tl.exp(sink - m)
+    tl.store(out + t * stride_ot + h * HD + d, acc / den, mask=dm)
 
 
 @triton.jit

@@ -301,7 +301,8 @@ def attention_splits(capacity: int, n_kv_heads: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      length: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     n_splits: int | None = None) -> torch.Tensor:
+                     n_splits: int | None = None, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of T new tokens at positions length-T .. length-1 over cache rows
     0 .. length-1: query t sees keys j <= length - T + t; head h reads kv head h // (H / Hkv).
     softmax(q k^T · scale) v, as layers.attention (whose scale is hd^-0.5).
@@ -310,7 +311,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     or bf16 (read as f32; last dim contiguous); length int32/int64 [1] on the device,
     T <= length <= C (the new tokens' rows included) -> [T, H·hd] f32 (new, or `out`, rows
     contiguous). Two launches; n_splits overrides attention_splits(C, Hkv) (tests, tuning). Rows
-    >= length are never read."""
+    >= length are never read. gpt-oss: window > 0, query t sees only its last `window` keys
+    (j > length - T + t - window; the splits cover those rows only); sinks f32 [H], a logit per
+    head in the softmax's denominator that adds no value."""
     _check(q.dim() == 3 and k_cache.dim() == 3, "q must be [T, H, hd], caches [C, Hkv, hd]")
     t, h, hd = q.shape
     cap, hkv = k_cache.shape[:2]
@@ -327,8 +330,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _f32(out, "out", (t, h * hd))
     if t == 0:
         return out
+    _check(window >= 0, f"window must be >= 0, got {window}")
+    if sinks is not None:
+        _f32(sinks, "sinks", (h,))
+        _check(sinks.is_contiguous() and sinks.device == q.device, "sinks must be contiguous")
     if not _use_kernels(q):
-        return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale))
+        return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale, window, sinks))
     s = n_splits or attention_splits(cap, hkv)
     g = h // hkv
     rb = _cdiv(t * g, ATTN_BLOCK_M)  # row blocks per kv head
@@ -340,19 +347,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, length, part_o, part_ml, scale, t, h, s, rb, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HD=hd, G=g, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=block_n,
-        BLOCK_D=block_d, STAGES=2, num_warps=8)
+        BLOCK_D=block_d, STAGES=2, WINDOW=window, num_warps=8)
     block_s = min(_pow2(s), max(1, 4096 // block_d))
     _kernels()._attn_reduce_kernel[(h, t)](
-        part_o, part_ml, length, out, t, h, s, out.stride(0), HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK,
-        BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+        part_o, part_ml, length, out, t, h, s, out.stride(0), q if sinks is None else sinks,
+        HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d,
+        WINDOW=window, HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
 
 def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     length: torch.Tensor, scale: float) -> torch.Tensor:
+                     length: torch.Tensor, scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """layers.attention over the whole cache with the causal mask built on the device; rows at
     and past `length` are zeroed first (they are masked, but a NaN there would still poison
-    SDPA's sums)."""
+    SDPA's sums). With a window and sinks: the same mask within the window, the softmax with
+    each head's sink logit (explicit scores: SDPA takes no sink)."""
     t, h, hd = q.shape
     n = length.reshape(1).long()
     keys = torch.arange(k_cache.shape[0], device=q.device)
@@ -361,6 +371,16 @@ def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v = torch.where(valid, v_cache.float(), 0.0)
     last = n - t + torch.arange(t, device=q.device)  # [T]
     mask = keys[None, :] <= last[:, None]  # [T, C]
+    if window:
+        mask &= keys[None, :] > last[:, None] - window
+    if sinks is not None:
+        g = h // k.shape[1]
+        kh, vh = (x.repeat_interleave(g, 1).transpose(0, 1) for x in (k, v))  # [H, C, hd]
+        sc = (q.transpose(0, 1) @ kh.transpose(1, 2)) * scale  # [H, T, C]
+        sc = torch.where(mask, sc, float("-inf"))
+        sink = sinks.float()[:, None, None].expand(h, t, 1)
+        p = torch.softmax(torch.cat([sc, sink], dim=-1), dim=-1)[..., :-1]
+        return (p @ vh).transpose(0, 1).reshape(t, h * hd)
     o = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=True)  # [H, T, hd]

@@ -6,10 +6,9 @@ its keys and one learned sink logit s_h that takes probability and gives no valu
     window(i) = {j <= i} (full layers), {i - W < j <= i} (sliding layers, W = sliding_window)
 
 then wo and its bias. The KV cache keeps every row on both kinds of layer (a sliding layer reads
-only its last W). In a static step (the decode step's buffers) the attention is torch ops over
-the whole static cache, masked by length and window: no host sync, shapes independent of the
-position, so it captures as CUDA graphs; decode_ops' fused kernel knows neither sinks nor
-windows.
+only its last W). In a static step (the decode step's buffers) the attention is
+decode_ops.decode_attention with the window and the sinks: flash decoding over the window's rows
+on CUDA, torch ops over the static cache elsewhere (no host sync either way).
 
 Legend: T tokens, Tk keys, C cache rows, H heads, Hkv kv heads, hd head dim, W window.
 """
@@ -55,28 +54,6 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: in
     return torch.cat(out)
 
 
-def static_sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          length: torch.Tensor, sinks: torch.Tensor, window: int,
-                          scale: float) -> torch.Tensor:
-    """sink_attention of one token at position length-1 over cache rows [0, length) (and within
-    the window), for a length held on the device: the whole cache is read, rows outside
-    masked (their stale values zeroed, so that no NaN of an unwritten row leaks in).
-    q [1, H, hd]; k_cache, v_cache [C, Hkv, hd]; length int64 [1] -> [1, H*hd]"""
-    _, H, hd = q.shape
-    C, Hkv = k_cache.shape[:2]
-    rows = torch.arange(C, device=q.device)
-    keep = rows < length  # [C]
-    if window:
-        keep &= rows >= length - window
-    kh = k_cache.float().repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, C, hd]
-    vh = torch.where(keep[:, None, None], v_cache.float(), 0.0)
-    vh = vh.repeat_interleave(H // Hkv, 1).transpose(0, 1)
-    scores = (q.transpose(0, 1) @ kh.transpose(1, 2)) * scale  # [H, 1, C]
-    scores = torch.where(keep, scores, float("-inf"))
-    p = torch.softmax(torch.cat([scores, sinks.float()[:, None, None]], dim=-1), -1)[..., :-1]
-    return (p @ vh).transpose(0, 1).reshape(1, H * hd)
-
-
 class SinkAttention(GQAAttention):
     """Attention with sinks: sliding-window on the layers arch.gpt_oss.is_sliding names, full
     on the others."""
@@ -98,14 +75,14 @@ class SinkAttention(GQAAttention):
     def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               ctx: StaticStep) -> torch.Tensor:
         """RoPE and the cache store in one launch (q and k scaled by YaRN's mscale first: the
-        rotation is linear), then the masked attention over the static cache."""
+        rotation is linear), then decode attention over the window with the sinks."""
         ops, kv, i = decode_ops(), ctx.kv, self.layer
         if self.mscale != 1.0:
             q, k = q * self.mscale, k * self.mscale
         q = ops.qk_rope_store(q, k, v, None, None, self.eps, ctx.pos, ctx.inv_freq,
                               self.rope_style, kv.k[i], kv.v[i])
-        return static_sink_attention(q, kv.k[i], kv.v[i], ctx.length, self.lw.sinks,
-                                     self.window, self.scale)
+        return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale,
+                                    window=self.window, sinks=self.lw.sinks)  # [1, H*hd]
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
