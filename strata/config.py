@@ -275,6 +275,8 @@ class EngineConfig:
     kernels: str = "fused"  # fused | exact (fused only for <= 4 tokens, float32-exact) | off
     decode_step: str = "graphs"  # graphs | eager | off: one-sequence decode (offload runtime)
     debug: bool = False  # check cache invariants after every layer
+    spec: int = 0  # --spec T: drafted tokens per verify window at most (0: off)
+    draft: str = "auto"  # --draft auto | ngram | mtp | PATH.gguf (strata.engine.drafters)
 
     def prefetch_count(self, n_experts_used: int) -> int:
         """--prefetch as a count: auto is AUTO_PREFETCH for CUDA decode steps, else off."""

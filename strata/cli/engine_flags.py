@@ -76,8 +76,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    f"them in VRAM (0: off; auto: {AUTO_PREFETCH} where the cache holds fewer "
                    "slots a layer than a token's experts, else off; measurements: "
                    "docs/offload.md)")
+    g.add_argument("--spec", type=int, default=0, metavar="T",
+                   help="speculative decoding: up to T drafted tokens checked in one verify "
+                   "window (a forward of T+1 tokens); the window shrinks or turns off while "
+                   "few are accepted (0: off)")
+    g.add_argument("--draft", default="auto", metavar="auto|ngram|mtp|PATH.gguf",
+                   help="what drafts a window's tokens: n-grams of the context (ngram), the "
+                   "file's MTP head (mtp), a small model sharing the tokenizer (PATH.gguf); auto: "
+                   "mtp where the file has one that runs, else ngram")
 
 
+MAX_SPEC = 64  # drafted tokens a window may hold (a window is one forward pass)
 MAX_CACHE_SLOTS = 10_000_000  # far above layers x experts of any model
 MAX_CTX = 1 << 24
 
@@ -147,6 +156,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if abs(prefetch) > 1 << 16:  # (the model's own range is checked where it is built)
             raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
                               "(0: off)")
+    spec = getattr(args, "spec", 0)
+    if not 0 <= spec <= MAX_SPEC:
+        raise StrataError(f"--spec {spec}: give 0 (off) to {MAX_SPEC} drafted tokens a window")
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
     return EngineConfig(
@@ -155,7 +167,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_profile=args.expert_profile, miss=args.miss, threads=threads, ctx=args.ctx,
         kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
-        cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False))
+        cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False),
+        spec=spec, draft=getattr(args, "draft", "auto"))
 
 
 def _int_flag(flag: str, text: str) -> int:

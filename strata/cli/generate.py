@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"strata: loaded in {engine.load_s:.2f} s; prompt {st.prompt_tokens} tokens at "
           f"{st.prompt_tok_s:.1f} tok/s; generated {st.generated_tokens} tokens at "
           f"{st.decode_tok_s:.1f} tok/s ({st.finish_reason})", file=sys.stderr)
+    if args.stats and st.spec is not None:
+        print(f"strata: {st.spec.line()}", file=sys.stderr)
     if args.stats and hasattr(experts, "stats"):
         print("\n".join(experts.stats.lines()), file=sys.stderr)
         if engine.model.step is not None:

@@ -29,6 +29,8 @@ class GenerationStats:
     prompt_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""
+    decode_tokens: int = 0  # tokens sampled after the first (a verify window gives several)
+    spec: object | None = None  # SpecStats (strata.engine.spec) with --spec
 
     @property
     def prompt_tok_s(self) -> float:
@@ -36,7 +38,7 @@ class GenerationStats:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,6 +70,7 @@ class Engine:
     load_s: float
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    spec: object | None = None  # a SpecDecoder (strata.engine.spec) with --spec T
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu",
@@ -80,9 +83,14 @@ class Engine:
         tok = Tokenizer.from_metadata(mf.metadata, source=str(mf.path))
         chat = ChatTemplate.from_metadata(mf.metadata, tok, source=str(mf.path))
         model = build_model(mf, cfg, ec, dev)
+        spec = None
+        if ec.spec:
+            from strata.engine.spec import make_spec
+
+            spec = make_spec(ec, mf, cfg, model)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0, ec)
+        return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0, ec, spec=spec)
 
     def check_prompt(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -145,6 +153,9 @@ class Engine:
             kv = self.model.new_cache(len(prompt) + params.max_tokens)
         t0 = time.perf_counter()
         logits = self.run_prompt(prompt[done:], kv)[0]
+        if self.spec is not None and params.max_tokens:
+            yield from self._generate_spec(prompt, params, kv, gen, logits, t0)
+            return
         token = -1
         for i in range(params.max_tokens):
             if i:
@@ -158,9 +169,43 @@ class Engine:
             else:
                 st.decode_s += now - t0
                 st.decode_steps += 1
+                st.decode_tokens += 1
             t0 = now
             if token in self.tokenizer.stop_ids:
                 st.finish_reason = "stop"
                 return
             st.generated_tokens += 1
             yield token
+
+    def _generate_spec(self, prompt: list[int], params: SamplingParams, kv: KVCache,
+                       gen: torch.Generator | None, logits: torch.Tensor,
+                       t0: float) -> Iterator[int]:
+        """generate's loop through verify windows (strata.engine.spec): each step gives one
+        token or several."""
+        from strata.engine.spec import rollback
+
+        st, spec = self.stats, self.spec
+        spec.reset()
+        st.spec = spec.stats
+        context = list(prompt)
+        tokens = [sample(logits, params, gen)]
+        st.prompt_s = time.perf_counter() - t0
+        while True:
+            for token in tokens:
+                if token in self.tokenizer.stop_ids:
+                    st.finish_reason = "stop"
+                    kv.truncate(len(context))  # as the plain loop leaves it: drafts after the
+                    rollback(self.model, kv, len(context))  # stop token are dropped too
+                    return
+                st.generated_tokens += 1
+                context.append(token)
+                yield token
+                if st.generated_tokens == params.max_tokens:
+                    return
+            t0 = time.perf_counter()
+            PROGRESS.at("decode", position=kv.length)
+            tokens = spec.step(context, kv, params, gen, params.max_tokens - st.generated_tokens)
+            PROGRESS.steps += 1
+            st.decode_s += time.perf_counter() - t0
+            st.decode_steps += 1
+            st.decode_tokens += len(tokens)

@@ -169,3 +169,20 @@ BF16_ATTENTION_MIN_T = 4
 # slots 4 gave 66.2 against 61.9 for 2 on one machine (3: 63.7 on another), and 104.3 at 4 GiB
 # against 99.3 (bench/2026-11-30-h200-lfu.md)
 AUTO_PREFETCH = 4
+
+# ---- speculative decoding (engine/drafters.py, engine/spec.py) ----------------------------------
+
+# n-gram drafts (prompt lookup): the longest suffix of the context, from NGRAM_MAX tokens down to
+# NGRAM_MIN, matched at its latest earlier place proposes the tokens that followed it there. A
+# 1-token match fires on nearly every step of prose (any repeated token) and is mostly wrong:
+# each wrong window costs a pass of T+1 tokens on the CPU for one token; suffixes past 4 tokens
+# rarely find a match a shorter one misses (estimate; the demo model's numbers: docs/spec.md)
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+# adaptive windows: the acceptance of drafted tokens, a running mean with this weight per window;
+# below SPEC_OFF_ACCEPT no windows run for SPEC_OFF_STEPS decode steps, then one probe window
+# (a drafted token accepted 1 time in 4 pays for itself only where a window of T+1 tokens costs
+# well under 1.25 decode steps: estimate)
+SPEC_ACCEPT_WEIGHT = 0.25
+SPEC_OFF_ACCEPT = 0.25
+SPEC_OFF_STEPS = 16

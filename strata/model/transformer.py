@@ -65,11 +65,12 @@ class MoETransformer:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, marks: object | None = None) -> torch.Tensor:
         """tokens: [T] (the segments' tokens, concatenated) -> logits float32.
 
         Returns [T, V] when all_logits, else [n_segments, V] (each segment's last position).
-        Each segment's KV cache grows by its length.
+        Each segment's KV cache grows by its length. marks: told after each layer and after
+        the head (`marks.after(i)`: a verify window's bounded wait, strata.engine.spec).
         """
         cfg = self.cfg
         if sum(s.length for s in segments) != tokens.shape[0]:
@@ -83,14 +84,18 @@ class MoETransformer:
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
         delta = None  # each layer's output, added by the next residual step
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             delta = layer.forward(x, delta, ctx)
+            if marks is not None:
+                marks.after(i)
         for s in segments:
             s.kv.advance(s.length)
         ends = None
         if not all_logits:
             ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
         logits = self.head.forward(x, delta, ctx, rows=ends)
+        if marks is not None:
+            marks.after(len(self.layers))
         if timer:
             timer.stop(t0)
         return logits

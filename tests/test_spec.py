@@ -1,0 +1,302 @@
+"""Speculative decoding: drafters, verify windows, exactness (greedy and sampled), adaptive
+windows, bounded waits (strata.engine.spec, strata.engine.drafters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.config import EngineConfig
+from strata.demo import demo_model
+from strata.engine.drafters import NgramDrafter, check_vocab, make_drafter
+from strata.engine.generator import Engine
+from strata.engine.sampling import SamplingParams, probabilities
+from strata.engine.spec import LayerMarks, SpecDecoder, SpecStats, Window, accept
+from strata.errors import StrataError
+from strata.gguf import open_model
+from strata.kernels.tuning import SPEC_OFF_STEPS
+from strata.runtime.waits import StallError
+
+CODE = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
+PROSE = "The Debian package manager installs"
+# the reference path, and the offload runtime on the CPU with every expert a miss: its CPU pool
+# on torch's float32 kernels, or on ggml's (activations rounded to 8 bits for one token, while a
+# window of 2+ tokens streams its misses on this device: stream_min is 2 where a "copy" is a
+# host memcpy, and the streamed path computes in float32). Greedy output is the same wherever
+# the two agree to float rounding; ggml's one-token rounding (~0.2 in the tiny files' logits)
+# can flip a near-tie of a random model, so ggml is checked on the trained demo model.
+PATHS = {
+    "reference": dict(offload="off"),
+    "offload": dict(offload="on", expert_cache="0", miss="cpu", cpu_kernels="torch"),
+}
+GGML = dict(offload="on", expert_cache="0", miss="cpu")
+
+
+def load(path, spec: int = 0, draft: str = "auto", **kw) -> Engine:  # noqa: ANN001
+    return Engine.load(path, config=EngineConfig(device="cpu", spec=spec, draft=draft, **kw))
+
+
+def greedy(engine: Engine, text: str, n: int) -> list[int]:
+    return list(engine.generate(engine.tokenizer.encode(text),
+                                SamplingParams(temperature=0, max_tokens=n)))
+
+
+# ---- drafters -----------------------------------------------------------------------------------
+
+def test_ngram_drafter_longest_latest_match():
+    d = NgramDrafter(longest=3, shortest=2)
+    # suffix [1, 2, 3]: found at 0 -> proposes what followed it there
+    assert d.propose([1, 2, 3, 9, 8, 7, 1, 2, 3], 2) == [9, 8]
+    # the latest match wins: [5, 6] at 0 (-> 1) and at 3 (-> 2)
+    assert d.propose([5, 6, 1, 5, 6, 2, 5, 6], 3) == [2, 5, 6]
+    # only a 1-token match (shorter than the shortest): nothing
+    assert d.propose([4, 1, 2, 3, 4], 3) == []
+    # the continuation stops at the end of the context
+    assert d.propose([7, 7, 7], 4) == [7]
+    assert d.propose([1], 4) == [] and d.propose([1, 2, 1, 2], 0) == []
+
+
+def test_draft_refusals(synth):
+    demo = open_model(demo_model())
+    with pytest.raises(StrataError, match=r"--draft mtp: .* has no nextn layers \(no "
+                       r"qwen3moe.nextn_predict_layers and no blk.N.nextn.\* tensors\)"):
+        make_drafter("mtp", demo, "qwen3moe", None)
+    assert make_drafter("auto", demo, "qwen3moe", None).name == "ngram"
+    with pytest.raises(StrataError, match="choose auto, ngram, mtp or a .gguf"):
+        make_drafter("bigram", demo, "qwen3moe", None)
+    with pytest.raises(StrataError, match="no such file"):
+        make_drafter("/nonexistent/draft.gguf", demo, "qwen3moe", None)
+    tiny = synth("qwen3moe", "Q4_K_M")
+    with pytest.raises(StrataError, match=r"--draft .*: its vocabulary differs from .* \(1024 "
+                       r"against 8192 tokens, first at id \d+\); a draft model must share"):
+        check_vocab(demo, open_model(tiny))
+    with pytest.raises(StrataError, match="its vocabulary differs"):
+        load(demo_model(), spec=4, draft=str(tiny))
+
+
+# ---- exact: greedy ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [*PATHS, "offload-ggml"])
+def test_greedy_demo_same_with_spec(path):
+    """The trained demo model: n-gram windows accept often on code, and greedy output is the
+    same token for token."""
+    kw = GGML if path == "offload-ggml" else PATHS[path]
+    plain = greedy(load(demo_model(), **kw), CODE, 48)
+    eng = load(demo_model(), spec=4, draft="ngram", **kw)
+    assert greedy(eng, CODE, 48) == plain
+    st = eng.stats.spec
+    assert st.windows > 0 and st.accepted > 0
+    assert eng.stats.generated_tokens == 48
+    assert eng.stats.decode_tokens == 47 and eng.stats.decode_steps < 47
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama"])
+def test_greedy_synthetic_same_with_spec(synth, arch, path):
+    """Tiny synthetic files of every architecture; drafts from n-grams and from a draft model:
+    the file itself (every draft accepted) and another seed's weights (few accepted)."""
+    f = synth(arch, "Q4_K_M")
+    plain = greedy(load(f, **PATHS[path]), "hello world", 40)
+    for draft, full in (("ngram", False), (str(f), True), (str(synth(arch, "Q4_K_M", 1)), False)):
+        eng = load(f, spec=3, draft=draft, **PATHS[path])
+        assert greedy(eng, "hello world", 40) == plain, draft
+        st = eng.stats.spec
+        if full:  # the target drafting for itself: every window accepted whole
+            assert st.windows > 0 and st.accepted == st.drafted
+
+
+def test_kv_after_stop_matches_plain(synth):
+    """A stop token inside a window: the cache keeps what the plain loop keeps."""
+    f = synth("qwen3moe", "Q4_K_M")
+    base = load(f)
+    ids = base.tokenizer.encode("hello world")
+    kv0 = base.model.new_cache(64)
+    out = list(base.generate(ids, SamplingParams(temperature=0, max_tokens=12), kv0))
+    eng = load(f, spec=4, draft=str(f))
+    stop = out[5]
+    eng.tokenizer.stop_ids = base.tokenizer.stop_ids | {stop}
+    base.tokenizer.stop_ids = eng.tokenizer.stop_ids
+    kv0, kv1 = base.model.new_cache(64), eng.model.new_cache(64)
+    a = list(base.generate(ids, SamplingParams(temperature=0, max_tokens=12), kv0))
+    b = list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=12), kv1))
+    assert a == b == out[:out.index(stop)]
+    assert eng.stats.finish_reason == base.stats.finish_reason == "stop"
+    assert kv1.length == kv0.length
+    n = kv0.length
+    # (the same rows to float rounding: a window's matmuls run several tokens at once)
+    assert torch.allclose(kv1.store[:, :, :n], kv0.store[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+# ---- exact: sampled -----------------------------------------------------------------------------
+
+def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The chi-square test's p-value of observed counts against probabilities (cells with an
+    expected count under 5 pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def test_rejection_sampling_follows_the_target():
+    """accept() over many seeds: the first token follows p_0 whatever the draft, the second
+    (given the first draft was kept) follows p_1. False-failure rate: each p-value is compared
+    with 1e-4, so a correct sampler fails this test with probability about 4e-4."""
+    torch.manual_seed(0)
+    V = 12
+    logits = torch.randn(3, V) * 1.5  # [k+1, V]
+    params = SamplingParams(temperature=0.9, top_k=10, top_p=0.97, seed=None, max_tokens=8)
+    p0, p1 = probabilities(logits[0], params), probabilities(logits[1], params)
+    for drafts in ([int(p0.argmax()), int(p1.argmax())],  # likely drafts
+                   [int(p0.argsort()[-3]), int(p1.argsort()[-2])]):  # less likely ones
+        first, second = torch.zeros(V), torch.zeros(V)
+        gen = torch.Generator().manual_seed(1234)
+        for _ in range(6000):
+            n, nxt = accept(logits, drafts, params, gen)
+            tokens = [*drafts[:n], nxt]
+            first[tokens[0]] += 1
+            if tokens[0] == drafts[0]:
+                second[tokens[1]] += 1
+        assert _chi2_p(first, p0) > 1e-4, (drafts, first)
+        assert _chi2_p(second, p1) > 1e-4, (drafts, second)
+        assert first[p0 == 0].sum() == 0 and second[p1 == 0].sum() == 0  # top-k / top-p hold
+
+
+def test_sampled_generation_runs_and_is_seeded(synth):
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f, spec=4, draft=str(f))
+    p = SamplingParams(temperature=0.8, seed=7, max_tokens=30)
+    ids = eng.tokenizer.encode("hello world")
+    a = list(eng.generate(ids, p))
+    assert a == list(eng.generate(ids, p))  # a seed gives the same text again
+    assert len(a) == eng.stats.generated_tokens and eng.stats.spec.windows > 0
+
+
+# ---- adaptive windows ---------------------------------------------------------------------------
+
+class WrongDrafter:
+    """Always proposes a token the target never picks here (0 is never generated)."""
+
+    name = "wrong"
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        return [0] * n
+
+
+def test_window_shrinks_and_turns_off():
+    w = Window(4)
+    w.update(4, 4)
+    assert w.next_size() == 4
+    w.update(4, 0)
+    assert w.size == 3
+    for _ in range(4):
+        w.update(w.size, 0)
+    assert w.off == SPEC_OFF_STEPS and w.size == 1
+    assert [w.next_size() for _ in range(SPEC_OFF_STEPS)] == [0] * SPEC_OFF_STEPS
+    assert w.next_size() == 1  # a probe
+    w.update(1, 0)
+    assert w.off == SPEC_OFF_STEPS  # failed: off again
+    w.off = 0
+    w.update(1, 1)
+    assert w.off == 0 and w.size == 2
+
+
+def test_low_acceptance_turns_windows_off(synth):
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f)
+    plain = greedy(eng, "hello world", 40)
+    assert 0 not in plain
+    eng.spec = SpecDecoder(eng.model, WrongDrafter(), 4)
+    assert greedy(eng, "hello world", 40) == plain
+    st = eng.stats.spec
+    assert st.accepted == 0 and st.windows <= 7 and st.plain_steps >= 30
+
+
+# ---- bounded waits ------------------------------------------------------------------------------
+
+class StuckEvent:
+    """A fake CUDA event: the GPU 'finishes' layers below `done` only."""
+
+    made = 0
+    done = 1
+
+    def __init__(self):
+        self.index = StuckEvent.made
+        StuckEvent.made += 1
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.index < StuckEvent.done
+
+
+def test_verify_window_stall_names_window_size_and_layer(synth):
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f)
+    StuckEvent.made = 0
+    eng.spec = SpecDecoder(eng.model, NgramDrafter(), 4, timeout_s=0.05, event=StuckEvent)
+    eng.spec.drafter.propose = lambda ctx, n: [1, 2, 3]
+    with pytest.raises(StallError, match=r"verify window of 4 tokens at position \d+: waited 0 s; "
+                       r"the GPU never finished layer 1 \(stage 'verify window', layer 3"):
+        list(eng.generate(eng.tokenizer.encode("hello"), SamplingParams(temperature=0,
+                                                                        max_tokens=8)))
+
+
+def test_layer_marks_name_the_head():
+    StuckEvent.made, StuckEvent.done = 0, 3
+    m = LayerMarks(5, 10, 3, torch.device("cpu"), event=StuckEvent)
+    for i in range(4):
+        m.after(i)
+    with pytest.raises(StallError, match="never finished the output head"):
+        m.wait(0.01)
+    StuckEvent.done = 1
+
+
+# ---- the offload executor over a window ---------------------------------------------------------
+
+def test_window_reads_each_expert_once(synth):
+    """A window of 5 tokens on the planned path (a window below stream_min, as on a GPU whose
+    measured costs put stream_min above a window's size; on this CPU device stream_min is 2 and
+    windows stream every miss, each expert copied once): per layer one CPU pool call whose
+    groups are the union of the tokens' experts, each once, and every pair counted."""
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f, spec=4, stream_min=64, **PATHS["offload"])
+    ex = eng.model.experts
+    calls = []
+    run_cpu = ex._run_cpu
+
+    def spy(layer, groups, h):  # noqa: ANN001, ANN202
+        calls.append((layer, h.shape[0], [g.expert for g in groups],
+                      sum(len(g.tokens) for g in groups)))
+        return run_cpu(layer, groups, h)
+
+    ex._run_cpu = spy
+    kv = eng.model.new_cache(32)
+    from strata.model.transformer import Segment
+
+    eng.model.forward(torch.tensor([5, 6, 7]), [Segment(kv, 3)])
+    calls.clear()
+    before = ex.stats.cpu.copy()
+    eng.model.forward(torch.tensor([1, 2, 3, 4, 5]), [Segment(kv, 5)], all_logits=True)
+    K = eng.config.n_experts_used
+    assert [c[0] for c in calls] == list(range(eng.config.n_layers))
+    for _, t, experts, pairs in calls:
+        assert t == 5 and len(experts) == len(set(experts)) and pairs == 5 * K
+    assert ((ex.stats.cpu - before) == 5 * K).all()
+
+
+def test_spec_stats_by_position():
+    st = SpecStats()
+    st.add(3, 1, 0.1)
+    st.add(2, 2, 0.1)
+    assert st.drafted_at == [2, 2, 1] and st.accepted_at == [2, 1, 0]
+    assert st.by_position() == [1.0, 0.5, 0.0] and st.window_tokens == 5
+    assert "2 windows, 5 drafted, 3 accepted (60.0%; by position 1.00 0.50 0.00)" in st.line()
