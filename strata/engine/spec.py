@@ -119,6 +119,11 @@ class LayerMarks:
         self.event = event or (torch.cuda.Event if device.type == "cuda" else None)
         self.events: list = []
 
+    def never_finish(self) -> None:
+        """Make every mark from now on one the GPU never reaches (STRATA_FAULT timeout@verify:
+        the window's bounded wait then runs out as a real stall's would)."""
+        self.event = _NeverDone
+
     def after(self, layer: int) -> None:
         PROGRESS.layer = layer
         if self.event is not None:
@@ -144,6 +149,14 @@ class LayerMarks:
                              f"{self.position}: waited {timeout_s:.0f} s; the GPU never finished "
                              f"{'the output head' if stuck >= self.n_layers else f'layer {stuck}'}"
                              f" ({PROGRESS.describe()})") from None
+
+
+class _NeverDone:
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
 
 
 def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
@@ -177,13 +190,21 @@ class SpecDecoder:
     stats: SpecStats = field(default_factory=SpecStats)
     timeout_s: float = DEFAULT_TIMEOUT_S
     event: Callable[[], object] | None = None  # LayerMarks' event factory (tests)
+    # called with each window's LayerMarks before its forward (the server's injected faults)
+    before_window: Callable[[LayerMarks], None] | None = None
 
     def __post_init__(self) -> None:
         self.window = Window(self.limit)
+        self.sequence: object = None  # whose window state this is (the server's request id)
 
     def reset(self) -> None:
-        """A new sequence: fresh statistics and a full window."""
-        self.stats, self.window = SpecStats(), Window(self.limit)
+        """A new generation: fresh statistics and a full window."""
+        self.stats = SpecStats()
+        self.new_sequence(None)
+
+    def new_sequence(self, key: object) -> None:
+        """Another sequence decodes now: a full window (statistics carry on)."""
+        self.window, self.sequence = Window(self.limit), key
 
     def step(self, context: list[int], kv: KVCache, params: SamplingParams,
              gen: torch.Generator | None, room: int) -> list[int]:
@@ -198,6 +219,8 @@ class SpecDecoder:
         start, n = kv.length, len(drafts) + 1
         PROGRESS.at("verify window", position=start)
         marks = LayerMarks(n, start, self.model.cfg.n_layers, self.model.device, self.event)
+        if self.before_window is not None:
+            self.before_window(marks)
         from strata.model.transformer import Segment
 
         tokens = torch.tensor([context[-1], *drafts])  # [k+1]

@@ -9,6 +9,10 @@ One step (`BatchRunner.step`):
              the request ran alone or beside others
     finish   a stop token, max_tokens or a stop string ends a sequence: Finished, KV cache dropped
 
+With --spec T (strata.engine.spec) a step of one decoding sequence is a verify window, which may
+give several tokens; a step of several sequences decodes one token each (no windows in batched
+decode).
+
 Legend: B sequences in the step, V vocab.
 """
 
@@ -61,6 +65,7 @@ class Sequence:
     generated: int = 0
     decode_steps: int = 0
     prefilled: bool = field(default=False)
+    context: list[int] = field(default_factory=list)  # the prompt and the tokens generated
 
 
 class BatchRunner:
@@ -104,12 +109,16 @@ class BatchRunner:
         self.send(Progress(self.stage, self._detail(batch, take), state=self.state()))
         PROGRESS.at(self.stage, position=batch[0].kv.length)
         t0 = time.perf_counter()
+        spec, window = getattr(self.engine, "spec", None), None
         tokens = torch.tensor([t for s in batch for t in take[s.rid]])  # [sum of takes]
         segments = [Segment(s.kv, len(take[s.rid])) for s in batch]
         try:
             for s in batch:  # injected faults strike inside the step, as real ones would
                 self.faults.at(*(("decode", s.decode_steps + 1) if s.prefilled else ("prefill",)))
-            if len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
+            if len(batch) == 1 and not prompt and len(tokens) == 1 and spec is not None:
+                window = self._window(spec, batch[0])  # one sequence: a verify window
+                logits = []
+            elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
                 logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
             else:
                 logits = self.engine.model.forward(tokens, segments)  # [B, V]
@@ -125,7 +134,13 @@ class BatchRunner:
                                  f"{type(e).__name__}: {e}"))
             return
         PROGRESS.steps += 1
-        for s, row in zip(batch, logits, strict=True):
+        if window is not None:
+            s, out = batch[0], window[0]
+            s.pending, s.decode_steps = [], s.decode_steps + 1
+            for token in out:  # a stop ends the sequence (its KV cache with it) mid-window
+                if s.rid in self.seqs:
+                    self._advance(s, token)
+        for s, row in zip(batch if window is None else [], logits, strict=True):
             s.pending = s.pending[len(take[s.rid]):]
             if s.pending:
                 continue  # more prompt chunks to come: this chunk's logits are not needed
@@ -134,10 +149,23 @@ class BatchRunner:
             s.prefilled = True
             self._advance(s, sample(row, s.params, s.gen))
         stats = getattr(self.engine.model.experts, "stats", None)
-        self.send(StepDone(sum(len(take[s.rid]) for s in prompt), len(batch) - len(prompt),
+        decoded = len(batch) - len(prompt) if window is None else len(window[0])
+        self.send(StepDone(sum(len(take[s.rid]) for s in prompt), decoded,
                            time.perf_counter() - t0, self.active,
-                           getattr(stats, "hit_rate", None)))
+                           getattr(stats, "hit_rate", None),
+                           *((window[1], window[2]) if window else ())))
         self.stage = "decode" if self.seqs else "idle"
+
+    def _window(self, spec, s: Sequence) -> tuple[list[int], int, int]:  # noqa: ANN001
+        """One decode step of `s` through spec (a SpecDecoder): (tokens, drafted, accepted).
+        Injected verify faults strike inside the window, after its marks exist."""
+        if spec.sequence != s.rid:
+            spec.new_sequence(s.rid)
+        n = spec.stats.windows
+        spec.before_window = lambda marks: self.faults.at("verify", n + 1, window=marks)
+        drafted, accepted = spec.stats.drafted, spec.stats.accepted
+        out = spec.step(s.context, s.kv, s.params, s.gen, s.max_tokens - s.generated)
+        return out, spec.stats.drafted - drafted, spec.stats.accepted - accepted
 
     def _take(self, s: Sequence) -> list[int]:
         """A decoding sequence's last token, or the next chunk of a prompt (--prefill)."""
@@ -172,6 +200,7 @@ class BatchRunner:
             self._finish(s, "stop")
             return
         s.generated += 1
+        s.context.append(token)
         text = s.stops.push(s.stream.push(token))
         if text:
             self.send(Delta(s.rid, text, s.generated))
@@ -228,7 +257,7 @@ class BatchRunner:
         capacity = len(ids) + min(max_tokens, _KV_START)  # grows by doubling when needed
         return Sequence(sub.rid, len(ids), max_tokens, params, gen, eng.model.new_cache(capacity),
                         eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids,
-                        sub.ignore_eos)
+                        sub.ignore_eos, context=list(ids))
 
 
 class _Reject(Exception):

@@ -114,6 +114,8 @@ class StepDone:
     seconds: float
     active: int
     cache_hit_rate: float | None = None  # None while the engine has no expert cache
+    drafted: int = 0  # a verify window's drafted tokens (--spec), 0 in a step without one
+    accepted: int = 0  # of them, accepted (the first `accepted` positions)
 
 
 @dataclass(frozen=True)
