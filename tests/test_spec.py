@@ -208,6 +208,20 @@ def test_window_shrinks_and_turns_off():
     assert w.off == 0 and w.size == 2
 
 
+def test_slow_windows_turn_off():
+    """Windows whose seconds per token exceed a plain step's by SPEC_SLOWER turn off; a window
+    that gains enough stays on."""
+    w = Window(4)
+    w.update(4, 4, 0.5)  # no plain step timed yet: on
+    assert w.off == 0
+    w.plain(0.1)
+    w.update(4, 3, 0.3)  # 0.075 s a token against 0.1: on
+    assert w.off == 0
+    for _ in range(3):
+        w.update(4, 1, 0.4)  # 0.2 s a token: the running mean crosses 0.11
+    assert w.off == SPEC_OFF_STEPS and w.window_s is None
+
+
 def test_low_acceptance_turns_windows_off(synth):
     f = synth("qwen3moe", "Q4_K_M")
     eng = load(f)
@@ -300,3 +314,54 @@ def test_spec_stats_by_position():
     assert st.drafted_at == [2, 2, 1] and st.accepted_at == [2, 1, 0]
     assert st.by_position() == [1.0, 0.5, 0.0] and st.window_tokens == 5
     assert "2 windows, 5 drafted, 3 accepted (60.0%; by position 1.00 0.50 0.00)" in st.line()
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def test_generate_spec_stats_and_refusals(synth, capfd):
+    from strata.cli.main import main
+
+    f = str(synth("qwen3moe", "Q4_K_M"))
+    base = ["generate", f, "--device", "cpu", "--prompt", "hello world", "-n", "24",
+            "--temperature", "0"]
+    assert main(base) == 0
+    plain = capfd.readouterr().out
+    assert main([*base, "--spec", "3", "--draft", f, "--stats"]) == 0
+    out, err = capfd.readouterr()
+    assert out == plain
+    assert "strata: spec: " in err and " windows, " in err and "accepted (100.0%" in err
+    assert main([*base, "--spec", "2", "--draft", "mtp"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "--draft mtp" in err[-1] and "has no nextn layers" in err[-1]
+    assert main([*base, "--spec", "-1"]) == 2
+    assert "--spec -1: give 0 (off) to 64" in capfd.readouterr().err
+
+
+# ---- CUDA (never run on a machine without a GPU) ------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode_step", ["graphs", "off"])
+def test_greedy_same_with_spec_cuda_offload(synth, decode_step):
+    """The offload runtime on CUDA: plain steps on the decode step (graphs) or the batched
+    forward, windows on the forward with all logits; --kernels exact keeps both float32-exact
+    up to 4 tokens, so windows of 3 drafts + 1 agree with single tokens."""
+    f = synth("qwen3moe", "Q4_K_M")
+    kw = dict(device="cuda", offload="on", expert_cache="2", kernels="exact",
+              decode_step=decode_step)
+    plain = list(Engine.load(f, config=EngineConfig(**kw)).generate(
+        [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=32)))
+    eng = Engine.load(f, config=EngineConfig(spec=3, draft=str(f), **kw))
+    assert list(eng.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=32))) == plain
+    assert eng.stats.spec.windows > 0 and eng.stats.spec.accepted == eng.stats.spec.drafted
+
+
+@pytest.mark.cuda
+def test_layer_marks_cuda_events():
+    """Real CUDA events: a window's marks complete and the wait returns."""
+    m = LayerMarks(4, 0, 2, torch.device("cuda"))
+    x = torch.randn(256, 256, device="cuda")
+    for i in range(3):
+        x = x @ x
+        m.after(i)
+    m.wait(30)
+    assert len(m.events) == 3 and all(ev.query() for ev in m.events)

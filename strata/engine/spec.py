@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.engine.sampling import SamplingParams, probabilities, sample
-from strata.kernels.tuning import SPEC_ACCEPT_WEIGHT, SPEC_OFF_ACCEPT, SPEC_OFF_STEPS
+from strata.kernels.tuning import (
+    SPEC_ACCEPT_WEIGHT,
+    SPEC_OFF_ACCEPT,
+    SPEC_OFF_STEPS,
+    SPEC_SLOWER,
+)
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, to_host, wait_event
 
@@ -47,6 +52,7 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)
     window_s: float = 0.0
     window_tokens: int = 0  # tokens the windows gave (accepted + one each)
+    plain_s: float = 0.0
 
     @property
     def acceptance(self) -> float:
@@ -72,25 +78,31 @@ class SpecStats:
     def line(self) -> str:
         pos = " ".join(f"{a:.2f}" for a in self.by_position())
         rate = self.window_tokens / self.window_s if self.window_s else 0.0
+        plain = self.plain_steps / self.plain_s if self.plain_s else 0.0
         return (f"spec: {self.windows} windows, {self.drafted} drafted, {self.accepted} accepted "
                 f"({100 * self.acceptance:.1f}%; by position {pos or '-'}); "
                 f"{self.window_tokens} tokens from windows at {rate:.1f} tok/s; "
-                f"{self.plain_steps} plain decode steps")
+                f"{self.plain_steps} plain decode steps at {plain:.1f} tok/s")
 
     def as_dict(self) -> dict:
         return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
                 "drafted_at": list(self.drafted_at), "accepted_at": list(self.accepted_at),
-                "plain_steps": self.plain_steps, "window_s": self.window_s,
+                "plain_steps": self.plain_steps, "plain_s": self.plain_s,
+                "window_s": self.window_s,
                 "window_tokens": self.window_tokens}
 
 
 class Window:
     """The adaptive window size: one more after a window accepted whole, one less after one
     that accepted nothing; off (size 0) for SPEC_OFF_STEPS steps while the running acceptance
-    is below SPEC_OFF_ACCEPT, then one window of 1 probes again."""
+    is below SPEC_OFF_ACCEPT (then one window of 1 probes again), or while a window's seconds
+    per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are timed
+    while no draft comes and while the window is off)."""
 
     def __init__(self, limit: int):
         self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
+        self.window_s: float | None = None  # seconds per token, running means
+        self.plain_s: float | None = None
 
     def next_size(self) -> int:
         if self.off:
@@ -98,7 +110,16 @@ class Window:
             return 0
         return self.size
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def plain(self, seconds: float) -> None:
+        """A plain decode step took `seconds`."""
+        self.plain_s = _mean(self.plain_s, seconds)
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """A window of `drafted` drafts accepted `accepted` of them in `seconds`."""
+        if seconds is not None:
+            self.window_s = _mean(self.window_s, seconds / (accepted + 1))
+            if self.plain_s is not None and self.window_s > SPEC_SLOWER * self.plain_s:
+                self.off, self.window_s = SPEC_OFF_STEPS, None  # (measured afresh after)
         self.mean += SPEC_ACCEPT_WEIGHT * (accepted / drafted - self.mean)
         if accepted == drafted:
             self.size = min(self.limit, self.size + 1)
@@ -106,6 +127,10 @@ class Window:
             self.size = max(1, self.size - 1)
         if self.mean < SPEC_OFF_ACCEPT:
             self.off, self.size, self.mean = SPEC_OFF_STEPS, 1, SPEC_OFF_ACCEPT
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + SPEC_ACCEPT_WEIGHT * (new - old)
 
 
 class LayerMarks:
@@ -213,8 +238,13 @@ class SpecDecoder:
         k = min(self.window.next_size(), room - 1)
         drafts = self.drafter.propose(context, k)[:k] if k > 0 else []
         if not drafts:
+            t0 = time.perf_counter()
+            out = [sample(self.model.decode(context[-1], kv)[0], params, gen)]
+            spent = time.perf_counter() - t0
+            self.window.plain(spent)
             self.stats.plain_steps += 1
-            return [sample(self.model.decode(context[-1], kv)[0], params, gen)]
+            self.stats.plain_s += spent
+            return out
         t0 = time.perf_counter()
         start, n = kv.length, len(drafts) + 1
         PROGRESS.at("verify window", position=start)
@@ -230,8 +260,9 @@ class SpecDecoder:
         accepted, nxt = accept(logits, drafts, params, gen)
         kv.truncate(start + 1 + accepted)
         rollback(self.model, kv, start + 1 + accepted)
-        self.window.update(len(drafts), accepted)
-        self.stats.add(len(drafts), accepted, time.perf_counter() - t0)
+        spent = time.perf_counter() - t0
+        self.window.update(len(drafts), accepted, spent)
+        self.stats.add(len(drafts), accepted, spent)
         return [*drafts[:accepted], nxt]
 
 

@@ -186,3 +186,8 @@ NGRAM_MIN = 2
 SPEC_ACCEPT_WEIGHT = 0.25
 SPEC_OFF_ACCEPT = 0.25
 SPEC_OFF_STEPS = 16
+# ... and likewise while a window's seconds per token (running mean, the same weight) exceed a
+# plain decode step's by this factor: a window reads the union of its tokens' experts, which on
+# a CPU can cost more than the tokens it gains (the demo model reads 12 of 16 experts a layer for
+# 5 tokens, 4 for one); 1.1 leaves room for the measured noise (estimate)
+SPEC_SLOWER = 1.1
