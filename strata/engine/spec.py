@@ -33,6 +33,7 @@ from strata.engine.sampling import SamplingParams, probabilities, sample
 from strata.kernels.tuning import (
     SPEC_ACCEPT_WEIGHT,
     SPEC_OFF_ACCEPT,
+    SPEC_OFF_MAX,
     SPEC_OFF_STEPS,
     SPEC_SLOWER,
 )
@@ -97,12 +98,15 @@ class Window:
     that accepted nothing; off (size 0) for SPEC_OFF_STEPS steps while the running acceptance
     is below SPEC_OFF_ACCEPT (then one window of 1 probes again), or while a window's seconds
     per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are timed
-    while no draft comes and while the window is off)."""
+    while no draft comes and while the window is off): then twice as long each time in a row,
+    up to SPEC_OFF_MAX steps."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, timed: bool = True):
         self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
+        self.timed = timed  # False: acceptance alone decides (tests that count windows)
         self.window_s: float | None = None  # seconds per token, running means
         self.plain_s: float | None = None
+        self.backoff = SPEC_OFF_STEPS  # the next time-based pause
 
     def next_size(self) -> int:
         if self.off:
@@ -116,10 +120,13 @@ class Window:
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """A window of `drafted` drafts accepted `accepted` of them in `seconds`."""
-        if seconds is not None:
+        if seconds is not None and self.timed:
             self.window_s = _mean(self.window_s, seconds / (accepted + 1))
             if self.plain_s is not None and self.window_s > SPEC_SLOWER * self.plain_s:
-                self.off, self.window_s = SPEC_OFF_STEPS, None  # (measured afresh after)
+                self.off, self.window_s = self.backoff, None  # (measured afresh after)
+                self.backoff = min(2 * self.backoff, SPEC_OFF_MAX)
+            else:
+                self.backoff = SPEC_OFF_STEPS
         self.mean += SPEC_ACCEPT_WEIGHT * (accepted / drafted - self.mean)
         if accepted == drafted:
             self.size = min(self.limit, self.size + 1)
@@ -217,9 +224,10 @@ class SpecDecoder:
     event: Callable[[], object] | None = None  # LayerMarks' event factory (tests)
     # called with each window's LayerMarks before its forward (the server's injected faults)
     before_window: Callable[[LayerMarks], None] | None = None
+    timed: bool = True  # Window.timed
 
     def __post_init__(self) -> None:
-        self.window = Window(self.limit)
+        self.window = Window(self.limit, self.timed)
         self.sequence: object = None  # whose window state this is (the server's request id)
 
     def reset(self) -> None:
@@ -229,7 +237,7 @@ class SpecDecoder:
 
     def new_sequence(self, key: object) -> None:
         """Another sequence decodes now: a full window (statistics carry on)."""
-        self.window, self.sequence = Window(self.limit), key
+        self.window, self.sequence = Window(self.limit, self.timed), key
 
     def step(self, context: list[int], kv: KVCache, params: SamplingParams,
              gen: torch.Generator | None, room: int) -> list[int]:

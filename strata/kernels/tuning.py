@@ -191,3 +191,8 @@ SPEC_OFF_STEPS = 16
 # a CPU can cost more than the tokens it gains (the demo model reads 12 of 16 experts a layer for
 # 5 tokens, 4 for one); 1.1 leaves room for the measured noise (estimate)
 SPEC_SLOWER = 1.1
+# each time windows turn off for being slower, the next time they stay off twice as long, up to
+# this many steps: a probe window can cost many plain steps (the demo model on the CPU offload
+# runtime: one window of 5 tokens took as long as 16 plain steps, streamed and computed in
+# float32), so probes grow rare where windows never pay
+SPEC_OFF_MAX = 1024
