@@ -243,17 +243,16 @@ class SpecDecoder:
              gen: torch.Generator | None, room: int) -> list[int]:
         """The next 1 .. room tokens after `context` (its last token is not in kv yet); kv then
         holds all of the context and every returned token but the last."""
+        t0 = time.perf_counter()  # (drafting counts: a draft model's steps cost too)
         k = min(self.window.next_size(), room - 1)
         drafts = self.drafter.propose(context, k)[:k] if k > 0 else []
         if not drafts:
-            t0 = time.perf_counter()
             out = [sample(self.model.decode(context[-1], kv)[0], params, gen)]
             spent = time.perf_counter() - t0
             self.window.plain(spent)
             self.stats.plain_steps += 1
             self.stats.plain_s += spent
             return out
-        t0 = time.perf_counter()
         start, n = kv.length, len(drafts) + 1
         PROGRESS.at("verify window", position=start)
         marks = LayerMarks(n, start, self.model.cfg.n_layers, self.model.device, self.event)
@@ -262,8 +261,16 @@ class SpecDecoder:
         from strata.model.transformer import Segment
 
         tokens = torch.tensor([context[-1], *drafts])  # [k+1]
-        logits = self.model.forward(tokens, [Segment(kv, n)], all_logits=True,
-                                    marks=marks)  # [k+1, V]
+        ex = self.model.experts
+        windowed = hasattr(ex, "window")  # the offload executor: planned misses
+        if windowed:
+            ex.window = True
+        try:
+            logits = self.model.forward(tokens, [Segment(kv, n)], all_logits=True,
+                                        marks=marks)  # [k+1, V]
+        finally:
+            if windowed:
+                ex.window = False
         marks.wait(self.timeout_s)
         accepted, nxt = accept(logits, drafts, params, gen)
         kv.truncate(start + 1 + accepted)
