@@ -377,3 +377,25 @@ def test_layer_marks_cuda_events():
         m.after(i)
     m.wait(30)
     assert len(m.events) == 3 and all(ev.query() for ev in m.events)
+
+
+@pytest.mark.parametrize("miss", ["auto", "dma"])
+def test_window_accounting_with_cache_slots(synth, miss):
+    """Some experts in cache slots, the misses split (auto) or all copied (dma): a window's
+    pairs are all counted once, hits + CPU + copied."""
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f, spec=4, offload="on", expert_cache="6", miss=miss)
+    ex = eng.model.experts
+    from strata.model.transformer import Segment
+
+    kv = eng.model.new_cache(32)
+    eng.model.forward(torch.tensor([5, 6, 7]), [Segment(kv, 3)])
+    st = ex.stats
+    before = st.hits + st.cpu + st.streamed, st.bytes_h2d
+    ex.window = True
+    eng.model.forward(torch.tensor([1, 2, 3, 4, 5]), [Segment(kv, 5)], all_logits=True)
+    ex.window = False
+    K = eng.config.n_experts_used
+    assert ((st.hits + st.cpu + st.streamed - before[0]) == 5 * K).all()
+    if miss == "dma":  # every miss copied: some bytes moved
+        assert st.bytes_h2d > before[1] and (st.cpu == 0).all()
