@@ -134,6 +134,22 @@ def test_kv_after_stop_matches_plain(synth):
     assert torch.allclose(kv1.store[:, :, :n], kv0.store[:, :, :n], atol=1e-4, rtol=1e-4)
 
 
+def test_next_turn_reuses_the_cache_same_with_spec(synth):
+    """A chat's next turn runs only what the cache lacks: the same answers and cache length
+    with windows as without."""
+    f = synth("qwen3moe", "Q4_K_M")
+    turns = []
+    for spec, draft in ((0, "auto"), (3, str(f))):
+        eng = load(f, spec=spec, draft=draft)
+        ids = eng.tokenizer.encode("hello world")
+        kv = eng.model.new_cache(128)
+        p = SamplingParams(temperature=0, max_tokens=10)
+        a = list(eng.generate(ids, p, kv))
+        b = list(eng.generate(ids + a + eng.tokenizer.encode(" and more"), p, kv))
+        turns.append((a, b, kv.length))
+    assert turns[0] == turns[1]
+
+
 # ---- exact: sampled -----------------------------------------------------------------------------
 
 def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -123,7 +123,7 @@ class Session:
     def line(self, generated: int) -> str:
         st = self.engine.stats
         pre = st.prompt_tokens / st.prompt_s if st.prompt_s else 0.0
-        tok_s = st.decode_steps / st.decode_s if st.decode_s else 0.0
+        tok_s = st.decode_tok_s  # (tokens: a verify window gives several a step)
         return (f"strata: prompt {st.prompt_tokens} new tokens ({self.reused} reused) at "
                 f"{pre:.1f} tok/s; answer {generated} tokens at {tok_s:.1f} tok/s "
                 f"({self.finish})")
