@@ -198,10 +198,16 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         share = budget // 8 if budget >= 4 * GIB else budget // 16
         n_ring = max(4, min(256, share // max_stride))
     ring = ring_size(ec.ring_bytes, layouts, n_ring * max_stride)
+    if dev.type != "cuda" and ec.stream_min is None and ec.ring_bytes is None:
+        # on the CPU device a ring would copy host memory to host memory for torch to
+        # dequantize (batched decode of 8 sequences on the tiny qwen3moe: 570 tok/s so, 2,700
+        # with the misses in the CPU pool); only --stream-min / --ring-bytes ask for one there
+        ring = 0
     # --ring-bytes auto: during prompt chunks that stream, the ring grows into the VRAM the
     # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
     # shrinks back before any other pass (OffloadExperts.before_pass)
-    borrow_cap = max(0, BORROW_RECORDS * max_stride - ring) if ec.ring_bytes is None else 0
+    borrow_cap = (max(0, BORROW_RECORDS * max_stride - ring)
+                  if ec.ring_bytes is None and ring else 0)
     fixed = dense + workspace + staging + ring + MARGIN
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
