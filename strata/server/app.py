@@ -222,7 +222,8 @@ class API:
                 log.info("%s: %s, %d + %d tokens", job.rid, ev.finish_reason, ev.prompt_tokens,
                          ev.completion_tokens)
                 return JSONResponse(b.full("".join(parts), ev.finish_reason, ev.prompt_tokens,
-                                           ev.completion_tokens), headers={"X-Request-Id": job.rid})
+                                           ev.completion_tokens, ev.cached_tokens),
+                                    headers={"X-Request-Id": job.rid})
             else:
                 raise as_error(ev)
 
@@ -241,7 +242,8 @@ class API:
                         yield b.chunk(ev.text)
                     yield b.chunk(None, finish=ev.finish_reason)
                     if b.include_usage:
-                        yield b.usage_chunk(ev.prompt_tokens, ev.completion_tokens)
+                        yield b.usage_chunk(ev.prompt_tokens, ev.completion_tokens,
+                                            ev.cached_tokens)
                     log.info("%s: %s, %d + %d tokens (streamed)", job.rid, ev.finish_reason,
                              ev.prompt_tokens, ev.completion_tokens)
                 else:  # the headers are gone: the error travels as an event, then [DONE]

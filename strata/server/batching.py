@@ -7,7 +7,8 @@ One step (`BatchRunner.step`):
     forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each  -> [B, V]
     sample   each sequence with its own torch.Generator, so a seed gives the same text whether
              the request ran alone or beside others
-    finish   a stop token, max_tokens or a stop string ends a sequence: Finished, KV cache dropped
+    finish   a stop token, max_tokens or a stop string ends a sequence: Finished, its KV rows
+             kept in the prefix cache (prefix_cache.py) for a later prompt that starts alike
 
 Legend: B sequences in the step, V vocab.
 """
@@ -29,6 +30,7 @@ from strata.model.transformer import Segment
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.waits import PROGRESS, StallError
 from strata.server.faults import FaultTrigger
+from strata.server.prefix_cache import PrefixCache
 from strata.server.protocol import (
     Accepted,
     Cancel,
@@ -61,13 +63,17 @@ class Sequence:
     generated: int = 0
     decode_steps: int = 0
     prefilled: bool = field(default=False)
+    tokens: list[int] = field(default_factory=list)  # fed so far or pending: prompt, then output
+    cached: int = 0  # prompt tokens whose KV rows came from the prefix cache
 
 
 class BatchRunner:
-    def __init__(self, engine: Engine, send: Callable[[object], None], faults: FaultTrigger):
+    def __init__(self, engine: Engine, send: Callable[[object], None], faults: FaultTrigger,
+                 prefix_cache_bytes: int = 0):
         self.engine = engine
         self.send = send
         self.faults = faults
+        self.prefix = PrefixCache(prefix_cache_bytes)
         self.seqs: dict[str, Sequence] = {}
         self.stage = "idle"
 
@@ -94,7 +100,9 @@ class BatchRunner:
     def cancel(self, rid: str) -> None:
         seq = self.seqs.pop(rid, None)  # dropping the sequence frees its KV cache
         if seq is not None:
-            self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated))
+            self.prefix.store(seq.tokens, seq.kv)  # (the rows written so far are whole)
+            self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated,
+                               cached_tokens=seq.cached))
 
     def step(self) -> None:
         batch = list(self.seqs.values())
@@ -181,6 +189,7 @@ class BatchRunner:
             self._finish(s, "length")
         else:
             s.pending = [token]
+            s.tokens.append(token)
 
     def _finish(self, s: Sequence, reason: str) -> None:
         tail = ""
@@ -189,7 +198,8 @@ class BatchRunner:
             tail += s.stops.flush()
             reason = "stop" if s.stops.stopped else reason
         del self.seqs[s.rid]
-        self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail))
+        self.prefix.store(s.tokens, s.kv)
+        self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail, s.cached))
 
     def _make_sequence(self, sub: Submit) -> Sequence:
         eng = self.engine
@@ -226,9 +236,11 @@ class BatchRunner:
         else:
             gen.seed()
         capacity = len(ids) + min(max_tokens, _KV_START)  # grows by doubling when needed
-        return Sequence(sub.rid, len(ids), max_tokens, params, gen, eng.model.new_cache(capacity),
-                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids,
-                        sub.ignore_eos)
+        kv = eng.model.new_cache(capacity)
+        cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 filled from an earlier request
+        return Sequence(sub.rid, len(ids), max_tokens, params, gen, kv,
+                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids[cached:],
+                        sub.ignore_eos, tokens=list(ids), cached=cached)
 
 
 class _Reject(Exception):

@@ -88,6 +88,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # what the stop-string hold-back released at the end
+    cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -126,3 +127,4 @@ class EngineOptions:
     stacks_path: str  # faulthandler writes every thread's stack here on SIGUSR1
     fault: Any = None  # faults.FaultPlan: the faults armed in this start
     start: int = 1
+    prefix_cache_bytes: int = 0  # host bytes of finished requests' KV rows kept for reuse

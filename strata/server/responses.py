@@ -11,9 +11,11 @@ from strata import __version__
 FINGERPRINT = f"strata-{__version__}"
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached: prompt tokens reused from the prefix cache."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -33,7 +35,8 @@ class Builder:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT}
 
-    def full(self, text: str, finish: str, prompt: int, completion: int) -> dict[str, Any]:
+    def full(self, text: str, finish: str, prompt: int, completion: int,
+             cached: int = 0) -> dict[str, Any]:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": finish}
@@ -41,7 +44,7 @@ class Builder:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             out = self._base("text_completion")
-        return out | {"choices": [choice], "usage": usage(prompt, completion)}
+        return out | {"choices": [choice], "usage": usage(prompt, completion, cached)}
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> bytes:
         if self.kind == "chat":
@@ -58,6 +61,6 @@ class Builder:
             out["usage"] = None
         return sse(out)
 
-    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+    def usage_chunk(self, prompt: int, completion: int, cached: int = 0) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return sse(self._base(obj) | {"choices": [], "usage": usage(prompt, completion)})
+        return sse(self._base(obj) | {"choices": [], "usage": usage(prompt, completion, cached)})

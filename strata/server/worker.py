@@ -88,7 +88,7 @@ def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
     except StrataError as e:
         out.send(LoadFailed(str(e)))
         return
-    runner = BatchRunner(engine, out.send, faults)
+    runner = BatchRunner(engine, out.send, faults, opts.prefix_cache_bytes)
     experts = engine.model.experts
     engine.model.experts = LayerProgress(experts, engine.config.n_layers, out.send, runner)
     cfg = engine.config
