@@ -197,6 +197,8 @@ class BatchRunner:
         try:
             if sub.messages is not None:
                 ids = eng.chat.encode(sub.messages, True, **sub.template_kwargs)
+                if sub.prefix:
+                    ids += eng.tokenizer.encode(sub.prefix, False, True)
             elif isinstance(sub.prompt, str):
                 ids = eng.tokenizer.encode(sub.prompt)
             else:
@@ -226,9 +228,9 @@ class BatchRunner:
         else:
             gen.seed()
         capacity = len(ids) + min(max_tokens, _KV_START)  # grows by doubling when needed
+        stream = eng.tokenizer.stream(skip_special=not sub.keep_special)
         return Sequence(sub.rid, len(ids), max_tokens, params, gen, eng.model.new_cache(capacity),
-                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids,
-                        sub.ignore_eos)
+                        stream, StopText(sub.stop), ids, sub.ignore_eos)
 
 
 class _Reject(Exception):

@@ -1,7 +1,7 @@
 """Request bodies -> checked requests. Every 400 names the field and says why.
 
 A parameter Strata does not implement is refused by name when it asks for something (n > 1,
-logprobs, tools, a response_format other than text, ...), never silently ignored. A few that change
+logprobs, the old functions / function_call, ...), never silently ignored. A few that change
 nothing here (user, metadata, store, ...) are accepted. Unknown fields are refused.
 """
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.server.errors import bad_request
+from strata.server.tool_requests import check_calls, check_tool_choice, check_tools
 
 MAX_STOP_STRINGS = 16
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -24,8 +25,8 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "reasoning_effort", "cha
                    "function_call", "response_format", "audio", "modalities", "prediction",
                    "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "logprobs", "suffix"}
-_RESERVED_KWARGS = {"messages", "add_generation_prompt", "add_bos"}
-_ROLES = {"system", "developer", "user", "assistant"}
+_RESERVED_KWARGS = {"messages", "add_generation_prompt", "add_bos", "tools"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclass
@@ -41,6 +42,9 @@ class ParsedRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # rendered in the prompt unless tool_choice is none
+    tool_choice: str = "none"  # auto, none, required (a named function is required + tool_name)
+    tool_name: str | None = None
 
 
 def _is_num(v: Any) -> bool:
@@ -64,8 +68,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         "n": lambda v: v not in (None, 1),
         "logprobs": lambda v: v not in (None, False, 0),
         "top_logprobs": lambda v: v not in (None, 0),
-        "tools": lambda v: bool(v),
-        "tool_choice": lambda v: v not in (None, "none"),
         "functions": lambda v: bool(v),
         "function_call": lambda v: v not in (None, "none"),
         "response_format": lambda v: v is not None and v != {"type": "text"},
@@ -84,7 +86,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     if bad:
         raise bad_request(f"{', '.join(f'{k}={body[k]!r}' for k in bad)}: not supported by "
                           f"Strata's {kind} endpoint (it serves n=1 plain text, without "
-                          "logprobs, tools, penalties or logit_bias)", bad[0],
+                          "logprobs, penalties or logit_bias)", bad[0],
                           "unsupported_parameter")
 
 
@@ -172,9 +174,10 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             role = m.get("role") if isinstance(m, dict) else None
             raise bad_request(f"messages[{i}].role is {role!r}; Strata takes "
-                              f"{', '.join(sorted(_ROLES))} (no tool messages)",
+                              f"{', '.join(sorted(_ROLES))}",
                               f"messages[{i}].role")
-        extra = set(m) - {"role", "content", "name", "reasoning_content", "refusal"}
+        extra = set(m) - {"role", "content", "name", "reasoning_content", "refusal",
+                          "tool_calls", "tool_call_id"}
         if extra:
             raise bad_request(f"messages[{i}]: unsupported field(s) {', '.join(sorted(extra))}",
                               f"messages[{i}].{sorted(extra)[0]}")
@@ -185,8 +188,13 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
         msg = {"role": role, "content": content or ""}
         if isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
+        _tool_fields(m, msg, i)
         out.append(msg)
     req.messages = out
+    req.tools = check_tools(body.get("tools"))
+    req.tool_choice, req.tool_name = check_tool_choice(body.get("tool_choice"), req.tools)
+    if req.tools and req.tool_choice != "none":
+        req.template_kwargs["tools"] = req.tools
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
@@ -203,6 +211,22 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
                               "chat_template_kwargs")
         req.template_kwargs.update(kwargs)
     return req
+
+
+def _tool_fields(m: dict, msg: dict, i: int) -> None:
+    """An assistant's tool_calls and a tool message's tool_call_id / name, checked."""
+    for key in ("tool_call_id", "name"):
+        if key in m and not isinstance(m[key], str):
+            raise bad_request(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+    if m.get("tool_calls") is not None:
+        if m["role"] != "assistant":
+            raise bad_request(f"messages[{i}].tool_calls: only an assistant message makes calls",
+                              f"messages[{i}].tool_calls")
+        msg["tool_calls"] = check_calls(m["tool_calls"], i)
+    if m["role"] == "tool":
+        for key in ("tool_call_id", "name"):
+            if key in m:
+                msg[key] = m[key]
 
 
 def parse_completion(body: Any, max_tokens_limit: int) -> ParsedRequest:
