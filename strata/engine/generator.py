@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -127,12 +128,13 @@ class Engine:
         return torch.cat(out) if all_logits else out[-1]
 
     def generate(self, prompt: list[int], params: SamplingParams,
-                 kv: KVCache | None = None) -> Iterator[int]:
+                 kv: KVCache | None = None, constraint: Any = None) -> Iterator[int]:
         """Yield generated token ids until a stop token or max_tokens; fills self.stats.
 
         kv: a cache that already holds the prompt's first kv.length tokens (a chat's earlier
         turns): only the rest run (stats.prompt_tokens counts those); it grows by every token
-        run, so after the answer it holds the prompt and the answer but its last token."""
+        run, so after the answer it holds the prompt and the answer but its last token.
+        constraint: a grammar (engine/constrain.py) that every token follows."""
         self.check_prompt(prompt, params.max_tokens)
         if kv is not None and not kv.length < len(prompt):
             raise ValueError(f"the cache holds {kv.length} tokens: at least one of the "
@@ -151,7 +153,9 @@ class Engine:
                 PROGRESS.at("decode", position=kv.length)
                 logits = self.model.decode(token, kv)[0]
                 PROGRESS.steps += 1
-            token = sample(logits, params, gen)
+            token = sample(logits if constraint is None else constraint.mask(logits), params, gen)
+            if constraint is not None:
+                constraint.accept(token)
             now = time.perf_counter()
             if i == 0:
                 st.prompt_s = now - t0

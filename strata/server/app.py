@@ -198,7 +198,7 @@ class API:
         where = "messages" if kind == "chat" else "prompt"
         return Submit(rid, req.messages, req.prompt, req.sampling, req.max_tokens,
                       self.cfg.max_tokens, req.stop, req.ignore_eos, req.template_kwargs, where,
-                      keep_special, prefix)
+                      keep_special, prefix, req.grammar)
 
     def _call_format(self, req: ParsedRequest, kind: str) -> tuple[str | None, str]:
         """The call format to parse the answer with (None: plain text), and the start of a call

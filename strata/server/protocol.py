@@ -29,6 +29,7 @@ class Submit:
     where: str = ""  # the request field the prompt came from ("messages" once rendered here)
     keep_special: bool = False  # text with control tokens (a call format that uses them)
     prefix: str = ""  # written after the rendered messages: the start of a call tool_choice forces
+    grammar: str | None = None  # response_format: the grammar every sampled token must follow
 
 
 @dataclass(frozen=True)

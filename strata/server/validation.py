@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.errors import StrataError
 from strata.server.errors import bad_request
 from strata.server.tool_requests import check_calls, check_tool_choice, check_tools
 
@@ -45,6 +46,7 @@ class ParsedRequest:
     tools: list[dict[str, Any]] | None = None  # rendered in the prompt unless tool_choice is none
     tool_choice: str = "none"  # auto, none, required (a named function is required + tool_name)
     tool_name: str | None = None
+    grammar: str | None = None  # response_format as a grammar (strata.engine.constrain)
 
 
 def _is_num(v: Any) -> bool:
@@ -70,7 +72,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         "top_logprobs": lambda v: v not in (None, 0),
         "functions": lambda v: bool(v),
         "function_call": lambda v: v not in (None, "none"),
-        "response_format": lambda v: v is not None and v != {"type": "text"},
         "logit_bias": lambda v: bool(v),
         "presence_penalty": lambda v: v not in (None, 0),
         "frequency_penalty": lambda v: v not in (None, 0),
@@ -191,6 +192,7 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
         _tool_fields(m, msg, i)
         out.append(msg)
     req.messages = out
+    req.grammar = _response_format(body.get("response_format"))
     req.tools = check_tools(body.get("tools"))
     req.tool_choice, req.tool_name = check_tool_choice(body.get("tool_choice"), req.tools)
     if req.tools and req.tool_choice != "none":
@@ -211,6 +213,40 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
                               "chat_template_kwargs")
         req.template_kwargs.update(kwargs)
     return req
+
+
+def _response_format(v: Any) -> str | None:
+    """json_object / json_schema -> the grammar the engine enforces; text -> None."""
+    if v is None:
+        return None
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(v, dict) or v.get("type") not in kinds:
+        raise bad_request(f"response_format: give {{\"type\": ...}} with a type from "
+                          f"{', '.join(kinds)}", "response_format")
+    if v["type"] == "text":
+        return None
+    schema, strict = None, False
+    if v["type"] == "json_schema":
+        js = v.get("json_schema")
+        where = "response_format.json_schema"
+        if not isinstance(js, dict):
+            raise bad_request(f'{where}: give {{"name", "schema", "strict"}}', where)
+        schema = js.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad_request(f"{where}.schema must be a JSON Schema object", f"{where}.schema")
+        strict = js.get("strict") or False
+        if not isinstance(strict, bool):
+            raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
+    from strata.engine import constrain  # no torch: the schema is only checked here
+
+    if not constrain.available():
+        raise bad_request(f"response_format={v['type']} needs llguidance on the server: "
+                          f"{constrain.INSTALL}", "response_format", "unsupported_parameter")
+    try:
+        return constrain.json_grammar(schema, strict)
+    except StrataError as e:
+        raise bad_request(f"response_format: {e}", "response_format.json_schema.schema"
+                          if schema is not None else "response_format") from None
 
 
 def _tool_fields(m: dict, msg: dict, i: int) -> None:
