@@ -63,6 +63,23 @@ def json_grammar(schema: dict[str, Any] | None, strict: bool = False) -> str:
     return grammar
 
 
+def lark_grammar(lark: str) -> str:
+    """A grammar from llguidance's Lark text (tool calls: tool_calls.call_grammar)."""
+    llg = _llg()
+    grammar = llg.LLMatcher.grammar_from_lark(lark)
+    why = llg.LLMatcher.validate_grammar(grammar)
+    if why:
+        raise StrataError(f"the grammar does not compile: {why}")
+    return grammar
+
+
+def json_value(schema: dict[str, Any] | None, strict: bool = False) -> str:
+    """A JSON Schema as a Lark rule body (`%json {...}`), written as json_grammar writes it."""
+    target = {"type": "object"} if schema is None else (_closed(schema) if strict else schema)
+    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return "%json " + json.dumps({**target, "x-guidance": style})
+
+
 def _closed(schema: Any) -> Any:
     """OpenAI's strict mode: additionalProperties false wherever an object lists properties."""
     if isinstance(schema, list):

@@ -39,7 +39,13 @@ from strata.server.protocol import Accepted, Delta, Failed, Finished, Submit
 from strata.server.responses import Builder, sse
 from strata.server.scheduler import Job, new_request_id
 from strata.server.supervisor import Supervisor
-from strata.server.tool_calls import forced_prefix, format_of, parse, parser_for
+from strata.server.tool_calls import (
+    call_grammar,
+    forced_prefix,
+    format_of,
+    parse,
+    parser_for,
+)
 from strata.server.validation import ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("strata.serve")
@@ -208,7 +214,17 @@ class API:
         fmt = format_of(getattr(self.sup.chat, "template", None))
         if not (req.tools and req.tool_choice != "none") and fmt != "harmony":
             return None, ""
-        return fmt, forced_prefix(fmt, req.tool_name) if req.tool_choice == "required" else ""
+        if req.tool_choice != "required":
+            return fmt, ""
+        from strata.engine import constrain
+
+        lark = call_grammar(fmt, req.tools or [], req.tool_name)
+        if lark is not None and req.grammar is None and constrain.available():
+            try:
+                req.grammar = constrain.lark_grammar(lark)  # the arguments follow the schema
+            except StrataError as e:
+                raise bad_request(f"tools: a function's parameters: {e}", "tools") from None
+        return fmt, forced_prefix(fmt, req.tool_name)
 
     async def _render(self, req: ParsedRequest, prefix: str = "") -> None:
         """Chat messages -> prompt token ids here, in a worker thread with the template's
