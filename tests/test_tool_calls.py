@@ -161,3 +161,30 @@ def test_tool_messages_round_trip_through_the_template():
     got = parse("hermes", call)
     assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [("get_weather",
                                                                        {"city": "Paris"})]
+
+
+def test_response_format_without_llguidance_is_a_400_saying_what_to_install(monkeypatch):
+    from strata.engine import constrain
+
+    monkeypatch.setattr(constrain, "available", lambda: False)
+    with pytest.raises(APIError) as e:
+        _chat(response_format={"type": "json_object"})
+    assert (e.value.status, e.value.param) == (400, "response_format")
+    assert "pip install 'strata[serve]'" in e.value.message
+    assert _chat(response_format={"type": "text"}).grammar is None
+
+
+def test_strata_imports_and_serves_without_llguidance():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['llguidance'] = None\n"
+            "import strata, strata.server.app, strata.server.batching, strata.engine.generator\n"
+            "from strata.engine import constrain\n"
+            "from strata.server.validation import parse_chat\n"
+            "assert not constrain.available()\n"
+            "r = parse_chat({'messages': [{'role': 'user', 'content': 'x'}], 'tools': ["
+            "{'type': 'function', 'function': {'name': 'f'}}], 'tool_choice': 'required'}, 9)\n"
+            "assert r.tool_choice == 'required' and r.grammar is None\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
