@@ -188,3 +188,33 @@ def test_strata_imports_and_serves_without_llguidance():
             "assert r.tool_choice == 'required' and r.grammar is None\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_response_format_with_a_required_call_is_refused():
+    pytest.importorskip("llguidance")
+    with pytest.raises(APIError) as e:
+        _chat(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    assert e.value.param == "response_format"
+
+
+def test_response_objects_carry_reasoning_and_calls():
+    from strata.server.app import _event_chunks
+    from strata.server.responses import Builder
+
+    b = Builder("chat", "chatcmpl-1", "m")
+    got = parse("harmony", HARMONY, [WEATHER])
+    full = b.full(got.content, "tool_calls", 10, 20, got.reasoning, got.calls)
+    msg = full["choices"][0]["message"]
+    assert msg["content"] is None and msg["reasoning_content"].startswith("User asks")
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                "arguments": '{"city": "Paris", "days": 2}'}
+    chunks = [json.loads(c.decode()[len("data: "):])
+              for kind, value in (("reasoning", "think"), ("call", got.calls[0]))
+              for c in _event_chunks(b, kind, value, 0)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"reasoning_content": "think"}
+    assert deltas[1]["tool_calls"][0] | {"function": None} == {
+        "index": 0, "id": got.calls[0].id, "type": "function", "function": None}
+    assert deltas[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[2] == {"tool_calls": [{"index": 0, "function": {
+        "arguments": '{"city": "Paris", "days": 2}'}}]}

@@ -197,6 +197,9 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
     req.tool_choice, req.tool_name = check_tool_choice(body.get("tool_choice"), req.tools)
     if req.tools and req.tool_choice != "none":
         req.template_kwargs["tools"] = req.tools
+    if req.grammar is not None and req.tool_choice == "required":
+        raise bad_request("response_format and tool_choice='required' (or a named function) "
+                          "both decide the answer's form: give one of them", "response_format")
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
