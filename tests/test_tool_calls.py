@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from tool_templates import GLM45_TOOLS_HINT, HARMONY_HINT, QWEN3_TOOLS
 
 from strata.server.errors import APIError
 from strata.server.tool_calls import forced_prefix, format_of, parse, parser_for
 from strata.server.validation import parse_chat
-from tests.tool_templates import GLM45_TOOLS_HINT, HARMONY_HINT, QWEN3_TOOLS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -139,9 +139,10 @@ def test_bad_tools_name_the_parameter(body, param):
 
 
 def test_tool_messages_round_trip_through_the_template():
+    from test_tokenizer import vocab_meta
+
     from strata.tokenizer import ChatTemplate, Tokenizer
     from strata.tokenizer.synthetic import synthetic_vocab
-    from tests.test_tokenizer import vocab_meta
 
     tok = Tokenizer.from_metadata(vocab_meta(synthetic_vocab("qwen", 600)))
     req = parse_chat({"tools": [WEATHER], "messages": [

@@ -12,11 +12,12 @@ import json
 
 import openai
 import pytest
+from test_constrain import valid
+from tool_templates import QWEN3_TOOLS
 
 from strata.server.testing import ServerProcess
-from tests.gguf_edit import rewrite
-from tests.test_constrain import valid
-from tests.tool_templates import QWEN3_TOOLS
+
+from gguf_edit import rewrite
 
 pytest.importorskip("llguidance")
 pytestmark = pytest.mark.slow
