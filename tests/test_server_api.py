@@ -146,7 +146,8 @@ def test_client_errors(client, server):
         client.chat.completions.create(model="other", messages=HI, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+                                       tools=[{"type": "function", "function": {
+                                           "name": "f", "parameters": "an object"}}])
 
 
 def test_concurrent_requests_match_serial_runs(client, server):

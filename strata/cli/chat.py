@@ -18,6 +18,7 @@ from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.cli.generate import model_or_demo
 from strata.cli.limits import check_kv_memory, check_sampling
 from strata.errors import StrataError
+from strata.progress import LoadStages
 
 PROMPT = ">>> "
 HELP = "strata: /reset forgets the conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer"
@@ -136,7 +137,13 @@ def run(args: argparse.Namespace) -> int:
     check_sampling(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    engine = Engine.load(model_or_demo(args.model), config=engine_config(args))
+    stages = LoadStages()
+    try:
+        engine = Engine.load(model_or_demo(args.model), config=engine_config(args),
+                             progress=stages)
+    finally:
+        stages.close()
+    engine.show_progress = True  # a long prompt: tokens done / total
     limit = min(engine.config.context_length, engine.engine_config.ctx or 4096)
     if args.max_tokens >= limit:
         raise StrataError(f"-n {args.max_tokens}: leaves no room for a prompt in the context "

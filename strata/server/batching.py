@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,6 +64,7 @@ class Sequence:
     generated: int = 0
     decode_steps: int = 0
     prefilled: bool = field(default=False)
+    constraint: Any = None  # strata.engine.constrain.Constraint: response_format's grammar
     tokens: list[int] = field(default_factory=list)  # fed so far or pending: prompt, then output
     cached: int = 0  # prompt tokens whose KV rows came from the prefix cache
 
@@ -140,12 +142,26 @@ class BatchRunner:
             if s.prefilled:
                 s.decode_steps += 1
             s.prefilled = True
-            self._advance(s, sample(row, s.params, s.gen))
+            try:
+                token = self._sample(s, row)
+            except StrataError as e:  # the grammar failed: that request fails, the rest go on
+                self.seqs.pop(s.rid, None)
+                self.send(Failed(s.rid, 500, f"constrained decoding failed: {e}"))
+                continue
+            self._advance(s, token)
         stats = getattr(self.engine.model.experts, "stats", None)
         self.send(StepDone(sum(len(take[s.rid]) for s in prompt), len(batch) - len(prompt),
                            time.perf_counter() - t0, self.active,
                            getattr(stats, "hit_rate", None)))
         self.stage = "decode" if self.seqs else "idle"
+
+    def _sample(self, s: Sequence, row: torch.Tensor) -> int:
+        """The next token from logits [V]; with a grammar, only one it allows (the rest at -inf)."""
+        c = s.constraint
+        token = sample(row if c is None else c.mask(row), s.params, s.gen)
+        if c is not None:
+            c.accept(token)
+        return token
 
     def _take(self, s: Sequence) -> list[int]:
         """A decoding sequence's last token, or the next chunk of a prompt (--prefill)."""
@@ -176,7 +192,8 @@ class BatchRunner:
         return f"{len(batch)} sequence(s): " + "; ".join(parts)
 
     def _advance(self, s: Sequence, token: int) -> None:
-        if token in self.engine.tokenizer.stop_ids and not s.ignore_eos:
+        ends = not s.ignore_eos or s.constraint is not None  # a grammar's EOS ends it
+        if token in self.engine.tokenizer.stop_ids and ends:
             self._finish(s, "stop")
             return
         s.generated += 1
@@ -207,6 +224,8 @@ class BatchRunner:
         try:
             if sub.messages is not None:
                 ids = eng.chat.encode(sub.messages, True, **sub.template_kwargs)
+                if sub.prefix:
+                    ids += eng.tokenizer.encode(sub.prefix, False, True)
             elif isinstance(sub.prompt, str):
                 ids = eng.tokenizer.encode(sub.prompt)
             else:
@@ -236,11 +255,20 @@ class BatchRunner:
         else:
             gen.seed()
         capacity = len(ids) + min(max_tokens, _KV_START)  # grows by doubling when needed
+        constraint = None
+        if sub.grammar is not None:
+            from strata.engine.constrain import Constraint
+
+            try:
+                constraint = Constraint(sub.grammar, eng.tokenizer, eng.config.n_vocab)
+            except StrataError as e:
+                raise _Reject(str(e), "response_format") from None
+        stream = eng.tokenizer.stream(skip_special=not sub.keep_special)
         kv = eng.model.new_cache(capacity)
         cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 filled from an earlier request
-        return Sequence(sub.rid, len(ids), max_tokens, params, gen, kv,
-                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids[cached:],
-                        sub.ignore_eos, tokens=list(ids), cached=cached)
+        return Sequence(sub.rid, len(ids), max_tokens, params, gen, kv, stream,
+                        StopText(sub.stop), ids[cached:], sub.ignore_eos, constraint=constraint,
+                        tokens=list(ids), cached=cached)
 
 
 class _Reject(Exception):

@@ -27,6 +27,9 @@ class Submit:
     ignore_eos: bool = False  # generate through stop tokens (benchmarks, tests)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     where: str = ""  # the request field the prompt came from ("messages" once rendered here)
+    keep_special: bool = False  # text with control tokens (a call format that uses them)
+    prefix: str = ""  # written after the rendered messages: the start of a call tool_choice forces
+    grammar: str | None = None  # response_format: the grammar every sampled token must follow
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from strata import __version__
+from strata.server.tool_calls import ToolCall
 
 FINGERPRINT = f"strata-{__version__}"
 
@@ -35,11 +36,16 @@ class Builder:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT}
 
-    def full(self, text: str, finish: str, prompt: int, completion: int,
-             cached: int = 0) -> dict[str, Any]:
+    def full(self, text: str, finish: str, prompt: int, completion: int, reasoning: str = "",
+             calls: tuple[ToolCall, ...] = (), cached: int = 0) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}
+            content = (text or None) if calls else text  # OpenAI: null beside calls
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             out = self._base("chat.completion")
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -57,6 +63,14 @@ class Builder:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             out = self._base("text_completion")
         out["choices"] = [choice]
+        if self.include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        """A chat chunk with its own delta (reasoning_content, tool_calls)."""
+        out = self._base("chat.completion.chunk")
+        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
         if self.include_usage:
             out["usage"] = None
         return sse(out)
