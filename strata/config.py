@@ -162,9 +162,10 @@ class _Meta:
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, kv_type: str = "f32") -> int:
-    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd]."""
-    width = 4 if kv_type == "f32" else 2
-    return 2 * cfg.n_layers * tokens * cfg.kv_dim * width
+    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd] (q8_0:
+    34 bytes a block of 32)."""
+    width = {"f32": 4, "q8_0": 34 / 32}.get(kv_type, 2)
+    return int(2 * cfg.n_layers * tokens * cfg.kv_dim * width)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

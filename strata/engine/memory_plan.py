@@ -26,7 +26,7 @@ from strata.gguf import ModelFile
 from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
-from strata.runtime.kv_cache import kv_dtype
+from strata.runtime.kv_cache import kv_elem_bytes
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30
@@ -167,10 +167,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     else:
         budget = host_available() // 2
     ctx = min(ec.ctx or 4096, cfg.context_length)
-    # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
-    # sequence decoded together
-    kv_size = kv_dtype(ec.kv_type).itemsize
-    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
+    # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16, 34/32 with
+    # q8_0), for each sequence decoded together
+    kv_size = kv_elem_bytes(ec.kv_type)
+    kv_per_token = int(2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences))
     # (the float32 dequantizing paths: at least one float32 expert and a piece being dequantized,
     # compute.run_records; a piece of a dense matrix, weights.QuantTensor)
     workspace = max(ec.workspace_mib << 20,

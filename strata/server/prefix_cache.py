@@ -46,8 +46,10 @@ class PrefixCache:
 
     @staticmethod
     def usable(kv: object) -> bool:
-        """Only plain key/value caches: their rows are all a position's state."""
-        return type(kv) is KVCache
+        """Only plain key/value caches: their rows are all a position's state (not a hybrid
+        model's recurrent state beside them, nor q8_0 rows with their scales)."""
+        return (type(kv) is KVCache and getattr(kv, "state", None) is None
+                and kv.scales is None)
 
     def store(self, tokens: list[int], kv: KVCache) -> None:
         """Keep kv's rows for `tokens` (the tokens fed, one row each), dropping entries that are
