@@ -131,3 +131,4 @@ class EngineOptions:
     fault: Any = None  # faults.FaultPlan: the faults armed in this start
     start: int = 1
     prefix_cache_bytes: int = 0  # host bytes of finished requests' KV rows kept for reuse
+    warmup: bool = True  # run the first passes at load (strata.server.warmup)
