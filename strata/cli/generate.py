@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     check_sampling(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+    early_limits(args)  # (before the weights load: a mistyped -n fails at once)
     stages = LoadStages()
     try:
         engine = Engine.load(model_or_demo(args.model), config=engine_config(args),
@@ -90,3 +91,19 @@ def run(args: argparse.Namespace) -> int:
         print("strata: --stats: no offload runtime (--offload off); every expert ran on "
               f"{args.device}", file=sys.stderr)
     return 0
+
+
+def early_limits(args: argparse.Namespace) -> None:
+    """-n against the model's context, from its metadata alone: a prompt takes at least one
+    token, so -n of the whole context or more can never run (the exact check, prompt included,
+    follows the load)."""
+    if args.model is None:
+        return
+    from strata.config import ModelConfig
+    from strata.gguf import open_model
+
+    ctx = ModelConfig.from_model(open_model(args.model)).context_length
+    if args.max_tokens >= ctx:
+        raise StrataError(f"-n {args.max_tokens}: a prompt and {args.max_tokens} tokens to "
+                          f"generate exceed the model's context of {ctx} tokens; give -n below "
+                          f"{ctx}")
