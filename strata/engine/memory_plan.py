@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig, ModelConfig, expected_tensors, prefetch_pays
+from strata.config_hybrid import state_bytes
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
@@ -170,7 +171,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
     # sequence decoded together
     kv_size = kv_dtype(ec.kv_type).itemsize
-    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
+    kv_per_token = 2 * cfg.n_kv_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
     # (the float32 dequantizing paths: at least one float32 expert and a piece being dequantized,
     # compute.run_records; a piece of a dense matrix, weights.QuantTensor)
     workspace = max(ec.workspace_mib << 20,
@@ -202,7 +203,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
     # shrinks back before any other pass (OffloadExperts.before_pass)
     borrow_cap = max(0, BORROW_RECORDS * max_stride - ring) if ec.ring_bytes is None else 0
-    fixed = dense + workspace + staging + ring + MARGIN
+    # (and a hybrid model's recurrent state, a fixed size per sequence: config_hybrid)
+    fixed = dense + workspace + staging + ring + MARGIN + state_bytes(cfg) * max(1, ec.sequences)
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(

@@ -169,3 +169,10 @@ BF16_ATTENTION_MIN_T = 4
 # slots 4 gave 66.2 against 61.9 for 2 on one machine (3: 63.7 on another), and 104.3 at 4 GiB
 # against 99.3 (bench/2026-11-30-h200-lfu.md)
 AUTO_PREFETCH = 4
+
+# ---- hybrid linear attention (model/parts/delta_net.py) -----------------------------------------
+
+# tokens a chunk of the chunked gated delta rule: its [Hv, C, C] triangular solve stays small
+# while the sequential steps over a prompt drop C-fold; 64 is the chunk of fla's
+# chunk_gated_delta_rule and of transformers' torch reference (estimate: not timed here)
+DELTA_CHUNK = 64

@@ -9,7 +9,7 @@ dequantized on demand, one routed expert or a handful of embedding rows at a tim
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -203,6 +203,8 @@ class LayerWeights:
     ffn_gate: Weight | None = None
     ffn_up: Weight | None = None
     ffn_down: Weight | None = None
+    # a Gated DeltaNet mixer's weights (parts.delta_net.DeltaWeights; wq .. wo are then None)
+    delta: object | None = None
 
 
 @dataclass
@@ -211,6 +213,8 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [D]
     output: Weight  # [V, D]
+    # MTP blocks (hybrid qwen35moe): each block's tensors by name without "blk.N.", in blocks
+    mtp: list[dict[str, QuantTensor]] = field(default_factory=list)
 
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
@@ -218,6 +222,8 @@ class ModelWeights:
              x8: bool = False) -> ModelWeights:
         """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
         experts=False leaves the routed experts to the offload runtime; x8: QuantTensor.x8."""
+        from strata.config_hybrid import ffn_norm_name
+        from strata.model.parts.delta_net import load_delta
         from strata.model.parts.spec import layer_spec  # (parts import this module)
 
         t = mf.tensors
@@ -238,12 +244,18 @@ class ModelWeights:
         layers = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
-            attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
+            ffn_norm = d(p + ffn_norm_name(cfg) + ".weight")
+            if layer_spec(cfg, i).mixer == "delta":  # hybrid models' linear layers
+                attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=None, wk=None, wv=None,
+                            wo=None, bq=None, bk=None, bv=None, q_norm=None, k_norm=None,
+                            ffn_norm=ffn_norm, delta=load_delta(cfg, p, d, m))
+            else:
+                attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
                         wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
                         wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
                         bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
                         q_norm=opt(p + "attn_q_norm.weight"),
-                        k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=d(p + "ffn_norm.weight"))
+                        k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=ffn_norm)
             if layer_spec(cfg, i).ffn == "dense":
                 layers.append(LayerWeights(
                     **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
@@ -260,7 +272,13 @@ class ModelWeights:
             ))
         if device.type == "cuda":  # (on the CPU the matrices stay views of the file's pages)
             for lw in layers:
-                fuse_qkv(lw)
+                if lw.wq is not None:
+                    fuse_qkv(lw)
         embed = QuantTensor.load(t["token_embd.weight"], device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
-        return cls(embed, layers, d("output_norm.weight"), output)
+        # MTP blocks (cfg.n_nextn) kept as they are in the file (views of its pages), unused by
+        # the forward: speculative decoding reads them
+        mtp = [{n[len(f"blk.{j}."):]: QuantTensor.load(ref, torch.device("cpu"))
+                for n, ref in t.items() if n.startswith(f"blk.{j}.")}
+               for j in range(cfg.n_layers, cfg.n_layers + cfg.n_nextn)]
+        return cls(embed, layers, d("output_norm.weight"), output, mtp)

@@ -59,7 +59,8 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
         tied_output=tied_output)
     if p.full_attn_interval:  # hybrid linear attention (config_hybrid)
         cfg = replace(cfg, rope_dim=p.rope_dim or p.head_dim,
-                      full_attn_interval=p.full_attn_interval, ssm_conv=p.ssm_conv, ssm_state=p.ssm_state, ssm_groups=p.ssm_groups,
+                      full_attn_interval=p.full_attn_interval, ssm_conv=p.ssm_conv,
+                      ssm_state=p.ssm_state, ssm_groups=p.ssm_groups,
                       ssm_heads=p.ssm_heads, attn_gate=True, n_nextn=p.n_nextn, qk_norm=True,
                       ssm_layout="qwen35" if p.arch == "qwen35moe" else "next")
     return cfg
