@@ -200,3 +200,70 @@ def test_value_heads_not_a_multiple_of_key_heads_are_refused(synth, tmp_path):
                   meta={"qwen3next.ssm.time_step_rank": 6})
     with pytest.raises(StrataError, match="qwen3next.ssm.time_step_rank is 6"):
         ModelConfig.from_model(open_model(bad))
+
+
+# ---- the decode step (static buffers; CUDA graphs on the GPU) -----------------------------------
+
+PROMPT = 4  # tokens of TOKENS run as the prompt; the rest go through decode steps
+
+
+def step_engine(path, device: str, **kw) -> Engine:
+    kw = dict(cpu_kernels="torch", kernels="exact") | kw
+    return Engine.load(path, config=EngineConfig(device=device, offload="on", debug=True, **kw))
+
+
+def decoded_logits(engine: Engine, tokens: list[int]) -> np.ndarray:
+    """Teacher-forced: the prompt, then one decode step per remaining token."""
+    kv = engine.model.new_cache(len(tokens))
+    engine.run_prompt(tokens[:PROMPT], kv)
+    out = [engine.model.decode(t, kv).float().cpu().numpy().copy() for t in tokens[PROMPT:]]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cache,miss", [("0", "cpu"), ("3", "dma"), ("32", "cpu")])
+def test_decode_step_gives_reference_logits(synth, arch, cache, miss, device):
+    """The StaticStep branches of GatedDeltaNet (conv window and S updated in place) and
+    GatedAttention (partial RoPE through qk_rope_store, the gate) equal the reference."""
+    path = synth(arch, "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = step_engine(path, device, expert_cache=cache, miss=miss)
+    step = engine.model.step
+    assert_same(decoded_logits(engine, TOKENS), ref)
+    n = len(TOKENS) - PROMPT
+    assert step.steps["eager"] + step.steps["replayed"] == n
+    if device == "cuda":  # captured at the second step, replayed after
+        assert not step._failed and step._captured is not None
+        assert step.steps["replayed"] == n - 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_consecutive_requests_replay_graphs_from_a_fresh_state(synth, arch):
+    """A second request gets the pooled KV storage and recurrent state back, zeroed: the same
+    graphs replay and the same text comes out."""
+    engine = step_engine(synth(arch, "Q4_K_M"), "cuda", expert_cache="5")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = list(engine.generate(TOKENS[:4], params))
+    graphs = engine.model.step._captured
+    assert graphs is not None
+    assert list(engine.generate(TOKENS[:4], params)) == first
+    assert engine.model.step._captured is graphs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_kernels_decode_within_the_quantized_bound(synth, arch):
+    """--kernels fused on the GPU (bf16 prompt attention, fused GEMVs on 8-bit activations)
+    stays near the float32 reference."""
+    path = synth(arch, "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = step_engine(path, "cuda", kernels="fused", expert_cache="5")
+    kl = kl_per_position(ref, decoded_logits(engine, TOKENS))
+    assert kl.mean() < 2e-2 and kl.max() < 1e-1, kl
+
+
+def test_chat_template_renders_and_generates(synth):
+    path = synth("qwen3next", "Q4_K_M")
+    assert main(["generate", str(path), "--chat", "Hello there", "-n", "4",
+                 "--temperature", "0"]) == 0
