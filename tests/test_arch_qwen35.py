@@ -165,6 +165,19 @@ def test_offload_paths_equal_the_reference(synth, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_prompt_chunks_equal_the_reference(synth, arch, device):
+    """Prompt chunks of 5 tokens (each carrying the recurrent state to the next) whose missed
+    experts stream through the ring."""
+    path = synth(arch, "Q4_K_M")
+    ref = compute_logits(Engine.load(path, config=EngineConfig(prefill="off")), TOKENS)
+    engine = Engine.load(path, config=EngineConfig(
+        device=device, offload="on", debug=True, cpu_kernels="torch", kernels="exact",
+        expert_cache="3", prefill="5", stream_min=2))
+    assert_same(compute_logits(engine, TOKENS), ref)
+    assert engine.model.experts.stats.streamed.sum() > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_offload_decode_equals_reference_decode(synth, arch):
     path = synth(arch, "Q4_K_M")
     params = SamplingParams(temperature=0, max_tokens=8)
