@@ -280,3 +280,65 @@ def test_chat_template_renders_and_generates(synth):
     path = synth("qwen3next", "Q4_K_M")
     assert main(["generate", str(path), "--chat", "Hello there", "-n", "4",
                  "--temperature", "0"]) == 0
+
+
+_DELTA_STEP = """
+    import torch
+    from strata.kernels.gpu import delta_ops
+    from strata.model.parts.delta_net import delta_recurrent
+    g = torch.Generator().manual_seed(seed % 2**31)
+    # (key heads, value heads, head dim, conv kernel, tiled): a dim not a power of two, dv over
+    # two column blocks, one key head per value head, a kernel of 1 (no window)
+    for hk, hv, dk, K, tiled in [(2, 6, 24, 4, True), (2, 6, 24, 4, False), (3, 3, 40, 2, True),
+                                 (1, 2, 8, 1, False)]:
+        C = (2 * hk + hv) * dk
+        x, w = torch.randn(C, generator=g), torch.randn(C, K, generator=g)
+        window = torch.randn(K - 1, C, generator=g)
+        want_win = torch.cat([window, x[None]])[1:]
+        want_y = torch.nn.functional.silu((torch.cat([window, x[None]]).T * w).sum(-1))
+        y = delta_ops.conv_step(x, window, w)
+        assert torch.allclose(y, want_y, atol=1e-5), (hk, hv, "conv")
+        assert torch.equal(window, want_win), (hk, hv, "window")
+        dec = -torch.rand(hv, generator=g)
+        beta = torch.rand(hv, generator=g)
+        S = torch.randn(hv, dk, dk, generator=g)
+        # the reference: the model's own recurrent rule on the normed, shared heads
+        key = hk * dk
+        q = torch.nn.functional.normalize(y[:key].view(hk, dk), dim=-1, eps=0) * dk ** -0.5
+        k = torch.nn.functional.normalize(y[key:2 * key].view(hk, dk), dim=-1, eps=0)
+        r = hv // hk
+        q, k = ((t.repeat(r, 1) if tiled else t.repeat_interleave(r, 0)) for t in (q, k))
+        o_ref, S_ref = delta_recurrent(q[None], k[None], y[2 * key:].view(1, hv, dk), dec[None],
+                                       beta[None], S.clone())
+        o = delta_ops.delta_step(y, dec, beta, S, hk, tiled, 0.0)
+        assert torch.allclose(o, o_ref[0], atol=1e-4), (hk, hv, tiled, "out")
+        assert torch.allclose(S, S_ref, atol=1e-4), (hk, hv, tiled, "state")
+    print("ok")
+"""
+
+
+def test_delta_step_kernels_under_the_interpreter():
+    """The decode step's conv and delta-rule Triton kernels (kernels/gpu/delta_ops.py) equal the
+    reference rule, run on the CPU by Triton's interpreter."""
+    from interpreted import fresh_seed, run_interpreted
+
+    run_interpreted(_DELTA_STEP, fresh_seed(), timeout=600)
+
+
+def test_delta_step_torch_path_equals_the_reference():
+    from strata.kernels.gpu import delta_ops
+
+    g = torch.Generator().manual_seed(3)
+    hk, hv, dk = 2, 4, 16
+    y = torch.randn((2 * hk + hv) * dk, generator=g)
+    dec, beta = -torch.rand(hv, generator=g), torch.rand(hv, generator=g)
+    S = torch.randn(hv, dk, dk, generator=g)
+    key = hk * dk
+    q = torch.nn.functional.normalize(y[:key].view(hk, dk), dim=-1, eps=0) * dk ** -0.5
+    k = torch.nn.functional.normalize(y[key:2 * key].view(hk, dk), dim=-1, eps=0)
+    q, k = q.repeat(2, 1), k.repeat(2, 1)
+    o_ref, s_ref = delta_recurrent(q[None], k[None], y[2 * key:].view(1, hv, dk), dec[None],
+                                   beta[None], S.clone())
+    o = delta_ops.delta_step(y, dec, beta, S, hk, True, 0.0)
+    torch.testing.assert_close(o, o_ref[0])
+    torch.testing.assert_close(S, s_ref)

@@ -176,3 +176,8 @@ AUTO_PREFETCH = 4
 # while the sequential steps over a prompt drop C-fold; 64 is the chunk of fla's
 # chunk_gated_delta_rule and of transformers' torch reference (estimate: not timed here)
 DELTA_CHUNK = 64
+# one decode token's Gated DeltaNet step (kernels/gpu/delta_ops.py): value columns of S a program
+# (each program holds S[:, BV] of one head: dk x BV floats) and its warps; channels a program of
+# the conv step. Estimates: not timed yet.
+DELTA_STEP_TILE = (32, 4)
+CONV_STEP_BLOCK = 512

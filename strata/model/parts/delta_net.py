@@ -174,17 +174,15 @@ class GatedDeltaNet:
 
     def _step(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               ctx: StaticStep) -> torch.Tensor:
-        """One token over the sequence's static state (torch ops, updated in place: no host
-        sync, shapes fixed, so a CUDA graph can capture it)."""
+        """One token over the sequence's static state, updated in place (two launches on CUDA,
+        kernels/gpu/delta_ops.py: no host sync, shapes fixed, so a CUDA graph captures it)."""
+        from strata.kernels.gpu import delta_ops
+
         st = ctx.kv.state
-        window = st.conv[self.slot]  # [K-1, C]
-        x = self._conv(qkv, window)
-        q, k, v = self._heads(x)
-        S = st.ssm[self.slot] * g[0].exp()[:, None, None]
-        delta = beta[0][:, None] * (v[0] - torch.einsum("hkv,hk->hv", S, k[0]))
-        S = S + k[0][:, :, None] * delta[:, None, :]
-        st.ssm[self.slot].copy_(S)
-        return torch.einsum("hkv,hk->hv", S, q[0])[None]  # [1, Hv, dv]
+        x = delta_ops.conv_step(qkv[0].contiguous(), st.conv[self.slot], self.w.conv)
+        o = delta_ops.delta_step(x, g[0].contiguous(), beta[0].contiguous(), st.ssm[self.slot],
+                                 self.hk, self.w.tiled, self.eps)
+        return o[None]  # [1, Hv, dv]
 
     def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv of x [t, C] after the window's K-1 inputs [K-1, C], then

@@ -1,0 +1,56 @@
+"""The Triton kernel bodies of delta_ops.py (loaded only when a kernel runs: on CUDA, or under
+Triton's interpreter). What each computes: delta_ops.py's module doc."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_step_kernel(x, window, w, y, C, K: tl.constexpr, BLOCK: tl.constexpr):
+    # y[c] = silu(Σ_j window[j, c] w[c, j] + x[c] w[c, K-1]); window rows move up, x last
+    c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = c < C
+    xv = tl.load(x + c, mask=m, other=0.0)
+    acc = xv * tl.load(w + c * K + (K - 1), mask=m, other=0.0)
+    for j in tl.static_range(K - 1):
+        acc += tl.load(window + j * C + c, mask=m, other=0.0) * tl.load(w + c * K + j, mask=m,
+                                                                         other=0.0)
+    for j in tl.static_range(K - 2):  # (row j + 1 is read before its own turn overwrites it)
+        tl.store(window + j * C + c, tl.load(window + (j + 1) * C + c, mask=m), mask=m)
+    if K > 1:
+        tl.store(window + (K - 2) * C + c, xv, mask=m)
+    tl.store(y + c, acc * tl.sigmoid(acc), mask=m)
+
+
+@triton.jit
+def _delta_step_kernel(x, g, beta, state, out, eps, scale, HK: tl.constexpr, R: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, TILED: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):
+    # value head j, columns vb*BV..: q, k of its key head L2-normed (q scaled); S = e^g S;
+    # S += k (beta (v - S^T k))^T; out = S^T q
+    j = tl.program_id(0)
+    vb = tl.program_id(1)
+    if TILED:
+        kh = j % HK
+    else:
+        kh = j // R
+    dk = tl.arange(0, BK)
+    mk = dk < DK
+    q = tl.load(x + kh * DK + dk, mask=mk, other=0.0)
+    k = tl.load(x + HK * DK + kh * DK + dk, mask=mk, other=0.0)
+    q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+    k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + eps)
+    dv = vb * BV + tl.arange(0, BV)
+    mv = dv < DV
+    v = tl.load(x + 2 * HK * DK + j * DV + dv, mask=mv, other=0.0)
+    gj = tl.load(g + j)
+    bj = tl.load(beta + j)
+    offs = j.to(tl.int64) * DK * DV + dk[:, None] * DV + dv[None, :]
+    mkv = mk[:, None] & mv[None, :]
+    S = tl.load(state + offs, mask=mkv, other=0.0) * tl.exp(gj)  # [BK, BV]
+    delta = bj * (v - tl.sum(S * k[:, None], axis=0))  # [BV]
+    S = S + k[:, None] * delta[None, :]
+    tl.store(state + offs, S, mask=mkv)
+    tl.store(out + j * DV + dv, tl.sum(S * q[:, None], axis=0), mask=mv)
