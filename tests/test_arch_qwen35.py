@@ -342,3 +342,27 @@ def test_delta_step_torch_path_equals_the_reference():
     o = delta_ops.delta_step(y, dec, beta, S, hk, True, 0.0)
     torch.testing.assert_close(o, o_ref[0])
     torch.testing.assert_close(S, s_ref)
+
+
+@pytest.mark.parametrize("preset,arch,layers,full,nextn", [
+    ("qwen3.6-35b-a3b", "qwen35moe", 40, 10, 1), ("qwen3.5-122b-a10b", "qwen35moe", 48, 12, 1),
+    ("qwen3-next-80b-a3b", "qwen3next", 48, 12, 0)])
+def test_real_presets_have_the_models_shapes(preset, arch, layers, full, nextn):
+    from dataclasses import replace
+
+    from strata.config_hybrid import layer_kinds
+    from strata.synth.presets import get_preset
+    from strata.synth.recipes import Recipe
+    from strata.synth.writer import config_of, plan_tensors
+
+    p = get_preset(preset, None)
+    cfg = config_of(p)
+    assert (cfg.arch, cfg.n_layers, cfg.n_kv_layers, cfg.n_nextn) == (arch, layers, full, nextn)
+    assert layer_kinds(cfg) == f"linear attention x{layers - full}, full attention x{full}"
+    assert cfg.rope_dim == 64 and cfg.head_dim == 256 and cfg.ssm_state == 128
+    gib = sum(t.nbytes for t in plan_tensors(p, Recipe("Q4_K_M"))) / 2**30
+    # Q4_K_M of 35B / 80B / 122B parameters: about 4.5-5 bits a weight (MTP blocks included)
+    assert {"qwen3.6-35b-a3b": 18 < gib < 24, "qwen3.5-122b-a10b": 62 < gib < 80,
+            "qwen3-next-80b-a3b": 42 < gib < 52}[preset], gib
+    few = config_of(replace(p, n_layers=4))  # --layers 4: three linear layers, one full
+    assert layer_kinds(few) == "linear attention x3, full attention x1" and few.n_nextn == nextn

@@ -131,7 +131,7 @@ def host_available() -> int:
 def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
     total = 0
     for name, shape in expected_tensors(cfg).items():
-        if "_exps." in name:
+        if "_exps." in name or _mtp_block(cfg, name):
             continue
         ref = mf.tensors[name]
         numel = 1
@@ -140,6 +140,11 @@ def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
         keep_raw = quant and len(shape) == 2 or name == "token_embd.weight"
         total += ref.info.nbytes if keep_raw else numel * 4
     return total
+
+
+def _mtp_block(cfg: ModelConfig, name: str) -> bool:
+    """A tensor of an MTP block (blk.N. past the trunk): kept on the host, unused by the forward."""
+    return cfg.n_nextn > 0 and name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layers
 
 
 def fused_dense(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> bool:
