@@ -366,3 +366,17 @@ def test_real_presets_have_the_models_shapes(preset, arch, layers, full, nextn):
             "qwen3-next-80b-a3b": 42 < gib < 52}[preset], gib
     few = config_of(replace(p, n_layers=4))  # --layers 4: three linear layers, one full
     assert layer_kinds(few) == "linear attention x3, full attention x1" and few.n_nextn == nextn
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_second_turn_continues_the_cache_and_its_state(synth, arch):
+    """As strata chat does: the next prompt extends what the cache holds, and only its new
+    tokens run; the answer equals a fresh run of the whole prompt."""
+    engine = Engine.load(synth(arch, "Q4_K_M"))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    kv = engine.model.new_cache(64)
+    first = list(engine.generate(TOKENS[:5], params, kv=kv))
+    assert kv.length == 5 + len(first) - 1  # (the last token sampled is not in it)
+    prompt = TOKENS[:5] + first + [41, 8]
+    again = list(engine.generate(prompt, params, kv=kv))
+    assert again == list(engine.generate(prompt, params))

@@ -66,10 +66,10 @@ def load_delta(cfg: ModelConfig, p: str, d, m) -> DeltaWeights:  # noqa: ANN001 
         z = take_rows(w, span(2 * dk + r * dk, r * dk))
     else:
         qkv, z = m(p + "attn_qkv.weight"), m(p + "attn_gate.weight")
-    if cfg.ssm_layout == "qwen35":
-        beta, alpha = m(p + "ssm_beta.weight"), m(p + "ssm_alpha.weight")
+    if cfg.ssm_layout == "qwen35":  # (Hv rows each: float32 like the router)
+        beta, alpha = d(p + "ssm_beta.weight"), d(p + "ssm_alpha.weight")
     else:  # ssm_ba: per key head r betas, then r alphas
-        ba = m(p + "ssm_ba.weight")
+        ba = d(p + "ssm_ba.weight")
         block = torch.arange(hk)[:, None] * (2 * r)
         beta = take_rows(ba, (block + torch.arange(r)).flatten())
         alpha = take_rows(ba, (block + r + torch.arange(r)).flatten())
