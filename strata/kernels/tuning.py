@@ -181,3 +181,6 @@ DELTA_CHUNK = 64
 # the conv step. Estimates: not timed yet.
 DELTA_STEP_TILE = (32, 4)
 CONV_STEP_BLOCK = 512
+# state columns a program of the chunked rule's scan over chunks (delta_ops.chunk_scan): S[:, 32]
+# of a 128-dim head is 16 KiB of registers; tl.dot wants at least 16 (estimate: not timed yet)
+CHUNK_SCAN_BV = 32

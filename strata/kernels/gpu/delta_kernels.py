@@ -54,3 +54,32 @@ def _delta_step_kernel(x, g, beta, state, out, eps, scale, HK: tl.constexpr, R: 
     S = S + k[:, None] * delta[None, :]
     tl.store(state + offs, S, mask=mkv)
     tl.store(out + j * DV + dv, tl.sum(S * q[:, None], axis=0), mask=mv)
+
+
+@triton.jit
+def _chunk_scan_kernel(u0, w, inner, qg, kg, dend, state, out, n, DK: tl.constexpr,
+                       DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr):
+    # head h, state columns vb*BV..; over the chunks c in order (S in registers):
+    #   u = u0[c] - w[c] S;  out[c] = qg[c] S + inner[c] u;  S = dend[c] S + kg[c]^T u
+    h = tl.program_id(0).to(tl.int64)
+    vb = tl.program_id(1)
+    dk = tl.arange(0, DK)
+    ll = tl.arange(0, L)
+    dv = vb * BV + tl.arange(0, BV)
+    mv = dv < DV
+    S = tl.load(state + h * DK * DV + dk[:, None] * DV + dv[None, :], mask=mv[None, :],
+                other=0.0)  # [DK, BV]
+    for c in range(n):
+        base = h * n + c
+        rows_k = base * L * DK + ll[:, None] * DK + dk[None, :]  # [L, DK]
+        rows_v = base * L * DV + ll[:, None] * DV + dv[None, :]  # [L, BV]
+        W = tl.load(w + rows_k)
+        u = tl.load(u0 + rows_v, mask=mv[None, :], other=0.0) - tl.dot(
+            W, S, input_precision="ieee")
+        A = tl.load(inner + base * L * L + ll[:, None] * L + ll[None, :])
+        o = tl.dot(tl.load(qg + rows_k), S, input_precision="ieee") + tl.dot(
+            A, u, input_precision="ieee")
+        tl.store(out + rows_v, o, mask=mv[None, :])
+        K = tl.load(kg + rows_k)
+        S = S * tl.load(dend + base) + tl.dot(tl.trans(K), u, input_precision="ieee")
+    tl.store(state + h * DK * DV + dk[:, None] * DV + dv[None, :], S, mask=mv[None, :])

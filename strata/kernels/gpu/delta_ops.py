@@ -7,6 +7,13 @@ two launches on CUDA (graph-safe: in place, no host sync), the same math in torc
                                     head S = e^g S; S += k (beta (v - S^T k))^T (in place);
                                     o = S^T q. grid: (Hv, dv / BV), each program S[:, BV]
 
+and for prompts, the sequential part of the chunked rule (delta_net.delta_chunked computes the
+rest with batched matmuls and a triangular solve):
+
+    chunk_scan(u0, w, inner, qg, kg, dend, S)   per chunk c in order: u = u0 - w S;
+                                    o = qg S + inner u; S = dend S + kg^T u. One launch,
+                                    grid (H, dv / CHUNK_SCAN_BV), S[:, BV] in registers
+
 Legend: C conv channels 2*Hk*dk + Hv*dv, K kernel, Hk / Hv key / value heads, dk = dv.
 """
 
@@ -16,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.gpu.decode_ops import _check, _f32, _use_kernels
-from strata.kernels.tuning import CONV_STEP_BLOCK, DELTA_STEP_TILE
+from strata.kernels.tuning import CHUNK_SCAN_BV, CONV_STEP_BLOCK, DELTA_STEP_TILE
 
 
 def conv_step(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,3 +78,33 @@ def delta_step(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torc
                                             DK=dk, DV=dv, TILED=tiled, BK=bk, BV=bv,
                                             num_warps=warps)
     return out
+
+
+def chunk_scan_fits(chunk: int, dk: int) -> bool:
+    """The kernel's tiles: tl.dot wants powers of two of at least 16."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (chunk, dk))
+
+
+def chunk_scan(u0: torch.Tensor, w: torch.Tensor, inner: torch.Tensor, qg: torch.Tensor,
+               kg: torch.Tensor, dend: torch.Tensor,
+               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """u0 [H, n, L, dv], w, qg, kg [H, n, L, dk], inner [H, n, L, L], dend [H, n] (e^G at each
+    chunk's end), state [H, dk, dv], f32 -> (out [H, n, L, dv], the new state). In float32
+    (tl.dot in "ieee": no tf32 rounding)."""
+    H, n, L, dv = u0.shape
+    dk = w.shape[-1]
+    _check(chunk_scan_fits(L, dk), f"chunk {L} and head dim {dk} must be powers of two >= 16")
+    _check(_use_kernels(u0), "chunk_scan runs on CUDA (or under Triton's interpreter)")
+    u0, w, inner, qg, kg, dend = (t.contiguous() for t in (u0, w, inner, qg, kg, dend))
+    for name, t, shape in (("u0", u0, (H, n, L, dv)), ("w", w, (H, n, L, dk)),
+                           ("inner", inner, (H, n, L, L)), ("qg", qg, (H, n, L, dk)),
+                           ("kg", kg, (H, n, L, dk)), ("dend", dend, (H, n)),
+                           ("state", state, (H, dk, dv))):
+        _f32(t, name, shape)
+    S = state.contiguous().clone()
+    out = torch.empty_like(u0)
+    from strata.kernels.gpu.delta_kernels import _chunk_scan_kernel
+
+    _chunk_scan_kernel[(H, -(-dv // CHUNK_SCAN_BV))](u0, w, inner, qg, kg, dend, S, out, n,
+                                                      DK=dk, DV=dv, L=L, BV=CHUNK_SCAN_BV)
+    return out, S

@@ -61,7 +61,10 @@ def load_delta(cfg: ModelConfig, p: str, d, m) -> DeltaWeights:  # noqa: ANN001 
     if cfg.ssm_layout == "next":
         w = m(p + "ssm_in.weight")  # per key head: q dk, k dk, v r*dk, z r*dk rows
         block = torch.arange(hk)[:, None] * (2 * dk + 2 * r * dk)
-        span = lambda lo, n: (block + lo + torch.arange(n)).flatten()  # noqa: E731
+
+        def span(lo: int, n: int) -> torch.Tensor:  # rows lo .. lo+n of every key head's block
+            return (block + lo + torch.arange(n)).flatten()
+
         qkv = take_rows(w, torch.cat([span(0, dk), span(dk, dk), span(2 * dk, r * dk)]))
         z = take_rows(w, span(2 * dk + r * dk, r * dk))
     else:
@@ -97,15 +100,16 @@ def delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, state: torch.Tensor,
-                  chunk: int = DELTA_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                  beta: torch.Tensor, state: torch.Tensor, chunk: int = DELTA_CHUNK,
+                  kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule over chunks of `chunk` tokens. Within a chunk, with G the cumulative log
     decay and S0 the state before it, the new values U solve (I + A) U = beta V - beta e^G K S0,
     A[i, j] = beta_i e^(G_i - G_j) k_i.k_j (j < i); then
         O   = (e^G Q) S0 + ((Q K^T) * e^(G_i - G_j), j <= i) U
         S_L = e^G_L S0 + (e^(G_L - G) K)^T U
     Arguments as delta_recurrent's; T need not be a multiple of `chunk` (the tail is padded
-    with tokens that neither decay nor write the state)."""
+    with tokens that neither decay nor write the state). kernel: the scan over the chunks in
+    one Triton launch (delta_ops.chunk_scan: CUDA, --kernels fused) where it applies."""
     T, H, dk = k.shape
     pad = -T % chunk
     if pad:
@@ -127,6 +131,12 @@ def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     inner = (q @ k.transpose(-1, -2)) * decay  # [H, n, L, L]
     qg = q * G.exp()[..., None]
     kg = k * (G[..., -1:] - G).exp()[..., None]
+    if kernel:
+        from strata.kernels.gpu import delta_ops
+
+        if delta_ops.chunk_scan_fits(chunk, dk):
+            o, S = delta_ops.chunk_scan(u0, w, inner, qg, kg, G[..., -1].exp(), state)
+            return o.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1), S
     S, out = state, []
     for c in range(n):
         u = u0[:, c] - w[:, c] @ S  # [H, L, dv]
@@ -166,8 +176,12 @@ class GatedDeltaNet:
             sl, st = slice(start, start + s.length), s.kv.state
             x = self._conv(qkv[sl], st.conv[self.slot])  # [t, C]
             q, k, v = self._heads(x)
-            form = delta_recurrent if s.length == 1 else delta_chunked
-            o, st.ssm[self.slot] = form(q, k, v, g[sl], beta[sl], st.ssm[self.slot])
+            if s.length == 1:
+                o, S = delta_recurrent(q, k, v, g[sl], beta[sl], st.ssm[self.slot])
+            else:
+                o, S = delta_chunked(q, k, v, g[sl], beta[sl], st.ssm[self.slot],
+                                     kernel=ctx.fused_attention)
+            st.ssm[self.slot] = S
             out.append(o)
             start += s.length
         return torch.cat(out)  # [T, Hv, dv]
