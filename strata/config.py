@@ -140,7 +140,7 @@ class ModelConfig:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
         if arch in HYBRID_ARCHS:
-            cfg = read_hybrid(mf, m, cfg)
+            cfg = replace(cfg, **read_hybrid(mf, m, arch, cfg.n_layers, cfg.rope_dim))
         if arch == "qwen2moe" and cfg.d_shared == 0 and "blk.0.ffn_up_shexp.weight" in mf.tensors:
             shexp = mf.tensors["blk.0.ffn_up_shexp.weight"]
             cfg = replace(cfg, d_shared=shexp.shape[0])

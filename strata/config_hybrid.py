@@ -26,22 +26,43 @@ Norm weights hold 1 + w (the converter adds the 1 of Qwen's zero-centred norms) 
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from strata.errors import ModelFileError, UnsupportedError
-
-if TYPE_CHECKING:
-    from strata.config import ModelConfig, _Meta
-    from strata.gguf import ModelFile
+from strata.gguf import ModelFile
 
 HYBRID_ARCHS = ("qwen35moe", "qwen3next")
 
 
-def read_hybrid(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
-    """cfg with the hybrid fields read from the file (cfg.n_layers then counts the trunk only)."""
-    arch = cfg.arch
-    nextn = m.int("nextn_predict_layers", 0, 0, cfg.n_layers - 1)
+class HybridShape(Protocol):
+    """What these functions read of a ModelConfig (strata.config, which imports this module)."""
+
+    arch: str
+    n_layers: int
+    d_model: int
+    head_dim: int
+    q_dim: int
+    kv_dim: int
+    n_kv_layers: int
+    full_attn_interval: int
+    ssm_conv: int
+    ssm_state: int
+    ssm_groups: int
+    ssm_heads: int
+    ssm_layout: str
+
+
+class MetaReader(Protocol):
+    """config._Meta's typed reads."""
+
+    def int(self, key: str, default: object = ..., lo: int = 0, hi: int = ...) -> int: ...
+
+
+def read_hybrid(mf: ModelFile, m: MetaReader, arch: str, n_layers: int,
+                rope_dim: int) -> dict[str, object]:
+    """The hybrid fields of ModelConfig read from the file (n_layers: block_count; the result's
+    n_layers counts the trunk only)."""
+    nextn = m.int("nextn_predict_layers", 0, 0, n_layers - 1)
     interval = m.int("full_attention_interval", 4, 1, 1 << 16)
     if mf.meta(f"{arch}.attention.recurrent_layers", None) is not None:
         raise UnsupportedError(f"{mf.path}: {arch}.attention.recurrent_layers (a per-layer list)"
@@ -58,7 +79,6 @@ def read_hybrid(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
         raise UnsupportedError(f"{mf.path}: {arch}.ssm.inner_size is {inner} but "
                                f"time_step_rank x state_size is {hv * dk}: value heads of "
                                "another size than the keys are not supported")
-    rope_dim = cfg.rope_dim
     if arch == "qwen35moe":
         sections = mf.meta(f"{arch}.rope.dimension_sections", None)
         if sections is not None:
@@ -69,23 +89,23 @@ def read_hybrid(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
                     f"{mf.path}: {arch}.rope.dimension_sections is {s}: Strata runs text, "
                     f"whose sections must cover rope.dimension_count ({rope_dim}) with a zero "
                     "fourth section")
-    n_trunk = cfg.n_layers - nextn
+    n_trunk = n_layers - nextn
     layout = "qwen35"
     if arch == "qwen3next":
         first = next((i for i in range(n_trunk) if (i + 1) % interval), None)
         fused = first is not None and f"blk.{first}.ssm_in.weight" in mf.tensors
         layout = "next" if fused else "next-split"
-    return replace(cfg, n_layers=n_trunk, full_attn_interval=interval, ssm_conv=conv,
-                   ssm_state=dk, ssm_groups=hk, ssm_heads=hv, ssm_layout=layout,
-                   attn_gate=True, n_nextn=nextn, norm_topk=True, qk_norm=True)
+    return dict(n_layers=n_trunk, full_attn_interval=interval, ssm_conv=conv, ssm_state=dk,
+                ssm_groups=hk, ssm_heads=hv, ssm_layout=layout, attn_gate=True, n_nextn=nextn,
+                norm_topk=True, qk_norm=True)
 
 
-def ffn_norm_name(cfg: ModelConfig) -> str:
+def ffn_norm_name(cfg: HybridShape) -> str:
     """The feed-forward's norm tensor (without blk.N. and .weight)."""
     return "post_attention_norm" if cfg.arch in HYBRID_ARCHS else "ffn_norm"
 
 
-def attention_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+def attention_tensors(cfg: HybridShape, p: str) -> dict[str, tuple[int, ...]]:
     """A gated full-attention layer's tensors (also an MTP block's)."""
     D, hd = cfg.d_model, cfg.head_dim
     return {p + "attn_q.weight": (2 * cfg.q_dim, D), p + "attn_k.weight": (cfg.kv_dim, D),
@@ -93,7 +113,7 @@ def attention_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
             p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)}
 
 
-def linear_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+def linear_tensors(cfg: HybridShape, p: str) -> dict[str, tuple[int, ...]]:
     """A Gated DeltaNet layer's tensors."""
     D, hv = cfg.d_model, cfg.ssm_heads
     key, value = cfg.ssm_groups * cfg.ssm_state, hv * cfg.ssm_state
@@ -112,7 +132,7 @@ def linear_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     return t
 
 
-def nextn_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+def nextn_tensors(cfg: HybridShape, p: str) -> dict[str, tuple[int, ...]]:
     """An MTP block's own tensors, beside its attention and feed-forward (read, kept, not yet
     run): eh_proj [D, 2D] mixes the normed embedding and hidden state."""
     D = cfg.d_model
@@ -120,7 +140,7 @@ def nextn_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
             p + "nextn.hnorm.weight": (D,)}
 
 
-def state_bytes(cfg: ModelConfig) -> int:
+def state_bytes(cfg: HybridShape) -> int:
     """One sequence's recurrent state, float32: each linear layer's conv window
     [2*Hk*dk + Hv*dv, K-1] and delta-rule state [Hv, dk, dv]."""
     if not cfg.full_attn_interval:
@@ -131,7 +151,7 @@ def state_bytes(cfg: ModelConfig) -> int:
     return 4 * n * (conv + delta)
 
 
-def layer_kinds(cfg: ModelConfig) -> str:
+def layer_kinds(cfg: HybridShape) -> str:
     """e.g. "linear attention x30, full attention x10"."""
     n_full = cfg.n_kv_layers
     if n_full == cfg.n_layers:

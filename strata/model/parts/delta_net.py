@@ -18,8 +18,6 @@ dk = dv head dim, K conv kernel, L chunk length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 import torch.nn.functional as F
 
@@ -27,58 +25,7 @@ from strata.config import ModelConfig
 from strata.kernels.tuning import DELTA_CHUNK
 from strata.model.layers import rms_norm
 from strata.model.parts.context import Context, Segments, StaticStep
-from strata.model.weights import Weight, linear
-
-
-@dataclass
-class DeltaWeights:
-    """One linear layer's weights, the value heads in the file's order (`tiled`: value head j
-    reads key head j % Hk, else j // (Hv/Hk))."""
-
-    qkv: Weight  # [C, D]: q [Hk*dk], k [Hk*dk], v [Hv*dv]
-    z: Weight  # [Hv*dv, D] the output gate
-    beta: Weight  # [Hv, D]
-    alpha: Weight  # [Hv, D]
-    conv: torch.Tensor  # [C, K]
-    dt_bias: torch.Tensor  # [Hv]
-    a: torch.Tensor  # [Hv] = -exp(A_log)
-    norm: torch.Tensor  # [dv]
-    out: Weight  # [D, Hv*dv]
-    tiled: bool
-
-
-def take_rows(w: Weight, rows: torch.Tensor) -> Weight:
-    """The rows `rows` of a matrix, dense or in GGUF blocks (each row is whole blocks)."""
-    return w[rows] if isinstance(w, torch.Tensor) else replace(w, raw=w.raw[rows])
-
-
-def load_delta(cfg: ModelConfig, p: str, d, m) -> DeltaWeights:  # noqa: ANN001 (loaders)
-    """Layer `p`'s weights (d: a float32 tensor, m: a matrix, by tensor name). qwen3next's
-    ssm_in / ssm_ba interleave q, k, v, z (and beta, alpha) per key head: their rows are taken
-    apart here, once."""
-    hk, hv, dk = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state
-    r = hv // hk
-    if cfg.ssm_layout == "next":
-        w = m(p + "ssm_in.weight")  # per key head: q dk, k dk, v r*dk, z r*dk rows
-        block = torch.arange(hk)[:, None] * (2 * dk + 2 * r * dk)
-
-        def span(lo: int, n: int) -> torch.Tensor:  # rows lo .. lo+n of every key head's block
-            return (block + lo + torch.arange(n)).flatten()
-
-        qkv = take_rows(w, torch.cat([span(0, dk), span(dk, dk), span(2 * dk, r * dk)]))
-        z = take_rows(w, span(2 * dk + r * dk, r * dk))
-    else:
-        qkv, z = m(p + "attn_qkv.weight"), m(p + "attn_gate.weight")
-    if cfg.ssm_layout == "qwen35":  # (Hv rows each: float32 like the router)
-        beta, alpha = d(p + "ssm_beta.weight"), d(p + "ssm_alpha.weight")
-    else:  # ssm_ba: per key head r betas, then r alphas
-        ba = d(p + "ssm_ba.weight")
-        block = torch.arange(hk)[:, None] * (2 * r)
-        beta = take_rows(ba, (block + torch.arange(r)).flatten())
-        alpha = take_rows(ba, (block + r + torch.arange(r)).flatten())
-    return DeltaWeights(qkv, z, beta, alpha, d(p + "ssm_conv1d.weight"), d(p + "ssm_dt.bias"),
-                        d(p + "ssm_a"), d(p + "ssm_norm.weight"), m(p + "ssm_out.weight"),
-                        tiled=cfg.ssm_layout == "qwen35")
+from strata.model.weights import DeltaWeights, linear
 
 
 def l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
