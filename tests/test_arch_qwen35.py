@@ -408,3 +408,30 @@ def test_chunk_scan_kernel_under_the_interpreter():
     from interpreted import fresh_seed, run_interpreted
 
     run_interpreted(_CHUNK_SCAN, fresh_seed(), timeout=600)
+
+
+_STEP_INTERPRETED = """
+    from strata.cli.logits import compute_logits
+    from strata.config import EngineConfig
+    from strata.engine.generator import Engine
+    tokens = {tokens}
+    ref = compute_logits(Engine.load({path!r}), tokens)[4:]
+    e = Engine.load({path!r}, config=EngineConfig(offload="on", cpu_kernels="torch",
+                                                  kernels="exact", expert_cache="0"))
+    kv = e.model.new_cache(len(tokens))
+    e.run_prompt(tokens[:4], kv)
+    out = np.concatenate([e.model.decode(t, kv).numpy().copy() for t in tokens[4:]])
+    assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max(), np.abs(out - ref).max()
+    assert (out.argmax(-1) == ref.argmax(-1)).all()
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_step_kernels_under_the_interpreter(synth, arch):
+    """The whole decode step with its Triton kernels (delta_ops' conv and delta steps,
+    decode_ops' partial-RoPE store and attention) on the CPU under Triton's interpreter."""
+    from interpreted import fresh_seed, run_interpreted
+
+    body = _STEP_INTERPRETED.format(tokens=TOKENS, path=str(synth(arch, "F32")))
+    run_interpreted(body, fresh_seed(), timeout=600)
