@@ -64,6 +64,12 @@ def test_reference_matches_transformers(f32):
     assert_same(ours, hf_hybrid_logits(path, TOKENS))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_reference_matches_transformers_on_the_same_dequantized_weights(synth, arch):
+    path = synth(arch, "Q4_K_M")
+    assert_same(compute_logits(Engine.load(path), TOKENS), hf_hybrid_logits(path, TOKENS))
+
+
 
 
 
