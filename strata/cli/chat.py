@@ -105,8 +105,8 @@ class Session:
         keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # >= 1 token runs: its logits
         if self.kv is None or keep == 0:
             self.kv, keep = eng.model.new_cache(self.capacity), 0
-        self.kv.truncate(keep)
-        self.reused, self.finish = keep, ""
+        self.kv.truncate(keep)  # (a hybrid model's cache restarts below its length)
+        self.reused, self.finish = self.kv.length, ""
         self.cached = list(ids)  # and the answer: settle cuts it to what the cache holds
         for token in eng.generate(ids, params, kv=self.kv):
             self.cached.append(token)

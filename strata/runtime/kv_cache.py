@@ -94,6 +94,7 @@ class KVCache:
         self.length = 0
         self.pool = pool
         self._release = None
+        self.state = None  # a hybrid model's DeltaState (strata.runtime.delta_state), or None
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -145,7 +146,11 @@ class KVCache:
         self.length += n
 
     def truncate(self, length: int) -> None:
-        """Forget everything after `length` tokens (e.g. rejected draft tokens)."""
+        """Forget everything after `length` tokens (e.g. rejected draft tokens). A recurrent
+        state cannot be rewound: with one, a shorter length forgets everything."""
+        if self.state is not None and length < self.length:
+            self.state.reset()
+            length = 0
         self.length = min(self.length, length)
 
     def reserve(self, need: int) -> None:

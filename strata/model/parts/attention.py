@@ -83,3 +83,25 @@ class GQAAttention:
                 out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
             start += s.length
         return torch.cat(out)  # [T, H*hd]
+
+
+class GatedAttention(GQAAttention):
+    """Full attention with a sigmoid output gate per head (qwen35moe, qwen3next): attn_q's rows
+    hold, per head, the query [hd] then its gate [hd]; out = wo(attention * sigmoid(gate)).
+    Partial RoPE (the first rope_dim dims), q/k norms. Its KV rows are layer `kv_layer` of the
+    cache, which holds the full-attention layers only."""
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
+        kv_layer = sum(not cfg.is_linear(i) for i in range(layer))
+        super().__init__(cfg, lw, kv_layer)
+        self.index = layer
+
+    def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
+        lw, T = self.lw, h.shape[0]
+        qg, k, v = qkv_linear(h, lw)  # [T, 2*H*hd], [T, Hkv*hd], [T, Hkv*hd]
+        qg = qg.view(T, self.n_heads, 2, self.head_dim)
+        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, -1)  # [T, H, hd], [T, H*hd]
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        out = self._step(q, k, v, ctx) if ctx.static else self._segments(q, k, v, ctx)
+        return linear(out * torch.sigmoid(gate), lw.wo)
