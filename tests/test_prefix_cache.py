@@ -109,3 +109,16 @@ def test_a_chats_next_turn_reuses_its_history(synth, tmp_path) -> None:
                 assert cached == 0
             texts[cache_gib] = (answer, b["choices"][0]["message"]["content"])
     assert texts["1"] == texts["0"]
+
+
+def test_caches_with_more_than_rows_are_not_kept(synth) -> None:
+    """A hybrid model's cache carries recurrent state that no row prefix can restore, and a
+    q8_0 cache its scales: neither is stored nor filled."""
+    hybrid = Engine.load(synth("qwen35moe", "Q4_K_M"), config=EngineConfig(prefill="off"))
+    _, kv = run(hybrid, PROMPT)
+    assert kv.state is not None and not PrefixCache.usable(kv)
+    cache = PrefixCache(1 << 30)
+    cache.store(PROMPT, kv)
+    assert not cache.entries
+    q8 = Engine.load(synth("qwen3moe", "Q4_K_M"), config=EngineConfig(kv_type="q8_0"))
+    assert not PrefixCache.usable(q8.model.new_cache(8))
