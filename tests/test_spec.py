@@ -346,7 +346,7 @@ def test_spec_stats_by_position():
 
 # ---- the command line ---------------------------------------------------------------------------
 
-def test_generate_spec_stats_and_refusals(synth, capfd):
+def test_generate_spec_stats_and_refusals(synth, capfd, tmp_path):
     from strata.cli.main import main
 
     f = str(synth("qwen3moe", "Q4_K_M"))
@@ -363,6 +363,20 @@ def test_generate_spec_stats_and_refusals(synth, capfd):
     assert "--draft mtp" in err[-1] and "has no nextn layers" in err[-1]
     assert main([*base, "--spec", "-1"]) == 2
     assert "--spec -1: give 0 (off) to 64" in capfd.readouterr().err
+    # commands that decode no drafted tokens, and a hybrid model whose recurrent state cannot
+    # roll back yet: one line each, exit 2
+    out = str(tmp_path / "l.npy")
+    for argv, needle in ((["logits", f, "--out", out, "--text", "hi", "--spec", "4"],
+                          "strata logits decodes no"),
+                         (["perplexity", f, "--file", f, "--spec", "4"],
+                          "strata perplexity decodes no"),
+                         (["bench", f, "--spec", "4"], "strata bench decodes no drafted"),
+                         (["generate", str(synth("qwen35moe", "Q4_K_M")), "--prompt", "hi",
+                           "-n", "4", "--spec", "4"], "cannot yet be rolled back")):
+        assert main(argv) == 2, argv
+        lines = [ln for ln in capfd.readouterr().err.strip().splitlines()
+                 if not ln.startswith(("strata: device: ", "strata: loading: "))]
+        assert len(lines) == 1 and needle in lines[0], (argv, lines)
 
 
 # ---- CUDA (never run on a machine without a GPU) ------------------------------------------------

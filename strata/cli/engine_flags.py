@@ -41,8 +41,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU pool threads (the cores this process may use, less one)")
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
-    g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16"],
-                   help="KV cache elements: f16 or bf16 halve its memory, keys and values "
+    g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="KV cache elements: f16 or bf16 halve its memory, q8_0 (8-bit blocks of "
+                   "32 with a scale, as llama.cpp's) takes 34/128 of it; keys and values "
                    "rounded once when stored; f16 holds magnitudes up to 65504, bf16 float32's "
                    "range with less precision (f32)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
@@ -180,3 +181,10 @@ def _int_flag(flag: str, text: str) -> int:
     if not 1 <= n <= 1 << 50:
         raise StrataError(f"{flag} {text}: give auto or a positive number")
     return n
+
+
+def refuse_spec(args: argparse.Namespace, command: str) -> None:
+    """--spec drafts tokens to decode; a command that decodes none refuses it in one line."""
+    if getattr(args, "spec", 0):
+        raise StrataError(f"--spec {args.spec}: speculative decoding serves generate, chat and "
+                          f"serve; strata {command} decodes no drafted tokens, drop --spec")

@@ -6,6 +6,7 @@ import argparse
 from collections import Counter
 
 from strata.config import ModelConfig
+from strata.config_hybrid import layer_kinds
 from strata.gguf import ModelFile, open_model
 from strata.units import fmt_bytes
 
@@ -19,6 +20,11 @@ def _layer_types(mf: ModelFile, i: int) -> str:
         ref = mf.tensors.get(f"blk.{i}.{name}.weight")
         return ref.info.type_name if ref else "-"
 
+    if f"blk.{i}.ssm_out.weight" in mf.tensors:  # a Gated DeltaNet layer (config_hybrid)
+        qkv = t("ssm_in") if f"blk.{i}.ssm_in.weight" in mf.tensors else t("attn_qkv")
+        return (f"linear qkv/out {qkv}/{t('ssm_out')}  "
+                f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/"
+                f"{t('ffn_down_exps')}")
     return (f"attn q/k/v/o {t('attn_q')}/{t('attn_k')}/{t('attn_v')}/{t('attn_output')}  "
             f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/{t('ffn_down_exps')}")
 
@@ -36,7 +42,13 @@ def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
         f"hidden {cfg.d_expert}" + (f", shared expert {cfg.d_shared}" if cfg.d_shared else "")
         + f", top-k weights {'renormalized' if cfg.norm_topk else 'as routed'}",
         f"attention    rope {cfg.rope_style} theta {cfg.rope_theta:g}"
-        + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else ""),
+        + (f" on {cfg.rope_dim} of {cfg.head_dim} dims" if cfg.rope_dim < cfg.head_dim else "")
+        + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else "")
+        + (", output gate" if cfg.attn_gate else ""),
+        f"layers       {layer_kinds(cfg)}"
+        + (f" (Gated DeltaNet: {cfg.ssm_groups} key / {cfg.ssm_heads} value heads of "
+           f"{cfg.ssm_state}, conv {cfg.ssm_conv})" if cfg.full_attn_interval else "")
+        + (f"; {cfg.n_nextn} MTP block(s) kept" if cfg.n_nextn else ""),
         f"size         {fmt_bytes(mf.nbytes)}: experts {fmt_bytes(expert_bytes)}, "
         f"dense {fmt_bytes(mf.nbytes - expert_bytes)}; routed expert bytes per token "
         f"{fmt_bytes(per_token)}",

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.engine.sampling import SamplingParams, probabilities, sample
+from strata.errors import StrataError
 from strata.kernels.tuning import (
     SPEC_ACCEPT_WEIGHT,
     SPEC_OFF_ACCEPT,
@@ -299,9 +300,19 @@ def make_spec(ec, mf, cfg, model) -> SpecDecoder:  # noqa: ANN001 (EngineConfig,
 
     from strata.engine.drafters import make_drafter
 
+    if getattr(cfg, "full_attn_interval", 0):
+        raise StrataError(f"--spec {ec.spec}: {cfg.arch}'s linear-attention layers keep a "
+                          "recurrent state that cannot yet be rolled back to the last accepted "
+                          "token; run it without --spec")
+
     def load(path):  # noqa: ANN001, ANN202
         from strata.engine.generator import Engine
 
-        return Engine.load(path, config=replace(ec, offload="off", spec=0))
+        draft = Engine.load(path, config=replace(ec, offload="off", spec=0))
+        if getattr(draft.config, "full_attn_interval", 0):
+            raise StrataError(f"--draft {path}: a {draft.config.arch} draft keeps a recurrent "
+                              "state that cannot yet be rolled back; pick a draft of another "
+                              "architecture")
+        return draft
 
     return SpecDecoder(model, make_drafter(ec.draft, mf, cfg.arch, load), ec.spec)

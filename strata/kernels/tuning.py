@@ -196,3 +196,18 @@ SPEC_SLOWER = 1.1
 # runtime: one window of 5 tokens took as long as 16 plain steps, streamed and computed in
 # float32), so probes grow rare where windows never pay
 SPEC_OFF_MAX = 1024
+
+# ---- hybrid linear attention (model/parts/delta_net.py) -----------------------------------------
+
+# tokens a chunk of the chunked gated delta rule: its [Hv, C, C] triangular solve stays small
+# while the sequential steps over a prompt drop C-fold; 64 is the chunk of fla's
+# chunk_gated_delta_rule and of transformers' torch reference (estimate: not timed here)
+DELTA_CHUNK = 64
+# one decode token's Gated DeltaNet step (kernels/gpu/delta_ops.py): value columns of S a program
+# (each program holds S[:, BV] of one head: dk x BV floats) and its warps; channels a program of
+# the conv step. Estimates: not timed yet.
+DELTA_STEP_TILE = (32, 4)
+CONV_STEP_BLOCK = 512
+# state columns a program of the chunked rule's scan over chunks (delta_ops.chunk_scan): S[:, 32]
+# of a 128-dim head is 16 KiB of registers; tl.dot wants at least 16 (estimate: not timed yet)
+CHUNK_SCAN_BV = 32
