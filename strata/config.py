@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "qwen3moe": ("neox", True),
     "qwen2moe": ("neox", False),
     "llama": ("normal", True),
+    "glm4moe": ("neox", False),  # (llama.cpp: expert_weights_norm false when absent)
 }
 
 
@@ -42,6 +43,18 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     tied_output: bool
+    # glm4moe / deepseek2 (strata/arch_glm4moe.py): leading dense layers and their hidden size,
+    # the router's gating ("softmax" | "sigmoid"), its selection bias (exp_probs_b), the routed
+    # weights' scale, expert groups (all / used), nextn (MTP) layers after the n_layers
+    n_dense_lead: int = 0
+    d_ff: int = 0
+    gating: str = "softmax"
+    expert_bias: bool = False
+    expert_scale: float = 1.0
+    n_groups: int = 1
+    n_groups_used: int = 1
+    n_nextn: int = 0
+    ffn_norm_name: str = "ffn_norm"  # glm4moe: post_attention_norm
 
     @property
     def q_dim(self) -> int:
@@ -107,6 +120,10 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
             tied_output="output.weight" not in mf.tensors,
         )
+        if arch == "glm4moe":
+            from strata.arch_glm4moe import glm4moe_config
+
+            cfg = glm4moe_config(mf, m, cfg)
         if cfg.rope_dim % 2:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
@@ -173,7 +190,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     t: dict[str, tuple[int, ...]] = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
     if not cfg.tied_output:
         t["output.weight"] = (V, D)
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_layers + cfg.n_nextn):
         p = f"blk.{i}."
         t |= {
             p + "attn_norm.weight": (D,),
@@ -181,22 +198,31 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "attn_k.weight": (cfg.kv_dim, D),
             p + "attn_v.weight": (cfg.kv_dim, D),
             p + "attn_output.weight": (D, cfg.q_dim),
-            p + "ffn_norm.weight": (D,),
-            p + "ffn_gate_inp.weight": (E, D),
-            p + "ffn_gate_exps.weight": (E, F, D),
-            p + "ffn_up_exps.weight": (E, F, D),
-            p + "ffn_down_exps.weight": (E, D, F),
+            p + f"{cfg.ffn_norm_name}.weight": (D,),
         }
+        if i < cfg.n_dense_lead:
+            t |= {p + "ffn_gate.weight": (cfg.d_ff, D), p + "ffn_up.weight": (cfg.d_ff, D),
+                  p + "ffn_down.weight": (D, cfg.d_ff)}
+        else:
+            t |= {p + "ffn_gate_inp.weight": (E, D), p + "ffn_gate_exps.weight": (E, F, D),
+                  p + "ffn_up_exps.weight": (E, F, D), p + "ffn_down_exps.weight": (E, D, F)}
+            if cfg.expert_bias:
+                t[p + "exp_probs_b.bias"] = (E,)
+        if i >= cfg.n_layers:
+            t |= {p + "nextn.eh_proj.weight": (D, 2 * D), p + "nextn.enorm.weight": (D,),
+                  p + "nextn.hnorm.weight": (D,), p + "nextn.shared_head_norm.weight": (D,)}
         if cfg.qkv_bias:
             t |= {p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
                   p + "attn_v.bias": (cfg.kv_dim,)}
         if cfg.qk_norm:
             t |= {p + "attn_q_norm.weight": (cfg.head_dim,),
                   p + "attn_k_norm.weight": (cfg.head_dim,)}
-        if cfg.d_shared:
+        if cfg.d_shared and i >= cfg.n_dense_lead:
             S = cfg.d_shared
-            t |= {p + "ffn_gate_inp_shexp.weight": (D,), p + "ffn_gate_shexp.weight": (S, D),
-                  p + "ffn_up_shexp.weight": (S, D), p + "ffn_down_shexp.weight": (D, S)}
+            if cfg.arch == "qwen2moe":  # the shared expert's sigmoid gate
+                t[p + "ffn_gate_inp_shexp.weight"] = (D,)
+            t |= {p + "ffn_gate_shexp.weight": (S, D), p + "ffn_up_shexp.weight": (S, D),
+                  p + "ffn_down_shexp.weight": (D, S)}
     return t
 
 

@@ -9,7 +9,7 @@ dequantized on demand, one routed expert or a handful of embedding rows at a tim
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -203,6 +203,23 @@ class LayerWeights:
     ffn_gate: Weight | None = None
     ffn_up: Weight | None = None
     ffn_down: Weight | None = None
+    # sigmoid routing (glm4moe, deepseek2): added to the router's scores to choose the top K [E]
+    router_bias: torch.Tensor | None = None
+
+
+@dataclass
+class NextNWeights:
+    """A nextn (multi-token prediction) layer, kept for speculative decoding: its transformer
+    layer, eh_proj [D, 2D] over [enorm(embedding); hnorm(hidden)], and its head's norm (and
+    head and embedding where the file has its own)."""
+
+    layer: LayerWeights
+    eh_proj: Weight
+    enorm: torch.Tensor  # [D]
+    hnorm: torch.Tensor  # [D]
+    head_norm: torch.Tensor | None
+    head: Weight | None = None  # [V, D] (None: the model's output head)
+    embed: QuantTensor | None = None  # [V, D] (None: the model's embedding)
 
 
 @dataclass
@@ -211,6 +228,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [D]
     output: Weight  # [V, D]
+    nextn: list[NextNWeights] = field(default_factory=list)  # after the layers (glm4moe)
 
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
@@ -236,14 +254,15 @@ class ModelWeights:
             return (m(name) if matrix else d(name)) if name in t else None
 
         layers = []
-        for i in range(cfg.n_layers):
+        for i in range(cfg.n_layers + cfg.n_nextn):
             p = f"blk.{i}."
             attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
                         wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
                         wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
                         bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
                         q_norm=opt(p + "attn_q_norm.weight"),
-                        k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=d(p + "ffn_norm.weight"))
+                        k_norm=opt(p + "attn_k_norm.weight"),
+                        ffn_norm=d(p + f"{cfg.ffn_norm_name}.weight"))
             if layer_spec(cfg, i).ffn == "dense":
                 layers.append(LayerWeights(
                     **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
@@ -257,10 +276,20 @@ class ModelWeights:
                 shared_w1=opt(p + "ffn_gate_shexp.weight", True),
                 shared_w3=opt(p + "ffn_up_shexp.weight", True),
                 shared_w2=opt(p + "ffn_down_shexp.weight", True),
+                router_bias=opt(p + "exp_probs_b.bias"),
             ))
         if device.type == "cuda":  # (on the CPU the matrices stay views of the file's pages)
             for lw in layers:
                 fuse_qkv(lw)
+        layers, nextn_layers = layers[:cfg.n_layers], layers[cfg.n_layers:]
+        nextn = []
+        for i, lw in enumerate(nextn_layers, cfg.n_layers):
+            p = f"blk.{i}.nextn."
+            nextn.append(NextNWeights(
+                lw, m(p + "eh_proj.weight"), d(p + "enorm.weight"), d(p + "hnorm.weight"),
+                opt(p + "shared_head_norm.weight"), opt(p + "shared_head_head.weight", True),
+                QuantTensor.load(t[p + "embed_tokens.weight"], device)
+                if p + "embed_tokens.weight" in t else None))
         embed = QuantTensor.load(t["token_embd.weight"], device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
-        return cls(embed, layers, d("output_norm.weight"), output)
+        return cls(embed, layers, d("output_norm.weight"), output, nextn)

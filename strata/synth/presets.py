@@ -24,6 +24,15 @@ class Preset:
     context_length: int = 4096
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
+    # glm4moe / deepseek2: leading dense layers (of d_ff), shared experts of d_expert each, the
+    # routed weights' scale, nextn layers written after the n_layers, RoPE dims (0: head_dim),
+    # q/k norms (None: the architecture's default)
+    n_dense_lead: int = 0
+    n_shared: int = 0
+    expert_scale: float = 1.0
+    n_nextn: int = 0
+    rope_dim: int = 0
+    qk_norm: bool | None = None
 
     @property
     def vocab_kind(self) -> str:
@@ -35,6 +44,9 @@ _TINY = {
     "qwen3moe": Preset("qwen3moe", 3, 256, 4, 2, 64, 8, 2, 256, 1024, 512),
     "qwen2moe": Preset("qwen2moe", 3, 256, 4, 4, 64, 6, 2, 256, 1024, 512, d_shared=512),
     "llama": Preset("llama", 3, 256, 4, 2, 64, 4, 2, 512, 1024, 512, rms_eps=1e-5),
+    "glm4moe": Preset("glm4moe", 3, 256, 4, 2, 64, 8, 2, 256, 1024, 512, n_dense_lead=1,
+                      n_shared=1, expert_scale=2.5, n_nextn=1, rope_dim=32, qk_norm=True,
+                      rms_eps=1e-5),
 }
 
 _REAL = {
@@ -46,6 +58,13 @@ _REAL = {
                     d_shared=5632, context_length=8192),
     "mixtral-8x7b": Preset("llama", 32, 4096, 32, 8, 128, 8, 2, 14336, 32000, 14336,
                            context_length=32768, rms_eps=1e-5),
+    # GLM-4.5-Air and GLM-4.6 (their config.json: 46 / 92 layers + 1 nextn, partial RoPE 0.5)
+    "glm-4.5-air": Preset("glm4moe", 46, 4096, 96, 8, 128, 128, 8, 1408, 151552, 10944,
+                          n_dense_lead=1, n_shared=1, expert_scale=1.0, n_nextn=1, rope_dim=64,
+                          qk_norm=False, context_length=131072, rms_eps=1e-5),
+    "glm-4.6": Preset("glm4moe", 92, 5120, 96, 8, 128, 160, 8, 1536, 151552, 12288,
+                      n_dense_lead=3, n_shared=1, expert_scale=2.5, n_nextn=1, rope_dim=64,
+                      qk_norm=True, context_length=202752, rms_eps=1e-5),
 }
 
 PRESETS = ["tiny", *_REAL]

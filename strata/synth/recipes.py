@@ -102,7 +102,9 @@ _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q
 _ROLES = {"token_embd": "embd", "output": "output", "attn_q": "attn_q", "attn_k": "attn_k",
           "attn_v": "attn_v", "attn_output": "attn_o", "ffn_gate_exps": "gate",
           "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_shexp": "shexp",
-          "ffn_up_shexp": "shexp", "ffn_down_shexp": "shexp"}
+          "ffn_up_shexp": "shexp", "ffn_down_shexp": "shexp",
+          # dense first layers and nextn's projection (glm4moe, deepseek2): dense matrices
+          "ffn_gate": "shexp", "ffn_up": "shexp", "ffn_down": "shexp", "eh_proj": "shexp"}
 
 
 class Recipe:

@@ -12,11 +12,11 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType
+from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType
 
 from strata.cli.output import atomic_folder, check_free
 from strata.config import ModelConfig, expected_tensors
@@ -49,6 +49,8 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
     from strata.config import ARCHITECTURES
 
     style, norm = ARCHITECTURES[p.arch]
+    if p.arch == "glm4moe":
+        return replace(config_of(replace(p, arch="qwen3moe"), tied_output), **_glm4moe_fields(p))
     return ModelConfig(
         arch=p.arch, n_layers=p.n_layers, d_model=p.d_model, n_heads=p.n_heads,
         n_kv_heads=p.n_kv_heads, head_dim=p.head_dim, n_vocab=p.n_vocab,
@@ -57,6 +59,14 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
         n_experts_used=p.n_experts_used, d_expert=p.d_expert, d_shared=p.d_shared, norm_topk=norm,
         qkv_bias=p.arch == "qwen2moe", qk_norm=p.arch == "qwen3moe",
         tied_output=tied_output)
+
+
+def _glm4moe_fields(p: Preset) -> dict:
+    return dict(arch="glm4moe", rope_dim=p.rope_dim or p.head_dim, norm_topk=True, qkv_bias=True,
+                qk_norm=bool(p.qk_norm), d_shared=p.n_shared * p.d_expert,
+                n_dense_lead=p.n_dense_lead, d_ff=p.d_ff if p.n_dense_lead else 0,
+                gating="sigmoid", expert_bias=True, expert_scale=p.expert_scale,
+                n_nextn=p.n_nextn, ffn_norm_name="post_attention_norm")
 
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
@@ -110,7 +120,7 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     w.add_description(description)
     w.add_context_length(p.context_length)
     w.add_embedding_length(p.d_model)
-    w.add_block_count(p.n_layers)
+    w.add_block_count(p.n_layers + p.n_nextn)
     w.add_feed_forward_length(p.d_ff)
     w.add_head_count(p.n_heads)
     w.add_head_count_kv(p.n_kv_heads)
@@ -127,6 +137,14 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
         w.add_expert_feed_forward_length(p.d_expert)
     if p.d_shared:
         w.add_expert_shared_feed_forward_length(p.d_shared)
+    if p.arch == "glm4moe":
+        w.add_rope_dimension_count(p.rope_dim or p.head_dim)
+        w.add_leading_dense_block_count(p.n_dense_lead)
+        w.add_expert_shared_count(p.n_shared)
+        w.add_expert_weights_scale(p.expert_scale)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_nextn_predict_layers(p.n_nextn)
     w.add_quantization_version(2)
     if file_type is not None:
         w.add_file_type(file_type)

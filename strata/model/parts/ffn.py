@@ -6,7 +6,8 @@ step can stop in between (a layer whose experts need the host ends a CUDA graph 
 
 RoutedExperts: softmax routing over E experts, the top K (renormalized where cfg.norm_topk), the
 experts run by the context's expert executor, plus a gated shared expert where the layer has one
-(qwen2moe). In a static step the residual step, the norm, the router and its top K are one launch
+(qwen2moe); or sigmoid routing with a selection bias, groups and a scale (gating.py: glm4moe,
+deepseek2), whose shared expert has no gate. In a static step the residual step, the norm, the router and its top K are one launch
 (decode_ops.norm_route), and with no shared expert the K rows may come back unsummed for the
 next residual step to add (one launch fewer a layer).
 DenseFFN: one SwiGLU over every token, for architectures whose first layers are dense (none of
@@ -24,6 +25,7 @@ import torch
 from strata.config import ModelConfig
 from strata.model.layers import route
 from strata.model.parts.context import Context, decode_ops
+from strata.model.parts.gating import route_sigmoid
 from strata.model.parts.norm import add_norm
 from strata.model.weights import LayerWeights, Weight, linear
 
@@ -40,7 +42,8 @@ def swiglu(h: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Ten
 
 
 class SharedExpert:
-    """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h)."""
+    """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h); without a gate
+    (glm4moe, deepseek2) swiglu(h)."""
 
     def __init__(self, lw: LayerWeights):
         self.lw = lw
@@ -48,8 +51,10 @@ class SharedExpert:
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, D] -> [T, D]"""
         lw = self.lw
-        gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
         act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
+        if lw.shared_gate is None:
+            return linear(act, lw.shared_w2)
+        gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
         return gate * linear(act, lw.shared_w2)
 
 
@@ -63,10 +68,17 @@ class RoutedExperts:
         self.lw, self.layer = lw, layer
         self.k, self.norm_topk, self.eps = cfg.n_experts_used, cfg.norm_topk, cfg.rms_eps
         self.shared = SharedExpert(lw) if lw.shared_w1 is not None else None
+        self.sigmoid = cfg.gating == "sigmoid"
+        self.scale, self.groups = cfg.expert_scale, (cfg.n_groups, cfg.n_groups_used)
 
     def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
         lw = self.lw
-        if ctx.static:  # one launch on CUDA (decode_ops.norm_route)
+        if self.sigmoid:  # torch ops on every path (gating.py; capturable in a static step)
+            h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
+            ids, wts = route_sigmoid(h, lw.router, lw.router_bias, self.k, self.norm_topk,
+                                     self.scale, *self.groups,
+                                     counts=ctx.counts(self.layer) if ctx.static else None)
+        elif ctx.static:  # one launch on CUDA (decode_ops.norm_route)
             h, ids, wts = decode_ops().norm_route(
                 x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,
                 counts=ctx.counts(self.layer), fuse=ctx.fuse_route)
