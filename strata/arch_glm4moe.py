@@ -2,11 +2,11 @@
 
     block_count = transformer layers + nextn_predict_layers (the MTP layers come last: read and
                   kept, unused by the forward)
-    leading_dense_block_count dense layers first (ffn_gate / ffn_up / ffn_down, feed_forward_length)
-    routed layers: sigmoid gating (expert_gating_func, sigmoid when absent), the top K chosen on
-                  sigmoid + exp_probs_b, weighted by the sigmoid, renormalized (expert_weights_norm),
-                  scaled (expert_weights_scale); expert_shared_count ungated shared experts of the
-                  expert size
+    leading_dense_block_count dense layers first (ffn_gate / up / down, feed_forward_length)
+    routed layers: sigmoid gating (expert_gating_func, sigmoid when absent), the top K chosen
+                  on sigmoid + exp_probs_b, weighted by the sigmoid, renormalized
+                  (expert_weights_norm), scaled (expert_weights_scale); expert_shared_count
+                  ungated shared experts of the expert size
     attention: q/k/v bias, optional q/k norms, RoPE (neox) on the first rope.dimension_count dims;
                   the feed-forward's norm is post_attention_norm
 """

@@ -7,11 +7,12 @@ step can stop in between (a layer whose experts need the host ends a CUDA graph 
 RoutedExperts: softmax routing over E experts, the top K (renormalized where cfg.norm_topk), the
 experts run by the context's expert executor, plus a gated shared expert where the layer has one
 (qwen2moe); or sigmoid routing with a selection bias, groups and a scale (gating.py: glm4moe,
-deepseek2), whose shared expert has no gate. In a static step the residual step, the norm, the router and its top K are one launch
-(decode_ops.norm_route), and with no shared expert the K rows may come back unsummed for the
-next residual step to add (one launch fewer a layer).
-DenseFFN: one SwiGLU over every token, for architectures whose first layers are dense (none of
-today's: see layer.layer_spec).
+deepseek2), whose shared expert has no gate. In a static step the residual step, the norm, the
+router and its top K are one launch (decode_ops.norm_route; sigmoid routing: torch ops), and
+with no shared expert the K rows may come back unsummed for the next residual step to add (one
+launch fewer a layer).
+DenseFFN: one SwiGLU over every token, for the dense first layers (glm4moe, deepseek2:
+spec.layer_spec).
 
 Legend: T tokens, D hidden, E experts, K used a token, F / S expert / shared hidden.
 """
