@@ -16,7 +16,7 @@ from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.cpu_pool import CpuPool, default_threads
-from strata.experts.layout import ExpertLayout, expert_layouts
+from strata.experts.layout import ExpertLayout, expert_layouts, first_routed
 from strata.experts.links import measure_links
 from strata.experts.offload import OffloadExperts, OffloadOptions
 from strata.experts.planner import LinkCosts, MissPlanner, check_miss_mode
@@ -88,7 +88,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     for line in plan.lines():
         log.info(line)
     if auto_prefetch and plan.prefetch < ec.prefetch_count(cfg.n_experts_used):
-        n = [s for s in plan.slots_per_layer if s < cfg.n_experts]
+        n = [s for s, lay in zip(plan.slots_per_layer, layouts, strict=True)
+             if s < cfg.n_experts and not lay.empty]
         log.info("--prefetch auto: off, " + (
             f"the cache holds {sum(n) / len(n):.1f} slots a layer, a token routes to "
             f"{cfg.n_experts_used} (it pays where most routed experts miss: docs/offload.md)"
@@ -120,7 +121,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     costs = measure_links(arena, pool, staging)
     log.info(f"miss links: CPU pool {costs.cpu_gbs:.1f} GB/s ({pool.kind}, {threads} "
              f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses: {ec.miss}")
-    stream_min = ec.stream_min or auto_stream_min(costs, layouts[0].nbytes, cfg)
+    stream_min = ec.stream_min or auto_stream_min(costs, first_routed(layouts).nbytes, cfg)
     log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
              f"{fmt_bytes(plan.ring)} ring")
     for flag, n in (("--cpu-share", ec.cpu_share),
