@@ -89,3 +89,84 @@ def kl_per_position(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     lp = torch.log_softmax(torch.from_numpy(p_logits).double(), -1)
     lq = torch.log_softmax(torch.from_numpy(q_logits).double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1).numpy()
+
+
+def gguf_weights(path: Path) -> tuple[dict[str, torch.Tensor], callable]:
+    """Every tensor of the file dequantized by gguf-py (float32), and meta(key) of its
+    architecture's keys (None where absent)."""
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key: str):
+        f = reader.fields.get(f"{arch}.{key}")
+        return f.contents() if f is not None else None
+
+    w = {t.name: torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+         for t in reader.tensors}
+    return w, meta
+
+
+def hf_glm4moe_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """A Glm4MoeForCausalLM (transformers' glm4_moe) holding the file's weights, dequantized by
+    gguf-py; the nextn layers are not part of its forward."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    w, meta = gguf_weights(path)
+    n_nextn = meta("nextn_predict_layers") or 0
+    n_layers = meta("block_count") - n_nextn
+    head_dim, dense = meta("attention.key_length"), meta("leading_dense_block_count") or 0
+    cfg = Glm4MoeConfig(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"), num_hidden_layers=n_layers,
+        num_attention_heads=meta("attention.head_count"),
+        num_key_value_heads=meta("attention.head_count_kv"), head_dim=head_dim,
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base"),
+                         "partial_rotary_factor": meta("rope.dimension_count") / head_dim},
+        attention_bias="blk.0.attn_q.bias" in w,
+        moe_intermediate_size=meta("expert_feed_forward_length"),
+        num_experts_per_tok=meta("expert_used_count"),
+        n_shared_experts=meta("expert_shared_count"), n_routed_experts=meta("expert_count"),
+        routed_scaling_factor=meta("expert_weights_scale"), first_k_dense_replace=dense,
+        norm_topk_prob=bool(meta("expert_weights_norm")),
+        use_qk_norm="blk.0.attn_q_norm.weight" in w, num_mtp_layers=n_nextn,
+        tie_word_embeddings=False)
+    model = Glm4MoeForCausalLM(cfg).float().eval()
+    sd = {"model.embed_tokens.weight": w["token_embd.weight"],
+          "model.norm.weight": w["output_norm.weight"], "lm_head.weight": w["output.weight"]}
+    for i in range(n_layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v"}
+        for hf, gg in names.items():
+            sd[h + hf + ".weight"] = w[p + gg + ".weight"]
+            if p + gg + ".bias" in w:
+                sd[h + hf + ".bias"] = w[p + gg + ".bias"]
+        sd |= {h + "self_attn.o_proj.weight": w[p + "attn_output.weight"],
+               h + "input_layernorm.weight": w[p + "attn_norm.weight"],
+               h + "post_attention_layernorm.weight": w[p + "post_attention_norm.weight"]}
+        if cfg.use_qk_norm:
+            sd |= {h + "self_attn.q_norm.weight": w[p + "attn_q_norm.weight"],
+                   h + "self_attn.k_norm.weight": w[p + "attn_k_norm.weight"]}
+        if i < dense:
+            sd |= {h + f"mlp.{n}_proj.weight": w[p + f"ffn_{n}.weight"]
+                   for n in ("gate", "up", "down")}
+            continue
+        sd |= {
+            h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+            h + "mlp.gate.e_score_correction_bias": w[p + "exp_probs_b.bias"],
+            h + "mlp.experts.gate_up_proj": torch.cat(
+                [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
+            h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
+        }
+        sd |= {h + f"mlp.shared_experts.{n}_proj.weight": w[p + f"ffn_{n}_shexp.weight"]
+               for n in ("gate", "up", "down")}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert not [k for k in missing if "e_score_correction_bias" not in k], missing
+    for i in range(dense, n_layers):  # (a buffer: load_state_dict may skip it)
+        model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
+            w[f"blk.{i}.exp_probs_b.bias"])
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()

@@ -19,8 +19,21 @@ def _layer_types(mf: ModelFile, i: int) -> str:
         ref = mf.tensors.get(f"blk.{i}.{name}.weight")
         return ref.info.type_name if ref else "-"
 
-    return (f"attn q/k/v/o {t('attn_q')}/{t('attn_k')}/{t('attn_v')}/{t('attn_output')}  "
-            f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/{t('ffn_down_exps')}")
+    ffn = (f"dense gate/up/down {t('ffn_gate')}/{t('ffn_up')}/{t('ffn_down')}"
+           if f"blk.{i}.ffn_gate.weight" in mf.tensors else
+           f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/{t('ffn_down_exps')}")
+    return f"attn q/k/v/o {t('attn_q')}/{t('attn_k')}/{t('attn_v')}/{t('attn_output')}  {ffn}"
+
+
+def _routing_lines(cfg: ModelConfig) -> list[str]:
+    """glm4moe / deepseek2's routing and layer kinds (nothing for the softmax families)."""
+    if cfg.gating == "softmax" and not cfg.n_dense_lead and not cfg.n_nextn:
+        return []
+    groups = (f", {cfg.n_groups_used} of {cfg.n_groups} expert groups"
+              if cfg.n_groups > 1 else "")
+    return [f"routing      {cfg.gating}" + (" + selection bias" if cfg.expert_bias else "")
+            + f", weights x {cfg.expert_scale:g}{groups}; {cfg.n_dense_lead} dense first "
+            f"layers (hidden {cfg.d_ff}); {cfg.n_nextn} nextn layers (kept, not run)"]
 
 
 def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
@@ -35,7 +48,9 @@ def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
         f"experts      {cfg.n_experts} per layer, {cfg.n_experts_used} used per token, "
         f"hidden {cfg.d_expert}" + (f", shared expert {cfg.d_shared}" if cfg.d_shared else "")
         + f", top-k weights {'renormalized' if cfg.norm_topk else 'as routed'}",
+        *_routing_lines(cfg),
         f"attention    rope {cfg.rope_style} theta {cfg.rope_theta:g}"
+        + (f" on {cfg.rope_dim} of {cfg.head_dim} dims" if cfg.rope_dim < cfg.head_dim else "")
         + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else ""),
         f"size         {fmt_bytes(mf.nbytes)}: experts {fmt_bytes(expert_bytes)}, "
         f"dense {fmt_bytes(mf.nbytes - expert_bytes)}; routed expert bytes per token "

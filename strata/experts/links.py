@@ -9,8 +9,8 @@ import torch
 
 from strata.experts.arena import Arena
 from strata.experts.compute import Group
-from strata.experts.layout import first_routed
 from strata.experts.cpu_pool import CpuPool
+from strata.experts.layout import first_routed
 from strata.experts.planner import LinkCosts
 
 
