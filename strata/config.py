@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "qwen2moe": ("neox", False),
     "llama": ("normal", True),
     "glm4moe": ("neox", False),  # (llama.cpp: expert_weights_norm false when absent)
+    "deepseek2": ("normal", False),
 }
 
 
@@ -55,6 +56,17 @@ class ModelConfig:
     n_groups_used: int = 1
     n_nextn: int = 0
     ffn_norm_name: str = "ffn_norm"  # glm4moe: post_attention_norm
+    # deepseek2's multi-head latent attention (strata/arch_deepseek2.py; kv_lora 0: none):
+    # q LoRA rank (0: one q matrix), the latent's rank, the value head size (head_dim is the
+    # query/key head, rope_dim of it rotated), k_b / v_b split in the file (else attn_kv_b);
+    # YaRN: factor (1: none), original context, log multiplier (mscale_all_dim)
+    q_lora: int = 0
+    kv_lora: int = 0
+    d_v: int = 0
+    mla_split: bool = True
+    yarn_factor: float = 1.0
+    yarn_orig_ctx: int = 0
+    yarn_log_mul: float = 0.0
 
     @property
     def q_dim(self) -> int:
@@ -63,6 +75,11 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def kv_row(self) -> int:
+        """Cached elements per token and layer: keys and values, or MLA's latent + rope part."""
+        return self.kv_lora + self.rope_dim if self.kv_lora else 2 * self.kv_dim
 
     @classmethod
     def from_model(cls, mf: ModelFile) -> ModelConfig:
@@ -124,6 +141,10 @@ class ModelConfig:
             from strata.arch_glm4moe import glm4moe_config
 
             cfg = glm4moe_config(mf, m, cfg)
+        if arch == "deepseek2":
+            from strata.arch_deepseek2 import deepseek2_config
+
+            cfg = deepseek2_config(mf, m, cfg)
         if cfg.rope_dim % 2:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
@@ -181,7 +202,7 @@ class _Meta:
 def kv_bytes(cfg: ModelConfig, tokens: int, kv_type: str = "f32") -> int:
     """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd]."""
     width = 4 if kv_type == "f32" else 2
-    return 2 * cfg.n_layers * tokens * cfg.kv_dim * width
+    return cfg.n_layers * tokens * cfg.kv_row * width
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -192,14 +213,15 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         t["output.weight"] = (V, D)
     for i in range(cfg.n_layers + cfg.n_nextn):
         p = f"blk.{i}."
-        t |= {
-            p + "attn_norm.weight": (D,),
-            p + "attn_q.weight": (cfg.q_dim, D),
-            p + "attn_k.weight": (cfg.kv_dim, D),
-            p + "attn_v.weight": (cfg.kv_dim, D),
-            p + "attn_output.weight": (D, cfg.q_dim),
-            p + f"{cfg.ffn_norm_name}.weight": (D,),
-        }
+        t[p + "attn_norm.weight"] = (D,)
+        if cfg.kv_lora:
+            from strata.arch_deepseek2 import mla_tensors
+
+            t |= mla_tensors(cfg, p)
+        else:
+            t |= {p + "attn_q.weight": (cfg.q_dim, D), p + "attn_k.weight": (cfg.kv_dim, D),
+                  p + "attn_v.weight": (cfg.kv_dim, D), p + "attn_output.weight": (D, cfg.q_dim)}
+        t[p + f"{cfg.ffn_norm_name}.weight"] = (D,)
         if i < cfg.n_dense_lead:
             t |= {p + "ffn_gate.weight": (cfg.d_ff, D), p + "ffn_up.weight": (cfg.d_ff, D),
                   p + "ffn_down.weight": (D, cfg.d_ff)}

@@ -170,7 +170,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
     # sequence decoded together
     kv_size = kv_dtype(ec.kv_type).itemsize
-    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
+    kv_per_token = cfg.n_layers * cfg.kv_row * kv_size * max(1, ec.sequences)
     # (the float32 dequantizing paths: at least one float32 expert and a piece being dequantized,
     # compute.run_records; a piece of a dense matrix, weights.QuantTensor)
     workspace = max(ec.workspace_mib << 20,

@@ -27,6 +27,7 @@ from strata.model.parts.attention import BF16_ATTENTION_MIN_T
 from strata.model.parts.ffn import SharedExpert
 from strata.model.weights import LayerWeights, ModelWeights
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.latent_cache import LatentCache
 
 __all__ = ["BF16_ATTENTION_MIN_T", "MoETransformer", "Segment", "shared_expert"]
 
@@ -57,6 +58,8 @@ class MoETransformer:
         """A KV cache for `capacity` tokens (it grows past them). With a decode step, caches of
         at least the planned context come from one pool, so its graphs serve every request."""
         c = self.cfg
+        if c.kv_lora:  # deepseek2: the latent rows (runtime/latent_cache.py)
+            return LatentCache(c.n_layers, c.kv_row, self.device, capacity, self.kv_dtype)
         if self.step is None:
             return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
                            dtype=self.kv_dtype)
@@ -79,7 +82,12 @@ class MoETransformer:
         t0 = timer.start() if timer else None
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
-        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
+        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN
+            from strata.arch_deepseek2 import rope_tables_for
+
+            cos, sin = rope_tables_for(cfg, positions)
+        else:
+            cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
         delta = None  # each layer's output, added by the next residual step

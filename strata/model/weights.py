@@ -205,6 +205,15 @@ class LayerWeights:
     ffn_down: Weight | None = None
     # sigmoid routing (glm4moe, deepseek2): added to the router's scores to choose the top K [E]
     router_bias: torch.Tensor | None = None
+    # multi-head latent attention (deepseek2; wq is attn_q_b, or attn_q without a q LoRA, and
+    # wk, wv are None): q_a [Lq, D] and its norm [Lq], kv_a_mqa [L + R, D] and the latent's
+    # norm [L], k_b [H, L, N], v_b [H, V, L] (float32)
+    wq_a: Weight | None = None
+    q_a_norm: torch.Tensor | None = None
+    wkv_a: Weight | None = None
+    kv_a_norm: torch.Tensor | None = None
+    k_b: torch.Tensor | None = None
+    v_b: torch.Tensor | None = None
 
 
 @dataclass
@@ -256,13 +265,18 @@ class ModelWeights:
         layers = []
         for i in range(cfg.n_layers + cfg.n_nextn):
             p = f"blk.{i}."
-            attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
-                        wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
-                        wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
-                        bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
-                        q_norm=opt(p + "attn_q_norm.weight"),
-                        k_norm=opt(p + "attn_k_norm.weight"),
-                        ffn_norm=d(p + f"{cfg.ffn_norm_name}.weight"))
+            if cfg.kv_lora:
+                attn = _mla_weights(cfg, p, d, m, opt) | dict(
+                    attn_norm=d(p + "attn_norm.weight"),
+                    ffn_norm=d(p + f"{cfg.ffn_norm_name}.weight"))
+            else:
+                attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
+                            wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
+                            wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
+                            bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
+                            q_norm=opt(p + "attn_q_norm.weight"),
+                            k_norm=opt(p + "attn_k_norm.weight"),
+                            ffn_norm=d(p + f"{cfg.ffn_norm_name}.weight"))
             if layer_spec(cfg, i).ffn == "dense":
                 layers.append(LayerWeights(
                     **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
@@ -280,7 +294,8 @@ class ModelWeights:
             ))
         if device.type == "cuda":  # (on the CPU the matrices stay views of the file's pages)
             for lw in layers:
-                fuse_qkv(lw)
+                if lw.wk is not None:  # (MLA has no k / v projections)
+                    fuse_qkv(lw)
         layers, nextn_layers = layers[:cfg.n_layers], layers[cfg.n_layers:]
         nextn = []
         for i, lw in enumerate(nextn_layers, cfg.n_layers):
@@ -293,3 +308,20 @@ class ModelWeights:
         embed = QuantTensor.load(t["token_embd.weight"], device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
         return cls(embed, layers, d("output_norm.weight"), output, nextn)
+
+
+def _mla_weights(cfg: ModelConfig, p: str, d, m, opt) -> dict:  # noqa: ANN001 (load's readers)
+    """Layer p's latent attention weights (LayerWeights fields); an older file's attn_kv_b
+    [H * (N + V), L] is split into k_b [H, L, N] and v_b [H, V, L] here."""
+    H, N, V = cfg.n_heads, cfg.head_dim - cfg.rope_dim, cfg.d_v
+    if cfg.mla_split:
+        k_b, v_b = d(p + "attn_k_b.weight"), d(p + "attn_v_b.weight")
+    else:
+        kv_b = d(p + "attn_kv_b.weight").view(H, N + V, cfg.kv_lora)
+        k_b, v_b = kv_b[:, :N].transpose(1, 2).contiguous(), kv_b[:, N:].contiguous()
+    lora = cfg.q_lora > 0
+    return dict(wq=m(p + ("attn_q_b.weight" if lora else "attn_q.weight")), wk=None, wv=None,
+                wo=m(p + "attn_output.weight"), bq=None, bk=None, bv=None, q_norm=None,
+                k_norm=None, wq_a=m(p + "attn_q_a.weight") if lora else None,
+                q_a_norm=opt(p + "attn_q_a_norm.weight"), wkv_a=m(p + "attn_kv_a_mqa.weight"),
+                kv_a_norm=d(p + "attn_kv_a_norm.weight"), k_b=k_b, v_b=v_b)

@@ -33,6 +33,17 @@ class Preset:
     n_nextn: int = 0
     rope_dim: int = 0
     qk_norm: bool | None = None
+    # deepseek2: MLA ranks (q_lora 0: one q matrix) and value head size (head_dim is the
+    # query/key head), expert groups (all / used), YaRN factor (1: none), its original context
+    # and mscale_all_dim
+    q_lora: int = 0
+    kv_lora: int = 0
+    d_v: int = 0
+    n_groups: int = 1
+    n_groups_used: int = 1
+    yarn_factor: float = 1.0
+    yarn_orig_ctx: int = 0
+    yarn_mscale: float = 1.0
 
     @property
     def vocab_kind(self) -> str:
@@ -47,6 +58,10 @@ _TINY = {
     "glm4moe": Preset("glm4moe", 3, 256, 4, 2, 64, 8, 2, 256, 1024, 512, n_dense_lead=1,
                       n_shared=1, expert_scale=2.5, n_nextn=1, rope_dim=32, qk_norm=True,
                       rms_eps=1e-5),
+    "deepseek2": Preset("deepseek2", 3, 256, 4, 4, 96, 8, 2, 256, 1024, 512, n_dense_lead=1,
+                        n_shared=1, expert_scale=2.5, rope_dim=32, q_lora=256, kv_lora=256,
+                        d_v=64, n_groups=4, n_groups_used=2, yarn_factor=4.0,
+                        yarn_orig_ctx=1024, rope_theta=10000.0),
 }
 
 _REAL = {
@@ -65,6 +80,12 @@ _REAL = {
     "glm-4.6": Preset("glm4moe", 92, 5120, 96, 8, 128, 160, 8, 1536, 151552, 12288,
                       n_dense_lead=3, n_shared=1, expert_scale=2.5, n_nextn=1, rope_dim=64,
                       qk_norm=True, context_length=202752, rms_eps=1e-5),
+    # DeepSeek-V3 / R1 (config.json: 61 layers, 3 dense, MLA 1536 / 512, 8 groups of 32)
+    "deepseek-v3": Preset("deepseek2", 61, 7168, 128, 128, 192, 256, 8, 2048, 129280, 18432,
+                          n_dense_lead=3, n_shared=1, expert_scale=2.5, rope_dim=64,
+                          q_lora=1536, kv_lora=512, d_v=128, n_groups=8, n_groups_used=4,
+                          yarn_factor=40.0, yarn_orig_ctx=4096, rope_theta=10000.0,
+                          context_length=163840),
 }
 
 PRESETS = ["tiny", *_REAL]

@@ -104,7 +104,9 @@ _ROLES = {"token_embd": "embd", "output": "output", "attn_q": "attn_q", "attn_k"
           "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_shexp": "shexp",
           "ffn_up_shexp": "shexp", "ffn_down_shexp": "shexp",
           # dense first layers and nextn's projection (glm4moe, deepseek2): dense matrices
-          "ffn_gate": "shexp", "ffn_up": "shexp", "ffn_down": "shexp", "eh_proj": "shexp"}
+          "ffn_gate": "shexp", "ffn_up": "shexp", "ffn_down": "shexp", "eh_proj": "shexp",
+          # deepseek2's latent attention (k_b / v_b stay F32, as 3-D tensors)
+          "attn_q_a": "attn_q", "attn_q_b": "attn_q", "attn_kv_a_mqa": "attn_k"}
 
 
 class Recipe:

@@ -26,7 +26,7 @@ import torch
 from strata.config import ModelConfig
 from strata.model.layers import route
 from strata.model.parts.context import Context, decode_ops
-from strata.model.parts.gating import route_sigmoid
+from strata.model.parts.gating import route_biased
 from strata.model.parts.norm import add_norm
 from strata.model.weights import LayerWeights, Weight, linear
 
@@ -69,16 +69,19 @@ class RoutedExperts:
         self.lw, self.layer = lw, layer
         self.k, self.norm_topk, self.eps = cfg.n_experts_used, cfg.norm_topk, cfg.rms_eps
         self.shared = SharedExpert(lw) if lw.shared_w1 is not None else None
-        self.sigmoid = cfg.gating == "sigmoid"
-        self.scale, self.groups = cfg.expert_scale, (cfg.n_groups, cfg.n_groups_used)
+        # sigmoid gating, a selection bias, groups or a scale: gating.route_biased
+        self.biased = (cfg.gating != "softmax" or cfg.expert_bias or cfg.n_groups > 1
+                       or cfg.expert_scale != 1.0)
+        self.gating, self.scale = cfg.gating, cfg.expert_scale
+        self.groups = (cfg.n_groups, cfg.n_groups_used)
 
     def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
         lw = self.lw
-        if self.sigmoid:  # torch ops on every path (gating.py; capturable in a static step)
+        if self.biased:  # torch ops on every path (gating.py; capturable in a static step)
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
-            ids, wts = route_sigmoid(h, lw.router, lw.router_bias, self.k, self.norm_topk,
-                                     self.scale, *self.groups,
-                                     counts=ctx.counts(self.layer) if ctx.static else None)
+            ids, wts = route_biased(h, lw.router, lw.router_bias, self.k, self.norm_topk,
+                                    self.scale, *self.groups, gating=self.gating,
+                                    counts=ctx.counts(self.layer) if ctx.static else None)
         elif ctx.static:  # one launch on CUDA (decode_ops.norm_route)
             h, ids, wts = decode_ops().norm_route(
                 x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,

@@ -1,4 +1,5 @@
-"""Sigmoid routing with a selection bias (glm4moe, deepseek2), in torch ops: the reference path
+"""Sigmoid routing with a selection bias (glm4moe, deepseek2; or softmax with groups and a
+scale), in torch ops: the reference path
 and, over the decode step's static buffers, a capturable branch (no host sync, no shape that
 depends on data). decode_ops.norm_route fuses softmax routing only.
 
@@ -19,12 +20,15 @@ import torch
 SUM_MIN = 6.103515625e-5  # llama.cpp clamps the top-K weights' sum here before dividing
 
 
-def route_sigmoid(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, k: int,
-                  norm: bool, scale: float, groups: int = 1, groups_used: int = 1,
-                  counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route_biased(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, k: int,
+                 norm: bool, scale: float, groups: int = 1, groups_used: int = 1,
+                 gating: str = "sigmoid", counts: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, D], router [E, D], bias [E] or None -> ids int64 [T, K], weights float32 [T, K].
+    gating: sigmoid, or softmax over the E experts (deepseek2 v2: groups and a scale, no bias).
     counts: int32 [E], += 1 for every pair routed to an expert."""
-    scores = torch.sigmoid(h.float() @ router.float().T)  # [T, E]
+    logits = h.float() @ router.float().T
+    scores = torch.sigmoid(logits) if gating == "sigmoid" else torch.softmax(logits, -1)  # [T, E]
     choice = scores if bias is None else scores + bias
     if groups > 1 and groups_used < groups:
         T, E = choice.shape

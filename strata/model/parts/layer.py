@@ -24,11 +24,12 @@ from strata.config import ModelConfig
 from strata.model.parts.attention import GQAAttention
 from strata.model.parts.context import Context
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
+from strata.model.parts.mla import MLAttention
 from strata.model.parts.norm import add_norm
 from strata.model.parts.spec import layer_spec
 from strata.model.weights import LayerWeights, Weight, linear
 
-MIXERS = {"gqa": GQAAttention}
+MIXERS = {"gqa": GQAAttention, "mla": MLAttention}
 FFNS = {"routed": RoutedExperts, "dense": DenseFFN}
 
 

@@ -19,6 +19,7 @@ def layer_spec(cfg: ModelConfig, index: int) -> LayerSpec:
     layers (deepseek2's leading_dense_block_count) gives ffn="dense" below that index, and
     ModelWeights.load reads their ffn_gate / ffn_up / ffn_down; one with sliding-window layers
     names their mixer per index here."""
+    mixer = "mla" if cfg.kv_lora else "gqa"  # deepseek2: multi-head latent attention
     if index < cfg.n_dense_lead:  # glm4moe, deepseek2: leading_dense_block_count
-        return LayerSpec(ffn="dense")
-    return LayerSpec()
+        return LayerSpec(mixer, ffn="dense")
+    return LayerSpec(mixer)
