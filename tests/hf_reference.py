@@ -170,3 +170,78 @@ def hf_glm4moe_logits(path: Path, tokens: list[int]) -> np.ndarray:
             w[f"blk.{i}.exp_probs_b.bias"])
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """A DeepseekV3ForCausalLM (transformers' deepseek_v3) holding the file's weights,
+    dequantized by gguf-py: kv_b_proj rebuilt from the split attn_k_b / attn_v_b, RoPE on
+    adjacent pairs (rope_interleave), YaRN from the rope.scaling keys."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    w, meta = gguf_weights(path)
+    n_layers, H = meta("block_count"), meta("attention.head_count")
+    rope, kv_lora = meta("rope.dimension_count"), meta("attention.kv_lora_rank")
+    d_k, d_v = meta("attention.key_length_mla"), meta("attention.value_length_mla")
+    nope, dense = d_k - rope, meta("leading_dense_block_count") or 0
+    rope_params = {"rope_type": "default", "rope_theta": meta("rope.freq_base")}
+    if meta("rope.scaling.type") == "yarn":
+        mscale = meta("rope.scaling.yarn_log_multiplier") / 0.1
+        rope_params |= {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
+                        "original_max_position_embeddings":
+                            meta("rope.scaling.original_context_length"),
+                        "mscale": mscale, "mscale_all_dim": mscale, "beta_fast": 32.0,
+                        "beta_slow": 1.0}
+    cfg = DeepseekV3Config(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"),
+        moe_intermediate_size=meta("expert_feed_forward_length"), num_hidden_layers=n_layers,
+        num_attention_heads=H, num_key_value_heads=H,
+        n_shared_experts=meta("expert_shared_count"), n_routed_experts=meta("expert_count"),
+        routed_scaling_factor=meta("expert_weights_scale"), kv_lora_rank=kv_lora,
+        q_lora_rank=meta("attention.q_lora_rank"), qk_rope_head_dim=rope, v_head_dim=d_v,
+        qk_nope_head_dim=nope, n_group=meta("expert_group_count"),
+        topk_group=meta("expert_group_used_count"),
+        num_experts_per_tok=meta("expert_used_count"), first_k_dense_replace=dense,
+        norm_topk_prob=bool(meta("expert_weights_norm")),
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"), rope_parameters=rope_params,
+        rope_interleave=True, tie_word_embeddings=False, num_mtp_layers=0)
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    sd = {"model.embed_tokens.weight": w["token_embd.weight"],
+          "model.norm.weight": w["output_norm.weight"], "lm_head.weight": w["output.weight"]}
+    for i in range(n_layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        k_b, v_b = w[p + "attn_k_b.weight"], w[p + "attn_v_b.weight"]  # [H, L, N], [H, V, L]
+        sd |= {
+            h + "self_attn.q_a_proj.weight": w[p + "attn_q_a.weight"],
+            h + "self_attn.q_a_layernorm.weight": w[p + "attn_q_a_norm.weight"],
+            h + "self_attn.q_b_proj.weight": w[p + "attn_q_b.weight"],
+            h + "self_attn.kv_a_proj_with_mqa.weight": w[p + "attn_kv_a_mqa.weight"],
+            h + "self_attn.kv_a_layernorm.weight": w[p + "attn_kv_a_norm.weight"],
+            h + "self_attn.kv_b_proj.weight": torch.cat(
+                [k_b.transpose(1, 2), v_b], dim=1).reshape(H * (nope + d_v), kv_lora),
+            h + "self_attn.o_proj.weight": w[p + "attn_output.weight"],
+            h + "input_layernorm.weight": w[p + "attn_norm.weight"],
+            h + "post_attention_layernorm.weight": w[p + "ffn_norm.weight"],
+        }
+        if i < dense:
+            sd |= {h + f"mlp.{n}_proj.weight": w[p + f"ffn_{n}.weight"]
+                   for n in ("gate", "up", "down")}
+            continue
+        sd |= {
+            h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+            h + "mlp.gate.e_score_correction_bias": w[p + "exp_probs_b.bias"],
+            h + "mlp.experts.gate_up_proj": torch.cat(
+                [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
+            h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
+        }
+        sd |= {h + f"mlp.shared_experts.{n}_proj.weight": w[p + f"ffn_{n}_shexp.weight"]
+               for n in ("gate", "up", "down")}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert not [k for k in missing if "e_score_correction_bias" not in k], missing
+    for i in range(dense, n_layers):
+        model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
+            w[f"blk.{i}.exp_probs_b.bias"])
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()

@@ -36,6 +36,16 @@ def _routing_lines(cfg: ModelConfig) -> list[str]:
             f"layers (hidden {cfg.d_ff}); {cfg.n_nextn} nextn layers (kept, not run)"]
 
 
+def _mla_lines(cfg: ModelConfig) -> list[str]:
+    """deepseek2's latent attention and YaRN (nothing for the others)."""
+    if not cfg.kv_lora:
+        return []
+    return [f"latent attn  q LoRA {cfg.q_lora or 'none'}, kv latent {cfg.kv_lora} + rope "
+            f"{cfg.rope_dim} cached a token, q/k heads {cfg.head_dim}, v heads {cfg.d_v}"
+            + (f"; yarn x{cfg.yarn_factor:g} from {cfg.yarn_orig_ctx}"
+               if cfg.yarn_factor > 1 else "")]
+
+
 def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
     expert_bytes = sum(r.info.nbytes for n, r in mf.tensors.items() if "_exps." in n)
     per_token = expert_bytes * cfg.n_experts_used / cfg.n_experts
@@ -48,7 +58,7 @@ def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
         f"experts      {cfg.n_experts} per layer, {cfg.n_experts_used} used per token, "
         f"hidden {cfg.d_expert}" + (f", shared expert {cfg.d_shared}" if cfg.d_shared else "")
         + f", top-k weights {'renormalized' if cfg.norm_topk else 'as routed'}",
-        *_routing_lines(cfg),
+        *_routing_lines(cfg), *_mla_lines(cfg),
         f"attention    rope {cfg.rope_style} theta {cfg.rope_theta:g}"
         + (f" on {cfg.rope_dim} of {cfg.head_dim} dims" if cfg.rope_dim < cfg.head_dim else "")
         + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else ""),
