@@ -230,9 +230,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                   p + "ffn_up_exps.weight": (E, F, D), p + "ffn_down_exps.weight": (E, D, F)}
             if cfg.expert_bias:
                 t[p + "exp_probs_b.bias"] = (E,)
-        if i >= cfg.n_layers:
+        if i >= cfg.n_layers:  # (llama.cpp: shared_head_norm / _head, embed_tokens optional)
             t |= {p + "nextn.eh_proj.weight": (D, 2 * D), p + "nextn.enorm.weight": (D,),
-                  p + "nextn.hnorm.weight": (D,), p + "nextn.shared_head_norm.weight": (D,)}
+                  p + "nextn.hnorm.weight": (D,)}
         if cfg.qkv_bias:
             t |= {p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
                   p + "attn_v.bias": (cfg.kv_dim,)}

@@ -5,6 +5,7 @@ attn_kv_b; presets of the real shapes; refusals."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -242,3 +243,16 @@ def test_engine_config_decode_step_flag_is_accepted(synth):
                          config=EngineConfig(offload="on", decode_step="eager",
                                              cpu_kernels="torch"))
     assert engine.model.step is None
+
+
+def test_check_command_passes_offload_against_the_reference(synth, capsys):
+    """strata check (routing recorded on A, pinned on B: the pin's weights follow the
+    architecture's gating) with the offload paths as B."""
+    path = str(synth(ARCH, "Q4_K_M"))
+    same = main(["check", path, "--b", "--offload on --prefill 5 --expert-cache 3 --stream-min 2"
+                 " --cpu-kernels torch", "--prompt-len", "20"])
+    out = capsys.readouterr().out
+    assert same == 0, out
+    assert "top-1 agree 100.0%" in out
+    pinned = re.search(r"routing pinned to A: KL max (\S+)", out)
+    assert pinned and float(pinned[1]) < 1e-4, out

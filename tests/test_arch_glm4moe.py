@@ -4,6 +4,7 @@ transformers' glm4_moe and llama.cpp, incremental decode, the offload paths and 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -162,3 +163,16 @@ def test_unsupported_gating_is_refused_in_one_line(synth, tmp_path):
     vision = rewrite(src, tmp_path / "mrope.gguf", {f"{ARCH}.rope.dimension_sections": sections})
     with pytest.raises(StrataError, match="dimension_sections"):
         ModelConfig.from_model(open_model(vision))
+
+
+def test_check_command_passes_offload_against_the_reference(synth, capsys):
+    """strata check (routing recorded on A, pinned on B: the pin's weights follow the
+    architecture's gating) with the offload paths as B."""
+    path = str(synth(ARCH, "Q4_K_M"))
+    same = main(["check", path, "--b", "--offload on --prefill 5 --expert-cache 3 --stream-min 2"
+                 " --cpu-kernels torch", "--prompt-len", "20"])
+    out = capsys.readouterr().out
+    assert same == 0, out
+    assert "top-1 agree 100.0%" in out
+    pinned = re.search(r"routing pinned to A: KL max (\S+)", out)
+    assert pinned and float(pinned[1]) < 1e-4, out

@@ -85,7 +85,10 @@ def _deepseek2_fields(p: Preset) -> dict:
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
     out = []
-    for name, shape in expected_tensors(config_of(p)).items():
+    tensors = expected_tensors(config_of(p))
+    for i in range(p.n_layers, p.n_layers + p.n_nextn):  # (optional: written as converters do)
+        tensors[f"blk.{i}.nextn.shared_head_norm.weight"] = (p.d_model,)
+    for name, shape in tensors.items():
         if len(shape) == 1:
             is_norm = "norm" in name
             std, mean = (0.1, 1.0) if is_norm else (0.1, 0.0)

@@ -26,7 +26,7 @@ import torch
 from strata.config import ModelConfig
 from strata.model.layers import route
 from strata.model.parts.context import Context, decode_ops
-from strata.model.parts.gating import route_biased
+from strata.model.parts.gating import biased_weights, route_biased
 from strata.model.parts.norm import add_norm
 from strata.model.weights import LayerWeights, Weight, linear
 
@@ -90,8 +90,11 @@ class RoutedExperts:
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ids, wts = route(h, lw.router, self.k, self.norm_topk)  # [T, K]
         if self.hook is not None:  # (never set in a captured step: see routing.attach)
-            return self.hook(self.layer, Routing(h, ids, wts), lw.router, self.k,
-                             self.norm_topk)
+            r = self.hook(self.layer, Routing(h, ids, wts), lw.router, self.k, self.norm_topk)
+            if self.biased:  # (a pin's weights: this gating's, not the softmax's)
+                r = Routing(r.h, r.ids, biased_weights(r.h, lw.router, r.ids, self.norm_topk,
+                                                       self.scale, self.gating))
+            return r
         return Routing(h, ids, wts)
 
     def finish(self, r: Routing, ctx: Context) -> torch.Tensor:

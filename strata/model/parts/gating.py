@@ -38,12 +38,23 @@ def route_biased(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | Non
             1, best.topk(groups_used, dim=-1).indices, True)  # [T, G]
         choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
     ids = choice.topk(k, dim=-1).indices  # [T, K]
-    wts = scores.gather(1, ids)
-    if norm:
-        wts = wts / wts.sum(-1, keepdim=True).clamp_min(SUM_MIN)
-    if scale != 1.0:
-        wts = wts * scale
+    wts = _weights(scores, ids, norm, scale)
     if counts is not None:
         flat = ids.reshape(-1)
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     return ids, wts
+
+
+def biased_weights(h: torch.Tensor, router: torch.Tensor, ids: torch.Tensor, norm: bool,
+                   scale: float, gating: str = "sigmoid") -> torch.Tensor:
+    """route_biased's weights for given experts (routing pinned: strata check) -> [T, K]"""
+    logits = h.float() @ router.float().T
+    scores = torch.sigmoid(logits) if gating == "sigmoid" else torch.softmax(logits, -1)
+    return _weights(scores, ids, norm, scale)
+
+
+def _weights(scores: torch.Tensor, ids: torch.Tensor, norm: bool, scale: float) -> torch.Tensor:
+    wts = scores.gather(1, ids)
+    if norm:
+        wts = wts / wts.sum(-1, keepdim=True).clamp_min(SUM_MIN)
+    return wts * scale if scale != 1.0 else wts
