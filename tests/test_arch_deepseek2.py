@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from test_decode_step import PROMPT, decoded_logits
 from test_offload import TOKENS, assert_same, offload
 
 from strata.cli.info import describe
@@ -126,15 +127,37 @@ def test_offload_paths_give_reference_logits(synth, cache, miss, device):
     assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == len(TOKENS) * 2 * 2
 
 
-def test_offload_prompt_then_decode_gives_reference_logits(synth, device):
+def test_streamed_prompt_gives_reference_logits(synth, device):
     path = synth(ARCH, "Q4_K_M")
     ref = compute_logits(Engine.load(path), TOKENS)
     engine = offload(path, device, expert_cache="3", stream_min=2)
-    assert engine.model.step is None  # (decode tokens run the forward: latent attention)
-    kv = engine.model.new_cache(len(TOKENS))
-    out = [engine.model.forward(torch.tensor(TOKENS[:6]), [Segment(kv, 6)], all_logits=True)]
-    out += [engine.model.decode(t, kv) for t in TOKENS[6:]]
-    assert_same(torch.cat(out).cpu().numpy(), ref)
+    assert_same(compute_logits(engine, TOKENS), ref)
+
+
+@pytest.mark.parametrize("cache", ["0", "16"])
+@pytest.mark.parametrize("kv_type", ["f32", "bf16"])
+def test_decode_step_gives_reference_logits(synth, cache, kv_type, device):
+    """The decode step's latent attention (MLAttention._step: the row stored at the device-side
+    position, attention over the storage masked below the length; eager on the CPU)."""
+    path = synth(ARCH, "Q4_K_M")
+    ref = compute_logits(Engine.load(path, config=EngineConfig(kv_type=kv_type)), TOKENS)
+    engine = offload(path, device, expert_cache=cache, kv_type=kv_type)
+    step = engine.model.step
+    assert step is not None
+    assert_same(decoded_logits(engine, TOKENS), ref[PROMPT:])
+    assert step.steps["eager"] + step.steps["replayed"] == len(TOKENS) - PROMPT
+
+
+@pytest.mark.cuda
+def test_decode_step_graphs_on_cuda(synth):
+    path = synth(ARCH, "Q4_K_M")
+    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
+    engine = offload(path, "cuda", expert_cache="16", kernels="fused")
+    step = engine.model.step
+    assert_same(decoded_logits(engine, TOKENS), ref)
+    assert step.graphs and not step._failed and step.steps["replayed"] > 0
+    again = decoded_logits(engine, TOKENS)  # a second request: the pooled storage, same graphs
+    assert_same(again, ref) and step.steps["captured"] == 1
 
 
 def test_plan_counts_the_latent_cache(synth):
@@ -237,12 +260,6 @@ def test_synth_cli_layers_and_info(tmp_path):
     text = "\n".join(describe(mf, cfg))
     assert "deepseek2" in text and "latent" in text and "yarn" in text
 
-
-def test_engine_config_decode_step_flag_is_accepted(synth):
-    engine = Engine.load(synth(ARCH, "Q4_K_M"),
-                         config=EngineConfig(offload="on", decode_step="eager",
-                                             cpu_kernels="torch"))
-    assert engine.model.step is None
 
 
 def test_check_command_passes_offload_against_the_reference(synth, capsys):

@@ -145,9 +145,6 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     model.max_chunk = plan.chunk
     model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"
     model.kv_dtype = kv_elem
-    if ec.decode_step != "off" and cfg.kv_lora:
-        log.info("decode step: off for latent attention (deepseek2 decodes through the "
-                 "forward, attending in the latent space)")
-    elif ec.decode_step != "off":
+    if ec.decode_step != "off":
         model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)
     return model

@@ -59,7 +59,12 @@ class MoETransformer:
         at least the planned context come from one pool, so its graphs serve every request."""
         c = self.cfg
         if c.kv_lora:  # deepseek2: the latent rows (runtime/latent_cache.py)
-            return LatentCache(c.n_layers, c.kv_row, self.device, capacity, self.kv_dtype)
+            if self.step is None:
+                return LatentCache(c.n_layers, c.kv_row, self.device, capacity,
+                                   dtype=self.kv_dtype)
+            return LatentCache(c.n_layers, c.kv_row, self.device,
+                               max(capacity, self.step.kv_capacity), self.step.kv_pool,
+                               self.kv_dtype)
         if self.step is None:
             return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
                            dtype=self.kv_dtype)

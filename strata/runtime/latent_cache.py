@@ -4,21 +4,39 @@ a token and layer for DeepSeek-V3 against 2 x 128 x 192 = 49152 expanded), grown
 
     store: [L, capacity, kv_lora + rope]      rows 0 .. length-1: the sequence so far
 
-The same verbs as KVCache (append, advance, truncate, reserve, capacity, nbytes), so the
-generation loop, the server and the memory plan treat the two alike (config.kv_row sizes both).
+The same verbs as KVCache (append, advance, truncate, reserve, capacity, nbytes; a KVPool's
+storage, a decode step's graphs keyed on `store`), so the generation loop, the server, the decode
+step and the memory plan treat the two alike (config.kv_row sizes both).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+from strata.runtime.kv_cache import KVPool
 
 
 class LatentCache:
+    """pool: a KVPool the storage comes from and goes back to (a decode step's: its graphs,
+    captured for one storage, serve the next request)."""
+
     def __init__(self, n_layers: int, row: int, device: torch.device, capacity: int = 256,
-                 dtype: torch.dtype = torch.float32):
+                 pool: KVPool | None = None, dtype: torch.dtype = torch.float32):
         self.n_layers, self.row, self.device, self.dtype = n_layers, row, device, dtype
         self.length = 0
-        self.store = torch.empty((n_layers, capacity, row), dtype=dtype, device=device)
+        self.pool = pool
+        self._release = None
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        shape = (self.n_layers, capacity, self.row)
+        if self.pool is None:
+            self.store = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            self.store = self.pool.take(shape, self.device, self.dtype)
+            self._release = weakref.finalize(self, self.pool.give, self.store)
 
     @property
     def capacity(self) -> int:
@@ -49,7 +67,8 @@ class LatentCache:
             self._grow(need)
 
     def _grow(self, need: int) -> None:
-        old = self.store
-        self.store = torch.empty((self.n_layers, max(need, 2 * self.capacity), self.row),
-                                 dtype=self.dtype, device=self.device)
+        old, release = self.store, self._release
+        self._alloc(max(need, 2 * self.capacity))
         self.store[:, : self.length] = old[:, : self.length]
+        if release is not None:
+            release()  # the old storage back to the pool
