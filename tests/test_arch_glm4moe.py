@@ -176,3 +176,15 @@ def test_check_command_passes_offload_against_the_reference(synth, capsys):
     assert "top-1 agree 100.0%" in out
     pinned = re.search(r"routing pinned to A: KL max (\S+)", out)
     assert pinned and float(pinned[1]) < 1e-4, out
+
+
+def test_chat_through_the_file_template_and_generate(synth, capsys):
+    """The file's own chat template renders, and `strata generate --chat` runs end to end on
+    the offload runtime (prompt chunks, then decode steps)."""
+    path = synth(ARCH, "Q4_K_M")
+    engine = Engine.load(path)
+    text = engine.chat.render([{"role": "user", "content": "Hello there"}])
+    assert "Hello there" in text and engine.chat.encode([{"role": "user", "content": "Hi"}])
+    assert main(["generate", str(path), "--chat", "Hi", "--max-tokens", "6", "--temperature",
+                 "0", "--offload", "on", "--cpu-kernels", "torch"]) == 0
+    assert capsys.readouterr().out.strip()

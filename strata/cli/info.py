@@ -48,7 +48,9 @@ def _mla_lines(cfg: ModelConfig) -> list[str]:
 
 def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
     expert_bytes = sum(r.info.nbytes for n, r in mf.tensors.items() if "_exps." in n)
-    per_token = expert_bytes * cfg.n_experts_used / cfg.n_experts
+    run = sum(mf.tensors[f"blk.{i}.ffn_{w}_exps.weight"].info.nbytes  # (not the nextn layers)
+              for i in range(cfg.n_dense_lead, cfg.n_layers) for w in ("gate", "up", "down"))
+    per_token = run * cfg.n_experts_used / cfg.n_experts
     lines = [
         f"file         {mf.path}"
         + (f" (+{len(mf.files) - 1} shards)" if len(mf.files) > 1 else ""),
