@@ -64,11 +64,17 @@ def deepseek2_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
                                       f"the {E} experts into groups of two or more")
     scale = m.float("expert_weights_scale", 1.0, -1.0, 1e3)
     kind = mf.meta(f"{a}.rope.scaling.type", "none")
-    factor, orig, log_mul = 1.0, 0, 0.0
+    factor, orig, log_mul, beta = 1.0, 0, 0.0, (32.0, 1.0)
     if kind == "yarn":
         factor = m.float("rope.scaling.factor", 1.0, 0.0, 1e6)
         orig = m.int("rope.scaling.original_context_length", cfg.context_length, 1)
         log_mul = m.float("rope.scaling.yarn_log_multiplier", 1e-30, 0.0, 100.0) / 0.1
+        beta = (m.float("rope.scaling.yarn_beta_fast", 32.0, 0.0, 1e4),
+                m.float("rope.scaling.yarn_beta_slow", 1.0, 0.0, 1e4))
+        for key in ("yarn_ext_factor", "yarn_attn_factor"):  # (mscale: DeepSeek's own)
+            if m.float(f"rope.scaling.{key}", 1.0, -1e6, 1e6) != 1.0:
+                raise UnsupportedError(f"{mf.path}: {a}.rope.scaling.{key} is not 1; Strata "
+                                       "runs deepseek2's YaRN with its mscale only")
     elif kind not in ("none", None):
         raise UnsupportedError(f"{mf.path}: {a}.rope.scaling.type is {kind!r}; Strata runs "
                                "deepseek2 with yarn or no RoPE scaling")
@@ -80,7 +86,7 @@ def deepseek2_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
         expert_scale=scale if scale > 0 else 1.0, n_groups=groups, n_groups_used=used,
         qkv_bias=False, qk_norm=False, q_lora=q_lora, kv_lora=kv_lora, d_v=d_v,
         yarn_factor=factor, yarn_orig_ctx=orig, yarn_log_mul=log_mul if factor > 1 else 0.0,
-        mla_split="blk.0.attn_k_b.weight" in t)
+        yarn_beta_fast=beta[0], yarn_beta_slow=beta[1], mla_split="blk.0.attn_k_b.weight" in t)
 
 
 def mla_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -111,8 +117,8 @@ def yarn_mscale(cfg: ModelConfig) -> float:
 
 def yarn_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
     """float32 [rope_dim/2]: theta^(-2i/d) blended with its interpolation (/ factor) by YaRN's
-    ramp between the correction dims of beta_fast = 32 and beta_slow = 1 (llama.cpp's and the
-    reference's defaults)."""
+    ramp between the correction dims of beta_fast and beta_slow (rope.scaling.yarn_beta_fast /
+    _slow; 32 and 1 where absent)."""
     d, base = cfg.rope_dim, cfg.rope_theta
     extrap = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
     if cfg.yarn_factor <= 1.0:
@@ -121,8 +127,8 @@ def yarn_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
     def corr(rot: float) -> float:
         return d * math.log(cfg.yarn_orig_ctx / (rot * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(corr(32.0)), 0)
-    high = min(math.ceil(corr(1.0)), d - 1)
+    low = max(math.floor(corr(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(corr(cfg.yarn_beta_slow)), d - 1)
     i = torch.arange(d // 2, dtype=torch.float32, device=device)
     ramp = 1.0 - ((i - low) / max(0.001, high - low)).clamp(0.0, 1.0)  # 1: extrapolate
     return extrap / cfg.yarn_factor * (1.0 - ramp) + extrap * ramp

@@ -67,6 +67,8 @@ class ModelConfig:
     yarn_factor: float = 1.0
     yarn_orig_ctx: int = 0
     yarn_log_mul: float = 0.0
+    yarn_beta_fast: float = 32.0  # YaRN's correction range (llama.cpp's defaults)
+    yarn_beta_slow: float = 1.0
 
     @property
     def q_dim(self) -> int:

@@ -189,8 +189,9 @@ def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
         rope_params |= {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
                         "original_max_position_embeddings":
                             meta("rope.scaling.original_context_length"),
-                        "mscale": mscale, "mscale_all_dim": mscale, "beta_fast": 32.0,
-                        "beta_slow": 1.0}
+                        "mscale": mscale, "mscale_all_dim": mscale,
+                        "beta_fast": meta("rope.scaling.yarn_beta_fast") or 32.0,
+                        "beta_slow": meta("rope.scaling.yarn_beta_slow") or 1.0}
     cfg = DeepseekV3Config(
         vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
         intermediate_size=meta("feed_forward_length"),

@@ -229,6 +229,7 @@ def test_older_files_with_attn_kv_b(synth, tmp_path):
      "temperature_scale"),
     ({f"{ARCH}.expert_group_count": 3}, "expert_group_count"),
     ({f"{ARCH}.expert_gating_func": 3}, "expert_gating_func"),
+    ({f"{ARCH}.rope.scaling.yarn_ext_factor": (0.5, GGUFValueType.FLOAT32)}, "yarn_ext_factor"),
 ])
 def test_unsupported_variants_are_refused_in_one_line(synth, tmp_path, meta, match):
     bad = rewrite(synth(ARCH, "F32"), tmp_path / "bad.gguf", meta)
@@ -328,3 +329,28 @@ def test_latent_cache_grows_truncates_and_pools():
     del kv
     again = LatentCache(2, 5, torch.device("cpu"), 4, pool)
     assert again.store.data_ptr() == store.data_ptr()  # the dropped storage, reused
+
+
+def test_yarn_correction_range_is_read_from_the_file(synth, tmp_path):
+    """rope.scaling.yarn_beta_fast / _slow (current converters write them; Kimi-K2's config
+    sets beta_fast 1): read, agreeing with transformers and with llama.cpp given the same
+    values (llama-cpp-python passes its own 32 / 1 as context parameters, and this libllama
+    keeps 32 / 1 for deepseek2 given -1 too)."""
+    f32 = GGUFValueType.FLOAT32
+    path = rewrite(synth(ARCH, "F32"), tmp_path / "beta.gguf",
+                   {f"{ARCH}.rope.scaling.yarn_beta_fast": (4.0, f32),
+                    f"{ARCH}.rope.scaling.yarn_beta_slow": (2.0, f32)})
+    cfg = ModelConfig.from_model(open_model(path))
+    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow) == (4.0, 2.0)
+    ours = compute_logits(Engine.load(path), TOKENS)
+    default = compute_logits(Engine.load(synth(ARCH, "F32")), TOKENS)
+    assert np.abs(ours - default).max() > 1e-3  # (the range moves the logits)
+    assert kl_per_position(hf_deepseek2_logits(path, TOKENS), ours).max() < 1e-4
+    import llama_cpp
+
+    m = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False,
+                        yarn_beta_fast=4.0, yarn_beta_slow=2.0)
+    m.eval(TOKENS)
+    theirs = np.array(m.scores[: len(TOKENS)], dtype=np.float32)
+    m.close()
+    assert kl_per_position(theirs, ours).max() < 1e-4

@@ -44,6 +44,7 @@ class Preset:
     yarn_factor: float = 1.0
     yarn_orig_ctx: int = 0
     yarn_mscale: float = 1.0
+    yarn_beta: tuple[float, float] = (32.0, 1.0)  # fast, slow
 
     @property
     def vocab_kind(self) -> str:

@@ -80,7 +80,8 @@ def _deepseek2_fields(p: Preset) -> dict:
                 n_groups=p.n_groups, n_groups_used=p.n_groups_used, q_lora=p.q_lora,
                 kv_lora=p.kv_lora, d_v=p.d_v, yarn_factor=p.yarn_factor,
                 yarn_orig_ctx=p.yarn_orig_ctx if p.yarn_factor > 1 else 0,
-                yarn_log_mul=p.yarn_mscale if p.yarn_factor > 1 else 0.0)
+                yarn_log_mul=p.yarn_mscale if p.yarn_factor > 1 else 0.0,
+                yarn_beta_fast=p.yarn_beta[0], yarn_beta_slow=p.yarn_beta[1])
 
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
@@ -185,6 +186,8 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
             w.add_rope_scaling_factor(p.yarn_factor)
             w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
             w.add_rope_scaling_yarn_log_mul(0.1 * p.yarn_mscale)
+            w.add_rope_scaling_yarn_beta_fast(p.yarn_beta[0])  # (as current converters do)
+            w.add_rope_scaling_yarn_beta_slow(p.yarn_beta[1])
     w.add_quantization_version(2)
     if file_type is not None:
         w.add_file_type(file_type)
