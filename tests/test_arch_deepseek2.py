@@ -252,6 +252,16 @@ def test_real_shape_preset_deepseek_v3():
     assert "blk.61.attn_norm.weight" not in names
 
 
+def test_real_shape_preset_kimi_k2():
+    p = get_preset("kimi-k2", None)
+    cfg = config_of(p)
+    assert (cfg.n_experts, cfg.n_groups, cfg.n_heads, cfg.yarn_factor) == (384, 1, 64, 64.0)
+    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.expert_scale) == (1.0, 1.0, 2.827)
+    names = {t.name: t.shape for t in plan_tensors(p, Recipe("Q4_K_M"))}
+    assert names["blk.0.attn_q_b.weight"] == (64 * 192, 1536)
+    assert names["blk.1.ffn_gate_exps.weight"] == (384, 2048, 7168)
+
+
 def test_synth_cli_layers_and_info(tmp_path):
     out = tmp_path / "ds.gguf"
     assert main(["synth", str(out), "--arch", ARCH, "--layers", "2", "--quant", "Q8_0"]) == 0

@@ -87,6 +87,12 @@ _REAL = {
                           q_lora=1536, kv_lora=512, d_v=128, n_groups=8, n_groups_used=4,
                           yarn_factor=40.0, yarn_orig_ctx=4096, rope_theta=10000.0,
                           context_length=163840),
+    # Kimi-K2-Instruct-0905 (deepseek2 in GGUF: 384 experts in one group, 64 heads, YaRN x64
+    # with the correction range 1 / 1)
+    "kimi-k2": Preset("deepseek2", 61, 7168, 64, 64, 192, 384, 8, 2048, 163840, 18432,
+                      n_dense_lead=1, n_shared=1, expert_scale=2.827, rope_dim=64, q_lora=1536,
+                      kv_lora=512, d_v=128, yarn_factor=64.0, yarn_orig_ctx=4096,
+                      yarn_beta=(1.0, 1.0), rope_theta=50000.0, context_length=262144),
 }
 
 PRESETS = ["tiny", *_REAL]
