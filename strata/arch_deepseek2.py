@@ -9,10 +9,12 @@ models). Current converters write k_b / v_b split (attention.key_length_mla and
 value_length_mla present); older files hold attn_kv_b [H * (nope + v), kv_lora], split here at
 load. The cache keeps [c ; k_pe] per token (LatentCache), not K and V.
 
-RoPE: adjacent pairs on the rope dims; YaRN (rope.scaling.type yarn) as DeepSeek uses it:
-interpolated frequencies blended by the correction ramp, and the softmax scale multiplied by
-mscale^2, mscale = 1 + 0.1 * yarn_log_multiplier / 0.1 * ln(factor) (the converter writes the
-multiplier times 0.1; llama.cpp divides it out).
+RoPE: adjacent pairs on the rope dims; YaRN (rope.scaling.type yarn) as DeepSeek uses it
+(model/parts/yarn.py): interpolated frequencies blended by the correction ramp, and the
+softmax scale multiplied by mscale^2, mscale = 1 + 0.1 * yarn_log_multiplier / 0.1 * ln(factor)
+(the converter writes the multiplier times 0.1; llama.cpp divides it out).
+
+config.py calls these readers, so they import no config (they return ModelConfig fields).
 
 Routing: softmax or sigmoid (expert_gating_func; softmax when absent), the selection bias
 (exp_probs_b) where the file has it, expert groups (expert_group_count, _used_count), normalized
@@ -22,22 +24,19 @@ experts; leading_dense_block_count dense first layers.
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import torch
-
-from strata.arch_glm4moe import gating_func
+from strata.arch_glm4moe import Meta, gating_func
 from strata.errors import ModelFileError, UnsupportedError
 
 if TYPE_CHECKING:
-    from strata.config import ModelConfig, _Meta
     from strata.gguf import ModelFile
 
 
-def deepseek2_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
-    """cfg with deepseek2's own keys: MLA sizes, YaRN, routing, dense first layers."""
+def deepseek2_fields(mf: ModelFile, m: Meta, n_layers: int, n_experts: int, n_heads: int,
+                     d_expert: int, context_length: int) -> dict:
+    """ModelConfig fields of deepseek2's own keys (over those the shared keys gave): MLA sizes,
+    YaRN, routing, dense first layers."""
     t, a = mf.tensors, m.arch
     if mf.meta(f"{a}.attention.temperature_scale", None) is not None:
         raise UnsupportedError(f"{mf.path}: {a}.attention.temperature_scale is set (attention "
@@ -54,9 +53,8 @@ def deepseek2_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
         raise ModelFileError(mf.path, "neither blk.0.attn_k_b.weight nor blk.0.attn_kv_b.weight "
                                       "is in the file (deepseek2 MLA needs one)")
     q_lora = m.int("attention.q_lora_rank", lo=1) if "blk.0.attn_q_a.weight" in t else 0
-    n_layers = cfg.n_layers
     n_dense = m.int("leading_dense_block_count", 0, 0, n_layers)
-    E = cfg.n_experts
+    E = n_experts
     groups = m.int("expert_group_count", 1, 0, E) or 1
     used = m.int("expert_group_used_count", groups, 0, groups) or groups
     if E % groups or (groups > 1 and E // groups < 2):
@@ -67,7 +65,7 @@ def deepseek2_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
     factor, orig, log_mul, beta = 1.0, 0, 0.0, (32.0, 1.0)
     if kind == "yarn":
         factor = m.float("rope.scaling.factor", 1.0, 0.0, 1e6)
-        orig = m.int("rope.scaling.original_context_length", cfg.context_length, 1)
+        orig = m.int("rope.scaling.original_context_length", context_length, 1)
         log_mul = m.float("rope.scaling.yarn_log_multiplier", 1e-30, 0.0, 100.0) / 0.1
         beta = (m.float("rope.scaling.yarn_beta_fast", 32.0, 0.0, 1e4),
                 m.float("rope.scaling.yarn_beta_slow", 1.0, 0.0, 1e4))
@@ -78,10 +76,10 @@ def deepseek2_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
     elif kind not in ("none", None):
         raise UnsupportedError(f"{mf.path}: {a}.rope.scaling.type is {kind!r}; Strata runs "
                                "deepseek2 with yarn or no RoPE scaling")
-    return replace(
-        cfg, n_kv_heads=cfg.n_heads, head_dim=d_k, rope_dim=rope, rope_style="normal",
+    return dict(
+        n_kv_heads=n_heads, head_dim=d_k, rope_dim=rope, rope_style="normal",
         n_dense_lead=n_dense, d_ff=m.int("feed_forward_length", lo=1) if n_dense else 0,
-        d_shared=m.int("expert_shared_count", 0, 0, 64) * cfg.d_expert,
+        d_shared=m.int("expert_shared_count", 0, 0, 64) * d_expert,
         gating=gating_func(mf, m, 1), expert_bias=f"blk.{n_dense}.exp_probs_b.bias" in t,
         expert_scale=scale if scale > 0 else 1.0, n_groups=groups, n_groups_used=used,
         qkv_bias=False, qk_norm=False, q_lora=q_lora, kv_lora=kv_lora, d_v=d_v,
@@ -89,52 +87,21 @@ def deepseek2_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
         yarn_beta_fast=beta[0], yarn_beta_slow=beta[1], mla_split="blk.0.attn_k_b.weight" in t)
 
 
-def mla_tensors(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """Layer p's attention tensors (torch order)."""
-    D, H, R, L = cfg.d_model, cfg.n_heads, cfg.rope_dim, cfg.kv_lora
-    nope = cfg.head_dim - R
+def mla_tensors(p: str, D: int, H: int, head_dim: int, R: int, q_lora: int, L: int, d_v: int,
+                split: bool) -> dict[str, tuple[int, ...]]:
+    """Layer p's attention tensors (torch order): D hidden, H heads of head_dim (R of them
+    rotated), q LoRA rank (0: none), latent rank L, value head d_v, k_b / v_b split."""
+    nope = head_dim - R
     t: dict[str, tuple[int, ...]] = {}
-    if cfg.q_lora:
-        t |= {p + "attn_q_a.weight": (cfg.q_lora, D), p + "attn_q_a_norm.weight": (cfg.q_lora,),
-              p + "attn_q_b.weight": (H * cfg.head_dim, cfg.q_lora)}
+    if q_lora:
+        t |= {p + "attn_q_a.weight": (q_lora, D), p + "attn_q_a_norm.weight": (q_lora,),
+              p + "attn_q_b.weight": (H * head_dim, q_lora)}
     else:
-        t[p + "attn_q.weight"] = (H * cfg.head_dim, D)
+        t[p + "attn_q.weight"] = (H * head_dim, D)
     t |= {p + "attn_kv_a_mqa.weight": (L + R, D), p + "attn_kv_a_norm.weight": (L,)}
-    if cfg.mla_split:
-        t |= {p + "attn_k_b.weight": (H, L, nope), p + "attn_v_b.weight": (H, cfg.d_v, L)}
+    if split:
+        t |= {p + "attn_k_b.weight": (H, L, nope), p + "attn_v_b.weight": (H, d_v, L)}
     else:
-        t[p + "attn_kv_b.weight"] = (H * (nope + cfg.d_v), L)
-    t[p + "attn_output.weight"] = (D, H * cfg.d_v)
+        t[p + "attn_kv_b.weight"] = (H * (nope + d_v), L)
+    t[p + "attn_output.weight"] = (D, H * d_v)
     return t
-
-
-def yarn_mscale(cfg: ModelConfig) -> float:
-    """The factor MLA's softmax scale is multiplied by: mscale^2 (1 without YaRN)."""
-    if cfg.yarn_factor <= 1.0:
-        return 1.0
-    return (1.0 + 0.1 * cfg.yarn_log_mul * math.log(cfg.yarn_factor)) ** 2
-
-
-def yarn_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
-    """float32 [rope_dim/2]: theta^(-2i/d) blended with its interpolation (/ factor) by YaRN's
-    ramp between the correction dims of beta_fast and beta_slow (rope.scaling.yarn_beta_fast /
-    _slow; 32 and 1 where absent)."""
-    d, base = cfg.rope_dim, cfg.rope_theta
-    extrap = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
-    if cfg.yarn_factor <= 1.0:
-        return extrap
-
-    def corr(rot: float) -> float:
-        return d * math.log(cfg.yarn_orig_ctx / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(corr(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(corr(cfg.yarn_beta_slow)), d - 1)
-    i = torch.arange(d // 2, dtype=torch.float32, device=device)
-    ramp = 1.0 - ((i - low) / max(0.001, high - low)).clamp(0.0, 1.0)  # 1: extrapolate
-    return extrap / cfg.yarn_factor * (1.0 - ramp) + extrap * ramp
-
-
-def rope_tables_for(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, rope_dim/2] at `positions` with cfg's YaRN frequencies."""
-    angles = positions.to(torch.float32)[:, None] * yarn_inv_freq(cfg, positions.device)[None]
-    return angles.cos(), angles.sin()

@@ -13,20 +13,28 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from strata.errors import UnsupportedError
 
 if TYPE_CHECKING:
-    from strata.config import ModelConfig, _Meta
     from strata.gguf import ModelFile
+
+
+class Meta(Protocol):
+    """config._Meta's typed reads of ARCH.key metadata (config.py calls these readers, so they
+    do not import it)."""
+
+    arch: str
+
+    def int(self, key: str, default: object = ..., lo: int = 0, hi: int = ...) -> int: ...
+    def float(self, key: str, default: float, lo: float, hi: float) -> float: ...
 
 # llama.cpp's llama_expert_gating_func_type
 GATING = {1: "softmax", 2: "sigmoid"}
 
 
-def gating_func(mf: ModelFile, m: _Meta, default: int) -> str:
+def gating_func(mf: ModelFile, m: Meta, default: int) -> str:
     """ARCH.expert_gating_func as "softmax" | "sigmoid" (0, none, reads as `default`); another
     value is refused naming the key."""
     code = m.int("expert_gating_func", default, 0, 16) or default
@@ -36,20 +44,21 @@ def gating_func(mf: ModelFile, m: _Meta, default: int) -> str:
     return GATING[code]
 
 
-def glm4moe_config(mf: ModelFile, m: _Meta, cfg: ModelConfig) -> ModelConfig:
-    """cfg (read as the shared keys say) with glm4moe's own: nextn layers, dense first layers,
-    sigmoid routing with its bias and scale, ungated shared experts."""
-    n_nextn = m.int("nextn_predict_layers", 0, 0, cfg.n_layers - 1)
-    n_layers = cfg.n_layers - n_nextn
+def glm4moe_fields(mf: ModelFile, m: Meta, block_count: int, d_expert: int) -> dict:
+    """ModelConfig fields of glm4moe's own keys (over those the shared keys gave): nextn
+    layers, dense first layers, sigmoid routing with its bias and scale, ungated shared
+    experts."""
+    n_nextn = m.int("nextn_predict_layers", 0, 0, block_count - 1)
+    n_layers = block_count - n_nextn
     n_dense = m.int("leading_dense_block_count", 0, 0, n_layers)
     sections = mf.meta(f"{m.arch}.rope.dimension_sections", None)
     if isinstance(sections, list) and any(sections):
         raise UnsupportedError(f"{mf.path}: {m.arch}.rope.dimension_sections is set "
                                "(multimodal RoPE, a vision model); Strata runs text models only")
     n_shared = m.int("expert_shared_count", 0, 0, 64)
-    return replace(
-        cfg, n_layers=n_layers, n_nextn=n_nextn, n_dense_lead=n_dense,
+    return dict(
+        n_layers=n_layers, n_nextn=n_nextn, n_dense_lead=n_dense,
         d_ff=m.int("feed_forward_length", lo=1) if n_dense else 0,
-        d_shared=n_shared * cfg.d_expert, gating=gating_func(mf, m, 2), expert_bias=True,
+        d_shared=n_shared * d_expert, gating=gating_func(mf, m, 2), expert_bias=True,
         expert_scale=m.float("expert_weights_scale", 1.0, 0.0, 1e3),
         ffn_norm_name="post_attention_norm")

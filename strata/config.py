@@ -140,13 +140,15 @@ class ModelConfig:
             tied_output="output.weight" not in mf.tensors,
         )
         if arch == "glm4moe":
-            from strata.arch_glm4moe import glm4moe_config
+            from strata.arch_glm4moe import glm4moe_fields
 
-            cfg = glm4moe_config(mf, m, cfg)
+            cfg = replace(cfg, **glm4moe_fields(mf, m, cfg.n_layers, cfg.d_expert))
         if arch == "deepseek2":
-            from strata.arch_deepseek2 import deepseek2_config
+            from strata.arch_deepseek2 import deepseek2_fields
 
-            cfg = deepseek2_config(mf, m, cfg)
+            cfg = replace(cfg, **deepseek2_fields(mf, m, cfg.n_layers, cfg.n_experts,
+                                                  cfg.n_heads, cfg.d_expert,
+                                                  cfg.context_length))
         if cfg.rope_dim % 2:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
@@ -219,7 +221,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.kv_lora:
             from strata.arch_deepseek2 import mla_tensors
 
-            t |= mla_tensors(cfg, p)
+            t |= mla_tensors(p, D, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.q_lora,
+                             cfg.kv_lora, cfg.d_v, cfg.mla_split)
         else:
             t |= {p + "attn_q.weight": (cfg.q_dim, D), p + "attn_k.weight": (cfg.kv_dim, D),
                   p + "attn_v.weight": (cfg.kv_dim, D), p + "attn_output.weight": (D, cfg.q_dim)}

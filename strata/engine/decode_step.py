@@ -171,7 +171,7 @@ class DecodeStep:
         self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # norm_route's count
         self.inv_freq = ops.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dev)
         if cfg.yarn_factor > 1.0:  # deepseek2's YaRN frequencies (as the forward's)
-            from strata.arch_deepseek2 import yarn_inv_freq
+            from strata.model.parts.yarn import yarn_inv_freq
 
             self.inv_freq = yarn_inv_freq(cfg, dev)
         self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None

@@ -88,7 +88,7 @@ class MoETransformer:
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
         if cfg.yarn_factor > 1.0:  # deepseek2's YaRN
-            from strata.arch_deepseek2 import rope_tables_for
+            from strata.model.parts.yarn import rope_tables_for
 
             cos, sin = rope_tables_for(cfg, positions)
         else:

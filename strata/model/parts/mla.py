@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from strata.arch_deepseek2 import yarn_mscale
 from strata.config import ModelConfig
 from strata.model.layers import apply_rope, rms_norm
 from strata.model.parts.context import Context, StaticStep
+from strata.model.parts.yarn import yarn_mscale
 from strata.model.weights import LayerWeights, linear
 
 ABSORB_MAX_T = 4  # segments up to this many tokens attend in the latent space
