@@ -364,3 +364,13 @@ def test_yarn_correction_range_is_read_from_the_file(synth, tmp_path):
     theirs = np.array(m.scores[: len(TOKENS)], dtype=np.float32)
     m.close()
     assert kl_per_position(theirs, ours).max() < 1e-4
+
+
+def test_expanded_form_in_blocks_of_heads(synth, monkeypatch):
+    """The expanded form with one head a block (EXPAND_BYTES tiny) equals it at once."""
+    import strata.model.parts.mla as mla
+
+    engine = Engine.load(synth(ARCH, "F32"))
+    whole = compute_logits(engine, TOKENS)
+    monkeypatch.setattr(mla, "EXPAND_BYTES", 1)
+    np.testing.assert_allclose(compute_logits(engine, TOKENS), whole, rtol=0, atol=1e-5)

@@ -27,6 +27,9 @@ from strata.model.parts.yarn import yarn_mscale
 from strata.model.weights import LayerWeights, linear
 
 ABSORB_MAX_T = 4  # segments up to this many tokens attend in the latent space
+# the expanded form's keys and values of a block of heads (a prompt chunk over a long context:
+# DeepSeek-V3's 128 heads x 4096 rows x 320 floats would take 671 MB at once)
+EXPAND_BYTES = 64 << 20
 
 
 class MLAttention:
@@ -85,17 +88,23 @@ class MLAttention:
 
     def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cached: torch.Tensor,
                  pos0: int) -> torch.Tensor:
-        """Every head's keys and values from the cached rows; causal attention -> [T, H*V]"""
+        """Every head's keys and values from the cached rows; causal attention -> [T, H*V].
+        Heads go in blocks whose expanded keys and values stay within EXPAND_BYTES."""
         lw = self.lw
         c, k_pe = cached[:, : self.L], cached[:, self.L:]
-        k_nope = torch.einsum("kl,hln->hkn", c, lw.k_b)  # [H, Tk, N]
-        v = torch.einsum("kl,hvl->hkv", c, lw.v_b)  # [H, Tk, V]
-        k = torch.cat([k_nope, k_pe[None].expand(self.H, -1, -1)], dim=-1)  # [H, Tk, N+R]
+        T, Tk = q_nope.shape[0], c.shape[0]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, T, N+R]
-        mask = _causal(q.shape[1], k.shape[1], pos0, q.device)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                             scale=self.scale)  # [H, T, V]
-        return o.transpose(0, 1).reshape(q.shape[1], self.H * self.V)
+        mask = _causal(T, Tk, pos0, q.device)
+        step = max(1, EXPAND_BYTES // (4 * Tk * (self.N + self.R + self.V)))
+        out = []
+        for h0 in range(0, self.H, step):
+            hs = slice(h0, min(h0 + step, self.H))
+            k_nope = torch.einsum("kl,hln->hkn", c, lw.k_b[hs])  # [h, Tk, N]
+            v = torch.einsum("kl,hvl->hkv", c, lw.v_b[hs])  # [h, Tk, V]
+            k = torch.cat([k_nope, k_pe[None].expand(k_nope.shape[0], -1, -1)], dim=-1)
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                q[hs], k, v, attn_mask=mask, scale=self.scale))  # [h, T, V]
+        return torch.cat(out).transpose(0, 1).reshape(T, self.H * self.V)
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cached: torch.Tensor,
                  pos0: int) -> torch.Tensor:
