@@ -269,7 +269,7 @@ def test_synth_cli_layers_and_info(tmp_path):
     cfg = ModelConfig.from_model(mf)
     assert (cfg.n_layers, cfg.n_dense_lead) == (2, 1)
     text = "\n".join(describe(mf, cfg))
-    assert "deepseek2" in text and "latent" in text and "yarn" in text
+    assert "deepseek2" in text and "latent" in text and "yarn" in text and "mla q_a" in text
 
 
 

@@ -22,6 +22,11 @@ def _layer_types(mf: ModelFile, i: int) -> str:
     ffn = (f"dense gate/up/down {t('ffn_gate')}/{t('ffn_up')}/{t('ffn_down')}"
            if f"blk.{i}.ffn_gate.weight" in mf.tensors else
            f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/{t('ffn_down_exps')}")
+    if f"blk.{i}.attn_kv_a_mqa.weight" in mf.tensors:  # deepseek2's latent attention
+        q = t("attn_q_b") if f"blk.{i}.attn_q_b.weight" in mf.tensors else t("attn_q")
+        return (f"mla q_a/q/kv_a/k_b/o {t('attn_q_a')}/{q}/{t('attn_kv_a_mqa')}/"
+                f"{t('attn_k_b') if f'blk.{i}.attn_k_b.weight' in mf.tensors else t('attn_kv_b')}"
+                f"/{t('attn_output')}  {ffn}")
     return f"attn q/k/v/o {t('attn_q')}/{t('attn_k')}/{t('attn_v')}/{t('attn_output')}  {ffn}"
 
 
