@@ -1,4 +1,4 @@
-"""The MoE transformer shared by qwen3moe, qwen2moe and Mixtral-style llama.
+"""The MoE transformer shared by qwen3moe, qwen2moe, Mixtral-style llama, glm4moe and deepseek2.
 
 The architectures differ only in what ModelConfig records: RoPE style, QKV bias, per-head q/k norms,
 a gated shared expert, and whether the top-k routing weights are renormalized. Each layer is built
