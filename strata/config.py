@@ -6,6 +6,15 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from strata.config_hybrid import (
+    HYBRID_ARCHS,
+    attention_tensors,
+    ffn_norm_name,
+    linear_tensors,
+    nextn_tensors,
+    read_hybrid,
+    state_bytes,
+)
 from strata.errors import ModelFileError, UnsupportedError
 from strata.gguf import ModelFile
 from strata.kernels.tuning import AUTO_PREFETCH
@@ -19,6 +28,8 @@ ARCHITECTURES = {
     "llama": ("normal", True),
     "glm4moe": ("neox", False),  # (llama.cpp: expert_weights_norm false when absent)
     "deepseek2": ("normal", False),
+    "qwen35moe": ("neox", True),  # hybrid linear attention: config_hybrid
+    "qwen3next": ("neox", True),
 }
 
 
@@ -54,7 +65,6 @@ class ModelConfig:
     expert_scale: float = 1.0
     n_groups: int = 1
     n_groups_used: int = 1
-    n_nextn: int = 0
     ffn_norm_name: str = "ffn_norm"  # glm4moe: post_attention_norm
     # deepseek2's multi-head latent attention (strata/arch_deepseek2.py; kv_lora 0: none):
     # q LoRA rank (0: one q matrix), the latent's rank, the value head size (head_dim is the
@@ -69,10 +79,28 @@ class ModelConfig:
     yarn_log_mul: float = 0.0
     yarn_beta_fast: float = 32.0  # YaRN's correction range (llama.cpp's defaults)
     yarn_beta_slow: float = 1.0
+    # hybrid linear attention (qwen35moe, qwen3next: config_hybrid); 0 / "" elsewhere
+    full_attn_interval: int = 0  # layer i is full attention where (i + 1) % interval == 0
+    ssm_conv: int = 0  # the short causal conv's kernel K
+    ssm_state: int = 0  # head dim of the delta rule's keys and values (dk == dv)
+    ssm_groups: int = 0  # key heads Hk
+    ssm_heads: int = 0  # value heads Hv
+    ssm_layout: str = ""  # qwen35 | next (ssm_in, ssm_ba) | next-split (attn_qkv, ssm_ba)
+    attn_gate: bool = False  # attn_q carries a sigmoid output gate per head
+    n_nextn: int = 0  # nextn (MTP) layers after the trunk (blk.n_layers ..), read and kept
 
     @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is a Gated DeltaNet mixer (hybrid models), not full attention."""
+        return bool(self.full_attn_interval) and (layer + 1) % self.full_attn_interval != 0
+
+    @property
+    def n_kv_layers(self) -> int:
+        """Layers with a KV cache: the full-attention ones."""
+        return sum(not self.is_linear(i) for i in range(self.n_layers))
 
     @property
     def kv_dim(self) -> int:
@@ -152,6 +180,8 @@ class ModelConfig:
         if cfg.rope_dim % 2:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
+        if arch in HYBRID_ARCHS:
+            cfg = replace(cfg, **read_hybrid(mf, m, arch, cfg.n_layers, cfg.rope_dim))
         if arch == "qwen2moe" and cfg.d_shared == 0 and "blk.0.ffn_up_shexp.weight" in mf.tensors:
             shexp = mf.tensors["blk.0.ffn_up_shexp.weight"]
             cfg = replace(cfg, d_shared=shexp.shape[0])
@@ -204,9 +234,11 @@ class _Meta:
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, kv_type: str = "f32") -> int:
-    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd]."""
-    width = 4 if kv_type == "f32" else 2
-    return cfg.n_layers * tokens * cfg.kv_row * width
+    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd] (or MLA's
+    latent rows) over the L full-attention layers (q8_0: 34 bytes a block of 32), plus a hybrid
+    model's recurrent state (config_hybrid.state_bytes)."""
+    width = {"f32": 4, "q8_0": 34 / 32}.get(kv_type, 2)
+    return int(cfg.n_kv_layers * tokens * cfg.kv_row * width) + state_bytes(cfg)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -215,6 +247,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     t: dict[str, tuple[int, ...]] = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
     if not cfg.tied_output:
         t["output.weight"] = (V, D)
+    if cfg.arch in HYBRID_ARCHS:
+        return t | _hybrid_tensors(cfg)
     for i in range(cfg.n_layers + cfg.n_nextn):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = (D,)
@@ -250,6 +284,25 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 t[p + "ffn_gate_inp_shexp.weight"] = (D,)
             t |= {p + "ffn_gate_shexp.weight": (S, D), p + "ffn_up_shexp.weight": (S, D),
                   p + "ffn_down_shexp.weight": (D, S)}
+    return t
+
+
+def _hybrid_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The layers of qwen35moe / qwen3next (config_hybrid), MTP blocks included."""
+    D, E, F, S = cfg.d_model, cfg.n_experts, cfg.d_expert, cfg.d_shared
+    t: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.n_layers + cfg.n_nextn):
+        p = f"blk.{i}."
+        t |= {p + "attn_norm.weight": (D,), p + ffn_norm_name(cfg) + ".weight": (D,)}
+        t |= (linear_tensors(cfg, p) if i < cfg.n_layers and cfg.is_linear(i)
+              else attention_tensors(cfg, p))
+        if i >= cfg.n_layers:
+            t |= nextn_tensors(cfg, p)
+        t |= {p + "ffn_gate_inp.weight": (E, D), p + "ffn_gate_exps.weight": (E, F, D),
+              p + "ffn_up_exps.weight": (E, F, D), p + "ffn_down_exps.weight": (E, D, F)}
+        if S:
+            t |= {p + "ffn_gate_inp_shexp.weight": (D,), p + "ffn_gate_shexp.weight": (S, D),
+                  p + "ffn_up_shexp.weight": (S, D), p + "ffn_down_shexp.weight": (D, S)}
     return t
 
 

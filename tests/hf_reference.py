@@ -244,5 +244,104 @@ def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
     for i in range(dense, n_layers):
         model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
             w[f"blk.{i}.exp_probs_b.bias"])
+
+
+def hf_hybrid_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """transformers' Qwen3_5MoeForCausalLM (qwen35moe) or Qwen3NextForCausalLM (qwen3next) holding
+    the file's weights, dequantized by gguf-py, with the converter's rewrites undone: norms less
+    the 1 it adds (all but ssm_norm), A_log = log(-ssm_a), the conv's singleton dim, and for
+    qwen35moe the value heads back from the tiled order to transformers' grouped one."""
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key: str, default=None):
+        f = reader.fields.get(f"{arch}.{key}")
+        return f.contents() if f is not None else default
+
+    w = {t.name: torch.from_numpy(dequantize(t.data, t.tensor_type).copy()) for t in reader.tensors}
+    n_nextn = meta("nextn_predict_layers", 0)
+    n_layers = meta("block_count") - n_nextn
+    hd, dk = meta("attention.key_length"), meta("ssm.state_size")
+    hk, hv = meta("ssm.group_count"), meta("ssm.time_step_rank")
+    common = dict(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        num_hidden_layers=n_layers, num_attention_heads=meta("attention.head_count"),
+        num_key_value_heads=meta("attention.head_count_kv"), head_dim=hd,
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=meta("context_length"), tie_word_embeddings=False,
+        linear_conv_kernel_dim=meta("ssm.conv_kernel"), linear_key_head_dim=dk,
+        linear_value_head_dim=dk, linear_num_key_heads=hk, linear_num_value_heads=hv,
+        moe_intermediate_size=meta("expert_feed_forward_length"),
+        shared_expert_intermediate_size=meta("expert_shared_feed_forward_length"),
+        num_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
+        full_attention_interval=meta("full_attention_interval"))
+    rope = dict(rope_type="default", rope_theta=meta("rope.freq_base"),
+                partial_rotary_factor=meta("rope.dimension_count") / hd)
+    if arch == "qwen35moe":
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        sections = list(meta("rope.dimension_sections"))[:3]
+        cfg = Qwen3_5MoeTextConfig(**common, rope_parameters=rope | {"mrope_section": sections,
+                                                                     "mrope_interleaved": True})
+        model = Qwen3_5MoeForCausalLM(cfg)
+    else:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        cfg = Qwen3NextConfig(**common, rope_parameters=rope, norm_topk_prob=True,
+                              decoder_sparse_step=1)
+        model = Qwen3NextForCausalLM(cfg)
+    model = model.float().eval()
+    r = hv // hk
+    # transformers' value head g*r + i is the file's head i*Hk + g (qwen35moe's tiled order)
+    heads = (torch.arange(r)[None, :] * hk + torch.arange(hk)[:, None]).flatten()
+    rows = (heads[:, None] * dk + torch.arange(dk)).flatten()
+
+    def grouped(x: torch.Tensor, dim: int = 0, per_head: int = dk) -> torch.Tensor:
+        if arch != "qwen35moe":
+            return x
+        idx = heads if per_head == 1 else rows
+        return x.index_select(dim, idx)
+
+    sd = {"model.embed_tokens.weight": w["token_embd.weight"],
+          "model.norm.weight": w["output_norm.weight"] - 1, "lm_head.weight": w["output.weight"]}
+    for i in range(n_layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        sd |= {h + "input_layernorm.weight": w[p + "attn_norm.weight"] - 1,
+               h + "post_attention_layernorm.weight": w[p + "post_attention_norm.weight"] - 1,
+               h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+               h + "mlp.experts.gate_up_proj": torch.cat(
+                   [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
+               h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
+               h + "mlp.shared_expert.gate_proj.weight": w[p + "ffn_gate_shexp.weight"],
+               h + "mlp.shared_expert.up_proj.weight": w[p + "ffn_up_shexp.weight"],
+               h + "mlp.shared_expert.down_proj.weight": w[p + "ffn_down_shexp.weight"],
+               h + "mlp.shared_expert_gate.weight": w[p + "ffn_gate_inp_shexp.weight"][None]}
+        if (i + 1) % meta("full_attention_interval") == 0:
+            a = h + "self_attn."
+            sd |= {a + "q_proj.weight": w[p + "attn_q.weight"],
+                   a + "k_proj.weight": w[p + "attn_k.weight"],
+                   a + "v_proj.weight": w[p + "attn_v.weight"],
+                   a + "o_proj.weight": w[p + "attn_output.weight"],
+                   a + "q_norm.weight": w[p + "attn_q_norm.weight"] - 1,
+                   a + "k_norm.weight": w[p + "attn_k_norm.weight"] - 1}
+            continue
+        a, key = h + "linear_attn.", 2 * hk * dk
+        conv = w[p + "ssm_conv1d.weight"]
+        sd |= {a + "conv1d.weight": torch.cat([conv[:key], grouped(conv[key:])])[:, None],
+               a + "dt_bias": grouped(w[p + "ssm_dt.bias"], per_head=1),
+               a + "A_log": grouped(torch.log(-w[p + "ssm_a"]), per_head=1),
+               a + "norm.weight": w[p + "ssm_norm.weight"],
+               a + "out_proj.weight": grouped(w[p + "ssm_out.weight"], dim=1)}
+        if arch == "qwen35moe":
+            qkv = w[p + "attn_qkv.weight"]
+            sd |= {a + "in_proj_qkv.weight": torch.cat([qkv[:key], grouped(qkv[key:])]),
+                   a + "in_proj_z.weight": grouped(w[p + "attn_gate.weight"]),
+                   a + "in_proj_b.weight": grouped(w[p + "ssm_beta.weight"], per_head=1),
+                   a + "in_proj_a.weight": grouped(w[p + "ssm_alpha.weight"], per_head=1)}
+        else:
+            sd |= {a + "in_proj_qkvz.weight": w[p + "ssm_in.weight"],
+                   a + "in_proj_ba.weight": w[p + "ssm_ba.weight"]}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float().numpy()

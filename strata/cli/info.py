@@ -6,6 +6,7 @@ import argparse
 from collections import Counter
 
 from strata.config import ModelConfig
+from strata.config_hybrid import layer_kinds
 from strata.gguf import ModelFile, open_model
 from strata.units import fmt_bytes
 
@@ -22,6 +23,11 @@ def _layer_types(mf: ModelFile, i: int) -> str:
     ffn = (f"dense gate/up/down {t('ffn_gate')}/{t('ffn_up')}/{t('ffn_down')}"
            if f"blk.{i}.ffn_gate.weight" in mf.tensors else
            f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/{t('ffn_down_exps')}")
+    if f"blk.{i}.ssm_out.weight" in mf.tensors:  # a Gated DeltaNet layer (config_hybrid)
+        qkv = t("ssm_in") if f"blk.{i}.ssm_in.weight" in mf.tensors else t("attn_qkv")
+        return (f"linear qkv/out {qkv}/{t('ssm_out')}  "
+                f"experts gate/up/down {t('ffn_gate_exps')}/{t('ffn_up_exps')}/"
+                f"{t('ffn_down_exps')}")
     if f"blk.{i}.attn_kv_a_mqa.weight" in mf.tensors:  # deepseek2's latent attention
         q = t("attn_q_b") if f"blk.{i}.attn_q_b.weight" in mf.tensors else t("attn_q")
         return (f"mla q_a/q/kv_a/k_b/o {t('attn_q_a')}/{q}/{t('attn_kv_a_mqa')}/"
@@ -68,7 +74,12 @@ def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
         *_routing_lines(cfg), *_mla_lines(cfg),
         f"attention    rope {cfg.rope_style} theta {cfg.rope_theta:g}"
         + (f" on {cfg.rope_dim} of {cfg.head_dim} dims" if cfg.rope_dim < cfg.head_dim else "")
-        + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else ""),
+        + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else "")
+        + (", output gate" if cfg.attn_gate else ""),
+        f"layers       {layer_kinds(cfg)}"
+        + (f" (Gated DeltaNet: {cfg.ssm_groups} key / {cfg.ssm_heads} value heads of "
+           f"{cfg.ssm_state}, conv {cfg.ssm_conv})" if cfg.full_attn_interval else "")
+        + (f"; {cfg.n_nextn} MTP block(s) kept" if cfg.n_nextn else ""),
         f"size         {fmt_bytes(mf.nbytes)}: experts {fmt_bytes(expert_bytes)}, "
         f"dense {fmt_bytes(mf.nbytes - expert_bytes)}; routed expert bytes per token "
         f"{fmt_bytes(per_token)}",

@@ -18,7 +18,8 @@ from strata.units import fmt_bytes, parse_size
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output .gguf path (split sets: OUT-0000i-of-0000n.gguf)")
-    p.add_argument("--arch", choices=["qwen3moe", "qwen2moe", "llama", "glm4moe", "deepseek2"],
+    p.add_argument("--arch", choices=["qwen3moe", "qwen2moe", "llama", "qwen35moe", "qwen3next",
+                                      "glm4moe", "deepseek2"],
                    help="architecture (tiny preset; the real presets fix it)")
     p.add_argument("--preset", default="tiny", help=f"shape: {', '.join(PRESETS)} (tiny)")
     p.add_argument("--quant", default="Q4_K_M", help="recipe, optionally with overrides "

@@ -119,11 +119,19 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     max_stride = max(lay.stride for lay in layouts)
     staging = torch.empty(plan.staging_slots, max_stride, dtype=torch.uint8, device=dev)
     costs = measure_links(arena, pool, staging)
+    # on the CPU device a "copy" only moves host memory for torch to dequantize: --miss auto
+    # computes every miss in the CPU pool there (an explicit --miss dma still copies)
+    miss = "cpu" if dev.type != "cuda" and ec.miss == "auto" else ec.miss
     log.info(f"miss links: CPU pool {costs.cpu_gbs:.1f} GB/s ({pool.kind}, {threads} "
-             f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses: {ec.miss}")
+             f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses: {ec.miss}"
+             + (" (all to the CPU pool on the CPU device)" if miss != ec.miss else ""))
     stream_min = ec.stream_min or auto_stream_min(costs, first_routed(layouts).nbytes, cfg)
-    log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
-             f"{fmt_bytes(plan.ring)} ring")
+    if plan.ring:  # (none on the CPU device unless asked for: memory_plan)
+        log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
+                 f"{fmt_bytes(plan.ring)} ring")
+    else:
+        log.info("passes of several tokens compute their missed experts in the CPU pool, from "
+                 "the arena (--stream-min N: through a ring instead)")
     for flag, n in (("--cpu-share", ec.cpu_share),
                     ("--prefetch", 0 if auto_prefetch else ec.prefetch)):
         if n and (dev.type != "cuda" or ec.decode_step == "off"):
@@ -139,8 +147,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         prefetch=ec.prefetch if dev.type == "cuda" else 0,
         prefetch_auto=auto_prefetch,  # (then it is off without a word where it cannot run)
         debug=ec.debug)
-    executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, [staging],
-                              Ring(plan.ring, dev, grouped=ec.kernels == "fused"), options)
+    ring = Ring(plan.ring, dev, grouped=ec.kernels == "fused") if plan.ring else None
+    executor = OffloadExperts(arena, cache, MissPlanner(miss, costs), pool, [staging],
+                              ring, options)
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"

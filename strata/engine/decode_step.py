@@ -204,7 +204,9 @@ class DecodeStep:
         # the tables the graphs read hold for the whole step; the gathered layers', for their
         # counters; what the graphs hold of the slot tensors
         tables, slots = self.ex.begin_step(self.gathered_layers)
-        key = (kv.store.data_ptr(), kv.capacity, slots)
+        store = kv.store.data_ptr() if kv.state is None else (  # (+ a hybrid's recurrent state)
+            kv.store.data_ptr(), kv.state.conv.data_ptr(), kv.state.ssm.data_ptr())
+        key = (store, kv.capacity, slots)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         timer = self.ex.stats.timer

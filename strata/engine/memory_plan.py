@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig, ModelConfig, expected_tensors, prefetch_pays
+from strata.config_hybrid import state_bytes
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
@@ -26,7 +27,7 @@ from strata.gguf import ModelFile
 from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
-from strata.runtime.kv_cache import kv_dtype
+from strata.runtime.kv_cache import kv_elem_bytes
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30
@@ -130,7 +131,7 @@ def host_available() -> int:
 def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
     total = 0
     for name, shape in expected_tensors(cfg).items():
-        if "_exps." in name:
+        if "_exps." in name or _mtp_block(cfg, name):
             continue
         ref = mf.tensors[name]
         numel = 1
@@ -139,6 +140,11 @@ def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
         keep_raw = quant and len(shape) == 2 or name == "token_embd.weight"
         total += ref.info.nbytes if keep_raw else numel * 4
     return total
+
+
+def _mtp_block(cfg: ModelConfig, name: str) -> bool:
+    """A tensor of an MTP block (blk.N. past the trunk): kept on the host, unused by the forward."""
+    return cfg.n_nextn > 0 and name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layers
 
 
 def fused_dense(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> bool:
@@ -167,10 +173,11 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     else:
         budget = host_available() // 2
     ctx = min(ec.ctx or 4096, cfg.context_length)
-    # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
-    # sequence decoded together
-    kv_size = kv_dtype(ec.kv_type).itemsize
-    kv_per_token = cfg.n_layers * cfg.kv_row * kv_size * max(1, ec.sequences)
+    # the cached elements of every full-attention layer (keys and values, or MLA's latent rows;
+    # 4 bytes each, 2 with --kv-type f16 or bf16, 34/32 with q8_0), for each sequence decoded
+    # together
+    kv_size = kv_elem_bytes(ec.kv_type)
+    kv_per_token = int(cfg.n_kv_layers * cfg.kv_row * kv_size * max(1, ec.sequences))
     # (the float32 dequantizing paths: at least one float32 expert and a piece being dequantized,
     # compute.run_records; a piece of a dense matrix, weights.QuantTensor)
     workspace = max(ec.workspace_mib << 20,
@@ -198,11 +205,18 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         share = budget // 8 if budget >= 4 * GIB else budget // 16
         n_ring = max(4, min(256, share // max_stride))
     ring = ring_size(ec.ring_bytes, layouts, n_ring * max_stride)
+    if dev.type != "cuda" and ec.stream_min is None and ec.ring_bytes is None:
+        # on the CPU device a ring would copy host memory to host memory for torch to
+        # dequantize (batched decode of 8 sequences on the tiny qwen3moe: 570 tok/s so, 2,700
+        # with the misses in the CPU pool); only --stream-min / --ring-bytes ask for one there
+        ring = 0
     # --ring-bytes auto: during prompt chunks that stream, the ring grows into the VRAM the
     # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
     # shrinks back before any other pass (OffloadExperts.before_pass)
-    borrow_cap = max(0, BORROW_RECORDS * max_stride - ring) if ec.ring_bytes is None else 0
-    fixed = dense + workspace + staging + ring + MARGIN
+    borrow_cap = (max(0, BORROW_RECORDS * max_stride - ring)
+                  if ec.ring_bytes is None and ring else 0)
+    # (and a hybrid model's recurrent state, a fixed size per sequence: config_hybrid)
+    fixed = dense + workspace + staging + ring + MARGIN + state_bytes(cfg) * max(1, ec.sequences)
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(

@@ -169,3 +169,18 @@ BF16_ATTENTION_MIN_T = 4
 # slots 4 gave 66.2 against 61.9 for 2 on one machine (3: 63.7 on another), and 104.3 at 4 GiB
 # against 99.3 (bench/2026-11-30-h200-lfu.md)
 AUTO_PREFETCH = 4
+
+# ---- hybrid linear attention (model/parts/delta_net.py) -----------------------------------------
+
+# tokens a chunk of the chunked gated delta rule: its [Hv, C, C] triangular solve stays small
+# while the sequential steps over a prompt drop C-fold; 64 is the chunk of fla's
+# chunk_gated_delta_rule and of transformers' torch reference (estimate: not timed here)
+DELTA_CHUNK = 64
+# one decode token's Gated DeltaNet step (kernels/gpu/delta_ops.py): value columns of S a program
+# (each program holds S[:, BV] of one head: dk x BV floats) and its warps; channels a program of
+# the conv step. Estimates: not timed yet.
+DELTA_STEP_TILE = (32, 4)
+CONV_STEP_BLOCK = 512
+# state columns a program of the chunked rule's scan over chunks (delta_ops.chunk_scan): S[:, 32]
+# of a 128-dim head is 16 KiB of registers; tl.dot wants at least 16 (estimate: not timed yet)
+CHUNK_SCAN_BV = 32

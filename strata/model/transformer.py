@@ -26,6 +26,7 @@ from strata.model.parts import Head, Layer, Segment, Segments
 from strata.model.parts.attention import BF16_ATTENTION_MIN_T
 from strata.model.parts.ffn import SharedExpert
 from strata.model.weights import LayerWeights, ModelWeights
+from strata.runtime.delta_state import DeltaState
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.latent_cache import LatentCache
 
@@ -66,10 +67,14 @@ class MoETransformer:
                                max(capacity, self.step.kv_capacity), self.step.kv_pool,
                                self.kv_dtype)
         if self.step is None:
-            return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
-                           dtype=self.kv_dtype)
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device,
-                       max(capacity, self.step.kv_capacity), self.step.kv_pool, self.kv_dtype)
+            kv = KVCache(c.n_kv_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
+                         dtype=self.kv_dtype)
+        else:
+            kv = KVCache(c.n_kv_layers, c.n_kv_heads, c.head_dim, self.device,
+                         max(capacity, self.step.kv_capacity), self.step.kv_pool, self.kv_dtype)
+        if c.full_attn_interval:  # hybrid: the linear layers' recurrent state beside it
+            kv.state = DeltaState(c, self.device, self.step.kv_pool if self.step else None)
+        return kv
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment],

@@ -215,6 +215,9 @@ class LayerWeights:
     k_b: torch.Tensor | None = None
     v_b: torch.Tensor | None = None
 
+    # a Gated DeltaNet mixer's weights (parts.delta_net.DeltaWeights; wq .. wo are then None)
+    delta: DeltaWeights | None = None
+
 
 @dataclass
 class NextNWeights:
@@ -238,6 +241,8 @@ class ModelWeights:
     output_norm: torch.Tensor  # [D]
     output: Weight  # [V, D]
     nextn: list[NextNWeights] = field(default_factory=list)  # after the layers (glm4moe)
+    # MTP blocks (hybrid qwen35moe): each block's tensors by name without "blk.N.", in blocks
+    mtp: list[dict[str, QuantTensor]] = field(default_factory=list)
 
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
@@ -245,6 +250,7 @@ class ModelWeights:
              x8: bool = False) -> ModelWeights:
         """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
         experts=False leaves the routed experts to the offload runtime; x8: QuantTensor.x8."""
+        from strata.config_hybrid import ffn_norm_name
         from strata.model.parts.spec import layer_spec  # (parts import this module)
 
         t = mf.tensors
@@ -263,20 +269,24 @@ class ModelWeights:
             return (m(name) if matrix else d(name)) if name in t else None
 
         layers = []
-        for i in range(cfg.n_layers + cfg.n_nextn):
+        # (glm4moe / deepseek2's nextn layers load as layers; a hybrid's MTP blocks stay raw)
+        for i in range(cfg.n_layers + (0 if cfg.full_attn_interval else cfg.n_nextn)):
             p = f"blk.{i}."
+            ffn_norm = d(p + ffn_norm_name(cfg) + ".weight")
             if cfg.kv_lora:
                 attn = _mla_weights(cfg, p, d, m, opt) | dict(
-                    attn_norm=d(p + "attn_norm.weight"),
-                    ffn_norm=d(p + f"{cfg.ffn_norm_name}.weight"))
+                    attn_norm=d(p + "attn_norm.weight"), ffn_norm=ffn_norm)
+            elif layer_spec(cfg, i).mixer == "delta":  # hybrid models' linear layers
+                attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=None, wk=None, wv=None,
+                            wo=None, bq=None, bk=None, bv=None, q_norm=None, k_norm=None,
+                            ffn_norm=ffn_norm, delta=load_delta(cfg, p, d, m))
             else:
                 attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
                             wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
                             wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
                             bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
                             q_norm=opt(p + "attn_q_norm.weight"),
-                            k_norm=opt(p + "attn_k_norm.weight"),
-                            ffn_norm=d(p + f"{cfg.ffn_norm_name}.weight"))
+                            k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=ffn_norm)
             if layer_spec(cfg, i).ffn == "dense":
                 layers.append(LayerWeights(
                     **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
@@ -294,7 +304,7 @@ class ModelWeights:
             ))
         if device.type == "cuda":  # (on the CPU the matrices stay views of the file's pages)
             for lw in layers:
-                if lw.wk is not None:  # (MLA has no k / v projections)
+                if lw.wk is not None:  # (MLA and Gated DeltaNet layers have no k / v)
                     fuse_qkv(lw)
         layers, nextn_layers = layers[:cfg.n_layers], layers[cfg.n_layers:]
         nextn = []
@@ -307,7 +317,13 @@ class ModelWeights:
                 if p + "embed_tokens.weight" in t else None))
         embed = QuantTensor.load(t["token_embd.weight"], device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
-        return cls(embed, layers, d("output_norm.weight"), output, nextn)
+        # a hybrid model's MTP blocks (cfg.n_nextn) kept as they are in the file (views of its
+        # pages), unused by the forward: speculative decoding reads them
+        mtp = [{n[len(f"blk.{j}."):]: QuantTensor.load(ref, torch.device("cpu"))
+                for n, ref in t.items() if n.startswith(f"blk.{j}.")}
+               for j in range(cfg.n_layers, cfg.n_layers + cfg.n_nextn)
+               ] if cfg.full_attn_interval else []
+        return cls(embed, layers, d("output_norm.weight"), output, nextn, mtp)
 
 
 def _mla_weights(cfg: ModelConfig, p: str, d, m, opt) -> dict:  # noqa: ANN001 (load's readers)
@@ -325,3 +341,57 @@ def _mla_weights(cfg: ModelConfig, p: str, d, m, opt) -> dict:  # noqa: ANN001 (
                 k_norm=None, wq_a=m(p + "attn_q_a.weight") if lora else None,
                 q_a_norm=opt(p + "attn_q_a_norm.weight"), wkv_a=m(p + "attn_kv_a_mqa.weight"),
                 kv_a_norm=d(p + "attn_kv_a_norm.weight"), k_b=k_b, v_b=v_b)
+
+
+# ---- a Gated DeltaNet layer's weights (hybrid models: config_hybrid, parts/delta_net.py) ----
+
+
+@dataclass
+class DeltaWeights:
+    """One linear layer's weights, the value heads in the file's order (`tiled`: value head j
+    reads key head j % Hk, else j // (Hv/Hk))."""
+
+    qkv: Weight  # [C, D]: q [Hk*dk], k [Hk*dk], v [Hv*dv]
+    z: Weight  # [Hv*dv, D] the output gate
+    beta: Weight  # [Hv, D]
+    alpha: Weight  # [Hv, D]
+    conv: torch.Tensor  # [C, K]
+    dt_bias: torch.Tensor  # [Hv]
+    a: torch.Tensor  # [Hv] = -exp(A_log)
+    norm: torch.Tensor  # [dv]
+    out: Weight  # [D, Hv*dv]
+    tiled: bool
+
+
+def take_rows(w: Weight, rows: torch.Tensor) -> Weight:
+    """The rows `rows` of a matrix, dense or in GGUF blocks (each row is whole blocks)."""
+    return w[rows] if isinstance(w, torch.Tensor) else replace(w, raw=w.raw[rows])
+
+
+def load_delta(cfg: ModelConfig, p: str, d, m) -> DeltaWeights:  # noqa: ANN001 (loaders)
+    """Layer `p`'s weights (d: a float32 tensor, m: a matrix, by tensor name). qwen3next's
+    ssm_in / ssm_ba interleave q, k, v, z (and beta, alpha) per key head: their rows are taken
+    apart here, once."""
+    hk, hv, dk = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state
+    r = hv // hk
+    if cfg.ssm_layout == "next":
+        w = m(p + "ssm_in.weight")  # per key head: q dk, k dk, v r*dk, z r*dk rows
+        block = torch.arange(hk)[:, None] * (2 * dk + 2 * r * dk)
+
+        def span(lo: int, n: int) -> torch.Tensor:  # rows lo .. lo+n of every key head's block
+            return (block + lo + torch.arange(n)).flatten()
+
+        qkv = take_rows(w, torch.cat([span(0, dk), span(dk, dk), span(2 * dk, r * dk)]))
+        z = take_rows(w, span(2 * dk + r * dk, r * dk))
+    else:
+        qkv, z = m(p + "attn_qkv.weight"), m(p + "attn_gate.weight")
+    if cfg.ssm_layout == "qwen35":  # (Hv rows each: float32 like the router)
+        beta, alpha = d(p + "ssm_beta.weight"), d(p + "ssm_alpha.weight")
+    else:  # ssm_ba: per key head r betas, then r alphas
+        ba = d(p + "ssm_ba.weight")
+        block = torch.arange(hk)[:, None] * (2 * r)
+        beta = take_rows(ba, (block + torch.arange(r)).flatten())
+        alpha = take_rows(ba, (block + r + torch.arange(r)).flatten())
+    return DeltaWeights(qkv, z, beta, alpha, d(p + "ssm_conv1d.weight"), d(p + "ssm_dt.bias"),
+                        d(p + "ssm_a"), d(p + "ssm_norm.weight"), m(p + "ssm_out.weight"),
+                        tiled=cfg.ssm_layout == "qwen35")

@@ -17,6 +17,7 @@ class Metrics:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.completion_tokens = 0
         self.cancelled = 0
         self.forward_passes = 0
@@ -30,9 +31,10 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
 
-    def tokens(self, prompt: int, completion: int) -> None:
+    def tokens(self, prompt: int, completion: int, cached: int = 0) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
+        self.cached_tokens += cached
 
     def step(self, s: StepDone) -> None:
         self.forward_passes += 1
@@ -61,6 +63,9 @@ class Metrics:
                "requests whose client went away before the end", [("", self.cancelled)])
         series("strata_prompt_tokens_total", "counter", "prompt tokens of finished requests",
                [("", self.prompt_tokens)])
+        series("strata_prompt_tokens_cached_total", "counter",
+               "prompt tokens whose keys and values came from the prefix cache",
+               [("", self.cached_tokens)])
         series("strata_completion_tokens_total", "counter", "tokens generated",
                [("", self.completion_tokens)])
         series("strata_prompt_tokens_per_second", "gauge",

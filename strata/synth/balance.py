@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from strata.config import ModelConfig
+from strata.config_hybrid import ffn_norm_name
 from strata.gguf import open_model
 from strata.model.layers import rms_norm, route
 from strata.model.weights import QuantTensor, dense
@@ -23,7 +24,7 @@ def routing_balance(path: Path, n_tokens: int = 512, seed: int = 0) -> str:
     x = QuantTensor.load(mf.tensors["token_embd.weight"], cpu).rows(ids)  # [T, D]
     shares = []
     for i in range(cfg.n_dense_lead, cfg.n_layers):  # (the routed layers)
-        norm = dense(mf.tensors[f"blk.{i}.{cfg.ffn_norm_name}.weight"], cpu)
+        norm = dense(mf.tensors[f"blk.{i}.{ffn_norm_name(cfg)}.weight"], cpu)
         router = dense(mf.tensors[f"blk.{i}.ffn_gate_inp.weight"], cpu)
         chosen, _ = route(rms_norm(x, norm, cfg.rms_eps), router, cfg.n_experts_used,
                           cfg.norm_topk)

@@ -25,8 +25,8 @@ class Preset:
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     # glm4moe / deepseek2: leading dense layers (of d_ff), shared experts of d_expert each, the
-    # routed weights' scale, nextn layers written after the n_layers, RoPE dims (0: head_dim),
-    # q/k norms (None: the architecture's default)
+    # routed weights' scale, nextn layers written after the n_layers (qwen35moe: its MTP
+    # blocks), RoPE dims (0: head_dim), q/k norms (None: the architecture's default)
     n_dense_lead: int = 0
     n_shared: int = 0
     expert_scale: float = 1.0
@@ -45,6 +45,12 @@ class Preset:
     yarn_orig_ctx: int = 0
     yarn_mscale: float = 1.0
     yarn_beta: tuple[float, float] = (32.0, 1.0)  # fast, slow
+    # hybrid linear attention (qwen35moe, qwen3next; strata/config_hybrid.py)
+    full_attn_interval: int = 0
+    ssm_conv: int = 0
+    ssm_state: int = 0  # dk == dv
+    ssm_groups: int = 0  # key heads
+    ssm_heads: int = 0  # value heads
 
     @property
     def vocab_kind(self) -> str:
@@ -63,6 +69,14 @@ _TINY = {
                         n_shared=1, expert_scale=2.5, rope_dim=32, q_lora=256, kv_lora=256,
                         d_v=64, n_groups=4, n_groups_used=2, yarn_factor=4.0,
                         yarn_orig_ctx=1024, rope_theta=10000.0),
+    # 4 layers, full attention every 2nd; 4 key heads for 8 value heads (so the tiled and the
+    # grouped value-head orders differ), partial RoPE on 16 of 64 dims
+    "qwen35moe": Preset("qwen35moe", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 512, d_shared=256,
+                        full_attn_interval=2, ssm_conv=4, ssm_state=32, ssm_groups=4,
+                        ssm_heads=8, rope_dim=16, n_nextn=1),
+    "qwen3next": Preset("qwen3next", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 512, d_shared=256,
+                        full_attn_interval=2, ssm_conv=4, ssm_state=32, ssm_groups=4,
+                        ssm_heads=8, rope_dim=16),
 }
 
 _REAL = {
@@ -93,6 +107,18 @@ _REAL = {
                       n_dense_lead=1, n_shared=1, expert_scale=2.827, rope_dim=64, q_lora=1536,
                       kv_lora=512, d_v=128, yarn_factor=64.0, yarn_orig_ctx=4096,
                       yarn_beta=(1.0, 1.0), rope_theta=50000.0, context_length=262144),
+}
+
+# hybrid linear attention, from the models' config.json as llama.cpp converts them
+_HYBRID = dict(full_attn_interval=4, ssm_conv=4, ssm_state=128, ssm_groups=16,
+               context_length=262144, rope_theta=1e7, rope_dim=64)
+_REAL |= {
+    "qwen3.6-35b-a3b": Preset("qwen35moe", 40, 2048, 16, 2, 256, 256, 8, 512, 248320, 512,
+                              d_shared=512, ssm_heads=32, n_nextn=1, **_HYBRID),
+    "qwen3.5-122b-a10b": Preset("qwen35moe", 48, 3072, 32, 2, 256, 256, 8, 1024, 248320, 1024,
+                                d_shared=1024, ssm_heads=64, n_nextn=1, **_HYBRID),
+    "qwen3-next-80b-a3b": Preset("qwen3next", 48, 2048, 16, 2, 256, 512, 10, 512, 151936, 512,
+                                 d_shared=512, ssm_heads=32, **_HYBRID),
 }
 
 PRESETS = ["tiny", *_REAL]

@@ -54,7 +54,7 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
     if p.arch == "deepseek2":
         return replace(config_of(replace(p, arch="qwen3moe"), tied_output),
                        **_deepseek2_fields(p))
-    return ModelConfig(
+    cfg = ModelConfig(
         arch=p.arch, n_layers=p.n_layers, d_model=p.d_model, n_heads=p.n_heads,
         n_kv_heads=p.n_kv_heads, head_dim=p.head_dim, n_vocab=p.n_vocab,
         context_length=p.context_length, rms_eps=p.rms_eps, rope_theta=p.rope_theta,
@@ -62,6 +62,13 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
         n_experts_used=p.n_experts_used, d_expert=p.d_expert, d_shared=p.d_shared, norm_topk=norm,
         qkv_bias=p.arch == "qwen2moe", qk_norm=p.arch == "qwen3moe",
         tied_output=tied_output)
+    if p.full_attn_interval:  # hybrid linear attention (config_hybrid)
+        cfg = replace(cfg, rope_dim=p.rope_dim or p.head_dim,
+                      full_attn_interval=p.full_attn_interval, ssm_conv=p.ssm_conv,
+                      ssm_state=p.ssm_state, ssm_groups=p.ssm_groups,
+                      ssm_heads=p.ssm_heads, attn_gate=True, n_nextn=p.n_nextn, qk_norm=True,
+                      ssm_layout="qwen35" if p.arch == "qwen35moe" else "next")
+    return cfg
 
 
 def _glm4moe_fields(p: Preset) -> dict:
@@ -95,6 +102,8 @@ def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
             std, mean = (0.1, 1.0) if is_norm else (0.1, 0.0)
             if name.endswith("ffn_gate_inp_shexp.weight"):
                 std = shape[0] ** -0.5
+            if name.endswith(".ssm_a"):  # -exp(A_log): negative, a decay of exp(a * dt)
+                std, mean = 0.1, -1.0
         elif "ffn_gate_inp" in name:
             std, mean = 2.0 * shape[-1] ** -0.5, 0.0
         elif name == "token_embd.weight":
@@ -188,6 +197,20 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
             w.add_rope_scaling_yarn_log_mul(0.1 * p.yarn_mscale)
             w.add_rope_scaling_yarn_beta_fast(p.yarn_beta[0])  # (as current converters do)
             w.add_rope_scaling_yarn_beta_slow(p.yarn_beta[1])
+    if p.full_attn_interval:  # hybrid linear attention (config_hybrid)
+        w.add_full_attention_interval(p.full_attn_interval)
+        w.add_ssm_conv_kernel(p.ssm_conv)
+        w.add_ssm_state_size(p.ssm_state)
+        w.add_ssm_group_count(p.ssm_groups)
+        w.add_ssm_time_step_rank(p.ssm_heads)
+        w.add_ssm_inner_size(p.ssm_heads * p.ssm_state)
+        w.add_rope_dimension_count(p.rope_dim or p.head_dim)
+        if p.arch == "qwen35moe":
+            half = (p.rope_dim or p.head_dim) // 2  # 32 -> [11, 11, 10, 0] as Qwen3.5 has
+            third = -(-half // 3)
+            w.add_rope_dimension_sections([third, third, half - 2 * third, 0])
+        if p.n_nextn:
+            w.add_nextn_predict_layers(p.n_nextn)
     w.add_quantization_version(2)
     if file_type is not None:
         w.add_file_type(file_type)
