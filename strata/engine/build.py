@@ -68,6 +68,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{', '.join(DECODE_STEP_MODES)}")
     fused_max_t = FUSED_MAX_T[ec.kernels]
     kv_elem = kv_dtype(ec.kv_type)  # (refused before anything loads)
+    if cfg.kv_lora and ec.kv_type == "q8_0":
+        raise StrataError(f"--kv-type q8_0: {cfg.arch}'s latent cache keeps rows of f32, f16 or "
+                          "bf16; pick one of those")
     if not ec.use_offload:
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
         model.kv_dtype = kv_elem
