@@ -26,6 +26,8 @@ ARCHITECTURES = {
     "qwen3moe": ("neox", True),
     "qwen2moe": ("neox", False),
     "llama": ("normal", True),
+    "glm4moe": ("neox", False),  # (llama.cpp: expert_weights_norm false when absent)
+    "deepseek2": ("normal", False),
     "qwen35moe": ("neox", True),  # hybrid linear attention: config_hybrid
     "qwen3next": ("neox", True),
 }
@@ -53,6 +55,30 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     tied_output: bool
+    # glm4moe / deepseek2 (strata/arch_glm4moe.py): leading dense layers and their hidden size,
+    # the router's gating ("softmax" | "sigmoid"), its selection bias (exp_probs_b), the routed
+    # weights' scale, expert groups (all / used), nextn (MTP) layers after the n_layers
+    n_dense_lead: int = 0
+    d_ff: int = 0
+    gating: str = "softmax"
+    expert_bias: bool = False
+    expert_scale: float = 1.0
+    n_groups: int = 1
+    n_groups_used: int = 1
+    ffn_norm_name: str = "ffn_norm"  # glm4moe: post_attention_norm
+    # deepseek2's multi-head latent attention (strata/arch_deepseek2.py; kv_lora 0: none):
+    # q LoRA rank (0: one q matrix), the latent's rank, the value head size (head_dim is the
+    # query/key head, rope_dim of it rotated), k_b / v_b split in the file (else attn_kv_b);
+    # YaRN: factor (1: none), original context, log multiplier (mscale_all_dim)
+    q_lora: int = 0
+    kv_lora: int = 0
+    d_v: int = 0
+    mla_split: bool = True
+    yarn_factor: float = 1.0
+    yarn_orig_ctx: int = 0
+    yarn_log_mul: float = 0.0
+    yarn_beta_fast: float = 32.0  # YaRN's correction range (llama.cpp's defaults)
+    yarn_beta_slow: float = 1.0
     # hybrid linear attention (qwen35moe, qwen3next: config_hybrid); 0 / "" elsewhere
     full_attn_interval: int = 0  # layer i is full attention where (i + 1) % interval == 0
     ssm_conv: int = 0  # the short causal conv's kernel K
@@ -61,7 +87,7 @@ class ModelConfig:
     ssm_heads: int = 0  # value heads Hv
     ssm_layout: str = ""  # qwen35 | next (ssm_in, ssm_ba) | next-split (attn_qkv, ssm_ba)
     attn_gate: bool = False  # attn_q carries a sigmoid output gate per head
-    n_nextn: int = 0  # MTP blocks after the trunk (blk.n_layers ..), read and kept
+    n_nextn: int = 0  # nextn (MTP) layers after the trunk (blk.n_layers ..), read and kept
 
     @property
     def q_dim(self) -> int:
@@ -79,6 +105,11 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def kv_row(self) -> int:
+        """Cached elements per token and layer: keys and values, or MLA's latent + rope part."""
+        return self.kv_lora + self.rope_dim if self.kv_lora else 2 * self.kv_dim
 
     @classmethod
     def from_model(cls, mf: ModelFile) -> ModelConfig:
@@ -136,6 +167,16 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
             tied_output="output.weight" not in mf.tensors,
         )
+        if arch == "glm4moe":
+            from strata.arch_glm4moe import glm4moe_fields
+
+            cfg = replace(cfg, **glm4moe_fields(mf, m, cfg.n_layers, cfg.d_expert))
+        if arch == "deepseek2":
+            from strata.arch_deepseek2 import deepseek2_fields
+
+            cfg = replace(cfg, **deepseek2_fields(mf, m, cfg.n_layers, cfg.n_experts,
+                                                  cfg.n_heads, cfg.d_expert,
+                                                  cfg.context_length))
         if cfg.rope_dim % 2:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
@@ -193,11 +234,11 @@ class _Meta:
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, kv_type: str = "f32") -> int:
-    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd] over the
-    L full-attention layers (q8_0: 34 bytes a block of 32), plus a hybrid model's recurrent
-    state (config_hybrid.state_bytes)."""
+    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd] (or MLA's
+    latent rows) over the L full-attention layers (q8_0: 34 bytes a block of 32), plus a hybrid
+    model's recurrent state (config_hybrid.state_bytes)."""
     width = {"f32": 4, "q8_0": 34 / 32}.get(kv_type, 2)
-    return int(2 * cfg.n_kv_layers * tokens * cfg.kv_dim * width) + state_bytes(cfg)
+    return int(cfg.n_kv_layers * tokens * cfg.kv_row * width) + state_bytes(cfg)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -208,30 +249,41 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         t["output.weight"] = (V, D)
     if cfg.arch in HYBRID_ARCHS:
         return t | _hybrid_tensors(cfg)
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_layers + cfg.n_nextn):
         p = f"blk.{i}."
-        t |= {
-            p + "attn_norm.weight": (D,),
-            p + "attn_q.weight": (cfg.q_dim, D),
-            p + "attn_k.weight": (cfg.kv_dim, D),
-            p + "attn_v.weight": (cfg.kv_dim, D),
-            p + "attn_output.weight": (D, cfg.q_dim),
-            p + "ffn_norm.weight": (D,),
-            p + "ffn_gate_inp.weight": (E, D),
-            p + "ffn_gate_exps.weight": (E, F, D),
-            p + "ffn_up_exps.weight": (E, F, D),
-            p + "ffn_down_exps.weight": (E, D, F),
-        }
+        t[p + "attn_norm.weight"] = (D,)
+        if cfg.kv_lora:
+            from strata.arch_deepseek2 import mla_tensors
+
+            t |= mla_tensors(p, D, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.q_lora,
+                             cfg.kv_lora, cfg.d_v, cfg.mla_split)
+        else:
+            t |= {p + "attn_q.weight": (cfg.q_dim, D), p + "attn_k.weight": (cfg.kv_dim, D),
+                  p + "attn_v.weight": (cfg.kv_dim, D), p + "attn_output.weight": (D, cfg.q_dim)}
+        t[p + f"{cfg.ffn_norm_name}.weight"] = (D,)
+        if i < cfg.n_dense_lead:
+            t |= {p + "ffn_gate.weight": (cfg.d_ff, D), p + "ffn_up.weight": (cfg.d_ff, D),
+                  p + "ffn_down.weight": (D, cfg.d_ff)}
+        else:
+            t |= {p + "ffn_gate_inp.weight": (E, D), p + "ffn_gate_exps.weight": (E, F, D),
+                  p + "ffn_up_exps.weight": (E, F, D), p + "ffn_down_exps.weight": (E, D, F)}
+            if cfg.expert_bias:
+                t[p + "exp_probs_b.bias"] = (E,)
+        if i >= cfg.n_layers:  # (llama.cpp: shared_head_norm / _head, embed_tokens optional)
+            t |= {p + "nextn.eh_proj.weight": (D, 2 * D), p + "nextn.enorm.weight": (D,),
+                  p + "nextn.hnorm.weight": (D,)}
         if cfg.qkv_bias:
             t |= {p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
                   p + "attn_v.bias": (cfg.kv_dim,)}
         if cfg.qk_norm:
             t |= {p + "attn_q_norm.weight": (cfg.head_dim,),
                   p + "attn_k_norm.weight": (cfg.head_dim,)}
-        if cfg.d_shared:
+        if cfg.d_shared and i >= cfg.n_dense_lead:
             S = cfg.d_shared
-            t |= {p + "ffn_gate_inp_shexp.weight": (D,), p + "ffn_gate_shexp.weight": (S, D),
-                  p + "ffn_up_shexp.weight": (S, D), p + "ffn_down_shexp.weight": (D, S)}
+            if cfg.arch == "qwen2moe":  # the shared expert's sigmoid gate
+                t[p + "ffn_gate_inp_shexp.weight"] = (D,)
+            t |= {p + "ffn_gate_shexp.weight": (S, D), p + "ffn_up_shexp.weight": (S, D),
+                  p + "ffn_down_shexp.weight": (D, S)}
     return t
 
 

@@ -102,7 +102,9 @@ def read_hybrid(mf: ModelFile, m: MetaReader, arch: str, n_layers: int,
 
 def ffn_norm_name(cfg: HybridShape) -> str:
     """The feed-forward's norm tensor (without blk.N. and .weight)."""
-    return "post_attention_norm" if cfg.arch in HYBRID_ARCHS else "ffn_norm"
+    if cfg.arch in HYBRID_ARCHS:
+        return "post_attention_norm"
+    return getattr(cfg, "ffn_norm_name", "ffn_norm")  # (glm4moe: post_attention_norm too)
 
 
 def attention_tensors(cfg: HybridShape, p: str) -> dict[str, tuple[int, ...]]:

@@ -91,6 +91,161 @@ def kl_per_position(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     return (lp.exp() * (lp - lq)).sum(-1).numpy()
 
 
+def gguf_weights(path: Path) -> tuple[dict[str, torch.Tensor], callable]:
+    """Every tensor of the file dequantized by gguf-py (float32), and meta(key) of its
+    architecture's keys (None where absent)."""
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key: str):
+        f = reader.fields.get(f"{arch}.{key}")
+        return f.contents() if f is not None else None
+
+    w = {t.name: torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+         for t in reader.tensors}
+    return w, meta
+
+
+def hf_glm4moe_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """A Glm4MoeForCausalLM (transformers' glm4_moe) holding the file's weights, dequantized by
+    gguf-py; the nextn layers are not part of its forward."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    w, meta = gguf_weights(path)
+    n_nextn = meta("nextn_predict_layers") or 0
+    n_layers = meta("block_count") - n_nextn
+    head_dim, dense = meta("attention.key_length"), meta("leading_dense_block_count") or 0
+    cfg = Glm4MoeConfig(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"), num_hidden_layers=n_layers,
+        num_attention_heads=meta("attention.head_count"),
+        num_key_value_heads=meta("attention.head_count_kv"), head_dim=head_dim,
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base"),
+                         "partial_rotary_factor": meta("rope.dimension_count") / head_dim},
+        attention_bias="blk.0.attn_q.bias" in w,
+        moe_intermediate_size=meta("expert_feed_forward_length"),
+        num_experts_per_tok=meta("expert_used_count"),
+        n_shared_experts=meta("expert_shared_count"), n_routed_experts=meta("expert_count"),
+        routed_scaling_factor=meta("expert_weights_scale"), first_k_dense_replace=dense,
+        norm_topk_prob=bool(meta("expert_weights_norm")),
+        use_qk_norm="blk.0.attn_q_norm.weight" in w, num_mtp_layers=n_nextn,
+        tie_word_embeddings=False)
+    model = Glm4MoeForCausalLM(cfg).float().eval()
+    sd = {"model.embed_tokens.weight": w["token_embd.weight"],
+          "model.norm.weight": w["output_norm.weight"], "lm_head.weight": w["output.weight"]}
+    for i in range(n_layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v"}
+        for hf, gg in names.items():
+            sd[h + hf + ".weight"] = w[p + gg + ".weight"]
+            if p + gg + ".bias" in w:
+                sd[h + hf + ".bias"] = w[p + gg + ".bias"]
+        sd |= {h + "self_attn.o_proj.weight": w[p + "attn_output.weight"],
+               h + "input_layernorm.weight": w[p + "attn_norm.weight"],
+               h + "post_attention_layernorm.weight": w[p + "post_attention_norm.weight"]}
+        if cfg.use_qk_norm:
+            sd |= {h + "self_attn.q_norm.weight": w[p + "attn_q_norm.weight"],
+                   h + "self_attn.k_norm.weight": w[p + "attn_k_norm.weight"]}
+        if i < dense:
+            sd |= {h + f"mlp.{n}_proj.weight": w[p + f"ffn_{n}.weight"]
+                   for n in ("gate", "up", "down")}
+            continue
+        sd |= {
+            h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+            h + "mlp.gate.e_score_correction_bias": w[p + "exp_probs_b.bias"],
+            h + "mlp.experts.gate_up_proj": torch.cat(
+                [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
+            h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
+        }
+        sd |= {h + f"mlp.shared_experts.{n}_proj.weight": w[p + f"ffn_{n}_shexp.weight"]
+               for n in ("gate", "up", "down")}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert not [k for k in missing if "e_score_correction_bias" not in k], missing
+    for i in range(dense, n_layers):  # (a buffer: load_state_dict may skip it)
+        model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
+            w[f"blk.{i}.exp_probs_b.bias"])
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """A DeepseekV3ForCausalLM (transformers' deepseek_v3) holding the file's weights,
+    dequantized by gguf-py: kv_b_proj rebuilt from the split attn_k_b / attn_v_b, RoPE on
+    adjacent pairs (rope_interleave), YaRN from the rope.scaling keys."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    w, meta = gguf_weights(path)
+    n_layers, H = meta("block_count"), meta("attention.head_count")
+    rope, kv_lora = meta("rope.dimension_count"), meta("attention.kv_lora_rank")
+    d_k, d_v = meta("attention.key_length_mla"), meta("attention.value_length_mla")
+    nope, dense = d_k - rope, meta("leading_dense_block_count") or 0
+    rope_params = {"rope_type": "default", "rope_theta": meta("rope.freq_base")}
+    if meta("rope.scaling.type") == "yarn":
+        mscale = meta("rope.scaling.yarn_log_multiplier") / 0.1
+        rope_params |= {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
+                        "original_max_position_embeddings":
+                            meta("rope.scaling.original_context_length"),
+                        "mscale": mscale, "mscale_all_dim": mscale,
+                        "beta_fast": meta("rope.scaling.yarn_beta_fast") or 32.0,
+                        "beta_slow": meta("rope.scaling.yarn_beta_slow") or 1.0}
+    cfg = DeepseekV3Config(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"),
+        moe_intermediate_size=meta("expert_feed_forward_length"), num_hidden_layers=n_layers,
+        num_attention_heads=H, num_key_value_heads=H,
+        n_shared_experts=meta("expert_shared_count"), n_routed_experts=meta("expert_count"),
+        routed_scaling_factor=meta("expert_weights_scale"), kv_lora_rank=kv_lora,
+        q_lora_rank=meta("attention.q_lora_rank"), qk_rope_head_dim=rope, v_head_dim=d_v,
+        qk_nope_head_dim=nope, n_group=meta("expert_group_count"),
+        topk_group=meta("expert_group_used_count"),
+        num_experts_per_tok=meta("expert_used_count"), first_k_dense_replace=dense,
+        norm_topk_prob=bool(meta("expert_weights_norm")),
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"), rope_parameters=rope_params,
+        rope_interleave=True, tie_word_embeddings=False, num_mtp_layers=0)
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    sd = {"model.embed_tokens.weight": w["token_embd.weight"],
+          "model.norm.weight": w["output_norm.weight"], "lm_head.weight": w["output.weight"]}
+    for i in range(n_layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        k_b, v_b = w[p + "attn_k_b.weight"], w[p + "attn_v_b.weight"]  # [H, L, N], [H, V, L]
+        sd |= {
+            h + "self_attn.q_a_proj.weight": w[p + "attn_q_a.weight"],
+            h + "self_attn.q_a_layernorm.weight": w[p + "attn_q_a_norm.weight"],
+            h + "self_attn.q_b_proj.weight": w[p + "attn_q_b.weight"],
+            h + "self_attn.kv_a_proj_with_mqa.weight": w[p + "attn_kv_a_mqa.weight"],
+            h + "self_attn.kv_a_layernorm.weight": w[p + "attn_kv_a_norm.weight"],
+            h + "self_attn.kv_b_proj.weight": torch.cat(
+                [k_b.transpose(1, 2), v_b], dim=1).reshape(H * (nope + d_v), kv_lora),
+            h + "self_attn.o_proj.weight": w[p + "attn_output.weight"],
+            h + "input_layernorm.weight": w[p + "attn_norm.weight"],
+            h + "post_attention_layernorm.weight": w[p + "ffn_norm.weight"],
+        }
+        if i < dense:
+            sd |= {h + f"mlp.{n}_proj.weight": w[p + f"ffn_{n}.weight"]
+                   for n in ("gate", "up", "down")}
+            continue
+        sd |= {
+            h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+            h + "mlp.gate.e_score_correction_bias": w[p + "exp_probs_b.bias"],
+            h + "mlp.experts.gate_up_proj": torch.cat(
+                [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
+            h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
+        }
+        sd |= {h + f"mlp.shared_experts.{n}_proj.weight": w[p + f"ffn_{n}_shexp.weight"]
+               for n in ("gate", "up", "down")}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert not [k for k in missing if "e_score_correction_bias" not in k], missing
+    for i in range(dense, n_layers):
+        model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
+            w[f"blk.{i}.exp_probs_b.bias"])
+
+
 def hf_hybrid_logits(path: Path, tokens: list[int]) -> np.ndarray:
     """transformers' Qwen3_5MoeForCausalLM (qwen35moe) or Qwen3NextForCausalLM (qwen3next) holding
     the file's weights, dequantized by gguf-py, with the converter's rewrites undone: norms less

@@ -79,6 +79,11 @@ def test_plan_counts_34_bytes_a_block(synth) -> None:
     assert kv.quantized and kv.nbytes == kv_bytes(cfg, 512, "q8_0")
 
 
+def test_latent_caches_refuse_q8_0(synth) -> None:
+    with pytest.raises(StrataError, match="--kv-type q8_0: deepseek2's latent cache"):
+        Engine.load(synth("deepseek2", "Q4_K_M"), config=EngineConfig(kv_type="q8_0"))
+
+
 def _logits(engine: Engine, ids: list[int], decode: int) -> torch.Tensor:
     """The prompt's logits, then `decode` more tokens fed one at a time (the prompt's ids again)."""
     m = engine.model

@@ -103,6 +103,8 @@ class Arena:
         fds: dict[str, int] = {}
         try:
             for lay, layer in zip(self.layouts, self.layers, strict=True):
+                if lay.empty:  # (a dense layer)
+                    continue
                 start = 0
                 for part, w in zip(lay.part_nbytes, ("gate", "up", "down"), strict=True):
                     ref = mf.tensors[f"blk.{lay.layer}.ffn_{w}_exps.weight"]

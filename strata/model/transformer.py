@@ -1,4 +1,4 @@
-"""The MoE transformer shared by qwen3moe, qwen2moe and Mixtral-style llama.
+"""The MoE transformer shared by qwen3moe, qwen2moe, Mixtral-style llama, glm4moe and deepseek2.
 
 The architectures differ only in what ModelConfig records: RoPE style, QKV bias, per-head q/k norms,
 a gated shared expert, and whether the top-k routing weights are renormalized. Each layer is built
@@ -28,6 +28,7 @@ from strata.model.parts.ffn import SharedExpert
 from strata.model.weights import LayerWeights, ModelWeights
 from strata.runtime.delta_state import DeltaState
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.latent_cache import LatentCache
 
 __all__ = ["BF16_ATTENTION_MIN_T", "MoETransformer", "Segment", "shared_expert"]
 
@@ -58,6 +59,13 @@ class MoETransformer:
         """A KV cache for `capacity` tokens (it grows past them). With a decode step, caches of
         at least the planned context come from one pool, so its graphs serve every request."""
         c = self.cfg
+        if c.kv_lora:  # deepseek2: the latent rows (runtime/latent_cache.py)
+            if self.step is None:
+                return LatentCache(c.n_layers, c.kv_row, self.device, capacity,
+                                   dtype=self.kv_dtype)
+            return LatentCache(c.n_layers, c.kv_row, self.device,
+                               max(capacity, self.step.kv_capacity), self.step.kv_pool,
+                               self.kv_dtype)
         if self.step is None:
             kv = KVCache(c.n_kv_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
                          dtype=self.kv_dtype)
@@ -85,7 +93,12 @@ class MoETransformer:
         t0 = timer.start() if timer else None
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
-        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
+        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN
+            from strata.model.parts.yarn import rope_tables_for
+
+            cos, sin = rope_tables_for(cfg, positions)
+        else:
+            cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
         delta = None  # each layer's output, added by the next residual step

@@ -25,11 +25,13 @@ from strata.model.parts.attention import GatedAttention, GQAAttention
 from strata.model.parts.context import Context
 from strata.model.parts.delta_net import GatedDeltaNet
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
+from strata.model.parts.mla import MLAttention
 from strata.model.parts.norm import add_norm
 from strata.model.parts.spec import layer_spec
 from strata.model.weights import LayerWeights, Weight, linear
 
-MIXERS = {"gqa": GQAAttention, "gated": GatedAttention, "delta": GatedDeltaNet}
+MIXERS = {"gqa": GQAAttention, "mla": MLAttention, "gated": GatedAttention,
+          "delta": GatedDeltaNet}
 FFNS = {"routed": RoutedExperts, "dense": DenseFFN}
 
 

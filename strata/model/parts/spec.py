@@ -22,4 +22,7 @@ def layer_spec(cfg: ModelConfig, index: int) -> LayerSpec:
     layers ("delta"), gated full attention every interval-th ("gated")."""
     if cfg.full_attn_interval:
         return LayerSpec(mixer="delta" if cfg.is_linear(index) else "gated")
-    return LayerSpec()
+    mixer = "mla" if cfg.kv_lora else "gqa"  # deepseek2: multi-head latent attention
+    if index < cfg.n_dense_lead:  # glm4moe, deepseek2: leading_dense_block_count
+        return LayerSpec(mixer, ffn="dense")
+    return LayerSpec(mixer)
