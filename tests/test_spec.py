@@ -96,10 +96,12 @@ def test_greedy_demo_same_with_spec(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "glm4moe", "deepseek2"])
 def test_greedy_synthetic_same_with_spec(synth, arch, path):
-    """Tiny synthetic files of every architecture; drafts from n-grams and from a draft model:
-    the file itself (every draft accepted) and another seed's weights (few accepted)."""
+    """Tiny synthetic files of every architecture but the hybrids (refused: their recurrent
+    state cannot roll back yet; test_generate_spec_stats_and_refusals); drafts from n-grams and
+    from a draft model: the file itself (every draft accepted) and another seed's weights (few
+    accepted)."""
     f = synth(arch, "Q4_K_M")
     plain = greedy(load(f, **PATHS[path]), "hello world", 40)
     for draft, full in (("ngram", False), (str(f), True), (str(synth(arch, "Q4_K_M", 1)), False)):
@@ -109,7 +111,10 @@ def test_greedy_synthetic_same_with_spec(synth, arch, path):
         # the target drafting for itself (the draft model on the reference path): every window
         # accepted whole where the target computes in float32 too (ggml's 8-bit activations
         # differ from it by near-ties)
-        assert st.windows > 0 and (st.accepted == st.drafted or not full or path == "offload")
+        # (a random model's greedy text may repeat no n-gram: then no window runs; a draft
+        # model always drafts)
+        assert st.windows > 0 or draft == "ngram"
+        assert st.accepted == st.drafted or not full or path == "offload"
 
 
 def test_kv_after_stop_matches_plain(synth):

@@ -26,6 +26,7 @@ class LatentCache:
                  pool: KVPool | None = None, dtype: torch.dtype = torch.float32):
         self.n_layers, self.row, self.device, self.dtype = n_layers, row, device, dtype
         self.length = 0
+        self.state = None  # (no recurrent state: the decode step keys its graphs on it)
         self.pool = pool
         self._release = None
         self._alloc(capacity)
