@@ -5,7 +5,8 @@
 # A build cut short (LLAMA_BUILD_TIMEOUT s, 540) goes on where it stopped when run again on the
 # same BUILD_DIR. Where the CUDA toolkit has no cuBLAS, the cuBLAS of pip's nvidia packages (the
 # one torch uses) is linked, from BUILD_DIR/cublas-lib, which the binaries' run path names.
-# Flash attention is left out (a third of the build; llama-bench runs with -fa 0).
+# With flash attention's CUDA kernels (llama-bench runs with -fa 1, as users run it: about a third
+# of the build). LLAMA_TARGETS names more targets (e.g. llama-server).
 # LLAMA_CMAKE_FLAGS is added to cmake's configure arguments.
 set -uo pipefail
 src=${1:?"usage: scripts/build_llama_cpp.sh SRC.tgz BUILD_DIR"}
@@ -31,13 +32,13 @@ print(found[0].rsplit("/include/", 1)[0] if found else "")')
   fi
   # shellcheck disable=SC2086
   cmake -S "$lb/llama.cpp" -B "$lb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=ON -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_NUMBER=0 "${cublas[@]}" \
     ${LLAMA_CMAKE_FLAGS:-} || { rm -f "$lb/Makefile"; exit 2; }
 fi
 timeout "${LLAMA_BUILD_TIMEOUT:-540}" cmake --build "$lb" -j "$(nproc)" \
-  --target test-backend-ops llama-bench
+  --target test-backend-ops llama-bench ${LLAMA_TARGETS:-}
 rc=$?
 echo "llama.cpp built (rc $rc) in $(( $(date +%s) - t0 )) s: $(cat "$lb/llama.cpp/SOURCE.txt")"
 exit $rc

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-quantize, llama-imatrix and llama-perplexity for the CPU (the tools
-# that make and check the demo model's packs) from a llama-cpp-python sdist's vendor/llama.cpp:
+# Builds llama.cpp's llama-quantize, llama-imatrix, llama-perplexity and llama-bench for the CPU
+# (the tools that make and check the demo model's packs, and the CPU side of
+# scripts/llama_side_by_side.py) from a llama-cpp-python sdist's vendor/llama.cpp:
 #   .venv/bin/pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/lcp
 #   bash scripts/build_llama_tools.sh /tmp/lcp/llama_cpp_python-0.3.36.tar.gz .llama-build/cpu
 # The binaries land in BUILD_DIR/bin.
@@ -15,5 +16,5 @@ if [[ ! -f $lb/CMakeCache.txt ]]; then
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_NUMBER=0 >/dev/null
 fi
-cmake --build "$lb" -j "$(nproc)" --target llama-quantize llama-imatrix llama-perplexity
+cmake --build "$lb" -j "$(nproc)" --target llama-quantize llama-imatrix llama-perplexity llama-bench
 echo "llama.cpp tools built in $(( $(date +%s) - t0 )) s from $(basename "$sdist")"

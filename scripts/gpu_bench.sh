@@ -28,6 +28,10 @@
 # added), grouped (the 30B-A3B prompt MoE layer through the grouped and the tl.dot paths by
 # token count, scripts/bench_kernels.py --moe-prompt-only, GROUPED_ARGS added, e.g.
 # "--moe-prompt-tokens 64,128"),
+# matrix (llama-bench's matrix, MATRIX_P prompts, MATRIX_N decode tokens at MATRIX_D depths, from
+# strata bench and from llama-bench -fa 1 at each of MATRIX_BUDGETS, -ncmoe fitted to the budget,
+# peaks from nvidia-smi: scripts/llama_side_by_side.py writes $OUT/matrix.md), serve (strata
+# serve at SERVE_BUDGETS loaded by strata bench-serve with SERVE_CLIENTS clients),
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check (the
 # logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
 # kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
@@ -94,7 +98,7 @@ M=/tmp/q30-$QUANT.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
       $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ||
-      $STAGES == *ttft* ]]; then
+      $STAGES == *ttft* || $STAGES == *matrix* || $STAGES == *serve* ]]; then
   ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -248,8 +252,59 @@ fi
 if [[ $STAGES == *llamacpp* && -x $LB/bin/llama-bench ]]; then
   for ot in "" "exps=CPU"; do
     echo "== llama-bench $QUANT ${ot:+-ot $ot}"
-    timeout 300 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 0 -p "${LLAMA_PROMPTS:-512}" -n 128 -r 3 \
+    timeout 300 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 1 -p "${LLAMA_PROMPTS:-512}" -n 128 -r 3 \
       ${ot:+-ot "$ot"} ${LLAMA_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/llama_bench.txt" | grep -E "^\|" | tail -8
+  done
+fi
+if [[ $STAGES == *matrix* ]]; then
+  # llama-bench's matrix from both engines on the same file at the same VRAM, in this call:
+  # Strata at --vram-budget B, llama.cpp (-fa 1) with -ncmoe chosen to fit B (estimated, then
+  # raised once when nvidia-smi's peak passes B); each side's peak from nvidia-smi samples
+  P=${MATRIX_P:-128,512,2048,8192}; D=${MATRIX_D:-0,4096,16384,32768}; NG=${MATRIX_N:-64}
+  ctx=$(( $(tr , '\n' <<<"$P" | sort -n | tail -1) + $(tr , '\n' <<<"$D" | sort -n | tail -1) + NG ))
+  smi() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$1" & }
+  for b in ${MATRIX_BUDGETS:-2 4 10 all}; do
+    flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
+    echo "== matrix at ${b} GiB: strata bench -p $P -n $NG -d $D"
+    smi "$OUT/smi_strata_$b.txt"; SMI=$!
+    timeout 540 python3 -m strata bench $M --device cuda -p "$P" -n "$NG" -d "$D" -r 3 \
+      --ctx "$ctx" "${flags[@]}" ${MATRIX_FLAGS:-} --json "$OUT/matrix_strata_$b.json" 2>&1 \
+      | grep -E "^\|" | tee "$OUT/matrix_strata_$b.txt"
+    kill $SMI; sp=$(python3 scripts/llama_side_by_side.py peak "$OUT/smi_strata_$b.txt")
+    if [[ -x $LB/bin/llama-bench ]]; then
+      n=0; over=0
+      for try in 1 2; do
+        [[ $b != all ]] && n=$(python3 scripts/llama_side_by_side.py ncmoe $M --budget "$b" \
+          --ctx "$ctx" --over "$over")
+        echo "== matrix at ${b} GiB: llama-bench -fa 1 -ncmoe $n"
+        smi "$OUT/smi_llama_$b.txt"; SMI=$!
+        timeout 540 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 1 -ncmoe "$n" -p "$P" -n "$NG" \
+          -d "$D" -r 3 -o json >"$OUT/matrix_llama_$b.json" 2>"$OUT/matrix_llama_$b.err"
+        kill $SMI; lp=$(python3 scripts/llama_side_by_side.py peak "$OUT/smi_llama_$b.txt")
+        [[ $b == all ]] && break
+        over=$(python3 -c "print(max(0, $lp - $b * 1024))")
+        python3 -c "import sys; sys.exit($lp <= $b * 1024)" || break
+        echo "llama.cpp peaked at $lp MiB, over $b GiB: again with more experts on the CPU"
+      done
+      python3 scripts/llama_side_by_side.py table "$OUT/matrix_strata_$b.json" \
+        "$OUT/matrix_llama_$b.json" --label "$QUANT at $b GiB" --strata-peak "$sp" \
+        --llama-peak "$lp" ${n:+--ncmoe $n} | tee -a "$OUT/matrix.md"
+    fi
+  done
+fi
+if [[ $STAGES == *serve* ]]; then
+  # strata serve with SERVE_CLIENTS concurrent clients (strata bench-serve) at each budget
+  for b in ${SERVE_BUDGETS:-10 all}; do
+    flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
+    echo "== serve at ${b} GiB: bench-serve -c ${SERVE_CLIENTS:-1,4,8,16}"
+    python3 -m strata serve $M --device cuda --port 18080 --batch 16 --queue 256 "${flags[@]}" \
+      ${SERVE_FLAGS:-} >"$OUT/serve_$b.log" 2>&1 &
+    SRV=$!
+    for _ in $(seq 240); do curl -sf localhost:18080/health >/dev/null && break; sleep 1; done
+    timeout 500 python3 -m strata bench-serve --url http://127.0.0.1:18080 \
+      -c "${SERVE_CLIENTS:-1,4,8,16}" --prompt-len "${SERVE_PROMPT:-128}" \
+      --output-len "${SERVE_OUTPUT:-64}" --json "$OUT/serve_$b.json" 2>&1 | tee "$OUT/serve_$b.txt"
+    kill $SRV; wait $SRV 2>/dev/null
   done
 fi
 if [[ $STAGES == *check* ]]; then  # float32-exact kernels on both sides: KL < 1e-4 expected

@@ -6,6 +6,15 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from strata.config_hybrid import (
+    HYBRID_ARCHS,
+    attention_tensors,
+    ffn_norm_name,
+    linear_tensors,
+    nextn_tensors,
+    read_hybrid,
+    state_bytes,
+)
 from strata.errors import ModelFileError, UnsupportedError
 from strata.gguf import ModelFile
 from strata.kernels.tuning import AUTO_PREFETCH
@@ -17,6 +26,10 @@ ARCHITECTURES = {
     "qwen3moe": ("neox", True),
     "qwen2moe": ("neox", False),
     "llama": ("normal", True),
+    "glm4moe": ("neox", False),  # (llama.cpp: expert_weights_norm false when absent)
+    "deepseek2": ("normal", False),
+    "qwen35moe": ("neox", True),  # hybrid linear attention: config_hybrid
+    "qwen3next": ("neox", True),
     "gpt-oss": ("neox", True),  # strata.arch.gpt_oss: sinks, sliding windows, YaRN, biases
 }
 
@@ -43,6 +56,39 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     tied_output: bool
+    # glm4moe / deepseek2 (strata/arch_glm4moe.py): leading dense layers and their hidden size,
+    # the router's gating ("softmax" | "sigmoid"), its selection bias (exp_probs_b), the routed
+    # weights' scale, expert groups (all / used), nextn (MTP) layers after the n_layers
+    n_dense_lead: int = 0
+    d_ff: int = 0
+    gating: str = "softmax"
+    expert_bias: bool = False
+    expert_scale: float = 1.0
+    n_groups: int = 1
+    n_groups_used: int = 1
+    ffn_norm_name: str = "ffn_norm"  # glm4moe: post_attention_norm
+    # deepseek2's multi-head latent attention (strata/arch_deepseek2.py; kv_lora 0: none):
+    # q LoRA rank (0: one q matrix), the latent's rank, the value head size (head_dim is the
+    # query/key head, rope_dim of it rotated), k_b / v_b split in the file (else attn_kv_b);
+    # YaRN: factor (1: none), original context, log multiplier (mscale_all_dim)
+    q_lora: int = 0
+    kv_lora: int = 0
+    d_v: int = 0
+    mla_split: bool = True
+    yarn_factor: float = 1.0
+    yarn_orig_ctx: int = 0
+    yarn_log_mul: float = 0.0
+    yarn_beta_fast: float = 32.0  # YaRN's correction range (llama.cpp's defaults)
+    yarn_beta_slow: float = 1.0
+    # hybrid linear attention (qwen35moe, qwen3next: config_hybrid); 0 / "" elsewhere
+    full_attn_interval: int = 0  # layer i is full attention where (i + 1) % interval == 0
+    ssm_conv: int = 0  # the short causal conv's kernel K
+    ssm_state: int = 0  # head dim of the delta rule's keys and values (dk == dv)
+    ssm_groups: int = 0  # key heads Hk
+    ssm_heads: int = 0  # value heads Hv
+    ssm_layout: str = ""  # qwen35 | next (ssm_in, ssm_ba) | next-split (attn_qkv, ssm_ba)
+    attn_gate: bool = False  # attn_q carries a sigmoid output gate per head
+    n_nextn: int = 0  # nextn (MTP) layers after the trunk (blk.n_layers ..), read and kept
     # gpt-oss (strata.arch.gpt_oss); the defaults are every other architecture's
     sliding_window: int = 0  # tokens a sliding layer attends over (0: none)
     attn_sinks: bool = False  # a learned sink logit per head (blk.N.attn_sinks.weight)
@@ -54,9 +100,23 @@ class ModelConfig:
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is a Gated DeltaNet mixer (hybrid models), not full attention."""
+        return bool(self.full_attn_interval) and (layer + 1) % self.full_attn_interval != 0
+
+    @property
+    def n_kv_layers(self) -> int:
+        """Layers with a KV cache: the full-attention ones."""
+        return sum(not self.is_linear(i) for i in range(self.n_layers))
+
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def kv_row(self) -> int:
+        """Cached elements per token and layer: keys and values, or MLA's latent + rope part."""
+        return self.kv_lora + self.rope_dim if self.kv_lora else 2 * self.kv_dim
 
     @classmethod
     def from_model(cls, mf: ModelFile) -> ModelConfig:
@@ -118,9 +178,21 @@ class ModelConfig:
             from strata.arch import gpt_oss
 
             cfg = replace(cfg, **gpt_oss.read_fields(m, n_layers))
+        if arch == "glm4moe":
+            from strata.arch_glm4moe import glm4moe_fields
+
+            cfg = replace(cfg, **glm4moe_fields(mf, m, cfg.n_layers, cfg.d_expert))
+        if arch == "deepseek2":
+            from strata.arch_deepseek2 import deepseek2_fields
+
+            cfg = replace(cfg, **deepseek2_fields(mf, m, cfg.n_layers, cfg.n_experts,
+                                                  cfg.n_heads, cfg.d_expert,
+                                                  cfg.context_length))
         if cfg.rope_dim % 2:
             raise ModelFileError(mf.path, f"{arch}.rope.dimension_count is {cfg.rope_dim}; RoPE "
                                           "rotates pairs, so it must be even")
+        if arch in HYBRID_ARCHS:
+            cfg = replace(cfg, **read_hybrid(mf, m, arch, cfg.n_layers, cfg.rope_dim))
         if arch == "qwen2moe" and cfg.d_shared == 0 and "blk.0.ffn_up_shexp.weight" in mf.tensors:
             shexp = mf.tensors["blk.0.ffn_up_shexp.weight"]
             cfg = replace(cfg, d_shared=shexp.shape[0])
@@ -173,9 +245,11 @@ class _Meta:
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, kv_type: str = "f32") -> int:
-    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd]."""
-    width = 4 if kv_type == "f32" else 2
-    return 2 * cfg.n_layers * tokens * cfg.kv_dim * width
+    """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd] (or MLA's
+    latent rows) over the L full-attention layers (q8_0: 34 bytes a block of 32), plus a hybrid
+    model's recurrent state (config_hybrid.state_bytes)."""
+    width = {"f32": 4, "q8_0": 34 / 32}.get(kv_type, 2)
+    return int(cfg.n_kv_layers * tokens * cfg.kv_row * width) + state_bytes(cfg)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -184,33 +258,65 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     t: dict[str, tuple[int, ...]] = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
     if not cfg.tied_output:
         t["output.weight"] = (V, D)
-    for i in range(cfg.n_layers):
+    if cfg.arch in HYBRID_ARCHS:
+        return t | _hybrid_tensors(cfg)
+    for i in range(cfg.n_layers + cfg.n_nextn):
         p = f"blk.{i}."
         if cfg.arch == "gpt-oss":
             from strata.arch.gpt_oss import layer_tensors
 
             t |= layer_tensors(cfg, p)
             continue
-        t |= {
-            p + "attn_norm.weight": (D,),
-            p + "attn_q.weight": (cfg.q_dim, D),
-            p + "attn_k.weight": (cfg.kv_dim, D),
-            p + "attn_v.weight": (cfg.kv_dim, D),
-            p + "attn_output.weight": (D, cfg.q_dim),
-            p + "ffn_norm.weight": (D,),
-            p + "ffn_gate_inp.weight": (E, D),
-            p + "ffn_gate_exps.weight": (E, F, D),
-            p + "ffn_up_exps.weight": (E, F, D),
-            p + "ffn_down_exps.weight": (E, D, F),
-        }
+        t[p + "attn_norm.weight"] = (D,)
+        if cfg.kv_lora:
+            from strata.arch_deepseek2 import mla_tensors
+
+            t |= mla_tensors(p, D, cfg.n_heads, cfg.head_dim, cfg.rope_dim, cfg.q_lora,
+                             cfg.kv_lora, cfg.d_v, cfg.mla_split)
+        else:
+            t |= {p + "attn_q.weight": (cfg.q_dim, D), p + "attn_k.weight": (cfg.kv_dim, D),
+                  p + "attn_v.weight": (cfg.kv_dim, D), p + "attn_output.weight": (D, cfg.q_dim)}
+        t[p + f"{cfg.ffn_norm_name}.weight"] = (D,)
+        if i < cfg.n_dense_lead:
+            t |= {p + "ffn_gate.weight": (cfg.d_ff, D), p + "ffn_up.weight": (cfg.d_ff, D),
+                  p + "ffn_down.weight": (D, cfg.d_ff)}
+        else:
+            t |= {p + "ffn_gate_inp.weight": (E, D), p + "ffn_gate_exps.weight": (E, F, D),
+                  p + "ffn_up_exps.weight": (E, F, D), p + "ffn_down_exps.weight": (E, D, F)}
+            if cfg.expert_bias:
+                t[p + "exp_probs_b.bias"] = (E,)
+        if i >= cfg.n_layers:  # (llama.cpp: shared_head_norm / _head, embed_tokens optional)
+            t |= {p + "nextn.eh_proj.weight": (D, 2 * D), p + "nextn.enorm.weight": (D,),
+                  p + "nextn.hnorm.weight": (D,)}
         if cfg.qkv_bias:
             t |= {p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,),
                   p + "attn_v.bias": (cfg.kv_dim,)}
         if cfg.qk_norm:
             t |= {p + "attn_q_norm.weight": (cfg.head_dim,),
                   p + "attn_k_norm.weight": (cfg.head_dim,)}
-        if cfg.d_shared:
+        if cfg.d_shared and i >= cfg.n_dense_lead:
             S = cfg.d_shared
+            if cfg.arch == "qwen2moe":  # the shared expert's sigmoid gate
+                t[p + "ffn_gate_inp_shexp.weight"] = (D,)
+            t |= {p + "ffn_gate_shexp.weight": (S, D), p + "ffn_up_shexp.weight": (S, D),
+                  p + "ffn_down_shexp.weight": (D, S)}
+    return t
+
+
+def _hybrid_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The layers of qwen35moe / qwen3next (config_hybrid), MTP blocks included."""
+    D, E, F, S = cfg.d_model, cfg.n_experts, cfg.d_expert, cfg.d_shared
+    t: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.n_layers + cfg.n_nextn):
+        p = f"blk.{i}."
+        t |= {p + "attn_norm.weight": (D,), p + ffn_norm_name(cfg) + ".weight": (D,)}
+        t |= (linear_tensors(cfg, p) if i < cfg.n_layers and cfg.is_linear(i)
+              else attention_tensors(cfg, p))
+        if i >= cfg.n_layers:
+            t |= nextn_tensors(cfg, p)
+        t |= {p + "ffn_gate_inp.weight": (E, D), p + "ffn_gate_exps.weight": (E, F, D),
+              p + "ffn_up_exps.weight": (E, F, D), p + "ffn_down_exps.weight": (E, D, F)}
+        if S:
             t |= {p + "ffn_gate_inp_shexp.weight": (D,), p + "ffn_gate_shexp.weight": (S, D),
                   p + "ffn_up_shexp.weight": (S, D), p + "ffn_down_shexp.weight": (D, S)}
     return t
@@ -291,6 +397,8 @@ class EngineConfig:
     kernels: str = "fused"  # fused | exact (fused only for <= 4 tokens, float32-exact) | off
     decode_step: str = "graphs"  # graphs | eager | off: one-sequence decode (offload runtime)
     debug: bool = False  # check cache invariants after every layer
+    spec: int = 0  # --spec T: drafted tokens per verify window at most (0: off)
+    draft: str = "auto"  # --draft auto | ngram | mtp | PATH.gguf (strata.engine.drafters)
 
     def prefetch_count(self, n_experts_used: int) -> int:
         """--prefetch as a count: auto is AUTO_PREFETCH for CUDA decode steps, else off."""

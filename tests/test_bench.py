@@ -44,9 +44,10 @@ def test_bench_warms_up_again_while_a_prompt_path_changes(synth, tmp_path, capsy
 
     def bench(name: str, tokens: int, cache: int) -> dict:
         out = tmp_path / name
+        # (--stream-min: on the CPU device prompt chunks stream through a ring only when asked)
         code = main(["bench", str(synth("qwen3moe", "Q4_K_M")), "--offload", "on",
-                     "--expert-cache", str(cache), "--prompt-len", str(tokens), "--gen-len", "2",
-                     "--runs", "1", "--json", str(out)])
+                     "--stream-min", "2", "--expert-cache", str(cache), "--prompt-len",
+                     str(tokens), "--gen-len", "2", "--runs", "1", "--json", str(out)])
         assert code == 0, capsys.readouterr().err
         return json.loads(out.read_text())["results"][0]
 

@@ -293,39 +293,51 @@ def test_reduced_kv_types(device: str, dtype: torch.dtype, monkeypatch: pytest.M
                              torch.tensor([t], device=device), 1.0)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "q8_0"])
 def test_kv_kernels_compile_for_sm90(kv: str) -> None:
     """Without a GPU: Triton compiles the kernels that write and read the KV cache for sm_90 (its
     bundled ptxas) with each --kv-type, as the GPU will (the interpreter runs neither Triton's
-    front end nor its types). The cache's stores convert to its type; its loads back to f32."""
+    front end nor its types). The cache's stores convert to its type; its loads back to f32;
+    q8_0 stores int8 and float16 scales and reads both."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    q8 = kv == "q8_0"
+    elem = "i8" if q8 else kv
     target = GPUTarget("cuda", 90, 32)
     i32 = dict.fromkeys(("H", "C", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
                          "stride_vt", "stride_vh", "stride_qot", "stride_qoh", "stride_kcr",
-                         "stride_kch", "stride_vcr", "stride_vch"), "i32")
+                         "stride_kch", "stride_vcr", "stride_vch", "stride_ksr", "stride_ksh",
+                         "stride_vsr", "stride_vsh"), "i32")
+    scales = "*fp16" if q8 else f"*{elem}"
     sig = {"q": "*fp32", "k": "*fp32", "v": "*fp32", "qn": "*fp32", "kn": "*fp32",
-           "inv_freq": "*fp32", "pos": "*i64", "qo": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}",
-           "eps": "fp32", **i32, "HAS_QN": "constexpr", "HAS_KN": "constexpr", "HD": "constexpr",
-           "ROPE_DIM": "constexpr", "NEOX": "constexpr", "BLOCK_D": "constexpr"}
+           "inv_freq": "*fp32", "pos": "*i64", "qo": "*fp32", "kc": f"*{elem}",
+           "vc": f"*{elem}", "ks": scales, "vs": scales, "eps": "fp32", **i32,
+           "HAS_QN": "constexpr", "HAS_KN": "constexpr", "HD": "constexpr",
+           "ROPE_DIM": "constexpr", "NEOX": "constexpr", "BLOCK_D": "constexpr",
+           "Q8": "constexpr"}
     rope = triton.compile(ASTSource(dk._qk_rope_kernel, sig, constexprs={
         "HAS_QN": True, "HAS_KN": True, "HD": 128, "ROPE_DIM": 128, "NEOX": True,
-        "BLOCK_D": 128}), target=target)
+        "BLOCK_D": 128, "Q8": q8}), target=target)
     assert rope.asm["cubin"]
-    assert (f"cvt.rn.{kv}.f32" in rope.asm["ptx"]) == (kv == "bf16")  # (f16: cvt.rn.f16.f32)
-    assert ("cvt.rn.f16.f32" in rope.asm["ptx"]) == (kv == "fp16")
+    ptx = rope.asm["ptx"]
+    assert ("cvt.rn.bf16.f32" in ptx) == (kv == "bf16")
+    assert ("cvt.rn.f16.f32" in ptx) == (kv in ("fp16", "q8_0"))  # (q8_0: its scales)
+    assert ("st.global.b8" in ptx or "st.global.u8" in ptx) == q8
     i32 = dict.fromkeys(("T", "H", "S", "RB", "stride_qt", "stride_qh", "stride_kr", "stride_kh",
-                         "stride_vr", "stride_vh"), "i32")
-    sig = {"q": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}", "length": "*i64", "part_o": "*fp32",
-           "part_ml": "*fp32", "scale": "fp32", **i32, "HD": "constexpr", "G": "constexpr",
-           "MIN_CHUNK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_D": "constexpr", "STAGES": "constexpr"}
+                         "stride_vr", "stride_vh", "stride_ksr", "stride_ksh", "stride_vsr",
+                         "stride_vsh"), "i32")
+    sig = {"q": "*fp32", "kc": f"*{elem}", "vc": f"*{elem}", "ks": scales, "vs": scales,
+           "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32", "scale": "fp32", **i32,
+           "HD": "constexpr", "G": "constexpr", "MIN_CHUNK": "constexpr", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "STAGES": "constexpr",
+           "Q8": "constexpr"}
     attn = triton.compile(ASTSource(dk._attn_split_kernel, sig, constexprs={
         "HD": 128, "G": 8, "MIN_CHUNK": ops.ATTN_MIN_CHUNK, "BLOCK_M": ops.ATTN_BLOCK_M,
-        "BLOCK_N": 32, "BLOCK_D": 128, "STAGES": 2}), target=target, options={"num_warps": 8})
+        "BLOCK_N": 32, "BLOCK_D": 128, "STAGES": 2, "Q8": q8}), target=target,
+        options={"num_warps": 8})
     assert attn.asm["cubin"]
-    assert ("cvt.f32.f16" in attn.asm["ptx"]) == (kv == "fp16")
+    assert ("cvt.f32.f16" in attn.asm["ptx"]) == (kv in ("fp16", "q8_0"))
 
 
 def test_attention_splits() -> None:

@@ -37,8 +37,10 @@ def one_line_error(capsys, *argv: str, needles: tuple[str, ...] = ()) -> str:
     code = main(list(argv))
     err = capsys.readouterr().err
     assert time.monotonic() - t0 < 20, err
-    # (a model command's first line names the device it resolved; the error is the one other)
-    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("strata: device: ")]
+    # (a model command's first line names the device it resolved, and without a terminal each
+    # load stage is a line of its own; the error is the one other)
+    lines = [ln for ln in err.strip().splitlines()
+             if not ln.startswith(("strata: device: ", "strata: loading: "))]
     assert code == 2 and len(lines) == 1 and "error:" in lines[0], err
     for n in needles:
         assert n in lines[0], err

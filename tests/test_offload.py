@@ -172,7 +172,8 @@ def test_auto_cache_fills_the_room_with_a_slot_more_in_some_layers(synth):
         if rest:
             assert room - cache < min(rest), (room, cache, slots)
         # --ring-bytes auto: the ring borrows the spare during prompts, no slot takes it
-        auto = make_plan(mf, cfg, EngineConfig(ctx=256, vram_budget_gib=budget), layouts)
+        auto = make_plan(mf, cfg, EngineConfig(ctx=256, vram_budget_gib=budget, stream_min=2),
+                         layouts)  # (--stream-min: on the CPU device a ring only when asked for)
         cap = BORROW_RECORDS * max(strides) - auto.ring
         uniform = min(auto.slots_per_layer)
         free = auto.left - MARGIN  # (the plan's `left` counts the margin)
@@ -296,7 +297,8 @@ def test_plan_sizes_the_prompt_scratch_and_chunk_from_the_budget(synth):
 def test_plan_lets_the_ring_borrow_what_it_leaves(synth):
     """--ring-bytes auto: the ring may add to itself, during streamed chunks, the VRAM the plan
     leaves after every other item and the margin, up to BORROW_RECORDS of the largest records;
-    an explicit --ring-bytes borrows nothing."""
+    an explicit --ring-bytes borrows nothing. (--stream-min: on the CPU device a ring is
+    planned only when asked for.)"""
     from strata.config import ModelConfig
     from strata.engine.memory_plan import BORROW_RECORDS, MARGIN, make_plan
     from strata.experts.layout import expert_layouts
@@ -306,19 +308,20 @@ def test_plan_lets_the_ring_borrow_what_it_leaves(synth):
     cfg = ModelConfig.from_model(mf)
     layouts = expert_layouts(mf, cfg)
     largest = max(lay.stride for lay in layouts)
-    big = make_plan(mf, cfg, EngineConfig(ctx=256, expert_cache="0", vram_budget_gib=1),
-                    layouts)
+
+    def ec(**kw) -> EngineConfig:
+        return EngineConfig(ctx=256, expert_cache="0", stream_min=2, **kw)
+
+    big = make_plan(mf, cfg, ec(vram_budget_gib=1), layouts)
     assert big.ring + big.ring_borrow == BORROW_RECORDS * largest  # capped by the records
     assert "+ up to" in "\n".join(big.lines())
-    tight = make_plan(mf, cfg, EngineConfig(ctx=256, expert_cache="0"), layouts)
+    tight = make_plan(mf, cfg, ec(), layouts)
     room = tight.left - MARGIN - 3 * largest  # a budget that leaves three records over
     budget = (tight.budget - tight.left + MARGIN + 3 * largest) / 2**30
-    small = make_plan(mf, cfg, EngineConfig(ctx=256, expert_cache="0", vram_budget_gib=budget),
-                      layouts)
+    small = make_plan(mf, cfg, ec(vram_budget_gib=budget), layouts)
     # all that is left, 256-aligned: the budget holds the borrowed ring too
     assert room > 0 and 0 <= small.left - MARGIN - small.ring_borrow < 256
     assert 3 * largest - 256 < small.ring_borrow <= 3 * largest
-    fixed = make_plan(mf, cfg, EngineConfig(ctx=256, expert_cache="0", vram_budget_gib=1,
-                                            ring_bytes=big.ring), layouts)
+    fixed = make_plan(mf, cfg, ec(vram_budget_gib=1, ring_bytes=big.ring), layouts)
     assert fixed.ring == big.ring and fixed.ring_borrow == 0
     assert "+ up to" not in "\n".join(fixed.lines())

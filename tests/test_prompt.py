@@ -102,12 +102,24 @@ def test_every_pass_streams_each_routed_expert_once(pack, device, kernels):
 
 def test_ring_buffers_are_sized_per_layer(pack):
     path, _ = pack
-    e = engine(path, expert_cache="0")
+    e = engine(path, expert_cache="0", stream_min=2)  # (on the CPU a ring only when asked for)
     ring, layouts = e.model.experts.ring, e.model.experts.arena.layouts
     assert len({lay.stride for lay in layouts}) == 3
     for lay in layouts:
         bufs = ring.buffers(lay)
         assert bufs.shape == (ring.nbytes // lay.stride, lay.stride) and bufs.shape[0] >= 1
+
+
+def test_no_ring_on_the_cpu_unless_asked(pack):
+    """On the CPU device, --stream-min and --ring-bytes left to auto: no ring in the plan or the
+    executor, and --miss auto sends every miss of a prompt chunk to the CPU pool (a copy there
+    would only move host memory for torch to dequantize); the logits are the reference's."""
+    path, ref = pack
+    e = engine(path, expert_cache="2", prefill="16")
+    assert e.model.experts.ring is None and e.model.experts.planner.mode == "cpu"
+    assert_same(compute_logits(e, PROMPT), ref)
+    stats = e.model.experts.stats
+    assert stats.cpu.sum() > 0 and stats.streamed.sum() == 0
 
 
 def test_streaming_off_and_forced_on_agree(pack):

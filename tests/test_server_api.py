@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 def server(synth, tmp_path_factory):
     args = ["--model-name", MODEL, "--api-key", KEY, "--batch", "4", "--queue", "8",
             "--max-tokens", "256", "--max-body", "65536", "--watchdog", "60", "--prefill", "4",
-            "--report-dir", str(tmp_path_factory.mktemp("reports"))]
+            "--report-dir", str(tmp_path_factory.mktemp("reports")),
+            "--prefix-cache", "0"]  # (the tests count forward passes; test_prefix_cache reuses)
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with ServerProcess(synth("qwen3moe", "Q4_K_M"), args, log_path=log) as s:
         s.wait_health(lambda h: h["status"] == "ok", what="a loaded engine")
@@ -145,7 +146,8 @@ def test_client_errors(client, server):
         client.chat.completions.create(model="other", messages=HI, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+                                       tools=[{"type": "function", "function": {
+                                           "name": "f", "parameters": "an object"}}])
 
 
 def test_concurrent_requests_match_serial_runs(client, server):

@@ -62,7 +62,7 @@ def read_fields(m: _Meta, n_layers: int) -> dict[str, object]:
         raise ModelFileError(mf.path, "tensor blk.0.attn_sinks.weight is missing (needed by "
                                       "gpt-oss)")
     return dict(sliding_window=window, attn_sinks=True, rope_yarn=yarn, moe_bias=True,
-                expert_act="swiglu_oai", norm_topk=True)
+                expert_act="swiglu_oai", norm_topk=True, ffn_norm_name="post_attention_norm")
 
 
 def is_sliding(cfg: ModelConfig, index: int) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 from strata.bench.ceilings import measure
 from strata.bench.runner import DECODE_INPUTS, cell_name, run_bench
 from strata.bench.table import Cell, markdown, matrix, model_info, rows
-from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec
 from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
@@ -95,6 +95,7 @@ def cells(args: argparse.Namespace) -> list[Cell]:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_spec(args, "bench")
     tests = cells(args)
     base = engine_config(args)
     need = max(c.prompt_len + c.gen_len for c in tests)

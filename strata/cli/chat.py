@@ -18,6 +18,7 @@ from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.cli.generate import model_or_demo
 from strata.cli.limits import check_kv_memory, check_sampling
 from strata.errors import StrataError
+from strata.progress import LoadStages
 
 PROMPT = ">>> "
 HELP = "strata: /reset forgets the conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer"
@@ -104,8 +105,8 @@ class Session:
         keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # >= 1 token runs: its logits
         if self.kv is None or keep == 0:
             self.kv, keep = eng.model.new_cache(self.capacity), 0
-        self.kv.truncate(keep)
-        self.reused, self.finish = keep, ""
+        self.kv.truncate(keep)  # (a hybrid model's cache restarts below its length)
+        self.reused, self.finish = self.kv.length, ""
         self.cached = list(ids)  # and the answer: settle cuts it to what the cache holds
         for token in eng.generate(ids, params, kv=self.kv):
             self.cached.append(token)
@@ -123,7 +124,7 @@ class Session:
     def line(self, generated: int) -> str:
         st = self.engine.stats
         pre = st.prompt_tokens / st.prompt_s if st.prompt_s else 0.0
-        tok_s = st.decode_steps / st.decode_s if st.decode_s else 0.0
+        tok_s = st.decode_tok_s  # (tokens: a verify window gives several a step)
         return (f"strata: prompt {st.prompt_tokens} new tokens ({self.reused} reused) at "
                 f"{pre:.1f} tok/s; answer {generated} tokens at {tok_s:.1f} tok/s "
                 f"({self.finish})")
@@ -136,7 +137,13 @@ def run(args: argparse.Namespace) -> int:
     check_sampling(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    engine = Engine.load(model_or_demo(args.model), config=engine_config(args))
+    stages = LoadStages()
+    try:
+        engine = Engine.load(model_or_demo(args.model), config=engine_config(args),
+                             progress=stages)
+    finally:
+        stages.close()
+    engine.show_progress = True  # a long prompt: tokens done / total
     limit = min(engine.config.context_length, engine.engine_config.ctx or 4096)
     if args.max_tokens >= limit:
         raise StrataError(f"-n {args.max_tokens}: leaves no room for a prompt in the context "

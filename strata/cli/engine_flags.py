@@ -41,8 +41,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU pool threads (the cores this process may use, less one)")
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
-    g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16"],
-                   help="KV cache elements: f16 or bf16 halve its memory, keys and values "
+    g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="KV cache elements: f16 or bf16 halve its memory, q8_0 (8-bit blocks of "
+                   "32 with a scale, as llama.cpp's) takes 34/128 of it; keys and values "
                    "rounded once when stored; f16 holds magnitudes up to 65504, bf16 float32's "
                    "range with less precision (f32)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
@@ -76,8 +77,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    f"them in VRAM (0: off; auto: {AUTO_PREFETCH} where the cache holds fewer "
                    "slots a layer than a token's experts, else off; measurements: "
                    "docs/offload.md)")
+    g.add_argument("--spec", type=int, default=0, metavar="T",
+                   help="speculative decoding: up to T drafted tokens checked in one verify "
+                   "window (a forward of T+1 tokens); the window shrinks or turns off while "
+                   "few are accepted (0: off)")
+    g.add_argument("--draft", default="auto", metavar="auto|ngram|mtp|PATH.gguf",
+                   help="what drafts a window's tokens: n-grams of the context (ngram), the "
+                   "file's MTP head (mtp), a small model sharing the tokenizer (PATH.gguf); auto: "
+                   "mtp where the file has one that runs, else ngram")
 
 
+MAX_SPEC = 64  # drafted tokens a window may hold (a window is one forward pass)
 MAX_CACHE_SLOTS = 10_000_000  # far above layers x experts of any model
 MAX_CTX = 1 << 24
 
@@ -147,6 +157,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if abs(prefetch) > 1 << 16:  # (the model's own range is checked where it is built)
             raise StrataError(f"--prefetch {args.prefetch}: give auto or a count of experts "
                               "(0: off)")
+    spec = getattr(args, "spec", 0)
+    if not 0 <= spec <= MAX_SPEC:
+        raise StrataError(f"--spec {spec}: give 0 (off) to {MAX_SPEC} drafted tokens a window")
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
     return EngineConfig(
@@ -155,7 +168,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_profile=args.expert_profile, miss=args.miss, threads=threads, ctx=args.ctx,
         kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
-        cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False))
+        cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False),
+        spec=spec, draft=getattr(args, "draft", "auto"))
 
 
 def _int_flag(flag: str, text: str) -> int:
@@ -167,3 +181,10 @@ def _int_flag(flag: str, text: str) -> int:
     if not 1 <= n <= 1 << 50:
         raise StrataError(f"{flag} {text}: give auto or a positive number")
     return n
+
+
+def refuse_spec(args: argparse.Namespace, command: str) -> None:
+    """--spec drafts tokens to decode; a command that decodes none refuses it in one line."""
+    if getattr(args, "spec", 0):
+        raise StrataError(f"--spec {args.spec}: speculative decoding serves generate, chat and "
+                          f"serve; strata {command} decodes no drafted tokens, drop --spec")

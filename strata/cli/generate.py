@@ -11,6 +11,7 @@ from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import StrataError
 from strata.experts.stats import GpuTimer
+from strata.progress import LiveRate, LoadStages
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +45,14 @@ def run(args: argparse.Namespace) -> int:
     check_sampling(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    engine = Engine.load(model_or_demo(args.model), config=engine_config(args))
+    early_limits(args)  # (before the weights load: a mistyped -n fails at once)
+    stages = LoadStages()
+    try:
+        engine = Engine.load(model_or_demo(args.model), config=engine_config(args),
+                             progress=stages)
+    finally:
+        stages.close()
+    engine.show_progress = True  # a long prompt: tokens done / total
     tok = engine.tokenizer
     if args.chat is not None:  # the message's own special-token text stays text
         ids = engine.chat.encode([{"role": "user", "content": args.chat}], add_bos=False)
@@ -61,16 +69,20 @@ def run(args: argparse.Namespace) -> int:
         experts.stats.timer = GpuTimer(engine.config.n_layers)
     sys.stdout.write(text if args.chat is None else "")
     sys.stdout.flush()
-    stream = tok.stream()
-    for token in engine.generate(ids, params):
-        sys.stdout.write(stream.push(token))
-        sys.stdout.flush()
+    stream, live = tok.stream(), LiveRate()  # live tok/s where stderr is a terminal
+    try:
+        for n, token in enumerate(engine.generate(ids, params), 1):
+            live.text(stream.push(token), n)
+    finally:
+        live.close()
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
     st = engine.stats
     print(f"strata: loaded in {engine.load_s:.2f} s; prompt {st.prompt_tokens} tokens at "
           f"{st.prompt_tok_s:.1f} tok/s; generated {st.generated_tokens} tokens at "
           f"{st.decode_tok_s:.1f} tok/s ({st.finish_reason})", file=sys.stderr)
+    if args.stats and st.spec is not None:
+        print(f"strata: {st.spec.line()}", file=sys.stderr)
     if args.stats and hasattr(experts, "stats"):
         print("\n".join(experts.stats.lines()), file=sys.stderr)
         if engine.model.step is not None:
@@ -81,3 +93,19 @@ def run(args: argparse.Namespace) -> int:
         print("strata: --stats: no offload runtime (--offload off); every expert ran on "
               f"{args.device}", file=sys.stderr)
     return 0
+
+
+def early_limits(args: argparse.Namespace) -> None:
+    """-n against the model's context, from its metadata alone: a prompt takes at least one
+    token, so -n of the whole context or more can never run (the exact check, prompt included,
+    follows the load)."""
+    if args.model is None:
+        return
+    from strata.config import ModelConfig
+    from strata.gguf import open_model
+
+    ctx = ModelConfig.from_model(open_model(args.model)).context_length
+    if args.max_tokens >= ctx:
+        raise StrataError(f"-n {args.max_tokens}: a prompt and {args.max_tokens} tokens to "
+                          f"generate exceed the model's context of {ctx} tokens; give -n below "
+                          f"{ctx}")

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec
 from strata.cli.limits import check_kv_memory
 from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
@@ -43,6 +43,7 @@ def compute_logits(engine: Engine, ids: list[int]) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_spec(args, "logits")
     check_folder(args.out, "--out")  # before the model loads
     engine = Engine.load(args.model, config=engine_config(args))
     if args.tokens is not None:

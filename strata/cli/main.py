@@ -26,6 +26,9 @@ COMMANDS = {
     "synth": ("strata.cli.synth", "write a synthetic GGUF model (real layout, random weights)"),
     "serve": ("strata.cli.serve", "serve an OpenAI-compatible API (the demo model without MODEL)"),
     "bench": ("strata.cli.bench", "measure prompt and decode speed against the machine's limits"),
+    "bench-serve": ("strata.cli.bench_serve",
+                    "load a running OpenAI-compatible server with concurrent clients: TTFT, "
+                    "inter-token latency, aggregate tok/s"),
     "check": ("strata.cli.check", "compare the logits of two engine configurations"),
     "profile": ("strata.cli.profile", "record routing frequency per (layer, expert) over prompts"),
     "perplexity": ("strata.cli.perplexity",

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 
@@ -70,6 +70,7 @@ def perplexity(engine: Engine, ids: list[int], ctx: int, chunks: int = -1,
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_spec(args, "perplexity")
     args.ctx = args.ctx or 512
     if args.ctx < 4:
         raise StrataError(f"--ctx {args.ctx}: give at least 4 tokens a chunk")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec
 from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
@@ -38,6 +38,7 @@ def read_prompts(path: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_spec(args, "profile")
     prompts = read_prompts(args.prompts)
     check_folder(args.out, "--out")
     # every expert through the CPU pool: routing is what is recorded, the cache does not matter

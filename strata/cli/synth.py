@@ -18,7 +18,8 @@ from strata.units import fmt_bytes, parse_size
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output .gguf path (split sets: OUT-0000i-of-0000n.gguf)")
-    p.add_argument("--arch", choices=["qwen3moe", "qwen2moe", "llama", "gpt-oss"],
+    p.add_argument("--arch", choices=["qwen3moe", "qwen2moe", "llama", "qwen35moe", "qwen3next",
+                                      "glm4moe", "deepseek2", "gpt-oss"],
                    help="architecture (tiny preset; the real presets fix it)")
     p.add_argument("--preset", default="tiny", help=f"shape: {', '.join(PRESETS)} (tiny)")
     p.add_argument("--quant", default="Q4_K_M", help="recipe, optionally with overrides "
@@ -42,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     if args.layers is not None:
         if args.layers < 1:
             raise StrataError(f"--layers {args.layers}: give at least 1")
-        preset = replace(preset, n_layers=args.layers)
+        # (dense first layers: at most all but one, so that a routed layer remains)
+        preset = replace(preset, n_layers=args.layers,
+                         n_dense_lead=min(preset.n_dense_lead, args.layers - 1))
     try:
         split_size = parse_size(args.split_max_size)
     except ValueError:

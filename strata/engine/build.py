@@ -16,7 +16,7 @@ from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
 from strata.experts.cpu_pool import CpuPool, default_threads
-from strata.experts.layout import ExpertLayout, expert_layouts
+from strata.experts.layout import ExpertLayout, expert_layouts, first_routed
 from strata.experts.links import measure_links
 from strata.experts.offload import OffloadExperts, OffloadOptions
 from strata.experts.planner import LinkCosts, MissPlanner, check_miss_mode
@@ -68,6 +68,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{', '.join(DECODE_STEP_MODES)}")
     fused_max_t = FUSED_MAX_T[ec.kernels]
     kv_elem = kv_dtype(ec.kv_type)  # (refused before anything loads)
+    if cfg.kv_lora and ec.kv_type == "q8_0":
+        raise StrataError(f"--kv-type q8_0: {cfg.arch}'s latent cache keeps rows of f32, f16 or "
+                          "bf16; pick one of those")
     if not ec.use_offload:
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
         model.kv_dtype = kv_elem
@@ -88,7 +91,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     for line in plan.lines():
         log.info(line)
     if auto_prefetch and plan.prefetch < ec.prefetch_count(cfg.n_experts_used):
-        n = [s for s in plan.slots_per_layer if s < cfg.n_experts]
+        n = [s for s, lay in zip(plan.slots_per_layer, layouts, strict=True)
+             if s < cfg.n_experts and not lay.empty]
         log.info("--prefetch auto: off, " + (
             f"the cache holds {sum(n) / len(n):.1f} slots a layer, a token routes to "
             f"{cfg.n_experts_used} (it pays where most routed experts miss: docs/offload.md)"
@@ -118,11 +122,19 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     max_stride = max(lay.stride for lay in layouts)
     staging = torch.empty(plan.staging_slots, max_stride, dtype=torch.uint8, device=dev)
     costs = measure_links(arena, pool, staging)
+    # on the CPU device a "copy" only moves host memory for torch to dequantize: --miss auto
+    # computes every miss in the CPU pool there (an explicit --miss dma still copies)
+    miss = "cpu" if dev.type != "cuda" and ec.miss == "auto" else ec.miss
     log.info(f"miss links: CPU pool {costs.cpu_gbs:.1f} GB/s ({pool.kind}, {threads} "
-             f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses: {ec.miss}")
-    stream_min = ec.stream_min or auto_stream_min(costs, layouts[0].nbytes, cfg)
-    log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
-             f"{fmt_bytes(plan.ring)} ring")
+             f"threads), copies {costs.pcie_gbs:.1f} GB/s; misses: {ec.miss}"
+             + (" (all to the CPU pool on the CPU device)" if miss != ec.miss else ""))
+    stream_min = ec.stream_min or auto_stream_min(costs, first_routed(layouts).nbytes, cfg)
+    if plan.ring:  # (none on the CPU device unless asked for: memory_plan)
+        log.info(f"prompt chunks of {stream_min}+ tokens stream their missed experts through a "
+                 f"{fmt_bytes(plan.ring)} ring")
+    else:
+        log.info("passes of several tokens compute their missed experts in the CPU pool, from "
+                 "the arena (--stream-min N: through a ring instead)")
     for flag, n in (("--cpu-share", ec.cpu_share),
                     ("--prefetch", 0 if auto_prefetch else ec.prefetch)):
         if n and (dev.type != "cuda" or ec.decode_step == "off"):
@@ -140,8 +152,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         debug=ec.debug)
     # (the ring's grouped banks compute plain SwiGLU: experts with biases stream per buffer)
     grouped = ec.kernels == "fused" and not cfg.moe_bias
-    executor = OffloadExperts(arena, cache, MissPlanner(ec.miss, costs), pool, [staging],
-                              Ring(plan.ring, dev, grouped=grouped), options)
+    ring = Ring(plan.ring, dev, grouped=grouped) if plan.ring else None
+    executor = OffloadExperts(arena, cache, MissPlanner(miss, costs), pool, [staging],
+                              ring, options)
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
     model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"

@@ -175,6 +175,10 @@ class DecodeStep:
 
             self.inv_freq = yarn_inv_freq(self.inv_freq, cfg.rope_dim, cfg.rope_theta,
                                           cfg.rope_yarn)[0]
+        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN frequencies (as the forward's)
+            from strata.model.parts.yarn import yarn_inv_freq as deepseek_yarn
+
+            self.inv_freq = deepseek_yarn(cfg, dev)
         self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None
         self._warm: tuple[int, int] | None = None  # the storage whose eager step ran
         self._inputs_read: torch.cuda.Event | None = None
@@ -205,7 +209,9 @@ class DecodeStep:
         # the tables the graphs read hold for the whole step; the gathered layers', for their
         # counters; what the graphs hold of the slot tensors
         tables, slots = self.ex.begin_step(self.gathered_layers)
-        key = (kv.store.data_ptr(), kv.capacity, slots)
+        store = kv.store.data_ptr() if kv.state is None else (  # (+ a hybrid's recurrent state)
+            kv.store.data_ptr(), kv.state.conv.data_ptr(), kv.state.ssm.data_ptr())
+        key = (store, kv.capacity, slots)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         timer = self.ex.stats.timer

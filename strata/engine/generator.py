@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +17,7 @@ from strata.engine.sampling import SamplingParams, sample
 from strata.errors import StrataError
 from strata.gguf import open_model
 from strata.model.transformer import MoETransformer, Segment
+from strata.progress import Meter
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.waits import PROGRESS
 from strata.tokenizer import ChatTemplate, Tokenizer
@@ -29,6 +31,8 @@ class GenerationStats:
     prompt_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""
+    decode_tokens: int = 0  # tokens sampled after the first (a verify window gives several)
+    spec: object | None = None  # SpecStats (strata.engine.spec) with --spec
 
     @property
     def prompt_tok_s(self) -> float:
@@ -36,7 +40,7 @@ class GenerationStats:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,21 +72,35 @@ class Engine:
     load_s: float
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    spec: object | None = None  # a SpecDecoder (strata.engine.spec) with --spec T
+    show_progress: bool = False  # a long prompt's tokens done / total on stderr (the CLI's)
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu",
-             config: EngineConfig | None = None) -> Engine:
+    def load(cls, path: str | Path, device: str = "cpu", config: EngineConfig | None = None,
+             progress: Callable[[str, float], None] | None = None) -> Engine:
+        """progress(stage, fraction of the load) is called as each stage begins."""
         t0 = time.perf_counter()
+        say = progress or (lambda stage, fraction: None)
         ec = config or EngineConfig(device=device)
         dev = resolve_device(ec.device)
+        say("reading the model file", 0.0)
         mf = open_model(path)
         cfg = ModelConfig.from_model(mf)
+        say("tokenizer and chat template", 0.05)
         tok = Tokenizer.from_metadata(mf.metadata, source=str(mf.path))
         chat = ChatTemplate.from_metadata(mf.metadata, tok, source=str(mf.path))
+        say("weights" + (" and the expert arena" if ec.use_offload else ""), 0.1)
         model = build_model(mf, cfg, ec, dev)
+        spec = None
+        if ec.spec:
+            say("the draft for --spec", 0.95)
+            from strata.engine.spec import make_spec
+
+            spec = make_spec(ec, mf, cfg, model)
+        say("ready", 1.0)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0, ec)
+        return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0, ec, spec=spec)
 
     def check_prompt(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -117,6 +135,8 @@ class Engine:
         """The prompt in chunks through the model, appending to kv. Returns the last position's
         logits [1, V], or every position's [n, V] with all_logits."""
         chunk = self.prefill_chunk(len(ids))
+        meter = Meter("prompt", len(ids), "tokens") if self.show_progress and chunk < len(ids) \
+            else None
         out = []
         for c, start in enumerate(range(0, len(ids), chunk)):
             part = ids[start:start + chunk]
@@ -124,15 +144,20 @@ class Engine:
             out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
                                           all_logits=all_logits))
             PROGRESS.steps += 1
+            if meter is not None:
+                meter.update(start + len(part))
+        if meter is not None:
+            meter.close()
         return torch.cat(out) if all_logits else out[-1]
 
     def generate(self, prompt: list[int], params: SamplingParams,
-                 kv: KVCache | None = None) -> Iterator[int]:
+                 kv: KVCache | None = None, constraint: Any = None) -> Iterator[int]:
         """Yield generated token ids until a stop token or max_tokens; fills self.stats.
 
         kv: a cache that already holds the prompt's first kv.length tokens (a chat's earlier
         turns): only the rest run (stats.prompt_tokens counts those); it grows by every token
-        run, so after the answer it holds the prompt and the answer but its last token."""
+        run, so after the answer it holds the prompt and the answer but its last token.
+        constraint: a grammar (engine/constrain.py) that every token follows."""
         self.check_prompt(prompt, params.max_tokens)
         if kv is not None and not kv.length < len(prompt):
             raise ValueError(f"the cache holds {kv.length} tokens: at least one of the "
@@ -145,22 +170,62 @@ class Engine:
             kv = self.model.new_cache(len(prompt) + params.max_tokens)
         t0 = time.perf_counter()
         logits = self.run_prompt(prompt[done:], kv)[0]
+        if self.spec is not None and params.max_tokens and constraint is None:
+            # (a grammar masks one token at a time: a constrained answer decodes plainly)
+            yield from self._generate_spec(prompt, params, kv, gen, logits, t0)
+            return
         token = -1
         for i in range(params.max_tokens):
             if i:
                 PROGRESS.at("decode", position=kv.length)
                 logits = self.model.decode(token, kv)[0]
                 PROGRESS.steps += 1
-            token = sample(logits, params, gen)
+            token = sample(logits if constraint is None else constraint.mask(logits), params, gen)
+            if constraint is not None:
+                constraint.accept(token)
             now = time.perf_counter()
             if i == 0:
                 st.prompt_s = now - t0
             else:
                 st.decode_s += now - t0
                 st.decode_steps += 1
+                st.decode_tokens += 1
             t0 = now
             if token in self.tokenizer.stop_ids:
                 st.finish_reason = "stop"
                 return
             st.generated_tokens += 1
             yield token
+
+    def _generate_spec(self, prompt: list[int], params: SamplingParams, kv: KVCache,
+                       gen: torch.Generator | None, logits: torch.Tensor,
+                       t0: float) -> Iterator[int]:
+        """generate's loop through verify windows (strata.engine.spec): each step gives one
+        token or several."""
+        from strata.engine.spec import rollback
+
+        st, spec = self.stats, self.spec
+        spec.reset()
+        st.spec = spec.stats
+        context = list(prompt)
+        tokens = [sample(logits, params, gen)]
+        st.prompt_s = time.perf_counter() - t0
+        while True:
+            for token in tokens:
+                if token in self.tokenizer.stop_ids:
+                    st.finish_reason = "stop"
+                    kv.truncate(len(context))  # as the plain loop leaves it: drafts after the
+                    rollback(self.model, kv, len(context))  # stop token are dropped too
+                    return
+                st.generated_tokens += 1
+                context.append(token)
+                yield token
+                if st.generated_tokens == params.max_tokens:
+                    return
+            t0 = time.perf_counter()
+            PROGRESS.at("decode", position=kv.length)
+            tokens = spec.step(context, kv, params, gen, params.max_tokens - st.generated_tokens)
+            PROGRESS.steps += 1
+            st.decode_s += time.perf_counter() - t0
+            st.decode_steps += 1
+            st.decode_tokens += len(tokens)

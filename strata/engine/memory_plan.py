@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig, ModelConfig, expected_tensors, prefetch_pays
+from strata.config_hybrid import state_bytes
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
@@ -26,7 +27,7 @@ from strata.gguf import ModelFile
 from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
-from strata.runtime.kv_cache import kv_dtype
+from strata.runtime.kv_cache import kv_elem_bytes
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30
@@ -130,7 +131,7 @@ def host_available() -> int:
 def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
     total = 0
     for name, shape in expected_tensors(cfg).items():
-        if "_exps." in name:
+        if "_exps." in name or _mtp_block(cfg, name):
             continue
         ref = mf.tensors[name]
         numel = 1
@@ -139,6 +140,11 @@ def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
         keep_raw = quant and len(shape) == 2 or name == "token_embd.weight"
         total += ref.info.nbytes if keep_raw else numel * 4
     return total
+
+
+def _mtp_block(cfg: ModelConfig, name: str) -> bool:
+    """A tensor of an MTP block (blk.N. past the trunk): kept on the host, unused by the forward."""
+    return cfg.n_nextn > 0 and name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layers
 
 
 def fused_dense(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> bool:
@@ -167,10 +173,11 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     else:
         budget = host_available() // 2
     ctx = min(ec.ctx or 4096, cfg.context_length)
-    # keys and values of every layer (4 bytes each, 2 with --kv-type f16 or bf16), for each
-    # sequence decoded together
-    kv_size = kv_dtype(ec.kv_type).itemsize
-    kv_per_token = 2 * cfg.n_layers * cfg.kv_dim * kv_size * max(1, ec.sequences)
+    # the cached elements of every full-attention layer (keys and values, or MLA's latent rows;
+    # 4 bytes each, 2 with --kv-type f16 or bf16, 34/32 with q8_0), for each sequence decoded
+    # together
+    kv_size = kv_elem_bytes(ec.kv_type)
+    kv_per_token = int(cfg.n_kv_layers * cfg.kv_row * kv_size * max(1, ec.sequences))
     # (the float32 dequantizing paths: at least one float32 expert and a piece being dequantized,
     # compute.run_records; a piece of a dense matrix, weights.QuantTensor)
     workspace = max(ec.workspace_mib << 20,
@@ -198,11 +205,18 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         share = budget // 8 if budget >= 4 * GIB else budget // 16
         n_ring = max(4, min(256, share // max_stride))
     ring = ring_size(ec.ring_bytes, layouts, n_ring * max_stride)
+    if dev.type != "cuda" and ec.stream_min is None and ec.ring_bytes is None:
+        # on the CPU device a ring would copy host memory to host memory for torch to
+        # dequantize (batched decode of 8 sequences on the tiny qwen3moe: 570 tok/s so, 2,700
+        # with the misses in the CPU pool); only --stream-min / --ring-bytes ask for one there
+        ring = 0
     # --ring-bytes auto: during prompt chunks that stream, the ring grows into the VRAM the
     # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
     # shrinks back before any other pass (OffloadExperts.before_pass)
-    borrow_cap = max(0, BORROW_RECORDS * max_stride - ring) if ec.ring_bytes is None else 0
-    fixed = dense + workspace + staging + ring + MARGIN
+    borrow_cap = (max(0, BORROW_RECORDS * max_stride - ring)
+                  if ec.ring_bytes is None and ring else 0)
+    # (and a hybrid model's recurrent state, a fixed size per sequence: config_hybrid)
+    fixed = dense + workspace + staging + ring + MARGIN + state_bytes(cfg) * max(1, ec.sequences)
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(
@@ -217,7 +231,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     kv = ctx * kv_per_token
     slots = _cache_slots(cfg, ec, layouts, budget - fixed - kv, borrow_cap)
     if ec.prefetch is None and prefetch and not prefetch_pays(
-            [n for n in slots if n < cfg.n_experts], cfg.n_experts_used):
+            [n for n, lay in zip(slots, layouts, strict=True) if n < cfg.n_experts
+             and not lay.empty], cfg.n_experts_used):
         # --prefetch auto where the cache is large: off, and its rows go back to the cache
         fixed -= prefetch * max_stride
         staging_slots, staging, prefetch = cfg.n_experts_used, staging - prefetch * max_stride, 0
@@ -262,27 +277,30 @@ def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],
     (1 + 3 slots a layer), 43.9 -> 58.4 at 3 GiB (1 + 4.8), 59.4 -> 71.7 at 4 GiB (6 + 5.6),
     stayed at 107 at 6 GiB (16 + 9.6) and fell 201 -> 158 at 10 GiB (43 + 14)
     (bench/2026-11-30-h200-lend.md)."""
-    if all(n >= cfg.n_experts for n in slots):
+    full = [n >= cfg.n_experts or lay.empty for n, lay in zip(slots, layouts, strict=True)]
+    if all(full):
         return ()
     extra = _cache_slots(cfg, EngineConfig(expert_cache="auto"), layouts, workspace, 0)
-    lent = tuple(0 if n >= cfg.n_experts else max(0, min(x, cfg.n_experts - 1 - n))
-                 for n, x in zip(slots, extra, strict=True))
+    lent = tuple(0 if f else max(0, min(x, cfg.n_experts - 1 - n))
+                 for n, x, f in zip(slots, extra, full, strict=True))
     return lent if sum(lent) and 2 * sum(lent) >= sum(slots) else ()
 
 
 def _cache_slots(cfg: ModelConfig, ec: EngineConfig, layouts: list[ExpertLayout], room: int,
                  borrow_cap: int) -> list[int]:
-    """Expert cache slots per layer in `room` bytes (--expert-cache auto), or as given."""
+    """Expert cache slots per layer in `room` bytes (--expert-cache auto), or as given; none in
+    a layer without experts (a dense first layer)."""
     per_layer_set = sum(lay.stride for lay in layouts)
     E = cfg.n_experts
+    routed = [i for i, lay in enumerate(layouts) if not lay.empty]
     if ec.expert_cache == "auto":
         n = min(E, max(0, room // per_layer_set))
-        slots = [n] * cfg.n_layers
+        slots = [0 if lay.empty else n for lay in layouts]
         # what a slot in every layer no longer fits goes to one more slot in some layers,
         # smallest records first (the most slots per byte), less what the ring may borrow (at
         # small budgets all of it; with a fixed --ring-bytes that VRAM is otherwise unused)
         spare = room - n * per_layer_set - borrow_cap
-        by_size = sorted(range(cfg.n_layers), key=lambda i: (layouts[i].stride, i))
+        by_size = sorted(routed, key=lambda i: (layouts[i].stride, i))
         for i in by_size if n < E else ():
             if layouts[i].stride > spare:
                 break
@@ -296,7 +314,8 @@ def _cache_slots(cfg: ModelConfig, ec: EngineConfig, layouts: list[ExpertLayout]
                               "slots") from None
         if total < 0:
             raise StrataError(f"--expert-cache {total}: must be >= 0")
-        total = min(total, E * cfg.n_layers)
-        slots = [total // cfg.n_layers + (i < total % cfg.n_layers) for i in range(cfg.n_layers)]
+        total, slots = min(total, E * len(routed)), [0] * cfg.n_layers
+        for j, i in enumerate(routed):
+            slots[i] = total // len(routed) + (j < total % len(routed))
     return slots
 

@@ -21,6 +21,7 @@ import torch
 
 from strata.experts.layout import ExpertLayout
 from strata.gguf import ModelFile
+from strata.progress import Meter
 from strata.units import proc_kib
 
 log = logging.getLogger("strata.arena")
@@ -97,15 +98,13 @@ class Arena:
     def fill(self, mf: ModelFile, progress: bool = False) -> ArenaReport:
         """Read every expert's gate, up and down rows from the GGUF into its record."""
         t0 = time.perf_counter()
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
-                       desc="arena", leave=False)
+        bar = Meter("expert arena", self.nbytes, "bytes") if progress else None  # GiB, GiB/s
+        filled = 0
         fds: dict[str, int] = {}
         try:
             for lay, layer in zip(self.layouts, self.layers, strict=True):
+                if lay.empty:  # (a dense layer)
+                    continue
                 start = 0
                 for part, w in zip(lay.part_nbytes, ("gate", "up", "down"), strict=True):
                     ref = mf.tensors[f"blk.{lay.layer}.ffn_{w}_exps.weight"]
@@ -117,8 +116,9 @@ class Arena:
                         _pread_exact(fd, view, ref.info.offset + e * part, path)
                     _drop_cache(fd, ref.info.offset, ref.info.nbytes)
                     start += part
+                filled += layer.numel()
                 if bar is not None:
-                    bar.update(layer.numel())
+                    bar.update(filled)
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -29,10 +29,14 @@ class ExpertLayout:
     layer: int
     qtypes: tuple[int, int, int]  # gate, up, down
     d_model: int
-    d_expert: int
+    d_expert: int  # 0: a layer without experts (a dense first layer): records of 0 bytes
     # the experts' biases and activation (weights.ExpertBias: gpt-oss), float32 on the host;
     # every path that computes from records adds them (compute.run_records); None: plain SwiGLU
     bias: object | None = field(default=None, compare=False)
+
+    @property
+    def empty(self) -> bool:
+        return self.d_expert == 0
 
     @property
     def part_nbytes(self) -> tuple[int, int, int]:
@@ -61,11 +65,19 @@ class ExpertLayout:
 
 
 def expert_layouts(mf: ModelFile, cfg: ModelConfig) -> list[ExpertLayout]:
+    """One layout a layer; a dense first layer's is empty (no experts: 0 slots, 0 bytes, the
+    formats of the first routed layer's so that per-format checks read as for that one)."""
     from strata.model.weights import expert_bias
 
     out = []
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_dense_lead, cfg.n_layers):
         q = tuple(mf.tensors[f"blk.{i}.ffn_{w}_exps.weight"].qtype for w in ("gate", "up", "down"))
         bias = expert_bias(mf, cfg, i, torch.device("cpu"))
         out.append(ExpertLayout(i, q, cfg.d_model, cfg.d_expert, bias))
-    return out
+    return [ExpertLayout(i, out[0].qtypes, cfg.d_model, 0)
+            for i in range(cfg.n_dense_lead)] + out
+
+
+def first_routed(layouts: list[ExpertLayout]) -> ExpertLayout:
+    """The first layer's layout that holds experts."""
+    return next(lay for lay in layouts if not lay.empty)

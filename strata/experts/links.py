@@ -10,6 +10,7 @@ import torch
 from strata.experts.arena import Arena
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
+from strata.experts.layout import first_routed
 from strata.experts.planner import LinkCosts
 
 
@@ -25,7 +26,7 @@ def _time(fn, repeats: int = 3) -> float:  # noqa: ANN001
 
 def measure_links(arena: Arena, pool: CpuPool, staging: torch.Tensor,
                   n_experts: int = 4) -> LinkCosts:
-    lay = arena.layouts[0]
+    lay = first_routed(arena.layouts)
     D = lay.d_model
     n = min(n_experts, arena.n_experts)
     h = torch.randn(16, D)
@@ -33,7 +34,7 @@ def measure_links(arena: Arena, pool: CpuPool, staging: torch.Tensor,
 
     def cpu(tokens: int) -> None:
         groups = [Group(e, torch.arange(tokens), torch.full((tokens,), 0.1)) for e in range(n)]
-        pool.run(0, arena, groups, h[:tokens], out[:tokens])
+        pool.run(lay.layer, arena, groups, h[:tokens], out[:tokens])
 
     t1, t16 = _time(lambda: cpu(1)), _time(lambda: cpu(16))
     cpu_gbs = n * lay.nbytes / t1 / 1e9
@@ -42,7 +43,7 @@ def measure_links(arena: Arena, pool: CpuPool, staging: torch.Tensor,
 
     def copy() -> None:
         for e in range(m):
-            staging[e, : lay.stride].copy_(arena.record(0, e), non_blocking=True)
+            staging[e, : lay.stride].copy_(arena.record(lay.layer, e), non_blocking=True)
         if staging.is_cuda:
             torch.cuda.synchronize(staging.device)
 

@@ -100,6 +100,9 @@ class OffloadExperts:
         # (_streams_routed copies them all only when nearly all are used)
         self.routed_fraction: dict[int, float] = {}
         self.stats.settlers.append(self.settle_routed)
+        # a verify window's pass (strata.engine.spec sets it around the window's forward): its
+        # misses are split per expert by the tokens each serves (planned), never all streamed
+        self.window = False
 
     # ---- the options, by name -----------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class OffloadExperts:
         """The path of a layer in a pass of `tokens` tokens (strata.experts.paths)."""
         if self.resident(layer, tokens):
             return "resident"
+        if self.window:
+            return "planned"
         if self._streams_routed(layer, tokens, topk):
             return "streamed_routed"
         if self.ring is not None and tokens >= self.stream_min:

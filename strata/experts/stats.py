@@ -57,6 +57,13 @@ class OffloadStats:
         self._routed = np.zeros((L, E), np.int64)
         self._routed_dev: torch.Tensor | None = None  # counted without a host sync
 
+    def reset(self) -> None:
+        """Every counter back to zero (after a warm-up pass, say); the timer stays."""
+        self.settle()
+        self.__post_init__()
+        self.bytes_h2d = self.admissions = self.steps = 0
+        self.cpu_s = 0.0
+
     def count(self, layer: int, experts: list[int], counts: list[int]) -> None:
         self._routed[layer, experts] += counts
 

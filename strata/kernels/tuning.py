@@ -169,3 +169,45 @@ BF16_ATTENTION_MIN_T = 4
 # slots 4 gave 66.2 against 61.9 for 2 on one machine (3: 63.7 on another), and 104.3 at 4 GiB
 # against 99.3 (bench/2026-11-30-h200-lfu.md)
 AUTO_PREFETCH = 4
+
+# ---- speculative decoding (engine/drafters.py, engine/spec.py) ----------------------------------
+
+# n-gram drafts (prompt lookup): the longest suffix of the context, from NGRAM_MAX tokens down to
+# NGRAM_MIN, matched at its latest earlier place proposes the tokens that followed it there. A
+# 1-token match fires on nearly every step of prose (any repeated token) and is mostly wrong:
+# each wrong window costs a pass of T+1 tokens on the CPU for one token; suffixes past 4 tokens
+# rarely find a match a shorter one misses (estimate; the demo model's numbers: docs/spec.md)
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+# adaptive windows: the acceptance of drafted tokens, a running mean with this weight per window;
+# below SPEC_OFF_ACCEPT no windows run for SPEC_OFF_STEPS decode steps, then one probe window
+# (a drafted token accepted 1 time in 4 pays for itself only where a window of T+1 tokens costs
+# well under 1.25 decode steps: estimate)
+SPEC_ACCEPT_WEIGHT = 0.25
+SPEC_OFF_ACCEPT = 0.25
+SPEC_OFF_STEPS = 16
+# ... and likewise while a window's seconds per token (running mean, the same weight) exceed a
+# plain decode step's by this factor: a window reads the union of its tokens' experts, which on
+# a CPU can cost more than the tokens it gains (the demo model reads 12 of 16 experts a layer for
+# 5 tokens, 4 for one); 1.1 leaves room for the measured noise (estimate)
+SPEC_SLOWER = 1.1
+# each time windows turn off for being slower, the next time they stay off twice as long, up to
+# this many steps: a probe window can cost many plain steps (the demo model on the CPU offload
+# runtime: one window of 5 tokens took as long as 16 plain steps, streamed and computed in
+# float32), so probes grow rare where windows never pay
+SPEC_OFF_MAX = 1024
+
+# ---- hybrid linear attention (model/parts/delta_net.py) -----------------------------------------
+
+# tokens a chunk of the chunked gated delta rule: its [Hv, C, C] triangular solve stays small
+# while the sequential steps over a prompt drop C-fold; 64 is the chunk of fla's
+# chunk_gated_delta_rule and of transformers' torch reference (estimate: not timed here)
+DELTA_CHUNK = 64
+# one decode token's Gated DeltaNet step (kernels/gpu/delta_ops.py): value columns of S a program
+# (each program holds S[:, BV] of one head: dk x BV floats) and its warps; channels a program of
+# the conv step. Estimates: not timed yet.
+DELTA_STEP_TILE = (32, 4)
+CONV_STEP_BLOCK = 512
+# state columns a program of the chunked rule's scan over chunks (delta_ops.chunk_scan): S[:, 32]
+# of a 128-dim head is 16 KiB of registers; tl.dot wants at least 16 (estimate: not timed yet)
+CHUNK_SCAN_BV = 32

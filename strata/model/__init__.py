@@ -1,1 +1,2 @@
-"""Architectures (qwen3moe, qwen2moe, Mixtral-style llama) built from shared layers."""
+"""Architectures (qwen3moe, qwen2moe, Mixtral-style llama, qwen35moe, qwen3next) built from
+shared layers."""

@@ -1,4 +1,4 @@
-"""The MoE transformer shared by qwen3moe, qwen2moe and Mixtral-style llama.
+"""The MoE transformer shared by qwen3moe, qwen2moe, Mixtral-style llama, glm4moe and deepseek2.
 
 The architectures differ only in what ModelConfig records: RoPE style, QKV bias, per-head q/k norms,
 a gated shared expert, and whether the top-k routing weights are renormalized. Each layer is built
@@ -26,7 +26,9 @@ from strata.model.parts import Head, Layer, Segment, Segments
 from strata.model.parts.attention import BF16_ATTENTION_MIN_T
 from strata.model.parts.ffn import SharedExpert
 from strata.model.weights import LayerWeights, ModelWeights
+from strata.runtime.delta_state import DeltaState
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.latent_cache import LatentCache
 
 __all__ = ["BF16_ATTENTION_MIN_T", "MoETransformer", "Segment", "shared_expert"]
 
@@ -57,19 +59,31 @@ class MoETransformer:
         """A KV cache for `capacity` tokens (it grows past them). With a decode step, caches of
         at least the planned context come from one pool, so its graphs serve every request."""
         c = self.cfg
+        if c.kv_lora:  # deepseek2: the latent rows (runtime/latent_cache.py)
+            if self.step is None:
+                return LatentCache(c.n_layers, c.kv_row, self.device, capacity,
+                                   dtype=self.kv_dtype)
+            return LatentCache(c.n_layers, c.kv_row, self.device,
+                               max(capacity, self.step.kv_capacity), self.step.kv_pool,
+                               self.kv_dtype)
         if self.step is None:
-            return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
-                           dtype=self.kv_dtype)
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device,
-                       max(capacity, self.step.kv_capacity), self.step.kv_pool, self.kv_dtype)
+            kv = KVCache(c.n_kv_layers, c.n_kv_heads, c.head_dim, self.device, capacity,
+                         dtype=self.kv_dtype)
+        else:
+            kv = KVCache(c.n_kv_layers, c.n_kv_heads, c.head_dim, self.device,
+                         max(capacity, self.step.kv_capacity), self.step.kv_pool, self.kv_dtype)
+        if c.full_attn_interval:  # hybrid: the linear layers' recurrent state beside it
+            kv.state = DeltaState(c, self.device, self.step.kv_pool if self.step else None)
+        return kv
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, marks: object | None = None) -> torch.Tensor:
         """tokens: [T] (the segments' tokens, concatenated) -> logits float32.
 
         Returns [T, V] when all_logits, else [n_segments, V] (each segment's last position).
-        Each segment's KV cache grows by its length.
+        Each segment's KV cache grows by its length. marks: told after each layer and after
+        the head (`marks.after(i)`: a verify window's bounded wait, strata.engine.spec).
         """
         cfg = self.cfg
         if sum(s.length for s in segments) != tokens.shape[0]:
@@ -79,18 +93,27 @@ class MoETransformer:
         t0 = timer.start() if timer else None
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
-        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
+        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN
+            from strata.model.parts.yarn import rope_tables_for
+
+            cos, sin = rope_tables_for(cfg, positions)
+        else:  # (gpt-oss's YaRN: cfg.rope_yarn)
+            cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
         delta = None  # each layer's output, added by the next residual step
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             delta = layer.forward(x, delta, ctx)
+            if marks is not None:
+                marks.after(i)
         for s in segments:
             s.kv.advance(s.length)
         ends = None
         if not all_logits:
             ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
         logits = self.head.forward(x, delta, ctx, rows=ends)
+        if marks is not None:
+            marks.after(len(self.layers))
         if timer:
             timer.stop(t0)
         return logits

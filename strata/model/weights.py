@@ -9,7 +9,7 @@ dequantized on demand, one routed expert or a handful of embedding rows at a tim
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -216,11 +216,40 @@ class LayerWeights:
     ffn_gate: Weight | None = None
     ffn_up: Weight | None = None
     ffn_down: Weight | None = None
-    # gpt-oss: the attention output's bias [D], a sink logit per head [H], the router's bias
-    # [E] (the experts' own ride on ExpertWeights.bias and, offloaded, ExpertLayout.bias)
+    # sigmoid routing (glm4moe, deepseek2): added to the router's scores to choose the top K [E]
+    router_bias: torch.Tensor | None = None
+    # multi-head latent attention (deepseek2; wq is attn_q_b, or attn_q without a q LoRA, and
+    # wk, wv are None): q_a [Lq, D] and its norm [Lq], kv_a_mqa [L + R, D] and the latent's
+    # norm [L], k_b [H, L, N], v_b [H, V, L] (float32)
+    wq_a: Weight | None = None
+    q_a_norm: torch.Tensor | None = None
+    wkv_a: Weight | None = None
+    kv_a_norm: torch.Tensor | None = None
+    k_b: torch.Tensor | None = None
+    v_b: torch.Tensor | None = None
+
+    # a Gated DeltaNet mixer's weights (parts.delta_net.DeltaWeights; wq .. wo are then None)
+    delta: DeltaWeights | None = None
+    # gpt-oss: the attention output's bias [D], a sink logit per head [H], the router's logit
+    # bias [E] (the experts' own ride on ExpertWeights.bias and, offloaded, ExpertLayout.bias)
     bo: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
-    router_bias: torch.Tensor | None = None
+    router_logit_bias: torch.Tensor | None = None
+
+
+@dataclass
+class NextNWeights:
+    """A nextn (multi-token prediction) layer, kept for speculative decoding: its transformer
+    layer, eh_proj [D, 2D] over [enorm(embedding); hnorm(hidden)], and its head's norm (and
+    head and embedding where the file has its own)."""
+
+    layer: LayerWeights
+    eh_proj: Weight
+    enorm: torch.Tensor  # [D]
+    hnorm: torch.Tensor  # [D]
+    head_norm: torch.Tensor | None
+    head: Weight | None = None  # [V, D] (None: the model's output head)
+    embed: QuantTensor | None = None  # [V, D] (None: the model's embedding)
 
 
 @dataclass
@@ -229,6 +258,9 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [D]
     output: Weight  # [V, D]
+    nextn: list[NextNWeights] = field(default_factory=list)  # after the layers (glm4moe)
+    # MTP blocks (hybrid qwen35moe): each block's tensors by name without "blk.N.", in blocks
+    mtp: list[dict[str, QuantTensor]] = field(default_factory=list)
 
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
@@ -236,6 +268,7 @@ class ModelWeights:
              x8: bool = False) -> ModelWeights:
         """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
         experts=False leaves the routed experts to the offload runtime; x8: QuantTensor.x8."""
+        from strata.config_hybrid import ffn_norm_name
         from strata.model.parts.spec import layer_spec  # (parts import this module)
 
         t = mf.tensors
@@ -254,16 +287,24 @@ class ModelWeights:
             return (m(name) if matrix else d(name)) if name in t else None
 
         layers = []
-        for i in range(cfg.n_layers):
+        # (glm4moe / deepseek2's nextn layers load as layers; a hybrid's MTP blocks stay raw)
+        for i in range(cfg.n_layers + (0 if cfg.full_attn_interval else cfg.n_nextn)):
             p = f"blk.{i}."
-            attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
-                        wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
-                        wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
-                        bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
-                        q_norm=opt(p + "attn_q_norm.weight"),
-                        k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=d(p + (
-                            "post_attention_norm.weight" if cfg.arch == "gpt-oss"
-                            else "ffn_norm.weight")))
+            ffn_norm = d(p + ffn_norm_name(cfg) + ".weight")
+            if cfg.kv_lora:
+                attn = _mla_weights(cfg, p, d, m, opt) | dict(
+                    attn_norm=d(p + "attn_norm.weight"), ffn_norm=ffn_norm)
+            elif layer_spec(cfg, i).mixer == "delta":  # hybrid models' linear layers
+                attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=None, wk=None, wv=None,
+                            wo=None, bq=None, bk=None, bv=None, q_norm=None, k_norm=None,
+                            ffn_norm=ffn_norm, delta=load_delta(cfg, p, d, m))
+            else:
+                attn = dict(attn_norm=d(p + "attn_norm.weight"), wq=m(p + "attn_q.weight"),
+                            wk=m(p + "attn_k.weight"), wv=m(p + "attn_v.weight"),
+                            wo=m(p + "attn_output.weight"), bq=opt(p + "attn_q.bias"),
+                            bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
+                            q_norm=opt(p + "attn_q_norm.weight"),
+                            k_norm=opt(p + "attn_k_norm.weight"), ffn_norm=ffn_norm)
             if layer_spec(cfg, i).ffn == "dense":
                 layers.append(LayerWeights(
                     **attn, router=None, experts=None, ffn_gate=m(p + "ffn_gate.weight"),
@@ -273,7 +314,8 @@ class ModelWeights:
                                  for w in ("gate", "up", "down")),
                                bias=expert_bias(mf, cfg, i, device)) if experts else None
             if cfg.moe_bias:
-                attn |= dict(bo=d(p + "attn_output.bias"), router_bias=d(p + "ffn_gate_inp.bias"))
+                attn |= dict(bo=d(p + "attn_output.bias"),
+                             router_logit_bias=d(p + "ffn_gate_inp.bias"))
             if cfg.attn_sinks:
                 attn["sinks"] = d(p + "attn_sinks.weight")
             layers.append(LayerWeights(
@@ -282,13 +324,30 @@ class ModelWeights:
                 shared_w1=opt(p + "ffn_gate_shexp.weight", True),
                 shared_w3=opt(p + "ffn_up_shexp.weight", True),
                 shared_w2=opt(p + "ffn_down_shexp.weight", True),
+                router_bias=opt(p + "exp_probs_b.bias"),
             ))
         if device.type == "cuda":  # (on the CPU the matrices stay views of the file's pages)
             for lw in layers:
-                fuse_qkv(lw)
+                if lw.wk is not None:  # (MLA and Gated DeltaNet layers have no k / v)
+                    fuse_qkv(lw)
+        layers, nextn_layers = layers[:cfg.n_layers], layers[cfg.n_layers:]
+        nextn = []
+        for i, lw in enumerate(nextn_layers, cfg.n_layers):
+            p = f"blk.{i}.nextn."
+            nextn.append(NextNWeights(
+                lw, m(p + "eh_proj.weight"), d(p + "enorm.weight"), d(p + "hnorm.weight"),
+                opt(p + "shared_head_norm.weight"), opt(p + "shared_head_head.weight", True),
+                QuantTensor.load(t[p + "embed_tokens.weight"], device)
+                if p + "embed_tokens.weight" in t else None))
         embed = QuantTensor.load(t["token_embd.weight"], device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
-        return cls(embed, layers, d("output_norm.weight"), output)
+        # a hybrid model's MTP blocks (cfg.n_nextn) kept as they are in the file (views of its
+        # pages), unused by the forward: speculative decoding reads them
+        mtp = [{n[len(f"blk.{j}."):]: QuantTensor.load(ref, torch.device("cpu"))
+                for n, ref in t.items() if n.startswith(f"blk.{j}.")}
+               for j in range(cfg.n_layers, cfg.n_layers + cfg.n_nextn)
+               ] if cfg.full_attn_interval else []
+        return cls(embed, layers, d("output_norm.weight"), output, nextn, mtp)
 
 
 def expert_bias(mf: ModelFile, cfg: ModelConfig, layer: int,
@@ -300,3 +359,74 @@ def expert_bias(mf: ModelFile, cfg: ModelConfig, layer: int,
     p = f"blk.{layer}."
     g, u, dn = (dense(mf.tensors[p + f"ffn_{w}_exps.bias"], device) for w in ("gate", "up", "down"))
     return ExpertBias(g, u, dn, cfg.expert_act)
+
+
+def _mla_weights(cfg: ModelConfig, p: str, d, m, opt) -> dict:  # noqa: ANN001 (load's readers)
+    """Layer p's latent attention weights (LayerWeights fields); an older file's attn_kv_b
+    [H * (N + V), L] is split into k_b [H, L, N] and v_b [H, V, L] here."""
+    H, N, V = cfg.n_heads, cfg.head_dim - cfg.rope_dim, cfg.d_v
+    if cfg.mla_split:
+        k_b, v_b = d(p + "attn_k_b.weight"), d(p + "attn_v_b.weight")
+    else:
+        kv_b = d(p + "attn_kv_b.weight").view(H, N + V, cfg.kv_lora)
+        k_b, v_b = kv_b[:, :N].transpose(1, 2).contiguous(), kv_b[:, N:].contiguous()
+    lora = cfg.q_lora > 0
+    return dict(wq=m(p + ("attn_q_b.weight" if lora else "attn_q.weight")), wk=None, wv=None,
+                wo=m(p + "attn_output.weight"), bq=None, bk=None, bv=None, q_norm=None,
+                k_norm=None, wq_a=m(p + "attn_q_a.weight") if lora else None,
+                q_a_norm=opt(p + "attn_q_a_norm.weight"), wkv_a=m(p + "attn_kv_a_mqa.weight"),
+                kv_a_norm=d(p + "attn_kv_a_norm.weight"), k_b=k_b, v_b=v_b)
+
+
+# ---- a Gated DeltaNet layer's weights (hybrid models: config_hybrid, parts/delta_net.py) ----
+
+
+@dataclass
+class DeltaWeights:
+    """One linear layer's weights, the value heads in the file's order (`tiled`: value head j
+    reads key head j % Hk, else j // (Hv/Hk))."""
+
+    qkv: Weight  # [C, D]: q [Hk*dk], k [Hk*dk], v [Hv*dv]
+    z: Weight  # [Hv*dv, D] the output gate
+    beta: Weight  # [Hv, D]
+    alpha: Weight  # [Hv, D]
+    conv: torch.Tensor  # [C, K]
+    dt_bias: torch.Tensor  # [Hv]
+    a: torch.Tensor  # [Hv] = -exp(A_log)
+    norm: torch.Tensor  # [dv]
+    out: Weight  # [D, Hv*dv]
+    tiled: bool
+
+
+def take_rows(w: Weight, rows: torch.Tensor) -> Weight:
+    """The rows `rows` of a matrix, dense or in GGUF blocks (each row is whole blocks)."""
+    return w[rows] if isinstance(w, torch.Tensor) else replace(w, raw=w.raw[rows])
+
+
+def load_delta(cfg: ModelConfig, p: str, d, m) -> DeltaWeights:  # noqa: ANN001 (loaders)
+    """Layer `p`'s weights (d: a float32 tensor, m: a matrix, by tensor name). qwen3next's
+    ssm_in / ssm_ba interleave q, k, v, z (and beta, alpha) per key head: their rows are taken
+    apart here, once."""
+    hk, hv, dk = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state
+    r = hv // hk
+    if cfg.ssm_layout == "next":
+        w = m(p + "ssm_in.weight")  # per key head: q dk, k dk, v r*dk, z r*dk rows
+        block = torch.arange(hk)[:, None] * (2 * dk + 2 * r * dk)
+
+        def span(lo: int, n: int) -> torch.Tensor:  # rows lo .. lo+n of every key head's block
+            return (block + lo + torch.arange(n)).flatten()
+
+        qkv = take_rows(w, torch.cat([span(0, dk), span(dk, dk), span(2 * dk, r * dk)]))
+        z = take_rows(w, span(2 * dk + r * dk, r * dk))
+    else:
+        qkv, z = m(p + "attn_qkv.weight"), m(p + "attn_gate.weight")
+    if cfg.ssm_layout == "qwen35":  # (Hv rows each: float32 like the router)
+        beta, alpha = d(p + "ssm_beta.weight"), d(p + "ssm_alpha.weight")
+    else:  # ssm_ba: per key head r betas, then r alphas
+        ba = d(p + "ssm_ba.weight")
+        block = torch.arange(hk)[:, None] * (2 * r)
+        beta = take_rows(ba, (block + torch.arange(r)).flatten())
+        alpha = take_rows(ba, (block + r + torch.arange(r)).flatten())
+    return DeltaWeights(qkv, z, beta, alpha, d(p + "ssm_conv1d.weight"), d(p + "ssm_dt.bias"),
+                        d(p + "ssm_a"), d(p + "ssm_norm.weight"), m(p + "ssm_out.weight"),
+                        tiled=cfg.ssm_layout == "qwen35")

@@ -1,8 +1,11 @@
 """Per-sequence KV cache: keys and values of every layer in one tensor (float32, or float16 /
-bfloat16 with --kv-type, half the bytes), grown by doubling.
+bfloat16 with --kv-type, half the bytes, or q8_0: 8-bit blocks of 32 with a float16 scale, as
+llama.cpp's q8_0, 34 bytes a 32), grown by doubling.
 
     store: [2, L, capacity, Hkv, hd]     k[layer] = store[0, layer], v[layer] = store[1, layer]
            rows 0 .. length-1 hold the sequence's keys and values so far
+    scales: [2, L, capacity, Hkv, hd/32] q8_0 only (float16): ks[layer], vs[layer]; a row's
+           element d is store[..., d] * scales[..., d // 32]
 
 One storage tensor means one address identifies every layer's rows: a captured decode step
 (strata.engine.decode_step) is valid for a cache as long as `store` has not moved. A KVPool hands
@@ -19,8 +22,10 @@ import torch
 from strata.errors import StrataError
 
 # --kv-type: the cache's element type. Keys and values are computed in float32 and rounded once,
-# when stored; attention reads them back as float32.
-KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# when stored; attention reads them back as float32. q8_0's elements are int8 with a scale.
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+            "q8_0": torch.int8}
+Q8_BLOCK = 32  # q8_0: elements per scale
 
 
 def kv_dtype(kv_type: str) -> torch.dtype:
@@ -28,6 +33,31 @@ def kv_dtype(kv_type: str) -> torch.dtype:
     if kv_type not in KV_TYPES:
         raise StrataError(f"--kv-type {kv_type}: choose one of {', '.join(KV_TYPES)}")
     return KV_TYPES[kv_type]
+
+
+def kv_elem_bytes(kv_type: str) -> float:
+    """Bytes a key or value element takes in the cache (q8_0: 34 bytes a block of 32)."""
+    if kv_dtype(kv_type) == torch.int8:
+        return (Q8_BLOCK + 2) / Q8_BLOCK
+    return kv_dtype(kv_type).itemsize
+
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] (n a multiple of 32) -> (int8 [..., n], float16 scales [..., n/32]) as
+    llama.cpp's q8_0: d = max|x| / 127 over each block of 32, q = round(x / d) (half away from
+    zero, through 1/d in float32), d stored as float16."""
+    b = x.float().reshape(*x.shape[:-1], x.shape[-1] // Q8_BLOCK, Q8_BLOCK)  # [..., n/32, 32]
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = b * inv
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    return q.to(torch.int8).reshape(x.shape), d[..., 0].to(torch.float16)
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8 [..., n], float16 [..., n/32] -> float32 [..., n]"""
+    b = q.float().reshape(*q.shape[:-1], q.shape[-1] // Q8_BLOCK, Q8_BLOCK) * d.float()[..., None]
+    return b.reshape(q.shape)
 
 
 class KVPool:
@@ -55,22 +85,31 @@ class KVCache:
                  dtype: torch.dtype = torch.float32):
         self.shape = (n_kv_heads, head_dim)
         self.dtype = dtype
+        self.quantized = dtype == torch.int8  # q8_0: int8 rows and their scales
+        if self.quantized and head_dim % Q8_BLOCK:
+            raise StrataError(f"--kv-type q8_0: the head dimension {head_dim} is not a multiple "
+                              f"of {Q8_BLOCK}; pick f16 or bf16")
         self.n_layers = n_layers
         self.device = device
         self.length = 0
         self.pool = pool
         self._release = None
+        self.state = None  # a hybrid model's DeltaState (strata.runtime.delta_state), or None
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
         shape = (2, self.n_layers, capacity, *self.shape)
-        if self.pool is None:
-            self.store = torch.empty(shape, dtype=self.dtype, device=self.device)
-        else:
-            self.store = self.pool.take(shape, self.device, self.dtype)
-            self._release = weakref.finalize(self, self.pool.give, self.store)
+        sshape = (*shape[:-1], self.shape[1] // Q8_BLOCK)
+        take = (self.pool.take if self.pool is not None
+                else lambda s, dev, dt: torch.empty(s, dtype=dt, device=dev))
+        self.store = take(shape, self.device, self.dtype)
+        self.scales = take(sshape, self.device, torch.float16) if self.quantized else None
+        if self.pool is not None:
+            self._release = weakref.finalize(self, _give, self.pool, self.store, self.scales)
         self.k = list(self.store[0].unbind(0))
         self.v = list(self.store[1].unbind(0))
+        self.ks = list(self.scales[0].unbind(0)) if self.quantized else None
+        self.vs = list(self.scales[1].unbind(0)) if self.quantized else None
 
     @property
     def capacity(self) -> int:
@@ -78,16 +117,28 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.store.numel() * self.store.element_size()
+        scales = self.scales.numel() * 2 if self.quantized else 0
+        return self.store.numel() * self.store.element_size() + scales
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               read: bool = True) -> tuple[torch.Tensor, ...]:
         """Write k, v [t, Hkv, hd] at rows length.. (not yet committed, rounded to the cache's
-        type); return all keys/values up to them, [length + t, Hkv, hd] in the cache's type."""
+        type); return all keys/values up to them, [length + t, Hkv, hd] in the cache's type
+        (q8_0: dequantized to float32, unless not `read`: then nothing is returned)."""
         end = self.length + k.shape[0]
         if end > self.capacity:
             self._grow(end)
-        self.k[layer][self.length:end] = k
-        self.v[layer][self.length:end] = v
+        rows = slice(self.length, end)
+        if self.quantized:  # (returned as float32, dequantized)
+            for rows_q, rows_d, x in ((self.k[layer], self.ks[layer], k),
+                                      (self.v[layer], self.vs[layer], v)):
+                rows_q[rows], rows_d[rows] = quantize_q8_0(x)
+            if not read:
+                return None, None
+            return (dequantize_q8_0(self.k[layer][:end], self.ks[layer][:end]),
+                    dequantize_q8_0(self.v[layer][:end], self.vs[layer][:end]))
+        self.k[layer][rows] = k
+        self.v[layer][rows] = v
         return self.k[layer][:end], self.v[layer][:end]
 
     def advance(self, n: int) -> None:
@@ -95,7 +146,11 @@ class KVCache:
         self.length += n
 
     def truncate(self, length: int) -> None:
-        """Forget everything after `length` tokens (e.g. rejected draft tokens)."""
+        """Forget everything after `length` tokens (e.g. rejected draft tokens). A recurrent
+        state cannot be rewound: with one, a shorter length forgets everything."""
+        if self.state is not None and length < self.length:
+            self.state.reset()
+            length = 0
         self.length = min(self.length, length)
 
     def reserve(self, need: int) -> None:
@@ -104,8 +159,16 @@ class KVCache:
             self._grow(need)
 
     def _grow(self, need: int) -> None:
-        old, release = self.store, self._release
+        old, old_scales, release = self.store, self.scales, self._release
         self._alloc(max(need, 2 * self.capacity))
         self.store[:, :, : self.length] = old[:, :, : self.length]
+        if self.quantized:
+            self.scales[:, :, : self.length] = old_scales[:, :, : self.length]
         if release is not None:
             release()  # the old storage back to the pool
+
+
+def _give(pool: KVPool, store: torch.Tensor, scales: torch.Tensor | None) -> None:
+    pool.give(store)
+    if scales is not None:
+        pool.give(scales)

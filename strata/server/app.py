@@ -39,6 +39,13 @@ from strata.server.protocol import Accepted, Delta, Failed, Finished, Submit
 from strata.server.responses import Builder, sse
 from strata.server.scheduler import Job, new_request_id
 from strata.server.supervisor import Supervisor
+from strata.server.tool_calls import (
+    call_grammar,
+    forced_prefix,
+    format_of,
+    parse,
+    parser_for,
+)
 from strata.server.validation import ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("strata.serve")
@@ -162,9 +169,13 @@ class API:
             if req.model is not None:
                 self._check_model(req.model, "model")
             self.sup.check_ready()
+            fmt, prefix = self._call_format(req, kind)
             if kind == "chat" and self.sup.chat is not None:
-                await self._render(req)
-            job = Job(self._submit(req, kind))
+                await self._render(req, prefix)
+                prefix_left = ""
+            else:
+                prefix_left = prefix  # the engine renders: it writes the prefix too
+            job = Job(self._submit(req, kind, fmt is not None, prefix_left))
             self.sup.scheduler.submit(job)
             first = await self._next(job, request)
             if first is None:
@@ -177,23 +188,45 @@ class API:
             b = Builder(kind, job.rid, self.cfg.served_name, req.include_usage)
             if req.stream:  # 200 from here on; a later failure is an event in the stream
                 response: Response = StreamingResponse(
-                    self._stream(job, b), media_type="text/event-stream",
+                    self._stream(job, b, fmt, req.tools, prefix), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.rid})
             else:
-                response = await self._collect(job, b, request)
+                response = await self._collect(job, b, request, fmt, req.tools, prefix)
         except APIError as e:
             self.metrics.request(endpoint, e.status)
             raise
         self.metrics.request(endpoint, response.status_code)
         return response
 
-    def _submit(self, req: ParsedRequest, kind: str) -> Submit:
+    def _submit(self, req: ParsedRequest, kind: str, keep_special: bool = False,
+                prefix: str = "") -> Submit:
         rid = new_request_id("chatcmpl" if kind == "chat" else "cmpl")
         where = "messages" if kind == "chat" else "prompt"
         return Submit(rid, req.messages, req.prompt, req.sampling, req.max_tokens,
-                      self.cfg.max_tokens, req.stop, req.ignore_eos, req.template_kwargs, where)
+                      self.cfg.max_tokens, req.stop, req.ignore_eos, req.template_kwargs, where,
+                      keep_special, prefix, req.grammar)
 
-    async def _render(self, req: ParsedRequest) -> None:
+    def _call_format(self, req: ParsedRequest, kind: str) -> tuple[str | None, str]:
+        """The call format to parse the answer with (None: plain text), and the start of a call
+        written after the prompt when tool_choice requires one (tool_calls.py)."""
+        if kind != "chat":
+            return None, ""
+        fmt = format_of(getattr(self.sup.chat, "template", None))
+        if not (req.tools and req.tool_choice != "none") and fmt != "harmony":
+            return None, ""
+        if req.tool_choice != "required":
+            return fmt, ""
+        from strata.engine import constrain
+
+        lark = call_grammar(fmt, req.tools or [], req.tool_name)
+        if lark is not None and req.grammar is None and constrain.available():
+            try:
+                req.grammar = constrain.lark_grammar(lark)  # the arguments follow the schema
+            except StrataError as e:
+                raise bad_request(f"tools: a function's parameters: {e}", "tools") from None
+        return fmt, forced_prefix(fmt, req.tool_name)
+
+    async def _render(self, req: ParsedRequest, prefix: str = "") -> None:
         """Chat messages -> prompt token ids here, in a worker thread with the template's
         deadline and size cap (strata.tokenizer.chat), so that a runaway template fails its own
         request with a 400 and never holds up the engine; a few renders run at a time."""
@@ -202,6 +235,8 @@ class API:
             try:
                 ids = await asyncio.to_thread(chat.encode, req.messages, True,
                                               **req.template_kwargs)
+                if prefix:
+                    ids += chat.tokenizer.encode(prefix, False, True)
             except StrataError as e:
                 raise bad_request(str(e), "messages", "invalid_template") from None
             except RecursionError:
@@ -209,8 +244,9 @@ class API:
                                   "messages") from None
         req.messages, req.prompt = None, ids
 
-    async def _collect(self, job: Job, b: Builder, request: Request) -> Response:
-        parts: list[str] = []
+    async def _collect(self, job: Job, b: Builder, request: Request, fmt: str | None = None,
+                       tools: list | None = None, prefix: str = "") -> Response:
+        parts: list[str] = [prefix]
         while True:
             ev = await self._next(job, request)
             if ev is None:
@@ -221,27 +257,53 @@ class API:
                 parts.append(ev.text)
                 log.info("%s: %s, %d + %d tokens", job.rid, ev.finish_reason, ev.prompt_tokens,
                          ev.completion_tokens)
-                return JSONResponse(b.full("".join(parts), ev.finish_reason, ev.prompt_tokens,
-                                           ev.completion_tokens), headers={"X-Request-Id": job.rid})
+                text, reasoning, calls = "".join(parts), "", ()
+                if fmt is not None:
+                    got = parse(fmt, text, tools)
+                    text, reasoning, calls = got.content, got.reasoning, got.calls
+                finish = "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
+                return JSONResponse(b.full(text, finish, ev.prompt_tokens, ev.completion_tokens,
+                                           reasoning, calls, ev.cached_tokens),
+                                    headers={"X-Request-Id": job.rid})
             else:
                 raise as_error(ev)
 
-    async def _stream(self, job: Job, b: Builder) -> AsyncIterator[bytes]:
+    async def _stream(self, job: Job, b: Builder, fmt: str | None = None,
+                      tools: list | None = None, prefix: str = "") -> AsyncIterator[bytes]:
         done = False
+        parser = parser_for(fmt, tools) if fmt is not None else None
+        calls = 0
+        if parser is not None:
+            parser.push(prefix)  # an open call: nothing comes out of it yet
+
+        def chunks(text: str, last: bool = False) -> list[bytes]:
+            nonlocal calls
+            if parser is None:
+                return [b.chunk(text)] if text else []
+            out = []
+            for kind, value in parser.push(text) + (parser.flush() if last else []):
+                out += _event_chunks(b, kind, value, calls)
+                calls += kind == "call"
+            return out
+
         try:
             if b.kind == "chat":
                 yield b.chunk(None, first=True)
             while True:
                 ev = await self._next(job)
                 if isinstance(ev, Delta):
-                    yield b.chunk(ev.text)
+                    for c in chunks(ev.text):
+                        yield c
                     continue
                 if isinstance(ev, Finished):
-                    if ev.text:
-                        yield b.chunk(ev.text)
-                    yield b.chunk(None, finish=ev.finish_reason)
+                    for c in chunks(ev.text, last=True):
+                        yield c
+                    finish = ev.finish_reason
+                    yield b.chunk(None, finish="tool_calls" if calls and finish == "stop"
+                                  else finish)
                     if b.include_usage:
-                        yield b.usage_chunk(ev.prompt_tokens, ev.completion_tokens)
+                        yield b.usage_chunk(ev.prompt_tokens, ev.completion_tokens,
+                                            ev.cached_tokens)
                     log.info("%s: %s, %d + %d tokens (streamed)", job.rid, ev.finish_reason,
                              ev.prompt_tokens, ev.completion_tokens)
                 else:  # the headers are gone: the error travels as an event, then [DONE]
@@ -344,6 +406,19 @@ class API:
 @functools.cache
 def _chat_page() -> str:
     return (importlib.resources.files("strata.server") / "static" / "chat.html").read_text("utf-8")
+
+
+def _event_chunks(b: Builder, kind: str, value: Any, index: int) -> list[bytes]:
+    """A parser's event as stream chunks; a call as OpenAI sends one: its id and name with empty
+    arguments, then the arguments."""
+    if kind == "content":
+        return [b.chunk(value)]
+    if kind == "reasoning":
+        return [b.delta({"reasoning_content": value})]
+    head = {"index": index, "id": value.id, "type": "function",
+            "function": {"name": value.name, "arguments": ""}}
+    return [b.delta({"tool_calls": [head]}),
+            b.delta({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})]
 
 
 def _depth(value: Any) -> int:

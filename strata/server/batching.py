@@ -7,7 +7,12 @@ One step (`BatchRunner.step`):
     forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each  -> [B, V]
     sample   each sequence with its own torch.Generator, so a seed gives the same text whether
              the request ran alone or beside others
-    finish   a stop token, max_tokens or a stop string ends a sequence: Finished, KV cache dropped
+    finish   a stop token, max_tokens or a stop string ends a sequence: Finished, its KV rows
+             kept in the prefix cache (prefix_cache.py) for a later prompt that starts alike
+
+With --spec T (strata.engine.spec) a step of one decoding sequence is a verify window, which may
+give several tokens; a step of several sequences decodes one token each (no windows in batched
+decode).
 
 Legend: B sequences in the step, V vocab.
 """
@@ -19,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +35,7 @@ from strata.model.transformer import Segment
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.waits import PROGRESS, StallError
 from strata.server.faults import FaultTrigger
+from strata.server.prefix_cache import PrefixCache
 from strata.server.protocol import (
     Accepted,
     Cancel,
@@ -61,13 +68,18 @@ class Sequence:
     generated: int = 0
     decode_steps: int = 0
     prefilled: bool = field(default=False)
+    constraint: Any = None  # strata.engine.constrain.Constraint: response_format's grammar
+    context: list[int] = field(default_factory=list)  # the prompt and the tokens generated
+    cached: int = 0  # prompt tokens whose KV rows came from the prefix cache
 
 
 class BatchRunner:
-    def __init__(self, engine: Engine, send: Callable[[object], None], faults: FaultTrigger):
+    def __init__(self, engine: Engine, send: Callable[[object], None], faults: FaultTrigger,
+                 prefix_cache_bytes: int = 0):
         self.engine = engine
         self.send = send
         self.faults = faults
+        self.prefix = PrefixCache(prefix_cache_bytes)
         self.seqs: dict[str, Sequence] = {}
         self.stage = "idle"
 
@@ -94,7 +106,9 @@ class BatchRunner:
     def cancel(self, rid: str) -> None:
         seq = self.seqs.pop(rid, None)  # dropping the sequence frees its KV cache
         if seq is not None:
-            self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated))
+            self.prefix.store(seq.context, seq.kv)  # (the rows written so far are whole)
+            self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated,
+                               cached_tokens=seq.cached))
 
     def step(self) -> None:
         batch = list(self.seqs.values())
@@ -104,12 +118,17 @@ class BatchRunner:
         self.send(Progress(self.stage, self._detail(batch, take), state=self.state()))
         PROGRESS.at(self.stage, position=batch[0].kv.length)
         t0 = time.perf_counter()
+        spec, window = getattr(self.engine, "spec", None), None
         tokens = torch.tensor([t for s in batch for t in take[s.rid]])  # [sum of takes]
         segments = [Segment(s.kv, len(take[s.rid])) for s in batch]
         try:
             for s in batch:  # injected faults strike inside the step, as real ones would
                 self.faults.at(*(("decode", s.decode_steps + 1) if s.prefilled else ("prefill",)))
-            if len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
+            if (len(batch) == 1 and not prompt and len(tokens) == 1 and spec is not None
+                    and batch[0].constraint is None):  # (a grammar masks one token at a time)
+                window = self._window(spec, batch[0])  # one sequence: a verify window
+                logits = []
+            elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
                 logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
             else:
                 logits = self.engine.model.forward(tokens, segments)  # [B, V]
@@ -125,19 +144,52 @@ class BatchRunner:
                                  f"{type(e).__name__}: {e}"))
             return
         PROGRESS.steps += 1
-        for s, row in zip(batch, logits, strict=True):
+        if window is not None:
+            s, out = batch[0], window[0]
+            s.pending, s.decode_steps = [], s.decode_steps + 1
+            for token in out:  # a stop ends the sequence (its KV cache with it) mid-window
+                if s.rid in self.seqs:
+                    self._advance(s, token)
+        for s, row in zip(batch if window is None else [], logits, strict=True):
             s.pending = s.pending[len(take[s.rid]):]
             if s.pending:
                 continue  # more prompt chunks to come: this chunk's logits are not needed
             if s.prefilled:
                 s.decode_steps += 1
             s.prefilled = True
-            self._advance(s, sample(row, s.params, s.gen))
+            try:
+                token = self._sample(s, row)
+            except StrataError as e:  # the grammar failed: that request fails, the rest go on
+                self.seqs.pop(s.rid, None)
+                self.send(Failed(s.rid, 500, f"constrained decoding failed: {e}"))
+                continue
+            self._advance(s, token)
         stats = getattr(self.engine.model.experts, "stats", None)
-        self.send(StepDone(sum(len(take[s.rid]) for s in prompt), len(batch) - len(prompt),
+        decoded = len(batch) - len(prompt) if window is None else len(window[0])
+        self.send(StepDone(sum(len(take[s.rid]) for s in prompt), decoded,
                            time.perf_counter() - t0, self.active,
-                           getattr(stats, "hit_rate", None)))
+                           getattr(stats, "hit_rate", None),
+                           *((window[1], window[2]) if window else ())))
         self.stage = "decode" if self.seqs else "idle"
+
+    def _window(self, spec, s: Sequence) -> tuple[list[int], int, int]:  # noqa: ANN001
+        """One decode step of `s` through spec (a SpecDecoder): (tokens, drafted, accepted).
+        Injected verify faults strike inside the window, after its marks exist."""
+        if spec.sequence != s.rid:
+            spec.new_sequence(s.rid)
+        n = spec.stats.windows
+        spec.before_window = lambda marks: self.faults.at("verify", n + 1, window=marks)
+        drafted, accepted = spec.stats.drafted, spec.stats.accepted
+        out = spec.step(s.context, s.kv, s.params, s.gen, s.max_tokens - s.generated)
+        return out, spec.stats.drafted - drafted, spec.stats.accepted - accepted
+
+    def _sample(self, s: Sequence, row: torch.Tensor) -> int:
+        """The next token from logits [V]; with a grammar, only one it allows (the rest at -inf)."""
+        c = s.constraint
+        token = sample(row if c is None else c.mask(row), s.params, s.gen)
+        if c is not None:
+            c.accept(token)
+        return token
 
     def _take(self, s: Sequence) -> list[int]:
         """A decoding sequence's last token, or the next chunk of a prompt (--prefill)."""
@@ -168,10 +220,12 @@ class BatchRunner:
         return f"{len(batch)} sequence(s): " + "; ".join(parts)
 
     def _advance(self, s: Sequence, token: int) -> None:
-        if token in self.engine.tokenizer.stop_ids and not s.ignore_eos:
+        ends = not s.ignore_eos or s.constraint is not None  # a grammar's EOS ends it
+        if token in self.engine.tokenizer.stop_ids and ends:
             self._finish(s, "stop")
             return
         s.generated += 1
+        s.context.append(token)
         text = s.stops.push(s.stream.push(token))
         if text:
             self.send(Delta(s.rid, text, s.generated))
@@ -189,7 +243,8 @@ class BatchRunner:
             tail += s.stops.flush()
             reason = "stop" if s.stops.stopped else reason
         del self.seqs[s.rid]
-        self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail))
+        self.prefix.store(s.context, s.kv)
+        self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail, s.cached))
 
     def _make_sequence(self, sub: Submit) -> Sequence:
         eng = self.engine
@@ -197,6 +252,8 @@ class BatchRunner:
         try:
             if sub.messages is not None:
                 ids = eng.chat.encode(sub.messages, True, **sub.template_kwargs)
+                if sub.prefix:
+                    ids += eng.tokenizer.encode(sub.prefix, False, True)
             elif isinstance(sub.prompt, str):
                 ids = eng.tokenizer.encode(sub.prompt)
             else:
@@ -226,9 +283,20 @@ class BatchRunner:
         else:
             gen.seed()
         capacity = len(ids) + min(max_tokens, _KV_START)  # grows by doubling when needed
-        return Sequence(sub.rid, len(ids), max_tokens, params, gen, eng.model.new_cache(capacity),
-                        eng.tokenizer.stream(skip_special=True), StopText(sub.stop), ids,
-                        sub.ignore_eos)
+        constraint = None
+        if sub.grammar is not None:
+            from strata.engine.constrain import Constraint
+
+            try:
+                constraint = Constraint(sub.grammar, eng.tokenizer, eng.config.n_vocab)
+            except StrataError as e:
+                raise _Reject(str(e), "response_format") from None
+        stream = eng.tokenizer.stream(skip_special=not sub.keep_special)
+        kv = eng.model.new_cache(capacity)
+        cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 filled from an earlier request
+        return Sequence(sub.rid, len(ids), max_tokens, params, gen, kv, stream,
+                        StopText(sub.stop), ids[cached:], sub.ignore_eos, constraint=constraint,
+                        context=list(ids), cached=cached)
 
 
 class _Reject(Exception):

@@ -51,6 +51,8 @@ class ServeConfig:
     report_dir: str = "."
     template_timeout: float = 5.0
     head_timeout: float = 10.0
+    prefix_cache: float = 1.0
+    warmup: int = 1
     env: dict[str, str] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=lambda: dict(ENGINE_DEFAULTS))
 
@@ -109,12 +111,17 @@ HELP = {
                         "longer fails that request with HTTP 400 (5)",
     "head_timeout": "seconds a connection may stay open without a request running before it "
                     "sends a whole request head; then it is closed (10)",
+    "warmup": "1: run a short prompt and a few decode steps at load, so that kernels are built "
+              "and decode graphs captured before the first request; 0: off (1)",
+    "prefix_cache": "GiB of host RAM for finished requests' keys and values: a prompt that "
+                    "starts like one of them computes only the rest (1; 0: off)",
 }
 _LIMITS = {"port": (0, 65535), "batch": (1, 256), "queue": (0, 100_000),
            "max_tokens": (1, 1 << 24), "max_body": (1024, 1 << 30), "watchdog": (0.5, 86400),
            "load_timeout": (1, 86400), "queue_timeout": (1, 86400), "max_restarts": (0, 1000),
            "restart_window": (1, 86400 * 7), "template_timeout": (0.1, 600),
-           "head_timeout": (0.5, 3600)}
+           "head_timeout": (0.5, 3600), "prefix_cache": (0, 1 << 20),
+           "warmup": (0, 1)}
 _TYPES = {f.name: f.type for f in fields(ServeConfig)}
 
 

@@ -5,11 +5,14 @@
     ACTION  stall    stop making progress there: sleep forever, report nothing
             crash    exit there at once with os._exit(CRASH_EXIT_CODE), no cleanup
             timeout  raise the engine's StallError there, as a bounded wait that ran out does
-                     (runtime/waits.py); prefill and decode only
+                     (runtime/waits.py); prefill, decode and verify only
     STAGE   load     at the start of loading the model
             prefill  before the first forward pass that holds a request's prompt
             decode   before a request's Nth decode step (N >= 1, default 1); decode step 1 is
                      the first forward pass after the prompt's, so max_tokens must be > N
+            verify   inside the engine's Nth verify window (--spec; N >= 1, default 1), before
+                     its forward: timeout makes the window's GPU work never finish, so its
+                     bounded wait runs out (after STRATA_WAIT_TIMEOUT) and names the window
     K       how many engine starts arm the fault (default 1)
 
 The server process parses the variable once at startup (a bad value is a one-line error) and hands
@@ -33,7 +36,8 @@ from strata.errors import StrataError
 ENV_VAR = "STRATA_FAULT"
 CRASH_EXIT_CODE = 86
 ACTIONS = ("stall", "crash", "timeout")
-STAGES = ("load", "prefill", "decode")
+STAGES = ("load", "prefill", "decode", "verify")
+_STEPPED = ("decode", "verify")  # the stages that take a step number
 _SYNTAX = re.compile(r"(?P<action>\w+)@(?P<stage>\w+)(?::(?P<step>\d+))?(?:\*(?P<starts>\d+))?")
 
 
@@ -56,8 +60,8 @@ class Fault:
             why = f"unknown stage {m['stage']!r} (choose from {', '.join(STAGES)})"
         elif m["action"] == "timeout" and m["stage"] == "load":
             why = "timeout fires in a forward pass: use it at prefill or decode"
-        elif m["step"] is not None and m["stage"] != "decode":
-            why = "only decode takes a step number (:N)"
+        elif m["step"] is not None and m["stage"] not in _STEPPED:
+            why = "only decode and verify take a step number (:N)"
         elif m["step"] is not None and int(m["step"]) < 1:
             why = "decode steps count from 1"
         elif m["starts"] is not None and int(m["starts"]) < 1:
@@ -71,7 +75,7 @@ class Fault:
         return start <= self.starts
 
     def __str__(self) -> str:
-        step = f":{self.step}" if self.stage == "decode" else ""
+        step = f":{self.step}" if self.stage in _STEPPED else ""
         return f"{self.action}@{self.stage}{step}*{self.starts}"
 
 
@@ -106,13 +110,17 @@ class FaultTrigger:
         self.faults = plan.faults if plan is not None else ()
         self.fired = False
 
-    def at(self, stage: str, step: int = 0) -> None:
-        """Called at every injection point; `step` is a decode step number (1, 2, ...)."""
+    def at(self, stage: str, step: int = 0, window: object = None) -> None:
+        """Called at every injection point; `step` is a decode step or verify window number
+        (1, 2, ...); window: the verify window's LayerMarks (strata.engine.spec)."""
         if self.fired:
             return
         for f in self.faults:
-            if f.stage == stage and (stage != "decode" or step == f.step):
+            if f.stage == stage and (stage not in _STEPPED or step == f.step):
                 self.fired = True
+                if f.action == "timeout" and window is not None:
+                    window.never_finish()
+                    return
                 self._fire(f)
 
     @staticmethod

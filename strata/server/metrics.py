@@ -1,5 +1,8 @@
 """`GET /metrics`: Prometheus text format, written by hand (a dozen series need no library).
 
+strata_spec_*: verify windows (--spec): drafted and accepted tokens, the acceptance by position in
+the window, and the decode rate of steps with a window and of plain ones.
+
 strata_expert_cache_hit_rate is 0 while the engine has no expert cache (the reference executor,
 --offload off, has none); with the offload runtime it is the executor's stats.hit_rate.
 """
@@ -17,6 +20,7 @@ class Metrics:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.completion_tokens = 0
         self.cancelled = 0
         self.forward_passes = 0
@@ -26,13 +30,18 @@ class Metrics:
         self.cache_hit_rate: float | None = None
         self.stalls = 0
         self.crashes = 0
+        self.spec_windows = 0
+        self.spec_drafted_at: list[int] = []  # by position in the window
+        self.spec_accepted_at: list[int] = []
+        self.spec_tok_s = {"window": 0.0, "plain": 0.0}
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
 
-    def tokens(self, prompt: int, completion: int) -> None:
+    def tokens(self, prompt: int, completion: int, cached: int = 0) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
+        self.cached_tokens += cached
 
     def step(self, s: StepDone) -> None:
         self.forward_passes += 1
@@ -42,6 +51,16 @@ class Metrics:
                 self.prompt_tok_s = _ema(self.prompt_tok_s, s.prompt_tokens / s.seconds)
             elif s.decode_tokens:
                 self.decode_tok_s = _ema(self.decode_tok_s, s.decode_tokens / s.seconds)
+                kind = "window" if s.drafted else "plain"
+                self.spec_tok_s[kind] = _ema(self.spec_tok_s[kind], s.decode_tokens / s.seconds)
+        if s.drafted:
+            self.spec_windows += 1
+            grow = s.drafted - len(self.spec_drafted_at)
+            self.spec_drafted_at += [0] * grow
+            self.spec_accepted_at += [0] * grow
+            for i in range(s.drafted):
+                self.spec_drafted_at[i] += 1
+                self.spec_accepted_at[i] += i < s.accepted
         if s.cache_hit_rate is not None:
             self.cache_hit_rate = s.cache_hit_rate
 
@@ -61,6 +80,9 @@ class Metrics:
                "requests whose client went away before the end", [("", self.cancelled)])
         series("strata_prompt_tokens_total", "counter", "prompt tokens of finished requests",
                [("", self.prompt_tokens)])
+        series("strata_prompt_tokens_cached_total", "counter",
+               "prompt tokens whose keys and values came from the prefix cache",
+               [("", self.cached_tokens)])
         series("strata_completion_tokens_total", "counter", "tokens generated",
                [("", self.completion_tokens)])
         series("strata_prompt_tokens_per_second", "gauge",
@@ -78,6 +100,19 @@ class Metrics:
         series("strata_expert_cache_hit_rate", "gauge",
                "expert cache hit rate; 0 while the engine has no expert cache",
                [("", self.cache_hit_rate or 0.0)])
+        series("strata_spec_windows_total", "counter", "verify windows run (--spec)",
+               [("", self.spec_windows)])
+        series("strata_spec_drafted_tokens_total", "counter", "tokens drafted into verify windows",
+               [("", sum(self.spec_drafted_at))])
+        series("strata_spec_accepted_tokens_total", "counter", "drafted tokens accepted",
+               [("", sum(self.spec_accepted_at))])
+        series("strata_spec_acceptance", "gauge",
+               "drafted tokens accepted, by position in the window (0: the first draft)",
+               [(f'{{position="{i}"}}', a / d) for i, (a, d) in
+                enumerate(zip(self.spec_accepted_at, self.spec_drafted_at, strict=True))])
+        series("strata_spec_decode_tokens_per_second", "gauge",
+               "one sequence's decode rate, recent steps with a verify window and without",
+               [(f'{{step="{k}"}}', v) for k, v in self.spec_tok_s.items()])
         series("strata_engine_loaded", "gauge", "1 when the engine has a model loaded",
                [("", int(loaded))])
         series("strata_engine_restarts_total", "counter", "engine processes started again",

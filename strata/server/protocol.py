@@ -27,6 +27,9 @@ class Submit:
     ignore_eos: bool = False  # generate through stop tokens (benchmarks, tests)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     where: str = ""  # the request field the prompt came from ("messages" once rendered here)
+    keep_special: bool = False  # text with control tokens (a call format that uses them)
+    prefix: str = ""  # written after the rendered messages: the start of a call tool_choice forces
+    grammar: str | None = None  # response_format: the grammar every sampled token must follow
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # what the stop-string hold-back released at the end
+    cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,8 @@ class StepDone:
     seconds: float
     active: int
     cache_hit_rate: float | None = None  # None while the engine has no expert cache
+    drafted: int = 0  # a verify window's drafted tokens (--spec), 0 in a step without one
+    accepted: int = 0  # of them, accepted (the first `accepted` positions)
 
 
 @dataclass(frozen=True)
@@ -126,3 +132,5 @@ class EngineOptions:
     stacks_path: str  # faulthandler writes every thread's stack here on SIGUSR1
     fault: Any = None  # faults.FaultPlan: the faults armed in this start
     start: int = 1
+    prefix_cache_bytes: int = 0  # host bytes of finished requests' KV rows kept for reuse
+    warmup: bool = True  # run the first passes at load (strata.server.warmup)

@@ -7,13 +7,16 @@ import time
 from typing import Any
 
 from strata import __version__
+from strata.server.tool_calls import ToolCall
 
 FINGERPRINT = f"strata-{__version__}"
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached: prompt tokens reused from the prefix cache."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -33,15 +36,21 @@ class Builder:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT}
 
-    def full(self, text: str, finish: str, prompt: int, completion: int) -> dict[str, Any]:
+    def full(self, text: str, finish: str, prompt: int, completion: int, reasoning: str = "",
+             calls: tuple[ToolCall, ...] = (), cached: int = 0) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}
+            content = (text or None) if calls else text  # OpenAI: null beside calls
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             out = self._base("chat.completion")
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             out = self._base("text_completion")
-        return out | {"choices": [choice], "usage": usage(prompt, completion)}
+        return out | {"choices": [choice], "usage": usage(prompt, completion, cached)}
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> bytes:
         if self.kind == "chat":
@@ -58,6 +67,14 @@ class Builder:
             out["usage"] = None
         return sse(out)
 
-    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        """A chat chunk with its own delta (reasoning_content, tool_calls)."""
+        out = self._base("chat.completion.chunk")
+        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+        if self.include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    def usage_chunk(self, prompt: int, completion: int, cached: int = 0) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return sse(self._base(obj) | {"choices": [], "usage": usage(prompt, completion)})
+        return sse(self._base(obj) | {"choices": [], "usage": usage(prompt, completion, cached)})

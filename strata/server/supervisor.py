@@ -93,7 +93,8 @@ class Supervisor:
         self.starts += 1
         armed = self.fault.armed_for(self.starts) if self.fault else None
         opts = EngineOptions(self.cfg.model, self.cfg.engine_config(), self.cfg.batch,
-                             EngineProcess.stacks_file(), armed, self.starts)
+                             EngineProcess.stacks_file(), armed, self.starts,
+                             int(self.cfg.prefix_cache * (1 << 30)), bool(self.cfg.warmup))
         self.loaded, self.progress = None, Progress("loading", "starting the engine process", 0.0)
         self.state, self.last_progress = "loading", time.monotonic()
         self.engine = EngineProcess(opts, self._from_thread(self._on_message),
@@ -171,7 +172,7 @@ class Supervisor:
             self._spawn(asyncio.to_thread(eng.stop, False))
         else:
             if isinstance(msg, Finished):
-                self.metrics.tokens(msg.prompt_tokens, msg.completion_tokens)
+                self.metrics.tokens(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
                 self.metrics.cancelled += msg.finish_reason == "cancelled"
             self.scheduler.on_message(msg)
 

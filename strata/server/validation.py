@@ -1,7 +1,7 @@
 """Request bodies -> checked requests. Every 400 names the field and says why.
 
 A parameter Strata does not implement is refused by name when it asks for something (n > 1,
-logprobs, tools, a response_format other than text, ...), never silently ignored. A few that change
+logprobs, the old functions / function_call, ...), never silently ignored. A few that change
 nothing here (user, metadata, store, ...) are accepted. Unknown fields are refused.
 """
 
@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.errors import StrataError
 from strata.server.errors import bad_request
+from strata.server.tool_requests import check_calls, check_tool_choice, check_tools
 
 MAX_STOP_STRINGS = 16
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -24,8 +26,8 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "reasoning_effort", "cha
                    "function_call", "response_format", "audio", "modalities", "prediction",
                    "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "logprobs", "suffix"}
-_RESERVED_KWARGS = {"messages", "add_generation_prompt", "add_bos"}
-_ROLES = {"system", "developer", "user", "assistant"}
+_RESERVED_KWARGS = {"messages", "add_generation_prompt", "add_bos", "tools"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclass
@@ -41,6 +43,10 @@ class ParsedRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # rendered in the prompt unless tool_choice is none
+    tool_choice: str = "none"  # auto, none, required (a named function is required + tool_name)
+    tool_name: str | None = None
+    grammar: str | None = None  # response_format as a grammar (strata.engine.constrain)
 
 
 def _is_num(v: Any) -> bool:
@@ -64,11 +70,8 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         "n": lambda v: v not in (None, 1),
         "logprobs": lambda v: v not in (None, False, 0),
         "top_logprobs": lambda v: v not in (None, 0),
-        "tools": lambda v: bool(v),
-        "tool_choice": lambda v: v not in (None, "none"),
         "functions": lambda v: bool(v),
         "function_call": lambda v: v not in (None, "none"),
-        "response_format": lambda v: v is not None and v != {"type": "text"},
         "logit_bias": lambda v: bool(v),
         "presence_penalty": lambda v: v not in (None, 0),
         "frequency_penalty": lambda v: v not in (None, 0),
@@ -84,7 +87,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     if bad:
         raise bad_request(f"{', '.join(f'{k}={body[k]!r}' for k in bad)}: not supported by "
                           f"Strata's {kind} endpoint (it serves n=1 plain text, without "
-                          "logprobs, tools, penalties or logit_bias)", bad[0],
+                          "logprobs, penalties or logit_bias)", bad[0],
                           "unsupported_parameter")
 
 
@@ -172,9 +175,10 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             role = m.get("role") if isinstance(m, dict) else None
             raise bad_request(f"messages[{i}].role is {role!r}; Strata takes "
-                              f"{', '.join(sorted(_ROLES))} (no tool messages)",
+                              f"{', '.join(sorted(_ROLES))}",
                               f"messages[{i}].role")
-        extra = set(m) - {"role", "content", "name", "reasoning_content", "refusal"}
+        extra = set(m) - {"role", "content", "name", "reasoning_content", "refusal",
+                          "tool_calls", "tool_call_id"}
         if extra:
             raise bad_request(f"messages[{i}]: unsupported field(s) {', '.join(sorted(extra))}",
                               f"messages[{i}].{sorted(extra)[0]}")
@@ -185,8 +189,17 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
         msg = {"role": role, "content": content or ""}
         if isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
+        _tool_fields(m, msg, i)
         out.append(msg)
     req.messages = out
+    req.grammar = _response_format(body.get("response_format"))
+    req.tools = check_tools(body.get("tools"))
+    req.tool_choice, req.tool_name = check_tool_choice(body.get("tool_choice"), req.tools)
+    if req.tools and req.tool_choice != "none":
+        req.template_kwargs["tools"] = req.tools
+    if req.grammar is not None and req.tool_choice == "required":
+        raise bad_request("response_format and tool_choice='required' (or a named function) "
+                          "both decide the answer's form: give one of them", "response_format")
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
@@ -203,6 +216,56 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
                               "chat_template_kwargs")
         req.template_kwargs.update(kwargs)
     return req
+
+
+def _response_format(v: Any) -> str | None:
+    """json_object / json_schema -> the grammar the engine enforces; text -> None."""
+    if v is None:
+        return None
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(v, dict) or v.get("type") not in kinds:
+        raise bad_request(f"response_format: give {{\"type\": ...}} with a type from "
+                          f"{', '.join(kinds)}", "response_format")
+    if v["type"] == "text":
+        return None
+    schema, strict = None, False
+    if v["type"] == "json_schema":
+        js = v.get("json_schema")
+        where = "response_format.json_schema"
+        if not isinstance(js, dict):
+            raise bad_request(f'{where}: give {{"name", "schema", "strict"}}', where)
+        schema = js.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad_request(f"{where}.schema must be a JSON Schema object", f"{where}.schema")
+        strict = js.get("strict") or False
+        if not isinstance(strict, bool):
+            raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
+    from strata.engine import constrain  # no torch: the schema is only checked here
+
+    if not constrain.available():
+        raise bad_request(f"response_format={v['type']} needs llguidance on the server: "
+                          f"{constrain.INSTALL}", "response_format", "unsupported_parameter")
+    try:
+        return constrain.json_grammar(schema, strict)
+    except StrataError as e:
+        raise bad_request(f"response_format: {e}", "response_format.json_schema.schema"
+                          if schema is not None else "response_format") from None
+
+
+def _tool_fields(m: dict, msg: dict, i: int) -> None:
+    """An assistant's tool_calls and a tool message's tool_call_id / name, checked."""
+    for key in ("tool_call_id", "name"):
+        if key in m and not isinstance(m[key], str):
+            raise bad_request(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+    if m.get("tool_calls") is not None:
+        if m["role"] != "assistant":
+            raise bad_request(f"messages[{i}].tool_calls: only an assistant message makes calls",
+                              f"messages[{i}].tool_calls")
+        msg["tool_calls"] = check_calls(m["tool_calls"], i)
+    if m["role"] == "tool":
+        for key in ("tool_call_id", "name"):
+            if key in m:
+                msg[key] = m[key]
 
 
 def parse_completion(body: Any, max_tokens_limit: int) -> ParsedRequest:

@@ -88,7 +88,13 @@ def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
     except StrataError as e:
         out.send(LoadFailed(str(e)))
         return
-    runner = BatchRunner(engine, out.send, faults)
+    if opts.warmup:
+        from strata.server.warmup import warm_up
+
+        out.send(Progress("loading", "warming up: kernels and decode graphs", 0.95))
+        logging.getLogger("strata").info("warm-up: kernels built and decode graphs captured in "
+                                         f"{warm_up(engine):.1f} s")
+    runner = BatchRunner(engine, out.send, faults, opts.prefix_cache_bytes)
     experts = engine.model.experts
     engine.model.experts = LayerProgress(experts, engine.config.n_layers, out.send, runner)
     cfg = engine.config

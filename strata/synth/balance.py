@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from strata.config import ModelConfig
+from strata.config_hybrid import ffn_norm_name
 from strata.gguf import open_model
 from strata.model.layers import rms_norm, route
 from strata.model.weights import QuantTensor, dense
@@ -22,9 +23,8 @@ def routing_balance(path: Path, n_tokens: int = 512, seed: int = 0) -> str:
     ids = torch.randint(0, cfg.n_vocab, (n_tokens,), generator=g)
     x = QuantTensor.load(mf.tensors["token_embd.weight"], cpu).rows(ids)  # [T, D]
     shares = []
-    ffn_norm = "post_attention_norm" if cfg.arch == "gpt-oss" else "ffn_norm"
-    for i in range(cfg.n_layers):
-        norm = dense(mf.tensors[f"blk.{i}.{ffn_norm}.weight"], cpu)
+    for i in range(cfg.n_dense_lead, cfg.n_layers):  # (the routed layers)
+        norm = dense(mf.tensors[f"blk.{i}.{ffn_norm_name(cfg)}.weight"], cpu)
         router = dense(mf.tensors[f"blk.{i}.ffn_gate_inp.weight"], cpu)
         chosen, _ = route(rms_norm(x, norm, cfg.rms_eps), router, cfg.n_experts_used,
                           cfg.norm_topk)
@@ -32,7 +32,7 @@ def routing_balance(path: Path, n_tokens: int = 512, seed: int = 0) -> str:
         shares.append(counts / counts.sum())
     s = torch.stack(shares)  # [L, E]
     unused = int((s == 0).sum())
-    return (f"strata: routing balance over {cfg.n_layers} layers, {n_tokens} random tokens: "
+    return (f"strata: routing balance over {len(shares)} layers, {n_tokens} random tokens: "
             f"busiest expert {100 * s.max():.1f}% of a layer's assignments, idlest "
             f"{100 * s.min():.2f}%, even would be {100 / cfg.n_experts:.2f}%; "
             f"{unused} of {s.numel()} experts unused")

@@ -25,8 +25,33 @@ class Preset:
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     sliding_window: int = 0  # gpt-oss: the sliding layers' window
-    yarn_factor: float = 0.0  # gpt-oss: YaRN RoPE scaling (0: none)
+    # glm4moe / deepseek2: leading dense layers (of d_ff), shared experts of d_expert each, the
+    # routed weights' scale, nextn layers written after the n_layers (qwen35moe: its MTP
+    # blocks), RoPE dims (0: head_dim), q/k norms (None: the architecture's default)
+    n_dense_lead: int = 0
+    n_shared: int = 0
+    expert_scale: float = 1.0
+    n_nextn: int = 0
+    rope_dim: int = 0
+    qk_norm: bool | None = None
+    # deepseek2: MLA ranks (q_lora 0: one q matrix) and value head size (head_dim is the
+    # query/key head), expert groups (all / used), YaRN factor (1: none), its original context
+    # and mscale_all_dim
+    q_lora: int = 0
+    kv_lora: int = 0
+    d_v: int = 0
+    n_groups: int = 1
+    n_groups_used: int = 1
+    yarn_factor: float = 1.0  # (also gpt-oss's; 1: no YaRN)
     yarn_orig_ctx: int = 0
+    yarn_mscale: float = 1.0
+    yarn_beta: tuple[float, float] = (32.0, 1.0)  # fast, slow
+    # hybrid linear attention (qwen35moe, qwen3next; strata/config_hybrid.py)
+    full_attn_interval: int = 0
+    ssm_conv: int = 0
+    ssm_state: int = 0  # dk == dv
+    ssm_groups: int = 0  # key heads
+    ssm_heads: int = 0  # value heads
 
     @property
     def vocab_kind(self) -> str:
@@ -42,6 +67,21 @@ _TINY = {
     "gpt-oss": Preset("gpt-oss", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 256, context_length=131072,
                       rope_theta=150000.0, rms_eps=1e-5, sliding_window=16, yarn_factor=32.0,
                       yarn_orig_ctx=4096),
+    "glm4moe": Preset("glm4moe", 3, 256, 4, 2, 64, 8, 2, 256, 1024, 512, n_dense_lead=1,
+                      n_shared=1, expert_scale=2.5, n_nextn=1, rope_dim=32, qk_norm=True,
+                      rms_eps=1e-5),
+    "deepseek2": Preset("deepseek2", 3, 256, 4, 4, 96, 8, 2, 256, 1024, 512, n_dense_lead=1,
+                        n_shared=1, expert_scale=2.5, rope_dim=32, q_lora=256, kv_lora=256,
+                        d_v=64, n_groups=4, n_groups_used=2, yarn_factor=4.0,
+                        yarn_orig_ctx=1024, rope_theta=10000.0),
+    # 4 layers, full attention every 2nd; 4 key heads for 8 value heads (so the tiled and the
+    # grouped value-head orders differ), partial RoPE on 16 of 64 dims
+    "qwen35moe": Preset("qwen35moe", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 512, d_shared=256,
+                        full_attn_interval=2, ssm_conv=4, ssm_state=32, ssm_groups=4,
+                        ssm_heads=8, rope_dim=16, n_nextn=1),
+    "qwen3next": Preset("qwen3next", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 512, d_shared=256,
+                        full_attn_interval=2, ssm_conv=4, ssm_state=32, ssm_groups=4,
+                        ssm_heads=8, rope_dim=16),
 }
 
 _REAL = {
@@ -61,6 +101,37 @@ _REAL = {
     "gpt-oss-120b": Preset("gpt-oss", 36, 2880, 64, 8, 64, 128, 4, 2880, 201088, 2880,
                            context_length=131072, rope_theta=150000.0, rms_eps=1e-5,
                            sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
+    # GLM-4.5-Air and GLM-4.6 (their config.json: 46 / 92 layers + 1 nextn, partial RoPE 0.5)
+    "glm-4.5-air": Preset("glm4moe", 46, 4096, 96, 8, 128, 128, 8, 1408, 151552, 10944,
+                          n_dense_lead=1, n_shared=1, expert_scale=1.0, n_nextn=1, rope_dim=64,
+                          qk_norm=False, context_length=131072, rms_eps=1e-5),
+    "glm-4.6": Preset("glm4moe", 92, 5120, 96, 8, 128, 160, 8, 1536, 151552, 12288,
+                      n_dense_lead=3, n_shared=1, expert_scale=2.5, n_nextn=1, rope_dim=64,
+                      qk_norm=True, context_length=202752, rms_eps=1e-5),
+    # DeepSeek-V3 / R1 (config.json: 61 layers, 3 dense, MLA 1536 / 512, 8 groups of 32)
+    "deepseek-v3": Preset("deepseek2", 61, 7168, 128, 128, 192, 256, 8, 2048, 129280, 18432,
+                          n_dense_lead=3, n_shared=1, expert_scale=2.5, rope_dim=64,
+                          q_lora=1536, kv_lora=512, d_v=128, n_groups=8, n_groups_used=4,
+                          yarn_factor=40.0, yarn_orig_ctx=4096, rope_theta=10000.0,
+                          context_length=163840),
+    # Kimi-K2-Instruct-0905 (deepseek2 in GGUF: 384 experts in one group, 64 heads, YaRN x64
+    # with the correction range 1 / 1)
+    "kimi-k2": Preset("deepseek2", 61, 7168, 64, 64, 192, 384, 8, 2048, 163840, 18432,
+                      n_dense_lead=1, n_shared=1, expert_scale=2.827, rope_dim=64, q_lora=1536,
+                      kv_lora=512, d_v=128, yarn_factor=64.0, yarn_orig_ctx=4096,
+                      yarn_beta=(1.0, 1.0), rope_theta=50000.0, context_length=262144),
+}
+
+# hybrid linear attention, from the models' config.json as llama.cpp converts them
+_HYBRID = dict(full_attn_interval=4, ssm_conv=4, ssm_state=128, ssm_groups=16,
+               context_length=262144, rope_theta=1e7, rope_dim=64)
+_REAL |= {
+    "qwen3.6-35b-a3b": Preset("qwen35moe", 40, 2048, 16, 2, 256, 256, 8, 512, 248320, 512,
+                              d_shared=512, ssm_heads=32, n_nextn=1, **_HYBRID),
+    "qwen3.5-122b-a10b": Preset("qwen35moe", 48, 3072, 32, 2, 256, 256, 8, 1024, 248320, 1024,
+                                d_shared=1024, ssm_heads=64, n_nextn=1, **_HYBRID),
+    "qwen3-next-80b-a3b": Preset("qwen3next", 48, 2048, 16, 2, 256, 512, 10, 512, 151936, 512,
+                                 d_shared=512, ssm_heads=32, **_HYBRID),
 }
 
 PRESETS = ["tiny", *_REAL]

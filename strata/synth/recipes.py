@@ -102,7 +102,13 @@ _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q
 _ROLES = {"token_embd": "embd", "output": "output", "attn_q": "attn_q", "attn_k": "attn_k",
           "attn_v": "attn_v", "attn_output": "attn_o", "ffn_gate_exps": "gate",
           "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_shexp": "shexp",
-          "ffn_up_shexp": "shexp", "ffn_down_shexp": "shexp"}
+          "ffn_up_shexp": "shexp", "ffn_down_shexp": "shexp",
+          # dense first layers and nextn's projection (glm4moe, deepseek2): dense matrices
+          "ffn_gate": "shexp", "ffn_up": "shexp", "ffn_down": "shexp", "eh_proj": "shexp",
+          # deepseek2's latent attention (k_b / v_b stay F32, as 3-D tensors)
+          "attn_q_a": "attn_q", "attn_q_b": "attn_q", "attn_kv_a_mqa": "attn_k",
+          # hybrid linear attention: its projections take the attention's types
+          "attn_qkv": "attn_q", "attn_gate": "attn_q", "ssm_in": "attn_q", "ssm_out": "attn_o"}
 
 
 class Recipe:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, RopeScalingType
 
 from strata.cli.output import atomic_folder, check_free
 from strata.config import ModelConfig, expected_tensors
@@ -49,6 +49,11 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
     from strata.config import ARCHITECTURES
 
     style, norm = ARCHITECTURES[p.arch]
+    if p.arch == "glm4moe":
+        return replace(config_of(replace(p, arch="qwen3moe"), tied_output), **_glm4moe_fields(p))
+    if p.arch == "deepseek2":
+        return replace(config_of(replace(p, arch="qwen3moe"), tied_output),
+                       **_deepseek2_fields(p))
     cfg = ModelConfig(
         arch=p.arch, n_layers=p.n_layers, d_model=p.d_model, n_heads=p.n_heads,
         n_kv_heads=p.n_kv_heads, head_dim=p.head_dim, n_vocab=p.n_vocab,
@@ -57,18 +62,48 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
         n_experts_used=p.n_experts_used, d_expert=p.d_expert, d_shared=p.d_shared, norm_topk=norm,
         qkv_bias=p.arch in ("qwen2moe", "gpt-oss"), qk_norm=p.arch == "qwen3moe",
         tied_output=tied_output)
+    if p.full_attn_interval:  # hybrid linear attention (config_hybrid)
+        cfg = replace(cfg, rope_dim=p.rope_dim or p.head_dim,
+                      full_attn_interval=p.full_attn_interval, ssm_conv=p.ssm_conv,
+                      ssm_state=p.ssm_state, ssm_groups=p.ssm_groups,
+                      ssm_heads=p.ssm_heads, attn_gate=True, n_nextn=p.n_nextn, qk_norm=True,
+                      ssm_layout="qwen35" if p.arch == "qwen35moe" else "next")
     if p.arch == "gpt-oss":
         from strata.arch.gpt_oss import Yarn
 
         cfg = replace(cfg, sliding_window=p.sliding_window, attn_sinks=True, moe_bias=True,
-                      expert_act="swiglu_oai", rope_yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
-                      if p.yarn_factor else None)
+                      expert_act="swiglu_oai", ffn_norm_name="post_attention_norm",
+                      rope_yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
+                      if p.yarn_factor > 1 else None)
     return cfg
+
+
+def _glm4moe_fields(p: Preset) -> dict:
+    return dict(arch="glm4moe", rope_dim=p.rope_dim or p.head_dim, norm_topk=True, qkv_bias=True,
+                qk_norm=bool(p.qk_norm), d_shared=p.n_shared * p.d_expert,
+                n_dense_lead=p.n_dense_lead, d_ff=p.d_ff if p.n_dense_lead else 0,
+                gating="sigmoid", expert_bias=True, expert_scale=p.expert_scale,
+                n_nextn=p.n_nextn, ffn_norm_name="post_attention_norm")
+
+
+def _deepseek2_fields(p: Preset) -> dict:
+    return dict(arch="deepseek2", rope_style="normal", rope_dim=p.rope_dim, norm_topk=True,
+                qkv_bias=False, qk_norm=False, d_shared=p.n_shared * p.d_expert,
+                n_dense_lead=p.n_dense_lead, d_ff=p.d_ff if p.n_dense_lead else 0,
+                gating="sigmoid", expert_bias=True, expert_scale=p.expert_scale,
+                n_groups=p.n_groups, n_groups_used=p.n_groups_used, q_lora=p.q_lora,
+                kv_lora=p.kv_lora, d_v=p.d_v, yarn_factor=p.yarn_factor,
+                yarn_orig_ctx=p.yarn_orig_ctx if p.yarn_factor > 1 else 0,
+                yarn_log_mul=p.yarn_mscale if p.yarn_factor > 1 else 0.0,
+                yarn_beta_fast=p.yarn_beta[0], yarn_beta_slow=p.yarn_beta[1])
 
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
     out = []
-    for name, shape in expected_tensors(config_of(p)).items():
+    tensors = expected_tensors(config_of(p))
+    for i in range(p.n_layers, p.n_layers + p.n_nextn):  # (optional: written as converters do)
+        tensors[f"blk.{i}.nextn.shared_head_norm.weight"] = (p.d_model,)
+    for name, shape in tensors.items():
         if len(shape) == 1:
             is_norm = "norm" in name
             std, mean = (0.1, 1.0) if is_norm else (0.1, 0.0)
@@ -76,6 +111,8 @@ def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
                 std = shape[0] ** -0.5
             if name.endswith("attn_sinks.weight"):  # sink logits that take a real share
                 std, mean = 1.0, 0.0
+            elif name.endswith(".ssm_a"):  # -exp(A_log): negative, a decay of exp(a * dt)
+                std, mean = 0.1, -1.0
         elif "ffn_gate_inp" in name:
             std, mean = 2.0 * shape[-1] ** -0.5, 0.0
         elif name == "token_embd.weight":
@@ -119,10 +156,10 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     w.add_description(description)
     w.add_context_length(p.context_length)
     w.add_embedding_length(p.d_model)
-    w.add_block_count(p.n_layers)
+    w.add_block_count(p.n_layers + p.n_nextn)
     w.add_feed_forward_length(p.d_ff)
     w.add_head_count(p.n_heads)
-    w.add_head_count_kv(p.n_kv_heads)
+    w.add_head_count_kv(1 if p.arch == "deepseek2" else p.n_kv_heads)
     w.add_rope_freq_base(p.rope_theta)
     w.add_layer_norm_rms_eps(p.rms_eps)
     w.add_expert_count(p.n_experts)
@@ -130,6 +167,12 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     if p.arch == "llama":
         w.add_rope_dimension_count(p.head_dim)
         w.add_vocab_size(p.n_vocab)
+    elif p.arch == "deepseek2":  # as current converters write MLA: the latent MQA view
+        w.add_key_length(p.kv_lora + p.rope_dim)
+        w.add_value_length(p.kv_lora)
+        w.add_key_length_mla(p.head_dim)
+        w.add_value_length_mla(p.d_v)
+        w.add_expert_feed_forward_length(p.d_expert)
     else:
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
@@ -138,10 +181,51 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
         w.add_expert_shared_feed_forward_length(p.d_shared)
     if p.sliding_window:
         w.add_sliding_window(p.sliding_window)
-    if p.yarn_factor:  # as llama.cpp's converter writes gpt-oss's rope_scaling
-        w.add_rope_scaling_type(RopeScalingType.YARN)
+    if p.arch == "gpt-oss" and p.yarn_factor > 1:  # as llama.cpp's converter writes its
+        w.add_rope_scaling_type(RopeScalingType.YARN)  # rope_scaling
         w.add_rope_scaling_factor(p.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+    if p.arch == "glm4moe":
+        w.add_rope_dimension_count(p.rope_dim or p.head_dim)
+        w.add_leading_dense_block_count(p.n_dense_lead)
+        w.add_expert_shared_count(p.n_shared)
+        w.add_expert_weights_scale(p.expert_scale)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_nextn_predict_layers(p.n_nextn)
+    if p.arch == "deepseek2":
+        w.add_rope_dimension_count(p.rope_dim)
+        if p.q_lora:
+            w.add_q_lora_rank(p.q_lora)
+        w.add_kv_lora_rank(p.kv_lora)
+        w.add_leading_dense_block_count(p.n_dense_lead)
+        w.add_expert_shared_count(p.n_shared)
+        w.add_expert_weights_scale(p.expert_scale)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(p.n_groups)
+        w.add_expert_group_used_count(p.n_groups_used)
+        if p.yarn_factor > 1:
+            w.add_rope_scaling_type(RopeScalingType.YARN)
+            w.add_rope_scaling_factor(p.yarn_factor)
+            w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+            w.add_rope_scaling_yarn_log_mul(0.1 * p.yarn_mscale)
+            w.add_rope_scaling_yarn_beta_fast(p.yarn_beta[0])  # (as current converters do)
+            w.add_rope_scaling_yarn_beta_slow(p.yarn_beta[1])
+    if p.full_attn_interval:  # hybrid linear attention (config_hybrid)
+        w.add_full_attention_interval(p.full_attn_interval)
+        w.add_ssm_conv_kernel(p.ssm_conv)
+        w.add_ssm_state_size(p.ssm_state)
+        w.add_ssm_group_count(p.ssm_groups)
+        w.add_ssm_time_step_rank(p.ssm_heads)
+        w.add_ssm_inner_size(p.ssm_heads * p.ssm_state)
+        w.add_rope_dimension_count(p.rope_dim or p.head_dim)
+        if p.arch == "qwen35moe":
+            half = (p.rope_dim or p.head_dim) // 2  # 32 -> [11, 11, 10, 0] as Qwen3.5 has
+            third = -(-half // 3)
+            w.add_rope_dimension_sections([third, third, half - 2 * third, 0])
+        if p.n_nextn:
+            w.add_nextn_predict_layers(p.n_nextn)
     w.add_quantization_version(2)
     if file_type is not None:
         w.add_file_type(file_type)

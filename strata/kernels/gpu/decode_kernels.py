@@ -73,11 +73,13 @@ def _norm_rope(src, w, eps, pos_f, inv_freq, HAS_NORM: tl.constexpr, HD: tl.cons
 
 
 @triton.jit
-def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, eps, H, C,
+def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, ks, vs, eps, H, C,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_qot, stride_qoh, stride_kcr, stride_kch, stride_vcr, stride_vch,
+                    stride_ksr, stride_ksh, stride_vsr, stride_vsh,
                     HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HD: tl.constexpr,
-                    ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
+                    ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
+                    Q8: tl.constexpr):
     # program (t, j): j < H: query head j -> qo[t, j]; else kv head g = j - H -> cache row pos + t
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -94,10 +96,34 @@ def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, eps, H, C,
         y = _norm_rope(k + t * stride_kt + g * stride_kh, kn, eps, pos_f, inv_freq, HAS_KN, HD,
                        ROPE_DIM, NEOX, BLOCK_D)
         ok = dm & (row < C)  # (rounded to the cache's type: --kv-type)
-        tl.store(kc + row * stride_kcr + g * stride_kch + d, y.to(kc.dtype.element_ty), mask=ok)
         vv = tl.load(v + t * stride_vt + g * stride_vh + d, mask=dm, other=0.0)
-        tl.store(vc + row * stride_vcr + g * stride_vch + d, vv.to(vc.dtype.element_ty),
-                 mask=ok)
+        if Q8:  # 8-bit blocks of 32 with a float16 scale, as llama.cpp's q8_0
+            nb = tl.arange(0, BLOCK_D // 32)
+            sm = (nb < HD // 32) & (row < C)
+            qk, dk = _q8_0(y, BLOCK_D)
+            tl.store(kc + row * stride_kcr + g * stride_kch + d, qk, mask=ok)
+            tl.store(ks + row * stride_ksr + g * stride_ksh + nb, dk, mask=sm)
+            qv, dv = _q8_0(vv, BLOCK_D)
+            tl.store(vc + row * stride_vcr + g * stride_vch + d, qv, mask=ok)
+            tl.store(vs + row * stride_vsr + g * stride_vsh + nb, dv, mask=sm)
+        else:
+            tl.store(kc + row * stride_kcr + g * stride_kch + d, y.to(kc.dtype.element_ty),
+                     mask=ok)
+            tl.store(vc + row * stride_vcr + g * stride_vch + d, vv.to(vc.dtype.element_ty),
+                     mask=ok)
+
+
+@triton.jit
+def _q8_0(x, BLOCK_D: tl.constexpr):
+    """A row [BLOCK_D] (zeros past its length) -> (int8 [BLOCK_D], float16 scales
+    [BLOCK_D/32]): d = max|x| / 127 per block of 32, q = round(x · (1/d)), half away from zero
+    (kv_cache.quantize_q8_0, llama.cpp's q8_0)."""
+    xb = tl.reshape(x, (BLOCK_D // 32, 32))
+    dq = tl.max(tl.abs(xb), axis=1) / 127.0
+    inv = tl.where(dq == 0.0, 0.0, 1.0 / dq)
+    y = xb * inv[:, None]
+    qb = tl.where(y < 0.0, -1.0, 1.0) * tl.floor(tl.abs(y) + 0.5)
+    return tl.reshape(qb, (BLOCK_D,)).to(tl.int8), dq.to(tl.float16)
 
 
 @triton.jit
@@ -118,11 +144,13 @@ def _window_lo(n, T, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
+def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, S, RB,
                        stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                       stride_ksr, stride_ksh, stride_vsr, stride_vsh,
                        HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       STAGES: tl.constexpr, WINDOW: tl.constexpr = 0):
+                       STAGES: tl.constexpr, Q8: tl.constexpr = False,
+                       WINDOW: tl.constexpr = 0):
     # program (g·RB + b, s): query rows r = b·BLOCK_M + i of kv head g, r = t·G + (h - g·G), against
     # keys [lo + s·chunk, min(lo + (s+1)·chunk, n)); row r sees keys j <= n - T + t (and, with a
     # sliding WINDOW, j > n - T + t - WINDOW; lo = the first key row 0 sees, else 0).
@@ -150,12 +178,17 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         kbase = kc + g.to(tl.int64) * stride_kh
         vbase = vc + g.to(tl.int64) * stride_vh
+        ksbase = ks + g.to(tl.int64) * stride_ksh  # (q8_0's scales: read only when Q8)
+        vsbase = vs + g.to(tl.int64) * stride_vsh
         for j0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
             j = j0 + tl.arange(0, BLOCK_N)
             jm = j < end
             ld = jm[:, None] & dm[None, :]
             kt = tl.load(kbase + j.to(tl.int64)[:, None] * stride_kr + d[None, :], mask=ld,
                          other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]; rows >= n never read
+            if Q8:
+                kt = kt * tl.load(ksbase + j.to(tl.int64)[:, None] * stride_ksr
+                                  + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
             # exact float32 products ("ieee": FMA, no TF32 rounding)
             sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
             seen = jm[None, :] & (j[None, :] <= last[:, None])
@@ -168,6 +201,9 @@ def _attn_split_kernel(q, kc, vc, length, part_o, part_ml, scale, T, H, S, RB,
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(vbase + j.to(tl.int64)[:, None] * stride_vr + d[None, :], mask=ld,
                          other=0.0).to(tl.float32)
+            if Q8:
+                vt = vt * tl.load(vsbase + j.to(tl.int64)[:, None] * stride_vsr
+                                  + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
             m_i = m_new
         row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]

@@ -71,6 +71,7 @@ import torch
 
 from strata.kernels import torch_ops as layers
 from strata.kernels.tuning import ATTN_BLOCK_M, ATTN_MIN_CHUNK, ATTN_TARGET_CTAS
+from strata.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
 
 ROPE_STYLES = ("neox", "normal")
 
@@ -121,7 +122,20 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-KV_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+KV_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+             torch.int8: "int8 (q8_0, with scales)"}
+
+
+def _q8_scales(cache: torch.Tensor, scales: torch.Tensor | None, name: str) -> None:
+    """An int8 cache comes with its q8_0 scales, float16 [C, Hkv, hd/32]; no other one does."""
+    if cache.dtype != torch.int8:
+        _check(scales is None, f"{name}: scales belong to an int8 (q8_0) cache only")
+        return
+    c, hkv, hd = cache.shape
+    _check(scales is not None and hd % 32 == 0, f"{name}: an int8 cache needs its q8_0 scales "
+           "and a head dim that is a multiple of 32")
+    _f32(scales, name + " scales", (c, hkv, hd // 32), {torch.float16: "float16"})
+    _check(scales.device == cache.device, f"{name} scales must be on the cache's device")
 
 
 def _f32(t: torch.Tensor, name: str, shape: tuple[int, ...] | None = None,
@@ -231,7 +245,8 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                   pos: torch.Tensor, inv_freq: torch.Tensor, style: str,
                   k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                  v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head RMS norm (q_norm, k_norm: f32 [hd] or None), RoPE at positions pos + t on the
     first rope_dim = 2·len(inv_freq) dims ("neox" or "normal" pairs), k and v written to cache
     rows pos + t; returns the rotated q. One launch.
@@ -239,8 +254,9 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q [T, H, hd], k, v [T, Hkv, hd] f32 (any strides with the last dim contiguous: views of one
     fused qkv tensor are fine); pos int32/int64 [1] on the device; inv_freq f32 [rope_dim/2]
     (rope_inv_freq); k_cache, v_cache [C, Hkv, hd] of one type, f32, f16 or bf16 (k and v
-    rounded to it), last dim contiguous -> [T, H, hd] f32 (new, or `out`). The caller keeps
-    pos + T <= C."""
+    rounded to it), or int8 with k_scales, v_scales f16 [C, Hkv, hd/32] (q8_0: each row
+    quantized in blocks of 32, kv_cache.quantize_q8_0), last dim contiguous -> [T, H, hd] f32
+    (new, or `out`). The caller keeps pos + T <= C."""
     _check(q.dim() == 3 and k.dim() == 3, "q must be [T, H, hd] and k [T, Hkv, hd]")
     t, h, hd = q.shape
     hkv = k.shape[1]
@@ -251,6 +267,9 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _check(x.device == q.device, f"{name} must be on q's device")
     _check(k_cache.dtype == v_cache.dtype, f"k_cache and v_cache must have one type, got "
            f"{k_cache.dtype} and {v_cache.dtype}")
+    _q8_scales(k_cache, k_scales, "k_cache")
+    _q8_scales(v_cache, v_scales, "v_cache")
+    q8 = k_cache.dtype == torch.int8
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None:
             _f32(w, name, (hd,))
@@ -268,13 +287,15 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if t == 0:
         return out
     if _use_kernels(q):
+        ks, vs = (k_scales, v_scales) if q8 else (k_cache, v_cache)  # (unread without q8_0)
         _kernels()._qk_rope_kernel[(t, h + hkv)](
             q, k, v, q if q_norm is None else q_norm, q if k_norm is None else k_norm, inv_freq,
-            pos, out, k_cache, v_cache, eps, h, k_cache.shape[0], q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            pos, out, k_cache, v_cache, ks, vs, eps, h, k_cache.shape[0], q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
             HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HD=hd, ROPE_DIM=rope_dim,
-            NEOX=style == "neox", BLOCK_D=_pow2(hd), num_warps=1)
+            NEOX=style == "neox", BLOCK_D=_pow2(hd), Q8=q8, num_warps=1)
         return out
     positions = pos.reshape(1).long() + torch.arange(t, device=q.device)  # [T], on the device
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
@@ -284,7 +305,14 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k_norm is not None:
         k = layers.rms_norm(k, k_norm, eps)
     out.copy_(layers.apply_rope(q, cos, sin, style))
-    k_cache.index_copy_(0, positions, layers.apply_rope(k, cos, sin, style).to(k_cache.dtype))
+    k = layers.apply_rope(k, cos, sin, style)
+    if q8:
+        for cache, scales, x in ((k_cache, k_scales, k), (v_cache, v_scales, v)):
+            qx, dx = quantize_q8_0(x)
+            cache.index_copy_(0, positions, qx)
+            scales.index_copy_(0, positions, dx)
+        return out
+    k_cache.index_copy_(0, positions, k.to(k_cache.dtype))
     v_cache.index_copy_(0, positions, v.to(v_cache.dtype).contiguous())
     return out
 
@@ -302,13 +330,15 @@ def attention_splits(capacity: int, n_kv_heads: int) -> int:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      length: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      n_splits: int | None = None, window: int = 0,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of T new tokens at positions length-T .. length-1 over cache rows
     0 .. length-1: query t sees keys j <= length - T + t; head h reads kv head h // (H / Hkv).
     softmax(q k^T · scale) v, as layers.attention (whose scale is hd^-0.5).
 
     q [T, H, hd] f32 (last dim contiguous); k_cache, v_cache [C, Hkv, hd] of one type, f32, f16
-    or bf16 (read as f32; last dim contiguous); length int32/int64 [1] on the device,
+    or bf16 (read as f32; last dim contiguous), or int8 with k_scales, v_scales (q8_0, read as
+    q · scale); length int32/int64 [1] on the device,
     T <= length <= C (the new tokens' rows included) -> [T, H·hd] f32 (new, or `out`, rows
     contiguous). Two launches; n_splits overrides attention_splits(C, Hkv) (tests, tuning). Rows
     >= length are never read. gpt-oss: window > 0, query t sees only its last `window` keys
@@ -324,6 +354,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _check(k_cache.dtype == v_cache.dtype, f"k_cache and v_cache must have one type, got "
            f"{k_cache.dtype} and {v_cache.dtype}")
     _check(hkv > 0 and h % hkv == 0, f"H = {h} must be a multiple of Hkv = {hkv}")
+    _q8_scales(k_cache, k_scales, "k_cache")
+    _q8_scales(v_cache, v_scales, "v_cache")
+    q8 = k_cache.dtype == torch.int8
     _device_int(length, "length", q.device)
     if out is None:
         out = torch.empty((t, h * hd), dtype=torch.float32, device=q.device)
@@ -335,6 +368,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _f32(sinks, "sinks", (h,))
         _check(sinks.is_contiguous() and sinks.device == q.device, "sinks must be contiguous")
     if not _use_kernels(q):
+        if q8:
+            k_cache, v_cache = (dequantize_q8_0(k_cache, k_scales),
+                                dequantize_q8_0(v_cache, v_scales))
         return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale, window, sinks))
     s = n_splits or attention_splits(cap, hkv)
     g = h // hkv
@@ -343,11 +379,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = max(16, min(32, 4096 // block_d))
     part_o = scratch((s, t, h, hd), torch.float32, q.device)
     part_ml = scratch((s, t, h, 2), torch.float32, q.device)
+    ks, vs = (k_scales, v_scales) if q8 else (k_cache, v_cache)  # (unread without q8_0)
     _kernels()._attn_split_kernel[(hkv * rb, s)](
-        q, k_cache, v_cache, length, part_o, part_ml, scale, t, h, s, rb, q.stride(0),
+        q, k_cache, v_cache, ks, vs, length, part_o, part_ml, scale, t, h, s, rb, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         HD=hd, G=g, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=block_n,
-        BLOCK_D=block_d, STAGES=2, WINDOW=window, num_warps=8)
+        BLOCK_D=block_d, STAGES=2, Q8=q8, WINDOW=window, num_warps=8)
     block_s = min(_pow2(s), max(1, 4096 // block_d))
     _kernels()._attn_reduce_kernel[(h, t)](
         part_o, part_ml, length, out, t, h, s, out.stride(0), q if sinks is None else sinks,

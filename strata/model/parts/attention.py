@@ -47,10 +47,13 @@ class GQAAttention:
         """One token over static buffers: q/k norms, RoPE and the cache store in one launch,
         then flash decoding over the rows up to ctx.length (two launches)."""
         ops, lw, kv, i = decode_ops(), self.lw, ctx.kv, self.layer
+        ks, vs = (kv.ks[i], kv.vs[i]) if kv.quantized else (None, None)  # q8_0's scales
         q = ops.qk_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
                               lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
-                              ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i])
-        return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale)  # [1, H*hd]
+                              ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i], k_scales=ks,
+                              v_scales=vs)
+        return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale, k_scales=ks,
+                                    v_scales=vs)  # [1, H*hd]
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
@@ -63,16 +66,42 @@ class GQAAttention:
         out, start = [], 0
         for s in ctx.segments:
             sl = slice(start, start + s.length)
-            keys, values = s.kv.append(i, k[sl], v[sl])  # [pos0 + t, Hkv, hd]
+            # (a q8_0 cache read by the decode kernel below needs no float32 copy)
+            kernel_reads = (ctx.fused_attention and s.kv.quantized
+                            and s.length <= BF16_ATTENTION_MIN_T)
+            keys, values = s.kv.append(i, k[sl], v[sl], read=not kernel_reads)  # [pos0 + t, ..]
             if ctx.fused_attention and s.length > BF16_ATTENTION_MIN_T:
                 out.append(attention_bf16(q[sl], keys, values))
-            elif ctx.fused_attention and keys.dtype != torch.float32:
-                # a few tokens (batched decode) over a half-size cache: the decode kernel
-                # reads its rows as they are, where attention() would need a float32 copy
+            elif kernel_reads or ctx.fused_attention and keys.dtype != torch.float32:
+                # a few tokens (batched decode) over a half-size or q8_0 cache: the decode
+                # kernel reads its rows as they are, where attention() needs float32
                 end = torch.full((1,), s.kv.length + s.length, device=q.device)
+                ks, vs = (s.kv.ks[i], s.kv.vs[i]) if s.kv.quantized else (None, None)
                 out.append(decode_ops().decode_attention(q[sl], s.kv.k[i], s.kv.v[i], end,
-                                                         self.scale))
+                                                         self.scale, k_scales=ks, v_scales=vs))
             else:  # (keys and values as stored: rounded to --kv-type)
                 out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
             start += s.length
         return torch.cat(out)  # [T, H*hd]
+
+
+class GatedAttention(GQAAttention):
+    """Full attention with a sigmoid output gate per head (qwen35moe, qwen3next): attn_q's rows
+    hold, per head, the query [hd] then its gate [hd]; out = wo(attention * sigmoid(gate)).
+    Partial RoPE (the first rope_dim dims), q/k norms. Its KV rows are layer `kv_layer` of the
+    cache, which holds the full-attention layers only."""
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
+        kv_layer = sum(not cfg.is_linear(i) for i in range(layer))
+        super().__init__(cfg, lw, kv_layer)
+        self.index = layer
+
+    def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
+        lw, T = self.lw, h.shape[0]
+        qg, k, v = qkv_linear(h, lw)  # [T, 2*H*hd], [T, Hkv*hd], [T, Hkv*hd]
+        qg = qg.view(T, self.n_heads, 2, self.head_dim)
+        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, -1)  # [T, H, hd], [T, H*hd]
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        out = self._step(q, k, v, ctx) if ctx.static else self._segments(q, k, v, ctx)
+        return linear(out * torch.sigmoid(gate), lw.wo)

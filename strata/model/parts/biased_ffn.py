@@ -31,13 +31,13 @@ class BiasedRoutedExperts(RoutedExperts):
         h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
         if ctx.static:  # torch ops over the static buffers (norm_route has no bias)
             ops = decode_ops()
-            logits = ops.router_logits(h, lw.router) + lw.router_bias  # [1, E]
+            logits = ops.router_logits(h, lw.router) + lw.router_logit_bias  # [1, E]
             ids, wts = ops.route_topk(logits, self.k, True, counts=ctx.counts(self.layer))
         else:
-            ids, wts = route_biased(h, lw.router, lw.router_bias, self.k)
+            ids, wts = route_biased(h, lw.router, lw.router_logit_bias, self.k)
         if self.hook is not None:  # (strata check) the bias as a router column over [h, 1]
             one = torch.ones(h.shape[0], 1, dtype=h.dtype, device=h.device)
-            router = torch.cat([lw.router, lw.router_bias[:, None]], dim=1)  # [E, D + 1]
+            router = torch.cat([lw.router, lw.router_logit_bias[:, None]], dim=1)  # [E, D + 1]
             r = self.hook(self.layer, Routing(torch.cat([h, one], 1), ids, wts), router,
                           self.k, True)
             return Routing(h, r.ids, r.wts)

@@ -6,11 +6,13 @@ step can stop in between (a layer whose experts need the host ends a CUDA graph 
 
 RoutedExperts: softmax routing over E experts, the top K (renormalized where cfg.norm_topk), the
 experts run by the context's expert executor, plus a gated shared expert where the layer has one
-(qwen2moe). In a static step the residual step, the norm, the router and its top K are one launch
-(decode_ops.norm_route), and with no shared expert the K rows may come back unsummed for the
-next residual step to add (one launch fewer a layer).
-DenseFFN: one SwiGLU over every token, for architectures whose first layers are dense (none of
-today's: see layer.layer_spec).
+(qwen2moe); or sigmoid routing with a selection bias, groups and a scale (gating.py: glm4moe,
+deepseek2), whose shared expert has no gate. In a static step the residual step, the norm, the
+router and its top K are one launch (decode_ops.norm_route; sigmoid routing: torch ops), and
+with no shared expert the K rows may come back unsummed for the next residual step to add (one
+launch fewer a layer).
+DenseFFN: one SwiGLU over every token, for the dense first layers (glm4moe, deepseek2:
+spec.layer_spec).
 
 Legend: T tokens, D hidden, E experts, K used a token, F / S expert / shared hidden.
 """
@@ -24,6 +26,7 @@ import torch
 from strata.config import ModelConfig
 from strata.model.layers import route
 from strata.model.parts.context import Context, decode_ops
+from strata.model.parts.gating import biased_weights, route_biased
 from strata.model.parts.norm import add_norm
 from strata.model.weights import LayerWeights, Weight, linear
 
@@ -40,7 +43,8 @@ def swiglu(h: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Ten
 
 
 class SharedExpert:
-    """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h)."""
+    """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h); without a gate
+    (glm4moe, deepseek2) swiglu(h)."""
 
     def __init__(self, lw: LayerWeights):
         self.lw = lw
@@ -48,8 +52,10 @@ class SharedExpert:
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, D] -> [T, D]"""
         lw = self.lw
-        gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
         act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
+        if lw.shared_gate is None:
+            return linear(act, lw.shared_w2)
+        gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
         return gate * linear(act, lw.shared_w2)
 
 
@@ -63,10 +69,20 @@ class RoutedExperts:
         self.lw, self.layer = lw, layer
         self.k, self.norm_topk, self.eps = cfg.n_experts_used, cfg.norm_topk, cfg.rms_eps
         self.shared = SharedExpert(lw) if lw.shared_w1 is not None else None
+        # sigmoid gating, a selection bias, groups or a scale: gating.route_biased
+        self.biased = (cfg.gating != "softmax" or cfg.expert_bias or cfg.n_groups > 1
+                       or cfg.expert_scale != 1.0)
+        self.gating, self.scale = cfg.gating, cfg.expert_scale
+        self.groups = (cfg.n_groups, cfg.n_groups_used)
 
     def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
         lw = self.lw
-        if ctx.static:  # one launch on CUDA (decode_ops.norm_route)
+        if self.biased:  # torch ops on every path (gating.py; capturable in a static step)
+            h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
+            ids, wts = route_biased(h, lw.router, lw.router_bias, self.k, self.norm_topk,
+                                    self.scale, *self.groups, gating=self.gating,
+                                    counts=ctx.counts(self.layer) if ctx.static else None)
+        elif ctx.static:  # one launch on CUDA (decode_ops.norm_route)
             h, ids, wts = decode_ops().norm_route(
                 x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,
                 counts=ctx.counts(self.layer), fuse=ctx.fuse_route)
@@ -74,8 +90,11 @@ class RoutedExperts:
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ids, wts = route(h, lw.router, self.k, self.norm_topk)  # [T, K]
         if self.hook is not None:  # (never set in a captured step: see routing.attach)
-            return self.hook(self.layer, Routing(h, ids, wts), lw.router, self.k,
-                             self.norm_topk)
+            r = self.hook(self.layer, Routing(h, ids, wts), lw.router, self.k, self.norm_topk)
+            if self.biased:  # (a pin's weights: this gating's, not the softmax's)
+                r = Routing(r.h, r.ids, biased_weights(r.h, lw.router, r.ids, self.norm_topk,
+                                                       self.scale, self.gating))
+            return r
         return Routing(h, ids, wts)
 
     def finish(self, r: Routing, ctx: Context) -> torch.Tensor:

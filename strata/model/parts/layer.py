@@ -21,22 +21,25 @@ from __future__ import annotations
 import torch
 
 from strata.config import ModelConfig
-from strata.model.parts.attention import GQAAttention
+from strata.model.parts.attention import GatedAttention, GQAAttention
 from strata.model.parts.biased_ffn import BiasedRoutedExperts
 from strata.model.parts.context import Context
+from strata.model.parts.delta_net import GatedDeltaNet
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
+from strata.model.parts.mla import MLAttention
 from strata.model.parts.norm import add_norm
 from strata.model.parts.sink_attention import SinkAttention
 from strata.model.parts.spec import layer_spec
 from strata.model.weights import LayerWeights, Weight, linear
 
-MIXERS = {"gqa": GQAAttention, "sinks": SinkAttention}
+MIXERS = {"gqa": GQAAttention, "mla": MLAttention, "gated": GatedAttention,
+          "delta": GatedDeltaNet, "sinks": SinkAttention}
 FFNS = {"routed": RoutedExperts, "dense": DenseFFN, "routed_bias": BiasedRoutedExperts}
 
 
 class Layer:
-    def __init__(self, index: int, mixer: GQAAttention, ffn: RoutedExperts | DenseFFN,
-                 attn_norm: torch.Tensor, eps: float):
+    def __init__(self, index: int, mixer: GQAAttention | GatedDeltaNet,
+                 ffn: RoutedExperts | DenseFFN, attn_norm: torch.Tensor, eps: float):
         self.index, self.mixer, self.ffn = index, mixer, ffn
         self.attn_norm, self.eps = attn_norm, eps
 

@@ -1,0 +1,89 @@
+"""strata bench-serve: load a running OpenAI-compatible server (strata serve, llama-server) with
+concurrent streamed completions and report TTFT, inter-token latency and aggregate tok/s per
+concurrency level (strata.bench.serve_load says how it measures)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from strata.bench.serve_load import Server, prompt_pool, run_level
+from strata.cli.output import atomic_path, check_folder
+from strata.errors import StrataError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8080",
+                   help="the server (http://127.0.0.1:8080)")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token (none)")
+    p.add_argument("--model", default=None, help="the request's model field (none)")
+    p.add_argument("-c", "--concurrency", default="1,4,8", metavar="C,C,...",
+                   help="clients at once, one level each (1,4,8)")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="requests per level (4 x its concurrency, at least 8)")
+    p.add_argument("--prompt-len", type=int, default=128,
+                   help="prompt tokens of each request (128)")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="output tokens of each request, EOS ignored (64)")
+    p.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="requests/s arriving as a Poisson process, at most C in flight "
+                   "(default: closed loop, each client sends its next request when its last ends)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="requests sent one at a time before the levels, not counted (1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (0)")
+    p.add_argument("--json", default=None, help="write every level's figures to this JSON file")
+
+
+def _levels(spec: str) -> list[int]:
+    try:
+        out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise StrataError(f"--concurrency {spec!r}: give client counts, e.g. 1,4,8") from None
+    if not out or min(out) < 1 or max(out) > 1024:
+        raise StrataError(f"--concurrency {spec!r}: each level must be 1 to 1024 clients")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    levels = _levels(args.concurrency)
+    for name in ("prompt_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise StrataError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise StrataError("--request-rate must be above 0 requests/s")
+    if args.requests is not None and args.requests < 1:
+        raise StrataError("--requests must be at least 1")
+    if args.json:
+        check_folder(args.json, "--json")
+    server = Server(args.url.rstrip("/"), args.api_key, args.model)
+    pool = prompt_pool(server, args.seed)
+    if args.warmup:
+        run_level(server, 1, args.warmup, args.prompt_len, args.output_len, pool, args.seed + 1)
+    rows = []
+    for i, c in enumerate(levels):
+        n = args.requests or max(8, 4 * c)
+        level = run_level(server, c, n, args.prompt_len, args.output_len, pool,
+                          args.seed + 2 + i, args.request_rate)
+        rows.append(level.summary())
+        _print_row(rows[-1], rows[0], first=i == 0)
+    if args.json:
+        with atomic_path(args.json, "--json") as tmp:
+            tmp.write_text(json.dumps({"url": args.url, "prompt_len": args.prompt_len,
+                                       "output_len": args.output_len, "levels": rows},
+                                      indent=1))
+    return 1 if any(r["failed"] for r in rows) else 0
+
+
+def _print_row(r: dict, base: dict, first: bool) -> None:
+    if first:
+        print("| clients | requests | output tok/s | x 1st level | TTFT p50 / p99 ms | "
+              "ITL p50 / p99 ms | TPOT p50 ms | E2E p50 s |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    scale = r["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else 0.0
+    failed = f" ({r['failed']} failed: {'; '.join(r['errors'])})" if r["failed"] else ""
+    print(f"| {r['concurrency']} | {r['requests']}{failed} | {r['output_tok_s']:.1f} | "
+          f"{scale:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+          f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} | "
+          f"{r['e2e_p50_ms'] / 1e3:.2f} |", flush=True)
+    sys.stdout.flush()

@@ -1,0 +1,151 @@
+"""Drafters for speculative decoding (--draft): each proposes the next few tokens of a context,
+which one verify window of the target model then checks (strata.engine.spec).
+
+    ngram     prompt lookup: the longest recent n-gram of the context (NGRAM_MAX .. NGRAM_MIN
+              tokens) matched earlier in the context proposes what followed it there
+    PATH.gguf a small model sharing the tokenizer, greedy, with a KV cache of its own
+    mtp       the file's own multi-token-prediction (nextn) layers: refused until they run
+    auto      mtp where the file has nextn layers and they run, else ngram
+
+Every drafter is a point mass: it proposes tokens, not distributions, so a verify window accepts
+a drafted token with the target's probability of it (spec.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from strata.errors import StrataError
+from strata.gguf import ModelFile
+from strata.kernels.tuning import NGRAM_MAX, NGRAM_MIN
+
+log = logging.getLogger("strata")
+
+DRAFTS = ("auto", "ngram", "mtp")  # or a path to a .gguf draft model
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        """Up to n tokens to follow `context` (it ends with the last sampled token)."""
+
+
+class NgramDrafter:
+    """Prompt lookup over the context itself; no model, nothing to keep in sync."""
+
+    name = "ngram"
+
+    def __init__(self, longest: int = NGRAM_MAX, shortest: int = NGRAM_MIN):
+        if not 1 <= shortest <= longest:
+            raise ValueError(f"n-gram lengths {shortest}..{longest}")
+        self.longest, self.shortest = longest, shortest
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        if n < 1:
+            return []
+        ctx = np.asarray(context, dtype=np.int64)
+        for g in range(min(self.longest, len(ctx) - 1), self.shortest - 1, -1):
+            # every earlier g-gram that leaves at least one token after it: starts 0 .. L-g-1
+            grams = np.lib.stride_tricks.sliding_window_view(ctx[:-1], g)  # [L-g, g]
+            hit = np.flatnonzero((grams == ctx[-g:]).all(axis=1))
+            if len(hit):
+                start = int(hit[-1]) + g  # the latest match: nearest in topic
+                return ctx[start:start + n].tolist()
+        return []
+
+
+class ModelDrafter:
+    """A small model of the same vocabulary, run greedily. Its cache holds `ids`: a window's
+    rejected drafts are dropped by truncating it to the prefix it shares with the next context."""
+
+    name = "model"
+
+    def __init__(self, engine, chunk: int = 512):  # noqa: ANN001 (strata.engine.generator.Engine)
+        self.engine, self.chunk = engine, chunk
+        self.kv = None
+        self.ids: list[int] = []
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        if n < 1:
+            return []
+        model = self.engine.model
+        if self.kv is None:
+            self.kv = model.new_cache(len(context) + 256)
+        same = 0
+        for a, b in zip(self.ids, context, strict=False):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(context) - 1)  # the last token always runs: its logits are needed
+        self.kv.truncate(same)
+        todo = context[same:]
+        for start in range(0, len(todo), self.chunk):
+            part = todo[start:start + self.chunk]
+            logits = model.forward(torch.tensor(part), [_segment(self.kv, len(part))])[0]
+        out = [int(torch.argmax(logits))]
+        while len(out) < n:
+            out.append(int(torch.argmax(model.decode(out[-1], self.kv)[0])))
+        self.ids = context + out[:-1]  # what the cache holds now
+        return out
+
+
+def _segment(kv, n: int):  # noqa: ANN001, ANN202
+    from strata.model.transformer import Segment
+
+    return Segment(kv, n)
+
+
+def nextn_layers(mf: ModelFile, arch: str) -> int:
+    """How many multi-token-prediction (nextn) layers the file declares and holds."""
+    n = mf.meta(f"{arch}.nextn_predict_layers", 0)
+    has = any(".nextn." in name for name in mf.tensors)
+    return int(n) if isinstance(n, int) and n > 0 and has else 0
+
+
+def check_vocab(target: ModelFile, draft: ModelFile) -> None:
+    """A draft model must share the target's tokenizer: same token list, same ids."""
+    a = list(target.meta("tokenizer.ggml.tokens", []) or [])
+    b = list(draft.meta("tokenizer.ggml.tokens", []) or [])
+    if a == b:
+        return
+    diff = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+    raise StrataError(f"--draft {draft.path}: its vocabulary differs from {target.path}'s "
+                      f"({len(b)} against {len(a)} tokens, first at id {diff}); a draft model "
+                      "must share the target's tokenizer")
+
+
+def make_drafter(draft: str, mf: ModelFile, arch: str, load_engine) -> Drafter:  # noqa: ANN001
+    """The drafter of --draft for the target file `mf`; load_engine(path) loads a draft model
+    (an Engine) on the target's device."""
+    n_mtp = nextn_layers(mf, arch)
+    if draft == "mtp":
+        if not n_mtp:
+            raise StrataError(f"--draft mtp: {mf.path} has no nextn layers (no "
+                              f"{arch}.nextn_predict_layers and no blk.N.nextn.* tensors); use "
+                              "--draft ngram or --draft PATH.gguf")
+        raise StrataError(f"--draft mtp: {mf.path} has {n_mtp} nextn layer(s), but this engine "
+                          f"does not run {arch}'s MTP head yet; use --draft ngram or "
+                          "--draft PATH.gguf")
+    if draft == "auto":
+        if n_mtp:
+            log.info(f"--draft auto: {n_mtp} nextn layer(s) in the file, but their MTP head "
+                     "does not run yet: n-gram drafts")
+        return NgramDrafter()
+    if draft == "ngram":
+        return NgramDrafter()
+    path = Path(draft)
+    if path.suffix != ".gguf":
+        raise StrataError(f"--draft {draft}: choose auto, ngram, mtp or a .gguf draft model")
+    if not path.is_file():
+        raise StrataError(f"--draft {draft}: no such file")
+    from strata.gguf import open_model
+
+    check_vocab(mf, open_model(path))
+    return ModelDrafter(load_engine(path))

@@ -1,0 +1,318 @@
+"""Speculative decoding: a drafter proposes up to T tokens, one verify window checks them.
+
+One step (`SpecDecoder.step`), the context ending with the last sampled token (not yet in the
+KV cache, as in the plain loop):
+    draft    d_1 .. d_k = drafter.propose(context, k), k the adaptive window's size (<= --spec T)
+    verify   one forward of [last, d_1 .. d_k] with all logits -> L_0 .. L_k  [k+1, V]: every
+             layer runs the window's tokens together, so each routed expert is read once for
+             all of them (the offload executor groups a pass's pairs by expert)
+    accept   greedy: d_i while it is argmax L_{i-1}; sampled: d_i with probability p_{i-1}(d_i),
+             else one token from the residual p_{i-1} without d_i (a point-mass drafter's
+             rejection sampling: the output follows the target's distribution exactly)
+    next     the first rejection's residual token, or after k accepted one from L_k
+    rollback the KV cache truncated to the last accepted token; recurrent state (the
+             linear-attention layers) needs the same: `rollback` is its hook
+With no draft (no n-gram match, the window off) the step is a plain decode step.
+
+Every wait is bounded: the window's forward marks each layer (a CUDA event after it on the
+GPU), and the host waits for the last mark with a deadline; one that does not come raises
+StallError naming the verify window, its size and the first layer the GPU did not finish.
+
+Legend: k drafted tokens in the window, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.engine.sampling import SamplingParams, probabilities, sample
+from strata.errors import StrataError
+from strata.kernels.tuning import (
+    SPEC_ACCEPT_WEIGHT,
+    SPEC_OFF_ACCEPT,
+    SPEC_OFF_MAX,
+    SPEC_OFF_STEPS,
+    SPEC_SLOWER,
+)
+from strata.runtime.kv_cache import KVCache
+from strata.runtime.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, to_host, wait_event
+
+
+@dataclass
+class SpecStats:
+    """Drafted and accepted tokens, in all and by position in the window (0: the first draft)."""
+
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    plain_steps: int = 0  # decode steps without a window (no draft, or the window off)
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    window_s: float = 0.0
+    window_tokens: int = 0  # tokens the windows gave (accepted + one each)
+    plain_s: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def add(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.windows += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.window_s += seconds
+        self.window_tokens += accepted + 1
+        grow = drafted - len(self.drafted_at)
+        self.drafted_at += [0] * grow
+        self.accepted_at += [0] * grow
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at,
+                                                    strict=True)]
+
+    def line(self) -> str:
+        pos = " ".join(f"{a:.2f}" for a in self.by_position())
+        rate = self.window_tokens / self.window_s if self.window_s else 0.0
+        plain = self.plain_steps / self.plain_s if self.plain_s else 0.0
+        return (f"spec: {self.windows} windows, {self.drafted} drafted, {self.accepted} accepted "
+                f"({100 * self.acceptance:.1f}%; by position {pos or '-'}); "
+                f"{self.window_tokens} tokens from windows at {rate:.1f} tok/s; "
+                f"{self.plain_steps} plain decode steps at {plain:.1f} tok/s")
+
+    def as_dict(self) -> dict:
+        return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
+                "drafted_at": list(self.drafted_at), "accepted_at": list(self.accepted_at),
+                "plain_steps": self.plain_steps, "plain_s": self.plain_s,
+                "window_s": self.window_s,
+                "window_tokens": self.window_tokens}
+
+
+class Window:
+    """The adaptive window size: one more after a window accepted whole, one less after one
+    that accepted nothing; off (size 0) for SPEC_OFF_STEPS steps while the running acceptance
+    is below SPEC_OFF_ACCEPT (then one window of 1 probes again), or while a window's seconds
+    per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are timed
+    while no draft comes and while the window is off): then twice as long each time in a row,
+    up to SPEC_OFF_MAX steps."""
+
+    def __init__(self, limit: int, timed: bool = True):
+        self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
+        self.timed = timed  # False: acceptance alone decides (tests that count windows)
+        self.window_s: float | None = None  # seconds per token, running means
+        self.plain_s: float | None = None
+        self.backoff = SPEC_OFF_STEPS  # the next time-based pause
+
+    def next_size(self) -> int:
+        if self.off:
+            self.off -= 1
+            return 0
+        return self.size
+
+    def plain(self, seconds: float) -> None:
+        """A plain decode step took `seconds`."""
+        self.plain_s = _mean(self.plain_s, seconds)
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """A window of `drafted` drafts accepted `accepted` of them in `seconds`."""
+        if seconds is not None and self.timed:
+            self.window_s = _mean(self.window_s, seconds / (accepted + 1))
+            if self.plain_s is not None and self.window_s > SPEC_SLOWER * self.plain_s:
+                self.off, self.window_s = self.backoff, None  # (measured afresh after)
+                self.backoff = min(2 * self.backoff, SPEC_OFF_MAX)
+            else:
+                self.backoff = SPEC_OFF_STEPS
+        self.mean += SPEC_ACCEPT_WEIGHT * (accepted / drafted - self.mean)
+        if accepted == drafted:
+            self.size = min(self.limit, self.size + 1)
+        elif accepted == 0:
+            self.size = max(1, self.size - 1)
+        if self.mean < SPEC_OFF_ACCEPT:
+            self.off, self.size, self.mean = SPEC_OFF_STEPS, 1, SPEC_OFF_ACCEPT
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + SPEC_ACCEPT_WEIGHT * (new - old)
+
+
+class LayerMarks:
+    """Where a window's forward stands: PROGRESS.layer after each layer, and on the GPU an
+    event recorded after it (`event`: a factory of objects with record() and query(), CUDA
+    events by default), so a wait that runs out can say which layer never finished."""
+
+    def __init__(self, tokens: int, position: int, n_layers: int, device: torch.device,
+                 event: Callable[[], object] | None = None):
+        self.tokens, self.position, self.n_layers = tokens, position, n_layers
+        self.event = event or (torch.cuda.Event if device.type == "cuda" else None)
+        self.events: list = []
+
+    def never_finish(self) -> None:
+        """Make every mark from now on one the GPU never reaches (STRATA_FAULT timeout@verify:
+        the window's bounded wait then runs out as a real stall's would)."""
+        self.event = _NeverDone
+
+    def after(self, layer: int) -> None:
+        PROGRESS.layer = layer
+        if self.event is not None:
+            ev = self.event()
+            ev.record()
+            self.events.append(ev)
+
+    def what(self, layer: int) -> str:
+        part = "the output head" if layer >= self.n_layers else f"layer {layer}"
+        return (f"the verify window of {self.tokens} tokens at position {self.position} "
+                f"({part})")
+
+    def wait(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Wait for the window's GPU work, at most timeout_s in all."""
+        if not self.events:
+            return
+        try:
+            wait_event(self.events[-1], self.what(len(self.events) - 1), timeout_s)
+        except StallError:
+            stuck = next((i for i, ev in enumerate(self.events) if not ev.query()),
+                         len(self.events) - 1)
+            raise StallError(f"verify window of {self.tokens} tokens at position "
+                             f"{self.position}: waited {timeout_s:.0f} s; the GPU never finished "
+                             f"{'the output head' if stuck >= self.n_layers else f'layer {stuck}'}"
+                             f" ({PROGRESS.describe()})") from None
+
+
+class _NeverDone:
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
+def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+           gen: torch.Generator | None) -> tuple[int, int]:
+    """(accepted drafts, the next token) from a window's logits [k+1, V] (row i: after the
+    window's token i). Greedy: the longest prefix that argmax agrees with. Sampled: d_i kept with
+    probability p_{i-1}(d_i), else a token of the residual; all kept: one sampled from p_k."""
+    k = len(drafts)
+    if params.temperature == 0:
+        best = to_host(torch.argmax(logits, dim=-1), "the verify window's argmax").tolist()
+        n = 0
+        while n < k and best[n] == drafts[n]:
+            n += 1
+        return n, int(best[n])
+    for i, d in enumerate(drafts):
+        p = probabilities(logits[i], params)  # [V]
+        if float(torch.rand(1, generator=gen)) < float(p[d]):
+            continue
+        p[d] = 0.0  # (a rejection leaves mass elsewhere: p[d] < 1 here)
+        return i, int(torch.multinomial(p, 1, generator=gen)[0])
+    return k, sample(logits[k], params, gen)
+
+
+@dataclass
+class SpecDecoder:
+    """Decode steps through verify windows for one sequence at a time."""
+
+    model: object  # MoETransformer
+    drafter: object  # strata.engine.drafters.Drafter
+    limit: int  # --spec T: drafted tokens in a window at most
+    stats: SpecStats = field(default_factory=SpecStats)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    event: Callable[[], object] | None = None  # LayerMarks' event factory (tests)
+    # called with each window's LayerMarks before its forward (the server's injected faults)
+    before_window: Callable[[LayerMarks], None] | None = None
+    timed: bool = True  # Window.timed
+
+    def __post_init__(self) -> None:
+        self.window = Window(self.limit, self.timed)
+        self.sequence: object = None  # whose window state this is (the server's request id)
+
+    def reset(self) -> None:
+        """A new generation: fresh statistics and a full window."""
+        self.stats = SpecStats()
+        self.new_sequence(None)
+
+    def new_sequence(self, key: object) -> None:
+        """Another sequence decodes now: a full window (statistics carry on)."""
+        self.window, self.sequence = Window(self.limit, self.timed), key
+
+    def step(self, context: list[int], kv: KVCache, params: SamplingParams,
+             gen: torch.Generator | None, room: int) -> list[int]:
+        """The next 1 .. room tokens after `context` (its last token is not in kv yet); kv then
+        holds all of the context and every returned token but the last."""
+        t0 = time.perf_counter()  # (drafting counts: a draft model's steps cost too)
+        k = min(self.window.next_size(), room - 1)
+        drafts = self.drafter.propose(context, k)[:k] if k > 0 else []
+        if not drafts:
+            out = [sample(self.model.decode(context[-1], kv)[0], params, gen)]
+            spent = time.perf_counter() - t0
+            self.window.plain(spent)
+            self.stats.plain_steps += 1
+            self.stats.plain_s += spent
+            return out
+        start, n = kv.length, len(drafts) + 1
+        PROGRESS.at("verify window", position=start)
+        marks = LayerMarks(n, start, self.model.cfg.n_layers, self.model.device, self.event)
+        if self.before_window is not None:
+            self.before_window(marks)
+        from strata.model.transformer import Segment
+
+        tokens = torch.tensor([context[-1], *drafts])  # [k+1]
+        ex = self.model.experts
+        windowed = hasattr(ex, "window")  # the offload executor: planned misses
+        if windowed:
+            ex.window = True
+        try:
+            logits = self.model.forward(tokens, [Segment(kv, n)], all_logits=True,
+                                        marks=marks)  # [k+1, V]
+        finally:
+            if windowed:
+                ex.window = False
+        marks.wait(self.timeout_s)
+        accepted, nxt = accept(logits, drafts, params, gen)
+        kv.truncate(start + 1 + accepted)
+        rollback(self.model, kv, start + 1 + accepted)
+        spent = time.perf_counter() - t0
+        self.window.update(len(drafts), accepted, spent)
+        self.stats.add(len(drafts), accepted, spent)
+        return [*drafts[:accepted], nxt]
+
+
+def rollback(model: object, kv: KVCache, length: int) -> None:
+    """Recurrent-state rollback hook: the linear-attention (Gated DeltaNet) layers keep a
+    recurrent state per sequence that a window advances by all its tokens; rolling it back to
+    `length` tokens needs that state saved before the window's rejected tokens (per-token
+    snapshots, or a re-run of the accepted tokens). No architecture here has such layers yet:
+    their cache object implements `rollback(length)` and this calls it."""
+    hook = getattr(kv, "rollback", None)
+    if hook is not None:
+        hook(length)
+
+
+def make_spec(ec, mf, cfg, model) -> SpecDecoder:  # noqa: ANN001 (EngineConfig, ModelFile, ...)
+    """The SpecDecoder of --spec T --draft D for a loaded target model. A draft model loads on
+    the target's device with everything there (--offload off): it is small."""
+    from dataclasses import replace
+
+    from strata.engine.drafters import make_drafter
+
+    if getattr(cfg, "full_attn_interval", 0):
+        raise StrataError(f"--spec {ec.spec}: {cfg.arch}'s linear-attention layers keep a "
+                          "recurrent state that cannot yet be rolled back to the last accepted "
+                          "token; run it without --spec")
+
+    def load(path):  # noqa: ANN001, ANN202
+        from strata.engine.generator import Engine
+
+        draft = Engine.load(path, config=replace(ec, offload="off", spec=0))
+        if getattr(draft.config, "full_attn_interval", 0):
+            raise StrataError(f"--draft {path}: a {draft.config.arch} draft keeps a recurrent "
+                              "state that cannot yet be rolled back; pick a draft of another "
+                              "architecture")
+        return draft
+
+    return SpecDecoder(model, make_drafter(ec.draft, mf, cfg.arch, load), ec.spec)

@@ -1,0 +1,110 @@
+"""One decode token of a Gated DeltaNet layer (model/parts/delta_net.py) over its static state:
+two launches on CUDA (graph-safe: in place, no host sync), the same math in torch elsewhere.
+
+    conv_step(x, window, w)         y = silu(causal depthwise conv of [window; x]), window moves
+                                    on by one (in place). grid: C / CONV_STEP_BLOCK
+    delta_step(x, g, beta, S, ...)  q, k L2-normed per key head (q * dk^-0.5), then per value
+                                    head S = e^g S; S += k (beta (v - S^T k))^T (in place);
+                                    o = S^T q. grid: (Hv, dv / BV), each program S[:, BV]
+
+and for prompts, the sequential part of the chunked rule (delta_net.delta_chunked computes the
+rest with batched matmuls and a triangular solve):
+
+    chunk_scan(u0, w, inner, qg, kg, dend, S)   per chunk c in order: u = u0 - w S;
+                                    o = qg S + inner u; S = dend S + kg^T u. One launch,
+                                    grid (H, dv / CHUNK_SCAN_BV), S[:, BV] in registers
+
+Legend: C conv channels 2*Hk*dk + Hv*dv, K kernel, Hk / Hv key / value heads, dk = dv.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.gpu.decode_ops import _check, _f32, _use_kernels
+from strata.kernels.tuning import CHUNK_SCAN_BV, CONV_STEP_BLOCK, DELTA_STEP_TILE
+
+
+def conv_step(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [C], window [K-1, C] (updated), w [C, K], all f32 contiguous -> y [C] f32."""
+    C, K = w.shape
+    for name, t, shape in (("x", x, (C,)), ("window", window, (K - 1, C)), ("w", w, (C, K))):
+        _f32(t, name, shape)
+        _check(t.is_contiguous() and t.device == x.device, f"{name} must be contiguous")
+    if not _use_kernels(x):
+        full = torch.cat([window, x[None]])  # [K, C]
+        y = (full.T * w).sum(-1)
+        window.copy_(full[1:])
+        return F.silu(y)
+    from strata.kernels.gpu.delta_kernels import _conv_step_kernel
+
+    y = torch.empty_like(x)
+    _conv_step_kernel[(-(-C // CONV_STEP_BLOCK),)](x, window, w, y, C, K=K,
+                                                     BLOCK=CONV_STEP_BLOCK)
+    return y
+
+
+def delta_step(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+               hk: int, tiled: bool, eps: float) -> torch.Tensor:
+    """x [C] (after the conv), g, beta [Hv], state [Hv, dk, dv] (updated), f32 contiguous;
+    value head j reads key head j % hk (tiled) or j // (Hv / hk) -> o [Hv, dv] f32."""
+    hv, dk, dv = state.shape
+    _check(dk == dv and hv % hk == 0, "state must be [Hv, dk, dk] with Hv a multiple of hk")
+    for name, t, shape in (("x", x, ((2 * hk + hv) * dk,)), ("g", g, (hv,)),
+                           ("beta", beta, (hv,)), ("state", state, (hv, dk, dv))):
+        _f32(t, name, shape)
+        _check(t.is_contiguous() and t.device == x.device, f"{name} must be contiguous")
+    r = hv // hk
+    if not _use_kernels(x):
+        key = hk * dk
+        q, k = x[:key].view(hk, dk), x[key:2 * key].view(hk, dk)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps) * dk ** -0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+        if r > 1:
+            q, k = ((y.repeat(r, 1) if tiled else y.repeat_interleave(r, 0)) for y in (q, k))
+        v = x[2 * key:].view(hv, dv)
+        S = state * g.exp()[:, None, None]
+        delta = beta[:, None] * (v - torch.einsum("hkv,hk->hv", S, k))
+        S = S + k[:, :, None] * delta[:, None, :]
+        state.copy_(S)
+        return torch.einsum("hkv,hk->hv", S, q)
+    from strata.kernels.gpu.delta_kernels import _delta_step_kernel
+
+    bv, warps = DELTA_STEP_TILE
+    out = torch.empty(hv, dv, dtype=torch.float32, device=x.device)
+    bk = 1 << max(dk - 1, 0).bit_length()
+    _delta_step_kernel[(hv, -(-dv // bv))](x, g, beta, state, out, eps, dk ** -0.5, HK=hk, R=r,
+                                            DK=dk, DV=dv, TILED=tiled, BK=bk, BV=bv,
+                                            num_warps=warps)
+    return out
+
+
+def chunk_scan_fits(chunk: int, dk: int) -> bool:
+    """The kernel's tiles: tl.dot wants powers of two of at least 16."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (chunk, dk))
+
+
+def chunk_scan(u0: torch.Tensor, w: torch.Tensor, inner: torch.Tensor, qg: torch.Tensor,
+               kg: torch.Tensor, dend: torch.Tensor,
+               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """u0 [H, n, L, dv], w, qg, kg [H, n, L, dk], inner [H, n, L, L], dend [H, n] (e^G at each
+    chunk's end), state [H, dk, dv], f32 -> (out [H, n, L, dv], the new state). In float32
+    (tl.dot in "ieee": no tf32 rounding)."""
+    H, n, L, dv = u0.shape
+    dk = w.shape[-1]
+    _check(chunk_scan_fits(L, dk), f"chunk {L} and head dim {dk} must be powers of two >= 16")
+    _check(_use_kernels(u0), "chunk_scan runs on CUDA (or under Triton's interpreter)")
+    u0, w, inner, qg, kg, dend = (t.contiguous() for t in (u0, w, inner, qg, kg, dend))
+    for name, t, shape in (("u0", u0, (H, n, L, dv)), ("w", w, (H, n, L, dk)),
+                           ("inner", inner, (H, n, L, L)), ("qg", qg, (H, n, L, dk)),
+                           ("kg", kg, (H, n, L, dk)), ("dend", dend, (H, n)),
+                           ("state", state, (H, dk, dv))):
+        _f32(t, name, shape)
+    S = state.contiguous().clone()
+    out = torch.empty_like(u0)
+    from strata.kernels.gpu.delta_kernels import _chunk_scan_kernel
+
+    _chunk_scan_kernel[(H, -(-dv // CHUNK_SCAN_BV))](u0, w, inner, qg, kg, dend, S, out, n,
+                                                      DK=dk, DV=dv, L=L, BV=CHUNK_SCAN_BV)
+    return out, S

@@ -1,0 +1,436 @@
+"""Speculative decoding: drafters, verify windows, exactness (greedy and sampled), adaptive
+windows, bounded waits (strata.engine.spec, strata.engine.drafters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.config import EngineConfig
+from strata.demo import demo_model
+from strata.engine.drafters import NgramDrafter, check_vocab, make_drafter
+from strata.engine.generator import Engine
+from strata.engine.sampling import SamplingParams, probabilities
+from strata.engine.spec import LayerMarks, SpecDecoder, SpecStats, Window, accept
+from strata.errors import StrataError
+from strata.gguf import open_model
+from strata.kernels.tuning import SPEC_OFF_STEPS
+from strata.runtime.waits import StallError
+
+CODE = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
+PROSE = "The Debian package manager installs"
+# the reference path, and the offload runtime on the CPU with every expert a miss, its CPU pool
+# on ggml (activations rounded to 8 bits, per token) or on torch's float32 kernels. A window's
+# misses take the planned path (OffloadExperts.window), so they run on the same kernels as a
+# single token's: were they streamed (this device's stream_min is 2: a "copy" is a memcpy), they
+# would run in float32 against ggml's single tokens, ~0.2 apart in the tiny files' logits, which
+# flips a random model's near-ties.
+PATHS = {
+    "reference": dict(offload="off"),
+    "offload": dict(offload="on", expert_cache="0", miss="cpu"),
+    "offload-torch": dict(offload="on", expert_cache="0", miss="cpu", cpu_kernels="torch"),
+}
+
+
+def load(path, spec: int = 0, draft: str = "auto", **kw) -> Engine:  # noqa: ANN001
+    """An engine on the CPU; with --spec, windows that acceptance alone turns off (the tests
+    count windows: a timed window would depend on this machine's load)."""
+    eng = Engine.load(path, config=EngineConfig(device="cpu", spec=spec, draft=draft, **kw))
+    if eng.spec is not None:
+        eng.spec.timed = False
+    return eng
+
+
+def greedy(engine: Engine, text: str, n: int) -> list[int]:
+    return list(engine.generate(engine.tokenizer.encode(text),
+                                SamplingParams(temperature=0, max_tokens=n)))
+
+
+# ---- drafters -----------------------------------------------------------------------------------
+
+def test_ngram_drafter_longest_latest_match():
+    d = NgramDrafter(longest=3, shortest=2)
+    # suffix [1, 2, 3]: found at 0 -> proposes what followed it there
+    assert d.propose([1, 2, 3, 9, 8, 7, 1, 2, 3], 2) == [9, 8]
+    # the latest match wins: [5, 6] at 0 (-> 1) and at 3 (-> 2)
+    assert d.propose([5, 6, 1, 5, 6, 2, 5, 6], 3) == [2, 5, 6]
+    # only a 1-token match (shorter than the shortest): nothing
+    assert d.propose([4, 1, 2, 3, 4], 3) == []
+    # the continuation stops at the end of the context
+    assert d.propose([7, 7, 7], 4) == [7]
+    assert d.propose([1], 4) == [] and d.propose([1, 2, 1, 2], 0) == []
+
+
+def test_draft_refusals(synth):
+    demo = open_model(demo_model())
+    with pytest.raises(StrataError, match=r"--draft mtp: .* has no nextn layers \(no "
+                       r"qwen3moe.nextn_predict_layers and no blk.N.nextn.\* tensors\)"):
+        make_drafter("mtp", demo, "qwen3moe", None)
+    assert make_drafter("auto", demo, "qwen3moe", None).name == "ngram"
+    with pytest.raises(StrataError, match="choose auto, ngram, mtp or a .gguf"):
+        make_drafter("bigram", demo, "qwen3moe", None)
+    with pytest.raises(StrataError, match="no such file"):
+        make_drafter("/nonexistent/draft.gguf", demo, "qwen3moe", None)
+    tiny = synth("qwen3moe", "Q4_K_M")
+    with pytest.raises(StrataError, match=r"--draft .*: its vocabulary differs from .* \(1024 "
+                       r"against 8192 tokens, first at id \d+\); a draft model must share"):
+        check_vocab(demo, open_model(tiny))
+    with pytest.raises(StrataError, match="its vocabulary differs"):
+        load(demo_model(), spec=4, draft=str(tiny))
+
+
+# ---- exact: greedy ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["reference", "offload"])
+def test_greedy_demo_same_with_spec(path):
+    """The trained demo model: n-gram windows accept often on code, and greedy output is the
+    same token for token."""
+    kw = PATHS[path]
+    plain = greedy(load(demo_model(), **kw), CODE, 48)
+    eng = load(demo_model(), spec=4, draft="ngram", **kw)
+    assert greedy(eng, CODE, 48) == plain
+    st = eng.stats.spec
+    assert st.windows > 0 and st.accepted > 0
+    assert eng.stats.generated_tokens == 48
+    assert eng.stats.decode_tokens == 47 and eng.stats.decode_steps < 47
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "glm4moe", "deepseek2"])
+def test_greedy_synthetic_same_with_spec(synth, arch, path):
+    """Tiny synthetic files of every architecture but the hybrids (refused: their recurrent
+    state cannot roll back yet; test_generate_spec_stats_and_refusals); drafts from n-grams and
+    from a draft model: the file itself (every draft accepted) and another seed's weights (few
+    accepted)."""
+    f = synth(arch, "Q4_K_M")
+    plain = greedy(load(f, **PATHS[path]), "hello world", 40)
+    for draft, full in (("ngram", False), (str(f), True), (str(synth(arch, "Q4_K_M", 1)), False)):
+        eng = load(f, spec=3, draft=draft, **PATHS[path])
+        assert greedy(eng, "hello world", 40) == plain, draft
+        st = eng.stats.spec
+        # the target drafting for itself (the draft model on the reference path): every window
+        # accepted whole where the target computes in float32 too (ggml's 8-bit activations
+        # differ from it by near-ties)
+        # (a random model's greedy text may repeat no n-gram: then no window runs; a draft
+        # model always drafts)
+        assert st.windows > 0 or draft == "ngram"
+        assert st.accepted == st.drafted or not full or path == "offload"
+
+
+def test_kv_after_stop_matches_plain(synth):
+    """A stop token inside a window: the cache keeps what the plain loop keeps."""
+    f = synth("qwen3moe", "Q4_K_M")
+    base = load(f)
+    ids = base.tokenizer.encode("hello world")
+    kv0 = base.model.new_cache(64)
+    out = list(base.generate(ids, SamplingParams(temperature=0, max_tokens=12), kv0))
+    eng = load(f, spec=4, draft=str(f))
+    stop = out[5]
+    eng.tokenizer.stop_ids = base.tokenizer.stop_ids | {stop}
+    base.tokenizer.stop_ids = eng.tokenizer.stop_ids
+    kv0, kv1 = base.model.new_cache(64), eng.model.new_cache(64)
+    a = list(base.generate(ids, SamplingParams(temperature=0, max_tokens=12), kv0))
+    b = list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=12), kv1))
+    assert a == b == out[:out.index(stop)]
+    assert eng.stats.finish_reason == base.stats.finish_reason == "stop"
+    assert kv1.length == kv0.length
+    n = kv0.length
+    # (the same rows to float rounding: a window's matmuls run several tokens at once)
+    assert torch.allclose(kv1.store[:, :, :n], kv0.store[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_next_turn_reuses_the_cache_same_with_spec(synth):
+    """A chat's next turn runs only what the cache lacks: the same answers and cache length
+    with windows as without."""
+    f = synth("qwen3moe", "Q4_K_M")
+    turns = []
+    for spec, draft in ((0, "auto"), (3, str(f))):
+        eng = load(f, spec=spec, draft=draft)
+        ids = eng.tokenizer.encode("hello world")
+        kv = eng.model.new_cache(128)
+        p = SamplingParams(temperature=0, max_tokens=10)
+        a = list(eng.generate(ids, p, kv))
+        b = list(eng.generate(ids + a + eng.tokenizer.encode(" and more"), p, kv))
+        turns.append((a, b, kv.length))
+    assert turns[0] == turns[1]
+
+
+# ---- exact: sampled -----------------------------------------------------------------------------
+
+def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The chi-square test's p-value of observed counts against probabilities (cells with an
+    expected count under 5 pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def test_rejection_sampling_follows_the_target():
+    """accept() over many seeds: the first token follows p_0 whatever the draft, the second
+    (given the first draft was kept) follows p_1. False-failure rate: each p-value is compared
+    with 1e-4, so a correct sampler fails this test with probability about 4e-4."""
+    torch.manual_seed(0)
+    V = 12
+    logits = torch.randn(3, V) * 1.5  # [k+1, V]
+    params = SamplingParams(temperature=0.9, top_k=10, top_p=0.97, seed=None, max_tokens=8)
+    p0, p1 = probabilities(logits[0], params), probabilities(logits[1], params)
+    for drafts in ([int(p0.argmax()), int(p1.argmax())],  # likely drafts
+                   [int(p0.argsort()[-3]), int(p1.argsort()[-2])]):  # less likely ones
+        first, second = torch.zeros(V), torch.zeros(V)
+        gen = torch.Generator().manual_seed(1234)
+        for _ in range(6000):
+            n, nxt = accept(logits, drafts, params, gen)
+            tokens = [*drafts[:n], nxt]
+            first[tokens[0]] += 1
+            if tokens[0] == drafts[0]:
+                second[tokens[1]] += 1
+        assert _chi2_p(first, p0) > 1e-4, (drafts, first)
+        assert _chi2_p(second, p1) > 1e-4, (drafts, second)
+        assert first[p0 == 0].sum() == 0 and second[p1 == 0].sum() == 0  # top-k / top-p hold
+
+
+def test_sampled_generation_runs_and_is_seeded(synth):
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f, spec=4, draft=str(f))
+    p = SamplingParams(temperature=0.8, seed=7, max_tokens=30)
+    ids = eng.tokenizer.encode("hello world")
+    a = list(eng.generate(ids, p))
+    assert a == list(eng.generate(ids, p))  # a seed gives the same text again
+    assert len(a) == eng.stats.generated_tokens and eng.stats.spec.windows > 0
+
+
+# ---- adaptive windows ---------------------------------------------------------------------------
+
+class WrongDrafter:
+    """Always proposes a token the target never picks here (0 is never generated)."""
+
+    name = "wrong"
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        return [0] * n
+
+
+def test_window_shrinks_and_turns_off():
+    w = Window(4)
+    w.update(4, 4)
+    assert w.next_size() == 4
+    w.update(4, 0)
+    assert w.size == 3
+    for _ in range(4):
+        w.update(w.size, 0)
+    assert w.off == SPEC_OFF_STEPS and w.size == 1
+    assert [w.next_size() for _ in range(SPEC_OFF_STEPS)] == [0] * SPEC_OFF_STEPS
+    assert w.next_size() == 1  # a probe
+    w.update(1, 0)
+    assert w.off == SPEC_OFF_STEPS  # failed: off again
+    w.off = 0
+    w.update(1, 1)
+    assert w.off == 0 and w.size == 2
+
+
+def test_slow_windows_turn_off():
+    """Windows whose seconds per token exceed a plain step's by SPEC_SLOWER turn off; a window
+    that gains enough stays on."""
+    w = Window(4)
+    w.update(4, 4, 0.5)  # no plain step timed yet: on
+    assert w.off == 0
+    w.plain(0.1)
+    w.update(4, 3, 0.3)  # 0.075 s a token against 0.1: on
+    assert w.off == 0
+    for _ in range(3):
+        w.update(4, 1, 0.4)  # 0.2 s a token: the running mean crosses 0.11
+    assert w.window_s is None and w.off == 4 * SPEC_OFF_STEPS  # turned off 3 times in a row
+    assert w.backoff == 8 * SPEC_OFF_STEPS
+    w.off = 0
+    w.update(4, 4, 0.2)  # 0.04 s a token: on, and the next pause is short again
+    assert w.off == 0 and w.backoff == SPEC_OFF_STEPS
+
+
+def test_low_acceptance_turns_windows_off(synth):
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f)
+    plain = greedy(eng, "hello world", 40)
+    assert 0 not in plain
+    eng.spec = SpecDecoder(eng.model, WrongDrafter(), 4, timed=False)
+    assert greedy(eng, "hello world", 40) == plain
+    st = eng.stats.spec
+    assert st.accepted == 0 and st.windows <= 7 and st.plain_steps >= 30
+
+
+# ---- bounded waits ------------------------------------------------------------------------------
+
+class StuckEvent:
+    """A fake CUDA event: the GPU 'finishes' layers below `done` only."""
+
+    made = 0
+    done = 1
+
+    def __init__(self):
+        self.index = StuckEvent.made
+        StuckEvent.made += 1
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.index < StuckEvent.done
+
+
+def test_verify_window_stall_names_window_size_and_layer(synth):
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f)
+    StuckEvent.made = 0
+    eng.spec = SpecDecoder(eng.model, NgramDrafter(), 4, timeout_s=0.05, event=StuckEvent)
+    eng.spec.drafter.propose = lambda ctx, n: [1, 2, 3]
+    with pytest.raises(StallError, match=r"verify window of 4 tokens at position \d+: waited 0 s; "
+                       r"the GPU never finished layer 1 \(stage 'verify window', layer 3"):
+        list(eng.generate(eng.tokenizer.encode("hello"), SamplingParams(temperature=0,
+                                                                        max_tokens=8)))
+
+
+def test_layer_marks_name_the_head():
+    StuckEvent.made, StuckEvent.done = 0, 3
+    m = LayerMarks(5, 10, 3, torch.device("cpu"), event=StuckEvent)
+    for i in range(4):
+        m.after(i)
+    with pytest.raises(StallError, match="never finished the output head"):
+        m.wait(0.01)
+    StuckEvent.done = 1
+
+
+# ---- the offload executor over a window ---------------------------------------------------------
+
+def test_window_reads_each_expert_once(synth):
+    """A window of 5 tokens takes the planned path (a pass of 5 tokens that is no window
+    streams here, stream_min being 2): per layer one CPU pool call whose groups are the union
+    of the tokens' experts, each once, and every pair counted."""
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f, spec=4, **PATHS["offload"])
+    ex = eng.model.experts
+    calls = []
+    run_cpu = ex._run_cpu
+
+    def spy(layer, groups, h):  # noqa: ANN001, ANN202
+        calls.append((layer, h.shape[0], [g.expert for g in groups],
+                      sum(len(g.tokens) for g in groups)))
+        return run_cpu(layer, groups, h)
+
+    ex._run_cpu = spy
+    kv = eng.model.new_cache(32)
+    from strata.model.transformer import Segment
+
+    eng.model.forward(torch.tensor([5, 6, 7]), [Segment(kv, 3)])
+    calls.clear()
+    before = ex.stats.cpu.copy()
+    ex.window = True  # as SpecDecoder.step sets it around a window's forward
+    eng.model.forward(torch.tensor([1, 2, 3, 4, 5]), [Segment(kv, 5)], all_logits=True)
+    ex.window = False
+    K = eng.config.n_experts_used
+    assert [c[0] for c in calls] == list(range(eng.config.n_layers))
+    for _, t, experts, pairs in calls:
+        assert t == 5 and len(experts) == len(set(experts)) and pairs == 5 * K
+    assert ((ex.stats.cpu - before) == 5 * K).all()
+
+
+def test_spec_stats_by_position():
+    st = SpecStats()
+    st.add(3, 1, 0.1)
+    st.add(2, 2, 0.1)
+    assert st.drafted_at == [2, 2, 1] and st.accepted_at == [2, 1, 0]
+    assert st.by_position() == [1.0, 0.5, 0.0] and st.window_tokens == 5
+    assert "2 windows, 5 drafted, 3 accepted (60.0%; by position 1.00 0.50 0.00)" in st.line()
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def test_generate_spec_stats_and_refusals(synth, capfd, tmp_path):
+    from strata.cli.main import main
+
+    f = str(synth("qwen3moe", "Q4_K_M"))
+    base = ["generate", f, "--device", "cpu", "--prompt", "hello world", "-n", "24",
+            "--temperature", "0"]
+    assert main(base) == 0
+    plain = capfd.readouterr().out
+    assert main([*base, "--spec", "3", "--draft", f, "--stats"]) == 0
+    out, err = capfd.readouterr()
+    assert out == plain
+    assert "strata: spec: " in err and " windows, " in err and "accepted (100.0%" in err
+    assert main([*base, "--spec", "2", "--draft", "mtp"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "--draft mtp" in err[-1] and "has no nextn layers" in err[-1]
+    assert main([*base, "--spec", "-1"]) == 2
+    assert "--spec -1: give 0 (off) to 64" in capfd.readouterr().err
+    # commands that decode no drafted tokens, and a hybrid model whose recurrent state cannot
+    # roll back yet: one line each, exit 2
+    out = str(tmp_path / "l.npy")
+    for argv, needle in ((["logits", f, "--out", out, "--text", "hi", "--spec", "4"],
+                          "strata logits decodes no"),
+                         (["perplexity", f, "--file", f, "--spec", "4"],
+                          "strata perplexity decodes no"),
+                         (["bench", f, "--spec", "4"], "strata bench decodes no drafted"),
+                         (["generate", str(synth("qwen35moe", "Q4_K_M")), "--prompt", "hi",
+                           "-n", "4", "--spec", "4"], "cannot yet be rolled back")):
+        assert main(argv) == 2, argv
+        lines = [ln for ln in capfd.readouterr().err.strip().splitlines()
+                 if not ln.startswith(("strata: device: ", "strata: loading: "))]
+        assert len(lines) == 1 and needle in lines[0], (argv, lines)
+
+
+# ---- CUDA (never run on a machine without a GPU) ------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode_step", ["graphs", "off"])
+def test_greedy_same_with_spec_cuda_offload(synth, decode_step):
+    """The offload runtime on CUDA: plain steps on the decode step (graphs) or the batched
+    forward, windows on the forward with all logits; --kernels exact keeps both float32-exact
+    up to 4 tokens, so windows of 3 drafts + 1 agree with single tokens."""
+    f = synth("qwen3moe", "Q4_K_M")
+    kw = dict(device="cuda", offload="on", expert_cache="2", kernels="exact",
+              decode_step=decode_step)
+    plain = list(Engine.load(f, config=EngineConfig(**kw)).generate(
+        [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=32)))
+    eng = Engine.load(f, config=EngineConfig(spec=3, draft=str(f), **kw))
+    assert list(eng.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=32))) == plain
+    assert eng.stats.spec.windows > 0 and eng.stats.spec.accepted == eng.stats.spec.drafted
+
+
+@pytest.mark.cuda
+def test_layer_marks_cuda_events():
+    """Real CUDA events: a window's marks complete and the wait returns."""
+    m = LayerMarks(4, 0, 2, torch.device("cuda"))
+    x = torch.randn(256, 256, device="cuda")
+    for i in range(3):
+        x = x @ x
+        m.after(i)
+    m.wait(30)
+    assert len(m.events) == 3 and all(ev.query() for ev in m.events)
+
+
+@pytest.mark.parametrize("miss", ["auto", "dma"])
+def test_window_accounting_with_cache_slots(synth, miss):
+    """Some experts in cache slots, the misses split (auto) or all copied (dma): a window's
+    pairs are all counted once, hits + CPU + copied."""
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f, spec=4, offload="on", expert_cache="6", miss=miss)
+    ex = eng.model.experts
+    from strata.model.transformer import Segment
+
+    kv = eng.model.new_cache(32)
+    eng.model.forward(torch.tensor([5, 6, 7]), [Segment(kv, 3)])
+    st = ex.stats
+    before = st.hits + st.cpu + st.streamed, st.bytes_h2d
+    ex.window = True
+    eng.model.forward(torch.tensor([1, 2, 3, 4, 5]), [Segment(kv, 5)], all_logits=True)
+    ex.window = False
+    K = eng.config.n_experts_used
+    assert ((st.hits + st.cpu + st.streamed - before[0]) == 5 * K).all()
+    if miss == "dma":  # every miss copied: some bytes moved
+        assert st.bytes_h2d > before[1] and (st.cpu == 0).all()
