@@ -148,6 +148,8 @@ def hf_gpt_oss_logits(path: Path, tokens: list[int]) -> np.ndarray:
     missing, unexpected = model.load_state_dict({k: v.contiguous() for k, v in sd.items()},
                                                 strict=True)
     assert not missing and not unexpected
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
 
 
 def gguf_weights(path: Path) -> tuple[dict[str, torch.Tensor], callable]:
@@ -303,6 +305,8 @@ def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
     for i in range(dense, n_layers):
         model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
             w[f"blk.{i}.exp_probs_b.bias"])
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
 
 
 def hf_hybrid_logits(path: Path, tokens: list[int]) -> np.ndarray:

@@ -292,11 +292,13 @@ def test_window_and_sink_kernels_compile_for_sm90(kv):
 
     target = GPUTarget("cuda", 90, 32)
     i32 = dict.fromkeys(("T", "H", "S", "RB", "stride_qt", "stride_qh", "stride_kr",
-                         "stride_kh", "stride_vr", "stride_vh"), "i32")
+                         "stride_kh", "stride_vr", "stride_vh", "stride_ksr", "stride_ksh",
+                         "stride_vsr", "stride_vsh"), "i32")
     const = dict(HD=64, G=8, MIN_CHUNK=ops.ATTN_MIN_CHUNK, BLOCK_M=ops.ATTN_BLOCK_M,
-                 BLOCK_N=32, BLOCK_D=64, STAGES=2, WINDOW=128)
-    sig = {"q": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}", "length": "*i64", "part_o": "*fp32",
-           "part_ml": "*fp32", "scale": "fp32", **i32, **dict.fromkeys(const, "constexpr")}
+                 BLOCK_N=32, BLOCK_D=64, STAGES=2, Q8=False, WINDOW=128)
+    sig = {"q": "*fp32", "kc": f"*{kv}", "vc": f"*{kv}", "ks": f"*{kv}", "vs": f"*{kv}",
+           "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32", "scale": "fp32", **i32,
+           **dict.fromkeys(const, "constexpr")}
     split = triton.compile(ASTSource(dk._attn_split_kernel, sig, constexprs=const),
                            target=target, options={"num_warps": 8})
     assert split.asm["cubin"]

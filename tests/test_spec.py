@@ -96,7 +96,8 @@ def test_greedy_demo_same_with_spec(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "glm4moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "glm4moe", "deepseek2",
+                                  "gpt-oss"])
 def test_greedy_synthetic_same_with_spec(synth, arch, path):
     """Tiny synthetic files of every architecture but the hybrids (refused: their recurrent
     state cannot roll back yet; test_generate_spec_stats_and_refusals); drafts from n-grams and

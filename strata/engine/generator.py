@@ -96,7 +96,8 @@ class Engine:
             say("the draft for --spec", 0.95)
             from strata.engine.spec import make_spec
 
-            spec = make_spec(ec, mf, cfg, model)
+            spec = make_spec(ec, mf, cfg, model,
+                             lambda path, config: Engine.load(path, config=config))
         say("ready", 1.0)
         if dev.type == "cuda":
             torch.cuda.synchronize()
