@@ -118,6 +118,70 @@ def test_greedy_synthetic_same_with_spec(synth, arch, path):
         assert st.accepted == st.drafted or not full or path == "offload"
 
 
+class ReplayDrafter:
+    """Proposes the target's own greedy tokens, wrong at every `wrong`-th position of the
+    answer: windows accept some drafts and reject the rest."""
+
+    name = "replay"
+
+    def __init__(self, prompt: list[int], answer: list[int], wrong: int = 3):
+        self.prompt, self.answer, self.wrong = len(prompt), answer, wrong
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        at = len(context) - self.prompt  # the answer's next position
+        out = self.answer[at:at + n]
+        return [t if (at + i) % self.wrong else (t + 1) % 1000 for i, t in enumerate(out)]
+
+
+@pytest.mark.parametrize("path", ["reference", "offload"])
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_greedy_hybrid_same_with_spec(synth, arch, path):
+    """The hybrids: windows through their Gated DeltaNet layers roll the recurrent state back
+    to the last accepted token, so greedy output is the same with n-gram drafts and with
+    drafts that replay the answer with every third token wrong (windows with rejections)."""
+    f = synth(arch, "Q4_K_M")
+    base = load(f, **PATHS[path])
+    ids = base.tokenizer.encode("hello world")
+    plain = greedy(base, "hello world", 40)
+    eng = load(f, spec=3, draft="ngram", **PATHS[path])
+    assert greedy(eng, "hello world", 40) == plain
+    eng.spec = SpecDecoder(eng.model, ReplayDrafter(ids, plain), 3, timed=False)
+    assert greedy(eng, "hello world", 40) == plain
+    st = eng.stats.spec
+    assert st.windows > 0 and 0 < st.accepted < st.drafted
+
+
+def test_window_rollback_leaves_the_plain_state(synth):
+    """A window of 4 tokens whose last 2 are rejected leaves the KV rows and the recurrent
+    state (every linear layer's conv window and delta state) a plain decode of the 2 accepted
+    tokens leaves."""
+    from strata.engine.spec import rollback
+    from strata.model.transformer import Segment
+
+    eng = load(synth("qwen35moe", "Q4_K_M"))
+    m = eng.model
+    prompt = torch.tensor([5, 6, 7, 8, 9])
+    kv0, kv1 = m.new_cache(32), m.new_cache(32)
+    for kv in (kv0, kv1):
+        m.forward(prompt, [Segment(kv, 5)])
+    for t in (11, 12):
+        m.decode(t, kv0)
+    kv1.open_window(4)
+    m.forward(torch.tensor([11, 12, 13, 14]), [Segment(kv1, 4)], all_logits=True)
+    kv1.state.stop_recording()
+    rollback(m, kv1, 7)
+    assert kv1.length == kv0.length == 7
+    # (to float rounding: the window's projections run 4 tokens in one matmul; the state of
+    # token 13 or 14 would differ by ~1)
+    for a, b in ((kv1.state.conv, kv0.state.conv), (kv1.state.ssm, kv0.state.ssm)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    assert torch.allclose(kv1.store[:, :, :7], kv0.store[:, :, :7], atol=1e-5, rtol=1e-5)
+    # the next token decodes the same from both
+    assert torch.allclose(m.decode(20, kv1), m.decode(20, kv0), atol=1e-4, rtol=1e-4)
+    # a plain step after the window: its states no longer apply, rollback is truncate's
+    assert kv1.state.window is None
+
+
 def test_kv_after_stop_matches_plain(synth):
     """A stop token inside a window: the cache keeps what the plain loop keeps."""
     f = synth("qwen3moe", "Q4_K_M")
@@ -369,8 +433,8 @@ def test_generate_spec_stats_and_refusals(synth, capfd, tmp_path):
     assert "--draft mtp" in err[-1] and "has no nextn layers" in err[-1]
     assert main([*base, "--spec", "-1"]) == 2
     assert "--spec -1: give 0 (off) to 64" in capfd.readouterr().err
-    # commands that decode no drafted tokens, and a hybrid model whose recurrent state cannot
-    # roll back yet: one line each, exit 2
+    # commands that decode no drafted tokens, and a hybrid draft model (its own cache's
+    # recurrent state cannot roll back to a shared prefix): one line each, exit 2
     out = str(tmp_path / "l.npy")
     for argv, needle in ((["logits", f, "--out", out, "--text", "hi", "--spec", "4"],
                           "strata logits decodes no"),
@@ -378,7 +442,8 @@ def test_generate_spec_stats_and_refusals(synth, capfd, tmp_path):
                           "strata perplexity decodes no"),
                          (["bench", f, "--spec", "4"], "strata bench decodes no drafted"),
                          (["generate", str(synth("qwen35moe", "Q4_K_M")), "--prompt", "hi",
-                           "-n", "4", "--spec", "4"], "cannot yet be rolled back")):
+                           "-n", "4", "--spec", "4", "--draft",
+                           str(synth("qwen35moe", "Q4_K_M"))], "cannot yet be rolled back")):
         assert main(argv) == 2, argv
         lines = [ln for ln in capfd.readouterr().err.strip().splitlines()
                  if not ln.startswith(("strata: device: ", "strata: loading: "))]

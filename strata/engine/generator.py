@@ -215,8 +215,8 @@ class Engine:
             for token in tokens:
                 if token in self.tokenizer.stop_ids:
                     st.finish_reason = "stop"
-                    kv.truncate(len(context))  # as the plain loop leaves it: drafts after the
-                    rollback(self.model, kv, len(context))  # stop token are dropped too
+                    # as the plain loop leaves it: drafts after the stop token are dropped too
+                    rollback(self.model, kv, len(context))
                     return
                 st.generated_tokens += 1
                 context.append(token)

@@ -216,7 +216,9 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     borrow_cap = (max(0, BORROW_RECORDS * max_stride - ring)
                   if ec.ring_bytes is None and ring else 0)
     # (and a hybrid model's recurrent state, a fixed size per sequence: config_hybrid)
-    fixed = dense + workspace + staging + ring + MARGIN + state_bytes(cfg) * max(1, ec.sequences)
+    # and with --spec T, that state after each of a verify window's T+1 tokens (its rollback)
+    states = state_bytes(cfg) * (max(1, ec.sequences) + (ec.spec + 1 if ec.spec else 0))
+    fixed = dense + workspace + staging + ring + MARGIN + states
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(

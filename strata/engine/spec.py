@@ -10,8 +10,9 @@ KV cache, as in the plain loop):
              else one token from the residual p_{i-1} without d_i (a point-mass drafter's
              rejection sampling: the output follows the target's distribution exactly)
     next     the first rejection's residual token, or after k accepted one from L_k
-    rollback the KV cache truncated to the last accepted token; recurrent state (the
-             linear-attention layers) needs the same: `rollback` is its hook
+    rollback the KV cache back to the last accepted token, and the recurrent state of the
+             linear-attention layers with it (the window kept the state after each of its
+             tokens: KVCache.open_window / rollback)
 With no draft (no n-gram match, the window off) the step is a plain decode step.
 
 Every wait is bounded: the window's forward marks each layer (a CUDA event after it on the
@@ -266,15 +267,19 @@ class SpecDecoder:
         windowed = hasattr(ex, "window")  # the offload executor: planned misses
         if windowed:
             ex.window = True
+        open_window = getattr(kv, "open_window", None)  # (a recurrent state keeps each token's)
+        if open_window is not None:
+            open_window(n)
         try:
             logits = self.model.forward(tokens, [Segment(kv, n)], all_logits=True,
                                         marks=marks)  # [k+1, V]
         finally:
             if windowed:
                 ex.window = False
+            if kv.state is not None:
+                kv.state.stop_recording()
         marks.wait(self.timeout_s)
         accepted, nxt = accept(logits, drafts, params, gen)
-        kv.truncate(start + 1 + accepted)
         rollback(self.model, kv, start + 1 + accepted)
         spent = time.perf_counter() - t0
         self.window.update(len(drafts), accepted, spent)
@@ -283,14 +288,15 @@ class SpecDecoder:
 
 
 def rollback(model: object, kv: KVCache, length: int) -> None:
-    """Recurrent-state rollback hook: the linear-attention (Gated DeltaNet) layers keep a
-    recurrent state per sequence that a window advances by all its tokens; rolling it back to
-    `length` tokens needs that state saved before the window's rejected tokens (per-token
-    snapshots, or a re-run of the accepted tokens). No architecture here has such layers yet:
-    their cache object implements `rollback(length)` and this calls it."""
+    """Back to `length` tokens after a window: the KV rows after it dropped, and the
+    linear-attention (Gated DeltaNet) layers' recurrent state as it was after token length-1
+    (the window kept each token's state: KVCache.open_window / rollback). A cache without a
+    recurrent state (LatentCache) is truncated."""
     hook = getattr(kv, "rollback", None)
     if hook is not None:
         hook(length)
+    else:
+        kv.truncate(length)
 
 
 def make_spec(ec, mf, cfg, model, load_engine) -> SpecDecoder:  # noqa: ANN001 (EngineConfig, ...)
@@ -300,11 +306,6 @@ def make_spec(ec, mf, cfg, model, load_engine) -> SpecDecoder:  # noqa: ANN001 (
     from dataclasses import replace
 
     from strata.engine.drafters import make_drafter
-
-    if getattr(cfg, "full_attn_interval", 0):
-        raise StrataError(f"--spec {ec.spec}: {cfg.arch}'s linear-attention layers keep a "
-                          "recurrent state that cannot yet be rolled back to the last accepted "
-                          "token; run it without --spec")
 
     def load(path):  # noqa: ANN001, ANN202
         draft = load_engine(path, replace(ec, offload="off", spec=0))

@@ -8,15 +8,37 @@ of their full-attention layers (KVCache.state, made with it by MoETransformer.ne
 Float32 always: the state carries the whole prefix, rounding it would compound. Unlike keys
 and values it cannot be cut back to a shorter prefix: KVCache.truncate below its length resets
 both. From a KVPool (the decode step's) its storage keeps one address for the captured graphs.
+
+A verify window (strata.engine.spec) rolls it back to its last accepted token: open_window keeps
+the state after each of the window's n tokens (WindowStates: n x the state, counted by the
+memory plan beside --spec), the window's forward writes them (the Gated DeltaNet layers run the
+recurrent rule over a window, token by token as decode does), and KVCache.rollback(length) copies
+the one after token length-1 back. Keeping every token's state costs memory; the other way, a
+snapshot before the window and a re-run of the accepted tokens, would cost a second forward of
+the whole model (every expert read again) for each window with a rejected draft.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from strata.config import ModelConfig
+
+
+@dataclass
+class WindowStates:
+    """The state after each token of a verify window from position `start`."""
+
+    start: int
+    conv: torch.Tensor  # [n, L, K-1, C]
+    ssm: torch.Tensor  # [n, L, Hv, dk, dv]
+
+    @property
+    def tokens(self) -> int:
+        return self.conv.shape[0]
 
 
 class DeltaState:
@@ -32,11 +54,42 @@ class DeltaState:
             for t in (self.conv, self.ssm):
                 weakref.finalize(self, pool.give, t)
             self.reset()
+        self.window: WindowStates | None = None  # the last verify window's per-token states
+        self.recording = False  # True during that window's forward: the layers write them
+        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None  # (reused storage)
 
     def reset(self) -> None:
         """Back to the state before any token."""
         self.conv.zero_()
         self.ssm.zero_()
+        self.window = None
+
+    def open_window(self, start: int, tokens: int) -> None:
+        """The next forward is a verify window of `tokens` tokens from position `start`: keep
+        the state after each of them (until stop_recording)."""
+        if self._spare is None or self._spare[0].shape[0] < tokens:
+            self._spare = (torch.empty((tokens, *self.conv.shape), device=self.conv.device),
+                           torch.empty((tokens, *self.ssm.shape), device=self.ssm.device))
+        self.window = WindowStates(start, self._spare[0][:tokens], self._spare[1][:tokens])
+        self.recording = True
+
+    def stop_recording(self) -> None:
+        self.recording = False
+
+    def moved(self) -> None:
+        """Tokens past the window went in (a plain step): its states no longer apply."""
+        if not self.recording:
+            self.window = None
+
+    def restore(self, length: int) -> bool:
+        """The state after `length` tokens, from the last window if it covers that length
+        (start < length <= start + n); False when it does not (nothing changed)."""
+        w = self.window
+        if w is None or not w.start < length <= w.start + w.tokens:
+            return False
+        self.conv.copy_(w.conv[length - w.start - 1])
+        self.ssm.copy_(w.ssm[length - w.start - 1])
+        return True
 
     @property
     def nbytes(self) -> int:

@@ -144,6 +144,8 @@ class KVCache:
     def advance(self, n: int) -> None:
         """Commit n rows written by append() in every layer."""
         self.length += n
+        if self.state is not None:
+            self.state.moved()
 
     def truncate(self, length: int) -> None:
         """Forget everything after `length` tokens (e.g. rejected draft tokens). A recurrent
@@ -152,6 +154,21 @@ class KVCache:
             self.state.reset()
             length = 0
         self.length = min(self.length, length)
+
+    def open_window(self, tokens: int) -> None:
+        """The next forward is a verify window of `tokens` tokens: a recurrent state keeps its
+        value after each of them, so that rollback can return to any (DeltaState.open_window)."""
+        if self.state is not None:
+            self.state.open_window(self.length, tokens)
+
+    def rollback(self, length: int) -> None:
+        """Back to `length` tokens after a verify window (its rejected drafts forgotten): the
+        rows after it dropped and a recurrent state as it was after token length-1, which the
+        window kept; without such a window, as truncate."""
+        if self.state is not None and length < self.length and self.state.restore(length):
+            self.length = length
+            return
+        self.truncate(length)
 
     def reserve(self, need: int) -> None:
         """Make room for `need` rows now (a decode step must not move the storage)."""

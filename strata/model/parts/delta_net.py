@@ -33,9 +33,11 @@ def l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    beta: torch.Tensor, state: torch.Tensor,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule one token at a time. q, k [T, H, dk] (q scaled), v [T, H, dv],
-    g, beta [T, H], state [H, dk, dv] -> (o [T, H, dv], the new state)."""
+    g, beta [T, H], state [H, dk, dv] -> (o [T, H, dv], the new state). keep [T, H, dk, dv]:
+    written with the state after each token (a verify window's rollback)."""
     S, out = state, []
     for t in range(q.shape[0]):
         S = S * g[t].exp()[:, None, None]
@@ -43,6 +45,8 @@ def delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         delta = beta[t][:, None] * (v[t] - kv)  # [H, dv]
         S = S + k[t][:, :, None] * delta[:, None, :]
         out.append(torch.einsum("hkv,hk->hv", S, q[t]))
+        if keep is not None:
+            keep[t] = S
     return torch.stack(out), S
 
 
@@ -121,10 +125,19 @@ class GatedDeltaNet:
         out, start = [], 0
         for s in ctx.segments:
             sl, st = slice(start, start + s.length), s.kv.state
+            rec = st.window if st.recording else None  # a verify window: keep every state
+            if rec is not None:
+                if rec.tokens != s.length:
+                    raise ValueError(f"a verify window of {rec.tokens} tokens ran {s.length}")
+                full = torch.cat([st.conv[self.slot], qkv[sl]])  # [K-1+t, C]
+                k1 = st.conv.shape[1]
+                for t in range(s.length):  # the conv window after token t
+                    rec.conv[t, self.slot] = full[t + 1:t + 1 + k1]
             x = self._conv(qkv[sl], st.conv[self.slot])  # [t, C]
             q, k, v = self._heads(x)
-            if s.length == 1:
-                o, S = delta_recurrent(q, k, v, g[sl], beta[sl], st.ssm[self.slot])
+            if s.length == 1 or rec is not None:  # (a window: token by token, as decode)
+                o, S = delta_recurrent(q, k, v, g[sl], beta[sl], st.ssm[self.slot],
+                                       None if rec is None else rec.ssm[:, self.slot])
             else:
                 o, S = delta_chunked(q, k, v, g[sl], beta[sl], st.ssm[self.slot],
                                      kernel=ctx.fused_attention)
