@@ -4,8 +4,9 @@ which one verify window of the target model then checks (strata.engine.spec).
     ngram     prompt lookup: the longest recent n-gram of the context (NGRAM_MAX .. NGRAM_MIN
               tokens) matched earlier in the context proposes what followed it there
     PATH.gguf a small model sharing the tokenizer, greedy, with a KV cache of its own
-    mtp       the file's own multi-token-prediction (nextn) layers: refused until they run
-    auto      mtp where the file has nextn layers and they run, else ngram
+    mtp       the file's own multi-token-prediction (nextn) layer (strata.model.mtp), fed
+              the target's last hidden states; chained on its own for a second draft and on
+    auto      mtp where the file has a nextn layer that runs (glm4moe, deepseek2), else ngram
 
 Every drafter is a point mass: it proposes tokens, not distributions, so a verify window accepts
 a drafted token with the target's probability of it (spec.py).
@@ -95,6 +96,73 @@ class ModelDrafter:
         return out
 
 
+class MTPDrafter:
+    """The file's MTP head as the drafter. The target's forward hands it each pass's last
+    hidden states (MoETransformer.hidden_hook), kept by position in `hidden`; the head's own
+    cache holds one row per position i < done, each made from (h_i, context[i + 1]). A
+    proposal runs the rows that changed or are new (a window's rejected drafts and the head's
+    own chained rows are dropped first: the head's cache is cut to the prefix it shares with
+    the context), then chains: draft j+1 from draft j and the head's hidden state."""
+
+    name = "mtp"
+    needs_hidden = True  # the plain steps between windows must run the forward, not the step
+
+    def __init__(self, head, model):  # noqa: ANN001 (strata.model.mtp.MTPHead, MoETransformer)
+        self.head = head
+        self.kv = head.new_cache()
+        self.target = None  # the target's KV cache the hidden states are of
+        self.hidden: torch.Tensor | None = None  # [capacity, D] by position
+        self.base = 0  # the first position seen (a cache filled elsewhere: no drafts)
+        self.ids: list[int] = []
+        self.done = 0
+        model.hidden_hook = self.see
+
+    def see(self, segments, hidden: torch.Tensor) -> None:  # noqa: ANN001
+        start = 0
+        for s in segments:
+            rows = hidden[start:start + s.length]
+            start += s.length
+            if s.kv is not self.target:  # another sequence: start over
+                self.target, self.base, self.ids, self.done = s.kv, s.kv.length, [], 0
+                self.hidden = None
+                self.kv.truncate(0)
+            end = s.kv.length + s.length
+            if self.hidden is None or self.hidden.shape[0] < end:
+                grown = torch.empty(max(end, 2 * (0 if self.hidden is None else
+                                                  self.hidden.shape[0]), 64),
+                                    rows.shape[1], device=rows.device)
+                if self.hidden is not None:
+                    grown[:self.hidden.shape[0]] = self.hidden
+                self.hidden = grown
+            self.hidden[s.kv.length:end] = rows
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        N = len(context) - 1  # the target's cache holds context[:N]: h_0 .. h_N-1
+        if n < 1 or N < 1 or self.hidden is None or self.base or self.target.length != N:
+            return []
+        same = 0
+        for a, b in zip(self.ids, context, strict=False):
+            if a != b:
+                break
+            same += 1
+        keep = max(0, min(self.done, same - 1, N - 1))  # row i needs context[i + 1] unchanged
+        self.kv.truncate(keep)
+        logits, h = self.head.forward(torch.tensor(context[keep + 1:N + 1]),
+                                      self.hidden[keep:N], self.kv)
+        self.ids, self.done = list(context), N
+        out = [int(torch.argmax(logits[-1]))]
+        while len(out) < n:
+            logits, h = self.head.forward(torch.tensor(out[-1:]), h[-1:], self.kv)
+            out.append(int(torch.argmax(logits[-1])))
+        return out
+
+
+def _mtp_drafter(mf: ModelFile, model) -> MTPDrafter:  # noqa: ANN001
+    from strata.model.mtp import MTPHead
+
+    return MTPDrafter(MTPHead(model.cfg, model.w.nextn[0], model, mf), model)
+
+
 def _segment(kv, n: int):  # noqa: ANN001, ANN202
     from strata.model.transformer import Segment
 
@@ -121,21 +189,28 @@ def check_vocab(target: ModelFile, draft: ModelFile) -> None:
                       "must share the target's tokenizer")
 
 
-def make_drafter(draft: str, mf: ModelFile, arch: str, load_engine) -> Drafter:  # noqa: ANN001
-    """The drafter of --draft for the target file `mf`; load_engine(path) loads a draft model
-    (an Engine) on the target's device."""
+def make_drafter(draft: str, mf: ModelFile, arch: str, load_engine,  # noqa: ANN001
+                 model=None) -> Drafter:  # noqa: ANN001 (MoETransformer)
+    """The drafter of --draft for the target file `mf` (its loaded model: `model`, which an
+    MTP drafter needs); load_engine(path) loads a draft model (an Engine) on the target's
+    device."""
     n_mtp = nextn_layers(mf, arch)
+    runnable = bool(model is not None and getattr(model.w, "nextn", None))
     if draft == "mtp":
         if not n_mtp:
             raise StrataError(f"--draft mtp: {mf.path} has no nextn layers (no "
                               f"{arch}.nextn_predict_layers and no blk.N.nextn.* tensors); use "
                               "--draft ngram or --draft PATH.gguf")
-        raise StrataError(f"--draft mtp: {mf.path} has {n_mtp} nextn layer(s), but this engine "
-                          f"does not run {arch}'s MTP head yet; use --draft ngram or "
-                          "--draft PATH.gguf")
+        if not runnable:
+            raise StrataError(f"--draft mtp: {mf.path} has {n_mtp} nextn layer(s), but this "
+                              f"engine does not run {arch}'s MTP head yet; use --draft ngram or "
+                              "--draft PATH.gguf")
+        return _mtp_drafter(mf, model)
     if draft == "auto":
+        if runnable:
+            return _mtp_drafter(mf, model)
         if n_mtp:
-            log.info(f"--draft auto: {n_mtp} nextn layer(s) in the file, but their MTP head "
+            log.info(f"--draft auto: {n_mtp} nextn layer(s) in the file, but {arch}'s MTP head "
                      "does not run yet: n-gram drafts")
         return NgramDrafter()
     if draft == "ngram":

@@ -249,7 +249,13 @@ class SpecDecoder:
         k = min(self.window.next_size(), room - 1)
         drafts = self.drafter.propose(context, k)[:k] if k > 0 else []
         if not drafts:
-            out = [sample(self.model.decode(context[-1], kv)[0], params, gen)]
+            if getattr(self.drafter, "needs_hidden", False):  # (the forward hands them over)
+                from strata.model.transformer import Segment
+
+                logits = self.model.forward(torch.tensor(context[-1:]), [Segment(kv, 1)])
+            else:
+                logits = self.model.decode(context[-1], kv)
+            out = [sample(logits[0], params, gen)]
             spent = time.perf_counter() - t0
             self.window.plain(spent)
             self.stats.plain_steps += 1
@@ -315,4 +321,4 @@ def make_spec(ec, mf, cfg, model, load_engine) -> SpecDecoder:  # noqa: ANN001 (
                               "architecture")
         return draft
 
-    return SpecDecoder(model, make_drafter(ec.draft, mf, cfg.arch, load), ec.spec)
+    return SpecDecoder(model, make_drafter(ec.draft, mf, cfg.arch, load, model), ec.spec)

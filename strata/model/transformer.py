@@ -46,6 +46,9 @@ class MoETransformer:
         # over a float16 / bfloat16 KV cache through the decode kernel
         self.fused_attention = False
         self.kv_dtype = torch.float32  # the KV cache's elements (--kv-type)
+        # called after the layers of each forward with (segments, hidden [T, D]): the last
+        # hidden states before the output norm (an MTP drafter's input, engine/drafters.py)
+        self.hidden_hook = None
 
     def decode(self, token: int, kv: KVCache) -> torch.Tensor:
         """One new token of one sequence -> logits [1, V] float32: the decode step (captured as
@@ -106,6 +109,8 @@ class MoETransformer:
             delta = layer.forward(x, delta, ctx)
             if marks is not None:
                 marks.after(i)
+        if self.hidden_hook is not None:  # (before advance: each segment's kv.length is its start)
+            self.hidden_hook(segments, x if delta is None else x + delta)
         for s in segments:
             s.kv.advance(s.length)
         ends = None

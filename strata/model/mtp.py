@@ -1,0 +1,82 @@
+"""The multi-token-prediction (nextn) head of glm4moe / deepseek2 files: one more transformer
+layer that drafts the token after next (speculative decoding's --draft mtp, engine/drafters.py).
+
+DeepSeek-V3's MTP module, as llama.cpp's MTP graph for GLM-4.5 (build_mtp_tail) and vLLM's
+DeepSeekMultiTokenPredictorLayer compute it, at position i:
+
+    x   = eh_proj([enorm(embed(t_i+1)); hnorm(h_i)])   h_i: the target's last hidden state of
+                                                        token i (before the output norm)
+    h'  = the nextn layer over x (its own attention cache over the positions so far)
+    p   = head(head_norm(h'))                          logits of token i+2
+
+The embedding and the head are the nextn layer's own where the file has them
+(nextn.embed_tokens, nextn.shared_head_head), else the model's. Chained for a second draft,
+h' takes the place of h_i (llama.cpp's and vLLM's MTP drafters feed their own hidden state).
+
+Legend: t tokens, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from strata.config import ModelConfig
+from strata.experts import ReferenceExperts
+from strata.kernels.torch_ops import rms_norm
+from strata.model.layers import rope_tables
+from strata.model.parts import Head, Layer, Segment, Segments
+from strata.model.weights import ExpertWeights, NextNWeights, QuantTensor, linear
+from strata.runtime.kv_cache import KVCache
+from strata.runtime.latent_cache import LatentCache
+
+
+class MTPHead:
+    def __init__(self, cfg: ModelConfig, nw: NextNWeights, model, mf=None):  # noqa: ANN001
+        self.cfg, self.w, self.device = cfg, nw, model.device
+        lw, index = nw.layer, cfg.n_layers
+        if lw.router is not None and lw.experts is None:  # (the offload runtime's model)
+            p, t = f"blk.{index}.", mf.tensors
+            lw = replace(lw, experts=ExpertWeights(*(
+                QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], self.device)
+                for w in ("gate", "up", "down"))))
+        self.layer = Layer.build(cfg, lw, index)
+        self.layer.mixer.layer = 0  # its rows in the head's own one-layer cache
+        self.embed = nw.embed if nw.embed is not None else model.w.embed
+        norm = nw.head_norm if nw.head_norm is not None else torch.ones_like(nw.enorm)
+        self.head = Head(norm, nw.head if nw.head is not None else model.w.output, cfg.rms_eps)
+        self.experts = ReferenceExperts()  # (a draft token or a few: one expert at a time)
+
+    def new_cache(self, capacity: int = 256) -> KVCache | LatentCache:
+        c = self.cfg
+        if c.kv_lora:
+            return LatentCache(1, c.kv_row, self.device, capacity)
+        return KVCache(1, c.n_kv_heads, c.head_dim, self.device, capacity)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor,
+                kv: KVCache | LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [t] (t_i+1 ..), hidden [t, D] (h_i ..), at positions kv.length .. -> (logits
+        [t, V] float32, the layer's hidden states h' [t, D]); kv grows by t."""
+        cfg, w, eps, t = self.cfg, self.w, self.cfg.rms_eps, tokens.shape[0]
+        positions = torch.arange(kv.length, kv.length + t, device=self.device)
+        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN
+            from strata.model.parts.yarn import rope_tables_for
+
+            cos, sin = rope_tables_for(cfg, positions)
+        else:
+            cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
+        ctx = Segments([Segment(kv, t)], cos, sin, self.experts)
+        e = rms_norm(self.embed.rows(tokens.to(self.device)), w.enorm, eps)  # [t, D]
+        h = rms_norm(hidden.to(self.device), w.hnorm, eps)
+        x = linear(torch.cat([e, h], dim=-1), w.eh_proj)  # [t, D]
+        delta = self.layer.forward(x, None, ctx)
+        kv.advance(t)
+        out = x + delta  # [t, D]
+        return self.head.forward(out.clone(), None, ctx), out
+
+
+def mtp_heads(cfg: ModelConfig, model, mf=None) -> list[MTPHead]:  # noqa: ANN001
+    """The file's runnable MTP heads (glm4moe / deepseek2 nextn layers; none elsewhere)."""
+    return [MTPHead(cfg, nw, model, mf) for nw in model.w.nextn]

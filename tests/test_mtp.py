@@ -1,0 +1,153 @@
+"""--draft mtp: the file's MTP (nextn) head as the drafter (strata.model.mtp,
+strata.engine.drafters.MTPDrafter): its logits against an independent computation from the
+dequantized weights, and greedy output identical with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.config import EngineConfig
+from strata.engine.drafters import MTPDrafter, NgramDrafter, make_drafter
+from strata.engine.generator import Engine
+from strata.engine.sampling import SamplingParams
+from strata.errors import StrataError
+from strata.gguf import open_model
+from strata.model.transformer import Segment
+
+from hf_reference import gguf_weights
+
+PATHS = {
+    "reference": dict(offload="off"),
+    "offload": dict(offload="on", expert_cache="0", miss="cpu"),
+}
+
+
+def load(path, spec: int = 0, draft: str = "auto", **kw) -> Engine:  # noqa: ANN001
+    eng = Engine.load(path, config=EngineConfig(device="cpu", spec=spec, draft=draft, **kw))
+    if eng.spec is not None:
+        eng.spec.timed = False  # (acceptance alone turns windows off: counts are stable)
+    return eng
+
+
+def greedy(engine: Engine, text: str, n: int) -> list[int]:
+    return list(engine.generate(engine.tokenizer.encode(text),
+                                SamplingParams(temperature=0, max_tokens=n)))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("arch", ["glm4moe"])
+def test_greedy_same_with_mtp_drafts(synth, arch, path):
+    """A random MTP head rarely guesses right: what matters is that its drafts, accepted or
+    not, leave greedy output as it is without --spec."""
+    f = synth(arch, "Q4_K_M")
+    plain = greedy(load(f, **PATHS[path]), "hello world", 32)
+    for draft in ("mtp", "auto"):
+        eng = load(f, spec=3, draft=draft, **PATHS[path])
+        assert isinstance(eng.spec.drafter, MTPDrafter)
+        assert greedy(eng, "hello world", 32) == plain
+        assert eng.stats.spec.windows > 0 and eng.stats.spec.drafted > 0
+
+
+def test_mtp_refusals_and_auto(synth):
+    """auto: mtp where the file has a nextn layer that runs, else n-gram; mtp without nextn
+    layers is refused in one line."""
+    f = synth("qwen3moe", "Q4_K_M")
+    with pytest.raises(StrataError, match="has no nextn layers"):
+        make_drafter("mtp", open_model(f), "qwen3moe", None, load(f).model)
+    assert isinstance(make_drafter("auto", open_model(f), "qwen3moe", None, load(f).model),
+                      NgramDrafter)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def hf_glm4moe_nextn_logits(path, tokens: torch.Tensor, hidden: torch.Tensor):  # noqa: ANN001, ANN201
+    """The MTP head from the dequantized weights: llama.cpp's recipe (build_mtp_tail) in plain
+    float32 around transformers' own Glm4MoeDecoderLayer holding the nextn layer."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import (
+        Glm4MoeDecoderLayer,
+        Glm4MoeRotaryEmbedding,
+    )
+
+    w, meta = gguf_weights(path)
+    n = meta("block_count") - meta("nextn_predict_layers")  # the nextn layer's index
+    head_dim, eps = meta("attention.key_length"), meta("attention.layer_norm_rms_epsilon")
+    cfg = Glm4MoeConfig(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"), num_hidden_layers=n + 1,
+        num_attention_heads=meta("attention.head_count"),
+        num_key_value_heads=meta("attention.head_count_kv"), head_dim=head_dim,
+        max_position_embeddings=meta("context_length"), rms_norm_eps=eps,
+        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base"),
+                         "partial_rotary_factor": meta("rope.dimension_count") / head_dim},
+        attention_bias=f"blk.{n}.attn_q.bias" in w,
+        moe_intermediate_size=meta("expert_feed_forward_length"),
+        num_experts_per_tok=meta("expert_used_count"),
+        n_shared_experts=meta("expert_shared_count"), n_routed_experts=meta("expert_count"),
+        routed_scaling_factor=meta("expert_weights_scale"),
+        first_k_dense_replace=meta("leading_dense_block_count"),
+        norm_topk_prob=bool(meta("expert_weights_norm")), use_qk_norm=True,
+        tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    layer = Glm4MoeDecoderLayer(cfg, n).float().eval()
+    p = f"blk.{n}."
+    sd = {"self_attn.q_proj.weight": w[p + "attn_q.weight"],
+          "self_attn.k_proj.weight": w[p + "attn_k.weight"],
+          "self_attn.v_proj.weight": w[p + "attn_v.weight"],
+          "self_attn.o_proj.weight": w[p + "attn_output.weight"],
+          "self_attn.q_norm.weight": w[p + "attn_q_norm.weight"],
+          "self_attn.k_norm.weight": w[p + "attn_k_norm.weight"],
+          "input_layernorm.weight": w[p + "attn_norm.weight"],
+          "post_attention_layernorm.weight": w[p + "post_attention_norm.weight"],
+          "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+          "mlp.experts.gate_up_proj": torch.cat([w[p + "ffn_gate_exps.weight"],
+                                                 w[p + "ffn_up_exps.weight"]], dim=1),
+          "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"]}
+    sd |= {f"mlp.shared_experts.{k}_proj.weight": w[p + f"ffn_{k}_shexp.weight"]
+           for k in ("gate", "up", "down")}
+    if cfg.attention_bias:
+        sd |= {f"self_attn.{k}_proj.bias": w[p + f"attn_{k}.bias"] for k in "qkv"}
+    missing, unexpected = layer.load_state_dict(sd, strict=False)
+    assert not unexpected and not [k for k in missing if "e_score" not in k], missing
+    layer.mlp.gate.e_score_correction_bias.copy_(w[p + "exp_probs_b.bias"])
+    t = tokens.shape[0]
+    e = _rms(w["token_embd.weight"][tokens], w[p + "nextn.enorm.weight"], eps)
+    h = _rms(hidden, w[p + "nextn.hnorm.weight"], eps)
+    x = F.linear(torch.cat([e, h], -1), w[p + "nextn.eh_proj.weight"])[None]  # [1, t, D]
+    pos = torch.arange(t)[None]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        rope = Glm4MoeRotaryEmbedding(cfg)(x, pos)
+        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        out = out[0] if isinstance(out, tuple) else out
+        head = w.get(p + "nextn.shared_head_head.weight", w["output.weight"])
+        return F.linear(_rms(out[0], w[p + "nextn.shared_head_norm.weight"], eps), head)
+
+
+def test_glm4moe_mtp_logits_match_an_independent_computation(synth):
+    f = synth("glm4moe", "Q8_0")
+    eng = load(f)
+    m = eng.model
+    seen = []
+    m.hidden_hook = lambda segments, hidden: seen.append(hidden.clone())
+    tokens = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79])
+    m.forward(tokens, [Segment(m.new_cache(16), len(tokens))])
+    m.hidden_hook = None
+    hidden = seen[0][:-1]  # h_0 .. h_6 with tokens 1 .. 7
+    from strata.model.mtp import MTPHead
+
+    head = MTPHead(eng.config, m.w.nextn[0], m)
+    kv = head.new_cache()
+    logits, _ = head.forward(tokens[1:], hidden, kv)
+    ref = hf_glm4moe_nextn_logits(f, tokens[1:], hidden)
+    assert torch.allclose(logits, ref, atol=1e-3, rtol=1e-3), (logits - ref).abs().max()
+    assert (logits.argmax(-1) == ref.argmax(-1)).all()
+    # one row at a time through the head's cache: the same logits (incremental = full)
+    kv = head.new_cache()
+    rows = torch.cat([head.forward(tokens[1 + i:2 + i], hidden[i:i + 1], kv)[0]
+                      for i in range(len(tokens) - 1)])
+    assert torch.allclose(rows, logits, atol=1e-4, rtol=1e-4)
