@@ -53,6 +53,9 @@ def deepseek2_fields(mf: ModelFile, m: Meta, n_layers: int, n_experts: int, n_he
         raise ModelFileError(mf.path, "neither blk.0.attn_k_b.weight nor blk.0.attn_kv_b.weight "
                                       "is in the file (deepseek2 MLA needs one)")
     q_lora = m.int("attention.q_lora_rank", lo=1) if "blk.0.attn_q_a.weight" in t else 0
+    # nextn (MTP) layers after the trunk, where a file keeps them (block_count counts them)
+    n_nextn = m.int("nextn_predict_layers", 0, 0, n_layers - 1)
+    n_layers -= n_nextn
     n_dense = m.int("leading_dense_block_count", 0, 0, n_layers)
     E = n_experts
     groups = m.int("expert_group_count", 1, 0, E) or 1
@@ -77,6 +80,7 @@ def deepseek2_fields(mf: ModelFile, m: Meta, n_layers: int, n_experts: int, n_he
         raise UnsupportedError(f"{mf.path}: {a}.rope.scaling.type is {kind!r}; Strata runs "
                                "deepseek2 with yarn or no RoPE scaling")
     return dict(
+        n_layers=n_layers, n_nextn=n_nextn,
         n_kv_heads=n_heads, head_dim=d_k, rope_dim=rope, rope_style="normal",
         n_dense_lead=n_dense, d_ff=m.int("feed_forward_length", lo=1) if n_dense else 0,
         d_shared=m.int("expert_shared_count", 0, 0, 64) * d_expert,

@@ -36,12 +36,37 @@ def greedy(engine: Engine, text: str, n: int) -> list[int]:
                                 SamplingParams(temperature=0, max_tokens=n)))
 
 
+@pytest.fixture(scope="session")
+def nextn_file(synth, tmp_path_factory):
+    """nextn_file(arch) -> a tiny file with one nextn layer / MTP block (deepseek2's tiny
+    preset has none: written here with one, as a converter keeping DeepSeek-V3's would)."""
+    from dataclasses import replace
+
+    from strata.synth.presets import get_preset
+    from strata.synth.recipes import Recipe
+    from strata.synth.writer import write_model
+
+    made = {}
+
+    def make(arch: str, recipe: str = "Q4_K_M"):  # noqa: ANN202
+        p = get_preset("tiny", arch)
+        if p.n_nextn:
+            return synth(arch, recipe)
+        if (arch, recipe) not in made:
+            out = tmp_path_factory.mktemp("nextn") / f"{arch}-{recipe}.gguf"
+            write_model(out, replace(p, n_nextn=1), Recipe(recipe), 0)
+            made[arch, recipe] = out
+        return made[arch, recipe]
+
+    return make
+
+
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("arch", ["glm4moe"])
-def test_greedy_same_with_mtp_drafts(synth, arch, path):
+@pytest.mark.parametrize("arch", ["glm4moe", "deepseek2", "qwen35moe"])
+def test_greedy_same_with_mtp_drafts(nextn_file, arch, path):
     """A random MTP head rarely guesses right: what matters is that its drafts, accepted or
     not, leave greedy output as it is without --spec."""
-    f = synth(arch, "Q4_K_M")
+    f = nextn_file(arch)
     plain = greedy(load(f, **PATHS[path]), "hello world", 32)
     for draft in ("mtp", "auto"):
         eng = load(f, spec=3, draft=draft, **PATHS[path])
@@ -151,3 +176,32 @@ def test_glm4moe_mtp_logits_match_an_independent_computation(synth):
     rows = torch.cat([head.forward(tokens[1 + i:2 + i], hidden[i:i + 1], kv)[0]
                       for i in range(len(tokens) - 1)])
     assert torch.allclose(rows, logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["glm4moe", "qwen35moe"])
+def test_drafts_after_windows_equal_a_fresh_head(nextn_file, arch):
+    """The drafter's bookkeeping across windows (rows kept, rejected and chained rows dropped):
+    after a generation its next proposal equals a fresh head's over the whole context, fed the
+    hidden states of one forward of the target over it."""
+    f = nextn_file(arch)
+    eng = load(f, spec=3, draft="mtp")
+    ids = eng.tokenizer.encode("hello world")
+    kv = eng.model.new_cache(64)
+    out = list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=20), kv))
+    context = ids + out
+    drafter = eng.spec.drafter
+    assert kv.length == len(context) - 1 and eng.stats.spec.windows > 0
+    got = drafter.propose(context, 3)
+    m = eng.model
+    seen = []
+    m.hidden_hook = lambda segments, hidden: seen.append(hidden.clone())
+    m.forward(torch.tensor(context[:-1]), [Segment(m.new_cache(64), len(context) - 1)])
+    m.hidden_hook = drafter.see
+    head = drafter.head
+    hkv = head.new_cache()
+    logits, h = head.forward(torch.tensor(context[1:]), seen[0], hkv)
+    want = [int(logits[-1].argmax())]
+    while len(want) < 3:
+        logits, h = head.forward(torch.tensor(want[-1:]), h[-1:], hkv)
+        want.append(int(logits[-1].argmax()))
+    assert got == want

@@ -6,7 +6,8 @@ which one verify window of the target model then checks (strata.engine.spec).
     PATH.gguf a small model sharing the tokenizer, greedy, with a KV cache of its own
     mtp       the file's own multi-token-prediction (nextn) layer (strata.model.mtp), fed
               the target's last hidden states; chained on its own for a second draft and on
-    auto      mtp where the file has a nextn layer that runs (glm4moe, deepseek2), else ngram
+    auto      mtp where the file has a nextn layer or MTP block (glm4moe, deepseek2,
+              qwen35moe), else ngram
 
 Every drafter is a point mass: it proposes tokens, not distributions, so a verify window accepts
 a drafted token with the target's probability of it (spec.py).
@@ -158,9 +159,9 @@ class MTPDrafter:
 
 
 def _mtp_drafter(mf: ModelFile, model) -> MTPDrafter:  # noqa: ANN001
-    from strata.model.mtp import MTPHead
+    from strata.model.mtp import mtp_head
 
-    return MTPDrafter(MTPHead(model.cfg, model.w.nextn[0], model, mf), model)
+    return MTPDrafter(mtp_head(model, mf), model)
 
 
 def _segment(kv, n: int):  # noqa: ANN001, ANN202
@@ -195,7 +196,8 @@ def make_drafter(draft: str, mf: ModelFile, arch: str, load_engine,  # noqa: ANN
     MTP drafter needs); load_engine(path) loads a draft model (an Engine) on the target's
     device."""
     n_mtp = nextn_layers(mf, arch)
-    runnable = bool(model is not None and getattr(model.w, "nextn", None))
+    runnable = bool(model is not None and (getattr(model.w, "nextn", None)
+                                           or getattr(model.w, "mtp", None)))
     if draft == "mtp":
         if not n_mtp:
             raise StrataError(f"--draft mtp: {mf.path} has no nextn layers (no "

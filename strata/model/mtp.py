@@ -10,7 +10,10 @@ DeepSeekMultiTokenPredictorLayer compute it, at position i:
     p   = head(head_norm(h'))                          logits of token i+2
 
 The embedding and the head are the nextn layer's own where the file has them
-(nextn.embed_tokens, nextn.shared_head_head), else the model's. Chained for a second draft,
+(nextn.embed_tokens, nextn.shared_head_head), else the model's. qwen35moe's MTP block
+(llama.cpp's build_qwen35moe_mtp) is the same around a full gated-attention layer with the
+trunk's routed and shared experts; its tensors stay raw in ModelWeights.mtp and hybrid_nextn
+below makes the layer of them. Chained for a second draft,
 h' takes the place of h_i (llama.cpp's and vLLM's MTP drafters feed their own hidden state).
 
 Legend: t tokens, D hidden, V vocab.
@@ -33,16 +36,19 @@ from strata.runtime.latent_cache import LatentCache
 
 
 class MTPHead:
-    def __init__(self, cfg: ModelConfig, nw: NextNWeights, model, mf=None):  # noqa: ANN001
+    def __init__(self, cfg: ModelConfig, nw: NextNWeights, model, mf=None,  # noqa: ANN001
+                 layer: Layer | None = None):
         self.cfg, self.w, self.device = cfg, nw, model.device
         lw, index = nw.layer, cfg.n_layers
-        if lw.router is not None and lw.experts is None:  # (the offload runtime's model)
-            p, t = f"blk.{index}.", mf.tensors
-            lw = replace(lw, experts=ExpertWeights(*(
-                QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], self.device)
-                for w in ("gate", "up", "down"))))
-        self.layer = Layer.build(cfg, lw, index)
-        self.layer.mixer.layer = 0  # its rows in the head's own one-layer cache
+        if layer is None:
+            if lw.router is not None and lw.experts is None:  # (the offload runtime's model)
+                p, t = f"blk.{index}.", mf.tensors
+                lw = replace(lw, experts=ExpertWeights(*(
+                    QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], self.device)
+                    for w in ("gate", "up", "down"))))
+            layer = Layer.build(cfg, lw, index)
+            layer.mixer.layer = 0  # its rows in the head's own one-layer cache
+        self.layer = layer
         self.embed = nw.embed if nw.embed is not None else model.w.embed
         norm = nw.head_norm if nw.head_norm is not None else torch.ones_like(nw.enorm)
         self.head = Head(norm, nw.head if nw.head is not None else model.w.output, cfg.rms_eps)
@@ -77,6 +83,58 @@ class MTPHead:
         return self.head.forward(out.clone(), None, ctx), out
 
 
-def mtp_heads(cfg: ModelConfig, model, mf=None) -> list[MTPHead]:  # noqa: ANN001
-    """The file's runnable MTP heads (glm4moe / deepseek2 nextn layers; none elsewhere)."""
-    return [MTPHead(cfg, nw, model, mf) for nw in model.w.nextn]
+def hybrid_nextn(cfg: ModelConfig, block: dict[str, QuantTensor],
+                 device: torch.device) -> tuple[NextNWeights, Layer]:
+    """A hybrid model's MTP block (its tensors by name without "blk.N.", ModelWeights.mtp):
+    its NextNWeights and its layer, gated full attention (rows 0 of the head's own cache) and
+    the routed experts with the gated shared expert, as the trunk's full-attention layers."""
+    from strata.config_hybrid import ffn_norm_name
+    from strata.model.parts.attention import GatedAttention
+    from strata.model.parts.ffn import RoutedExperts
+    from strata.model.weights import LayerWeights
+
+    def d(name: str) -> torch.Tensor:  # float32 on the device; norms and gates [D]
+        x = dequantize_tensor(block[name]).to(device)
+        return x.reshape(-1) if name.endswith(("norm.weight", "_shexp.weight")) and (
+            x.dim() == 1 or x.shape[0] == 1) else x
+
+    def opt(name: str) -> torch.Tensor | None:
+        return d(name) if name in block else None
+
+    def moved(name: str) -> QuantTensor:
+        q = block[name]
+        return QuantTensor(q.raw.to(device), q.qtype, q.n_cols)
+
+    lw = LayerWeights(
+        attn_norm=d("attn_norm.weight"), wq=d("attn_q.weight"), wk=d("attn_k.weight"),
+        wv=d("attn_v.weight"), wo=d("attn_output.weight"), bq=None, bk=None, bv=None,
+        q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
+        ffn_norm=d(ffn_norm_name(cfg) + ".weight"), router=d("ffn_gate_inp.weight"),
+        experts=ExpertWeights(*(moved(f"ffn_{w}_exps.weight") for w in ("gate", "up", "down"))),
+        shared_gate=opt("ffn_gate_inp_shexp.weight"), shared_w1=opt("ffn_gate_shexp.weight"),
+        shared_w3=opt("ffn_up_shexp.weight"), shared_w2=opt("ffn_down_shexp.weight"))
+    layer = Layer(cfg.n_layers, GatedAttention(cfg, lw, 0), RoutedExperts(cfg, lw, cfg.n_layers),
+                  lw.attn_norm, cfg.rms_eps)
+    nw = NextNWeights(lw, d("nextn.eh_proj.weight"), d("nextn.enorm.weight"),
+                      d("nextn.hnorm.weight"), opt("nextn.shared_head_norm.weight"))
+    return nw, layer
+
+
+def dequantize_tensor(q: QuantTensor) -> torch.Tensor:
+    """A whole QuantTensor as float32 (its shape: rows of n_cols)."""
+    from strata.quant import dequantize
+
+    raw = q.raw.reshape(-1, q.raw.shape[-1]) if q.raw.dim() > 1 else q.raw[None]
+    out = dequantize(raw, q.qtype, q.n_cols)  # [rows, n_cols]
+    return out[0] if q.raw.dim() == 1 else out.reshape(*q.raw.shape[:-1], q.n_cols)
+
+
+def mtp_head(model, mf=None) -> MTPHead | None:  # noqa: ANN001
+    """The file's first runnable MTP head: a glm4moe / deepseek2 nextn layer or a qwen35moe
+    MTP block; None where the file has neither."""
+    if model.w.nextn:
+        return MTPHead(model.cfg, model.w.nextn[0], model, mf)
+    if model.w.mtp:
+        nw, layer = hybrid_nextn(model.cfg, model.w.mtp[0], model.device)
+        return MTPHead(model.cfg, nw, model, mf, layer)
+    return None

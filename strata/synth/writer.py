@@ -87,7 +87,8 @@ def _glm4moe_fields(p: Preset) -> dict:
 
 
 def _deepseek2_fields(p: Preset) -> dict:
-    return dict(arch="deepseek2", rope_style="normal", rope_dim=p.rope_dim, norm_topk=True,
+    return dict(arch="deepseek2", n_nextn=p.n_nextn, rope_style="normal", rope_dim=p.rope_dim,
+                norm_topk=True,
                 qkv_bias=False, qk_norm=False, d_shared=p.n_shared * p.d_expert,
                 n_dense_lead=p.n_dense_lead, d_ff=p.d_ff if p.n_dense_lead else 0,
                 gating="sigmoid", expert_bias=True, expert_scale=p.expert_scale,
@@ -205,6 +206,8 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(p.n_groups)
         w.add_expert_group_used_count(p.n_groups_used)
+        if p.n_nextn:
+            w.add_nextn_predict_layers(p.n_nextn)
         if p.yarn_factor > 1:
             w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(p.yarn_factor)
