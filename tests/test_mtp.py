@@ -205,3 +205,163 @@ def test_drafts_after_windows_equal_a_fresh_head(nextn_file, arch):
         logits, h = head.forward(torch.tensor(want[-1:]), h[-1:], hkv)
         want.append(int(logits[-1].argmax()))
     assert got == want
+
+
+def _head_logits(w: dict, p: str, eps: float, layer, rope, tokens: torch.Tensor,  # noqa: ANN001
+                 hidden: torch.Tensor, minus_one: bool = False, **kw) -> torch.Tensor:
+    """llama.cpp's MTP recipe in float32 around a transformers decoder layer: x = eh_proj(
+    [enorm(embed(t)); hnorm(h)]), the layer, the head norm, the head. minus_one: the layer's
+    own norms are (1 + w) ones (qwen35moe: the file's norms hold w + 1, as its converter adds)."""
+    t = tokens.shape[0]
+    e = _rms(w["token_embd.weight"][tokens], w[p + "nextn.enorm.weight"], eps)
+    h = _rms(hidden, w[p + "nextn.hnorm.weight"], eps)
+    x = F.linear(torch.cat([e, h], -1), w[p + "nextn.eh_proj.weight"])[None]  # [1, t, D]
+    pos = torch.arange(t)[None]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope(x, pos),
+                    **kw)
+        out = out[0] if isinstance(out, tuple) else out
+        head = w.get(p + "nextn.shared_head_head.weight", w["output.weight"])
+        return F.linear(_rms(out[0], w[p + "nextn.shared_head_norm.weight"], eps), head)
+
+
+def hf_deepseek2_nextn_logits(path, tokens: torch.Tensor, hidden: torch.Tensor):  # noqa: ANN001, ANN201
+    """deepseek2's nextn layer in transformers' DeepseekV3DecoderLayer (MLA: kv_b_proj rebuilt
+    from attn_k_b / attn_v_b, RoPE on adjacent pairs, YaRN from the file's keys)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3DecoderLayer,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    w, meta = gguf_weights(path)
+    n = meta("block_count") - meta("nextn_predict_layers")
+    H, rope, kv_lora = (meta("attention.head_count"), meta("rope.dimension_count"),
+                        meta("attention.kv_lora_rank"))
+    d_k, d_v = meta("attention.key_length_mla"), meta("attention.value_length_mla")
+    eps = meta("attention.layer_norm_rms_epsilon")
+    rope_params = {"rope_type": "default", "rope_theta": meta("rope.freq_base")}
+    if meta("rope.scaling.type") == "yarn":
+        mscale = meta("rope.scaling.yarn_log_multiplier") / 0.1
+        rope_params |= {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
+                        "original_max_position_embeddings":
+                            meta("rope.scaling.original_context_length"),
+                        "mscale": mscale, "mscale_all_dim": mscale,
+                        "beta_fast": meta("rope.scaling.yarn_beta_fast") or 32.0,
+                        "beta_slow": meta("rope.scaling.yarn_beta_slow") or 1.0}
+    cfg = DeepseekV3Config(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"),
+        moe_intermediate_size=meta("expert_feed_forward_length"), num_hidden_layers=n + 1,
+        num_attention_heads=H, num_key_value_heads=H,
+        n_shared_experts=meta("expert_shared_count"), n_routed_experts=meta("expert_count"),
+        routed_scaling_factor=meta("expert_weights_scale"), kv_lora_rank=kv_lora,
+        q_lora_rank=meta("attention.q_lora_rank"), qk_rope_head_dim=rope, v_head_dim=d_v,
+        qk_nope_head_dim=d_k - rope, n_group=meta("expert_group_count"),
+        topk_group=meta("expert_group_used_count"),
+        num_experts_per_tok=meta("expert_used_count"),
+        first_k_dense_replace=meta("leading_dense_block_count"),
+        norm_topk_prob=bool(meta("expert_weights_norm")),
+        max_position_embeddings=meta("context_length"), rms_norm_eps=eps,
+        rope_parameters=rope_params, rope_interleave=True, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    layer = DeepseekV3DecoderLayer(cfg, n).float().eval()
+    p = f"blk.{n}."
+    k_b, v_b = w[p + "attn_k_b.weight"], w[p + "attn_v_b.weight"]  # [H, L, N], [H, V, L]
+    sd = {"self_attn.q_a_proj.weight": w[p + "attn_q_a.weight"],
+          "self_attn.q_a_layernorm.weight": w[p + "attn_q_a_norm.weight"],
+          "self_attn.q_b_proj.weight": w[p + "attn_q_b.weight"],
+          "self_attn.kv_a_proj_with_mqa.weight": w[p + "attn_kv_a_mqa.weight"],
+          "self_attn.kv_a_layernorm.weight": w[p + "attn_kv_a_norm.weight"],
+          "self_attn.kv_b_proj.weight": torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(
+              H * (d_k - rope + d_v), kv_lora),
+          "self_attn.o_proj.weight": w[p + "attn_output.weight"],
+          "input_layernorm.weight": w[p + "attn_norm.weight"],
+          "post_attention_layernorm.weight": w[p + "ffn_norm.weight"],
+          "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+          "mlp.experts.gate_up_proj": torch.cat([w[p + "ffn_gate_exps.weight"],
+                                                 w[p + "ffn_up_exps.weight"]], dim=1),
+          "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"]}
+    sd |= {f"mlp.shared_experts.{k}_proj.weight": w[p + f"ffn_{k}_shexp.weight"]
+           for k in ("gate", "up", "down")}
+    missing, unexpected = layer.load_state_dict(sd, strict=False)
+    assert not unexpected and not [k for k in missing if "e_score" not in k], missing
+    layer.mlp.gate.e_score_correction_bias.copy_(w[p + "exp_probs_b.bias"])
+    return _head_logits(w, p, eps, layer, DeepseekV3RotaryEmbedding(cfg), tokens, hidden)
+
+
+def hf_qwen35moe_mtp_logits(path, tokens: torch.Tensor, hidden: torch.Tensor):  # noqa: ANN001, ANN201
+    """qwen35moe's MTP block in transformers' Qwen3_5MoeDecoderLayer (a full-attention layer:
+    gated attention, routed experts and the gated shared expert; norms less the converter's 1)."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeDecoderLayer,
+        Qwen3_5MoeTextRotaryEmbedding,
+    )
+
+    w, meta = gguf_weights(path)
+    n = meta("block_count") - meta("nextn_predict_layers")
+    hd, eps = meta("attention.key_length"), meta("attention.layer_norm_rms_epsilon")
+    interval = meta("full_attention_interval")
+    types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    cfg = Qwen3_5MoeTextConfig(
+        vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
+        num_hidden_layers=n + 1, layer_types=[*types, "full_attention"],
+        num_attention_heads=meta("attention.head_count"),
+        num_key_value_heads=meta("attention.head_count_kv"), head_dim=hd, rms_norm_eps=eps,
+        max_position_embeddings=meta("context_length"), tie_word_embeddings=False,
+        linear_conv_kernel_dim=meta("ssm.conv_kernel"),
+        linear_key_head_dim=meta("ssm.state_size"), linear_value_head_dim=meta("ssm.state_size"),
+        linear_num_key_heads=meta("ssm.group_count"),
+        linear_num_value_heads=meta("ssm.time_step_rank"),
+        moe_intermediate_size=meta("expert_feed_forward_length"),
+        shared_expert_intermediate_size=meta("expert_shared_feed_forward_length"),
+        num_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
+        full_attention_interval=interval,
+        rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base"),
+                         "partial_rotary_factor": meta("rope.dimension_count") / hd,
+                         "mrope_section": list(meta("rope.dimension_sections"))[:3],
+                         "mrope_interleaved": True})
+    cfg._attn_implementation = "eager"
+    layer = Qwen3_5MoeDecoderLayer(cfg, n).float().eval()
+    p = f"blk.{n}."
+    sd = {"input_layernorm.weight": w[p + "attn_norm.weight"] - 1,
+          "post_attention_layernorm.weight": w[p + "post_attention_norm.weight"] - 1,
+          "self_attn.q_proj.weight": w[p + "attn_q.weight"],
+          "self_attn.k_proj.weight": w[p + "attn_k.weight"],
+          "self_attn.v_proj.weight": w[p + "attn_v.weight"],
+          "self_attn.o_proj.weight": w[p + "attn_output.weight"],
+          "self_attn.q_norm.weight": w[p + "attn_q_norm.weight"] - 1,
+          "self_attn.k_norm.weight": w[p + "attn_k_norm.weight"] - 1,
+          "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+          "mlp.experts.gate_up_proj": torch.cat([w[p + "ffn_gate_exps.weight"],
+                                                 w[p + "ffn_up_exps.weight"]], dim=1),
+          "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
+          "mlp.shared_expert.gate_proj.weight": w[p + "ffn_gate_shexp.weight"],
+          "mlp.shared_expert.up_proj.weight": w[p + "ffn_up_shexp.weight"],
+          "mlp.shared_expert.down_proj.weight": w[p + "ffn_down_shexp.weight"],
+          "mlp.shared_expert_gate.weight": w[p + "ffn_gate_inp_shexp.weight"][None]}
+    missing, unexpected = layer.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return _head_logits(w, p, eps, layer, Qwen3_5MoeTextRotaryEmbedding(cfg), tokens, hidden)
+
+
+@pytest.mark.parametrize("arch,reference", [("deepseek2", hf_deepseek2_nextn_logits),
+                                            ("qwen35moe", hf_qwen35moe_mtp_logits)])
+def test_mtp_logits_match_transformers_layers(nextn_file, arch, reference):
+    f = nextn_file(arch, "Q8_0")
+    eng = load(f)
+    m = eng.model
+    seen = []
+    m.hidden_hook = lambda segments, hidden: seen.append(hidden.clone())
+    tokens = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79])
+    m.forward(tokens, [Segment(m.new_cache(16), len(tokens))])
+    m.hidden_hook = None
+    from strata.model.mtp import mtp_head
+
+    head = mtp_head(m)
+    logits, _ = head.forward(tokens[1:], seen[0][:-1], head.new_cache())
+    ref = reference(f, tokens[1:], seen[0][:-1])
+    assert torch.allclose(logits, ref, atol=1e-3, rtol=1e-3), (logits - ref).abs().max()
+    assert (logits.argmax(-1) == ref.argmax(-1)).all()
