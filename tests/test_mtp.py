@@ -365,3 +365,18 @@ def test_mtp_logits_match_transformers_layers(nextn_file, arch, reference):
     ref = reference(f, tokens[1:], seen[0][:-1])
     assert torch.allclose(logits, ref, atol=1e-3, rtol=1e-3), (logits - ref).abs().max()
     assert (logits.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["glm4moe", "qwen35moe"])
+def test_greedy_same_with_mtp_drafts_cuda(nextn_file, arch):
+    """CUDA, the offload runtime with the decode step's graphs: the plain steps between MTP
+    windows run the forward (the hidden states), the windows roll back."""
+    f = nextn_file(arch)
+    kw = dict(device="cuda", offload="on", expert_cache="2", kernels="exact")
+    plain = list(Engine.load(f, config=EngineConfig(**kw)).generate(
+        [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=32)))
+    eng = Engine.load(f, config=EngineConfig(spec=3, draft="mtp", **kw))
+    assert isinstance(eng.spec.drafter, MTPDrafter)
+    assert list(eng.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=32))) == plain
+    assert eng.stats.spec.drafted > 0

@@ -500,3 +500,22 @@ def test_window_accounting_with_cache_slots(synth, miss):
     assert ((st.hits + st.cpu + st.streamed - before[0]) == 5 * K).all()
     if miss == "dma":  # every miss copied: some bytes moved
         assert st.bytes_h2d > before[1] and (st.cpu == 0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode_step", ["graphs", "off"])
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_greedy_hybrid_same_with_spec_cuda(synth, arch, decode_step):
+    """The hybrids on CUDA: plain steps on the decode step (its captured graphs update the
+    recurrent state in place), windows on the forward, rolled back by copies into that same
+    state; drafts replaying the answer with every third token wrong."""
+    f = synth(arch, "Q4_K_M")
+    kw = dict(device="cuda", offload="on", expert_cache="2", kernels="exact",
+              decode_step=decode_step)
+    base = Engine.load(f, config=EngineConfig(**kw))
+    ids = [1, 2, 3, 4]
+    plain = list(base.generate(ids, SamplingParams(temperature=0, max_tokens=32)))
+    eng = Engine.load(f, config=EngineConfig(spec=3, draft="ngram", **kw))
+    eng.spec = SpecDecoder(eng.model, ReplayDrafter(ids, plain), 3, timed=False)
+    assert list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=32))) == plain
+    assert 0 < eng.stats.spec.accepted < eng.stats.spec.drafted

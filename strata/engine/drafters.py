@@ -5,7 +5,7 @@ which one verify window of the target model then checks (strata.engine.spec).
               tokens) matched earlier in the context proposes what followed it there
     PATH.gguf a small model sharing the tokenizer, greedy, with a KV cache of its own
     mtp       the file's own multi-token-prediction (nextn) layer (strata.model.mtp), fed
-              the target's last hidden states; chained on its own for a second draft and on
+              the target's last hidden states; further drafts chain its own hidden state
     auto      mtp where the file has a nextn layer or MTP block (glm4moe, deepseek2,
               qwen35moe), else ngram
 
