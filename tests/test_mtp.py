@@ -380,3 +380,22 @@ def test_greedy_same_with_mtp_drafts_cuda(nextn_file, arch):
     assert isinstance(eng.spec.drafter, MTPDrafter)
     assert list(eng.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=32))) == plain
     assert eng.stats.spec.drafted > 0
+
+
+def test_plan_counts_the_head(nextn_file):
+    """--spec with --draft mtp / auto: the plan counts the head's dense tensors on the device
+    (float32); its routed experts stay on the host."""
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import make_plan, mtp_head_bytes
+    from strata.experts.layout import expert_layouts
+
+    mf = open_model(nextn_file("qwen35moe"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    head = mtp_head_bytes(mf, cfg, EngineConfig(spec=3, draft="mtp"))
+    D = cfg.d_model
+    assert head > 4 * 2 * D * D  # eh_proj at least
+    assert mtp_head_bytes(mf, cfg, EngineConfig(spec=3, draft="ngram")) == 0
+    plans = [make_plan(mf, cfg, EngineConfig(ctx=256, offload="on", **kw), layouts)
+             for kw in ({}, dict(spec=3, draft="mtp"))]
+    assert plans[1].dense - plans[0].dense == head

@@ -13,6 +13,7 @@ the plan refuses with the numbers and what to change.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -147,6 +148,15 @@ def _mtp_block(cfg: ModelConfig, name: str) -> bool:
     return cfg.n_nextn > 0 and name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layers
 
 
+def mtp_head_bytes(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> int:
+    """--spec with --draft mtp / auto: the device bytes of the MTP head's dense tensors (float32
+    at most; its routed experts stay on the host, strata.model.mtp)."""
+    if not ec.spec or ec.draft not in ("mtp", "auto"):
+        return 0
+    return sum(4 * math.prod(ref.shape) for name, ref in mf.tensors.items()
+               if _mtp_block(cfg, name) and "_exps." not in name)
+
+
 def fused_dense(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> bool:
     """Every dense matrix has a fused kernel (and --kernels allows them): kept in its GGUF
     blocks, a decode GEMV reads 3-7x fewer bytes than the float32 copy and ran faster on the
@@ -195,7 +205,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     staging = staging_slots * max_stride
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > budget // 4
                                           or fused_dense(mf, cfg, ec))
-    dense = dense_bytes(mf, cfg, quant_dense)
+    dense = dense_bytes(mf, cfg, quant_dense) + mtp_head_bytes(mf, cfg, ec)
     # the ring: by default four of the largest records (double buffering with room to spare);
     # with the grouped prompt path (banks of a quarter of the ring, copied ahead across layers),
     # up to 256: an eighth of budgets from 4 GiB, a sixteenth below. On the H200, an 8K prompt

@@ -35,16 +35,36 @@ from strata.runtime.kv_cache import KVCache
 from strata.runtime.latent_cache import LatentCache
 
 
+class HostExperts(ReferenceExperts):
+    """The head's routed experts, kept in host memory (a real model's MTP layer holds as many
+    experts as a trunk layer): each routed expert dequantized there and its rows moved to the
+    activations' device, one expert at a time."""
+
+    def run(self, layer: int, experts: ExpertWeights, h: torch.Tensor, ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        if experts.gate.raw.device == h.device:
+            return super().run(layer, experts, h, ids, weights)
+        from strata.model.parts.ffn import swiglu
+
+        out = torch.zeros_like(h)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e
+            g, u, d = (m.rows(e).to(h.device) for m in (experts.gate, experts.up, experts.down))
+            out.index_add_(0, tok, swiglu(h[tok], g, u, d) * weights[tok, slot, None])
+        return out
+
+
 class MTPHead:
     def __init__(self, cfg: ModelConfig, nw: NextNWeights, model, mf=None,  # noqa: ANN001
                  layer: Layer | None = None):
         self.cfg, self.w, self.device = cfg, nw, model.device
         lw, index = nw.layer, cfg.n_layers
         if layer is None:
-            if lw.router is not None and lw.experts is None:  # (the offload runtime's model)
+            if lw.router is not None and (lw.experts is None or lw.experts.gate.raw.is_cuda):
+                # (the routed experts from the file's host pages, whatever the model holds)
                 p, t = f"blk.{index}.", mf.tensors
                 lw = replace(lw, experts=ExpertWeights(*(
-                    QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], self.device)
+                    QuantTensor.load(t[p + f"ffn_{w}_exps.weight"], torch.device("cpu"))
                     for w in ("gate", "up", "down"))))
             layer = Layer.build(cfg, lw, index)
             layer.mixer.layer = 0  # its rows in the head's own one-layer cache
@@ -52,7 +72,7 @@ class MTPHead:
         self.embed = nw.embed if nw.embed is not None else model.w.embed
         norm = nw.head_norm if nw.head_norm is not None else torch.ones_like(nw.enorm)
         self.head = Head(norm, nw.head if nw.head is not None else model.w.output, cfg.rms_eps)
-        self.experts = ReferenceExperts()  # (a draft token or a few: one expert at a time)
+        self.experts = HostExperts()  # (a draft token or a few: one expert at a time)
 
     def new_cache(self, capacity: int = 256) -> KVCache | LatentCache:
         c = self.cfg
@@ -101,9 +121,8 @@ def hybrid_nextn(cfg: ModelConfig, block: dict[str, QuantTensor],
     def opt(name: str) -> torch.Tensor | None:
         return d(name) if name in block else None
 
-    def moved(name: str) -> QuantTensor:
-        q = block[name]
-        return QuantTensor(q.raw.to(device), q.qtype, q.n_cols)
+    def moved(name: str) -> QuantTensor:  # (the routed experts stay on the host: HostExperts)
+        return block[name]
 
     lw = LayerWeights(
         attn_norm=d("attn_norm.weight"), wq=d("attn_q.weight"), wk=d("attn_k.weight"),
