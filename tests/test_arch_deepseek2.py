@@ -68,14 +68,15 @@ def test_quantized_file_agrees_with_llama_cpp(synth):
 def test_config_reads_mla_yarn_and_grouped_routing(synth):
     mf = open_model(synth(ARCH, "Q4_K_M"))
     cfg = ModelConfig.from_model(mf)
-    assert cfg == replace(config_of(get_preset("tiny", ARCH)), rms_eps=cfg.rms_eps,
-                          yarn_log_mul=cfg.yarn_log_mul)  # (both stored as float32)
-    assert cfg.yarn_log_mul == pytest.approx(1.0)
+    want = config_of(get_preset("tiny", ARCH))
+    assert cfg == replace(want, rms_eps=cfg.rms_eps, yarn=replace(
+        want.yarn, mscale_all_dim=cfg.yarn.mscale_all_dim))  # (both stored as float32)
+    assert cfg.yarn.mscale_all_dim == pytest.approx(1.0)
     assert (cfg.q_lora, cfg.kv_lora, cfg.head_dim, cfg.rope_dim, cfg.d_v) == (256, 256, 96, 32,
                                                                                64)
     assert (cfg.n_groups, cfg.n_groups_used, cfg.gating, cfg.expert_scale) == (4, 2, "sigmoid",
                                                                                2.5)
-    assert (cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.rope_style) == (4.0, 1024, "normal")
+    assert (cfg.yarn.factor, cfg.yarn.orig_ctx, cfg.rope_style) == (4.0, 1024, "normal")
     # the cache holds latent + rope part a token and layer: 288 floats, not 2 x 4 x 96
     assert cfg.kv_row == 288 and kv_bytes(cfg, 10) == 3 * 10 * 288 * 4
     engine = Engine.load(mf.path)
@@ -255,8 +256,8 @@ def test_real_shape_preset_deepseek_v3():
 def test_real_shape_preset_kimi_k2():
     p = get_preset("kimi-k2", None)
     cfg = config_of(p)
-    assert (cfg.n_experts, cfg.n_groups, cfg.n_heads, cfg.yarn_factor) == (384, 1, 64, 64.0)
-    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.expert_scale) == (1.0, 1.0, 2.827)
+    assert (cfg.n_experts, cfg.n_groups, cfg.n_heads, cfg.yarn.factor) == (384, 1, 64, 64.0)
+    assert (cfg.yarn.beta_fast, cfg.yarn.beta_slow, cfg.expert_scale) == (1.0, 1.0, 2.827)
     names = {t.name: t.shape for t in plan_tensors(p, Recipe("Q4_K_M"))}
     assert names["blk.0.attn_q_b.weight"] == (64 * 192, 1536)
     assert names["blk.1.ffn_gate_exps.weight"] == (384, 2048, 7168)
@@ -351,7 +352,7 @@ def test_yarn_correction_range_is_read_from_the_file(synth, tmp_path):
                    {f"{ARCH}.rope.scaling.yarn_beta_fast": (4.0, f32),
                     f"{ARCH}.rope.scaling.yarn_beta_slow": (2.0, f32)})
     cfg = ModelConfig.from_model(open_model(path))
-    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow) == (4.0, 2.0)
+    assert (cfg.yarn.beta_fast, cfg.yarn.beta_slow) == (4.0, 2.0)
     ours = compute_logits(Engine.load(path), TOKENS)
     default = compute_logits(Engine.load(synth(ARCH, "F32")), TOKENS)
     assert np.abs(ours - default).max() > 1e-3  # (the range moves the logits)

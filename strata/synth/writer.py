@@ -19,7 +19,7 @@ import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, RopeScalingType
 
 from strata.cli.output import atomic_folder, check_free
-from strata.config import ModelConfig, expected_tensors
+from strata.config import ModelConfig, Yarn, expected_tensors
 from strata.gguf.writer import add_tensor, write_tensor_chunks
 from strata.quant import random_rows, row_nbytes
 from strata.synth.presets import Preset
@@ -69,11 +69,9 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
                       ssm_heads=p.ssm_heads, attn_gate=True, n_nextn=p.n_nextn, qk_norm=True,
                       ssm_layout="qwen35" if p.arch == "qwen35moe" else "next")
     if p.arch == "gpt-oss":
-        from strata.arch.gpt_oss import Yarn
-
         cfg = replace(cfg, sliding_window=p.sliding_window, attn_sinks=True, moe_bias=True,
                       expert_act="swiglu_oai", ffn_norm_name="post_attention_norm",
-                      rope_yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
+                      yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
                       if p.yarn_factor > 1 else None)
     return cfg
 
@@ -92,10 +90,10 @@ def _deepseek2_fields(p: Preset) -> dict:
                 n_dense_lead=p.n_dense_lead, d_ff=p.d_ff if p.n_dense_lead else 0,
                 gating="sigmoid", expert_bias=True, expert_scale=p.expert_scale,
                 n_groups=p.n_groups, n_groups_used=p.n_groups_used, q_lora=p.q_lora,
-                kv_lora=p.kv_lora, d_v=p.d_v, yarn_factor=p.yarn_factor,
-                yarn_orig_ctx=p.yarn_orig_ctx if p.yarn_factor > 1 else 0,
-                yarn_log_mul=p.yarn_mscale if p.yarn_factor > 1 else 0.0,
-                yarn_beta_fast=p.yarn_beta[0], yarn_beta_slow=p.yarn_beta[1])
+                kv_lora=p.kv_lora, d_v=p.d_v,
+                yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx, beta_fast=p.yarn_beta[0],
+                          beta_slow=p.yarn_beta[1], rope_mscale=False,
+                          mscale_all_dim=p.yarn_mscale) if p.yarn_factor > 1 else None)
 
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
