@@ -5,7 +5,6 @@ attn_kv_b; presets of the real shapes; refusals."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import numpy as np
@@ -29,6 +28,14 @@ from strata.synth.presets import get_preset
 from strata.synth.recipes import Recipe
 from strata.synth.writer import config_of, plan_tensors
 
+from arch_checks import (
+    check_chat_and_generate,
+    check_command_passes,
+    check_decode_graphs_on_cuda,
+    check_offload_paths,
+    check_quantized_agrees_with_llama_cpp,
+    check_streamed_prompt,
+)
 from gguf_edit import rewrite
 from hf_reference import hf_deepseek2_logits, kl_per_position
 
@@ -57,12 +64,7 @@ def test_f16_file_matches_llama_cpp(synth):
 
 
 def test_quantized_file_agrees_with_llama_cpp(synth):
-    from test_llama_cpp import llama_logits
-
-    path = synth(ARCH, "Q4_K_M")
-    ours = compute_logits(Engine.load(path), TOKENS)
-    kl = kl_per_position(llama_logits(path, TOKENS), ours)
-    assert kl.mean() < 2e-2 and kl.max() < 1e-1, kl
+    check_quantized_agrees_with_llama_cpp(synth(ARCH, "Q4_K_M"))
 
 
 def test_config_reads_mla_yarn_and_grouped_routing(synth):
@@ -120,19 +122,11 @@ def test_generation_and_batched_segments(synth):
 @pytest.mark.parametrize("cache", ["0", "5", "16"])
 @pytest.mark.parametrize("miss", ["cpu", "dma"])
 def test_offload_paths_give_reference_logits(synth, cache, miss, device):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)
-    engine = offload(path, device, expert_cache=cache, miss=miss, stream_min=1 << 20)
-    assert_same(compute_logits(engine, TOKENS), ref)
-    st = engine.model.experts.stats
-    assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == len(TOKENS) * 2 * 2
+    check_offload_paths(synth(ARCH, "Q4_K_M"), device, cache, miss, routed_layers=2)
 
 
 def test_streamed_prompt_gives_reference_logits(synth, device):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)
-    engine = offload(path, device, expert_cache="3", stream_min=2)
-    assert_same(compute_logits(engine, TOKENS), ref)
+    check_streamed_prompt(synth(ARCH, "Q4_K_M"), device)
 
 
 @pytest.mark.parametrize("cache", ["0", "16"])
@@ -151,12 +145,8 @@ def test_decode_step_gives_reference_logits(synth, cache, kv_type, device):
 
 @pytest.mark.cuda
 def test_decode_step_graphs_on_cuda(synth):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
-    engine = offload(path, "cuda", expert_cache="16", kernels="fused")
+    engine, ref = check_decode_graphs_on_cuda(synth(ARCH, "Q4_K_M"))
     step = engine.model.step
-    assert_same(decoded_logits(engine, TOKENS), ref)
-    assert step.graphs and not step._failed and step.steps["replayed"] > 0
     again = decoded_logits(engine, TOKENS)  # a second request: the pooled storage, same graphs
     assert_same(again, ref) and step.steps["captured"] == 1
 
@@ -275,28 +265,11 @@ def test_synth_cli_layers_and_info(tmp_path):
 
 
 def test_check_command_passes_offload_against_the_reference(synth, capsys):
-    """strata check (routing recorded on A, pinned on B: the pin's weights follow the
-    architecture's gating) with the offload paths as B."""
-    path = str(synth(ARCH, "Q4_K_M"))
-    same = main(["check", path, "--b", "--offload on --prefill 5 --expert-cache 3 --stream-min 2"
-                 " --cpu-kernels torch", "--prompt-len", "20"])
-    out = capsys.readouterr().out
-    assert same == 0, out
-    assert "top-1 agree 100.0%" in out
-    pinned = re.search(r"routing pinned to A: KL max (\S+)", out)
-    assert pinned and float(pinned[1]) < 1e-4, out
+    check_command_passes(synth(ARCH, "Q4_K_M"), capsys)
 
 
 def test_chat_through_the_file_template_and_generate(synth, capsys):
-    """The file's own chat template renders, and `strata generate --chat` runs end to end on
-    the offload runtime (prompt chunks, then decode steps)."""
-    path = synth(ARCH, "Q4_K_M")
-    engine = Engine.load(path)
-    text = engine.chat.render([{"role": "user", "content": "Hello there"}])
-    assert "Hello there" in text and engine.chat.encode([{"role": "user", "content": "Hi"}])
-    assert main(["generate", str(path), "--chat", "Hi", "--max-tokens", "6", "--temperature",
-                 "0", "--offload", "on", "--cpu-kernels", "torch"]) == 0
-    assert capsys.readouterr().out.strip()
+    check_chat_and_generate(synth(ARCH, "Q4_K_M"), capsys)
 
 
 def test_grouped_routing_against_a_written_out_loop():

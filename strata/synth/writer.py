@@ -180,33 +180,21 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     if p.sliding_window:
         w.add_sliding_window(p.sliding_window)
     if p.arch == "gpt-oss" and p.yarn_factor > 1:  # as llama.cpp's converter writes its
-        w.add_rope_scaling_type(RopeScalingType.YARN)  # rope_scaling
-        w.add_rope_scaling_factor(p.yarn_factor)
-        w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+        _add_yarn(w, p)  # rope_scaling
     if p.arch == "glm4moe":
         w.add_rope_dimension_count(p.rope_dim or p.head_dim)
-        w.add_leading_dense_block_count(p.n_dense_lead)
-        w.add_expert_shared_count(p.n_shared)
-        w.add_expert_weights_scale(p.expert_scale)
-        w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        _add_sigmoid_routing(w, p)
         w.add_nextn_predict_layers(p.n_nextn)
     if p.arch == "deepseek2":
         w.add_rope_dimension_count(p.rope_dim)
         if p.q_lora:
             w.add_q_lora_rank(p.q_lora)
         w.add_kv_lora_rank(p.kv_lora)
-        w.add_leading_dense_block_count(p.n_dense_lead)
-        w.add_expert_shared_count(p.n_shared)
-        w.add_expert_weights_scale(p.expert_scale)
-        w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        _add_sigmoid_routing(w, p)
         w.add_expert_group_count(p.n_groups)
         w.add_expert_group_used_count(p.n_groups_used)
         if p.yarn_factor > 1:
-            w.add_rope_scaling_type(RopeScalingType.YARN)
-            w.add_rope_scaling_factor(p.yarn_factor)
-            w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+            _add_yarn(w, p)
             w.add_rope_scaling_yarn_log_mul(0.1 * p.yarn_mscale)
             w.add_rope_scaling_yarn_beta_fast(p.yarn_beta[0])  # (as current converters do)
             w.add_rope_scaling_yarn_beta_slow(p.yarn_beta[1])
@@ -227,6 +215,23 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     w.add_quantization_version(2)
     if file_type is not None:
         w.add_file_type(file_type)
+
+
+def _add_sigmoid_routing(w: GGUFWriter, p: Preset) -> None:
+    """glm4moe's and deepseek2's routing keys: dense first layers, shared experts, the routed
+    weights' scale, renormalized, sigmoid gating."""
+    w.add_leading_dense_block_count(p.n_dense_lead)
+    w.add_expert_shared_count(p.n_shared)
+    w.add_expert_weights_scale(p.expert_scale)
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+
+
+def _add_yarn(w: GGUFWriter, p: Preset) -> None:
+    """The rope.scaling keys gpt-oss and deepseek2 share: yarn, its factor, original context."""
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(p.yarn_factor)
+    w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
 
 
 def file_type(recipe: Recipe) -> LlamaFileType | None:
