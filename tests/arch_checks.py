@@ -1,6 +1,7 @@
-"""Checks every MoE architecture's test file runs on its own tiny model: llama.cpp on the
-quantized file, the offload paths and the streamed prompt against the reference, the decode
-step's graphs on CUDA, `strata check`, the file's chat template with `strata generate --chat`."""
+"""Checks the architecture test files (test_arch_glm4moe, test_arch_deepseek2) run alike, each
+on its own tiny model: transformers' model of the file, llama.cpp on the f16 and the quantized
+file, the offload paths and the streamed prompt against the reference, the decode step's
+graphs on CUDA, `strata check`, the file's chat template with `strata generate --chat`."""
 
 from __future__ import annotations
 
@@ -20,18 +21,37 @@ from hf_reference import kl_per_position
 
 
 @cache
+def _reference(path: Path) -> np.ndarray:
+    return compute_logits(Engine.load(path), TOKENS)
+
+
 def reference_logits(path: Path) -> np.ndarray:
-    """The float32 reference path's logits of TOKENS for the file (computed once a file)."""
-    out = compute_logits(Engine.load(path), TOKENS)
-    out.setflags(write=False)
-    return out
+    """The float32 reference path's logits of TOKENS for the file (computed once a file; a
+    copy each call)."""
+    return _reference(path).copy()
+
+
+def check_matches_transformers(path: Path, hf_logits) -> None:
+    """The reference path against hf_logits(path, tokens), transformers' model of the file."""
+    ours = reference_logits(path)
+    theirs = hf_logits(path, TOKENS)
+    assert kl_per_position(theirs, ours).max() < 1e-4
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def check_f16_matches_llama_cpp(path: Path) -> None:
+    from test_llama_cpp import llama_logits
+
+    ours = reference_logits(path)
+    theirs = llama_logits(path, TOKENS)
+    assert kl_per_position(theirs, ours).max() < 1e-3
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
 def check_quantized_agrees_with_llama_cpp(path: Path) -> None:
     from test_llama_cpp import llama_logits
 
-    ours = compute_logits(Engine.load(path), TOKENS)
-    kl = kl_per_position(llama_logits(path, TOKENS), ours)
+    kl = kl_per_position(llama_logits(path, TOKENS), reference_logits(path))
     assert kl.mean() < 2e-2 and kl.max() < 1e-1, kl
 
 

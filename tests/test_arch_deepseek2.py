@@ -32,6 +32,8 @@ from arch_checks import (
     check_chat_and_generate,
     check_command_passes,
     check_decode_graphs_on_cuda,
+    check_f16_matches_llama_cpp,
+    check_matches_transformers,
     check_offload_paths,
     check_quantized_agrees_with_llama_cpp,
     check_streamed_prompt,
@@ -44,23 +46,13 @@ ARCH = "deepseek2"
 
 @pytest.mark.parametrize("recipe", ["F32", "Q4_K_M"])
 def test_matches_transformers_deepseek_v3(synth, recipe):
-    path = synth(ARCH, recipe)
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = hf_deepseek2_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-4
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_matches_transformers(synth(ARCH, recipe), hf_deepseek2_logits)
 
 
 def test_f16_file_matches_llama_cpp(synth):
-    from test_llama_cpp import llama_logits
-
     # seed 1: with seed 0 two expert groups of layer 2 tie within 1e-4 at one position, which
     # llama.cpp's f16 activations flip (KL 0.35 there, < 1e-5 everywhere else)
-    path = synth(ARCH, "F16", seed=1)
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = llama_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-3
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_f16_matches_llama_cpp(synth(ARCH, "F16", seed=1))
 
 
 def test_quantized_file_agrees_with_llama_cpp(synth):

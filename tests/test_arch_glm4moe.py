@@ -29,33 +29,25 @@ from arch_checks import (
     check_chat_and_generate,
     check_command_passes,
     check_decode_graphs_on_cuda,
+    check_f16_matches_llama_cpp,
+    check_matches_transformers,
     check_offload_paths,
     check_quantized_agrees_with_llama_cpp,
     check_streamed_prompt,
 )
 from gguf_edit import rewrite
-from hf_reference import hf_glm4moe_logits, kl_per_position
+from hf_reference import hf_glm4moe_logits
 
 ARCH = "glm4moe"
 
 
 @pytest.mark.parametrize("recipe", ["F32", "Q4_K_M"])
 def test_matches_transformers_glm4_moe(synth, recipe):
-    path = synth(ARCH, recipe)
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = hf_glm4moe_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-4
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_matches_transformers(synth(ARCH, recipe), hf_glm4moe_logits)
 
 
 def test_f16_file_matches_llama_cpp(synth):
-    from test_llama_cpp import llama_logits
-
-    path = synth(ARCH, "F16")
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = llama_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-3
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_f16_matches_llama_cpp(synth(ARCH, "F16"))
 
 
 def test_quantized_file_agrees_with_llama_cpp(synth):
