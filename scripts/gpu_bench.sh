@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run on the GPU machine, from the repo root: sets up, runs the CUDA tests of the fast paths, then
 # the decode and prompt benchmarks on a synthetic Qwen3-30B-A3B (Q4_K_M, or the recipe QUANT
-# names, e.g. IQ2_XS; ceilings measured in the same runs), then a correctness check of the fast
-# paths on those shapes; results under $OUT.
+# names, e.g. IQ2_XS; PRESET names another synth preset, e.g. qwen3.6-35b-a3b or gpt-oss-20b,
+# LAYERS fewer of its layers; ceilings measured in the same runs), then a correctness check of
+# the fast paths on those shapes; results under $OUT.
 #   STAGES="tests profile decode prompt check" bash scripts/gpu_bench.sh   (OUT defaults to ./out)
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
 # (bench_moe_decode.py; KERNEL_ARGS added, e.g. "--gemv-only 14336x4096"), ncu (Nsight Compute
@@ -94,12 +95,14 @@ if [[ $STAGES == *llamacpp* && ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/lla
   fi
 fi
 QUANT=${QUANT:-Q4_K_M}  # the synthetic model's recipe (strata synth --quant)
-M=/tmp/q30-$QUANT.gguf
+PRESET=${PRESET:-30b-a3b}  # any strata synth preset: qwen3.6-35b-a3b, gpt-oss-20b, glm-4.5-air, ...
+LAYERS=${LAYERS:-}  # strata synth --layers N (a real shape's widths with fewer layers)
+M=/tmp/$PRESET${LAYERS:+-${LAYERS}l}-$QUANT.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
       $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ||
       $STAGES == *ttft* || $STAGES == *matrix* || $STAGES == *serve* ]]; then
-  ( t0=$(date +%s); python3 -m strata synth $M --preset 30b-a3b --quant $QUANT --force \
+  ( t0=$(date +%s); python3 -m strata synth $M --preset $PRESET ${LAYERS:+--layers $LAYERS} --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
 fi
@@ -113,7 +116,9 @@ if [[ $STAGES == *tests* ]]; then
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
-    tests/test_cpu_share.py tests/test_prefetch.py tests/test_gemv_q8.py tests/test_lend.py} \
+    tests/test_cpu_share.py tests/test_prefetch.py tests/test_gemv_q8.py tests/test_lend.py \
+    tests/test_kv_q8.py tests/test_spec.py tests/test_arch_qwen35.py tests/test_arch_gpt_oss.py \
+    tests/test_arch_glm4moe.py tests/test_arch_deepseek2.py} \
     2>&1 \
     | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
 fi

@@ -10,11 +10,13 @@ value_length_mla present); older files hold attn_kv_b [H * (nope + v), kv_lora],
 load. The cache keeps [c ; k_pe] per token (LatentCache), not K and V.
 
 RoPE: adjacent pairs on the rope dims; YaRN (rope.scaling.type yarn) as DeepSeek uses it
-(model/parts/yarn.py): interpolated frequencies blended by the correction ramp, and the
-softmax scale multiplied by mscale^2, mscale = 1 + 0.1 * yarn_log_multiplier / 0.1 * ln(factor)
-(the converter writes the multiplier times 0.1; llama.cpp divides it out).
+(config.Yarn, rope_mscale False and mscale_all_dim set): interpolated frequencies blended by
+the correction ramp, cos and sin unscaled, and the softmax scale multiplied by mscale^2,
+mscale = 1 + 0.1 * yarn_log_multiplier / 0.1 * ln(factor) (the converter writes the multiplier
+times 0.1; llama.cpp divides it out).
 
-config.py calls these readers, so they import no config (they return ModelConfig fields).
+config.py calls these readers, so they import config (config.Yarn) only when called; they
+return ModelConfig fields.
 
 Routing: softmax or sigmoid (expert_gating_func; softmax when absent), the selection bias
 (exp_probs_b) where the file has it, expert groups (expert_group_count, _used_count), normalized
@@ -37,6 +39,8 @@ def deepseek2_fields(mf: ModelFile, m: Meta, n_layers: int, n_experts: int, n_he
                      d_expert: int, context_length: int) -> dict:
     """ModelConfig fields of deepseek2's own keys (over those the shared keys gave): MLA sizes,
     YaRN, routing, dense first layers."""
+    from strata.config import Yarn
+
     t, a = mf.tensors, m.arch
     if mf.meta(f"{a}.attention.temperature_scale", None) is not None:
         raise UnsupportedError(f"{mf.path}: {a}.attention.temperature_scale is set (attention "
@@ -87,8 +91,9 @@ def deepseek2_fields(mf: ModelFile, m: Meta, n_layers: int, n_experts: int, n_he
         gating=gating_func(mf, m, 1), expert_bias=f"blk.{n_dense}.exp_probs_b.bias" in t,
         expert_scale=scale if scale > 0 else 1.0, n_groups=groups, n_groups_used=used,
         qkv_bias=False, qk_norm=False, q_lora=q_lora, kv_lora=kv_lora, d_v=d_v,
-        yarn_factor=factor, yarn_orig_ctx=orig, yarn_log_mul=log_mul if factor > 1 else 0.0,
-        yarn_beta_fast=beta[0], yarn_beta_slow=beta[1], mla_split="blk.0.attn_k_b.weight" in t)
+        yarn=Yarn(factor, orig, beta_fast=beta[0], beta_slow=beta[1], rope_mscale=False,
+                  mscale_all_dim=log_mul) if factor > 1 else None,
+        mla_split="blk.0.attn_k_b.weight" in t)
 
 
 def mla_tensors(p: str, D: int, H: int, head_dim: int, R: int, q_lora: int, L: int, d_v: int,

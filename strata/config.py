@@ -35,6 +35,29 @@ ARCHITECTURES = {
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE as llama.cpp's ggml_rope_yarn computes it (strata.kernels.torch_ops:
+    yarn_inv_freq, yarn_attn_scale). The frequencies of the dims between the correction dims of
+    beta_fast and beta_slow (the dims whose rotations over orig_ctx are those counts, floored /
+    ceiled as llama.cpp does) ramp from extrapolated to interpolated (/ factor), the ramp times
+    ext_factor. Where the attention scale goes differs by architecture:
+      rope_mscale     cos and sin times attn_factor * (1 + 0.1 ln factor) (ggml's mscale,
+                      where ext_factor != 0; gpt-oss)
+      mscale_all_dim  the softmax scale times (1 + 0.1 mscale_all_dim ln factor)^2 (deepseek2,
+                      which cancels ggml's mscale: rope_mscale False); 0: 1
+    """
+
+    factor: float
+    orig_ctx: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 1.0
+    attn_factor: float = 1.0
+    rope_mscale: bool = True
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str
     n_layers: int
@@ -69,17 +92,11 @@ class ModelConfig:
     ffn_norm_name: str = "ffn_norm"  # glm4moe: post_attention_norm
     # deepseek2's multi-head latent attention (strata/arch_deepseek2.py; kv_lora 0: none):
     # q LoRA rank (0: one q matrix), the latent's rank, the value head size (head_dim is the
-    # query/key head, rope_dim of it rotated), k_b / v_b split in the file (else attn_kv_b);
-    # YaRN: factor (1: none), original context, log multiplier (mscale_all_dim)
+    # query/key head, rope_dim of it rotated), k_b / v_b split in the file (else attn_kv_b)
     q_lora: int = 0
     kv_lora: int = 0
     d_v: int = 0
     mla_split: bool = True
-    yarn_factor: float = 1.0
-    yarn_orig_ctx: int = 0
-    yarn_log_mul: float = 0.0
-    yarn_beta_fast: float = 32.0  # YaRN's correction range (llama.cpp's defaults)
-    yarn_beta_slow: float = 1.0
     # hybrid linear attention (qwen35moe, qwen3next: config_hybrid); 0 / "" elsewhere
     full_attn_interval: int = 0  # layer i is full attention where (i + 1) % interval == 0
     ssm_conv: int = 0  # the short causal conv's kernel K
@@ -92,9 +109,9 @@ class ModelConfig:
     # gpt-oss (strata.arch.gpt_oss); the defaults are every other architecture's
     sliding_window: int = 0  # tokens a sliding layer attends over (0: none)
     attn_sinks: bool = False  # a learned sink logit per head (blk.N.attn_sinks.weight)
-    rope_yarn: object | None = None  # strata.arch.gpt_oss.Yarn, or None (plain RoPE)
     moe_bias: bool = False  # biases on the attention output, the router and the experts
     expert_act: str = "swiglu"  # swiglu | swiglu_oai (gpt-oss's clamped SwiGLU)
+    yarn: Yarn | None = None  # YaRN RoPE (gpt-oss, deepseek2), or None (plain RoPE)
 
     @property
     def q_dim(self) -> int:

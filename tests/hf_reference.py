@@ -167,6 +167,35 @@ def gguf_weights(path: Path) -> tuple[dict[str, torch.Tensor], callable]:
     return w, meta
 
 
+def _grouped_moe_ffn(w: dict, p: str, h: str, dense: bool) -> dict:
+    """glm4moe's and deepseek_v3's FFN of layer p (HF prefix h): the dense MLP of a leading
+    dense layer, else the router with its score bias, the fused experts and the shared expert."""
+    if dense:
+        return {h + f"mlp.{n}_proj.weight": w[p + f"ffn_{n}.weight"]
+                for n in ("gate", "up", "down")}
+    return {
+        h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
+        h + "mlp.gate.e_score_correction_bias": w[p + "exp_probs_b.bias"],
+        h + "mlp.experts.gate_up_proj": torch.cat(
+            [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
+        h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
+    } | {h + f"mlp.shared_experts.{n}_proj.weight": w[p + f"ffn_{n}_shexp.weight"]
+         for n in ("gate", "up", "down")}
+
+
+def _run_with_score_bias(model, sd: dict, w: dict, routed, tokens: list[int]) -> np.ndarray:
+    """Loads sd (every key but the score biases must land), copies each routed layer's score
+    bias (a buffer: load_state_dict may skip it), and returns the logits of tokens."""
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert not [k for k in missing if "e_score_correction_bias" not in k], missing
+    for i in routed:
+        model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
+            w[f"blk.{i}.exp_probs_b.bias"])
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
 def hf_glm4moe_logits(path: Path, tokens: list[int]) -> np.ndarray:
     """A Glm4MoeForCausalLM (transformers' glm4_moe) holding the file's weights, dequantized by
     gguf-py; the nextn layers are not part of its forward."""
@@ -210,27 +239,8 @@ def hf_glm4moe_logits(path: Path, tokens: list[int]) -> np.ndarray:
         if cfg.use_qk_norm:
             sd |= {h + "self_attn.q_norm.weight": w[p + "attn_q_norm.weight"],
                    h + "self_attn.k_norm.weight": w[p + "attn_k_norm.weight"]}
-        if i < dense:
-            sd |= {h + f"mlp.{n}_proj.weight": w[p + f"ffn_{n}.weight"]
-                   for n in ("gate", "up", "down")}
-            continue
-        sd |= {
-            h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
-            h + "mlp.gate.e_score_correction_bias": w[p + "exp_probs_b.bias"],
-            h + "mlp.experts.gate_up_proj": torch.cat(
-                [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
-            h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
-        }
-        sd |= {h + f"mlp.shared_experts.{n}_proj.weight": w[p + f"ffn_{n}_shexp.weight"]
-               for n in ("gate", "up", "down")}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected, unexpected
-    assert not [k for k in missing if "e_score_correction_bias" not in k], missing
-    for i in range(dense, n_layers):  # (a buffer: load_state_dict may skip it)
-        model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
-            w[f"blk.{i}.exp_probs_b.bias"])
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float().numpy()
+        sd |= _grouped_moe_ffn(w, p, h, i < dense)
+    return _run_with_score_bias(model, sd, w, range(dense, n_layers), tokens)
 
 
 def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
@@ -286,27 +296,8 @@ def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
             h + "input_layernorm.weight": w[p + "attn_norm.weight"],
             h + "post_attention_layernorm.weight": w[p + "ffn_norm.weight"],
         }
-        if i < dense:
-            sd |= {h + f"mlp.{n}_proj.weight": w[p + f"ffn_{n}.weight"]
-                   for n in ("gate", "up", "down")}
-            continue
-        sd |= {
-            h + "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
-            h + "mlp.gate.e_score_correction_bias": w[p + "exp_probs_b.bias"],
-            h + "mlp.experts.gate_up_proj": torch.cat(
-                [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], dim=1),
-            h + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"],
-        }
-        sd |= {h + f"mlp.shared_experts.{n}_proj.weight": w[p + f"ffn_{n}_shexp.weight"]
-               for n in ("gate", "up", "down")}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected, unexpected
-    assert not [k for k in missing if "e_score_correction_bias" not in k], missing
-    for i in range(dense, n_layers):
-        model.model.layers[i].mlp.gate.e_score_correction_bias.copy_(
-            w[f"blk.{i}.exp_probs_b.bias"])
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float().numpy()
+        sd |= _grouped_moe_ffn(w, p, h, i < dense)
+    return _run_with_score_bias(model, sd, w, range(dense, n_layers), tokens)
 
 
 def hf_hybrid_logits(path: Path, tokens: list[int]) -> np.ndarray:

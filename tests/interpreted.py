@@ -47,10 +47,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def run_interpreted(body: str, seed: int, timeout: float) -> None:
     """Run `body` (indented source; `seed`, `np` and `sys` are defined) under the interpreter;
     it must print "ok"."""
+    run_interpreted_side_by_side([body], seed, timeout)
+
+
+def run_interpreted_side_by_side(bodies: list[str], seed: int, timeout: float) -> None:
+    """run_interpreted for each of `bodies` (parts of one check, each independent of the
+    others), in processes of their own at the same time: the interpreter runs on one core, and
+    pytest leaves the others idle."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    script = _PRELUDE + textwrap.dedent(body)
-    done = subprocess.run([sys.executable, "-c", script, str(seed)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0 and "ok" in done.stdout, \
-        f"seed={seed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    procs = [subprocess.Popen([sys.executable, "-c", _PRELUDE + textwrap.dedent(body),
+                               str(seed)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for body in bodies]
+    try:
+        for i, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0 and "ok" in out, \
+                f"seed={seed} part {i}\n{out[-2000:]}\n{err[-4000:]}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

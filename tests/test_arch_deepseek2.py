@@ -5,7 +5,6 @@ attn_kv_b; presets of the real shapes; refusals."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import numpy as np
@@ -29,6 +28,16 @@ from strata.synth.presets import get_preset
 from strata.synth.recipes import Recipe
 from strata.synth.writer import config_of, plan_tensors
 
+from arch_checks import (
+    check_chat_and_generate,
+    check_command_passes,
+    check_decode_graphs_on_cuda,
+    check_f16_matches_llama_cpp,
+    check_matches_transformers,
+    check_offload_paths,
+    check_quantized_agrees_with_llama_cpp,
+    check_streamed_prompt,
+)
 from gguf_edit import rewrite
 from hf_reference import hf_deepseek2_logits, kl_per_position
 
@@ -37,45 +46,31 @@ ARCH = "deepseek2"
 
 @pytest.mark.parametrize("recipe", ["F32", "Q4_K_M"])
 def test_matches_transformers_deepseek_v3(synth, recipe):
-    path = synth(ARCH, recipe)
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = hf_deepseek2_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-4
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_matches_transformers(synth(ARCH, recipe), hf_deepseek2_logits)
 
 
 def test_f16_file_matches_llama_cpp(synth):
-    from test_llama_cpp import llama_logits
-
     # seed 1: with seed 0 two expert groups of layer 2 tie within 1e-4 at one position, which
     # llama.cpp's f16 activations flip (KL 0.35 there, < 1e-5 everywhere else)
-    path = synth(ARCH, "F16", seed=1)
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = llama_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-3
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_f16_matches_llama_cpp(synth(ARCH, "F16", seed=1))
 
 
 def test_quantized_file_agrees_with_llama_cpp(synth):
-    from test_llama_cpp import llama_logits
-
-    path = synth(ARCH, "Q4_K_M")
-    ours = compute_logits(Engine.load(path), TOKENS)
-    kl = kl_per_position(llama_logits(path, TOKENS), ours)
-    assert kl.mean() < 2e-2 and kl.max() < 1e-1, kl
+    check_quantized_agrees_with_llama_cpp(synth(ARCH, "Q4_K_M"))
 
 
 def test_config_reads_mla_yarn_and_grouped_routing(synth):
     mf = open_model(synth(ARCH, "Q4_K_M"))
     cfg = ModelConfig.from_model(mf)
-    assert cfg == replace(config_of(get_preset("tiny", ARCH)), rms_eps=cfg.rms_eps,
-                          yarn_log_mul=cfg.yarn_log_mul)  # (both stored as float32)
-    assert cfg.yarn_log_mul == pytest.approx(1.0)
+    want = config_of(get_preset("tiny", ARCH))
+    assert cfg == replace(want, rms_eps=cfg.rms_eps, yarn=replace(
+        want.yarn, mscale_all_dim=cfg.yarn.mscale_all_dim))  # (both stored as float32)
+    assert cfg.yarn.mscale_all_dim == pytest.approx(1.0)
     assert (cfg.q_lora, cfg.kv_lora, cfg.head_dim, cfg.rope_dim, cfg.d_v) == (256, 256, 96, 32,
                                                                                64)
     assert (cfg.n_groups, cfg.n_groups_used, cfg.gating, cfg.expert_scale) == (4, 2, "sigmoid",
                                                                                2.5)
-    assert (cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.rope_style) == (4.0, 1024, "normal")
+    assert (cfg.yarn.factor, cfg.yarn.orig_ctx, cfg.rope_style) == (4.0, 1024, "normal")
     # the cache holds latent + rope part a token and layer: 288 floats, not 2 x 4 x 96
     assert cfg.kv_row == 288 and kv_bytes(cfg, 10) == 3 * 10 * 288 * 4
     engine = Engine.load(mf.path)
@@ -119,19 +114,11 @@ def test_generation_and_batched_segments(synth):
 @pytest.mark.parametrize("cache", ["0", "5", "16"])
 @pytest.mark.parametrize("miss", ["cpu", "dma"])
 def test_offload_paths_give_reference_logits(synth, cache, miss, device):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)
-    engine = offload(path, device, expert_cache=cache, miss=miss, stream_min=1 << 20)
-    assert_same(compute_logits(engine, TOKENS), ref)
-    st = engine.model.experts.stats
-    assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == len(TOKENS) * 2 * 2
+    check_offload_paths(synth(ARCH, "Q4_K_M"), device, cache, miss, routed_layers=2)
 
 
 def test_streamed_prompt_gives_reference_logits(synth, device):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)
-    engine = offload(path, device, expert_cache="3", stream_min=2)
-    assert_same(compute_logits(engine, TOKENS), ref)
+    check_streamed_prompt(synth(ARCH, "Q4_K_M"), device)
 
 
 @pytest.mark.parametrize("cache", ["0", "16"])
@@ -150,12 +137,8 @@ def test_decode_step_gives_reference_logits(synth, cache, kv_type, device):
 
 @pytest.mark.cuda
 def test_decode_step_graphs_on_cuda(synth):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
-    engine = offload(path, "cuda", expert_cache="16", kernels="fused")
+    engine, ref = check_decode_graphs_on_cuda(synth(ARCH, "Q4_K_M"))
     step = engine.model.step
-    assert_same(decoded_logits(engine, TOKENS), ref)
-    assert step.graphs and not step._failed and step.steps["replayed"] > 0
     again = decoded_logits(engine, TOKENS)  # a second request: the pooled storage, same graphs
     assert_same(again, ref) and step.steps["captured"] == 1
 
@@ -255,8 +238,8 @@ def test_real_shape_preset_deepseek_v3():
 def test_real_shape_preset_kimi_k2():
     p = get_preset("kimi-k2", None)
     cfg = config_of(p)
-    assert (cfg.n_experts, cfg.n_groups, cfg.n_heads, cfg.yarn_factor) == (384, 1, 64, 64.0)
-    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.expert_scale) == (1.0, 1.0, 2.827)
+    assert (cfg.n_experts, cfg.n_groups, cfg.n_heads, cfg.yarn.factor) == (384, 1, 64, 64.0)
+    assert (cfg.yarn.beta_fast, cfg.yarn.beta_slow, cfg.expert_scale) == (1.0, 1.0, 2.827)
     names = {t.name: t.shape for t in plan_tensors(p, Recipe("Q4_K_M"))}
     assert names["blk.0.attn_q_b.weight"] == (64 * 192, 1536)
     assert names["blk.1.ffn_gate_exps.weight"] == (384, 2048, 7168)
@@ -274,28 +257,11 @@ def test_synth_cli_layers_and_info(tmp_path):
 
 
 def test_check_command_passes_offload_against_the_reference(synth, capsys):
-    """strata check (routing recorded on A, pinned on B: the pin's weights follow the
-    architecture's gating) with the offload paths as B."""
-    path = str(synth(ARCH, "Q4_K_M"))
-    same = main(["check", path, "--b", "--offload on --prefill 5 --expert-cache 3 --stream-min 2"
-                 " --cpu-kernels torch", "--prompt-len", "20"])
-    out = capsys.readouterr().out
-    assert same == 0, out
-    assert "top-1 agree 100.0%" in out
-    pinned = re.search(r"routing pinned to A: KL max (\S+)", out)
-    assert pinned and float(pinned[1]) < 1e-4, out
+    check_command_passes(synth(ARCH, "Q4_K_M"), capsys)
 
 
 def test_chat_through_the_file_template_and_generate(synth, capsys):
-    """The file's own chat template renders, and `strata generate --chat` runs end to end on
-    the offload runtime (prompt chunks, then decode steps)."""
-    path = synth(ARCH, "Q4_K_M")
-    engine = Engine.load(path)
-    text = engine.chat.render([{"role": "user", "content": "Hello there"}])
-    assert "Hello there" in text and engine.chat.encode([{"role": "user", "content": "Hi"}])
-    assert main(["generate", str(path), "--chat", "Hi", "--max-tokens", "6", "--temperature",
-                 "0", "--offload", "on", "--cpu-kernels", "torch"]) == 0
-    assert capsys.readouterr().out.strip()
+    check_chat_and_generate(synth(ARCH, "Q4_K_M"), capsys)
 
 
 def test_grouped_routing_against_a_written_out_loop():
@@ -351,7 +317,7 @@ def test_yarn_correction_range_is_read_from_the_file(synth, tmp_path):
                    {f"{ARCH}.rope.scaling.yarn_beta_fast": (4.0, f32),
                     f"{ARCH}.rope.scaling.yarn_beta_slow": (2.0, f32)})
     cfg = ModelConfig.from_model(open_model(path))
-    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow) == (4.0, 2.0)
+    assert (cfg.yarn.beta_fast, cfg.yarn.beta_slow) == (4.0, 2.0)
     ours = compute_logits(Engine.load(path), TOKENS)
     default = compute_logits(Engine.load(synth(ARCH, "F32")), TOKENS)
     assert np.abs(ours - default).max() > 1e-3  # (the range moves the logits)

@@ -4,7 +4,6 @@ transformers' glm4_moe and llama.cpp, incremental decode, the offload paths and 
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import numpy as np
@@ -26,38 +25,33 @@ from strata.synth.presets import get_preset
 from strata.synth.recipes import Recipe
 from strata.synth.writer import config_of, plan_tensors
 
+from arch_checks import (
+    check_chat_and_generate,
+    check_command_passes,
+    check_decode_graphs_on_cuda,
+    check_f16_matches_llama_cpp,
+    check_matches_transformers,
+    check_offload_paths,
+    check_quantized_agrees_with_llama_cpp,
+    check_streamed_prompt,
+)
 from gguf_edit import rewrite
-from hf_reference import hf_glm4moe_logits, kl_per_position
+from hf_reference import hf_glm4moe_logits
 
 ARCH = "glm4moe"
 
 
 @pytest.mark.parametrize("recipe", ["F32", "Q4_K_M"])
 def test_matches_transformers_glm4_moe(synth, recipe):
-    path = synth(ARCH, recipe)
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = hf_glm4moe_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-4
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_matches_transformers(synth(ARCH, recipe), hf_glm4moe_logits)
 
 
 def test_f16_file_matches_llama_cpp(synth):
-    from test_llama_cpp import llama_logits
-
-    path = synth(ARCH, "F16")
-    ours = compute_logits(Engine.load(path), TOKENS)
-    theirs = llama_logits(path, TOKENS)
-    assert kl_per_position(theirs, ours).max() < 1e-3
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    check_f16_matches_llama_cpp(synth(ARCH, "F16"))
 
 
 def test_quantized_file_agrees_with_llama_cpp(synth):
-    from test_llama_cpp import llama_logits
-
-    path = synth(ARCH, "Q4_K_M")
-    ours = compute_logits(Engine.load(path), TOKENS)
-    kl = kl_per_position(llama_logits(path, TOKENS), ours)
-    assert kl.mean() < 2e-2 and kl.max() < 1e-1, kl
+    check_quantized_agrees_with_llama_cpp(synth(ARCH, "Q4_K_M"))
 
 
 def test_config_and_weights_read_every_part(synth):
@@ -93,21 +87,12 @@ def test_incremental_decoding_equals_full_recompute(synth, device):
 @pytest.mark.parametrize("cache", ["0", "5", "16"])
 @pytest.mark.parametrize("miss", ["cpu", "dma"])
 def test_offload_paths_give_reference_logits(synth, cache, miss, device):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)
-    engine = offload(path, device, expert_cache=cache, miss=miss, stream_min=1 << 20)
-    assert_same(compute_logits(engine, TOKENS), ref)
-    st = engine.model.experts.stats
-    routed = engine.config.n_layers - engine.config.n_dense_lead
-    assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == len(TOKENS) * routed * 2
+    engine = check_offload_paths(synth(ARCH, "Q4_K_M"), device, cache, miss, routed_layers=2)
     assert engine.model.experts.cache.layers[0].capacity == 0  # (the dense layer: no slots)
 
 
 def test_streamed_prompt_gives_reference_logits(synth, device):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)
-    engine = offload(path, device, expert_cache="3", stream_min=2)
-    assert_same(compute_logits(engine, TOKENS), ref)
+    check_streamed_prompt(synth(ARCH, "Q4_K_M"), device)
 
 
 @pytest.mark.parametrize("cache", ["0", "16"])
@@ -122,12 +107,7 @@ def test_decode_step_gives_reference_logits(synth, cache, device):
 
 @pytest.mark.cuda
 def test_decode_step_graphs_on_cuda(synth):
-    path = synth(ARCH, "Q4_K_M")
-    ref = compute_logits(Engine.load(path), TOKENS)[PROMPT:]
-    engine = offload(path, "cuda", expert_cache="16", kernels="fused")
-    step = engine.model.step
-    assert_same(decoded_logits(engine, TOKENS), ref)
-    assert step.graphs and not step._failed and step.steps["replayed"] > 0
+    check_decode_graphs_on_cuda(synth(ARCH, "Q4_K_M"))
 
 
 @pytest.mark.parametrize("preset,layers,dense,experts,shexp", [
@@ -166,25 +146,8 @@ def test_unsupported_gating_is_refused_in_one_line(synth, tmp_path):
 
 
 def test_check_command_passes_offload_against_the_reference(synth, capsys):
-    """strata check (routing recorded on A, pinned on B: the pin's weights follow the
-    architecture's gating) with the offload paths as B."""
-    path = str(synth(ARCH, "Q4_K_M"))
-    same = main(["check", path, "--b", "--offload on --prefill 5 --expert-cache 3 --stream-min 2"
-                 " --cpu-kernels torch", "--prompt-len", "20"])
-    out = capsys.readouterr().out
-    assert same == 0, out
-    assert "top-1 agree 100.0%" in out
-    pinned = re.search(r"routing pinned to A: KL max (\S+)", out)
-    assert pinned and float(pinned[1]) < 1e-4, out
+    check_command_passes(synth(ARCH, "Q4_K_M"), capsys)
 
 
 def test_chat_through_the_file_template_and_generate(synth, capsys):
-    """The file's own chat template renders, and `strata generate --chat` runs end to end on
-    the offload runtime (prompt chunks, then decode steps)."""
-    path = synth(ARCH, "Q4_K_M")
-    engine = Engine.load(path)
-    text = engine.chat.render([{"role": "user", "content": "Hello there"}])
-    assert "Hello there" in text and engine.chat.encode([{"role": "user", "content": "Hi"}])
-    assert main(["generate", str(path), "--chat", "Hi", "--max-tokens", "6", "--temperature",
-                 "0", "--offload", "on", "--cpu-kernels", "torch"]) == 0
-    assert capsys.readouterr().out.strip()
+    check_chat_and_generate(synth(ARCH, "Q4_K_M"), capsys)

@@ -38,7 +38,7 @@ def test_config_reads_what_llama_cpp_reads(synth):
     assert (cfg.arch, cfg.sliding_window, cfg.attn_sinks, cfg.moe_bias) == (
         "gpt-oss", 16, True, True)
     assert cfg.expert_act == "swiglu_oai" and cfg.rope_style == "neox" and cfg.qkv_bias
-    assert (cfg.rope_yarn.factor, cfg.rope_yarn.orig_ctx) == (32.0, 4096)
+    assert (cfg.yarn.factor, cfg.yarn.orig_ctx) == (32.0, 4096)
     from strata.arch.gpt_oss import is_sliding
 
     assert [is_sliding(cfg, i) for i in range(4)] == [True, False, True, False]

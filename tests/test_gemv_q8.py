@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from interpreted import fresh_seed, run_interpreted  # noqa: E402
+from interpreted import fresh_seed, run_interpreted, run_interpreted_side_by_side  # noqa: E402
 
 
 def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
@@ -74,10 +74,12 @@ def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
         assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 2e-2, (n, k)
 
 
-_INTERPRETED = f"""
+_INTERPRETED_HEAD = f"""
     sys.path.insert(0, {str(Path(__file__).parent)!r})
     from test_gemv_q8 import check
     rng = np.random.default_rng(seed)
+"""
+_INTERPRETED_K = """
     # blocks a step more, fewer and not a multiple of the row's blocks; rows a program that
     # do not divide the rows
     for n, k, bb, r in ((3, 768, 4, 1), (2, 2048, 8, 1), (2, 1280, 2, 1), (1, 256, 1, 1),
@@ -91,9 +93,11 @@ _INTERPRETED = f"""
     for n, k, r, split in ((11, 2048, 8, 1), (3, 4096, 4, 1), (5, 4096, 4, 2), (3, 6144, 2, 4),
                            (3, 2048, 4, 2)):
         check(rng, n, k, "cpu", split, "Q6_K run", rows=r)
+"""
+_INTERPRETED_IQ = """
     # IQ2_XS and IQ3_XXS: 74- and 98-byte blocks, rows 2 mod 4 every other row too; their run
     # forms as Q6_K's
-    for qtype in ("IQ2_XS", "IQ3_XXS"):
+    for qtype in IQ_TYPES:
         for n, k, bb, r in ((3, 768, 2, 1), (5, 512, 4, 2), (2, 256, 1, 1)):
             check(rng, n, k, "cpu", bb, qtype, rows=r)
         for n, k, r, split in ((11, 2048, 8, 1), (5, 4096, 4, 2), (3, 6144, 2, 4)):
@@ -104,6 +108,8 @@ _INTERPRETED = f"""
         # programs of 2 and 4 warps (the rows split across warps), with and without halves
         check(rng, 11, 4096, "cpu", 2, qtype + " run", rows=8, warps=2)
         check(rng, 19, 6144, "cpu", 2, qtype + " run", rows=16, warps=4, halves=True)
+"""
+_INTERPRETED_X8 = """
     # gemv_x8: quantize_x, then the type's GEMV with its tuned tile
     import torch
     torch.manual_seed(seed)  # (x too comes from the printed seed)
@@ -137,12 +143,16 @@ _INTERPRETED = f"""
         taken.clear()
         assert float((gemv_x8(x, w, q) - ref).norm() / ref.norm()) < 2e-5, (q, k)
         assert taken == ([(q.name, split)] if split else []), (q, k, shift, taken)
-    print("ok")
 """
 
 
 def test_gemv_under_the_interpreter() -> None:
-    run_interpreted(_INTERPRETED, fresh_seed(), timeout=600)
+    """The K-quant GEMVs, IQ2_XS's and gemv_x8 beside IQ3_XXS's (its run form takes the
+    interpreter longest), each in a process of its own."""
+    iq2, iq3 = (_INTERPRETED_IQ.replace("IQ_TYPES", f"({q!r},)") for q in ("IQ2_XS", "IQ3_XXS"))
+    ok = '    print("ok")\n'
+    run_interpreted_side_by_side([_INTERPRETED_HEAD + _INTERPRETED_K + iq2 + _INTERPRETED_X8 + ok,
+                                  _INTERPRETED_HEAD + iq3 + ok], fresh_seed(), timeout=600)
 
 
 def test_gemv_compiles_for_sm90() -> None:
@@ -322,8 +332,8 @@ def test_moe_x8_under_the_interpreter() -> None:
     i-quants (IQ2_XS gate and up with an IQ3_XXS down, and the other way round: rows of 74- and
     98-byte blocks, every other one 2 mod 4 at 1 and 3 blocks a row), and two mixing them with
     K-quants (IQ2_XS gate/up with a Q6_K down; Q4_K gate/up with an IQ3_XXS down)."""
-    run_interpreted(_moe_x8_script(768, 256, _MOE_X8_PACKS, _MOE_X8_TUNE), fresh_seed(),
-                    timeout=600)
+    run_interpreted_side_by_side([_moe_x8_script(768, 256, packs, _MOE_X8_TUNE)
+                                  for packs in _MOE_X8_PACKS], fresh_seed(), timeout=600)
 
 
 def test_moe_iq_run_under_the_interpreter() -> None:
@@ -331,10 +341,11 @@ def test_moe_iq_run_under_the_interpreter() -> None:
     of 2048 values, one run of 8 blocks; split 2 leaves half the threads without a run), both
     i-quant packs, slots and miss rows (256 rows a program: the interpreter takes ~5 s a call
     of 2 pairs at that, 4x that at 64)."""
-    packs = ("(QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS), "
-             "(QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS)")
+    packs = ("(QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),",
+             "(QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),")
     tune = dict(_MOE_X8_TUNE, gate_up_iq_run=(256, 2, 1))
-    run_interpreted(_moe_x8_script(2048, 256, packs, tune), fresh_seed(), timeout=900)
+    run_interpreted_side_by_side([_moe_x8_script(2048, 256, p, tune) for p in packs],
+                                 fresh_seed(), timeout=900)
 
 
 # A pair's h comes from float32 sums in another order than the reference's, so a value next to
@@ -343,10 +354,13 @@ def test_moe_iq_run_under_the_interpreter() -> None:
 # them stay under X8_TOL, while h not rounded at all moves it by about 8e-3.
 X8_TOL = 2.5e-3
 
-_MOE_X8_PACKS = """(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q6_K, QType.Q4_K, QType.Q4_K),
-               (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
-               (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
-               (QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K), (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)"""
+# (in two processes side by side, three packs each)
+_MOE_X8_PACKS = ("""(QType.Q4_K, QType.Q4_K, QType.Q6_K),
+                    (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
+                    (QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K)""",
+                 """(QType.Q6_K, QType.Q4_K, QType.Q4_K),
+                    (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
+                    (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)""")
 # (larger tiles: fewer programs to interpret; the i-quant down BB 1, f one block: every step in
 # the row, so its loads unmasked, EVEN)
 _MOE_X8_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1), down_q6k_q8=(256, 2, 1),

@@ -34,7 +34,7 @@ import torch
 
 triton = pytest.importorskip("triton")  # the whole module needs triton; CUDA tests also need a GPU
 
-from interpreted import fresh_rng, rel_err, run_interpreted  # noqa: E402
+from interpreted import fresh_rng, rel_err, run_interpreted_side_by_side  # noqa: E402
 
 from strata.kernels.gpu import FUSED_TYPES, dequantize_gpu, moe_forward, quant_matmul  # noqa: E402
 from strata.kernels.gpu import moe as moe_mod  # noqa: E402
@@ -347,7 +347,7 @@ def test_unfused_type_falls_back_with_a_log_line(caplog: pytest.LogCaptureFixtur
 
 # ---- the same kernels on the CPU, under Triton's interpreter ------------------------------------
 
-_INTERPRETED = """
+_INTERPRETED_HEAD = """
     import torch
     from strata.kernels.gpu import dequantize_gpu, moe_forward, quant_matmul
     from strata.kernels.gpu.reference import matmul_ref, moe_ref
@@ -358,6 +358,8 @@ _INTERPRETED = """
         return float((a - b).norm() / b.norm())
     def rows(q, n, k):
         return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
+"""
+_INTERPRETED_MATMUL = """
     for q in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.Q8_0):
         k = 512 if q != QType.Q8_0 else 96
         w = rows(q, 5, k)
@@ -375,6 +377,9 @@ _INTERPRETED = """
         ya, yb = gemv_pair(x, (wa, qa), (wb, qb), out=out)
         assert ya is out[0] and yb is out[1], (qa, qb)
         assert rel(ya, matmul_ref(x, wa, qa)) < 2e-5 and rel(yb, matmul_ref(x, wb, qb)) < 2e-5
+    print("ok")
+"""
+_INTERPRETED_MOE = """
     e, d, f = 3, 256, 64
     qt = (QType.Q4_K, QType.IQ2_XS, QType.Q8_0)
     slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)
@@ -421,6 +426,7 @@ _INTERPRETED = """
 
 def test_kernels_under_the_interpreter() -> None:
     """Q4_K, Q6_K, IQ2_XS, Q8_0 tiles, both matmul skeletons, the two-matrix GEMV and both MoE
-    paths on the CPU."""
+    paths on the CPU (the matmuls beside the MoE paths, each in a process of its own)."""
     _, seed = fresh_rng()
-    run_interpreted(_INTERPRETED, seed, timeout=600)
+    run_interpreted_side_by_side([_INTERPRETED_HEAD + _INTERPRETED_MATMUL,
+                                  _INTERPRETED_HEAD + _INTERPRETED_MOE], seed, timeout=600)

@@ -13,7 +13,6 @@ Legend: D hidden, H heads, E experts, F expert hidden.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from strata.errors import ModelFileError, UnsupportedError
@@ -27,26 +26,15 @@ SWIGLU_ALPHA = 1.702  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants (HF: swiglu
 SWIGLU_LIMIT = 7.0
 
 
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN RoPE (llama.cpp's ggml_rope_yarn): freq_scale = 1 / factor, the corrected dims from
-    beta_fast / beta_slow over the original context, attention scaled by mscale."""
-
-    factor: float
-    orig_ctx: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    ext_factor: float = 1.0
-    attn_factor: float = 1.0
-
-
 def read_fields(m: _Meta, n_layers: int) -> dict[str, object]:
     """The ModelConfig fields of a gpt-oss file that the shared reader does not set."""
     mf = m.mf
     window = m.int("attention.sliding_window", lo=1, hi=1 << 24)
     kind = m.mf.meta(f"{ARCH}.rope.scaling.type", "none")
     yarn = None
-    if kind == "yarn":
+    if kind == "yarn":  # ggml's own mscale on cos and sin (config.Yarn's rope_mscale)
+        from strata.config import Yarn
+
         yarn = Yarn(
             factor=m.float("rope.scaling.factor", 1.0, 0.0, 1e6),
             orig_ctx=m.int("rope.scaling.original_context_length", lo=1, hi=1 << 24),
@@ -61,7 +49,7 @@ def read_fields(m: _Meta, n_layers: int) -> dict[str, object]:
     if "blk.0.attn_sinks.weight" not in mf.tensors:
         raise ModelFileError(mf.path, "tensor blk.0.attn_sinks.weight is missing (needed by "
                                       "gpt-oss)")
-    return dict(sliding_window=window, attn_sinks=True, rope_yarn=yarn, moe_bias=True,
+    return dict(sliding_window=window, attn_sinks=True, yarn=yarn, moe_bias=True,
                 expert_act="swiglu_oai", norm_topk=True, ffn_norm_name="post_attention_norm")
 
 

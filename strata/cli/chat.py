@@ -14,11 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from strata.cli.engine_flags import add_engine_arguments, engine_config
-from strata.cli.generate import model_or_demo
-from strata.cli.limits import check_kv_memory, check_sampling
+from strata.cli.engine_flags import add_engine_arguments
+from strata.cli.generate import load_engine, sampling_params
+from strata.cli.limits import check_kv_memory
 from strata.errors import StrataError
-from strata.progress import LoadStages
 
 PROMPT = ">>> "
 HELP = "strata: /reset forgets the conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer"
@@ -131,19 +130,8 @@ class Session:
 
 
 def run(args: argparse.Namespace) -> int:
-    from strata.engine.generator import Engine
-    from strata.engine.sampling import SamplingParams
-
-    check_sampling(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    stages = LoadStages()
-    try:
-        engine = Engine.load(model_or_demo(args.model), config=engine_config(args),
-                             progress=stages)
-    finally:
-        stages.close()
-    engine.show_progress = True  # a long prompt: tokens done / total
+    params = sampling_params(args)
+    engine = load_engine(args)
     limit = min(engine.config.context_length, engine.engine_config.ctx or 4096)
     if args.max_tokens >= limit:
         raise StrataError(f"-n {args.max_tokens}: leaves no room for a prompt in the context "

@@ -41,18 +41,30 @@ def model_or_demo(model: str | None) -> str:
     return str(path)
 
 
-def run(args: argparse.Namespace) -> int:
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags, checked (one line naming the flag where one is off)."""
     check_sampling(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    early_limits(args)  # (before the weights load: a mistyped -n fails at once)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+
+
+def load_engine(args: argparse.Namespace) -> Engine:
+    """The engine of args.model (the demo model without one) under the engine flags, a line a
+    load stage; a long prompt then shows its tokens done / total."""
     stages = LoadStages()
     try:
         engine = Engine.load(model_or_demo(args.model), config=engine_config(args),
                              progress=stages)
     finally:
         stages.close()
-    engine.show_progress = True  # a long prompt: tokens done / total
+    engine.show_progress = True
+    return engine
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    early_limits(args)  # (before the weights load: a mistyped -n fails at once)
+    engine = load_engine(args)
     tok = engine.tokenizer
     if args.chat is not None:  # the message's own special-token text stays text
         ids = engine.chat.encode([{"role": "user", "content": args.chat}], add_bos=False)

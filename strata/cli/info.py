@@ -53,8 +53,7 @@ def _mla_lines(cfg: ModelConfig) -> list[str]:
         return []
     return [f"latent attn  q LoRA {cfg.q_lora or 'none'}, kv latent {cfg.kv_lora} + rope "
             f"{cfg.rope_dim} cached a token, q/k heads {cfg.head_dim}, v heads {cfg.d_v}"
-            + (f"; yarn x{cfg.yarn_factor:g} from {cfg.yarn_orig_ctx}"
-               if cfg.yarn_factor > 1 else "")]
+            + (f"; yarn x{cfg.yarn.factor:g} from {cfg.yarn.orig_ctx}" if cfg.yarn else "")]
 
 
 def _window_lines(cfg: ModelConfig) -> list[str]:
@@ -96,8 +95,8 @@ def describe(mf: ModelFile, cfg: ModelConfig) -> list[str]:
         f"attention    rope {cfg.rope_style} theta {cfg.rope_theta:g}"
         + (f" on {cfg.rope_dim} of {cfg.head_dim} dims" if cfg.rope_dim < cfg.head_dim else "")
         + (", qkv bias" if cfg.qkv_bias else "") + (", q/k norms" if cfg.qk_norm else "")
-        + (f", yarn x{cfg.rope_yarn.factor:g} of {cfg.rope_yarn.orig_ctx}" if cfg.rope_yarn
-           else "") + (", sinks" if cfg.attn_sinks else "")
+        + (f", yarn x{cfg.yarn.factor:g} of {cfg.yarn.orig_ctx}"
+           if cfg.yarn and not cfg.kv_lora else "") + (", sinks" if cfg.attn_sinks else "")
         + (", output gate" if cfg.attn_gate else ""),
         *_window_lines(cfg),
         f"layers       {layer_kinds(cfg)}"

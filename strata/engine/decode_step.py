@@ -170,15 +170,10 @@ class DecodeStep:
         self._host_read: torch.cuda.Event | None = None  # the last uploads read the buffers
         self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # norm_route's count
         self.inv_freq = ops.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dev)
-        if cfg.rope_yarn is not None:  # (its mscale: the mixer scales q and k, SinkAttention)
+        if cfg.yarn is not None:  # (its scales: the mixers, SinkAttention and MLAttention)
             from strata.kernels.torch_ops import yarn_inv_freq
 
-            self.inv_freq = yarn_inv_freq(self.inv_freq, cfg.rope_dim, cfg.rope_theta,
-                                          cfg.rope_yarn)[0]
-        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN frequencies (as the forward's)
-            from strata.model.parts.yarn import yarn_inv_freq as deepseek_yarn
-
-            self.inv_freq = deepseek_yarn(cfg, dev)
+            self.inv_freq = yarn_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.yarn, dev)
         self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None
         self._warm: tuple[int, int] | None = None  # the storage whose eager step ran
         self._inputs_read: torch.cuda.Event | None = None

@@ -8,8 +8,12 @@ Legend: T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim, E e
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from strata.config import Yarn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,27 +22,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, dim: int, theta: float,
-                yarn: object | None = None) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, dim/2] for angle(p, i) = p * theta^(-2i/dim); with yarn (an
-    arch.gpt_oss.Yarn) the YaRN frequencies and both tables times its mscale."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
-                                            device=positions.device) / dim)
-    mscale = 1.0
-    if yarn is not None:
-        inv_freq, mscale = yarn_inv_freq(inv_freq, dim, theta, yarn)
+                yarn: Yarn | None = None) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, dim/2] for angle(p, i) = p * theta^(-2i/dim); with yarn (a config.Yarn) its
+    frequencies (yarn_inv_freq) and both tables times its q/k scale (yarn_attn_scale)."""
+    if yarn is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
+                                                device=positions.device) / dim)
+    else:
+        inv_freq = yarn_inv_freq(dim, theta, yarn, positions.device)
+    mscale = yarn_attn_scale(yarn)[0]
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, dim/2]
     if mscale == 1.0:
         return angles.cos(), angles.sin()
     return angles.cos() * mscale, angles.sin() * mscale
 
 
-def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float,
-                  yarn: object) -> tuple[torch.Tensor, float]:
-    """YaRN as ggml's rope_yarn computes it: pair i's angle mixes the interpolated one
-    (freq_scale = 1 / factor) and the original by ramp r_i = ext_factor * (1 - clamp((i - lo)
-    / max(0.001, hi - lo), 0, 1)), lo/hi = floor/ceil of the dims where beta_fast/beta_slow
-    rotations fit the original context; mscale = attn_factor * (1 + 0.1 ln factor) where
-    ext_factor != 0. inv_freq [dim/2] -> (its YaRN version [dim/2], mscale)"""
+def yarn_inv_freq(dim: int, theta: float, yarn: Yarn, device: torch.device | str) -> torch.Tensor:
+    """float32 [dim/2]: YaRN's frequencies as ggml's rope_yarn computes them: pair i's angle
+    mixes the interpolated one (freq_scale = 1 / factor) and the original theta^(-2i/dim) by
+    ramp r_i = ext_factor * (1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1)), lo / hi the
+    floor / ceil of the dims where beta_fast / beta_slow rotations fit the original context."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     freq_scale = 1.0 / yarn.factor
 
     def corr_dim(n_rot: float) -> float:
@@ -46,12 +50,26 @@ def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float,
 
     lo = max(0.0, math.floor(corr_dim(yarn.beta_fast)))
     hi = min(dim - 1.0, math.ceil(corr_dim(yarn.beta_slow)))
-    i = torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device)
+    i = torch.arange(dim // 2, dtype=torch.float32, device=device)
     ramp = (1 - ((i - lo) / max(0.001, hi - lo)).clamp(0, 1)) * yarn.ext_factor  # [dim/2]
-    mscale = yarn.attn_factor
-    if yarn.ext_factor != 0:
-        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
-    return inv_freq * (freq_scale * (1 - ramp) + ramp), mscale
+    return inv_freq * (freq_scale * (1 - ramp) + ramp)
+
+
+def yarn_attn_scale(yarn: Yarn | None) -> tuple[float, float]:
+    """(q/k, softmax): what YaRN multiplies q and k by (cos and sin: ggml's mscale =
+    attn_factor * (1 + 0.1 ln factor) where rope_mscale and ext_factor != 0) and what it
+    multiplies the softmax scale by ((1 + 0.1 mscale_all_dim ln factor)^2); (1, 1) without."""
+    if yarn is None:
+        return 1.0, 1.0
+    qk = 1.0
+    if yarn.rope_mscale:
+        qk = yarn.attn_factor
+        if yarn.ext_factor != 0:
+            qk *= 1.0 + 0.1 * math.log(yarn.factor)
+    softmax = 1.0
+    if yarn.mscale_all_dim:
+        softmax = (1.0 + 0.1 * yarn.mscale_all_dim * math.log(yarn.factor)) ** 2
+    return qk, softmax
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:

@@ -96,12 +96,7 @@ class MoETransformer:
         t0 = timer.start() if timer else None
         positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                for s in segments]).to(self.device)
-        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN
-            from strata.model.parts.yarn import rope_tables_for
-
-            cos, sin = rope_tables_for(cfg, positions)
-        else:  # (gpt-oss's YaRN: cfg.rope_yarn)
-            cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
+        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
         delta = None  # each layer's output, added by the next residual step

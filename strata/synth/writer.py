@@ -19,7 +19,7 @@ import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, RopeScalingType
 
 from strata.cli.output import atomic_folder, check_free
-from strata.config import ModelConfig, expected_tensors
+from strata.config import ModelConfig, Yarn, expected_tensors
 from strata.gguf.writer import add_tensor, write_tensor_chunks
 from strata.quant import random_rows, row_nbytes
 from strata.synth.presets import Preset
@@ -69,11 +69,9 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
                       ssm_heads=p.ssm_heads, attn_gate=True, n_nextn=p.n_nextn, qk_norm=True,
                       ssm_layout="qwen35" if p.arch == "qwen35moe" else "next")
     if p.arch == "gpt-oss":
-        from strata.arch.gpt_oss import Yarn
-
         cfg = replace(cfg, sliding_window=p.sliding_window, attn_sinks=True, moe_bias=True,
                       expert_act="swiglu_oai", ffn_norm_name="post_attention_norm",
-                      rope_yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
+                      yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
                       if p.yarn_factor > 1 else None)
     return cfg
 
@@ -93,10 +91,10 @@ def _deepseek2_fields(p: Preset) -> dict:
                 n_dense_lead=p.n_dense_lead, d_ff=p.d_ff if p.n_dense_lead else 0,
                 gating="sigmoid", expert_bias=True, expert_scale=p.expert_scale,
                 n_groups=p.n_groups, n_groups_used=p.n_groups_used, q_lora=p.q_lora,
-                kv_lora=p.kv_lora, d_v=p.d_v, yarn_factor=p.yarn_factor,
-                yarn_orig_ctx=p.yarn_orig_ctx if p.yarn_factor > 1 else 0,
-                yarn_log_mul=p.yarn_mscale if p.yarn_factor > 1 else 0.0,
-                yarn_beta_fast=p.yarn_beta[0], yarn_beta_slow=p.yarn_beta[1])
+                kv_lora=p.kv_lora, d_v=p.d_v,
+                yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx, beta_fast=p.yarn_beta[0],
+                          beta_slow=p.yarn_beta[1], rope_mscale=False,
+                          mscale_all_dim=p.yarn_mscale) if p.yarn_factor > 1 else None)
 
 
 def plan_tensors(p: Preset, recipe: Recipe) -> list[PlannedTensor]:
@@ -183,35 +181,23 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     if p.sliding_window:
         w.add_sliding_window(p.sliding_window)
     if p.arch == "gpt-oss" and p.yarn_factor > 1:  # as llama.cpp's converter writes its
-        w.add_rope_scaling_type(RopeScalingType.YARN)  # rope_scaling
-        w.add_rope_scaling_factor(p.yarn_factor)
-        w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+        _add_yarn(w, p)  # rope_scaling
     if p.arch == "glm4moe":
         w.add_rope_dimension_count(p.rope_dim or p.head_dim)
-        w.add_leading_dense_block_count(p.n_dense_lead)
-        w.add_expert_shared_count(p.n_shared)
-        w.add_expert_weights_scale(p.expert_scale)
-        w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        _add_sigmoid_routing(w, p)
         w.add_nextn_predict_layers(p.n_nextn)
     if p.arch == "deepseek2":
         w.add_rope_dimension_count(p.rope_dim)
         if p.q_lora:
             w.add_q_lora_rank(p.q_lora)
         w.add_kv_lora_rank(p.kv_lora)
-        w.add_leading_dense_block_count(p.n_dense_lead)
-        w.add_expert_shared_count(p.n_shared)
-        w.add_expert_weights_scale(p.expert_scale)
-        w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        _add_sigmoid_routing(w, p)
         w.add_expert_group_count(p.n_groups)
         w.add_expert_group_used_count(p.n_groups_used)
         if p.n_nextn:
             w.add_nextn_predict_layers(p.n_nextn)
         if p.yarn_factor > 1:
-            w.add_rope_scaling_type(RopeScalingType.YARN)
-            w.add_rope_scaling_factor(p.yarn_factor)
-            w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+            _add_yarn(w, p)
             w.add_rope_scaling_yarn_log_mul(0.1 * p.yarn_mscale)
             w.add_rope_scaling_yarn_beta_fast(p.yarn_beta[0])  # (as current converters do)
             w.add_rope_scaling_yarn_beta_slow(p.yarn_beta[1])
@@ -232,6 +218,23 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     w.add_quantization_version(2)
     if file_type is not None:
         w.add_file_type(file_type)
+
+
+def _add_sigmoid_routing(w: GGUFWriter, p: Preset) -> None:
+    """glm4moe's and deepseek2's routing keys: dense first layers, shared experts, the routed
+    weights' scale, renormalized, sigmoid gating."""
+    w.add_leading_dense_block_count(p.n_dense_lead)
+    w.add_expert_shared_count(p.n_shared)
+    w.add_expert_weights_scale(p.expert_scale)
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+
+
+def _add_yarn(w: GGUFWriter, p: Preset) -> None:
+    """The rope.scaling keys gpt-oss and deepseek2 share: yarn, its factor, original context."""
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(p.yarn_factor)
+    w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
 
 
 def file_type(recipe: Recipe) -> LlamaFileType | None:

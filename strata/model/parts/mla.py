@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from strata.config import ModelConfig
+from strata.kernels.torch_ops import yarn_attn_scale
 from strata.model.layers import apply_rope, rms_norm
 from strata.model.parts.context import Context, StaticStep
-from strata.model.parts.yarn import yarn_mscale
 from strata.model.weights import LayerWeights, linear
 
 ABSORB_MAX_T = 4  # segments up to this many tokens attend in the latent space
@@ -40,7 +40,7 @@ class MLAttention:
         self.H, self.R, self.L, self.V = cfg.n_heads, cfg.rope_dim, cfg.kv_lora, cfg.d_v
         self.N = cfg.head_dim - cfg.rope_dim
         self.eps = cfg.rms_eps
-        self.scale = yarn_mscale(cfg) / cfg.head_dim ** 0.5
+        self.scale = yarn_attn_scale(cfg.yarn)[1] / cfg.head_dim ** 0.5  # (q/k: 1, deepseek2)
 
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h [T, D] -> attention output after wo [T, D]; the latent cache gets the new rows."""

@@ -19,6 +19,7 @@ import torch
 
 from strata.arch.gpt_oss import is_sliding
 from strata.config import ModelConfig
+from strata.kernels.torch_ops import yarn_attn_scale
 from strata.model.layers import apply_rope
 from strata.model.parts.attention import GQAAttention
 from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
@@ -61,12 +62,9 @@ class SinkAttention(GQAAttention):
     def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
         super().__init__(cfg, lw, layer)
         self.window = cfg.sliding_window if is_sliding(cfg, layer) else 0
-        self.mscale = 1.0
-        if cfg.rope_yarn is not None:  # the static step's RoPE table carries no mscale
-            from strata.kernels.torch_ops import yarn_inv_freq
-
-            self.mscale = yarn_inv_freq(torch.ones(cfg.rope_dim // 2), cfg.rope_dim,
-                                        cfg.rope_theta, cfg.rope_yarn)[1]
+        # YaRN's q/k scale (the static step's RoPE table carries none) and softmax scale
+        self.mscale, softmax = yarn_attn_scale(cfg.yarn)
+        self.scale *= softmax
 
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         out = super().forward(h, ctx)  # [T, D]
