@@ -39,7 +39,7 @@ def deepseek2_fields(mf: ModelFile, m: Meta, n_layers: int, n_experts: int, n_he
                      d_expert: int, context_length: int) -> dict:
     """ModelConfig fields of deepseek2's own keys (over those the shared keys gave): MLA sizes,
     YaRN, routing, dense first layers."""
-    from strata.config import Yarn
+    from strata.yarn import Yarn
 
     t, a = mf.tensors, m.arch
     if mf.meta(f"{a}.attention.temperature_scale", None) is not None:

@@ -18,6 +18,7 @@ from strata.config_hybrid import (
 from strata.errors import ModelFileError, UnsupportedError
 from strata.gguf import ModelFile
 from strata.kernels.tuning import AUTO_PREFETCH
+from strata.yarn import Yarn
 
 # architecture -> (RoPE style, routing weights renormalized over the top-k by default)
 # llama.cpp's converter permutes llama's Q/K rows so that RoPE rotates adjacent pairs ("normal");
@@ -32,29 +33,6 @@ ARCHITECTURES = {
     "qwen3next": ("neox", True),
     "gpt-oss": ("neox", True),  # strata.arch.gpt_oss: sinks, sliding windows, YaRN, biases
 }
-
-
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN RoPE as llama.cpp's ggml_rope_yarn computes it (strata.kernels.torch_ops:
-    yarn_inv_freq, yarn_attn_scale). The frequencies of the dims between the correction dims of
-    beta_fast and beta_slow (the dims whose rotations over orig_ctx are those counts, floored /
-    ceiled as llama.cpp does) ramp from extrapolated to interpolated (/ factor), the ramp times
-    ext_factor. Where the attention scale goes differs by architecture:
-      rope_mscale     cos and sin times attn_factor * (1 + 0.1 ln factor) (ggml's mscale,
-                      where ext_factor != 0; gpt-oss)
-      mscale_all_dim  the softmax scale times (1 + 0.1 mscale_all_dim ln factor)^2 (deepseek2,
-                      which cancels ggml's mscale: rope_mscale False); 0: 1
-    """
-
-    factor: float
-    orig_ctx: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    ext_factor: float = 1.0
-    attn_factor: float = 1.0
-    rope_mscale: bool = True
-    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)

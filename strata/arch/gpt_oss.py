@@ -33,7 +33,7 @@ def read_fields(m: _Meta, n_layers: int) -> dict[str, object]:
     kind = m.mf.meta(f"{ARCH}.rope.scaling.type", "none")
     yarn = None
     if kind == "yarn":  # ggml's own mscale on cos and sin (config.Yarn's rope_mscale)
-        from strata.config import Yarn
+        from strata.yarn import Yarn
 
         yarn = Yarn(
             factor=m.float("rope.scaling.factor", 1.0, 0.0, 1e6),

@@ -87,12 +87,7 @@ class MTPHead:
         [t, V] float32, the layer's hidden states h' [t, D]); kv grows by t."""
         cfg, w, eps, t = self.cfg, self.w, self.cfg.rms_eps, tokens.shape[0]
         positions = torch.arange(kv.length, kv.length + t, device=self.device)
-        if cfg.yarn_factor > 1.0:  # deepseek2's YaRN
-            from strata.model.parts.yarn import rope_tables_for
-
-            cos, sin = rope_tables_for(cfg, positions)
-        else:
-            cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_yarn)
+        cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
         ctx = Segments([Segment(kv, t)], cos, sin, self.experts)
         e = rms_norm(self.embed.rows(tokens.to(self.device)), w.enorm, eps)  # [t, D]
         h = rms_norm(hidden.to(self.device), w.hnorm, eps)

@@ -19,12 +19,13 @@ import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, RopeScalingType
 
 from strata.cli.output import atomic_folder, check_free
-from strata.config import ModelConfig, Yarn, expected_tensors
+from strata.config import ModelConfig, expected_tensors
 from strata.gguf.writer import add_tensor, write_tensor_chunks
 from strata.quant import random_rows, row_nbytes
 from strata.synth.presets import Preset
 from strata.synth.recipes import Recipe
 from strata.tokenizer.synthetic import synthetic_vocab
+from strata.yarn import Yarn
 
 _CHUNK_BYTES = 16 << 20  # generate about this many bytes of one tensor at a time (per thread)
 
