@@ -129,7 +129,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     """The serve flags and the engine flags. A flag not given reads _UNSET, so that a --config
     file's value for it stands."""
     metavars = {"model_name": "NAME", "host": "ADDR", "api_key": "KEY", "report_dir": "DIR",
-                "max_body": "BYTES", "int": "N", "float": "S"}
+                "max_body": "BYTES", "prefix_cache": "GIB", "warmup": "0|1", "int": "N",
+                "float": "S"}
     for name, help_text in HELP.items():
         kind = _TYPES[name]
         conv = int if "int" in kind else float if "float" in kind else str
