@@ -322,13 +322,9 @@ def test_yarn_correction_range_is_read_from_the_file(synth, tmp_path):
     default = compute_logits(Engine.load(synth(ARCH, "F32")), TOKENS)
     assert np.abs(ours - default).max() > 1e-3  # (the range moves the logits)
     assert kl_per_position(hf_deepseek2_logits(path, TOKENS), ours).max() < 1e-4
-    import llama_cpp
+    from llama_worker import llama_scores
 
-    m = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False,
-                        yarn_beta_fast=4.0, yarn_beta_slow=2.0)
-    m.eval(TOKENS)
-    theirs = np.array(m.scores[: len(TOKENS)], dtype=np.float32)
-    m.close()
+    theirs = llama_scores(path, [TOKENS], yarn_beta_fast=4.0, yarn_beta_slow=2.0)[0]
     assert kl_per_position(theirs, ours).max() < 1e-4
 
 

@@ -124,12 +124,11 @@ def test_gpt4o_pre_tokenizer_matches_llama_cpp(synth):
 
 
 def llama_logits(path, tokens: list[int]) -> np.ndarray:
-    model = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False,
-                            type_k=0, type_v=0, flash_attn=False)  # (0: GGML_TYPE_F32)
-    model.eval(tokens)
-    out = np.array(model.scores[: len(tokens)], dtype=np.float32)
-    model.close()
-    return out
+    """llama.cpp's logits with an F32 KV cache, in a process of its own (llama_worker)."""
+    from llama_worker import llama_scores
+
+    return llama_scores(path, [tokens], type_k=0, type_v=0,  # (0: GGML_TYPE_F32)
+                        flash_attn=False)[0]
 
 
 @needs_llama

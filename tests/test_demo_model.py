@@ -106,17 +106,15 @@ def test_perplexity_command_scores_as_llama_cpp(tmp_path, capsys):
     assert line.startswith("Final estimate: PPL = "), line
     ours = float(line.split()[4])
 
-    m = llama_cpp.Llama(str(demo_model()), logits_all=True, n_ctx=ctx, n_threads=2,
-                        verbose=False)
-    ids = m.tokenize(text.read_text().encode(), add_bos=False, special=False)
+    from llama_worker import llama_scores
+
+    vocab = llama_cpp.Llama(str(demo_model()), vocab_only=True, verbose=False)
+    ids = vocab.tokenize(text.read_text().encode(), add_bos=False, special=False)
+    chunks = [ids[c * ctx:(c + 1) * ctx] for c in range(len(ids) // ctx)]
     nll = []
-    for c in range(len(ids) // ctx):
-        chunk = ids[c * ctx:(c + 1) * ctx]
-        m.reset()
-        m.eval(chunk)
-        logp = torch.log_softmax(torch.tensor(np.array(m.scores[:ctx]), dtype=torch.float64), -1)
+    for chunk, scores in zip(chunks, llama_scores(demo_model(), chunks, n_ctx=ctx), strict=True):
+        logp = torch.log_softmax(torch.tensor(scores, dtype=torch.float64), -1)
         first = ctx // 2
         nll += [-logp[j, chunk[j + 1]].item() for j in range(first, ctx - 1)]
-    m.close()
     theirs = float(np.exp(np.mean(nll)))
     assert len(ids) // ctx >= 2 and abs(ours / theirs - 1) < 0.01, (ours, theirs)

@@ -113,13 +113,12 @@ def test_exported_tokenizer_matches_training_tokenizer(trained):
 def test_exported_gguf_matches_llama_cpp(trained):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     tokens = [5, 100, 17, 300, 64, 64, 200, 3, 250, 77, 41, 8, 260, 301]
-    m = llama_cpp.Llama(str(trained["gguf"]), logits_all=True, n_ctx=64, n_threads=2,
-                        verbose=False)
-    m.eval(tokens)
-    theirs = np.array(m.scores[: len(tokens)], dtype=np.float32)
+    from llama_worker import llama_scores
+
+    theirs = llama_scores(trained["gguf"], [tokens])[0]
     text = "What is cp? 1234 copies"
-    their_ids = m.tokenize(text.encode(), add_bos=False, special=True)
-    m.close()
+    their_ids = llama_cpp.Llama(str(trained["gguf"]), vocab_only=True, verbose=False).tokenize(
+        text.encode(), add_bos=False, special=True)
     ours = compute_logits(Engine.load(trained["gguf"]), tokens)
     assert kl_per_position(theirs, ours).max() < 1e-4
     assert Engine.load(trained["gguf"]).tokenizer.encode(text) == their_ids

@@ -16,6 +16,7 @@ from strata.cli.logits import compute_logits
 from strata.engine.generator import Engine
 
 from hf_reference import kl_per_position
+from llama_worker import llama_scores
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
@@ -23,11 +24,8 @@ TOKENS = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777, 41, 8]
 
 
 def llama_logits(path, tokens: list[int]) -> np.ndarray:
-    model = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
-    model.eval(tokens)
-    out = np.array(model.scores[: len(tokens)], dtype=np.float32)
-    model.close()
-    return out
+    """llama.cpp's logits of `tokens`, in a process of its own (llama_worker says why)."""
+    return llama_scores(path, [tokens])[0]
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama"])
