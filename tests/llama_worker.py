@@ -1,10 +1,12 @@
 """llama.cpp's logits (llama-cpp-python) computed in a process of its own, started once per test
 session and fed one request at a time.
 
-In the tests' process, llama.cpp's results were seen to change with what ran before them (the
-logits of tests/test_arch_deepseek2.py's older-layout file moved by KL ~4 after a deepseek2 run of
-the offload runtime on ggml's CPU kernels, in the same process; its own run in a fresh process
-and Strata's logits were unchanged): a reference must not depend on the order tests run in.
+In the tests' process llama.cpp's results depend on what loaded first: ggml-python (Strata's
+CPU expert kernels) loads its own, older libggml with RTLD_GLOBAL, and a llama_cpp imported after
+it binds ggml's symbols to that library. Then llama.cpp's logits go wrong (the older-layout
+deepseek2 file of tests/test_arch_deepseek2.py: KL 4-8 after position 0, when llama_cpp was first
+imported after an offload run on ggml's kernels); imported first, they are right. A spawned
+worker has loaded nothing of the kind, whatever order the tests run in.
 
     llama_scores(path, [tokens, ...], n_ctx=64, ...) -> [logits [len(tokens), V] float32, ...]
         each token list evaluated from an empty context (reset between them), Llama(**kwargs)
