@@ -167,7 +167,7 @@ def gguf_weights(path: Path) -> tuple[dict[str, torch.Tensor], callable]:
     return w, meta
 
 
-def _grouped_moe_ffn(w: dict, p: str, h: str, dense: bool) -> dict:
+def grouped_moe_ffn(w: dict, p: str, h: str, dense: bool) -> dict:
     """glm4moe's and deepseek_v3's FFN of layer p (HF prefix h): the dense MLP of a leading
     dense layer, else the router with its score bias, the fused experts and the shared expert."""
     if dense:
@@ -194,6 +194,21 @@ def _run_with_score_bias(model, sd: dict, w: dict, routed, tokens: list[int]) ->
             w[f"blk.{i}.exp_probs_b.bias"])
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+def deepseek_rope_parameters(meta) -> dict:  # noqa: ANN001 (gguf_weights' meta)
+    """transformers' rope_parameters of a deepseek2 file: YaRN with DeepSeek's mscale (the
+    converter writes 0.1 * mscale_all_dim as yarn_log_multiplier) where the file has it."""
+    params = {"rope_type": "default", "rope_theta": meta("rope.freq_base")}
+    if meta("rope.scaling.type") == "yarn":
+        mscale = meta("rope.scaling.yarn_log_multiplier") / 0.1
+        params |= {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
+                   "original_max_position_embeddings":
+                       meta("rope.scaling.original_context_length"),
+                   "mscale": mscale, "mscale_all_dim": mscale,
+                   "beta_fast": meta("rope.scaling.yarn_beta_fast") or 32.0,
+                   "beta_slow": meta("rope.scaling.yarn_beta_slow") or 1.0}
+    return params
 
 
 def hf_glm4moe_logits(path: Path, tokens: list[int]) -> np.ndarray:
@@ -239,7 +254,7 @@ def hf_glm4moe_logits(path: Path, tokens: list[int]) -> np.ndarray:
         if cfg.use_qk_norm:
             sd |= {h + "self_attn.q_norm.weight": w[p + "attn_q_norm.weight"],
                    h + "self_attn.k_norm.weight": w[p + "attn_k_norm.weight"]}
-        sd |= _grouped_moe_ffn(w, p, h, i < dense)
+        sd |= grouped_moe_ffn(w, p, h, i < dense)
     return _run_with_score_bias(model, sd, w, range(dense, n_layers), tokens)
 
 
@@ -254,15 +269,7 @@ def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
     rope, kv_lora = meta("rope.dimension_count"), meta("attention.kv_lora_rank")
     d_k, d_v = meta("attention.key_length_mla"), meta("attention.value_length_mla")
     nope, dense = d_k - rope, meta("leading_dense_block_count") or 0
-    rope_params = {"rope_type": "default", "rope_theta": meta("rope.freq_base")}
-    if meta("rope.scaling.type") == "yarn":
-        mscale = meta("rope.scaling.yarn_log_multiplier") / 0.1
-        rope_params |= {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
-                        "original_max_position_embeddings":
-                            meta("rope.scaling.original_context_length"),
-                        "mscale": mscale, "mscale_all_dim": mscale,
-                        "beta_fast": meta("rope.scaling.yarn_beta_fast") or 32.0,
-                        "beta_slow": meta("rope.scaling.yarn_beta_slow") or 1.0}
+    rope_params = deepseek_rope_parameters(meta)
     cfg = DeepseekV3Config(
         vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
         intermediate_size=meta("feed_forward_length"),
@@ -296,7 +303,7 @@ def hf_deepseek2_logits(path: Path, tokens: list[int]) -> np.ndarray:
             h + "input_layernorm.weight": w[p + "attn_norm.weight"],
             h + "post_attention_layernorm.weight": w[p + "ffn_norm.weight"],
         }
-        sd |= _grouped_moe_ffn(w, p, h, i < dense)
+        sd |= grouped_moe_ffn(w, p, h, i < dense)
     return _run_with_score_bias(model, sd, w, range(dense, n_layers), tokens)
 
 

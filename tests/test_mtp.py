@@ -16,7 +16,7 @@ from strata.errors import StrataError
 from strata.gguf import open_model
 from strata.model.transformer import Segment
 
-from hf_reference import gguf_weights
+from hf_reference import deepseek_rope_parameters, gguf_weights, grouped_moe_ffn
 
 PATHS = {
     "reference": dict(offload="off"),
@@ -89,6 +89,14 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def _load_layer(layer, sd: dict, score_bias: torch.Tensor) -> None:  # noqa: ANN001 (an HF layer)
+    """sd into the layer (every key but the router's score bias must land), then that bias (a
+    buffer: load_state_dict may skip it)."""
+    missing, unexpected = layer.load_state_dict(sd, strict=False)
+    assert not unexpected and not [k for k in missing if "e_score" not in k], missing
+    layer.mlp.gate.e_score_correction_bias.copy_(score_bias)
+
+
 def hf_glm4moe_nextn_logits(path, tokens: torch.Tensor, hidden: torch.Tensor):  # noqa: ANN001, ANN201
     """The MTP head from the dequantized weights: llama.cpp's recipe (build_mtp_tail) in plain
     float32 around transformers' own Glm4MoeDecoderLayer holding the nextn layer."""
@@ -128,17 +136,10 @@ def hf_glm4moe_nextn_logits(path, tokens: torch.Tensor, hidden: torch.Tensor):  
           "self_attn.k_norm.weight": w[p + "attn_k_norm.weight"],
           "input_layernorm.weight": w[p + "attn_norm.weight"],
           "post_attention_layernorm.weight": w[p + "post_attention_norm.weight"],
-          "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
-          "mlp.experts.gate_up_proj": torch.cat([w[p + "ffn_gate_exps.weight"],
-                                                 w[p + "ffn_up_exps.weight"]], dim=1),
-          "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"]}
-    sd |= {f"mlp.shared_experts.{k}_proj.weight": w[p + f"ffn_{k}_shexp.weight"]
-           for k in ("gate", "up", "down")}
+          } | grouped_moe_ffn(w, p, "", dense=False)
     if cfg.attention_bias:
         sd |= {f"self_attn.{k}_proj.bias": w[p + f"attn_{k}.bias"] for k in "qkv"}
-    missing, unexpected = layer.load_state_dict(sd, strict=False)
-    assert not unexpected and not [k for k in missing if "e_score" not in k], missing
-    layer.mlp.gate.e_score_correction_bias.copy_(w[p + "exp_probs_b.bias"])
+    _load_layer(layer, sd, w[p + "exp_probs_b.bias"])
     t = tokens.shape[0]
     e = _rms(w["token_embd.weight"][tokens], w[p + "nextn.enorm.weight"], eps)
     h = _rms(hidden, w[p + "nextn.hnorm.weight"], eps)
@@ -241,15 +242,7 @@ def hf_deepseek2_nextn_logits(path, tokens: torch.Tensor, hidden: torch.Tensor):
                         meta("attention.kv_lora_rank"))
     d_k, d_v = meta("attention.key_length_mla"), meta("attention.value_length_mla")
     eps = meta("attention.layer_norm_rms_epsilon")
-    rope_params = {"rope_type": "default", "rope_theta": meta("rope.freq_base")}
-    if meta("rope.scaling.type") == "yarn":
-        mscale = meta("rope.scaling.yarn_log_multiplier") / 0.1
-        rope_params |= {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
-                        "original_max_position_embeddings":
-                            meta("rope.scaling.original_context_length"),
-                        "mscale": mscale, "mscale_all_dim": mscale,
-                        "beta_fast": meta("rope.scaling.yarn_beta_fast") or 32.0,
-                        "beta_slow": meta("rope.scaling.yarn_beta_slow") or 1.0}
+    rope_params = deepseek_rope_parameters(meta)
     cfg = DeepseekV3Config(
         vocab_size=w["token_embd.weight"].shape[0], hidden_size=meta("embedding_length"),
         intermediate_size=meta("feed_forward_length"),
@@ -279,15 +272,8 @@ def hf_deepseek2_nextn_logits(path, tokens: torch.Tensor, hidden: torch.Tensor):
           "self_attn.o_proj.weight": w[p + "attn_output.weight"],
           "input_layernorm.weight": w[p + "attn_norm.weight"],
           "post_attention_layernorm.weight": w[p + "ffn_norm.weight"],
-          "mlp.gate.weight": w[p + "ffn_gate_inp.weight"],
-          "mlp.experts.gate_up_proj": torch.cat([w[p + "ffn_gate_exps.weight"],
-                                                 w[p + "ffn_up_exps.weight"]], dim=1),
-          "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"]}
-    sd |= {f"mlp.shared_experts.{k}_proj.weight": w[p + f"ffn_{k}_shexp.weight"]
-           for k in ("gate", "up", "down")}
-    missing, unexpected = layer.load_state_dict(sd, strict=False)
-    assert not unexpected and not [k for k in missing if "e_score" not in k], missing
-    layer.mlp.gate.e_score_correction_bias.copy_(w[p + "exp_probs_b.bias"])
+          } | grouped_moe_ffn(w, p, "", dense=False)
+    _load_layer(layer, sd, w[p + "exp_probs_b.bias"])
     return _head_logits(w, p, eps, layer, DeepseekV3RotaryEmbedding(cfg), tokens, hidden)
 
 
