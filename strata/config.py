@@ -239,12 +239,17 @@ class _Meta:
         return bool(v)
 
 
+def kv_elem_bytes(kv_type: str) -> float:
+    """Bytes a key or value element of --kv-type takes in the cache (q8_0: 34 bytes a block of
+    32; strata.runtime.kv_cache holds the types)."""
+    return {"f32": 4.0, "q8_0": 34 / 32}.get(kv_type, 2.0)
+
+
 def kv_bytes(cfg: ModelConfig, tokens: int, kv_type: str = "f32") -> int:
     """Bytes of one sequence's KV cache for `tokens` positions: [2, L, tokens, Hkv, hd] (or MLA's
     latent rows) over the L full-attention layers (q8_0: 34 bytes a block of 32), plus a hybrid
     model's recurrent state (config_hybrid.state_bytes)."""
-    width = {"f32": 4, "q8_0": 34 / 32}.get(kv_type, 2)
-    return int(cfg.n_kv_layers * tokens * cfg.kv_row * width) + state_bytes(cfg)
+    return int(cfg.n_kv_layers * tokens * cfg.kv_row * kv_elem_bytes(kv_type)) + state_bytes(cfg)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

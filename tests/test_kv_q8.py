@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from strata.config import EngineConfig, ModelConfig, kv_bytes
+from strata.config import EngineConfig, ModelConfig, kv_bytes, kv_elem_bytes
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 from strata.model.parts import Segment
@@ -19,7 +19,6 @@ from strata.runtime.kv_cache import (
     KVCache,
     KVPool,
     dequantize_q8_0,
-    kv_elem_bytes,
     quantize_q8_0,
 )
 

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.config import EngineConfig, ModelConfig, expected_tensors, prefetch_pays
+from strata.config import (
+    EngineConfig,
+    ModelConfig,
+    expected_tensors,
+    kv_elem_bytes,
+    prefetch_pays,
+)
 from strata.config_hybrid import state_bytes
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
@@ -28,7 +34,6 @@ from strata.gguf import ModelFile
 from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
-from strata.runtime.kv_cache import kv_elem_bytes
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30

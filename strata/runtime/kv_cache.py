@@ -35,13 +35,6 @@ def kv_dtype(kv_type: str) -> torch.dtype:
     return KV_TYPES[kv_type]
 
 
-def kv_elem_bytes(kv_type: str) -> float:
-    """Bytes a key or value element takes in the cache (q8_0: 34 bytes a block of 32)."""
-    if kv_dtype(kv_type) == torch.int8:
-        return (Q8_BLOCK + 2) / Q8_BLOCK
-    return kv_dtype(kv_type).itemsize
-
-
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] (n a multiple of 32) -> (int8 [..., n], float16 scales [..., n/32]) as
     llama.cpp's q8_0: d = max|x| / 127 over each block of 32, q = round(x / d) (half away from
