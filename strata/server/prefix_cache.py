@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from strata.runtime.kv_cache import KVCache
@@ -30,6 +31,9 @@ from strata.runtime.kv_cache import KVCache
 class Entry:
     tokens: tuple[int, ...]
     rows: torch.Tensor  # [2, L, n, Hkv, hd] on the host, the cache's element type
+
+    def __post_init__(self) -> None:
+        self.ids = np.asarray(self.tokens, dtype=np.int64)  # (for _common: one vector compare)
 
     @property
     def nbytes(self) -> int:
@@ -81,8 +85,9 @@ class PrefixCache:
         if not self.entries or not self.usable(kv):
             return 0
         best, best_n = None, 0
+        query = np.asarray(ids, dtype=np.int64)
         for i, e in self.entries.items():
-            n = _common(e.tokens, ids)
+            n = _common(e.ids, query)
             if n > best_n:
                 best, best_n = i, n
         n = min(best_n, len(ids) - 1)
@@ -103,10 +108,8 @@ class PrefixCache:
         self.nbytes -= self.entries.pop(i).nbytes
 
 
-def _common(a: tuple[int, ...], b: list[int]) -> int:
-    """The length of the common prefix of a and b."""
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of a and b (int64 [n], [m])."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
