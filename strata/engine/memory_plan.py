@@ -222,8 +222,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     ring = ring_size(ec.ring_bytes, layouts, n_ring * max_stride)
     if dev.type != "cuda" and ec.stream_min is None and ec.ring_bytes is None:
         # on the CPU device a ring would copy host memory to host memory for torch to
-        # dequantize (batched decode of 8 sequences on the tiny qwen3moe: 570 tok/s so, 2,700
-        # with the misses in the CPU pool); only --stream-min / --ring-bytes ask for one there
+        # dequantize, where the CPU pool computes the misses from the arena itself
+        # (bench/2026-12-01-cpu-batched-decode.md); only --stream-min / --ring-bytes ask for one
         ring = 0
     # --ring-bytes auto: during prompt chunks that stream, the ring grows into the VRAM the
     # plan leaves unused (less the margin), up to BORROW_RECORDS of the largest records, and
