@@ -37,7 +37,7 @@ print(found[0].rsplit("/include/", 1)[0] if found else "")')
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_NUMBER=0 "${cublas[@]}" \
     ${LLAMA_CMAKE_FLAGS:-} || { rm -f "$lb/Makefile"; exit 2; }
 fi
-timeout "${LLAMA_BUILD_TIMEOUT:-540}" cmake --build "$lb" -j "$(nproc)" \
+timeout "${LLAMA_BUILD_TIMEOUT:-540}" cmake --build "$lb" -j "${LLAMA_JOBS:-$(nproc)}" \
   --target test-backend-ops llama-bench ${LLAMA_TARGETS:-}
 rc=$?
 echo "llama.cpp built (rc $rc) in $(( $(date +%s) - t0 )) s: $(cat "$lb/llama.cpp/SOURCE.txt")"

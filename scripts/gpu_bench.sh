@@ -77,7 +77,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 } 2>&1 | tee "$OUT/machine.txt"
 if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && which gcc g++ >/dev/null; then
   ( t0=$(date +%s)
-    CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 400 python3 -m pip wheel -q --no-deps \
+    ls /tmp/ggwhl/*.whl >/dev/null 2>&1 || CMAKE_BUILD_PARALLEL_LEVEL=16 nice -n 10 timeout 400 python3 -m pip wheel -q --no-deps \
       --no-build-isolation --no-index -w /tmp/ggwhl .whl/ggml_python-*.tar.gz >/tmp/ggml.log 2>&1 \
       && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/ggwhl/*.whl
     echo "ggml-python built in $(( $(date +%s) - t0 )) s" >>/tmp/ggml.log ) &
@@ -85,10 +85,10 @@ if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && which gcc g++ >/dev/null; the
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 LB=$PWD/.llama-build  # llama.cpp's CUDA build (llamacpp stage), kept while the machine stays warm
-if [[ $STAGES == *llamacpp* && ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/llama-bench ) ]]; then
+if [[ $STAGES =~ llamacpp|matrix|llamabuild && ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/llama-bench ) ]]; then
   if [[ -f .whl/llama.cpp-src.tgz ]]; then
     # (scripts/build_llama_cpp.sh: a build cut short goes on in the next call)
-    bash scripts/build_llama_cpp.sh .whl/llama.cpp-src.tgz "$LB" >/tmp/llama-build.log 2>&1 &
+    nice -n 10 bash scripts/build_llama_cpp.sh .whl/llama.cpp-src.tgz "$LB" >/tmp/llama-build.log 2>&1 &
     LLAMA_PID=$!
   else
     echo "llamacpp: no .whl/llama.cpp-src.tgz (scripts/pack_llama_cpp.sh makes it)"
@@ -102,10 +102,17 @@ if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *pro
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
       $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ||
       $STAGES == *ttft* || $STAGES == *matrix* || $STAGES == *serve* ]]; then
-  ( t0=$(date +%s); python3 -m strata synth $M --preset $PRESET ${LAYERS:+--layers $LAYERS} --quant $QUANT --force \
+  ( t0=$(date +%s); timeout ${SYNTH_TIMEOUT:-500} python3 -m strata synth $M --preset $PRESET ${LAYERS:+--layers $LAYERS} --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
 fi
+for spec in ${SYNTH_MORE:-}; do  # preset[:quant] each: synthesized beside M, for a later call
+  p=${spec%%:*}; q=$QUANT; [[ $spec == *:* ]] && q=${spec##*:}
+  [[ -f /tmp/$p-$q.gguf ]] && continue
+  ( t0=$(date +%s); nice -n 10 timeout ${SYNTH_TIMEOUT:-500} python3 -m strata synth /tmp/$p-$q.gguf --preset $p --quant $q \
+      --force >/tmp/synth-$p.log 2>&1; echo "synth $p $q took $(( $(date +%s) - t0 )) s" >>/tmp/synth-$p.log ) &
+  MORE_PIDS+=" $!"
+done
 if [[ $STAGES == *tests* ]]; then
   echo "== CUDA tests: decode step, decode ops, MoE kernels, grouped prompt MoE, ring, offload, prompt"
   # (in N processes each gets its share of torch's threads; -v names each test as it ends, and
@@ -235,7 +242,7 @@ if [[ $STAGES == *prompt* ]]; then
     done
   done
 fi
-if [[ $STAGES == *llamacpp* && -n ${LLAMA_PID:-} ]]; then
+if [[ $STAGES =~ llamacpp|matrix|llamabuild && -n ${LLAMA_PID:-} ]]; then
   wait $LLAMA_PID; tail -1 /tmp/llama-build.log; cp /tmp/llama-build.log "$OUT/llamacpp_build.txt"
 fi
 if [[ $STAGES == *llamacpp* && -x $LB/bin/test-backend-ops ]]; then
@@ -312,6 +319,8 @@ if [[ $STAGES == *serve* ]]; then
     kill $SRV; wait $SRV 2>/dev/null
   done
 fi
+for pid in ${MORE_PIDS:-}; do wait $pid; done
+for spec in ${SYNTH_MORE:-}; do tail -1 /tmp/synth-${spec%%:*}.log 2>/dev/null; done
 if [[ $STAGES == *check* ]]; then  # float32-exact kernels on both sides: KL < 1e-4 expected
   for b in ${CHECK_BUDGETS:-2 10}; do
     echo "== check: everything on the device against the offload runtime at $b GiB (--kernels exact)"
