@@ -416,6 +416,47 @@ def test_chunk_scan_kernel_under_the_interpreter():
     run_interpreted(_CHUNK_SCAN, fresh_seed(), timeout=600)
 
 
+SM90_SHARED = 232448  # bytes of shared memory a block may take on sm_90 (H100, H200)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "qwen3.5-122b-a10b", "qwen3-next-80b-a3b"])
+def test_delta_kernels_compile_for_sm90_within_its_shared_memory(preset):
+    """Without a GPU: the Gated DeltaNet kernels compile for sm_90 at the real models' head
+    widths with the launch options delta_ops gives them, and each fits a block's shared memory
+    (the chunk scan's default 3-stage pipeline took 256 KiB at dk 128 and failed to launch on an
+    H200; the interpreter runs neither Triton's compiler nor its limits)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels import tuning
+    from strata.kernels.gpu import delta_kernels as dk
+    from strata.synth.presets import get_preset
+
+    p = get_preset(preset, None)
+    d = p.ssm_state
+    target = GPUTarget("cuda", 90, 32)
+    sig = {n: "*fp32" for n in ("u0", "w", "inner", "qg", "kg", "dend", "state", "out")}
+    sig.update(n="i32", DK="constexpr", DV="constexpr", L="constexpr", BV="constexpr")
+    scan = triton.compile(ASTSource(dk._chunk_scan_kernel, sig, constexprs=dict(
+        DK=d, DV=d, L=tuning.DELTA_CHUNK, BV=tuning.CHUNK_SCAN_BV)), target=target,
+        options={"num_stages": tuning.CHUNK_SCAN_STAGES})
+    bv, warps = tuning.DELTA_STEP_TILE
+    sig = {n: "*fp32" for n in ("x", "g", "beta", "state", "out")}
+    sig.update(eps="fp32", scale="fp32", **dict.fromkeys(
+        ("HK", "R", "DK", "DV", "TILED", "BK", "BV"), "constexpr"))
+    step = triton.compile(ASTSource(dk._delta_step_kernel, sig, constexprs=dict(
+        HK=p.ssm_groups, R=p.ssm_heads // p.ssm_groups, DK=d, DV=d, TILED=True, BK=d, BV=bv)),
+        target=target, options={"num_warps": warps})
+    sig = {"x": "*fp32", "window": "*fp32", "w": "*fp32", "y": "*fp32", "C": "i32",
+           "K": "constexpr", "BLOCK": "constexpr"}
+    conv = triton.compile(ASTSource(dk._conv_step_kernel, sig, constexprs=dict(
+        K=p.ssm_conv, BLOCK=tuning.CONV_STEP_BLOCK)), target=target)
+    for name, k in (("chunk scan", scan), ("delta step", step), ("conv step", conv)):
+        assert k.asm["cubin"], name
+        assert k.metadata.shared <= SM90_SHARED, (name, k.metadata.shared)
+
+
 _STEP_INTERPRETED = """
     from strata.cli.logits import compute_logits
     from strata.config import EngineConfig

@@ -211,3 +211,7 @@ CONV_STEP_BLOCK = 512
 # state columns a program of the chunked rule's scan over chunks (delta_ops.chunk_scan): S[:, 32]
 # of a 128-dim head is 16 KiB of registers; tl.dot wants at least 16 (estimate: not timed yet)
 CHUNK_SCAN_BV = 32
+# its loop's software pipeline: Triton's default of 3 stages needs 256 KiB of shared memory at
+# dk 128, chunk 64 (qwen3.6's heads), over the H200's 227 KiB a block (the launch failed there:
+# bench/2026-12-01-h200-matrix.md); 2 stages take 136 KiB, 1 takes 56 KiB (sm_90 compiles)
+CHUNK_SCAN_STAGES = 2

@@ -23,7 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.gpu.decode_ops import _check, _f32, _use_kernels
-from strata.kernels.tuning import CHUNK_SCAN_BV, CONV_STEP_BLOCK, DELTA_STEP_TILE
+from strata.kernels.tuning import (
+    CHUNK_SCAN_BV,
+    CHUNK_SCAN_STAGES,
+    CONV_STEP_BLOCK,
+    DELTA_STEP_TILE,
+)
 
 
 def conv_step(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -106,5 +111,6 @@ def chunk_scan(u0: torch.Tensor, w: torch.Tensor, inner: torch.Tensor, qg: torch
     from strata.kernels.gpu.delta_kernels import _chunk_scan_kernel
 
     _chunk_scan_kernel[(H, -(-dv // CHUNK_SCAN_BV))](u0, w, inner, qg, kg, dend, S, out, n,
-                                                      DK=dk, DV=dv, L=L, BV=CHUNK_SCAN_BV)
+                                                      DK=dk, DV=dv, L=L, BV=CHUNK_SCAN_BV,
+                                                      num_stages=CHUNK_SCAN_STAGES)
     return out, S
