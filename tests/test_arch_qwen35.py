@@ -529,3 +529,19 @@ def test_qwen3next_with_split_projections_reads_the_same(synth, tmp_path):
     np.testing.assert_allclose(ours, ref, atol=1e-4)
     theirs = llama_logits(split, TOKENS)  # (llama.cpp reads both layouts)
     assert kl_per_position(theirs, ours).max() < 1e-4
+
+
+def test_float_ssm_matrices_keep_the_other_matrices_in_their_blocks(synth):
+    """qwen35moe's ssm_alpha / ssm_beta / ssm_conv1d are F32 matrices (read as they are, no
+    kernel needed): they no longer make the plan hold every dense matrix as float32 on CUDA
+    (an H200 run of qwen3.6-35b-a3b planned 7.49 GiB of float32 dense weights)."""
+    pytest.importorskip("triton")
+    from strata.engine.memory_plan import fused_dense
+    from strata.kernels.gpu.formats import FLOAT_TYPES
+
+    mf = open_model(synth("qwen35moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+    assert any(ref.qtype in FLOAT_TYPES and len(ref.shape) == 2
+               for name, ref in mf.tensors.items() if "ssm_alpha" in name)
+    assert fused_dense(mf, cfg, EngineConfig(device="cuda"))
+    assert not fused_dense(mf, cfg, EngineConfig(device="cuda", kernels="off"))

@@ -169,9 +169,13 @@ def fused_dense(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> bool:
     scripts/bench_moe_decode.py), and prompt chunks multiply them on bf16 tensor cores."""
     if ec.kernels == "off":
         return False
+    from strata.kernels.gpu.formats import FLOAT_TYPES
     from strata.model.weights import fused_matmul_available
 
+    # (a float matrix needs no kernel of its own: torch.matmul reads its rows as they are, so
+    # qwen35moe's F32 ssm_alpha / ssm_beta no longer turn every other matrix into float32)
     return all(fused_matmul_available(mf.tensors[name].qtype)
+               or mf.tensors[name].qtype in FLOAT_TYPES
                for name, shape in expected_tensors(cfg).items()
                if len(shape) == 2 and "_exps." not in name and "ffn_gate_inp" not in name
                and (name != "token_embd.weight" or cfg.tied_output) and name in mf.tensors)
