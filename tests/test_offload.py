@@ -262,6 +262,48 @@ def test_plan_counts_a_kv_cache_per_batched_sequence(synth):
     assert one.kv == 512 * 2 * cfg.n_layers * cfg.kv_dim * 4 and four.kv == 4 * one.kv
 
 
+def test_an_asked_for_context_is_kept_or_refused_never_passed(synth):
+    """--ctx that the budget cannot hold is refused with the numbers (not shrunk and then grown
+    past the budget, as an H200 run at 2 GiB with --ctx 24640 did: 6.3 GiB allocated); without
+    --ctx the default context shrinks to fit. A cache never grows past the rows the plan holds,
+    and a request past them is refused before it runs."""
+    import torch
+
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+    from strata.runtime.kv_cache import KVCache
+
+    path = synth("qwen3moe", "Q4_K_M")
+    mf = open_model(path)
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    budget = 0.508  # (about 4.5 MiB left for the KV cache after the fixed parts)
+    shrunk = make_plan(mf, cfg, EngineConfig(vram_budget_gib=budget), layouts)
+    assert shrunk.ctx < 4096
+    fits = make_plan(mf, cfg, EngineConfig(vram_budget_gib=budget, ctx=shrunk.ctx), layouts)
+    assert fits.ctx == shrunk.ctx
+    with pytest.raises(StrataError, match=r"--ctx 65536 \(the model.s context, 4096\): its KV "
+                                          r"cache .* does not fit .* give at "
+                                          r"most --ctx \d+, a smaller --kv-type"):
+        make_plan(mf, cfg, EngineConfig(vram_budget_gib=budget, ctx=65536), layouts)
+    kv = KVCache(2, 1, 32, torch.device("cpu"), 4)
+    kv.limit = 6
+    kv.reserve(5)
+    assert kv.capacity == 6  # (doubling stops at the limit)
+    with pytest.raises(StrataError, match="needs 7 KV cache rows, and the memory plan holds 6"):
+        kv.reserve(7)
+    engine = Engine.load(path)
+    engine.model.kv_limit = 8
+    assert engine.model.new_cache(8).limit == 8
+    with pytest.raises(StrataError, match="the memory plan holds 8"):
+        engine.model.new_cache(9)
+    engine.check_prompt([1, 2, 3], 5)
+    with pytest.raises(StrataError, match=r"exceeds the KV cache the memory plan holds \(8 "):
+        engine.check_prompt([1, 2, 3], 6)
+
+
 def test_plan_sizes_the_prompt_scratch_and_chunk_from_the_budget(synth):
     """The grouped bf16 prompt path's scratch (CUDA, --kernels fused) is planned without a GPU:
     its weights take at most an eighth of the budget, the chunk halves until the whole scratch

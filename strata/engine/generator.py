@@ -109,6 +109,11 @@ class Engine:
         if len(ids) + max_tokens > self.config.context_length:
             raise StrataError(f"prompt of {len(ids)} tokens + {max_tokens} to generate exceeds the "
                               f"model's context of {self.config.context_length} tokens")
+        limit = self.model.kv_limit
+        if limit is not None and len(ids) + max_tokens > limit:
+            raise StrataError(f"prompt of {len(ids)} tokens + {max_tokens} to generate exceeds "
+                              f"the KV cache the memory plan holds ({limit} tokens: --ctx, "
+                              f"within --vram-budget)")
 
     def prefill_chunk(self, n_prompt: int) -> int:
         """Tokens per prompt chunk: --prefill auto|auto:N|N|off. auto: what the memory plan

@@ -247,6 +247,15 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
             f"{MIN_KV_TOKENS}-token KV cache ({f(MIN_KV_TOKENS * kv_per_token)}): give at least "
             f"{(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
     kv_room = budget - fixed
+    if ec.ctx is not None and ctx * kv_per_token > kv_room:  # (asked for: never shrunk)
+        f = fmt_bytes
+        raise StrataError(
+            f"--ctx {ec.ctx}" + (f" (the model's context, {ctx})" if ctx < ec.ctx else "")
+            + f": its KV cache ({f(ctx * kv_per_token)} at --kv-type {ec.kv_type}) does "
+            f"not fit the {f(kv_room)} that --vram-budget {budget / GIB:.2f} GiB leaves after the "
+            f"dense weights, workspace, staging, ring and margin: give at most --ctx "
+            f"{kv_room // kv_per_token}, a smaller --kv-type (f16, q8_0), or at least "
+            f"--vram-budget {(fixed + ctx * kv_per_token) / GIB + 0.01:.2f}")
     if ctx * kv_per_token > kv_room:
         ctx = max(MIN_KV_TOKENS, kv_room // 2 // kv_per_token)
     kv = ctx * kv_per_token

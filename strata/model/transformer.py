@@ -27,7 +27,7 @@ from strata.model.parts.attention import BF16_ATTENTION_MIN_T
 from strata.model.parts.ffn import SharedExpert
 from strata.model.weights import LayerWeights, ModelWeights
 from strata.runtime.delta_state import DeltaState
-from strata.runtime.kv_cache import KVCache
+from strata.runtime.kv_cache import KVCache, grown
 from strata.runtime.latent_cache import LatentCache
 
 __all__ = ["BF16_ATTENTION_MIN_T", "MoETransformer", "Segment", "shared_expert"]
@@ -46,6 +46,7 @@ class MoETransformer:
         # over a float16 / bfloat16 KV cache through the decode kernel
         self.fused_attention = False
         self.kv_dtype = torch.float32  # the KV cache's elements (--kv-type)
+        self.kv_limit: int | None = None  # rows a cache may hold (the memory plan's, on CUDA)
         # called after the layers of each forward with (segments, hidden [T, D]): the last
         # hidden states before the output norm (an MTP drafter's input, engine/drafters.py)
         self.hidden_hook = None
@@ -59,8 +60,16 @@ class MoETransformer:
         return self.forward(torch.tensor([token]), [Segment(kv, 1)])
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        """A KV cache for `capacity` tokens (it grows past them). With a decode step, caches of
-        at least the planned context come from one pool, so its graphs serve every request."""
+        """A KV cache for `capacity` tokens (it grows past them, up to kv_limit rows where the
+        memory plan bounds it). With a decode step, caches of at least the planned context come
+        from one pool, so its graphs serve every request."""
+        if self.kv_limit is not None:
+            grown(capacity, 0, self.kv_limit)  # (refuses a capacity past the limit)
+        kv = self._new_cache(capacity)
+        kv.limit = self.kv_limit
+        return kv
+
+    def _new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
         if c.kv_lora:  # deepseek2: the latent rows (runtime/latent_cache.py)
             if self.step is None:

@@ -53,6 +53,16 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return b.reshape(q.shape)
 
 
+def grown(need: int, capacity: int, limit: int | None) -> int:
+    """A cache's next capacity: doubled (at least `need`), but never past the rows the memory
+    plan holds; a sequence that needs more is refused (a --vram-budget is a bound, not a hint)."""
+    if limit is not None and need > limit:
+        raise StrataError(f"the sequence needs {need} KV cache rows, and the memory plan holds "
+                          f"{limit} (--ctx, within --vram-budget): give a larger --ctx (and "
+                          f"--vram-budget), or a smaller --kv-type (f16, q8_0)")
+    return max(need, 2 * capacity) if limit is None else min(max(need, 2 * capacity), limit)
+
+
 class KVPool:
     """Storage tensors of dropped caches, reused by new caches of the same shape."""
 
@@ -87,6 +97,7 @@ class KVCache:
         self.length = 0
         self.pool = pool
         self._release = None
+        self.limit: int | None = None  # rows the memory plan holds (model.new_cache), or none
         self.state = None  # a hybrid model's DeltaState (strata.runtime.delta_state), or None
         self._alloc(capacity)
 
@@ -170,7 +181,7 @@ class KVCache:
 
     def _grow(self, need: int) -> None:
         old, old_scales, release = self.store, self.scales, self._release
-        self._alloc(max(need, 2 * self.capacity))
+        self._alloc(grown(need, self.capacity, self.limit))
         self.store[:, :, : self.length] = old[:, :, : self.length]
         if self.quantized:
             self.scales[:, :, : self.length] = old_scales[:, :, : self.length]

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from strata.runtime.kv_cache import KVPool
+from strata.runtime.kv_cache import KVPool, grown
 
 
 class LatentCache:
@@ -29,6 +29,7 @@ class LatentCache:
         self.state = None  # (no recurrent state: the decode step keys its graphs on it)
         self.pool = pool
         self._release = None
+        self.limit: int | None = None  # rows the memory plan holds (model.new_cache), or none
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -69,7 +70,7 @@ class LatentCache:
 
     def _grow(self, need: int) -> None:
         old, release = self.store, self._release
-        self._alloc(max(need, 2 * self.capacity))
+        self._alloc(grown(need, self.capacity, self.limit))
         self.store[:, : self.length] = old[:, : self.length]
         if release is not None:
             release()  # the old storage back to the pool
