@@ -271,3 +271,22 @@ def test_a_prompt_appends_to_a_cache_at_depth(synth, device, arch, recipe, kw):
                 for x, c in ((ref, whole), (got, kv)))
     assert kl_per_position(ref, got).max() < 1e-4
     assert (ref.argmax(-1) == got.argmax(-1)).all()
+
+
+def test_the_plan_covers_the_deepest_test(synth, monkeypatch, capsys):
+    """-p 16,64 -n 4 -d 0,5000: the KV cache is planned for the longest test, the largest depth
+    and the largest N (pp64 @ d5000: 5064 tokens), past the default 4096."""
+    from strata.cli import bench
+    from strata.errors import StrataError
+
+    seen = []
+
+    def load(path, config):  # noqa: ANN001, ANN202
+        seen.append(config.ctx)
+        raise StrataError("stop after the plan")
+
+    monkeypatch.setattr(bench.Engine, "load", load)
+    m = str(synth("qwen3moe", "Q4_K_M"))
+    assert main(["bench", m, "-p", "16,64", "-n", "4", "-d", "0,5000"]) == 2
+    assert main(["bench", m, "-p", "16", "-n", "8000", "-d", "0,5000"]) == 2
+    assert seen == [5064, 13000] and "stop after the plan" in capsys.readouterr().err

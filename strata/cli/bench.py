@@ -1,7 +1,7 @@
-"""strata bench: llama-bench's matrix (-p prompt lengths, -n decode tokens, -d depths, -r runs) as
-prompt and decode tok/s (median ± standard deviation of runs), with the hit rate, bytes moved,
-memory peaks and the fraction of the bandwidth bound, the machine's ceilings measured in the same
-run."""
+"""strata bench: llama-bench's matrix (-p prompt lengths, -n decode tokens, each at every -d
+depth, -r runs) as prompt and decode tok/s (median ± standard deviation of runs), with the hit
+rate, bytes moved, memory peaks and the fraction of the bandwidth bound, the machine's ceilings
+measured in the same run."""
 
 from __future__ import annotations
 
