@@ -178,33 +178,37 @@ def test_the_older_form_keeps_its_cells(synth, tmp_path, capsys):
 def test_depth_is_an_untimed_prefill_repeated_each_run(synth, monkeypatch):
     """pp8 @ d16: each run (the warm-up and 2 measured) a fresh cache takes the depth's 16
     random tokens (the same each run, seeded), then the 8 timed ones; the depth's time is not
-    in the prompt's rate (a prefill made to take 0.25 s leaves pp8 far above 8 / 0.25 tok/s)."""
+    in the prompt's rate (a clock that the depth's prefill moves 100 s on leaves pp8 above
+    1 tok/s; timed, it would be below 8 / 100)."""
     import time
+    from types import SimpleNamespace
 
-    from strata.bench.runner import run_bench
+    from strata.bench import runner
     from strata.engine.generator import Engine
 
     engine = Engine.load(synth("qwen3moe", "Q4_K_M"))
-    calls, plain = [], engine.run_prompt
+    calls, plain, skipped = [], engine.run_prompt, [0.0]
 
     def run_prompt(ids, kv, **kw):  # noqa: ANN001, ANN202
         calls.append((list(ids), kv.length, id(kv)))
         if len(ids) == 16:
-            time.sleep(0.25)
+            skipped[0] += 100.0
         return plain(ids, kv, **kw)
 
     monkeypatch.setattr(engine, "run_prompt", run_prompt)
-    res = run_bench(engine, 8, 0, 2, seed=5, depth=16)
+    monkeypatch.setattr(runner, "time",
+                        SimpleNamespace(perf_counter=lambda: time.perf_counter() + skipped[0]))
+    res = runner.run_bench(engine, 8, 0, 2, seed=5, depth=16)
     assert [(len(ids), start) for ids, start, _ in calls] == [(16, 0), (8, 16)] * 3
     assert len({tuple(ids) for ids, _, _ in calls[::2]}) == 1  # the depth's draw, each run
     assert len({tuple(ids) for ids, _, _ in calls[1::2]}) == 1  # the prompt's
     assert [c[2] for c in calls[::2]] == [c[2] for c in calls[1::2]]  # both into one cache
     assert res.test == "pp8 @ d16" and res.n_depth == res.depth == 16
-    assert res.kv_length_before_decode == 24 and res.prompt_tok_s > 8 / 0.25 * 4
+    assert res.kv_length_before_decode == 24 and min(res.prompt_tok_s_all) > 1
     # the prompt's tokens are those of pp8 at depth 0 (the depth is a draw of its own)
     deep = calls[1][0]
     calls.clear()
-    run_bench(engine, 8, 0, 1, seed=5)
+    runner.run_bench(engine, 8, 0, 1, seed=5)
     assert [(ids, start) for ids, start, _ in calls] == [(deep, 0)] * 2
 
 
@@ -227,6 +231,23 @@ def test_decode_at_depth_starts_from_the_depth(synth, monkeypatch):
     assert res.test == "tg6 @ d16" and res.prompt_tok_s is None and res.prompt_len == 0
     assert res.depth == res.n_depth == res.kv_length_before_decode == 16
     assert res.decode_tok_s > 0 and len(res.decode_tok_s_all) == 2
+    # greedy: the first step takes the argmax of the depth's last position
+    inputs, prompt = [], engine.run_prompt
+
+    def run_prompt(ids, kv, **kw):  # noqa: ANN001, ANN202
+        logits = prompt(ids, kv, **kw)
+        inputs.append(("argmax", int(logits[0].argmax())))
+        return logits
+
+    def greedy(token, kv):  # noqa: ANN001, ANN202
+        inputs.append(token)
+        return plain(token, kv)
+
+    monkeypatch.setattr(engine, "run_prompt", run_prompt)
+    monkeypatch.setattr(model, "decode", greedy)
+    run_bench(engine, 0, 3, 1, seed=1, depth=16, decode_input="greedy")
+    assert [x for x in inputs if isinstance(x, tuple)] == [inputs[0]] * 2  # the same each run
+    assert inputs[1] == inputs[0][1] and len(inputs) == 2 * (1 + 3)
 
 
 # the paths a prompt at depth runs on: experts offloaded with misses on the CPU, prompt chunks
