@@ -6,7 +6,8 @@
     peak SMI.txt                         the largest of nvidia-smi's memory.used samples (MiB)
     table STRATA.json LLAMA.json         the two results side by side: test, tok/s each, ratio,
                                          with each side's measured VRAM peak (--strata-peak /
-                                         --llama-peak, MiB)
+                                         --llama-peak, MiB); every test either side ran (by
+                                         its full name, depth included), in llama-bench's order
 
 The estimate is a start: the stage reads llama.cpp's real peak from nvidia-smi and, when it
 passes the budget, runs again with more layers' experts on the CPU (--over MIB gives how much).
@@ -17,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from strata.bench.runner import llama_name  # noqa: E402
 from strata.config import ModelConfig  # noqa: E402
 from strata.gguf import open_model  # noqa: E402
 
@@ -60,29 +63,44 @@ def peak(path: str) -> float:
     return max(vals) if vals else float("nan")
 
 
-def _key(prompt: int, gen: int, depth: int) -> str:
-    return f"pp{prompt}" if gen == 0 else f"tg{gen}" + (f" @ d{depth}" if depth else "")
+_TEST = re.compile(r"(?:pp(\d+))?\+?(?:tg(\d+))?(?: @ d(\d+))?")
+
+
+def _strata_key(row: dict) -> tuple[int, int, int]:
+    """(n_prompt, n_gen, n_depth) of a row of `strata bench --json`'s table; rows written before
+    those fields from the test name (pp128, tg64 @ d4096)."""
+    if "n_depth" in row:
+        return row["n_prompt"], row["n_gen"], row["n_depth"]
+    m = _TEST.fullmatch(row["test"])
+    if m is None:
+        raise ValueError(f"strata's test {row['test']!r}: not a llama-bench test name")
+    return tuple(int(x) if x else 0 for x in m.groups())
+
+
+def _order(key: tuple[int, int, int]) -> tuple[int, int]:
+    """llama-bench's order: by depth, then the pp tests, the tg tests, the pp+tg tests (within
+    each, the order the tests came in)."""
+    prompt, gen, depth = key
+    return depth, (0 if not gen else 1 if not prompt else 2)
 
 
 def table(strata_json: str, llama_json: str, label: str, strata_peak: float | None,
           llama_peak: float | None, ncmoe_n: int | None) -> str:
     s = json.loads(Path(strata_json).read_text())
     lb = json.loads(Path(llama_json).read_text())
-    ours = {}
-    for r in s["results"]:
-        gen, depth = r.get("gen_len", 0), r.get("depth", 0)
-        tok_s = r["decode_tok_s"] if gen else r["prompt_tok_s"]
-        ours[_key(r["prompt_len"] if not gen else 0, gen, depth)] = tok_s
-    theirs = {_key(r["n_prompt"], r["n_gen"], r.get("n_depth", 0)): r["avg_ts"] for r in lb}
+    # both sides keyed by (n_prompt, n_gen, n_depth): pp128 and pp128 @ d16384 apart
+    ours = {_strata_key(r): r["tok_s"] for r in s["table"]}
+    theirs = {(r["n_prompt"], r["n_gen"], r.get("n_depth", 0)): r["avg_ts"] for r in lb}
+    keys = sorted(list(theirs) + [k for k in ours if k not in theirs], key=_order)
     lines = [f"### {label}", "",
              f"VRAM peak (nvidia-smi): Strata {_mib(strata_peak)}, llama.cpp {_mib(llama_peak)}"
              + (f" (-ncmoe {ncmoe_n})" if ncmoe_n is not None else ""), "",
              "| test | Strata tok/s | llama.cpp tok/s | Strata / llama.cpp |",
              "| --- | ---: | ---: | ---: |"]
-    for k in list(ours) + [k for k in theirs if k not in ours]:
+    for k in keys:
         a, b = ours.get(k), theirs.get(k)
         ratio = f"{a / b:.2f}" if a and b else "-"
-        lines.append(f"| {k} | {_num(a)} | {_num(b)} | {ratio} |")
+        lines.append(f"| {llama_name(*k)} | {_num(a)} | {_num(b)} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,8 @@
 """strata bench: prompt and decode speed of one engine configuration, with the hit rate, the bytes
 moved, memory peaks, and the fraction of DESIGN.md's bandwidth bound reached. One run_bench call is
-one test of llama-bench's matrix: a prompt of prompt_len random tokens in a fresh KV cache (timed:
-ppN; or the depth D that a decode test starts from), then gen_len decode steps (timed: tgN @ dD).
+one test of llama-bench's matrix on a fresh KV cache: first depth random tokens (untimed: the
+depth D that llama-bench's -d fills the cache with), then the timed part, prompt_len more random
+tokens (ppN @ dD) or gen_len decode steps (tgN @ dD).
 Decode feeds random tokens by default (llama-bench's tg: each step's input is the next token of a
 seeded uniform draw over the vocabulary, not the one the model picked): a random model's greedy
 output loops over a few tokens, which keeps the same experts hot and flatters the cache.
@@ -27,7 +28,7 @@ from strata.engine.generator import Engine
 @dataclass
 class BenchResult:
     config: dict
-    prompt_len: int  # the prompt's tokens: ppN's N, or the depth a decode test starts from
+    prompt_len: int  # the timed prompt's tokens: ppN's N (the older pp128 + tg64's 128)
     gen_len: int
     runs: int
     prompt_tok_s: float | None  # None without a prompt (tgN at depth 0)
@@ -56,18 +57,21 @@ class BenchResult:
     warmups: int = 1  # runs not counted: one, more while one changed a layer's prompt path
     ceilings: dict = field(default_factory=dict)
     test: str = ""  # llama-bench's name: pp512, tg64 @ d4096 (pp128 + tg64 @ d128: both timed)
-    depth: int = 0  # KV cache tokens before the first timed decode step (prompt_len with gen_len)
+    depth: int = 0  # KV cache tokens before the timed part: n_depth (before the first decode step
+    # of a timed prompt then decode steps, the older pp128 + tg64 @ d128: n_depth + prompt_len)
     decode_input: str = "random"  # random tokens (llama-bench's tg) or greedy (the argmax fed back)
     kv_length_before_decode: int = 0  # the cache's length the timed steps started from (= depth)
     prompt_tok_s_all: list[float] = field(default_factory=list)  # each measured run's
     prompt_tok_s_std: float = 0.0  # sample standard deviation of those (llama-bench's ±)
     decode_tok_s_std: float = 0.0
+    n_depth: int = 0  # untimed random tokens run into the cache first (llama-bench's -d)
 
     def lines(self) -> list[str]:
         parts = []
         if self.prompt_len and self.prompt_tok_s is not None:
-            parts.append(f"prompt {self.prompt_len} tokens: {self.prompt_tok_s:.1f} "
-                         f"± {self.prompt_tok_s_std:.1f} tok/s")
+            parts.append(f"prompt {self.prompt_len} tokens"
+                         + (f" at depth {self.n_depth}" if self.n_depth else "")
+                         + f": {self.prompt_tok_s:.1f} ± {self.prompt_tok_s_std:.1f} tok/s")
         if self.gen_len:
             parts.append(f"decode {self.gen_len} {self.decode_input} tokens at depth "
                          f"{self.depth}: {self.decode_tok_s:.2f} ± {self.decode_tok_s_std:.2f} "
@@ -144,21 +148,31 @@ def cell_name(prompt_len: int, gen_len: int, timed_prompt: bool) -> str:
     return f"pp{prompt_len} + {tg}" if timed_prompt and prompt_len else tg
 
 
+def llama_name(n_prompt: int, n_gen: int, n_depth: int) -> str:
+    """llama-bench's name of a test from its JSON fields: pp512, tg64, pp512+tg64, then
+    " @ d16384" for a test at depth."""
+    name = "+".join(([f"pp{n_prompt}"] if n_prompt else []) + ([f"tg{n_gen}"] if n_gen else []))
+    return name + (f" @ d{n_depth}" if n_depth else "")
+
+
 def spread(xs: list[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: int = 0,
               ceilings: dict | None = None, decode_input: str = "random",
-              test: str | None = None) -> BenchResult:
-    """prompt_len random tokens (seeded, the same each run) into a fresh KV cache, then gen_len
-    decode steps whose inputs are random tokens (a new seeded draw each run) or, with
-    decode_input="greedy", each step's argmax; runs measured runs after the warm-up."""
+              test: str | None = None, depth: int = 0) -> BenchResult:
+    """On a fresh KV cache each run: depth random tokens (seeded, the same each run; untimed, as
+    llama-bench's -d), then prompt_len random tokens (seeded, the same each run; timed), then
+    gen_len decode steps (timed) whose inputs are random tokens (a new seeded draw each run)
+    or, with decode_input="greedy", each step's argmax; runs measured runs after the warm-up."""
     if decode_input not in DECODE_INPUTS:
         raise ValueError(f"decode_input {decode_input!r}: one of {DECODE_INPUTS}")
     model, cfg = engine.model, engine.config
     rng = np.random.default_rng(seed)
     prompt = torch.from_numpy(rng.integers(0, cfg.n_vocab, prompt_len)).long()
+    # the depth's tokens, a draw apart from the prompt's (pp16 draws the same at any depth)
+    prefix = np.random.default_rng([seed, 2]).integers(0, cfg.n_vocab, depth).tolist()
     inputs = np.random.default_rng([seed, 1])  # decode inputs, apart from the prompt's draw
     kv_before = 0
     experts = getattr(model.experts, "stats", None)
@@ -180,14 +194,18 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     share_sum = dict.fromkeys(("layers", "idle_s", "answer_s", "pool_s"), 0.0)
     warmups, r = 0, 0
     while r < runs + 1:  # run 0 warms up and is not counted
-        kv = model.new_cache(max(prompt_len + gen_len, 1))
+        kv = model.new_cache(max(depth + prompt_len + gen_len, 1))
         paths = _prompt_paths(model.experts)
+        logits = engine.run_prompt(prefix, kv) if depth else None  # untimed
+        if depth and experts is not None:
+            experts.settle()  # (the depth's device-routed counts, before the timed part)
         ring = getattr(model.experts, "ring", None)
         streamed0 = ring.streamed_bytes if ring is not None else 0
         draw = inputs.integers(0, cfg.n_vocab, max(gen_len, 1)).tolist()  # [gen_len]
         _sync(engine)
         t0 = time.perf_counter()
-        logits = engine.run_prompt(prompt.tolist(), kv) if prompt_len else None
+        if prompt_len:
+            logits = engine.run_prompt(prompt.tolist(), kv)
         _sync(engine)
         t1 = time.perf_counter()
         kv_before = kv.length
@@ -236,8 +254,9 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         vram_peak_gib=max(peaks) / 2**30 if dev.type == "cuda" else None,
         host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         ceilings=ceilings or {},
-        test=test or cell_name(prompt_len, gen_len, timed_prompt=True),
-        depth=prompt_len if gen_len else 0, decode_input=decode_input,
+        test=test or (llama_name(prompt_len, gen_len, depth) if depth
+                      else cell_name(prompt_len, gen_len, timed_prompt=True)),
+        depth=depth + (prompt_len if gen_len else 0), n_depth=depth, decode_input=decode_input,
         kv_length_before_decode=kv_before, prompt_tok_s_all=[round(x, 3) for x in p_rates],
         prompt_tok_s_std=spread(p_rates), decode_tok_s_std=spread(d_rates))
     if dev.type == "cuda":

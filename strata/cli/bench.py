@@ -1,7 +1,7 @@
-"""strata bench: llama-bench's matrix (-p prompt lengths, -n decode tokens, -d depths, -r runs) as
-prompt and decode tok/s (median ± standard deviation of runs), with the hit rate, bytes moved,
-memory peaks and the fraction of the bandwidth bound, the machine's ceilings measured in the same
-run."""
+"""strata bench: llama-bench's matrix (-p prompt lengths, -n decode tokens, each at every -d
+depth, -r runs) as prompt and decode tok/s (median ± standard deviation of runs), with the hit
+rate, bytes moved, memory peaks and the fraction of the bandwidth bound, the machine's ceilings
+measured in the same run."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ from strata.errors import StrataError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF file (any shard of a split set)")
     p.add_argument("-p", "--n-prompt", default=None, metavar="N,N,...",
-                   help="prompt tests ppN: N random tokens into a fresh KV cache (128)")
+                   help="prompt tests ppN: N random prompt tokens timed, at each -d depth (128)")
     p.add_argument("-n", "--n-gen", type=int, default=None, metavar="N",
-                   help="decode tests tgN: N decode steps at each -d depth (64; 0: none)")
+                   help="decode tests tgN: N decode steps timed, at each -d depth (64; 0: none)")
     p.add_argument("-d", "--n-depth", default=None, metavar="D,D,...",
-                   help="depths of the decode tests: the KV cache first filled with a random "
-                   "prompt of D tokens, then the -n steps timed (0)")
+                   help="depths of every test, as llama-bench's -d: each run's fresh KV cache "
+                   "first filled with D random tokens, untimed, then the test timed (ppN @ dD, "
+                   "tgN @ dD; 0)")
     p.add_argument("-r", "--repetitions", "--runs", dest="runs", type=int, default=3,
                    help="measured runs of each test after a warm-up run (3): the median ± the "
                    "standard deviation; the warm-up is run again, up to 3 times, while it "
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_spec(args, "bench")
     tests = cells(args)
     base = engine_config(args)
-    need = max(c.prompt_len + c.gen_len for c in tests)
+    need = max(c.depth + c.prompt_len + c.gen_len for c in tests)
     if base.ctx is None and need > 4096:  # plan the KV cache for the longest test
         base = replace(base, ctx=need)
     for flag, path in (("--json", args.json), ("--plot", args.sweep_vram and args.plot)):
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         head = f"strata bench ({'budget ' + str(budget) + ' GiB' if budget else 'default'}): "
         for c in tests:
             res = run_bench(engine, c.prompt_len, c.gen_len, args.runs, seed=args.seed,
-                            ceilings=ceilings, decode_input=args.decode_input, test=c.name)
+                            ceilings=ceilings, decode_input=args.decode_input, test=c.name,
+                            depth=c.depth)
             res.config = asdict(ec)
             results.append(res)
             print(head + "\n  ".join(res.lines()), file=sys.stderr)
