@@ -101,6 +101,7 @@ class Engine:
         say("ready", 1.0)
         if dev.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # (loading's float32 pieces back to the driver: not held)
         return cls(mf.path, cfg, tok, chat, model, time.perf_counter() - t0, ec, spec=spec)
 
     def check_prompt(self, ids: list[int], max_tokens: int) -> None:
