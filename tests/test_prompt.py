@@ -199,3 +199,38 @@ def test_bf16_chunk_attention_is_the_causal_attention_within_bf16_rounding(tq, t
     if tq < tk:  # the first query sees keys 0 .. tk - tq only: a top-left mask would differ
         ahead = attention(q, k, v, 0)
         assert float((ours - ahead).norm() / ref.norm()) > 5e-2
+
+
+def test_one_token_batched_attention_equals_each_sequence_alone(synth):
+    """attention_last (batched decode on the float path: one padded pass over B caches) gives
+    each sequence's attention() over its own keys, for caches of different lengths (1 included),
+    with GQA; and the batched forward of three sequences gives each one's logits alone."""
+    import numpy as np
+    import torch
+
+    from strata.model.layers import attention, attention_last
+
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 5, 17, 9]
+    q = torch.randn(len(lengths), 8, 64, generator=g)
+    keys = [torch.randn(n, 2, 64, generator=g) for n in lengths]
+    values = [torch.randn(n, 2, 64, generator=g) for n in lengths]
+    ours = attention_last(q, keys, values)
+    for b, n in enumerate(lengths):
+        ref = attention(q[b:b + 1], keys[b], values[b], n - 1)
+        torch.testing.assert_close(ours[b:b + 1], ref, rtol=0, atol=2e-6)
+
+    from strata.cli.logits import compute_logits
+    from strata.engine.generator import Engine
+    from strata.model.transformer import Segment
+
+    engine = Engine.load(synth("qwen3moe", "Q4_K_M"))
+    seqs = [[5, 9, 2, 7, 11, 3], [8, 1, 4], [3, 3, 6, 2, 9]]
+    model = engine.model
+    kvs = [model.new_cache(8) for _ in seqs]
+    for s, kv in zip(seqs, kvs, strict=True):
+        model.forward(torch.tensor(s[:-1]), [Segment(kv, len(s) - 1)])
+    both = model.forward(torch.tensor([s[-1] for s in seqs]), [Segment(kv, 1) for kv in kvs])
+    for j, s in enumerate(seqs):
+        np.testing.assert_allclose(both[j].numpy(), compute_logits(engine, s)[-1], rtol=0,
+                                   atol=1e-4)

@@ -107,6 +107,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int) ->
     return out.transpose(0, 1).reshape(Tq, H * hd)
 
 
+def attention_last(q: torch.Tensor, keys: list[torch.Tensor],
+                   values: list[torch.Tensor]) -> torch.Tensor:
+    """One new token of each of B sequences over its own keys (all of them, its own last
+    included): attention() for each, in one padded pass (batched decode: one call a layer
+    instead of B). q: [B, H, hd]; keys[b], values[b]: [n_b, Hkv, hd] -> [B, H*hd]"""
+    B, H, hd = q.shape
+    hkv = keys[0].shape[1]
+    k = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, L, Hkv, hd]
+    v = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+    n = torch.tensor([x.shape[0] for x in keys], device=q.device)
+    seen = torch.arange(k.shape[1], device=q.device)[None, :] < n[:, None]  # [B, L]
+    qg = q.view(B, hkv, H // hkv, hd)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * hd ** -0.5
+    p = scores.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bkgl,blkd->bkgd", p, v).reshape(B, H * hd)
+
+
 def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The same causal attention for a prompt chunk whose queries are the last Tq of the Tk
     keys, on bf16 tensor cores (flash attention; float32 out): the --kernels fused prompt path.

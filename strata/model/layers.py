@@ -5,11 +5,12 @@ from strata.kernels.torch_ops import (
     apply_rope,
     attention,
     attention_bf16,
+    attention_last,
     rms_norm,
     rope_tables,
     route,
     swiglu,
 )
 
-__all__ = ["apply_rope", "attention", "attention_bf16", "rms_norm", "rope_tables", "route",
-           "swiglu"]
+__all__ = ["apply_rope", "attention", "attention_bf16", "attention_last", "rms_norm", "rope_tables",
+           "route", "swiglu"]

@@ -16,7 +16,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.kernels.tuning import BF16_ATTENTION_MIN_T
-from strata.model.layers import apply_rope, attention, attention_bf16, rms_norm
+from strata.model.layers import apply_rope, attention, attention_bf16, attention_last, rms_norm
 from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
 from strata.model.weights import LayerWeights, linear, qkv_linear
 
@@ -63,6 +63,11 @@ class GQAAttention:
             q, k = rms_norm(q, lw.q_norm, self.eps), rms_norm(k, lw.k_norm, self.eps)
         q, k = (apply_rope(q, ctx.cos, ctx.sin, self.rope_style),
                 apply_rope(k, ctx.cos, ctx.sin, self.rope_style))
+        if (len(ctx.segments) > 1 and not ctx.fused_attention
+                and all(s.length == 1 for s in ctx.segments)):
+            # batched decode on the float path: one padded pass over the B caches
+            rows = [s.kv.append(i, k[b:b + 1], v[b:b + 1]) for b, s in enumerate(ctx.segments)]
+            return attention_last(q, [r[0].float() for r in rows], [r[1].float() for r in rows])
         out, start = [], 0
         for s in ctx.segments:
             sl = slice(start, start + s.length)
