@@ -29,6 +29,7 @@
 # added), grouped (the 30B-A3B prompt MoE layer through the grouped and the tl.dot paths by
 # token count, scripts/bench_kernels.py --moe-prompt-only, GROUPED_ARGS added, e.g.
 # "--moe-prompt-tokens 64,128"),
+# compare (an older tree's strata bench beside this one's: COMPARE_TREE, COMPARE_SPECS),
 # matrix (llama-bench's matrix, MATRIX_P prompts, MATRIX_N decode tokens at MATRIX_D depths, from
 # strata bench and from llama-bench -fa 1 at each of MATRIX_BUDGETS, -ncmoe fitted to the budget,
 # peaks from nvidia-smi: scripts/llama_side_by_side.py writes $OUT/matrix.md), serve (strata
@@ -101,7 +102,8 @@ M=/tmp/$PRESET${LAYERS:+-${LAYERS}l}-$QUANT.gguf
 if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *prompt* ||
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
       $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ||
-      $STAGES == *ttft* || $STAGES == *matrix* || $STAGES == *serve* ]]; then
+      $STAGES == *ttft* || $STAGES == *matrix* || $STAGES == *serve* ||
+      $STAGES == *compare* ]]; then
   ( t0=$(date +%s); timeout ${SYNTH_TIMEOUT:-500} python3 -m strata synth $M --preset $PRESET ${LAYERS:+--layers $LAYERS} --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -321,6 +323,22 @@ if [[ $STAGES == *serve* ]]; then
 fi
 for pid in ${MORE_PIDS:-}; do wait $pid; done
 for spec in ${SYNTH_MORE:-}; do tail -1 /tmp/synth-${spec%%:*}.log 2>/dev/null; done
+if [[ $STAGES == *compare* ]]; then
+  # an older tree beside this one on the same file, in turn (COMPARE_TREE: its strata/ and
+  # pyproject.toml, e.g. `git archive 35815b5 strata pyproject.toml | tar -x -C .old`, carried);
+  # each of COMPARE_SPECS is budget:prompt:gen (budget "all": no --vram-budget)
+  for spec in ${COMPARE_SPECS:-2:512:64 10:512:64 all:512:64 all:8192:0 6:8192:0}; do
+    IFS=: read -r b np ng <<<"$spec"
+    flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
+    for side in old new; do
+      dir=$PWD; [[ $side == old ]] && dir=$(cd "${COMPARE_TREE:-.old}" && pwd)
+      echo "== compare ($side tree): --vram-budget $b --prompt-len $np --gen-len $ng"
+      (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 300 python3 -m strata bench $M \
+        --device cuda "${flags[@]}" --prompt-len "$np" --gen-len "$ng" --runs 2 \
+        --json "$OUT/compare_${side}_${b}_${np}_$ng.json" 2>&1 | grep -E "tok/s|VRAM|hit" | tail -4)
+    done
+  done
+fi
 if [[ $STAGES == *check* ]]; then  # float32-exact kernels on both sides: KL < 1e-4 expected
   for b in ${CHECK_BUDGETS:-2 10}; do
     echo "== check: everything on the device against the offload runtime at $b GiB (--kernels exact)"
