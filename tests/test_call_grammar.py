@@ -271,3 +271,24 @@ def test_schemas_that_cannot_be_written_say_why():
     none = tool("f", {"type": "object", "properties": {"a": {"type": "string", "enum": [1]}}})
     with pytest.raises(StrataError, match="f.a: no value of its enum"):
         call_grammar("glm", [none], None)
+
+
+def test_what_glms_template_writes_for_a_call_the_grammar_takes(toks):
+    from tool_templates import GLM45_TOOLS
+
+    from strata.server.validation import parse_chat
+    from strata.tokenizer import ChatTemplate
+
+    args = {"who": {"name": "Ada", "age": 36}, "langs": ["c", "rust"], "home": {"town": "Oslo"}}
+    req = parse_chat({"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Add Ada."},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "add_person", "arguments": json.dumps(args)}}]}]}, 256)
+    text = ChatTemplate(GLM45_TOOLS, toks["glm"]).render(req.messages, False,
+                                                         **req.template_kwargs)
+    call = text[text.rindex("<tool_call>"):]
+    assert call.startswith("<tool_call>add_person\n<arg_key>who</arg_key>\n<arg_value>{")
+    (got,) = parse("glm", call, TOOLS).calls
+    assert (got.name, json.loads(got.arguments)) == ("add_person", args)
+    after = call[len(forced_prefix("glm", None)):]
+    assert feeds(constraint("glm", toks["glm"], None), toks["glm"], after)

@@ -169,6 +169,8 @@ class API:
             if req.model is not None:
                 self._check_model(req.model, "model")
             self.sup.check_ready()
+            if kind == "chat":  # the template names the call format: wait for one that loads
+                await self.sup.loaded_chat()
             fmt, prefix = self._call_format(req, kind)
             if kind == "chat" and self.sup.chat is not None:
                 await self._render(req, prefix)
