@@ -147,6 +147,16 @@ def test_tool_choice_in_glm_and_harmony_follows_the_schema(other_client, choice)
                 max_tokens=160)
 
 
+def test_parameters_that_do_not_compile_are_a_400_naming_tools(client, other_client):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nosuch"}}, "required": ["a"]}}}
+    for c in (client, other_client):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=ASK, tools=[bad],
+                                      tool_choice="required", max_tokens=2)
+        assert e.value.body["param"] == "tools" and "does not compile" in str(e.value.body)
+
+
 def test_tool_choice_none_and_auto_answer_in_text(client):
     for choice in ("none", "auto"):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
