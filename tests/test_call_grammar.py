@@ -190,6 +190,8 @@ def _harmony(name: str | None, args: str) -> str:
     ("get_weather", [("city", "Oslo"), ("days", "15"), ("unit", "celsius")], False),  # > 14
     ("get_weather", [("city", "a" * 13), ("unit", "celsius")], False),  # maxLength 12
     ("get_weather", [("city", ""), ("unit", "celsius")], False),  # minLength 1
+    ("get_weather", [("city", "a</tool_call>"), ("unit", "celsius")], False),  # ends the call
+    ("get_weather", [("city", "<b>\n</b>"), ("unit", "celsius")], True),  # raw text
     ("get_weather", [("city", "Oslo"), ("unit", "celsius"), ("unit", "celsius")], False),
     ("get_weather", [("city", "Oslo"), ("zip", "1"), ("unit", "celsius")], False),
     ("measure", [("value", "2.5"), ("note", "null"), ("kind", "len"), ("scale", "2")], True),

@@ -17,13 +17,16 @@ holds less than a schema can say, so there (`_glm_args`): the keys are the schem
 `properties` (then any `required` name it does not list, any value), in that order, each at most
 once, the required ones always; no other keys. A value whose schema's type is "string" is its raw
 text, as GLM's template writes it and the parser reads it: one of its `enum` / `const`, else any
-text of minLength..maxLength characters that holds no "</arg_value>" (`pattern` and `format` are
-not enforced there). An `enum` / `const` without that type is its values, each written as the
-parser reads it back (a string raw unless that text is JSON, then as JSON). Any other value
-(numbers, booleans, null, arrays, nested objects, anyOf...) is JSON text that its schema accepts,
-with the root's $defs for a $ref; a string inside such JSON that holds "</arg_value>" would cut
-the value short when read back. Object-level keywords (minProperties, patternProperties,
-dependentRequired, a top-level anyOf) are not enforced.
+text of minLength..maxLength characters that holds no "</arg_value>" or "</tool_call>"
+(`pattern` and `format` are not enforced there). An `enum` / `const` without that type is its
+values, each written as the parser reads it back (a string raw unless that text is JSON, then as
+JSON). Any other value (numbers, booleans, null, arrays, nested objects, anyOf...) is JSON text
+that its schema accepts, with the root's $defs for a $ref. Object-level keywords
+(minProperties, patternProperties, dependentRequired, a top-level anyOf) are not enforced.
+
+In every format, a string inside JSON arguments that holds the format's end marker as text
+("</arg_value>", "</tool_call>", "<|call|>" written in plain characters) would cut the call short
+when read back: the grammar does not keep such strings out.
 
 A function whose name the format cannot write (harmony: whitespace or "<|"; glm: "<", a newline,
 leading or trailing space) is left out of "required"'s choice; with none left there is no grammar.
@@ -113,7 +116,7 @@ def _glm_value(schema: Any, strict: bool, defs: dict, where: str) -> str:
             if not all(type(n) is int and n >= 0 for n in (lo, hi) if n != ""):
                 raise StrataError(f"{where}: minLength and maxLength must be counts")
             return (f"(/(?s:.){{{lo},{hi}}}/ & "
-                    f'~/(?s:.)*<\\/arg_value>(?s:.)*/) "{_GLM_END}"')
+                    f'~/(?s:.)*<\\/(arg_value|tool_call)>(?s:.)*/) "{_GLM_END}"')
         texts = [v for v in values if isinstance(v, str)]
     elif values is not None:
         texts = [_as_read(v) for v in values]
@@ -121,7 +124,7 @@ def _glm_value(schema: Any, strict: bool, defs: dict, where: str) -> str:
         if defs and "$ref" in json.dumps(schema):
             schema = {**defs, **schema}
         return f'{json_value(schema, strict)} "{_GLM_END}"'
-    texts = [t for t in texts if _GLM_END not in t]
+    texts = [t for t in texts if _GLM_END not in t and "</tool_call>" not in t]
     if not texts:
         raise StrataError(f"{where}: no value of its enum can be written as a GLM argument")
     return "(" + " | ".join(_lit(t + _GLM_END) for t in texts) + ")"
