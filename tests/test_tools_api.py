@@ -1,5 +1,7 @@
 """Tools and response_format through `strata serve`, with the official openai client, on the
-shipped demo model (its chat template swapped for one that takes tools, written as Qwen3's is).
+shipped demo model (its chat template swapped for one that takes tools, written as Qwen3's is);
+forced calls also in GLM's key/value format (a tiny synthetic model with GLM-4.5's template) and
+gpt-oss's harmony format (a tiny synthetic gpt-oss).
 
 The demo model does not call tools by itself: tool messages round-trip through its template, and a
 call comes out where tool_choice requires one (the start of the call is written after the prompt,
@@ -12,8 +14,9 @@ import json
 
 import openai
 import pytest
+from test_call_grammar import conforms
 from test_constrain import valid
-from tool_templates import QWEN3_TOOLS
+from tool_templates import GLM45_TOOLS, QWEN3_TOOLS
 
 from strata.server.testing import ServerProcess
 
@@ -78,17 +81,23 @@ def test_tool_messages_round_trip_through_the_template(client):
     "required",
 ])
 def test_tool_choice_gives_a_call_that_follows_the_schema(client, choice):
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-              max_tokens=120, temperature=0)
+    forced_call(client, [WEATHER, TIME], choice, valid)
+
+
+def forced_call(client, tools, choice, check, max_tokens=120):
+    """tool_choice `choice` gives one call whose arguments `check(value, schema)` passes, the
+    same streamed."""
+    kw = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+              max_tokens=max_tokens, temperature=0)
     r = client.chat.completions.create(**kw)
     msg, finish = r.choices[0].message, r.choices[0].finish_reason
     assert finish == "tool_calls", msg
     (call,) = msg.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
-    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
-    assert valid(json.loads(call.function.arguments), schema["function"]["parameters"])
+    schema = {t["function"]["name"]: t for t in tools}[call.function.name]
+    assert check(json.loads(call.function.arguments), schema["function"]["parameters"])
     if isinstance(choice, dict):
-        assert call.function.name == "get_weather"
+        assert call.function.name == choice["function"]["name"]
     # streamed: the same call in delta.tool_calls, no call text as content
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
@@ -98,6 +107,54 @@ def test_tool_choice_gives_a_call_that_follows_the_schema(client, choice):
     assert parts[0].function.name == call.function.name
     assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+PERSON_TOOL = {"type": "function", "function": {"name": "add_person", "strict": True,
+                                                "parameters": {**PERSON, "properties": {
+                                                    **PERSON["properties"], "boss": {
+                                                        "type": "object", "properties": {
+                                                            "name": {"enum": ["Ada", "Alan"]}},
+                                                        "required": ["name"]}}}}}
+OTHER_FORMATS = [WEATHER, TIME, PERSON_TOOL]
+
+
+@pytest.fixture(scope="module", params=["glm", "harmony"])
+def other_client(request, synth, tmp_path_factory):
+    """A server whose model writes calls in GLM's format (a tiny qwen3moe with GLM-4.5's
+    template) or in harmony (a tiny gpt-oss with its template)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    model = synth("gpt-oss", "MXFP4") if request.param == "harmony" else rewrite(
+        synth("qwen3moe", "Q4_K_M"), tmp / "glm-tools.gguf",
+        {"tokenizer.chat_template": GLM45_TOOLS})
+    args = ["--model-name", MODEL, "--max-tokens", "200", "--watchdog", "60",
+            "--report-dir", str(tmp)]
+    with ServerProcess(model, args, log_path=tmp / "server.log") as s:
+        s.wait_health(lambda h: h["status"] == "ok", what="a loaded engine")
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("choice", [
+    {"type": "function", "function": {"name": "get_weather"}},
+    {"type": "function", "function": {"name": "add_person"}},
+    "required",
+])
+def test_tool_choice_in_glm_and_harmony_follows_the_schema(other_client, choice):
+    """A random-weight model writes whatever the mask leaves it: the call is still whole and
+    its arguments still follow the schema (strict: closed objects)."""
+    strict = PERSON_TOOL["function"]["parameters"]
+    forced_call(other_client, OTHER_FORMATS, choice,
+                lambda value, schema: conforms(value, schema, strict=schema is strict),
+                max_tokens=160)
+
+
+def test_parameters_that_do_not_compile_are_a_400_naming_tools(client, other_client):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nosuch"}}, "required": ["a"]}}}
+    for c in (client, other_client):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=ASK, tools=[bad],
+                                      tool_choice="required", max_tokens=2)
+        assert e.value.body["param"] == "tools" and "does not compile" in str(e.value.body)
 
 
 def test_tool_choice_none_and_auto_answer_in_text(client):

@@ -50,3 +50,59 @@ QWEN3_TOOLS = """\
 
 GLM45_TOOLS_HINT = "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n"
 HARMONY_HINT = "<|start|>assistant<|channel|>final<|message|>"
+
+# GLM-4.5's template (its tools prompt, calls as key/value pairs: a string value as it is, any
+# other as JSON; tool results as observations), without its thinking switches
+GLM45_TOOLS = """\
+[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+<arg_key>{arg-key-2}</arg_key>
+<arg_value>{arg-value-2}</arg_value>
+...
+</tool_call>{%- endif -%}
+{%- for m in messages %}
+{%- if m.role == 'system' %}<|system|>
+{{ m.content }}
+{%- elif m.role == 'user' %}<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' %}<|assistant|>
+{%- if m.content %}
+{{ m.content }}
+{%- endif %}
+{%- if m.tool_calls %}
+{% for tc in m.tool_calls %}
+{%- if tc.function %}
+{%- set tc = tc.function %}
+{%- endif %}
+{{- '\\n<tool_call>' + tc.name }}
+{% set _args = tc.arguments %}
+{% for k, v in _args.items() %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}
+</tool_call>{% endfor %}
+{% endif %}
+{%- elif m.role == 'tool' %}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}
+"""

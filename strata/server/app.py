@@ -169,6 +169,8 @@ class API:
             if req.model is not None:
                 self._check_model(req.model, "model")
             self.sup.check_ready()
+            if kind == "chat":  # the template names the call format: wait for one that loads
+                await self.sup.loaded_chat()
             fmt, prefix = self._call_format(req, kind)
             if kind == "chat" and self.sup.chat is not None:
                 await self._render(req, prefix)
@@ -218,10 +220,10 @@ class API:
             return fmt, ""
         from strata.engine import constrain
 
-        lark = call_grammar(fmt, req.tools or [], req.tool_name)
-        if lark is not None and req.grammar is None and constrain.available():
-            try:
-                req.grammar = constrain.lark_grammar(lark)  # the arguments follow the schema
+        if req.grammar is None and constrain.available():
+            try:  # the call follows its function's parameters schema
+                lark = call_grammar(fmt, req.tools or [], req.tool_name)
+                req.grammar = None if lark is None else constrain.lark_grammar(lark)
             except StrataError as e:
                 raise bad_request(f"tools: a function's parameters: {e}", "tools") from None
         return fmt, forced_prefix(fmt, req.tool_name)

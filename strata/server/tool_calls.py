@@ -20,6 +20,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from strata.server.call_grammar import call_grammar as call_grammar  # the call's grammar
+
 Event = tuple[str, Any]
 
 
@@ -271,27 +273,11 @@ def parse(fmt: str, text: str, tools: list[dict] | None = None) -> Parsed:
 
 def forced_prefix(fmt: str, name: str | None) -> str:
     """What the answer starts with when tool_choice is "required" (name None) or names one
-    function: written after the generation prompt, so the model goes on inside a call."""
+    function: written after the generation prompt, so the model goes on inside a call (and, with
+    llguidance, call_grammar's grammar writes the rest)."""
     if fmt == "harmony":
         return ("<|channel|>commentary to=functions." +
                 (f"{name} <|constrain|>json<|message|>" if name else ""))
     if fmt == "glm":
         return "<tool_call>" + (f"{name}\n" if name else "")
     return "<tool_call>\n" + (json.dumps({"name": name})[:-1] + ', "arguments": ' if name else "")
-
-
-def call_grammar(fmt: str, tools: list[dict], name: str | None) -> str | None:
-    """Lark text for what follows forced_prefix: one call whose arguments follow the function's
-    parameters schema (for Qwen's JSON format; None for the others, which get the prefix only)."""
-    if fmt != "hermes":
-        return None
-    from strata.engine.constrain import json_value
-
-    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    rules, alts = [], []
-    for i, f in enumerate(chosen):
-        args = json_value(f.get("parameters"), bool(f.get("strict")))
-        head = "" if name else json.dumps({"name": f["name"]})[:-1] + ', "arguments": '
-        rules.append(f"args{i}: {args}")
-        alts.append(f"{json.dumps(head)} args{i}" if head else f"args{i}")
-    return "\n".join([f'start: ({" | ".join(alts)}) "}}\\n</tool_call>"', *rules]) + "\n"
