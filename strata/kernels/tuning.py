@@ -110,6 +110,48 @@ ATTN_TARGET_CTAS = 256
 # query rows per split CTA: tl.dot's smallest tile; 32 rows spilled in the offline sm_90a builds
 # (docs/kernels.md; bench: none)
 ATTN_BLOCK_M = 16
+# split kernel variants (decode_ops.ATTN_VARIANTS): "ieee" tl.dot in exact float32 (the first
+# kernel, FMA-emulated), "fma" no dot (broadcast products and sums on the CUDA cores, exact
+# float32), "tf32" tl.dot on TF32 tensor cores (--kernels fused only). The pick per case:
+# (T·G <= ATTN_FEW_ROWS, --kernels fused, cache "f32" | "half" | "q8_0") -> variant.
+ATTN_FEW_ROWS = 16
+ATTN_VARIANT = MappingProxyType({
+    # memory bound (~2 FMA a byte of f32 K+V at G 8); no dead half of a 16-row dot tile and no
+    # dot layout conversions; expected the fastest exact form (bench: none yet)
+    (True, False, "f32"): "fma",
+    # ~4 FMA a byte of f16 rows: expected still under the CUDA cores' rate (bench: none yet)
+    (True, False, "half"): "fma",
+    # ~8 FMA a byte: near the CUDA cores' rate; exact mode has no faster exact form
+    # (bench: none yet)
+    (True, False, "q8_0"): "fma",
+    # f32 rows: TF32 would round q and k and gain no bytes; expected as fast as tf32
+    # (bench: none yet)
+    (True, True, "f32"): "fma",
+    # f16 / bf16 keys and values are exact in TF32 (only q and p round); tensor cores keep up
+    # with half the bytes where the CUDA cores may not (bench: none yet)
+    (True, True, "half"): "tf32",
+    # 8 FMA a byte: expected compute bound on the CUDA cores, tensor cores are not (bench: none yet)
+    (True, True, "q8_0"): "tf32",
+    # T·G > 16 (T 4 at G 8: 32 rows, 4x the FMAs a byte): exact mode keeps the first kernel, the
+    # exact form known to fit (fma's tile is sized for 16 rows at most) (bench: none yet)
+    (False, False, "f32"): "ieee",
+    (False, False, "half"): "ieee",
+    (False, False, "q8_0"): "ieee",
+    # 32 rows over tensor cores: the FMA forms are expected compute bound there (bench: none yet)
+    (False, True, "f32"): "tf32",
+    (False, True, "half"): "tf32",
+    (False, True, "q8_0"): "tf32",
+})
+# fma: elements of its [BLOCK_M, BLOCK_N, BLOCK_D] accumulator (BLOCK_N = this / (BLOCK_M·BLOCK_D),
+# 8..64: 16 keys at 8 rows of hd 128, 16 KiB of f32 K+V a step), DC (lanes along d: DC/4),
+# stages, warps: the sm_90 build without spills (179 registers at hd 128, 8 rows; 8 warps at
+# 16 keys spilled with DC 16 or 32, 32 keys spilled with any DC; tests/test_decode_ops.py
+# checks every shape it launches). bench: none yet
+ATTN_FMA_TILE = (8 * 16 * 128, 8, 2, 8)
+# tf32: (key bytes a step / BLOCK_D: BLOCK_N = 8192 // BLOCK_D, 64 keys at hd 128), stages,
+# warps: 3 stages of 64 f32 K+V rows fit in 144 KiB of shared memory without spills (234
+# registers) in the sm_90 build. bench: none yet
+ATTN_TF32_TILE = (8192, 3, 8)
 
 # ---- the CPU share and the mailbox (kernels/gpu/mailbox.py, kernels/cpu, experts/cpu_share.py) --
 
