@@ -142,12 +142,12 @@ ATTN_VARIANT = MappingProxyType({
     (False, True, "half"): "tf32",
     (False, True, "q8_0"): "tf32",
 })
-# fma: elements of its [BLOCK_M, BLOCK_N, BLOCK_D] accumulator (BLOCK_N = this / (BLOCK_M·BLOCK_D),
-# 8..64: 16 keys at 8 rows of hd 128, 16 KiB of f32 K+V a step), DC (lanes along d: DC/4),
-# stages, warps: the sm_90 build without spills (179 registers at hd 128, 8 rows; 8 warps at
-# 16 keys spilled with DC 16 or 32, 32 keys spilled with any DC; tests/test_decode_ops.py
-# checks every shape it launches). bench: none yet
-ATTN_FMA_TILE = (8 * 16 * 128, 8, 2, 8)
+# fma: (elements of its [BLOCK_M, BLOCK_N, BLOCK_D] accumulator: BLOCK_N = this / (BLOCK_M ·
+# BLOCK_D), 4..64, 8 keys at 8 rows of hd 128; DC, d's piece a key load spreads over DC/4 lanes;
+# stages; warps): the sm_90 build of 8 keys, 4 stages (32 KiB of f32 K+V in flight a CTA) takes
+# 128 registers without spills; 16 keys spilled at 8 warps with DC 4, 8 or 16 (and DC 4 at 8
+# keys). tests/test_decode_ops.py checks every model shape it launches. bench: none yet
+ATTN_FMA_TILE = (8 * 8 * 128, 16, 4, 8)
 # tf32: (key bytes a step / BLOCK_D: BLOCK_N = 8192 // BLOCK_D, 64 keys at hd 128), stages,
 # warps: 3 stages of 64 f32 K+V rows fit in 144 KiB of shared memory without spills (234
 # registers) in the sm_90 build. bench: none yet

@@ -368,7 +368,7 @@ def attention_launch(variant: str, t: int, g: int, hd: int) -> AttnLaunch:
     if variant == "fma":
         tile, dc, stages, warps = ATTN_FMA_TILE
         bm = min(ATTN_BLOCK_M, _pow2(t * g))
-        return AttnLaunch(variant, bm, max(8, min(64, tile // (bm * block_d))), stages, warps,
+        return AttnLaunch(variant, bm, max(4, min(64, tile // (bm * block_d))), stages, warps,
                           min(dc, block_d))
     if variant == "tf32":
         step, stages, warps = ATTN_TF32_TILE
