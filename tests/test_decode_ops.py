@@ -380,14 +380,16 @@ def tf32(x: torch.Tensor) -> torch.Tensor:
 # odd ones; lengths: 1 or T, a block and one past it, odd, the window's edges, the capacity
 VARIANT_CASES = [(1, 8, 1, 128, 300, 0, False, None), (4, 8, 1, 128, 300, 0, False, None),
                  (2, 16, 2, 64, 333, 16, True, 5), (3, 8, 2, 256, 200, 0, False, None),
-                 (1, 16, 2, 64, 200, 40, True, None), (4, 4, 4, 64, 131, 0, True, 64)]
+                 (1, 16, 2, 64, 200, 40, True, None), (4, 4, 4, 64, 131, 0, True, 64),
+                 (3, 12, 4, 32, 97, 0, False, None)]
 
 
 def check_attention_variants(device: str, seed: int, kinds: tuple[str, ...] = (
-        "f32", "f16", "bf16", "q8_0")) -> None:
+        "f32", "f16", "bf16", "q8_0"), few: bool = False) -> None:
     """Every split kernel variant with each cache type against the float32 reference over the
     rows as stored (layers.attention, or sink_attention with a window / sinks), over caches
-    whose rows past the length are NaN and with NaN attention partials."""
+    whose rows past the length are NaN and with NaN attention partials. few: fewer lengths
+    (T, 17, one past the window, the capacity; the interpreter's time)."""
     from strata.model.parts.sink_attention import sink_attention
     from strata.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
 
@@ -397,6 +399,8 @@ def check_attention_variants(device: str, seed: int, kinds: tuple[str, ...] = (
         for t, h, hkv, hd, cap, window, has_sinks, splits in VARIANT_CASES:
             sinks = torch.randn(h, generator=gen).to(device) if has_sinks else None
             lengths = {t, 1 + t, 16, 17, 64, 65, cap - 7, cap, window, window + 1}
+            if few:
+                lengths = {t, 17, window + 1, cap}
             for n in sorted(x for x in lengths if t <= x <= cap):
                 k = torch.randn(cap, hkv, hd, generator=gen)
                 v = torch.randn(cap, hkv, hd, generator=gen)
@@ -447,7 +451,7 @@ _VARIANTS_INTERPRETED = """
     sys.path.insert(0, "tests")
     import test_decode_ops as cases
     cases.VARIANT_CASES = [c for c in cases.VARIANT_CASES if c[3] <= 64]  # (time)
-    cases.check_attention_variants("cpu", seed, kinds=KINDS)
+    cases.check_attention_variants("cpu", seed, kinds=KINDS, few=True)
     print("ok")
 """
 
@@ -455,7 +459,7 @@ _VARIANTS_INTERPRETED = """
 @pytest.mark.slow
 def test_attention_variants_under_the_interpreter() -> None:
     """Every variant and cache type under TRITON_INTERPRET=1 on the CPU (f32 and bf16 / f16 and
-    q8_0 side by side), windows, sinks, T 1..4."""
+    q8_0 side by side), windows, sinks, T 1..4, hd <= 64 (~2 min on two cores)."""
     seed = fresh_seed()
     run_interpreted_side_by_side([_VARIANTS_INTERPRETED.replace("KINDS", repr(kinds))
                                   for kinds in (("f32", "bf16"), ("f16", "q8_0"))], seed,
