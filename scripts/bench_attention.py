@@ -12,6 +12,11 @@ fused.
 
     python scripts/bench_attention.py [--json OUT] [--warm N] [--shapes 30b,gpt-oss]
         [--lengths 512,4096] [--caches f32,q8_0] [--tokens 1,4] [--variants fma,tf32]
+        [--tiles fma:8:16:3:16:16,ieee:16:64:3:8]
+
+--tiles times other tiles beside the variants' own (decode_ops.AttnLaunch: variant, rows a
+CTA, keys a step, stages, warps[, fma's DC]), each a row of its own named by its spec; a tile
+that does not build or fit is reported and skipped.
 
 --warm N (default: min(8, CPUs / 2)) first runs the cases once in N processes at once, so that
 Triton's cache on disk holds every kernel before the timed pass (kernel builds dominate a cold
@@ -67,7 +72,13 @@ def make_caches(copies: int, cap: int, hkv: int, hd: int, cache: str,
 def cases(a: argparse.Namespace) -> list[tuple]:
     return [(shape, cache, t, n, variant)
             for shape in a.shapes for cache in a.caches for t in a.tokens for n in a.lengths
-            for variant in a.variants]
+            for variant in a.variants + a.tiles]
+
+
+def parse_tile(spec: str) -> ops.AttnLaunch:
+    """variant:block_m:block_n:stages:warps[:dc] -> the launch's tile."""
+    v, *nums = spec.split(":")
+    return ops.AttnLaunch(v, *map(int, nums))
 
 
 def warm(n: int) -> None:
@@ -94,6 +105,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--variants", default=",".join(ops.ATTN_VARIANTS))
+    ap.add_argument("--tiles", default="", help="other tiles: variant:m:n:stages:warps[:dc],..")
     ap.add_argument("--capacity", type=int, default=max(LENGTHS))
     ap.add_argument("--copies", type=int, default=8, help="caches a graph's calls cycle over")
     ap.add_argument("--splits", type=int, default=None, help="S instead of attention_splits")
@@ -104,6 +116,7 @@ def main() -> None:
             ("shapes", "caches", "tokens", "lengths", "variants")}
     a.shapes = [s for s in SHAPES if any(p in s for p in pick["shapes"])]
     a.caches, a.variants = pick["caches"], pick["variants"]
+    a.tiles = [x for x in a.tiles.split(",") if x]
     a.tokens, a.lengths = [int(x) for x in pick["tokens"]], [int(x) for x in pick["lengths"]]
     if a.shard is None and a.warm > 1:
         warm(a.warm)
@@ -113,7 +126,8 @@ def main() -> None:
     res: dict = {"capacity": a.capacity, "rows": []}
     if timed:
         res["hbm_copy_GBs"] = hbm_copy_gbs()
-        print(f"HBM copy {res['hbm_copy_GBs']:.0f} GB/s; capacity {a.capacity} rows")
+        print(f"HBM copy {res['hbm_copy_GBs']:.0f} GB/s; capacity {a.capacity} rows; err: "
+              "max |out - ieee's| / max |ieee's| on the same inputs")
     todo = [c for i, c in enumerate(cases(a)) if i % shards == shard]
     gen = torch.Generator(device=dev).manual_seed(0)
     caches_at: dict = {}
@@ -130,27 +144,42 @@ def main() -> None:
         length = torch.full((1,), n, dtype=torch.int64, device=dev)
         out = torch.empty(t, h * hd, device=dev)
 
+        tile = parse_tile(variant) if ":" in variant else None
+
         def call(i: int, kvs=kvs, q=q, sinks=sinks, length=length, out=out, hd=hd,
-                 variant=variant) -> None:
+                 variant=variant, tile=tile) -> None:
             k, v, ks, vs = kvs[i % len(kvs)]
             ops.decode_attention(q, k, v, length, hd ** -0.5, out=out, n_splits=a.splits,
-                                 sinks=sinks, k_scales=ks, v_scales=vs, variant=variant)
+                                 sinks=sinks, k_scales=ks, v_scales=vs,
+                                 variant=None if tile else variant, tile=tile)
 
-        if not timed:
-            call(0)
+        try:
+            if not timed:
+                call(0)
+                continue
+            us = graph_seconds(call, calls=2 * len(kvs), reps=5) * 1e6
+        except Exception as e:  # noqa: BLE001 (a tile that does not build or fit: say so)
+            print(f"{shape} {cache} T={t} {n} {variant}: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
+            torch.cuda.synchronize()
             continue
-        us = graph_seconds(call, calls=2 * len(kvs), reps=5) * 1e6
         gbs = kv_bytes(n, hkv, hd, cache) / us / 1e3
+        call(0)  # this case's output against the ieee variant's on the same inputs
+        got = out.clone()
+        k, v, ks, vs = kvs[0]
+        ref = ops.decode_attention(q, k, v, length, hd ** -0.5, n_splits=a.splits, sinks=sinks,
+                                   k_scales=ks, v_scales=vs, variant="ieee")
+        err = float((got - ref).abs().max() / ref.abs().max())
         g = h // hkv
         row = dict(shape=shape, H=h, Hkv=hkv, hd=hd, cache=cache, T=t, length=n,
-                   variant=variant, us=round(us, 2), GBs=round(gbs, 1),
+                   variant=variant, us=round(us, 2), GBs=round(gbs, 1), err_vs_ieee=err,
                    pick_exact=ops.attention_variant(t, g, CACHES[cache], False),
                    pick_fused=ops.attention_variant(t, g, CACHES[cache], True))
         res["rows"].append(row)
         mark = "".join(m for m, k in (("e", "pick_exact"), ("f", "pick_fused"))
                        if row[k] == variant)
         print(f"{shape:16} {cache:5} T={t} {n:6} {variant:5} {us:9.1f} us {gbs:7.0f} GB/s "
-              f"{100 * gbs / res['hbm_copy_GBs']:4.0f}% {mark}", flush=True)
+              f"{100 * gbs / res['hbm_copy_GBs']:4.0f}%  err {err:.0e} {mark}", flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
     if timed:

@@ -381,7 +381,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      n_splits: int | None = None, window: int = 0,
                      sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
                      v_scales: torch.Tensor | None = None, fused: bool = False,
-                     variant: str | None = None) -> torch.Tensor:
+                     variant: str | None = None, tile: AttnLaunch | None = None) -> torch.Tensor:
     """Causal GQA attention of T new tokens at positions length-T .. length-1 over cache rows
     0 .. length-1: query t sees keys j <= length - T + t; head h reads kv head h // (H / Hkv).
     softmax(q k^T · scale) v, as layers.attention (whose scale is hd^-0.5).
@@ -395,7 +395,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (j > length - T + t - window; the splits cover those rows only); sinks f32 [H], a logit per
     head in the softmax's denominator that adds no value. The split kernel's variant: `variant`
     (tests, benchmarks), else attention_variant's pick; fused (--kernels fused) lets it pick
-    TF32 dots, otherwise every product is exact float32."""
+    TF32 dots, otherwise every product is exact float32. tile: the split kernel's variant and
+    tile instead of both (benchmarks; attention_launch's for the variant otherwise)."""
     _check(q.dim() == 3 and k_cache.dim() == 3, "q must be [T, H, hd], caches [C, Hkv, hd]")
     t, h, hd = q.shape
     cap, hkv = k_cache.shape[:2]
@@ -419,14 +420,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if sinks is not None:
         _f32(sinks, "sinks", (h,))
         _check(sinks.is_contiguous() and sinks.device == q.device, "sinks must be contiguous")
+    g = h // hkv
+    if tile is None:
+        tile = attention_launch(variant or attention_variant(t, g, k_cache.dtype, fused), t, g,
+                                hd)
+    _check(tile.variant in ATTN_VARIANTS and _pow2(tile.block_m) == tile.block_m
+           and _pow2(tile.block_n) == tile.block_n
+           and (tile.variant == "fma" or tile.block_m >= 16 and tile.block_n >= 16)
+           and (tile.variant != "fma" or tile.dc >= 4 and _pow2(tile.dc) == tile.dc
+                and _pow2(hd) % tile.dc == 0), f"attention tile {tile}: powers of two, "
+           "dots at 16 rows and keys at least, fma's dc a power of two >= 4 dividing hd")
     if not _use_kernels(q):
         if q8:
             k_cache, v_cache = (dequantize_q8_0(k_cache, k_scales),
                                 dequantize_q8_0(v_cache, v_scales))
         return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale, window, sinks))
     s = n_splits or attention_splits(cap, hkv)
-    g = h // hkv
-    tile = attention_launch(variant or attention_variant(t, g, k_cache.dtype, fused), t, g, hd)
     rb = _cdiv(t * g, tile.block_m)  # row blocks per kv head
     block_d = _pow2(hd)
     block_n = tile.block_n
