@@ -475,15 +475,20 @@ def test_attention_variants_under_the_interpreter() -> None:
 MODEL_SHAPES = {"qwen3-30b-a3b": (32, 4, 128, 0), "gpt-oss-20b": (64, 8, 64, 128),
                 "qwen3.6-35b-a3b": (16, 2, 256, 0)}
 SM90_SHARED, SM90_REGS = 232448, 255
-# the first (ieee) kernel's q8_0 builds spill (the int8 rows and their scales through the
-# FMA-emulated dot's layouts); the launch picks fma for q8_0 in exact mode instead
-KNOWN_SPILLS = {("ieee", "qwen3-30b-a3b", "q8_0"), ("ieee", "qwen3.6-35b-a3b", "q8_0")}
+# the first (ieee) kernel's f16 and q8_0 builds spill at hd 128 and 256 (rows converted to
+# float32 through the FMA-emulated dot's layouts); the launch picks fma there in exact mode
+KNOWN_SPILLS = {("ieee", m, kv) for m in ("qwen3-30b-a3b", "qwen3.6-35b-a3b")
+                for kv in ("f16", "q8_0")}
 
 
 def split_kernel_resources(variant: str, t: int, h: int, hkv: int, hd: int, window: int,
-                           kv: str) -> dict:
-    """The split kernel as the launch builds it for sm_90 (no GPU): shared bytes, registers,
-    spill stores and local bytes (cuobjdump of the cubin)."""
+                           kv: str, capacity: int = 32768,
+                           tile: ops.AttnLaunch | None = None) -> dict:
+    """The split kernel as the launch builds it for sm_90 (no GPU), with the specialization
+    Triton's launcher gives its arguments (pointers 16-byte aligned, ints equal to 1 constant,
+    multiples of 16 marked so), over contiguous caches of `capacity` rows: shared bytes,
+    registers, spill stores and local bytes (cuobjdump of the cubin). tile: another than the
+    variant's (tuning)."""
     import re
     import subprocess
     import tempfile
@@ -493,7 +498,7 @@ def split_kernel_resources(variant: str, t: int, h: int, hkv: int, hd: int, wind
     from triton.compiler import ASTSource
 
     g = h // hkv
-    tile = ops.attention_launch(variant, t, g, hd)
+    tile = tile or ops.attention_launch(variant, t, g, hd)
     q8 = kv == "q8_0"
     elem = {"f32": "fp32", "f16": "fp16", "q8_0": "i8"}[kv]
     scales = "*fp16" if q8 else f"*{elem}"
@@ -504,14 +509,23 @@ def split_kernel_resources(variant: str, t: int, h: int, hkv: int, hd: int, wind
         fn, const["DC"] = dk._attn_split_fma_kernel, tile.dc
     else:
         fn, const["TF32"] = dk._attn_split_kernel, variant == "tf32"
-    i32 = dict.fromkeys(("T", "H", "S", "RB", "stride_qt", "stride_qh", "stride_kr", "stride_kh",
-                         "stride_vr", "stride_vh", "stride_ksr", "stride_ksh", "stride_vsr",
-                         "stride_vsh"), "i32")
+    sd = hd // 32 if q8 else hd  # the scales' (or, unread, the caches') row of one head
+    ints = dict(T=t, H=h, S=ops.attention_splits(capacity, hkv),
+                RB=-(-t * g // tile.block_m), stride_qt=h * hd, stride_qh=hd,
+                stride_kr=hkv * hd, stride_kh=hd, stride_vr=hkv * hd, stride_vh=hd,
+                stride_ksr=hkv * sd, stride_ksh=sd, stride_vsr=hkv * sd, stride_vsh=sd)
+    const |= {k: 1 for k, v in ints.items() if v == 1}
     sig = {"q": "*fp32", "kc": f"*{elem}", "vc": f"*{elem}", "ks": scales, "vs": scales,
-           "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32", "scale": "fp32", **i32,
+           "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32", "scale": "fp32",
+           **{k: "constexpr" if v == 1 else "i32" for k, v in ints.items()},
            **dict.fromkeys(const, "constexpr")}
-    k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tile.warps})
+    names = list(fn.arg_names)
+    aligned = [names.index(k) for k in ("q", "kc", "vc", "ks", "vs", "length", "part_o",
+                                         "part_ml")]
+    aligned += [names.index(k) for k, v in ints.items() if v != 1 and v % 16 == 0]
+    k = triton.compile(ASTSource(fn, sig, constexprs=const,
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps})
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
