@@ -230,8 +230,9 @@ def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T,
                            WINDOW: tl.constexpr = 0):
     # _attn_split_kernel's programs, rows, keys and outputs without tl.dot: exact float32 on the
     # CUDA cores, BLOCK_M any power of two (no dead rows of a 16-row dot tile). Keys load as
-    # [NC, BLOCK_N, DC] (d = c·DC + e): a few lanes along d and the rest along the keys, so the
-    # score's sum over d is mostly within a thread (few shuffles); scores = Σ_c Σ_e of
+    # [NC, BLOCK_N, DC] (d = c·DC + e), DC/4 lanes along d (4 values each) and the rest along
+    # the keys: a small DC sums more of d within a thread (fewer shuffles) but holds q's NC
+    # pieces for every row in each thread (registers); scores = Σ_c Σ_e of
     # q [BLOCK_M, NC, 1, DC] · k [1, NC, BLOCK_N, DC]. p·V accumulates p [BLOCK_M, BLOCK_N, 1] ·
     # v [1, BLOCK_N, BLOCK_D] into acc3 [BLOCK_M, BLOCK_N, BLOCK_D] unsummed (the keys of a
     # tile lie across warps: summing them each step would cross warps), summed over the keys
