@@ -83,7 +83,7 @@ def parse_tile(spec: str) -> ops.AttnLaunch:
 
 def warm(n: int) -> None:
     """This script's cases in n processes at once (each every n-th, one call each, untimed)."""
-    args = [v for v in sys.argv[1:] if not v.startswith(("--warm", "--json"))]
+    args = [v for v in sys.argv[1:] if not v.startswith(("--warm=", "--json="))]
     for flag in ("--warm", "--json"):  # (as "--flag value")
         if flag in args:
             i = args.index(flag)
