@@ -40,8 +40,8 @@ Kernels and launches:
       do not matter. Split kernel variants (ATTN_VARIANTS; picked per case by
       attention_variant from tuning.ATTN_VARIANT): "ieee" the above; "fma"
       `_attn_split_fma_kernel`, no tl.dot (broadcast products and sums on the CUDA cores,
-      exact float32, row blocks of pow2(T·G) <= 16); "tf32" the dots with TF32 inputs, only
-      with fused=True (--kernels fused).
+      exact float32, row blocks of pow2(T·G) <= 16); "tf32" the dots with TF32 inputs, picked
+      only with fused=True (--kernels fused).
   router_logits  `_rows_dot_kernel`, one token against E float32 router rows: BN rows per CTA,
       E / BN CTAs (cuBLAS picked a GEMV taking ~18 us for 128 x 2048 on an H200; a product and
       a row sum took two kernels), float32 sums in a fixed order.
