@@ -9,7 +9,9 @@
 # (bench_moe_decode.py; KERNEL_ARGS added, e.g. "--gemv-only 14336x4096"), ncu (Nsight Compute
 # on the GEMVs: gemv_once.py with GEMV_ONCE_ARGS, by default the dp4a and rows kernels too;
 # NCU_EXTRA added to ncu's arguments, e.g. --metrics), mapped
-# (bench_mapped.py), overlap (bench_gather_overlap.py), profile
+# (bench_mapped.py), overlap (bench_gather_overlap.py), attention (bench_attention.py: decode
+# attention's split kernel variants at the 30B-A3B, gpt-oss-20b and qwen3.6-35b-a3b shapes by
+# cache type, tokens and length; ATTN_ARGS added, e.g. "--caches f32 --tokens 1"), profile
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing), ttft
 # (profile_prompt.py on prompts of TTFT_LEN tokens, "128 512", every expert resident: wall time,
@@ -168,6 +170,11 @@ fi
 if [[ $STAGES == *overlap* ]]; then
   echo "== a gather from the mapped arena beside compute on another stream"
   timeout 120 python3 scripts/bench_gather_overlap.py --json "$OUT/gather_overlap.json" 2>&1 | tail -8
+fi
+if [[ $STAGES == *attention* ]]; then
+  echo "== decode attention: split kernel variants by shape, cache type, tokens and length"
+  timeout 300 python3 scripts/bench_attention.py --json "$OUT/attention.json" ${ATTN_ARGS:-} \
+    2>&1 | tee "$OUT/attention.txt" | tail -80
 fi
 if [[ $STAGES == *mapped* ]]; then
   echo "== decode MoE layer reading experts from the mapped host arena"

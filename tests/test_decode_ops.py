@@ -25,7 +25,7 @@ import torch
 
 triton = pytest.importorskip("triton")  # the kernels, their SASS checks and the interpreter
 
-from interpreted import fresh_seed, run_interpreted  # noqa: E402
+from interpreted import fresh_seed, run_interpreted, run_interpreted_side_by_side  # noqa: E402
 
 from strata.kernels.gpu import decode_kernels as dk  # noqa: E402
 from strata.kernels.gpu import decode_ops as ops  # noqa: E402
@@ -348,6 +348,212 @@ def test_attention_splits() -> None:
     assert ops.attention_splits(32768, 8) == 32
     assert ops.attention_splits(20, 8) == 1
 
+
+
+def test_attention_variant_picks() -> None:
+    """Without --kernels fused every pick is an exact float32 variant; a pick exists for every
+    case; an unknown variant is refused."""
+    for t in (1, 2, 3, 4):
+        for g in (1, 4, 7, 8, 16):
+            for dt in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
+                assert ops.attention_variant(t, g, dt, False) in ("ieee", "fma"), (t, g, dt)
+                assert ops.attention_variant(t, g, dt, True) in ops.ATTN_VARIANTS
+    assert {ops.attention_launch(v, 1, 8, 128).variant for v in ops.ATTN_VARIANTS} == set(
+        ops.ATTN_VARIANTS)
+    q, c = torch.zeros(1, 8, 64), torch.zeros(4, 2, 64)
+    with pytest.raises(ValueError, match="attention variant"):
+        ops.attention_launch("bf16", 1, 4, 64)
+    for bad in (ops.AttnLaunch("ieee", 8, 32, 2, 8), ops.AttnLaunch("fma", 8, 12, 2, 8, 16),
+                ops.AttnLaunch("fma", 8, 16, 2, 8, 2)):
+        with pytest.raises(ValueError, match="attention tile"):
+            ops.decode_attention(q, c, c, torch.tensor([1]), 1.0, tile=bad)
+    assert ops.decode_attention(q, c, c, torch.tensor([1]), 1.0, variant="fma").shape == (1, 512)
+
+
+# tf32 against the reference over q, k, v truncated to TF32 (10-bit mantissas): what remains is
+# p's own rounding inside the kernel (2^-10 of each weight at most, toward zero), well under this
+TF32_TOL = 4e-3
+
+
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """x float32 with the low 13 mantissa bits cleared (TF32's inputs)."""
+    return (x.float().contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+# (T, H, Hkv, hd, capacity, window, sinks, n_splits): the three model shapes cut down, plus
+# odd ones; lengths: 1 or T, a block and one past it, odd, the window's edges, the capacity
+VARIANT_CASES = [(1, 8, 1, 128, 300, 0, False, None), (4, 8, 1, 128, 300, 0, False, None),
+                 (2, 16, 2, 64, 333, 16, True, 5), (3, 8, 2, 256, 200, 0, False, None),
+                 (1, 16, 2, 64, 200, 40, True, None), (4, 4, 4, 64, 131, 0, True, 8),
+                 (3, 12, 4, 32, 97, 0, False, None)]
+
+
+def check_attention_variants(device: str, seed: int, kinds: tuple[str, ...] = (
+        "f32", "f16", "bf16", "q8_0"), few: bool = False) -> None:
+    """Every split kernel variant with each cache type against the float32 reference over the
+    rows as stored (layers.attention, or sink_attention with a window / sinks), over caches
+    whose rows past the length are NaN and with NaN attention partials. few: fewer lengths
+    (T, 17, one past the window, the capacity; the interpreter's time)."""
+    from strata.model.parts.sink_attention import sink_attention
+    from strata.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
+
+    gen = torch.Generator().manual_seed(seed)
+    ops.scratch, plain = nan_scratch, ops.scratch
+    try:
+        for t, h, hkv, hd, cap, window, has_sinks, splits in VARIANT_CASES:
+            sinks = torch.randn(h, generator=gen).to(device) if has_sinks else None
+            lengths = {t, 1 + t, 16, 17, 64, 65, cap - 7, cap, window, window + 1}
+            if few:
+                lengths = {t, 17, window + 1, cap}
+            for n in sorted(x for x in lengths if t <= x <= cap):
+                k = torch.randn(cap, hkv, hd, generator=gen)
+                v = torch.randn(cap, hkv, hd, generator=gen)
+                q = (torch.randn(t, h, hd, generator=gen) * 0.5).to(device)
+                for kind in kinds:
+                    scales: tuple = (None, None)
+                    if kind == "q8_0":
+                        (kc, ks), (vc, vs) = quantize_q8_0(k), quantize_q8_0(v)
+                        kr, vr = dequantize_q8_0(kc, ks), dequantize_q8_0(vc, vs)
+                        kc[n:], vc[n:] = 127, -127  # no NaN in int8: huge values instead
+                        ks[n:], vs[n:] = NAN, NAN
+                        scales = (ks.to(device), vs.to(device))
+                    else:
+                        dt = {"f32": torch.float32, "f16": torch.float16,
+                              "bf16": torch.bfloat16}[kind]
+                        kc, vc = k.to(dt), v.to(dt)
+                        kr, vr = kc.float(), vc.float()
+                        kc[n:], vc[n:] = NAN, NAN
+                    kc, vc, kr, vr = (x.to(device) for x in (kc, vc, kr, vr))
+                    for variant in ops.ATTN_VARIANTS:
+                        qx, kx, vx = (q, kr, vr) if variant != "tf32" else map(tf32, (q, kr, vr))
+                        if window or sinks is not None:
+                            ref = sink_attention(qx, kx[:n], vx[:n], n - t,
+                                                 sinks if sinks is not None else
+                                                 torch.full((h,), -1e30, device=device),
+                                                 window, hd ** -0.5)
+                        else:
+                            ref = layers.attention(qx, kx[:n], vx[:n], n - t)
+                        out = ops.decode_attention(q, kc, vc, torch.tensor([n], device=device),
+                                                   hd ** -0.5, n_splits=splits, window=window,
+                                                   sinks=sinks, k_scales=scales[0],
+                                                   v_scales=scales[1], variant=variant)
+                        err = max_rel(out, ref)
+                        tol = TF32_TOL if variant == "tf32" else TOL
+                        assert err < tol, (f"{variant} {kind} T={t} H={h} Hkv={hkv} hd={hd} "
+                                           f"n={n} window={window} seed={seed}: {err:.2e}")
+    finally:
+        ops.scratch = plain
+
+
+@pytest.mark.cuda
+def test_attention_variants_cuda() -> None:
+    """Every variant on the GPU (the tf32 one on tensor cores) with every cache type."""
+    check_attention_variants("cuda", fresh_seed())
+
+
+_VARIANTS_INTERPRETED = """
+    sys.path.insert(0, "tests")
+    import test_decode_ops as cases
+    cases.VARIANT_CASES = [c for c in cases.VARIANT_CASES if c[3] <= 64]  # (time)
+    cases.check_attention_variants("cpu", seed, kinds=KINDS, few=True)
+    print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_attention_variants_under_the_interpreter() -> None:
+    """Every variant and cache type under TRITON_INTERPRET=1 on the CPU (f32 and bf16 / f16 and
+    q8_0 side by side), windows, sinks, T 1..4, hd <= 64 (~3 min on two cores)."""
+    seed = fresh_seed()
+    run_interpreted_side_by_side([_VARIANTS_INTERPRETED.replace("KINDS", repr(kinds))
+                                  for kinds in (("f32", "bf16"), ("f16", "q8_0"))], seed,
+                                 timeout=900)
+
+
+# (H, Hkv, hd, window): Qwen3-30B-A3B, gpt-oss-20b (its sliding layers), Qwen3.6-35B-A3B's full
+# attention layers; sm_90's limits per block
+MODEL_SHAPES = {"qwen3-30b-a3b": (32, 4, 128, 0), "gpt-oss-20b": (64, 8, 64, 128),
+                "qwen3.6-35b-a3b": (16, 2, 256, 0)}
+SM90_SHARED, SM90_REGS = 232448, 255
+# the first (ieee) kernel's f16 and q8_0 builds spill at hd 128 and 256 (rows converted to
+# float32 through the FMA-emulated dot's layouts); the launch picks fma there in exact mode
+KNOWN_SPILLS = {("ieee", m, kv) for m in ("qwen3-30b-a3b", "qwen3.6-35b-a3b")
+                for kv in ("f16", "q8_0")}
+
+
+def split_kernel_resources(variant: str, t: int, h: int, hkv: int, hd: int, window: int,
+                           kv: str, capacity: int = 32768,
+                           tile: ops.AttnLaunch | None = None) -> dict:
+    """The split kernel as the launch builds it for sm_90 (no GPU), with the specialization
+    Triton's launcher gives its arguments (pointers 16-byte aligned, ints equal to 1 constant,
+    multiples of 16 marked so), over contiguous caches of `capacity` rows: shared bytes,
+    registers, spill stores and local bytes (cuobjdump of the cubin). tile: another than the
+    variant's (tuning)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    g = h // hkv
+    tile = tile or ops.attention_launch(variant, t, g, hd)
+    q8 = kv == "q8_0"
+    elem = {"f32": "fp32", "f16": "fp16", "q8_0": "i8"}[kv]
+    scales = "*fp16" if q8 else f"*{elem}"
+    const = dict(HD=hd, G=g, MIN_CHUNK=ops.ATTN_MIN_CHUNK, BLOCK_M=tile.block_m,
+                 BLOCK_N=tile.block_n, BLOCK_D=ops._pow2(hd), STAGES=tile.stages, Q8=q8,
+                 WINDOW=window)
+    if variant == "fma":
+        fn, const["DC"] = dk._attn_split_fma_kernel, tile.dc
+    else:
+        fn, const["TF32"] = dk._attn_split_kernel, variant == "tf32"
+    sd = hd // 32 if q8 else hd  # the scales' (or, unread, the caches') row of one head
+    ints = dict(T=t, H=h, S=ops.attention_splits(capacity, hkv),
+                RB=-(-t * g // tile.block_m), stride_qt=h * hd, stride_qh=hd,
+                stride_kr=hkv * hd, stride_kh=hd, stride_vr=hkv * hd, stride_vh=hd,
+                stride_ksr=hkv * sd, stride_ksh=sd, stride_vsr=hkv * sd, stride_vsh=sd)
+    const |= {k: 1 for k, v in ints.items() if v == 1}
+    sig = {"q": "*fp32", "kc": f"*{elem}", "vc": f"*{elem}", "ks": scales, "vs": scales,
+           "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32", "scale": "fp32",
+           **{k: "constexpr" if v == 1 else "i32" for k, v in ints.items()},
+           **dict.fromkeys(const, "constexpr")}
+    names = list(fn.arg_names)
+    aligned = [names.index(k) for k in ("q", "kc", "vc", "ks", "vs", "length", "part_o",
+                                         "part_ml")]
+    aligned += [names.index(k) for k, v in ints.items() if v != 1 and v % 16 == 0]
+    k = triton.compile(ASTSource(fn, sig, constexprs=const,
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps})
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout
+    field = {f: int(re.search(rf"{f}:(\d+)", usage).group(1)) for f in ("REG", "STACK", "LOCAL")}
+    return dict(shared=k.metadata.shared, regs=field["REG"], stack=field["STACK"],
+                local=field["LOCAL"], spills=len(re.findall(r"\bSTL\b", sass)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["fma", "tf32", "ieee"])
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+def test_split_variants_fit_sm90(variant: str, model: str) -> None:
+    """Without a GPU: each variant as launched at each model's shape (T 1 and 4: fma's row block
+    is 8 or 16; the dot variants' tiles do not depend on T) and cache type builds for sm_90
+    within its shared memory and registers, with no spills."""
+    h, hkv, hd, window = MODEL_SHAPES[model]
+    for t in ((1, 4) if variant == "fma" else (1,)):
+        for kv in ("f32", "f16", "q8_0"):
+            got = split_kernel_resources(variant, t, h, hkv, hd, window, kv)
+            msg = f"{variant} {model} T={t} {kv}: {got}"
+            assert got["shared"] <= SM90_SHARED and got["regs"] <= SM90_REGS, msg
+            if (variant, model, kv) not in KNOWN_SPILLS:
+                assert got["spills"] == 0 and got["stack"] == 0 and got["local"] == 0, msg
 
 # ---- routing -------------------------------------------------------------------------------------
 

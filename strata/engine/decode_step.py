@@ -296,7 +296,8 @@ class DecodeStep:
         """The piece's layers, each the model's own Layer over the static buffers."""
         w, x = self.model.w, self.x
         ctx = StaticStep(kv, self.inputs[1:2], self.inputs[2:3], self.inv_freq, self.sync,
-                         self.fuse_route, lambda i: self._counter(i, piece), self._experts)
+                         self.fuse_route, lambda i: self._counter(i, piece), self._experts,
+                         self.model.fused_attention)
         if piece.first:
             x.copy_(w.embed.rows(self.inputs[0:1]))
             if self.share is not None:

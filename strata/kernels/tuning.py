@@ -110,6 +110,53 @@ ATTN_TARGET_CTAS = 256
 # query rows per split CTA: tl.dot's smallest tile; 32 rows spilled in the offline sm_90a builds
 # (docs/kernels.md; bench: none)
 ATTN_BLOCK_M = 16
+# split kernel variants (decode_ops.ATTN_VARIANTS): "ieee" tl.dot in exact float32 (the first
+# kernel, FMA-emulated), "fma" no dot (broadcast products and sums on the CUDA cores, exact
+# float32), "tf32" tl.dot on TF32 tensor cores (--kernels fused only). The pick per case:
+# (T·G <= ATTN_FEW_ROWS, --kernels fused, cache "f32" | "half" | "q8_0") -> variant.
+ATTN_FEW_ROWS = 16
+ATTN_VARIANT = MappingProxyType({
+    # no dead half of a 16-row dot tile, 35 shared loads a 16-key step against ieee's 167 a
+    # 32-key one, but 1.5x its instructions a key: expected faster where the loop waits on
+    # latency, as ieee's ~650 GB/s at 16K suggests (bench: none yet)
+    (True, False, "f32"): "fma",
+    # ~4 FMA a byte of f16 rows: expected still under the CUDA cores' rate; ieee's f16 build
+    # spills at hd 128 and 256 (bench: none yet)
+    (True, False, "half"): "fma",
+    # ~8 FMA a byte: near the CUDA cores' rate; exact mode has no faster exact form
+    # (bench: none yet)
+    (True, False, "q8_0"): "fma",
+    # f32 rows: 53 warp-instructions a key in tf32's sm_90 loop against 215 (ieee) and 326
+    # (fma); fused mode already rounds activations to 8 bits (x8) (bench: none yet)
+    (True, True, "f32"): "tf32",
+    # f16 / bf16 keys and values are exact in TF32 (only q and p round); tensor cores keep up
+    # with half the bytes where the CUDA cores may not (bench: none yet)
+    (True, True, "half"): "tf32",
+    # 8 FMA a byte: expected compute bound on the CUDA cores, tensor cores are not (bench: none yet)
+    (True, True, "q8_0"): "tf32",
+    # T·G > 16 (T 4 at G 8: 32 rows, 4x the FMAs a byte): exact mode keeps the first kernel, the
+    # exact form known to fit (fma's tile is sized for 16 rows at most) (bench: none yet)
+    (False, False, "f32"): "ieee",
+    (False, False, "half"): "ieee",
+    (False, False, "q8_0"): "ieee",
+    # 32 rows over tensor cores: the FMA forms are expected compute bound there (bench: none yet)
+    (False, True, "f32"): "tf32",
+    (False, True, "half"): "tf32",
+    (False, True, "q8_0"): "tf32",
+})
+# fma: (elements of its [BLOCK_M, BLOCK_N, BLOCK_D] accumulator: BLOCK_N = this / (BLOCK_M ·
+# BLOCK_D), 4..64, 16 keys at 8 rows of hd 128; DC, d's piece a key load spreads over DC/4
+# lanes, at most BLOCK_D; stages; warps). In the sm_90 build as launched (ints of 1 constant,
+# multiples of 16 and pointers marked aligned), 30B-A3B f32 T 1: DC 128 (all 32 lanes along d)
+# 128 registers, 16 KiB, no spills, 326 warp-instructions a key in its loop; DC 64: 169-213
+# registers, 612-630 a key; DC 16: 4 keys a step at most without spills, 1212 a key (the
+# first kernel, ieee: 215; tf32: 53). tests/test_decode_ops.py checks every model shape it
+# launches. bench: none yet
+ATTN_FMA_TILE = (8 * 16 * 128, 128, 2, 8)
+# tf32: (key bytes a step / BLOCK_D: BLOCK_N = 8192 // BLOCK_D, 64 keys at hd 128), stages,
+# warps: 3 stages of 64 f32 K+V rows fit in 144 KiB of shared memory without spills (234
+# registers) in the sm_90 build. bench: none yet
+ATTN_TF32_TILE = (8192, 3, 8)
 
 # ---- the CPU share and the mailbox (kernels/gpu/mailbox.py, kernels/cpu, experts/cpu_share.py) --
 

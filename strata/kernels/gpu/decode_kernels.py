@@ -150,7 +150,9 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
                        HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        STAGES: tl.constexpr, Q8: tl.constexpr = False,
-                       WINDOW: tl.constexpr = 0):
+                       WINDOW: tl.constexpr = 0, TF32: tl.constexpr = False):
+    # TF32: both products on tl.dot with TF32 inputs (10-bit mantissas; --kernels fused only),
+    # else exact float32 ("ieee"; unnamed, None, is that too).
     # program (g·RB + b, s): query rows r = b·BLOCK_M + i of kv head g, r = t·G + (h - g·G), against
     # keys [lo + s·chunk, min(lo + (s+1)·chunk, n)); row r sees keys j <= n - T + t (and, with a
     # sliding WINDOW, j > n - T + t - WINDOW; lo = the first key row 0 sees, else 0).
@@ -189,8 +191,10 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
             if Q8:
                 kt = kt * tl.load(ksbase + j.to(tl.int64)[:, None] * stride_ksr
                                   + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
-            # exact float32 products ("ieee": FMA, no TF32 rounding)
-            sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+            if TF32:
+                sc = tl.dot(qt, tl.trans(kt), input_precision="tf32") * scale
+            else:  # exact float32 products ("ieee": FMA, no TF32 rounding)
+                sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
             seen = jm[None, :] & (j[None, :] <= last[:, None])
             if WINDOW:
                 seen = seen & (j[None, :] > last[:, None] - WINDOW)
@@ -204,8 +208,91 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
             if Q8:
                 vt = vt * tl.load(vsbase + j.to(tl.int64)[:, None] * stride_vsr
                                   + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            if TF32:
+                pv = tl.dot(p, vt, input_precision="tf32")
+            else:
+                pv = tl.dot(p, vt, input_precision="ieee")
+            acc = acc * alpha[:, None] + pv  # [BLOCK_M, BLOCK_D]
             m_i = m_new
+        row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
+        tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
+        tl.store(part_ml + row * 2, m_i, mask=rm)
+        tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
+
+
+@triton.jit
+def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, S, RB,
+                           stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                           stride_ksr, stride_ksh, stride_vsr, stride_vsh,
+                           HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           STAGES: tl.constexpr, DC: tl.constexpr, Q8: tl.constexpr = False,
+                           WINDOW: tl.constexpr = 0):
+    # _attn_split_kernel's programs, rows, keys and outputs without tl.dot: exact float32 on the
+    # CUDA cores, BLOCK_M any power of two (no dead rows of a 16-row dot tile). Keys load as
+    # [NC, BLOCK_N, DC] (d = c·DC + e), DC/4 lanes along d (4 values each) and the rest along
+    # the keys: a small DC sums more of d within a thread (fewer shuffles) but holds q's NC
+    # pieces for every row in each thread (registers); scores = Σ_c Σ_e of
+    # q [BLOCK_M, NC, 1, DC] · k [1, NC, BLOCK_N, DC]. p·V accumulates p [BLOCK_M, BLOCK_N, 1] ·
+    # v [1, BLOCK_N, BLOCK_D] into acc3 [BLOCK_M, BLOCK_N, BLOCK_D] unsummed (the keys of a
+    # tile lie across warps: summing them each step would cross warps), summed over the keys
+    # once at the end.
+    NC: tl.constexpr = BLOCK_D // DC
+    g = tl.program_id(0) // RB
+    s = tl.program_id(1)
+    n = tl.load(length).to(tl.int32)
+    lo = _window_lo(n, T, WINDOW)
+    chunk = _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N)
+    start = lo + s * chunk
+    if start < n:
+        end = tl.minimum(start + chunk, n)
+        r = (tl.program_id(0) % RB) * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = r // G
+        h = g * G + r % G
+        rm = r < T * G
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HD
+        dk = tl.arange(0, NC)[:, None, None] * DC + tl.arange(0, DC)[None, None, :]  # [NC, 1, DC]
+        dkm = dk < HD
+        q4 = tl.load(q + (t * stride_qt + h * stride_qh)[:, None, None, None] + dk[None],
+                     mask=rm[:, None, None, None] & dkm[None], other=0.0)  # [BLOCK_M, NC, 1, DC]
+        last = n - T + t  # [BLOCK_M]
+        m_i = tl.full((BLOCK_M,), _NEG, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_D), tl.float32)
+        kbase = kc + g.to(tl.int64) * stride_kh
+        vbase = vc + g.to(tl.int64) * stride_vh
+        ksbase = ks + g.to(tl.int64) * stride_ksh  # (q8_0's scales: read only when Q8)
+        vsbase = vs + g.to(tl.int64) * stride_vsh
+        for j0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+            j = j0 + tl.arange(0, BLOCK_N)
+            jm = j < end
+            jk = j.to(tl.int64)[None, :, None]  # [1, BLOCK_N, 1]
+            ldk = jm[None, :, None] & dkm
+            kt = tl.load(kbase + jk * stride_kr + dk, mask=ldk,
+                         other=0.0).to(tl.float32)  # [NC, BLOCK_N, DC]; rows >= n never read
+            if Q8:
+                kt = kt * tl.load(ksbase + jk * stride_ksr + dk // 32, mask=ldk,
+                                  other=0.0).to(tl.float32)
+            sc = tl.sum(tl.sum(q4 * kt[None], axis=1), axis=2) * scale  # [BLOCK_M, BLOCK_N]
+            seen = jm[None, :] & (j[None, :] <= last[:, None])
+            if WINDOW:
+                seen = seen & (j[None, :] > last[:, None] - WINDOW)
+            sc = tl.where(seen, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            jv = j.to(tl.int64)[:, None]  # [BLOCK_N, 1]
+            ldv = jm[:, None] & dm[None, :]
+            vt = tl.load(vbase + jv * stride_vr + d[None, :], mask=ldv,
+                         other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            if Q8:
+                vt = vt * tl.load(vsbase + jv * stride_vsr + (d // 32)[None, :], mask=ldv,
+                                  other=0.0).to(tl.float32)
+            acc3 = acc3 * alpha[:, None, None] + p[:, :, None] * vt[None, :, :]
+            m_i = m_new
+        acc = tl.sum(acc3, axis=1)  # [BLOCK_M, BLOCK_D]
         row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
         tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
         tl.store(part_ml + row * 2, m_i, mask=rm)

@@ -37,7 +37,11 @@ Kernels and launches:
       at once. Each split writes (max, sum, unnormalized output) per query row;
       `_attn_reduce_kernel`, grid (H, T), combines the live splits (cdiv(length, chunk) of
       them). Keys at or past `length` are never read (masked loads), so stale or garbage rows
-      do not matter.
+      do not matter. Split kernel variants (ATTN_VARIANTS; picked per case by
+      attention_variant from tuning.ATTN_VARIANT): "ieee" the above; "fma"
+      `_attn_split_fma_kernel`, no tl.dot (broadcast products and sums on the CUDA cores,
+      exact float32, row blocks of pow2(T·G) <= 16); "tf32" the dots with TF32 inputs, picked
+      only with fused=True (--kernels fused).
   router_logits  `_rows_dot_kernel`, one token against E float32 router rows: BN rows per CTA,
       E / BN CTAs (cuBLAS picked a GEMV taking ~18 us for 128 x 2048 on an H200; a product and
       a row sum took two kernels), float32 sums in a fixed order.
@@ -65,12 +69,21 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from strata.kernels import torch_ops as layers
-from strata.kernels.tuning import ATTN_BLOCK_M, ATTN_MIN_CHUNK, ATTN_TARGET_CTAS
+from strata.kernels.tuning import (
+    ATTN_BLOCK_M,
+    ATTN_FEW_ROWS,
+    ATTN_FMA_TILE,
+    ATTN_MIN_CHUNK,
+    ATTN_TARGET_CTAS,
+    ATTN_TF32_TILE,
+    ATTN_VARIANT,
+)
 from strata.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
 
 ROPE_STYLES = ("neox", "normal")
@@ -327,11 +340,52 @@ def attention_splits(capacity: int, n_kv_heads: int) -> int:
     return max(1, min(_cdiv(capacity, ATTN_MIN_CHUNK), ATTN_TARGET_CTAS // n_kv_heads))
 
 
+# split kernel variants: tl.dot in exact float32 (the first kernel), no dot (exact float32 on
+# the CUDA cores), tl.dot with TF32 inputs (--kernels fused only)
+ATTN_VARIANTS = ("ieee", "fma", "tf32")
+
+
+def attention_variant(t: int, g: int, kv_dtype: torch.dtype, fused: bool) -> str:
+    """The split kernel variant the launch picks (tuning.ATTN_VARIANT): by T·G, the kernels mode
+    (fused: --kernels fused, which allows TF32; else float32-exact) and the cache type."""
+    cache = {torch.float32: "f32", torch.int8: "q8_0"}.get(kv_dtype, "half")
+    return ATTN_VARIANT[(t * g <= ATTN_FEW_ROWS, fused, cache)]
+
+
+@dataclass(frozen=True)
+class AttnLaunch:
+    """One split kernel launch's tile: rows a CTA (BLOCK_M), keys a step (BLOCK_N), pipeline
+    stages, warps, and the fma variant's lanes along d (dc)."""
+
+    variant: str
+    block_m: int
+    block_n: int
+    stages: int
+    warps: int
+    dc: int = 0
+
+
+def attention_launch(variant: str, t: int, g: int, hd: int) -> AttnLaunch:
+    """The tile of `variant` for T tokens, G query heads a kv head and head dim hd."""
+    _check(variant in ATTN_VARIANTS, f"attention variant {variant!r}: choose from {ATTN_VARIANTS}")
+    block_d = _pow2(hd)
+    if variant == "fma":
+        tile, dc, stages, warps = ATTN_FMA_TILE
+        bm = min(ATTN_BLOCK_M, _pow2(t * g))
+        return AttnLaunch(variant, bm, max(4, min(64, tile // (bm * block_d))), stages, warps,
+                          min(dc, block_d))
+    if variant == "tf32":
+        step, stages, warps = ATTN_TF32_TILE
+        return AttnLaunch(variant, ATTN_BLOCK_M, max(16, min(128, step // block_d)), stages, warps)
+    return AttnLaunch(variant, ATTN_BLOCK_M, max(16, min(32, 4096 // block_d)), 2, 8)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      length: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      n_splits: int | None = None, window: int = 0,
                      sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
-                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scales: torch.Tensor | None = None, fused: bool = False,
+                     variant: str | None = None, tile: AttnLaunch | None = None) -> torch.Tensor:
     """Causal GQA attention of T new tokens at positions length-T .. length-1 over cache rows
     0 .. length-1: query t sees keys j <= length - T + t; head h reads kv head h // (H / Hkv).
     softmax(q k^T · scale) v, as layers.attention (whose scale is hd^-0.5).
@@ -343,7 +397,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     contiguous). Two launches; n_splits overrides attention_splits(C, Hkv) (tests, tuning). Rows
     >= length are never read. gpt-oss: window > 0, query t sees only its last `window` keys
     (j > length - T + t - window; the splits cover those rows only); sinks f32 [H], a logit per
-    head in the softmax's denominator that adds no value."""
+    head in the softmax's denominator that adds no value. The split kernel's variant: `variant`
+    (tests, benchmarks), else attention_variant's pick; fused (--kernels fused) lets it pick
+    TF32 dots, otherwise every product is exact float32. tile: the split kernel's variant and
+    tile instead of both (benchmarks; attention_launch's for the variant otherwise)."""
     _check(q.dim() == 3 and k_cache.dim() == 3, "q must be [T, H, hd], caches [C, Hkv, hd]")
     t, h, hd = q.shape
     cap, hkv = k_cache.shape[:2]
@@ -367,25 +424,39 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if sinks is not None:
         _f32(sinks, "sinks", (h,))
         _check(sinks.is_contiguous() and sinks.device == q.device, "sinks must be contiguous")
+    g = h // hkv
+    if tile is None:
+        tile = attention_launch(variant or attention_variant(t, g, k_cache.dtype, fused), t, g,
+                                hd)
+    _check(tile.variant in ATTN_VARIANTS and _pow2(tile.block_m) == tile.block_m
+           and _pow2(tile.block_n) == tile.block_n
+           and (tile.variant == "fma" or tile.block_m >= 16 and tile.block_n >= 16)
+           and (tile.variant != "fma" or tile.dc >= 4 and _pow2(tile.dc) == tile.dc
+                and _pow2(hd) % tile.dc == 0), f"attention tile {tile}: powers of two, "
+           "dots at 16 rows and keys at least, fma's dc a power of two >= 4 dividing hd")
     if not _use_kernels(q):
         if q8:
             k_cache, v_cache = (dequantize_q8_0(k_cache, k_scales),
                                 dequantize_q8_0(v_cache, v_scales))
         return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale, window, sinks))
     s = n_splits or attention_splits(cap, hkv)
-    g = h // hkv
-    rb = _cdiv(t * g, ATTN_BLOCK_M)  # row blocks per kv head
+    rb = _cdiv(t * g, tile.block_m)  # row blocks per kv head
     block_d = _pow2(hd)
-    block_n = max(16, min(32, 4096 // block_d))
+    block_n = tile.block_n
     part_o = scratch((s, t, h, hd), torch.float32, q.device)
     part_ml = scratch((s, t, h, 2), torch.float32, q.device)
     ks, vs = (k_scales, v_scales) if q8 else (k_cache, v_cache)  # (unread without q8_0)
-    _kernels()._attn_split_kernel[(hkv * rb, s)](
-        q, k_cache, v_cache, ks, vs, length, part_o, part_ml, scale, t, h, s, rb, q.stride(0),
-        q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-        HD=hd, G=g, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=block_n,
-        BLOCK_D=block_d, STAGES=2, Q8=q8, WINDOW=window, num_warps=8)
+    args = (q, k_cache, v_cache, ks, vs, length, part_o, part_ml, scale, t, h, s, rb,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))
+    const = dict(HD=hd, G=g, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=tile.block_m, BLOCK_N=block_n,
+                 BLOCK_D=block_d, STAGES=tile.stages, Q8=q8, WINDOW=window,
+                 num_warps=tile.warps)
+    if tile.variant == "fma":
+        _kernels()._attn_split_fma_kernel[(hkv * rb, s)](*args, DC=tile.dc, **const)
+    else:
+        _kernels()._attn_split_kernel[(hkv * rb, s)](*args, TF32=tile.variant == "tf32",
+                                                     **const)
     block_s = min(_pow2(s), max(1, 4096 // block_d))
     _kernels()._attn_reduce_kernel[(h, t)](
         part_o, part_ml, length, out, t, h, s, out.stride(0), q if sinks is None else sinks,

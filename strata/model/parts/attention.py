@@ -53,7 +53,7 @@ class GQAAttention:
                               ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i], k_scales=ks,
                               v_scales=vs)
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale, k_scales=ks,
-                                    v_scales=vs)  # [1, H*hd]
+                                    v_scales=vs, fused=ctx.fused_attention)  # [1, H*hd]
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
@@ -83,7 +83,8 @@ class GQAAttention:
                 end = torch.full((1,), s.kv.length + s.length, device=q.device)
                 ks, vs = (s.kv.ks[i], s.kv.vs[i]) if s.kv.quantized else (None, None)
                 out.append(decode_ops().decode_attention(q[sl], s.kv.k[i], s.kv.v[i], end,
-                                                         self.scale, k_scales=ks, v_scales=vs))
+                                                         self.scale, k_scales=ks, v_scales=vs,
+                                                         fused=ctx.fused_attention))
             else:  # (keys and values as stored: rounded to --kv-type)
                 out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
             start += s.length

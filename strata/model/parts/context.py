@@ -65,7 +65,8 @@ class StaticStep:
     the routing in one launch; counts(layer): where the layer's routing is counted on the
     device (or None); experts(layer, h, ids, wts, sum_pairs): the executor's decode path for
     the layer, which may return the K pairs' rows unsummed ([1, K, D]) when not sum_pairs:
-    the next residual step (add_rms_norm) sums them."""
+    the next residual step (add_rms_norm) sums them. fused_attention: --kernels fused (decode
+    attention may use TF32 dots; otherwise exact float32)."""
 
     kv: KVCache
     pos: torch.Tensor
@@ -75,6 +76,7 @@ class StaticStep:
     fuse_route: bool
     counts: Callable[[int], torch.Tensor | None]
     experts: Callable[..., torch.Tensor]
+    fused_attention: bool = False
     static = True
 
     def run_experts(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,

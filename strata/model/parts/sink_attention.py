@@ -80,7 +80,8 @@ class SinkAttention(GQAAttention):
         q = ops.qk_rope_store(q, k, v, None, None, self.eps, ctx.pos, ctx.inv_freq,
                               self.rope_style, kv.k[i], kv.v[i])
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale,
-                                    window=self.window, sinks=self.lw.sinks)  # [1, H*hd]
+                                    window=self.window, sinks=self.lw.sinks,
+                                    fused=ctx.fused_attention)  # [1, H*hd]
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
