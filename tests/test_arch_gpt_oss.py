@@ -356,11 +356,16 @@ def test_routing_trace_and_pin_see_the_router_bias(mxfp4):
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("cache", ["3", "32"])
 def test_cuda_fused_kernels_and_graphs_within_rounding(mxfp4, kv_type, cache):
-    """--kernels fused on CUDA: the dense weights' fused kernels, the experts' torch paths (no
-    fused MoE kernel has biases), decode steps captured as CUDA graphs over the static cache
-    (f16: rounded keys and values): the logits move by rounding, not more."""
+    """--kernels fused on CUDA: the dense weights' fused kernels, the experts on the fused MoE
+    kernels with their biases and the clamped SwiGLU (every layer covered: none on the torch
+    paths), decode steps captured as CUDA graphs over the static cache (f16: rounded keys and
+    values): the logits move by rounding, not more."""
     path, tokens, ref = mxfp4
     engine = offload(path, "cuda", expert_cache=cache, kv_type=kv_type, kernels="fused")
+    ex = engine.model.experts
+    assert all(ex.fused.covered) and sorted(ex.fused.biases) == list(range(len(ex.fused.covered)))
+    assert "host" not in ex.decode_paths(engine.model.cfg.n_experts_used,
+                                         [True] * len(ex.fused.covered))
     step = engine.model.step
     assert step is not None and step.graphs
     kv = engine.model.new_cache(len(tokens))
