@@ -435,7 +435,7 @@ def test_biased_moe_kernels_compile_for_sm90(types: str) -> None:
     kernels.append(_compile_sm90(moe_mod._down_pairs_kernel, sig, dict(
         QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0, STAGES=st, MISS=True,
         TOPK=4, HOST_FROM=4, BIAS=True), w))
-    for t in (23, 512):  # the smallest and largest BM
+    for t in (23, 1024):  # the smallest and largest BM (16, 128)
         bm, bn, bk, w = moe_mod.group_config(t, 4, 32)
         sig = dict(x="*bf16", counts="*i32", starts="*i32", order="*i32", slot_of="*i32",
                    gate=u8, up=u8, h="*bf16", tg=f32, tg2=f32, tu=f32, tu2=f32, bg=f32, bu=f32,
@@ -574,22 +574,20 @@ _INTERPRETED_BIAS = """
     slots = records[[2, 0]]
     full = (torch.arange(e, dtype=torch.int32), *lay.views(records), qt, d, f)
     bias = tuple(3 * torch.randn(e, n) for n in (f, f, d))
-    for act in ("swiglu", "swiglu_oai"):
-        for t in {TOKENS}:
-            ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
-            x, wts = 3 * torch.randn(t, d), torch.rand(t, 2)
-            if t == 1:  # the resident pairs only
-                out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, bias=bias,
-                                  act=act)
-                ref = moe_ref(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, bias=bias,
+    for act, t in {CALLS}:
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+        x, wts = 3 * torch.randn(t, d), torch.rand(t, 2)
+        if t == 1:  # the resident pairs only
+            out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, bias=bias,
                               act=act)
-                assert rel(out, ref) < 2e-5, ("resident", act, t)
-            miss = torch.full((2 * t, lay.stride), 255, dtype=torch.uint8)
-            gather_misses(ids, slot_of, records, miss, lay.nbytes)
-            out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f,
-                              miss=lay.views(miss), bias=bias, act=act)
-            ref = moe_ref(x, ids, wts, *full, bias=bias, act=act)
-            assert rel(out, ref) < 2e-5, ("miss rows", act, t)
+            ref = moe_ref(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, bias=bias, act=act)
+            assert rel(out, ref) < 2e-5, ("resident", act, t)
+        miss = torch.full((2 * t, lay.stride), 255, dtype=torch.uint8)
+        gather_misses(ids, slot_of, records, miss, lay.nbytes)
+        out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f,
+                          miss=lay.views(miss), bias=bias, act=act)
+        ref = moe_ref(x, ids, wts, *full, bias=bias, act=act)
+        assert rel(out, ref) < 2e-5, ("miss rows", act, t)
     # a prompt chunk on the tl.dot kernels (float32 operands here) and the grouped GEMMs
     ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(6)]))
     x, wts = 3 * torch.randn(6, d), torch.rand(6, 2)
@@ -597,19 +595,37 @@ _INTERPRETED_BIAS = """
     for grouped, tol in ((False, 1.5e-2), (True, 2e-5)):  # (tl.dot: h in bf16)
         out = moe_forward(x, ids, wts, *full, bias=bias, act="swiglu_oai", grouped=grouped)
         assert rel(out, ref) < tol, ("prompt", grouped)
+    if {HITS}:  # FusedHits (on for this check) passes a biased layer's biases: as run_records
+        import strata.experts.gpu_hits as gpu_hits
+        from strata.experts.compute import group_pairs, run_records
+        from strata.model.weights import ExpertBias
+        gpu_hits.fused_kernels_available = lambda device: True
+        blay = ExpertLayout(0, lay.qtypes, d, f, ExpertBias(*bias, "swiglu_oai"))
+        hits = gpu_hits.FusedHits([blay], torch.device("cpu"), max_t=4)
+        assert hits.covers(0, 1) and list(hits.biases) == [0]
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(2)]))
+        x, wts = 3 * torch.randn(2, d), torch.rand(2, 2)
+        out = hits.run(blay, records, torch.arange(e, dtype=torch.int32), x, ids, wts, None)
+        groups = group_pairs(ids, wts)
+        ref = torch.zeros(2, d)
+        run_records(blay, records[[g.expert for g in groups]], groups, x, ref, 1 << 24)
+        assert rel(out, ref) < 2e-5, "FusedHits"
     print("ok")
 """
 
 
 def test_biased_moe_kernels_under_the_interpreter() -> None:
     """gpt-oss's experts on the CPU under Triton's interpreter, tiny sizes: the decode kernels
-    with biases and both activations (every pair through miss rows; at 1 token the resident
-    pairs alone too) at 1, 2 and 4 tokens for MXFP4, 1 and 3 for Q8_0 gate/up with a Q4_0
-    down; a prompt chunk on both prompt paths."""
+    with biases (every pair through miss rows; at 1 token the resident pairs alone too): the
+    clamped SwiGLU at 1, 2 and 4 tokens for MXFP4; silu at 1 token and the clamped SwiGLU at 3
+    for Q8_0 gate/up with a Q4_0 down; a prompt chunk on both prompt paths; FusedHits.run of
+    a biased layer against run_records (the torch path)."""
     _, seed = fresh_rng()
+    oai = [("swiglu_oai", t) for t in (1, 2, 4)]
     bodies = [_INTERPRETED_HEAD + _INTERPRETED_BIAS.replace("{GU}", gu).replace(
-        "{DN}", dn).replace("{TOKENS}", tokens)
-        for gu, dn, tokens in (("MXFP4", "MXFP4", "(1, 2, 4)"), ("Q8_0", "Q4_0", "(1, 3)"))]
+        "{DN}", dn).replace("{CALLS}", repr(calls)).replace("{HITS}", hits)
+        for gu, dn, calls, hits in (("MXFP4", "MXFP4", oai, "False"),
+                                    ("Q8_0", "Q4_0", [("swiglu", 1), ("swiglu_oai", 3)], "True"))]
     run_interpreted_side_by_side(bodies, seed, timeout=300)
 
 

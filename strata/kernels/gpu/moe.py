@@ -7,7 +7,10 @@
 
 over the pairs (t, k) whose expert is resident (slot_of_expert[e] >= 0); the others add nothing
 and are left to the miss path (`resident_pairs` gives the mask). Shapes: T tokens, K routed
-experts per token, E experts, D d_model, F d_expert, P = T·K pairs.
+experts per token, E experts, D d_model, F d_expert, P = T·K pairs. With the experts' biases
+and gpt-oss's clamped SwiGLU (bias=, act="swiglu_oai") a pair adds
+weights[t, k] · (down_e(act(gate_e · x[t] + bg_e, up_e · x[t] + bu_e)) + bd_e) on every path
+(the kernels' BIAS / OAI constexprs; off, they compile as without).
 
 Decode (T <= 4): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F) with the FMA
 skeleton (gate and up share x and one K loop), writing h [P, F] already scaled by the routing
