@@ -393,3 +393,23 @@ def test_bad_gpt_oss_files_are_refused_in_one_line(synth, tmp_path, meta, shapes
     with pytest.raises(StrataError) as err:
         ModelConfig.from_model(open_model(bad))
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_plan_counts_the_experts_biases_on_cuda(synth):
+    """On CUDA the fused kernels read the experts' biases from a device copy (FusedHits): the
+    memory plan counts its bytes with the dense weights (planned without a GPU)."""
+    from dataclasses import replace
+
+    from strata.config import EngineConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+
+    mf = open_model(synth("gpt-oss", "MXFP4"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    ec = EngineConfig(device="cuda", vram_budget_gib=1, ctx=256)
+    bare = [replace(lay, bias=None) for lay in layouts]
+    biases = sum(b.gate.nbytes + b.up.nbytes + b.down.nbytes
+                 for b in (lay.bias for lay in layouts))
+    assert biases > 0
+    assert make_plan(mf, cfg, ec, layouts).dense - make_plan(mf, cfg, ec, bare).dense == biases
