@@ -356,11 +356,16 @@ def test_routing_trace_and_pin_see_the_router_bias(mxfp4):
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("cache", ["3", "32"])
 def test_cuda_fused_kernels_and_graphs_within_rounding(mxfp4, kv_type, cache):
-    """--kernels fused on CUDA: the dense weights' fused kernels, the experts' torch paths (no
-    fused MoE kernel has biases), decode steps captured as CUDA graphs over the static cache
-    (f16: rounded keys and values): the logits move by rounding, not more."""
+    """--kernels fused on CUDA: the dense weights' fused kernels, the experts on the fused MoE
+    kernels with their biases and the clamped SwiGLU (every layer covered: none on the torch
+    paths), decode steps captured as CUDA graphs over the static cache (f16: rounded keys and
+    values): the logits move by rounding, not more."""
     path, tokens, ref = mxfp4
     engine = offload(path, "cuda", expert_cache=cache, kv_type=kv_type, kernels="fused")
+    ex = engine.model.experts
+    assert all(ex.fused.covered) and sorted(ex.fused.biases) == list(range(len(ex.fused.covered)))
+    assert "host" not in ex.decode_paths(engine.model.cfg.n_experts_used,
+                                         [True] * len(ex.fused.covered))
     step = engine.model.step
     assert step is not None and step.graphs
     kv = engine.model.new_cache(len(tokens))
@@ -388,3 +393,23 @@ def test_bad_gpt_oss_files_are_refused_in_one_line(synth, tmp_path, meta, shapes
     with pytest.raises(StrataError) as err:
         ModelConfig.from_model(open_model(bad))
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_plan_counts_the_experts_biases_on_cuda(synth):
+    """On CUDA the fused kernels read the experts' biases from a device copy (FusedHits): the
+    memory plan counts its bytes with the dense weights (planned without a GPU)."""
+    from dataclasses import replace
+
+    from strata.config import EngineConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+
+    mf = open_model(synth("gpt-oss", "MXFP4"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    ec = EngineConfig(device="cuda", vram_budget_gib=1, ctx=256)
+    bare = [replace(lay, bias=None) for lay in layouts]
+    biases = sum(b.gate.nbytes + b.up.nbytes + b.down.nbytes
+                 for b in (lay.bias for lay in layouts))
+    assert biases > 0
+    assert make_plan(mf, cfg, ec, layouts).dense - make_plan(mf, cfg, ec, bare).dense == biases

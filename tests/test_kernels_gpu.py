@@ -318,6 +318,143 @@ def test_misses_gathered_from_mapped_host_records(t: int) -> None:
     assert err < FMA_TOL, f"t={t} seed={seed}: rel err {err:.2e}"
 
 
+# ---- experts with biases and the clamped SwiGLU (gpt-oss) ---------------------------------------
+
+# (gate, up, down) types: gpt-oss's MXFP4 experts, and a mix of other fused types
+BIAS_TYPES = {"mxfp4": (QType.MXFP4, QType.MXFP4, QType.MXFP4),
+              "q4k-q6k": (QType.Q4_K, QType.Q4_K, QType.Q6_K)}
+
+
+def expert_biases(e: int, d: int, f: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """gate, up [E, F] and down [E, D] float32 biases, large enough that the clamped SwiGLU's
+    limit (7) cuts some g and u."""
+    return tuple(3 * torch.randn(e, n, device=device) for n in (f, f, d))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("types", list(BIAS_TYPES))
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
+@pytest.mark.parametrize("t,grouped", [(1, None), (2, None), (4, None), (23, False),
+                                       (96, True)], ids=["1", "2", "4", "dot-23", "grouped-96"])
+def test_moe_forward_with_biases(types: str, act: str, t: int, grouped: bool | None,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every path moe_forward picks (decode FMA kernels, the tl.dot grouped kernels, the bf16
+    grouped GEMMs) adds the experts' biases and computes their activation as
+    torch_ops.expert_mlp does; the unsummed decode rows too."""
+    from strata.kernels.gpu import moe_grouped
+
+    rng, seed = fresh_rng()
+    monkeypatch.setattr(moe_mod, "scratch", nan_scratch)
+    monkeypatch.setattr(moe_grouped, "scratch", nan_scratch)
+    e, d, f = 11, 512, 256
+    layer = make_layer((t, e, 4, d, f, BIAS_TYPES[types], 8), rng)
+    layer["x"] = 3 * layer["x"]
+    bias = expert_biases(e, d, f)
+    out = moe_forward(**layer, bias=bias, act=act, grouped=grouped)
+    ref = moe_ref(**layer, bias=bias, act=act)
+    tol = FMA_TOL if t <= moe_mod.DECODE_MAX_T else MOE_DOT_TOL
+    err = rel_err(out, ref)
+    assert err < tol, f"{types} {act} t={t} seed={seed}: rel err {err:.2e}"
+    if t <= moe_mod.DECODE_MAX_T:
+        rows = moe_forward(**layer, bias=bias, act=act, sum_pairs=False)
+        assert torch.isfinite(rows).all(), f"seed={seed}: unwritten rows"
+        err = rel_err(rows.sum(1), ref)
+        assert err < tol, f"{types} {act} t={t} seed={seed}: rows rel err {err:.2e}"
+        # x8 is refused quietly for biased calls: the same float32 result
+        err = rel_err(moe_forward(**layer, bias=bias, act=act, x8=True), ref)
+        assert err < tol, f"{types} {act} t={t} seed={seed}: x8 rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 4])
+def test_gathered_misses_with_biases(t: int) -> None:
+    """The gathered-miss call (miss rows, every pair computed) with gpt-oss's biases and
+    activation on MXFP4 records equals the reference with every expert resident."""
+    from strata.experts.layout import ExpertLayout
+    from strata.kernels.gpu import gather_misses
+
+    rng, seed = fresh_rng()
+    e, topk, d, f = 9, 4, 256, 128
+    qt = BIAS_TYPES["mxfp4"]
+    lay = ExpertLayout(0, tuple(int(q) for q in qt), d, f)
+    records = torch.zeros(e, lay.stride, dtype=torch.uint8).pin_memory()
+    for part, (q, n, k) in zip(lay.views(records), ((qt[0], f, d), (qt[1], f, d), (qt[2], d, f)),
+                               strict=True):
+        part[:] = torch.from_numpy(random_rows(q, e * n, k, rng, 0.05)).view(e, n, -1)
+    resident = rng.permutation(e)[:3]
+    slot_of = torch.full((e,), -1, dtype=torch.int32)
+    slot_of[torch.from_numpy(resident)] = torch.arange(3, dtype=torch.int32)
+    slots, slot_of = records[torch.from_numpy(resident)].cuda(), slot_of.cuda()
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:topk] for _ in range(t)])).cuda()
+    x, wts = 3 * torch.randn(t, d, device="cuda"), torch.rand(t, topk, device="cuda")
+    bias = expert_biases(e, d, f)
+    rows = torch.full((t * topk, lay.stride), 255, dtype=torch.uint8, device="cuda")
+    gather_misses(ids, slot_of, records, rows, lay.nbytes)
+    out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, miss=lay.views(rows),
+                      bias=bias, act="swiglu_oai")
+    ref = moe_ref(x, ids, wts, torch.arange(e, dtype=torch.int32, device="cuda"),
+                  *lay.views(records.cuda()), qt, d, f, bias=bias, act="swiglu_oai")
+    err = rel_err(out, ref)
+    assert err < FMA_TOL, f"t={t} seed={seed}: rel err {err:.2e}"
+
+
+def _compile_sm90(fn, sig: dict, consts: dict, warps: int, stages: int | None = None):  # noqa: ANN001, ANN202
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(sig, **dict.fromkeys(consts, "constexpr"))
+    opts = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+@pytest.mark.parametrize("types", list(BIAS_TYPES))
+def test_biased_moe_kernels_compile_for_sm90(types: str) -> None:
+    """Without a GPU: the four MoE kernels with biases and the clamped SwiGLU compile for
+    sm_90 (Triton's bundled ptxas) with the tiles moe_forward gives them, within the H100's
+    / H200's 227 KiB of shared memory per block."""
+    from strata.kernels.gpu.formats import kernel_format
+    from strata.kernels.tuning import DOWN_TILE, GATE_UP_TILE
+
+    fg, fu, fd = (kernel_format(q) for q in BIAS_TYPES[types])
+    d, f = 2880, 2880  # gpt-oss's d_model and d_expert: no tile divides them evenly
+    ptr = {"x": "*fp32", "ids": "*i32", "wts": "*fp32", "slot_of": "*i32"}
+    u8, f32, i32 = "*u8", "*fp32", "i32"
+    kernels = []
+    bn, bk, st, w = moe_mod.decode_tile(GATE_UP_TILE, (fg, fu), d)
+    sig = dict(ptr, gate=u8, up=u8, h=f32, tg=f32, tg2=f32, tu=f32, tu2=f32, mg=u8, mu=u8,
+               bg=f32, bu=f32, D=i32, F=i32, stride_x=i32, stride_gs=i32, stride_us=i32,
+               stride_ms=i32, rb_g=i32, rb_u=i32)
+    for miss in (False, True):
+        kernels.append(_compile_sm90(moe_mod._gate_up_pairs_kernel, sig, dict(
+            TOPK=4, QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
+            EVEN_D=d % bk == 0, STAGES=st, MISS=miss, HOST_FROM=4, BIAS=True, OAI=True), w))
+    bn, bk, st, w = moe_mod.decode_tile(DOWN_TILE, (fd,), f)
+    sig = dict(h=f32, ids="*i32", slot_of="*i32", down=u8, part=f32, td=f32, td2=f32, md=u8,
+               wts=f32, bd=f32, D=i32, F=i32, stride_ds=i32, stride_ms=i32, rb_d=i32)
+    kernels.append(_compile_sm90(moe_mod._down_pairs_kernel, sig, dict(
+        QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0, STAGES=st, MISS=True,
+        TOPK=4, HOST_FROM=4, BIAS=True), w))
+    for t in (23, 1024):  # the smallest and largest BM (16, 128)
+        bm, bn, bk, w = moe_mod.group_config(t, 4, 32)
+        sig = dict(x="*bf16", counts="*i32", starts="*i32", order="*i32", slot_of="*i32",
+                   gate=u8, up=u8, h="*bf16", tg=f32, tg2=f32, tu=f32, tu2=f32, bg=f32, bu=f32,
+                   D=i32, F=i32, NC=i32, stride_x=i32, stride_gs=i32, stride_us=i32, rb_g=i32,
+                   rb_u=i32)
+        kernels.append(_compile_sm90(moe_mod._gate_up_groups_kernel, sig, dict(
+            TOPK=4, QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BM=bm, BN=bn,
+            BK=bk, EVEN_D=d % bk == 0, DOT=triton.language.bfloat16, BIAS=True, OAI=True), w, 3))
+        sig = dict(h="*bf16", counts="*i32", starts="*i32", order="*i32", wts=f32,
+                   slot_of="*i32", down=u8, y=f32, td=f32, td2=f32, bd=f32, D=i32, F=i32,
+                   NC=i32, stride_ds=i32, rb_d=i32)
+        kernels.append(_compile_sm90(moe_mod._down_groups_kernel, sig, dict(
+            QD=int(fd.qtype), SD=fd.group, BM=bm, BN=bn, BK=bk, EVEN_F=f % bk == 0,
+            DOT=triton.language.bfloat16, BIAS=True), w, 3))
+    for k in kernels:
+        assert k.asm["cubin"]
+        assert k.metadata.shared <= 232448, (k.name, k.metadata.shared)
+
+
 # ---- launcher checks and fallbacks (no GPU needed) ----------------------------------------------
 
 
@@ -422,6 +559,74 @@ _INTERPRETED_MOE = """
         assert rel(out, moe_ref(x, ids, wts, **full)) < 2e-5, ("miss rows", t)
     print("ok")
 """
+
+
+_INTERPRETED_BIAS = """
+    from strata.experts.layout import ExpertLayout
+    from strata.kernels.gpu import gather_misses
+    e, d, f = 3, 32, 32
+    qt = (QType.{GU}, QType.{GU}, QType.{DN})
+    lay = ExpertLayout(0, tuple(int(q) for q in qt), d, f)
+    records = torch.zeros(e, lay.stride, dtype=torch.uint8)
+    for part, (q, n, k) in zip(lay.views(records), ((qt[0], f, d), (qt[1], f, d), (qt[2], d, f))):
+        part[:] = rows(q, e * n, k).view(e, n, -1)
+    slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)  # expert 1 only in the records
+    slots = records[[2, 0]]
+    full = (torch.arange(e, dtype=torch.int32), *lay.views(records), qt, d, f)
+    bias = tuple(3 * torch.randn(e, n) for n in (f, f, d))
+    for act, t in {CALLS}:
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+        x, wts = 3 * torch.randn(t, d), torch.rand(t, 2)
+        if t == 1:  # the resident pairs only
+            out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, bias=bias,
+                              act=act)
+            ref = moe_ref(x, ids, wts, slot_of, *lay.views(slots), qt, d, f, bias=bias, act=act)
+            assert rel(out, ref) < 2e-5, ("resident", act, t)
+        miss = torch.full((2 * t, lay.stride), 255, dtype=torch.uint8)
+        gather_misses(ids, slot_of, records, miss, lay.nbytes)
+        out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f,
+                          miss=lay.views(miss), bias=bias, act=act)
+        ref = moe_ref(x, ids, wts, *full, bias=bias, act=act)
+        assert rel(out, ref) < 2e-5, ("miss rows", act, t)
+    # a prompt chunk on the tl.dot kernels (float32 operands here) and the grouped GEMMs
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(6)]))
+    x, wts = 3 * torch.randn(6, d), torch.rand(6, 2)
+    ref = moe_ref(x, ids, wts, *full, bias=bias, act="swiglu_oai")
+    for grouped, tol in ((False, 1.5e-2), (True, 2e-5)):  # (tl.dot: h in bf16)
+        out = moe_forward(x, ids, wts, *full, bias=bias, act="swiglu_oai", grouped=grouped)
+        assert rel(out, ref) < tol, ("prompt", grouped)
+    if {HITS}:  # FusedHits (on for this check) passes a biased layer's biases: as run_records
+        import strata.experts.gpu_hits as gpu_hits
+        from strata.experts.compute import group_pairs, run_records
+        from strata.model.weights import ExpertBias
+        gpu_hits.fused_kernels_available = lambda device: True
+        blay = ExpertLayout(0, lay.qtypes, d, f, ExpertBias(*bias, "swiglu_oai"))
+        hits = gpu_hits.FusedHits([blay], torch.device("cpu"), max_t=4)
+        assert hits.covers(0, 1) and list(hits.biases) == [0]
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(2)]))
+        x, wts = 3 * torch.randn(2, d), torch.rand(2, 2)
+        out = hits.run(blay, records, torch.arange(e, dtype=torch.int32), x, ids, wts, None)
+        groups = group_pairs(ids, wts)
+        ref = torch.zeros(2, d)
+        run_records(blay, records[[g.expert for g in groups]], groups, x, ref, 1 << 24)
+        assert rel(out, ref) < 2e-5, "FusedHits"
+    print("ok")
+"""
+
+
+def test_biased_moe_kernels_under_the_interpreter() -> None:
+    """gpt-oss's experts on the CPU under Triton's interpreter, tiny sizes: the decode kernels
+    with biases (every pair through miss rows; at 1 token the resident pairs alone too): the
+    clamped SwiGLU at 1, 2 and 4 tokens for MXFP4; silu at 1 token and the clamped SwiGLU at 3
+    for Q8_0 gate/up with a Q4_0 down; a prompt chunk on both prompt paths; FusedHits.run of
+    a biased layer against run_records (the torch path)."""
+    _, seed = fresh_rng()
+    oai = [("swiglu_oai", t) for t in (1, 2, 4)]
+    bodies = [_INTERPRETED_HEAD + _INTERPRETED_BIAS.replace("{GU}", gu).replace(
+        "{DN}", dn).replace("{CALLS}", repr(calls)).replace("{HITS}", hits)
+        for gu, dn, calls, hits in (("MXFP4", "MXFP4", oai, "False"),
+                                    ("Q8_0", "Q4_0", [("swiglu", 1), ("swiglu_oai", 3)], "True"))]
+    run_interpreted_side_by_side(bodies, seed, timeout=300)
 
 
 def test_kernels_under_the_interpreter() -> None:

@@ -115,6 +115,27 @@ def test_grouped_matches_reference(name: str, t: int, device: str,
                     f"{name} T={t} {device} scratch={scratch_bytes} seed={seed}")
 
 
+@pytest.mark.parametrize("types", [(QType.MXFP4,) * 3, (QType.Q4_K, QType.Q4_K, QType.Q6_K)],
+                         ids=["MXFP4", "Q4_K/Q4_K/Q6_K"])
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
+def test_grouped_with_biases(types: tuple, act: str, device: str,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts' biases (gpt-oss) and both activations, as torch_ops.expert_mlp computes
+    them: the whole layer in one batch, in batches of 3 experts, one expert a batch."""
+    rng, seed = fresh_rng()
+    monkeypatch.setattr(mg, "scratch", nan_scratch)
+    e, d, f = 11, 256, 256
+    layer = make_layer((e, 4, d, f, types, 8), 40, rng, device)
+    layer["x"] = 3 * layer["x"]
+    bias = tuple(3 * torch.randn(e, n).to(device) for n in (f, f, d))  # cuts some at 7
+    ref = moe_ref(**layer, bias=bias, act=act)
+    one = 3 * d * f * mg.compute_dtype(torch.device(device)).itemsize
+    for scratch_bytes in (mg.GROUPED_SCRATCH_BYTES, 3 * one, 1):
+        out = mg.moe_forward_grouped(**layer, scratch_bytes=scratch_bytes, bias=bias, act=act)
+        err = rel_err(out, ref)
+        assert err < tol_for(device), f"{act} scratch={scratch_bytes} seed={seed}: {err:.2e}"
+
+
 @pytest.mark.parametrize("t", [5, 200])
 def test_grouped_in_bf16_on_the_cpu(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA arithmetic (bf16 operands, torch._grouped_mm in bf16) on the CPU."""

@@ -215,6 +215,9 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > budget // 4
                                           or fused_dense(mf, cfg, ec))
     dense = dense_bytes(mf, cfg, quant_dense) + mtp_head_bytes(mf, cfg, ec)
+    if dev.type == "cuda":  # (gpt-oss: the experts' biases, copied once for the fused kernels)
+        dense += sum(lay.bias.gate.nbytes + lay.bias.up.nbytes + lay.bias.down.nbytes
+                     for lay in layouts if lay.bias is not None)
     # the ring: by default four of the largest records (double buffering with room to spare);
     # with the grouped prompt path (banks of a quarter of the ring, copied ahead across layers),
     # up to 256: an eighth of budgets from 4 GiB, a sixteenth below. On the H200, an 8K prompt

@@ -194,7 +194,9 @@ class CpuShare:
         arena = self.ex.arena
         for layer in self.layers:
             lay, recs = arena.layouts[layer], arena.layers[layer]  # uint8 [E, stride]
-            if not all(supported(q) for q in lay.qtypes) or not recs.is_contiguous():
+            # (run_strided computes plain SwiGLU: experts with biases go through the pool)
+            if (not all(supported(q) for q in lay.qtypes) or not recs.is_contiguous()
+                    or lay.bias is not None):
                 continue
             parts = lay.views(recs[0])
             bases = tuple(p.data_ptr() for p in parts)

@@ -1,6 +1,8 @@
 """The GPU hit path on the fused Triton MoE kernels (strata.kernels.gpu): one launch pair per layer
 computes every (token, expert) pair whose expert has a cache slot, reading the slot table on the
-device. Layers whose types have no fused kernel keep the dequantize -> matmul path."""
+device. Layers whose types have no fused kernel keep the dequantize -> matmul path. Experts with
+biases (gpt-oss: ExpertLayout.bias) are covered too: their biases are copied to the device once
+here (per covered layer, rows by expert id) and every call passes them with the activation."""
 
 from __future__ import annotations
 
@@ -36,12 +38,19 @@ class FusedHits:
         self.max_t, self.scratch_bytes, self.x8 = max_t, scratch_bytes, x8
         self.on = max_t > 0 and fused_kernels_available(device)
         self.covered = [False] * len(layouts)
+        # layer -> its experts' (gate, up, down) biases on the device, float32 [E, F], [E, F],
+        # [E, D], and their activation (covered layers with biases only)
+        self.biases: dict[int, tuple[tuple[torch.Tensor, ...], str]] = {}
         if self.on:
             from strata.kernels.gpu import has_fused
 
-            # (experts with biases, gpt-oss: the fused kernels compute plain SwiGLU only)
-            self.covered = [all(has_fused(q) for q in lay.qtypes) and lay.bias is None
-                            for lay in layouts]
+            self.covered = [all(has_fused(q) for q in lay.qtypes) for lay in layouts]
+            for lay, c in zip(layouts, self.covered, strict=True):
+                b = lay.bias
+                if c and b is not None:  # (copied before any call: a CUDA graph may hold it)
+                    self.biases[lay.layer] = (tuple(
+                        t.to(device, torch.float32).contiguous() for t in (b.gate, b.up, b.down)),
+                        b.act)
             missing = [lay.layer for lay, c in zip(layouts, self.covered, strict=True) if not c]
             if missing:
                 log.info("fused MoE kernels cover %d of %d layers; layers %s dequantize first",
@@ -60,8 +69,14 @@ class FusedHits:
         token's missed pairs from there on are left to the host (moe_forward)."""
         from strata.kernels.gpu import moe_forward
 
+        bias, act = None, "swiglu"
+        if layout.bias is not None:
+            if layout.layer not in self.biases:
+                raise RuntimeError(f"layer {layout.layer}: its experts' biases are not on the "
+                                   "device (a layer the fused kernels do not cover)")
+            bias, act = self.biases[layout.layer]
         gate, up, down = layout.views(slots)
         return moe_forward(h, ids, weights.float(), table, gate, up, down, layout.qtypes,
                            layout.d_model, layout.d_expert, out=out,
                            scratch_bytes=self.scratch_bytes, miss=miss, sum_pairs=sum_pairs,
-                           host_from=host_from, x8=self.x8)
+                           host_from=host_from, x8=self.x8, bias=bias, act=act)

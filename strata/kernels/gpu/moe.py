@@ -7,7 +7,10 @@
 
 over the pairs (t, k) whose expert is resident (slot_of_expert[e] >= 0); the others add nothing
 and are left to the miss path (`resident_pairs` gives the mask). Shapes: T tokens, K routed
-experts per token, E experts, D d_model, F d_expert, P = T·K pairs.
+experts per token, E experts, D d_model, F d_expert, P = T·K pairs. With the experts' biases
+and gpt-oss's clamped SwiGLU (bias=, act="swiglu_oai") a pair adds
+weights[t, k] · (down_e(act(gate_e · x[t] + bg_e, up_e · x[t] + bu_e)) + bd_e) on every path
+(the kernels' BIAS / OAI constexprs; off, they compile as without).
 
 Decode (T <= 4): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F) with the FMA
 skeleton (gate and up share x and one K loop), writing h [P, F] already scaled by the routing
@@ -33,7 +36,15 @@ import triton.language as tl
 
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
 from strata.kernels.gpu.matmul import dot_dtype, log_fallback
-from strata.kernels.gpu.pairs import check_moe_args, pair_computed, record_part, words_aligned
+from strata.kernels.gpu.pairs import (
+    bias_row,
+    check_bias,
+    check_moe_args,
+    glu,
+    pair_computed,
+    record_part,
+    words_aligned,
+)
 from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
 from strata.kernels.tuning import (
     DECODE_MAX_T,
@@ -65,17 +76,20 @@ TILE_KEYS = ("gate_up", "down_pairs", "gate_up_q8", "down_q8", "down_q6k_q8", "g
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, D, F,
-                          stride_x, stride_gs, stride_us, stride_ms, rb_g, rb_u,
+def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, bg, bu,
+                          D, F, stride_x, stride_gs, stride_us, stride_ms, rb_g, rb_u,
                           TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
                           QU: tl.constexpr, SU: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, EVEN_D: tl.constexpr, STAGES: tl.constexpr,
-                          MISS: tl.constexpr, HOST_FROM: tl.constexpr):
-    # h[p, n] = wts[p] · silu(Σ_d x[t, d] · G_e[n, d]) · Σ_d x[t, d] · U_e[n, d],  t = p // TOPK
+                          MISS: tl.constexpr, HOST_FROM: tl.constexpr,
+                          BIAS: tl.constexpr = False, OAI: tl.constexpr = False):
+    # h[p, n] = wts[p] · glu(Σ_d x[t, d] · G_e[n, d] + bg[e, n], Σ_d x[t, d] · U_e[n, d] + bu[e, n])
+    # with t = p // TOPK, glu silu(g) · u (OAI: the clamped SwiGLU), the biases with BIAS only
     # (0 where e is not resident, unless MISS: then e's record is in the miss rows, row p)
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    slot = tl.load(slot_of + tl.load(ids + p))
+    e = tl.load(ids + p)
+    slot = tl.load(slot_of + e)
     live = pair_computed(slot, p, MISS, TOPK, HOST_FROM)
     if live:
         xr = x + (p // TOPK).to(tl.int64) * stride_x
@@ -88,23 +102,28 @@ def _gate_up_pairs_kernel(x, ids, wts, slot_of, gate, up, h, tg, tg2, tu, tu2, m
                             tl.zeros((BN, BK // SU, SU), dtype=tl.float32))
         g = tl.sum(tl.sum(ag, axis=2), axis=1)  # [BN]
         u = tl.sum(tl.sum(au, axis=2), axis=1)
-        hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
+        if BIAS:
+            g += bias_row(bg, e, n, F)
+            u += bias_row(bu, e, n, F)
+        hv = glu(g, u, OAI) * tl.load(wts + p).to(tl.float32)
     else:
         hv = tl.zeros((BN,), dtype=tl.float32)
     tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds, stride_ms,
-                       rb_d, QD: tl.constexpr, SD: tl.constexpr, BN: tl.constexpr,
+def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, wts, bd, D, F, stride_ds,
+                       stride_ms, rb_d, QD: tl.constexpr, SD: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, EVEN_F: tl.constexpr, STAGES: tl.constexpr,
-                       MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr):
-    # part[p, n] = Σ_f h[p, f] · D_e[n, f] for pair p (its expert e = ids[p]; 0 when e is not
-    # resident, unless MISS: then from miss row p). The launcher sums part over each token's
-    # pairs in a fixed order.
+                       MISS: tl.constexpr, TOPK: tl.constexpr, HOST_FROM: tl.constexpr,
+                       BIAS: tl.constexpr = False):
+    # part[p, n] = Σ_f h[p, f] · D_e[n, f] (+ wts[p] · bd[e, n] with BIAS: h already carries
+    # the weight) for pair p (its expert e = ids[p]; 0 when e is not resident, unless MISS:
+    # then from miss row p). The launcher sums part over each token's pairs in a fixed order.
     p = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    slot = tl.load(slot_of + tl.load(ids + p))
+    e = tl.load(ids + p)
+    slot = tl.load(slot_of + e)
     live = pair_computed(slot, p, MISS, TOPK, HOST_FROM)
     total = tl.zeros((BN,), dtype=tl.float32)
     if live:
@@ -113,6 +132,8 @@ def _down_pairs_kernel(h, ids, slot_of, down, part, td, td2, md, D, F, stride_ds
                         h + p.to(tl.int64) * F, F, td, td2,
                         tl.zeros((BN, BK // SD, SD), dtype=tl.float32))
         total = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if BIAS:
+            total += tl.load(wts + p).to(tl.float32) * bias_row(bd, e, n, D)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
 
 
@@ -175,12 +196,14 @@ def _group(pid, NC, counts, starts, order, BM: tl.constexpr):
 
 @triton.jit(do_not_specialize=_SIZES)
 def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, tg2, tu, tu2,
-                           D, F, NC, stride_x, stride_gs, stride_us, rb_g, rb_u,
+                           bg, bu, D, F, NC, stride_x, stride_gs, stride_us, rb_g, rb_u,
                            TOPK: tl.constexpr, QG: tl.constexpr, SG: tl.constexpr,
                            QU: tl.constexpr, SU: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, EVEN_D: tl.constexpr,
-                           DOT: tl.constexpr):
-    # h[start + r, n] = silu(x[tok] @ G_e[n].T) · (x[tok] @ U_e[n].T) for BM pairs of expert e
+                           DOT: tl.constexpr, BIAS: tl.constexpr = False,
+                           OAI: tl.constexpr = False):
+    # h[start + r, n] = glu(x[tok] @ G_e[n].T + bg[e, n], x[tok] @ U_e[n].T + bu[e, n]) for BM
+    # pairs of expert e (the biases with BIAS only; glu silu(g) · u, OAI the clamped SwiGLU)
     e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         slot = tl.load(slot_of + e)
@@ -192,17 +215,21 @@ def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, t
             zero = tl.zeros((BM, BN), dtype=tl.float32)
             g = dot_tile(QG, SG, BK, EVEN_D, DOT, wg, xr, rm[:, None], D, tg, tg2, zero)
             u = dot_tile(QU, SU, BK, EVEN_D, DOT, wu, xr, rm[:, None], D, tu, tu2, zero)
-            hv = g / (1.0 + tl.exp(-g)) * u
+            if BIAS:
+                g += bias_row(bg, e, n, F)[None, :]
+                u += bias_row(bu, e, n, F)[None, :]
+            hv = glu(g, u, OAI)
             ptrs = h + (start + r).to(tl.int64)[:, None] * F + n[None, :]
             tl.store(ptrs, hv.to(h.dtype.element_ty), mask=rm[:, None] & (n < F)[None, :])
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _down_groups_kernel(h, counts, starts, order, wts, slot_of, down, y, td, td2, D, F, NC,
+def _down_groups_kernel(h, counts, starts, order, wts, slot_of, down, y, td, td2, bd, D, F, NC,
                         stride_ds, rb_d, QD: tl.constexpr, SD: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, EVEN_F: tl.constexpr,
-                        DOT: tl.constexpr):
-    # y[pair, n] = wts[pair] · h[start + r] @ D_e[n].T  (zero for experts that are not resident)
+                        DOT: tl.constexpr, BIAS: tl.constexpr = False):
+    # y[pair, n] = wts[pair] · (h[start + r] @ D_e[n].T + bd[e, n])  (bd with BIAS only; zero
+    # for experts that are not resident)
     e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -212,6 +239,8 @@ def _down_groups_kernel(h, counts, starts, order, wts, slot_of, down, y, td, td2
             wd = rows(down + slot.to(tl.int64) * stride_ds, n, D, rb_d)
             hr = h + ((start + r).to(tl.int64) * F)[:, None]
             acc = dot_tile(QD, SD, BK, EVEN_F, DOT, wd, hr, rm[:, None], F, td, td2, acc)
+            if BIAS:
+                acc += bias_row(bd, e, n, D)[None, :]
             acc = acc * tl.load(wts + pair, mask=rm, other=0.0).to(tl.float32)[:, None]
         ptrs = y + pair.to(tl.int64)[:, None] * D + n[None, :]
         tl.store(ptrs, acc, mask=rm[:, None] & (n < D)[None, :])
@@ -247,7 +276,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 sum_pairs: bool = True, host_from: int | None = None,
                 x8: bool = False, tiles: Mapping[str, tuple[int, ...]] | None = None,
-                grouped: bool | None = None) -> torch.Tensor:
+                grouped: bool | None = None,
+                bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                act: str = "swiglu") -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
     sum_pairs=False with no `out`: a decode call on fused kernels returns each pair's weighted
     output, [T, K, D] float32 (the caller sums a token's K rows, as decode_ops.add_rms_norm
@@ -267,7 +298,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     it; other types and calls keep float32 activations.
     tiles: decode tiles to use instead of strata.kernels.tuning's (TILE_KEYS; a benchmark's
     variants); grouped: a prompt call on the grouped path (True) or the fused kernels (False)
-    whatever its size (None: use_grouped's threshold)."""
+    whatever its size (None: use_grouped's threshold).
+    bias: the experts' biases (gate [E, F], up [E, F], down [E, D], contiguous float32 on x's
+    device, rows by expert id: gpt-oss), act: the activation, "swiglu" silu(g) · u or
+    "swiglu_oai" (the clamped SwiGLU, strata.kernels.torch_ops.glu): a pair then adds
+    w · (down_e(act(gate_e x + bg_e, up_e x + bu_e)) + bd_e), on every path; x8 is ignored
+    for such calls (its kernels have neither)."""
     if tiles is not None and set(tiles) - set(TILE_KEYS):
         raise ValueError(f"moe_forward tiles: unknown {sorted(set(tiles) - set(TILE_KEYS))}, "
                          f"choose from {TILE_KEYS}")
@@ -278,6 +314,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     (qg, qu, qd), out = check_moe_args(x, ids, weights, slot_of_expert, gate_slots, up_slots,
                                        down_slots, qtypes, d_model, d_expert, out,
                                        zero=not direct)
+    check_bias(bias, act, slot_of_expert.shape[0], d_model, d_expert, x.device)
+    if bias is not None or act != "swiglu":
+        x8 = False  # (the int8-activation kernels compute plain SwiGLU without biases)
     if miss is not None:
         if t > DECODE_MAX_T or any(kernel_format(q) is None for q in (qg, qu, qd)):
             raise ValueError(f"miss rows are for up to {DECODE_MAX_T} tokens of fused types")
@@ -294,24 +333,26 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
         kw = {} if scratch_bytes is None else {"scratch_bytes": scratch_bytes}
         return moe_forward_grouped(x, ids, weights, slot_of_expert, gate_slots, up_slots,
-                                   down_slots, (qg, qu, qd), d_model, d_expert, out=out, **kw)
+                                   down_slots, (qg, qu, qd), d_model, d_expert, out=out,
+                                   bias=bias, act=act, **kw)
     fmts = [kernel_format(q) for q in (qg, qu, qd)]
     if any(f is None for f in fmts):
         for q, f in zip((qg, qu, qd), fmts, strict=True):
             if f is None:
                 log_fallback("moe_forward", q)
         return _moe_fallback(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots,
-                             (qg, qu, qd), d_model, d_expert, out)
+                             (qg, qu, qd), d_model, d_expert, out, bias, act)
     ids = ids.contiguous()
     weights = weights.contiguous()
     if t <= DECODE_MAX_T:
         parts = _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts,
                         None if direct and not sum_pairs else out, miss, accumulate=not direct,
-                        host_from=host_from, x8=x8, tiles=tiles or {})
+                        host_from=host_from, x8=x8, tiles=tiles or {}, bias=bias, act=act)
         if parts is not None:
             return parts
     else:
-        _prompt(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out)
+        _prompt(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts, out,
+                bias, act)
     return out
 
 
@@ -371,15 +412,17 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
             out: torch.Tensor | None, miss: tuple[torch.Tensor, ...] | None = None,
             accumulate: bool = True, host_from: int | None = None,
             x8: bool = False, tiles: Mapping[str, tuple[int, ...]] | None = None,
+            bias: tuple[torch.Tensor, ...] | None = None, act: str = "swiglu",
             ) -> torch.Tensor | None:
-    """Into out (accumulate: +=), or with out None the pairs' rows [T, K, D], returned."""
+    """Into out (accumulate: +=), or with out None the pairs' rows [T, K, D], returned.
+    x8 calls have no bias and act "swiglu" (moe_forward sees to it)."""
     tiles = tiles or {}
     fg, fu, fd = fmts
     t, d = x.shape
     topk = ids.shape[1]
     f = gate.shape[1]
     p = t * topk
-    h = scratch((p, f), torch.float32, x.device)  # weighted silu(g) * u of every pair
+    h = scratch((p, f), torch.float32, x.device)  # weighted glu(g, u) of every pair
     tg, tg2 = fg.tables(x.device)
     tu, tu2 = fu.tables(x.device)
     td, td2 = fd.tables(x.device)
@@ -413,26 +456,33 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
             MISS=miss is not None, HOST_FROM=host, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8, tiles)
+    bg, bu, bd = bias if bias is not None else (tg, tg, tg)  # (unread without BIAS)
     bn, bk, st, w = tiles.get("gate_up") or decode_tile(GATE_UP_TILE, (fg, fu), d)
     _gate_up_pairs_kernel[(triton.cdiv(f, bn), p)](
-        x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, d, f, x.stride(0),
-        gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
-        QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
-        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, HOST_FROM=host, num_warps=w)
+        x, ids, weights, slot_of, gate, up, h, tg, tg2, tu, tu2, mg, mu, bg, bu, d, f,
+        x.stride(0), gate.stride(0), up.stride(0), mg.stride(0), gate.shape[2], up.shape[2],
+        TOPK=topk, QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BN=bn, BK=bk,
+        EVEN_D=d % bk == 0, STAGES=st, MISS=miss is not None, HOST_FROM=host,
+        BIAS=bias is not None, OAI=act == "swiglu_oai", num_warps=w)
     return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
-                        accumulate, host, x8)
+                        accumulate, host, x8, weights=weights,
+                        bias_down=bd if bias is not None else None)
 
 
 def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: ANN001
                  out: torch.Tensor | None, t: int, topk: int, d: int, f: int, miss,
                  accumulate: bool, host_from: int, x8: bool = False,
-                 tiles: Mapping[str, tuple[int, ...]] | None = None) -> torch.Tensor | None:
+                 tiles: Mapping[str, tuple[int, ...]] | None = None,
+                 weights: torch.Tensor | None = None,
+                 bias_down: torch.Tensor | None = None) -> torch.Tensor | None:
     """The down half of _decode: partial rows per pair, then each token's K rows summed into
-    out (or, out None, the rows returned as [T, K, D])."""
+    out (or, out None, the rows returned as [T, K, D]). bias_down [E, D] (with the routing
+    weights [T, K]): each pair's row adds w · bd[e] (FMA kernel only)."""
     tiles = tiles or {}
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
     # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
+    x8 = x8 and bias_down is None
     if x8 and fd.qtype in IQ_X8 and f % 256 == 0 and words_aligned(down, md, rows=False):
         from strata.kernels.gpu.gemv_q8 import _down_iq_kernel, iq_tables, quantize_x
 
@@ -459,11 +509,12 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     else:
         bn, bk, stages, warps = (tiles.get("down_pairs")
                                  or decode_tile(DOWN_TILE, (fd,), f))
+        bd = bias_down if bias_down is not None else td  # (unread without BIAS)
         _down_pairs_kernel[(triton.cdiv(d, bn), p)](
-            h, ids, slot_of, down, part, td, td2, md, d, f, down.stride(0), md.stride(0),
-            down.shape[2], QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-            STAGES=stages, MISS=miss is not None, TOPK=topk, HOST_FROM=host_from,
-            num_warps=warps)
+            h, ids, slot_of, down, part, td, td2, md, td if weights is None else weights, bd,
+            d, f, down.stride(0), md.stride(0), down.shape[2], QD=int(fd.qtype), SD=fd.group,
+            BN=bn, BK=bk, EVEN_F=f % bk == 0, STAGES=stages, MISS=miss is not None, TOPK=topk,
+            HOST_FROM=host_from, BIAS=bias_down is not None, num_warps=warps)
     if out is None:
         return part.view(t, topk, d)
     if accumulate:  # each token's K pairs, in a fixed order
@@ -493,7 +544,8 @@ def group_config(t: int, topk: int, n_experts: int) -> tuple[int, int, int, int]
 
 
 def _prompt(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat],  # noqa: ANN001
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, bias: tuple[torch.Tensor, ...] | None = None,
+            act: str = "swiglu") -> None:
     fg, fu, fd = fmts
     t, d = x.shape
     topk = ids.shape[1]
@@ -512,21 +564,25 @@ def _prompt(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     tu, tu2 = fu.tables(x.device)
     td, td2 = fd.tables(x.device)
     dot = dot_dtype()
+    bg, bu, bd = bias if bias is not None else (tg, tg, tg)  # (unread without BIAS)
     _gate_up_groups_kernel[(e * nc, triton.cdiv(f, bn))](
-        x, counts, starts, order, slot_of, gate, up, h, tg, tg2, tu, tu2, d, f, nc,
+        x, counts, starts, order, slot_of, gate, up, h, tg, tg2, tu, tu2, bg, bu, d, f, nc,
         x.stride(0), gate.stride(0), up.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BM=bm, BN=bn, BK=bk,
-        EVEN_D=d % bk == 0, DOT=dot, num_warps=warps, num_stages=3)
+        EVEN_D=d % bk == 0, DOT=dot, BIAS=bias is not None, OAI=act == "swiglu_oai",
+        num_warps=warps, num_stages=3)
     _down_groups_kernel[(e * nc, triton.cdiv(d, bn))](
-        h, counts, starts, order, weights, slot_of, down, y, td, td2, d, f, nc,
+        h, counts, starts, order, weights, slot_of, down, y, td, td2, bd, d, f, nc,
         down.stride(0), down.shape[2], QD=int(fd.qtype), SD=fd.group, BM=bm, BN=bn, BK=bk,
-        EVEN_F=f % bk == 0, DOT=dot, num_warps=warps, num_stages=3)
+        EVEN_F=f % bk == 0, DOT=dot, BIAS=bias is not None, num_warps=warps, num_stages=3)
     out += y.view(t, topk, d).sum(1)
 
 
 def _moe_fallback(x, ids, weights, slot_of, gate, up, down, qtypes, d_model,  # noqa: ANN001
-                  d_expert, out):
+                  d_expert, out, bias=None, act: str = "swiglu"):  # noqa: ANN001
     """Per resident expert: dequantize (or view float rows) and run it in float32."""
+    from strata.kernels.torch_ops import glu
+
     qg, qu, qd = qtypes
     xf = x.float()
     slots = slot_of[ids.long()]  # [T, K]
@@ -535,6 +591,10 @@ def _moe_fallback(x, ids, weights, slot_of, gate, up, down, qtypes, d_model,  # 
         tok, k = torch.nonzero(ids == e, as_tuple=True)
         g = xf[tok] @ dequantize(gate[s], qg, d_model).T
         u = xf[tok] @ dequantize(up[s], qu, d_model).T
-        y = (torch.nn.functional.silu(g) * u) @ dequantize(down[s], qd, d_expert).T
+        if bias is not None:
+            g, u = g + bias[0][e], u + bias[1][e]
+        y = glu(g, u, act) @ dequantize(down[s], qd, d_expert).T
+        if bias is not None:
+            y = y + bias[2][e]
         out.index_add_(0, tok, y * weights[tok, k, None].float())
     return out

@@ -19,7 +19,10 @@ of weights[t, k] · down_e(silu(gate_e x_t) ⊙ up_e x_t); other pairs add nothi
 3. h = grouped_mm(x[tok] [P, D], W_gu^T [n, D, 2F]); act = silu(g) · u · w (float32 math, the
    routing weight folded in before rounding to bf16); y = grouped_mm(act, W_d^T [n, F, D]);
    each pair's row lands at its pair id and out += y.view(T, K, D).sum(1) in float32: a fixed
-   order, deterministic.
+   order, deterministic. With biases (gpt-oss: moe_forward's bias and act) g and u get their
+   expert's gate and up bias before the activation (glu: silu or the clamped SwiGLU) and y gets
+   w · its down bias in float32 before the one rounding to bf16: torch ops on rows gathered
+   by expert id, no host sync.
 
 Scratch (bounded): the bf16 weights of `experts_per_batch` experts, at most `scratch_bytes`
 (default GROUPED_SCRATCH_BYTES; never less than one expert), plus P·(6D + 10F) bytes of
@@ -57,7 +60,7 @@ from triton import knobs
 
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
-from strata.kernels.gpu.pairs import check_moe_args
+from strata.kernels.gpu.pairs import check_bias, check_moe_args
 from strata.kernels.gpu.skeletons import group_mask, rows
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.kernels.tuning import GROUPED_SCRATCH_BYTES
@@ -200,10 +203,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def _experts(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
              slots: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
              qtypes: tuple[QType, QType, QType], d: int, f: int,
-             wbuf: torch.Tensor) -> torch.Tensor:
+             wbuf: torch.Tensor, bias: tuple[torch.Tensor, ...] | None = None,
+             eid: torch.Tensor | None = None, act: str = "swiglu") -> torch.Tensor:
     """y [R, D] in wbuf's dtype: row r = w[r] · expert(x[tok[r]]) for the rows r < offs[-1],
     expert j (slot slots[j]) taking rows offs[j-1]:offs[j]; rows past offs[-1] undefined.
-    wbuf: the weight scratch, at least n·3·F·D elements."""
+    wbuf: the weight scratch, at least n·3·F·D elements. bias (gate [E, F], up [E, F], down
+    [E, D] float32) with eid (int64 [R]: row r's expert id, any valid id past offs[-1]): the
+    experts' biases; act: the activation (torch_ops.glu)."""
     n = slots.shape[0]
     gate, up, down = parts
     qg, qu, qd = qtypes
@@ -217,11 +223,25 @@ def _experts(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, offs: torch.Te
          else x.index_select(0, tok).to(wbuf.dtype))
     h = grouped_mm(a, w_gu.transpose(1, 2), offs)  # [R, 2F]: g | u
     del a
-    g = h[:, :f].float()
-    torch.nn.functional.silu(g, inplace=True)
-    g.mul_(h[:, f:]).mul_(w[:, None])  # the routing weight, before rounding to bf16
+    if bias is None and act == "swiglu":
+        g = h[:, :f].float()
+        torch.nn.functional.silu(g, inplace=True)
+        g.mul_(h[:, f:]).mul_(w[:, None])  # the routing weight, before rounding to bf16
+    else:
+        from strata.kernels.torch_ops import glu
+
+        g, u = h[:, :f].float(), h[:, f:].float()
+        if bias is not None:
+            g.add_(bias[0].index_select(0, eid))
+            u.add_(bias[1].index_select(0, eid))
+        g = glu(g, u, act).mul_(w[:, None])
+        del u
     del h
-    return grouped_mm(g.to(wbuf.dtype), w_d.transpose(1, 2), offs)  # [R, D]
+    y = grouped_mm(g.to(wbuf.dtype), w_d.transpose(1, 2), offs)  # [R, D]
+    if bias is None:
+        return y
+    # w · b_down in float32, then one rounding to bf16
+    return y.float().addcmul_(bias[2].index_select(0, eid), w[:, None]).to(wbuf.dtype)
 
 
 def _weight_buffer(n: int, d: int, f: int, dtype: torch.dtype,
@@ -237,11 +257,14 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                         up_slots: torch.Tensor, down_slots: torch.Tensor,
                         qtypes: tuple[int, int, int], d_model: int, d_expert: int,
                         out: torch.Tensor | None = None,
-                        scratch_bytes: int = GROUPED_SCRATCH_BYTES) -> torch.Tensor:
+                        scratch_bytes: int = GROUPED_SCRATCH_BYTES,
+                        bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        act: str = "swiglu") -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs; arguments as
-    moe.moe_forward (see the module doc). No host sync on sm90/sm100."""
+    moe.moe_forward (see the module doc; bias and act too). No host sync on sm90/sm100."""
     qtypes, out = check_moe_args(x, ids, weights, slot_of_expert, gate_slots, up_slots,
                                  down_slots, qtypes, d_model, d_expert, out)
+    check_bias(bias, act, slot_of_expert.shape[0], d_model, d_expert, x.device)
     t, topk = ids.shape
     e = slot_of_expert.shape[0]
     p = t * topk
@@ -263,7 +286,7 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     if nb >= e:  # one batch: every position's pair is written, non-resident ones as zeros
         offs = bounds[1:]
         y_sorted = _experts(x, order // topk, wflat[order], offs, slot_of_expert, parts,
-                            qtypes, d, f, wbuf)
+                            qtypes, d, f, wbuf, bias, flat[order], act)
         y_sorted.masked_fill_((idx >= offs[-1])[:, None], 0)
         y = scratch((p, d), dtype, dev)
         y.index_copy_(0, order, y_sorted)  # order is a permutation of the pairs
@@ -274,7 +297,7 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
             offs = bounds[e0 + 1:e1 + 1] - bounds[e0]
             pairs = order[(idx + bounds[e0]).clamp_(max=p - 1)]
             y_b = _experts(x, pairs // topk, wflat[pairs], offs, slot_of_expert[e0:e1], parts,
-                           qtypes, d, f, wbuf)
+                           qtypes, d, f, wbuf, bias, flat[pairs], act)
             y.index_copy_(0, torch.where(idx < offs[-1], pairs, p), y_b)
         y = y[:p]
     out += y.view(t, topk, d).sum(1, dtype=torch.float32)

@@ -1,5 +1,6 @@
 """What the MoE kernel files (moe.py, gemv_q8.py, moe_grouped.py) share: which pairs a kernel
-computes, where a pair's expert record is, row alignment, and moe_forward's argument checks.
+computes, where a pair's expert record is, the experts' activation and biases, row alignment,
+and moe_forward's argument checks.
 
 Legend: T tokens, K routed experts per token, E experts, D d_model, F d_expert, P = T·K pairs.
 """
@@ -10,8 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.arch.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 from strata.kernels.gpu.matmul import check_weights
 from strata.quant import QType
+
+ACTS = ("swiglu", "swiglu_oai")  # the experts' activations the kernels compute (OAI: the second)
+_ALPHA = tl.constexpr(SWIGLU_ALPHA)
+_LIMIT = tl.constexpr(SWIGLU_LIMIT)
 
 
 @triton.jit
@@ -36,6 +42,42 @@ def record_part(slots, slot, stride_s, miss_rows, p, stride_m, MISS: tl.constexp
     if MISS:
         base = tl.where(slot >= 0, base, miss_rows + p.to(tl.int64) * stride_m)
     return base
+
+
+@triton.jit
+def glu(g, u, OAI: tl.constexpr):
+    """The gated activation of gate g and up u (float32, any shape): silu(g) · u, or with OAI
+    gpt-oss's clamped SwiGLU, g' = min(g, LIMIT), u' = clamp(u, -LIMIT, LIMIT),
+    (u' + 1) · g' · sigmoid(ALPHA g') (strata.kernels.torch_ops.glu)."""
+    if OAI:
+        gc = tl.minimum(g, _LIMIT)
+        uc = tl.minimum(tl.maximum(u, -_LIMIT), _LIMIT)
+        a = (uc + 1.0) * (gc / (1.0 + tl.exp(-_ALPHA * gc)))
+    else:
+        a = g / (1.0 + tl.exp(-g)) * u
+    return a
+
+
+@triton.jit
+def bias_row(b, e, n, N):
+    """float32 [BN]: entries n of row e of the expert biases b [E, N] (0 past N)."""
+    return tl.load(b + e.to(tl.int64) * N + n, mask=n < N, other=0.0)
+
+
+def check_bias(bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, act: str,
+               n_experts: int, d_model: int, d_expert: int, device: torch.device) -> None:
+    """moe_forward's bias (gate [E, F], up [E, F], down [E, D], contiguous float32 on x's
+    device, indexed by expert id) and act (ACTS)."""
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {ACTS}, got {act!r}")
+    if bias is None:
+        return
+    for name, b, n in zip(("gate", "up", "down"), bias, (d_expert, d_expert, d_model),
+                          strict=True):
+        if (b.shape != (n_experts, n) or b.dtype != torch.float32 or not b.is_contiguous()
+                or b.device != device):
+            raise ValueError(f"bias {name} must be contiguous float32 [{n_experts}, {n}] on "
+                             f"{device}, got {b.dtype} {tuple(b.shape)} on {b.device}")
 
 
 def words_aligned(*parts: torch.Tensor, rows: bool = True, align: int = 4) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels.torch_ops import expert_mlp
 from strata.quant import QType, dequantize
 
 
@@ -16,11 +17,14 @@ def matmul_ref(x: torch.Tensor, w: torch.Tensor, qtype: int | QType) -> torch.Te
 def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             slot_of_expert: torch.Tensor, gate_slots: torch.Tensor, up_slots: torch.Tensor,
             down_slots: torch.Tensor, qtypes: tuple[int, int, int], d_model: int,
-            d_expert: int, x8: bool = False) -> torch.Tensor:
+            d_expert: int, x8: bool = False,
+            bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            act: str = "swiglu") -> torch.Tensor:
     """float32 [T, D]: Σ over resident pairs of weights[t, k] · down(silu(gate x) · up x),
-    one pair at a time (the slow, obvious order). x8: as moe_forward's x8, x rounded to 8 bits
-    (round8) for a gate and up both Q4_K, IQ2_XS or IQ3_XXS, and h for a Q4_K, Q6_K, IQ2_XS
-    or IQ3_XXS down."""
+    one pair at a time (the slow, obvious order); with bias (gate, up [E, F], down [E, D]) and
+    act, torch_ops.expert_mlp of the pair's expert instead. x8: as moe_forward's x8, x rounded
+    to 8 bits (round8) for a gate and up both Q4_K, IQ2_XS or IQ3_XXS, and h for a Q4_K, Q6_K,
+    IQ2_XS or IQ3_XXS down (calls without bias only)."""
     qg, qu, qd = qtypes
     out = torch.zeros(x.shape[0], d_model, dtype=torch.float32, device=x.device)
     xf = x.float()
@@ -30,6 +34,13 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         for k in range(ids.shape[1]):
             s = int(slot_of_expert[int(ids[t, k])])
             if s < 0:
+                continue
+            e = int(ids[t, k])
+            if bias is not None:
+                w = (dequantize(gate_slots[s], qg, d_model), dequantize(up_slots[s], qu, d_model),
+                     dequantize(down_slots[s], qd, d_expert))
+                y = expert_mlp(xf[t:t + 1], *w, *(b[e].float() for b in bias), act)[0]
+                out[t] += float(weights[t, k]) * y
                 continue
             g = dequantize(gate_slots[s], qg, d_model) @ xf[t]  # [F]
             u = dequantize(up_slots[s], qu, d_model) @ xf[t]
