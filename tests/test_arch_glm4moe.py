@@ -86,11 +86,12 @@ def test_incremental_decoding_equals_full_recompute(synth, device):
     np.testing.assert_allclose(torch.cat(steps).cpu().numpy(), full, rtol=0, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_fused_one_token_experts_under_the_interpreter():
     """The fused MoE kernels CUDA runs for a few tokens (moe_forward's decode form), run by
     Triton's interpreter on the CPU: a 4-token chunk, then single tokens, give the reference
     logits through this architecture's routing (scaled, biased), dense first layer and shared
-    expert."""
+    expert; on 8-bit activations (--kernels fused) within that rounding's bound."""
     from interpreted import fresh_seed, run_interpreted
 
     run_interpreted(f"\n    ARCH = {ARCH!r}" + FUSED_ONE_TOKEN_INTERPRETED, fresh_seed(),
