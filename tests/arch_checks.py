@@ -15,6 +15,7 @@ from test_offload import TOKENS, assert_same, offload
 
 from strata.cli.logits import compute_logits
 from strata.cli.main import main
+from strata.config import EngineConfig
 from strata.engine.generator import Engine
 
 from hf_reference import kl_per_position
@@ -75,13 +76,105 @@ def check_streamed_prompt(path: Path, device: str) -> None:
 
 def check_decode_graphs_on_cuda(path: Path) -> tuple[Engine, np.ndarray]:
     """The decode step captured as graphs and replayed gives the reference logits. Returns the
-    engine and the reference's decoded positions."""
+    engine and the reference's decoded positions. --kernels exact: the graphs hold the fused
+    one-token kernels on float32 activations (--kernels fused rounds them to 8 bits, which
+    moves these logits by a KL of ~5e-4: check_fused_decode_within_x8_rounding)."""
     ref = reference_logits(path)[PROMPT:]
-    engine = offload(path, "cuda", expert_cache="16", kernels="fused")
+    engine = offload(path, "cuda", expert_cache="16", kernels="exact")
     step = engine.model.step
     assert_same(decoded_logits(engine, TOKENS), ref)
     assert step.graphs and not step._failed and step.steps["replayed"] > 0
     return engine, ref
+
+
+def check_fused_decode_within_x8_rounding(path: Path) -> None:
+    """--kernels fused decode steps round the experts' activations to 8 bits (moe_forward x8,
+    as test_decode_step's qwen3moe check): the logits move by that rounding (KL within 2e-3,
+    top-1 mostly kept), not more, and they do move (the path runs); with x8 off the plain
+    forward of the same engine gives the reference's."""
+    ref = reference_logits(path)[PROMPT:]
+    engine = offload(path, "cuda", expert_cache="16", kernels="fused")
+    assert engine.model.experts.fused.x8
+    ours = decoded_logits(engine, TOKENS)
+    kl = kl_per_position(ref, ours)
+    assert 1e-7 < kl.max() < 2e-3, kl
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    engine.model.experts.fused.x8 = False
+    engine.model.step = None  # (the captured graphs hold the x8 kernels)
+    assert_same(decoded_logits(engine, TOKENS), ref)
+
+
+def exact_engine(path: Path, device: str) -> Engine:
+    """The engine of `device` with --kernels exact: float32 on every path. (On CUDA the default
+    --kernels fused runs prompt chunks of more than 4 tokens on bf16 tensor cores and one-token
+    experts on 8-bit activations, so a chunk and the same tokens one at a time differ by those
+    roundings; on the CPU the flag changes nothing.)"""
+    return Engine.load(path, config=EngineConfig(device=device, kernels="exact"))
+
+
+# The one-token paths of the offload runtime with every expert resident, on the fused MoE
+# kernels (moe_forward: gate/up per pair scaled by the routing weight, down, the K rows summed)
+# run by Triton's interpreter on the CPU device: prompt chunks of at most 4 tokens and single
+# tokens, through sigmoid routing with a selection bias, groups (deepseek2) and the routed scale,
+# a dense first layer and the shared expert, give the reference logits; with x8 (--kernels
+# fused) they move by the 8-bit rounding only (interpreted.py's prelude defines seed).
+FUSED_ONE_TOKEN_INTERPRETED = """
+    import tempfile
+    from pathlib import Path
+    import torch
+    import strata.experts.gpu_hits as gpu_hits
+    import strata.kernels.gpu.moe as moe
+    from strata.cli.logits import compute_logits
+    from strata.config import EngineConfig
+    from strata.engine.generator import Engine
+    from strata.model.parts import Segment
+    from strata.synth.presets import get_preset
+    from strata.synth.recipes import Recipe
+    from strata.synth.writer import write_model
+
+    gpu_hits.fused_kernels_available = lambda device: True  # (the CPU device, interpreted)
+    # wider tiles than CUDA's (BN 1 for gate/up): the same sums in 64x fewer programs, which
+    # the interpreter runs one at a time
+    moe.GATE_UP_TILE, moe.DOWN_TILE = (64, 256, 1, 4), (64, 256, 1, 4)
+    moe.GATE_UP_Q8_TILE, moe.DOWN_Q8_TILE, moe.DOWN_Q6K_Q8_TILE = (64, 8, 1), (64, 4, 1), (
+        64, 4, 1)
+    launches = []
+    decode = moe._decode
+    moe._decode = lambda *a, **kw: launches.append(a[0].shape[0]) or decode(*a, **kw)
+    tokens = [5, 311, 17, 902, 64, 64]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.gguf"
+        write_model(path, get_preset("tiny", ARCH), Recipe("Q4_K_M"), 0)
+        ref = compute_logits(Engine.load(path), tokens)
+        engine = Engine.load(path, config=EngineConfig(
+            offload="on", kernels="exact", cpu_kernels="torch", expert_cache="16",
+            decode_step="off"))
+        assert engine.model.experts.fused.on and not engine.model.experts.fused.x8
+
+        def run():
+            kv = engine.model.new_cache(len(tokens))
+            steps = [engine.model.forward(torch.tensor(tokens[:4]), [Segment(kv, 4)],
+                                          all_logits=True)]
+            for t in tokens[4:]:
+                steps.append(engine.model.forward(torch.tensor([t]), [Segment(kv, 1)],
+                                                  all_logits=True))
+            return torch.cat(steps).numpy()
+
+        ours = run()
+        routed = engine.config.n_layers - engine.config.n_dense_lead
+        assert launches == [4] * routed + [1] * routed * (len(tokens) - 4), launches
+        diff = float(np.abs(ours - ref).max())
+        assert diff < 2e-4, diff
+        # --kernels fused's 8-bit activations (moe_forward x8): the logits move by that
+        # rounding (up to ~0.15 here, KL ~5e-4: more than float32 checks allow), not more
+        engine.model.experts.fused.x8 = True
+        x8 = run()
+    lp, lq = (torch.log_softmax(torch.from_numpy(a).double(), -1) for a in (ref, x8))
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    assert 1e-7 < float(kl.max()) < 2e-3, kl
+    assert (x8.argmax(-1) == ref.argmax(-1)).all()
+    print("ok")
+"""
 
 
 def check_command_passes(path: Path, capsys) -> None:

@@ -26,14 +26,17 @@ from strata.synth.recipes import Recipe
 from strata.synth.writer import config_of, plan_tensors
 
 from arch_checks import (
+    FUSED_ONE_TOKEN_INTERPRETED,
     check_chat_and_generate,
     check_command_passes,
     check_decode_graphs_on_cuda,
     check_f16_matches_llama_cpp,
+    check_fused_decode_within_x8_rounding,
     check_matches_transformers,
     check_offload_paths,
     check_quantized_agrees_with_llama_cpp,
     check_streamed_prompt,
+    exact_engine,
 )
 from gguf_edit import rewrite
 from hf_reference import hf_glm4moe_logits
@@ -74,13 +77,30 @@ def test_config_and_weights_read_every_part(synth):
 
 
 def test_incremental_decoding_equals_full_recompute(synth, device):
-    engine = Engine.load(synth(ARCH, "Q4_K_M"), device=device)
+    engine = exact_engine(synth(ARCH, "Q4_K_M"), device)  # (float32 on every path)
     full = compute_logits(engine, TOKENS)
     kv = engine.model.new_cache(4)
     steps = [engine.model.forward(torch.tensor(TOKENS[:5]), [Segment(kv, 5)], all_logits=True)]
     for t in TOKENS[5:]:
         steps.append(engine.model.forward(torch.tensor([t]), [Segment(kv, 1)], all_logits=True))
     np.testing.assert_allclose(torch.cat(steps).cpu().numpy(), full, rtol=0, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_fused_one_token_experts_under_the_interpreter():
+    """The fused MoE kernels CUDA runs for a few tokens (moe_forward's decode form), run by
+    Triton's interpreter on the CPU: a 4-token chunk, then single tokens, give the reference
+    logits through this architecture's routing (scaled, biased), dense first layer and shared
+    expert; on 8-bit activations (--kernels fused) within that rounding's bound."""
+    from interpreted import fresh_seed, run_interpreted
+
+    run_interpreted(f"\n    ARCH = {ARCH!r}" + FUSED_ONE_TOKEN_INTERPRETED, fresh_seed(),
+                    timeout=900)
+
+
+@pytest.mark.cuda
+def test_fused_decode_within_x8_rounding(synth):
+    check_fused_decode_within_x8_rounding(synth(ARCH, "Q4_K_M"))
 
 
 # cache: none, a few, every expert of the two routed layers (2 x 8); misses on the CPU or copied
