@@ -29,7 +29,6 @@ from strata.synth.recipes import Recipe
 from strata.synth.writer import config_of, plan_tensors
 
 from arch_checks import (
-    FUSED_ONE_TOKEN_INTERPRETED,
     check_chat_and_generate,
     check_command_passes,
     check_decode_graphs_on_cuda,
@@ -102,18 +101,6 @@ def test_incremental_decoding_equals_full_recompute(synth, device):
         steps.append(engine.model.forward(torch.tensor([t]), [Segment(kv, 1)], all_logits=True))
     np.testing.assert_allclose(torch.cat(steps).cpu().numpy(), full, rtol=0, atol=2e-4)
     assert kv.length == len(TOKENS)
-
-
-@pytest.mark.slow
-def test_fused_one_token_experts_under_the_interpreter():
-    """The fused MoE kernels CUDA runs for a few tokens (moe_forward's decode form), run by
-    Triton's interpreter on the CPU: a 4-token chunk, then single tokens, give the reference
-    logits through this architecture's routing (scaled, biased), dense first layer and shared
-    expert; on 8-bit activations (--kernels fused) within that rounding's bound."""
-    from interpreted import fresh_seed, run_interpreted
-
-    run_interpreted(f"\n    ARCH = {ARCH!r}" + FUSED_ONE_TOKEN_INTERPRETED, fresh_seed(),
-                    timeout=900)
 
 
 @pytest.mark.cuda

@@ -90,12 +90,13 @@ def test_incremental_decoding_equals_full_recompute(synth, device):
 def test_fused_one_token_experts_under_the_interpreter():
     """The fused MoE kernels CUDA runs for a few tokens (moe_forward's decode form), run by
     Triton's interpreter on the CPU: a 4-token chunk, then single tokens, give the reference
-    logits through this architecture's routing (scaled, biased), dense first layer and shared
-    expert; on 8-bit activations (--kernels fused) within that rounding's bound."""
-    from interpreted import fresh_seed, run_interpreted
+    logits through glm4moe's and deepseek2's routing (scaled, biased), dense first layer and
+    shared expert; on 8-bit activations (--kernels fused) within that rounding's bound. (The two
+    architectures side by side, a process each.)"""
+    from interpreted import fresh_seed, run_interpreted_side_by_side
 
-    run_interpreted(f"\n    ARCH = {ARCH!r}" + FUSED_ONE_TOKEN_INTERPRETED, fresh_seed(),
-                    timeout=900)
+    run_interpreted_side_by_side([f"\n    ARCH = {a!r}" + FUSED_ONE_TOKEN_INTERPRETED
+                                  for a in (ARCH, "deepseek2")], fresh_seed(), timeout=900)
 
 
 @pytest.mark.cuda

@@ -14,7 +14,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from interpreted import fresh_seed, run_interpreted, run_interpreted_side_by_side  # noqa: E402
+from interpreted import (  # noqa: E402
+    every_case,
+    fresh_seed,
+    run_interpreted,
+    run_interpreted_side_by_side,
+)
 
 
 def check(rng: np.random.Generator, n: int, k: int, dev: str, bb: int = 4,
@@ -328,14 +333,22 @@ def test_moe_x8_under_the_interpreter() -> None:
     (they add nothing), the pairs' rows unsummed, miss rows (3 tokens: every pair computed, the
     missing experts' records read from their rows), blocks a step not dividing a row's three;
     and within the rounding of the reference without it. One pack with a Q6_K down (rows of
-    one 210-byte block: every other one 2 mod 4), one with a Q6_K gate (x not rounded); two of
-    i-quants (IQ2_XS gate and up with an IQ3_XXS down, and the other way round: rows of 74- and
-    98-byte blocks, every other one 2 mod 4 at 1 and 3 blocks a row), and two mixing them with
-    K-quants (IQ2_XS gate/up with a Q6_K down; Q4_K gate/up with an IQ3_XXS down)."""
+    one 210-byte block: every other one 2 mod 4) and one of i-quants (IQ2_XS gate and up with an
+    IQ3_XXS down: rows of 74- and 98-byte blocks, every other one 2 mod 4 at 1 and 3 blocks a
+    row); test_moe_x8_more_packs_under_the_interpreter has the other four."""
     run_interpreted_side_by_side([_moe_x8_script(768, 256, packs, _MOE_X8_TUNE)
                                   for packs in _MOE_X8_PACKS], fresh_seed(), timeout=600)
 
 
+@every_case
+def test_moe_x8_more_packs_under_the_interpreter() -> None:
+    """The same for four more packs (a Q6_K gate, the i-quants the other way round, and two
+    mixing i-quants with K-quants; test_moe_x8_on_cuda runs all six on CUDA)."""
+    run_interpreted_side_by_side([_moe_x8_script(768, 256, packs, _MOE_X8_TUNE)
+                                  for packs in _MOE_X8_MORE], fresh_seed(), timeout=600)
+
+
+@every_case  # (the run form is off by default: tuning.GATE_UP_IQ_TILE)
 def test_moe_iq_run_under_the_interpreter() -> None:
     """The same for the i-quant gate/up in the run form (moe_forward tiles "gate_up_iq_run": rows
     of 2048 values, one run of 8 blocks; split 2 leaves half the threads without a run), both
@@ -354,13 +367,14 @@ def test_moe_iq_run_under_the_interpreter() -> None:
 # them stay under X8_TOL, while h not rounded at all moves it by about 8e-3.
 X8_TOL = 2.5e-3
 
-# (in two processes side by side, three packs each)
-_MOE_X8_PACKS = ("""(QType.Q4_K, QType.Q4_K, QType.Q6_K),
-                    (QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),
-                    (QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K)""",
-                 """(QType.Q6_K, QType.Q4_K, QType.Q4_K),
-                    (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
-                    (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)""")
+# (in two processes side by side: a K-quant and an i-quant pack in make test, four more with
+# STRATA_ALL_TESTS)
+_MOE_X8_PACKS = ("(QType.Q4_K, QType.Q4_K, QType.Q6_K),",
+                 "(QType.IQ2_XS, QType.IQ2_XS, QType.IQ3_XXS),")
+_MOE_X8_MORE = ("""(QType.IQ2_XS, QType.IQ2_XS, QType.Q6_K),
+                   (QType.Q6_K, QType.Q4_K, QType.Q4_K)""",
+                """(QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ2_XS),
+                   (QType.Q4_K, QType.Q4_K, QType.IQ3_XXS)""")
 # (larger tiles: fewer programs to interpret; the i-quant down BB 1, f one block: every step in
 # the row, so its loads unmasked, EVEN)
 _MOE_X8_TUNE = dict(gate_up_q8=(64, 2, 1), down_q8=(256, 2, 1), down_q6k_q8=(256, 2, 1),
