@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-from test_decode_step import PROMPT, decoded_logits
+from test_decode_step import PROMPT, assert_within_x8_rounding, decoded_logits
 from test_offload import TOKENS, assert_same, offload
 
 from strata.cli.logits import compute_logits
@@ -92,16 +92,8 @@ def check_fused_decode_within_x8_rounding(path: Path) -> None:
     as test_decode_step's qwen3moe check): the logits move by that rounding (KL within 2e-3,
     top-1 mostly kept), not more, and they do move (the path runs); with x8 off the plain
     forward of the same engine gives the reference's."""
-    ref = reference_logits(path)[PROMPT:]
-    engine = offload(path, "cuda", expert_cache="16", kernels="fused")
-    assert engine.model.experts.fused.x8
-    ours = decoded_logits(engine, TOKENS)
-    kl = kl_per_position(ref, ours)
-    assert 1e-7 < kl.max() < 2e-3, kl
-    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
-    engine.model.experts.fused.x8 = False
-    engine.model.step = None  # (the captured graphs hold the x8 kernels)
-    assert_same(decoded_logits(engine, TOKENS), ref)
+    assert_within_x8_rounding(offload(path, "cuda", expert_cache="16", kernels="fused"),
+                              reference_logits(path)[PROMPT:])
 
 
 def exact_engine(path: Path, device: str) -> Engine:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from interpreted import every_case
 
 from strata.cli.logits import compute_logits
 from strata.config import ModelConfig
@@ -311,6 +312,7 @@ def test_window_and_sink_kernels_compile_for_sm90(kv):
     assert reduce.asm["cubin"]
 
 
+@every_case  # (test_attention_variants_under_the_interpreter has windows and sinks)
 def test_decode_attention_kernels_with_window_and_sinks_interpreted():
     """The Triton kernels (window start, sinks) on the CPU under Triton's interpreter."""
     pytest.importorskip("triton", reason="triton is not installed")

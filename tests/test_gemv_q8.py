@@ -152,12 +152,21 @@ _INTERPRETED_X8 = """
 
 
 def test_gemv_under_the_interpreter() -> None:
-    """The K-quant GEMVs, IQ2_XS's and gemv_x8 beside IQ3_XXS's (its run form takes the
-    interpreter longest), each in a process of its own."""
-    iq2, iq3 = (_INTERPRETED_IQ.replace("IQ_TYPES", f"({q!r},)") for q in ("IQ2_XS", "IQ3_XXS"))
+    """The K-quant GEMVs and IQ2_XS's beside gemv_x8 (IQ3_XXS's among them), each in a process
+    of its own."""
+    iq2 = _INTERPRETED_IQ.replace("IQ_TYPES", "('IQ2_XS',)")
     ok = '    print("ok")\n'
-    run_interpreted_side_by_side([_INTERPRETED_HEAD + _INTERPRETED_K + iq2 + _INTERPRETED_X8 + ok,
-                                  _INTERPRETED_HEAD + iq3 + ok], fresh_seed(), timeout=600)
+    run_interpreted_side_by_side([_INTERPRETED_HEAD + _INTERPRETED_K + iq2 + ok,
+                                  _INTERPRETED_HEAD + _INTERPRETED_X8 + ok], fresh_seed(),
+                                 timeout=600)
+
+
+@every_case
+def test_iq3_xxs_gemvs_under_the_interpreter() -> None:
+    """IQ3_XXS's GEMVs and run forms as IQ2_XS's (the interpreter's longest; the CUDA tests run
+    them too)."""
+    run_interpreted(_INTERPRETED_HEAD + _INTERPRETED_IQ.replace("IQ_TYPES", "('IQ3_XXS',)")
+                    + '    print("ok")\n', fresh_seed(), timeout=600)
 
 
 def test_gemv_compiles_for_sm90() -> None:

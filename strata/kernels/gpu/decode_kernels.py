@@ -144,6 +144,21 @@ def _window_lo(n, T, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _split_span(length, T, S, RB, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr, WINDOW: tl.constexpr):
+    # a split program's (kv head g, split s, length n, its keys [start, end), its query rows r)
+    g = tl.program_id(0) // RB
+    s = tl.program_id(1)
+    n = tl.load(length).to(tl.int32)
+    lo = _window_lo(n, T, WINDOW)
+    chunk = _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N)
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, n)
+    r = (tl.program_id(0) % RB) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return g, s, n, start, end, r
+
+
+@triton.jit
 def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, S, RB,
                        stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                        stride_ksr, stride_ksh, stride_vsr, stride_vsh,
@@ -158,15 +173,9 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
     # sliding WINDOW, j > n - T + t - WINDOW; lo = the first key row 0 sees, else 0).
     # Writes part_o[s, t, h] = Σ_j p_j v_j and part_ml[s, t, h] = (max score, Σ_j p_j),
     # p_j = exp(score_j - max) (max = _NEG, sum 0, o 0 for a row that sees none of the keys).
-    g = tl.program_id(0) // RB
-    s = tl.program_id(1)
-    n = tl.load(length).to(tl.int32)
-    lo = _window_lo(n, T, WINDOW)
-    chunk = _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N)
-    start = lo + s * chunk
+    g, s, n, start, end, r = _split_span(length, T, S, RB, MIN_CHUNK, BLOCK_N, BLOCK_M,
+                                         WINDOW)
     if start < n:
-        end = tl.minimum(start + chunk, n)
-        r = (tl.program_id(0) % RB) * BLOCK_M + tl.arange(0, BLOCK_M)
         t = r // G
         h = g * G + r % G
         rm = r < T * G
@@ -238,15 +247,9 @@ def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T,
     # tile lie across warps: summing them each step would cross warps), summed over the keys
     # once at the end.
     NC: tl.constexpr = BLOCK_D // DC
-    g = tl.program_id(0) // RB
-    s = tl.program_id(1)
-    n = tl.load(length).to(tl.int32)
-    lo = _window_lo(n, T, WINDOW)
-    chunk = _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N)
-    start = lo + s * chunk
+    g, s, n, start, end, r = _split_span(length, T, S, RB, MIN_CHUNK, BLOCK_N, BLOCK_M,
+                                         WINDOW)
     if start < n:
-        end = tl.minimum(start + chunk, n)
-        r = (tl.program_id(0) % RB) * BLOCK_M + tl.arange(0, BLOCK_M)
         t = r // G
         h = g * G + r % G
         rm = r < T * G
