@@ -333,16 +333,19 @@ for spec in ${SYNTH_MORE:-}; do tail -1 /tmp/synth-${spec%%:*}.log 2>/dev/null; 
 if [[ $STAGES == *compare* ]]; then
   # an older tree beside this one on the same file, in turn (COMPARE_TREE: its strata/ and
   # pyproject.toml, e.g. `git archive 35815b5 strata pyproject.toml | tar -x -C .old`, carried);
-  # each of COMPARE_SPECS is budget:prompt:gen (budget "all": no --vram-budget)
+  # each of COMPARE_SPECS is budget:prompt:gen (budget "all": no --vram-budget);
+  # COMPARE_NEW_FLAGS goes to this tree's side only (e.g. "--decode-input greedy": an older
+  # tree without that flag decoded each step's argmax)
   for spec in ${COMPARE_SPECS:-2:512:64 10:512:64 all:512:64 all:8192:0 6:8192:0}; do
     IFS=: read -r b np ng <<<"$spec"
     flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
     for side in old new; do
-      dir=$PWD; [[ $side == old ]] && dir=$(cd "${COMPARE_TREE:-.old}" && pwd)
+      dir=$PWD; extra=(${COMPARE_NEW_FLAGS:-})
+      [[ $side == old ]] && { dir=$(cd "${COMPARE_TREE:-.old}" && pwd); extra=(); }
       echo "== compare ($side tree): --vram-budget $b --prompt-len $np --gen-len $ng"
       (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 300 python3 -m strata bench $M \
         --device cuda "${flags[@]}" --prompt-len "$np" --gen-len "$ng" --runs 2 \
-        --json "$OUT/compare_${side}_${b}_${np}_$ng.json" 2>&1 | grep -E "tok/s|VRAM|hit" | tail -4)
+        "${extra[@]}" --json "$OUT/compare_${side}_${b}_${np}_$ng.json" 2>&1 | grep -E "tok/s|VRAM|hit" | tail -4)
     done
   done
 fi
