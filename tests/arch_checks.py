@@ -92,8 +92,7 @@ def check_fused_decode_within_x8_rounding(path: Path) -> None:
     as test_decode_step's qwen3moe check): the logits move by that rounding (KL within 2e-3,
     top-1 mostly kept), not more, and they do move (the path runs); with x8 off the plain
     forward of the same engine gives the reference's."""
-    assert_within_x8_rounding(offload(path, "cuda", expert_cache="16", kernels="fused"),
-                              reference_logits(path)[PROMPT:])
+    assert_within_x8_rounding(offload(path, "cuda", expert_cache="16", kernels="fused"), path)
 
 
 def exact_engine(path: Path, device: str) -> Engine:

@@ -129,3 +129,23 @@ def test_log_lines_follow_stderr_when_it_is_swapped(monkeypatch):
     monkeypatch.setattr(logging, "raiseExceptions", True)
     log.info("two")
     assert second.getvalue() == "strata: two\n"
+
+
+@pytest.mark.parametrize(("flags", "device", "kv"), [
+    ([], "cpu", "f32"),  # auto: the reference's float32 on the CPU
+    (["--device", "cuda"], "cuda", "f16"),  # auto: f16 on CUDA (as llama.cpp keeps it)
+    (["--device", "cuda", "--kv-type", "f32"], "cuda", "f32"),
+    (["--device", "cpu", "--kv-type", "q8_0"], "cpu", "q8_0"),
+])
+def test_kv_type_auto_follows_the_device(flags, device, kv, monkeypatch):
+    import argparse
+
+    import torch
+
+    from strata.cli.engine_flags import add_engine_arguments, engine_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    ec = engine_config(p.parse_args(flags))
+    assert (ec.device, ec.kv_type) == (device, kv)

@@ -253,8 +253,12 @@ def test_moe_forward(name: str, xdtype: torch.dtype, monkeypatch: pytest.MonkeyP
         return
     t = layer["x"].shape[0]
     tol = FMA_TOL if t <= moe_mod.DECODE_MAX_T else MOE_DOT_TOL
-    err = rel_err(added, ref)
-    assert err < tol, f"{name} {xdtype} seed={seed}: rel err {err:.2e}"
+    # out = before + moe rounds to float32 once per element, whatever the kernel: half an ulp of
+    # |out| (a small routing weight makes ref small beside `before`)
+    rounding = float(torch.finfo(torch.float32).eps * out.double().norm() / ref.double().norm())
+    err = rel_err(out.double() - before.double(), ref)
+    assert err < tol + rounding, (f"{name} {xdtype} seed={seed}: rel err {err:.2e} (the sum's "
+                                  f"own rounding {rounding:.1e})")
     if t <= moe_mod.DECODE_MAX_T:  # each pair's row unsummed: [T, K, D], summing to ref
         rows = moe_forward(**layer, sum_pairs=False)
         assert rows.shape == (t, layer["ids"].shape[1], layer["d_model"]), rows.shape

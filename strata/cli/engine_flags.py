@@ -41,11 +41,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU pool threads (the cores this process may use, less one)")
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
-    g.add_argument("--kv-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
-                   help="KV cache elements: f16 or bf16 halve its memory, q8_0 (8-bit blocks of "
-                   "32 with a scale, as llama.cpp's) takes 34/128 of it; keys and values "
-                   "rounded once when stored; f16 holds magnitudes up to 65504, bf16 float32's "
-                   "range with less precision (f32)")
+    g.add_argument("--kv-type", default="auto", choices=["auto", "f32", "f16", "bf16", "q8_0"],
+                   help="KV cache elements: f16 or bf16 halve its memory and the bytes decode "
+                   "attention reads, q8_0 (8-bit blocks of 32 with a scale, as llama.cpp's) "
+                   "takes 34/128 of it; keys and values rounded once when stored; f16 holds "
+                   "magnitudes up to 65504, bf16 float32's range with less precision (auto: f16 "
+                   "on CUDA, f32, the reference's, on the CPU)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "ggml", "torch"],
                    help="CPU kernel library for missed experts (auto)")
     g.add_argument("--prefill", default="auto", metavar="auto|auto:N|N|off",
@@ -162,11 +163,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise StrataError(f"--spec {spec}: give 0 (off) to {MAX_SPEC} drafted tokens a window")
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
+    kv_type = args.kv_type
+    if kv_type == "auto":  # (what llama.cpp keeps too; the CPU's paths stay the reference's)
+        kv_type = "f16" if device.startswith("cuda") else "f32"
+        log.info("KV cache: %s (--kv-type auto on %s)", kv_type, device)
     return EngineConfig(
         device=device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=threads, ctx=args.ctx,
-        kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
+        kv_type=kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
         cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False),
         spec=spec, draft=getattr(args, "draft", "auto"))

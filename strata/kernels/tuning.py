@@ -114,32 +114,32 @@ ATTN_BLOCK_M = 16
 # kernel, FMA-emulated), "fma" no dot (broadcast products and sums on the CUDA cores, exact
 # float32), "tf32" tl.dot on TF32 tensor cores (--kernels fused only). The pick per case:
 # (T·G <= ATTN_FEW_ROWS, --kernels fused, cache "f32" | "half" | "q8_0") -> variant.
-ATTN_FEW_ROWS = 16
+ATTN_FEW_ROWS = 32
+# Measured on the H200 (bench/2026-12-02-h200-kv-attention.md: 30B-A3B, gpt-oss-20b and
+# qwen3.6-35b-a3b shapes, every cache type, T 1 and 4 at G 8, 512 / 4096 / 16384 rows): exact
+# mode's fma beat ieee in every case up to T·G 32 (30B-A3B f16 at 16K: T 1 44.2 us against
+# 121.2, T 4 197.1 against 229.0); fused mode's tf32 was the fastest but in 3 of 72 cases
+# (q8_0 at 512 rows, T 1: within 1.1 us of fma). T·G above 32 was not measured.
 ATTN_VARIANT = MappingProxyType({
-    # no dead half of a 16-row dot tile, 35 shared loads a 16-key step against ieee's 167 a
-    # 32-key one, but 1.5x its instructions a key: expected faster where the loop waits on
-    # latency, as ieee's ~650 GB/s at 16K suggests (bench: none yet)
+    # 30B-A3B f32 T 1: 7.7 / 19.2 / 47.9 us against ieee's 11.4 / 33.6 / 104.6 (512 / 4K / 16K)
     (True, False, "f32"): "fma",
-    # ~4 FMA a byte of f16 rows: expected still under the CUDA cores' rate; ieee's f16 build
-    # spills at hd 128 and 256 (bench: none yet)
+    # f16 T 1: 7.7 / 17.8 / 44.2 us against 11.8 / 38.3 / 121.2; T 4: 10.5 / 56.4 / 197.1
+    # against 12.8 / 66.3 / 229.0
     (True, False, "half"): "fma",
-    # ~8 FMA a byte: near the CUDA cores' rate; exact mode has no faster exact form
-    # (bench: none yet)
+    # q8_0 T 1: 10.2 / 29.7 / 94.5 us against 15.6 / 50.1 / 173.2
     (True, False, "q8_0"): "fma",
-    # f32 rows: 53 warp-instructions a key in tf32's sm_90 loop against 215 (ieee) and 326
-    # (fma); fused mode already rounds activations to 8 bits (x8) (bench: none yet)
+    # f32 T 1: 7.2 / 18.1 / 29.7 us (55% of the copy ceiling at 16K); T 4: 7.7 / 22.9 / 44.9
     (True, True, "f32"): "tf32",
-    # f16 / bf16 keys and values are exact in TF32 (only q and p round); tensor cores keep up
-    # with half the bytes where the CUDA cores may not (bench: none yet)
+    # f16 T 1: 6.9 / 12.6 / 20.5 us; T 4 at 16K: 29.7 against fma's 197.1
     (True, True, "half"): "tf32",
-    # 8 FMA a byte: expected compute bound on the CUDA cores, tensor cores are not (bench: none yet)
+    # q8_0 T 1: 10.9 / 21.8 / 61.7 us against fma's 10.2 / 29.7 / 94.5
     (True, True, "q8_0"): "tf32",
-    # T·G > 16 (T 4 at G 8: 32 rows, 4x the FMAs a byte): exact mode keeps the first kernel, the
-    # exact form known to fit (fma's tile is sized for 16 rows at most) (bench: none yet)
+    # T·G > 32: exact mode keeps the first kernel, the exact form known to fit there (not
+    # measured against fma beyond 32 rows)
     (False, False, "f32"): "ieee",
     (False, False, "half"): "ieee",
     (False, False, "q8_0"): "ieee",
-    # 32 rows over tensor cores: the FMA forms are expected compute bound there (bench: none yet)
+    # many rows over tensor cores: tf32 led by 3-7x at 32 rows (not measured beyond)
     (False, True, "f32"): "tf32",
     (False, True, "half"): "tf32",
     (False, True, "q8_0"): "tf32",
