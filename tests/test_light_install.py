@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -115,10 +116,31 @@ def test_the_demo_chat_and_server_run_on_the_base_install(base_env: dict[str, st
         s.wait_health(lambda h: h["status"] == "ok", what="a loaded engine")
         with urllib.request.urlopen(s.url + "/", timeout=30) as page:
             assert b"<title>Strata chat</title>" in page.read()
-        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
-        req = urllib.request.Request(s.url + "/v1/chat/completions", body.encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            answer = json.load(resp)
+        answer = _post(s.url, {"messages": ASK, "max_tokens": 4})
         assert answer["choices"][0]["finish_reason"] in ("stop", "length")
         assert answer["usage"]["completion_tokens"] >= 1
+        # the demo's template takes no tools: they, the call and its result reach the prompt
+        # as hermes text (server/tool_prompt.py)
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 3}'}]
+        tools = _post(s.url, {"messages": history, "tools": [WEATHER], "max_tokens": 4})
+        plain = answer["usage"]["prompt_tokens"]
+        assert tools["usage"]["prompt_tokens"] > plain + 60, (plain, tools["usage"])
+        assert tools["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"HTTP {e.code}: {e.read().decode()}") from None
