@@ -80,12 +80,18 @@ class Meter:
         layer by layer (Transformer.forward calls marks.after(i) after layer i and the head)."""
         return LayerMarks(self, start, tokens, n_layers)
 
+    def erase(self) -> None:
+        """Erase the bar (work stopped before its end: no summary line)."""
+        if self.shown:
+            self.stream.write(_ERASE)
+            self.stream.flush()
+            self.shown = False
+
     def close(self) -> None:
         """Erase the bar; without a terminal, one line for work that took `delay` or more."""
         seconds = time.perf_counter() - self.t0
         if self.shown:
-            self.stream.write(_ERASE)
-            self.stream.flush()
+            self.erase()
         elif not self.tty and seconds >= self.delay:
             unit = " GiB" if self.unit == "bytes" else " tokens"
             print(f"strata: {self.label}: {_amount(self.done, self.unit)}{unit} in "

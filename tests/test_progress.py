@@ -205,3 +205,30 @@ def test_a_prompt_moves_the_bar_layer_by_layer(synth, monkeypatch, prefill):
     step = len(ids) / chunks
     assert bar.done_at[0] == pytest.approx(step / (n + 1))
     assert re.search(r"prompt  24 / 24 tokens  \[#{24}\] 100%", bar.line())
+
+
+def test_a_stopped_prompt_erases_its_bar(synth, monkeypatch):
+    """Ctrl-C inside a prompt's forward pass (strata chat goes on after it): the bar is erased,
+    no summary line is written, and the interrupt reaches the caller."""
+    from strata.engine import generator
+
+    bars = []
+
+    class Stops(Meter):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k, stream=FakeTerminal(), delay=0)
+            bars.append(self)
+
+        def update(self, done: float) -> None:
+            super().update(done)
+            if done >= 6:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(generator, "Meter", Stops)
+    engine = generator.Engine.load(synth("qwen3moe", "Q4_K_M"))
+    engine.show_progress = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_prompt(list(range(5, 29)), engine.model.new_cache(64))
+    (bar,) = bars
+    text = bar.stream.getvalue()
+    assert "prompt  " in text and text.endswith("\r\x1b[K") and "strata: prompt" not in text

@@ -144,15 +144,20 @@ class Engine:
         chunk = self.prefill_chunk(len(ids))
         meter = Meter("prompt", len(ids), "tokens") if self.show_progress else None
         out = []
-        for c, start in enumerate(range(0, len(ids), chunk)):
-            part = ids[start:start + chunk]
-            PROGRESS.at("prompt", chunk=c, position=kv.length)
-            marks = meter.layers(start, len(part), len(self.model.layers)) if meter else None
-            out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
-                                          all_logits=all_logits, marks=marks))
-            PROGRESS.steps += 1
+        try:
+            for c, start in enumerate(range(0, len(ids), chunk)):
+                part = ids[start:start + chunk]
+                PROGRESS.at("prompt", chunk=c, position=kv.length)
+                marks = meter.layers(start, len(part), len(self.model.layers)) if meter else None
+                out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
+                                              all_logits=all_logits, marks=marks))
+                PROGRESS.steps += 1
+                if meter is not None:
+                    meter.update(start + len(part))
+        except BaseException:  # (Ctrl-C in `strata chat`: the bar goes, the chat goes on)
             if meter is not None:
-                meter.update(start + len(part))
+                meter.erase()
+            raise
         if meter is not None:
             meter.close()
         return torch.cat(out) if all_logits else out[-1]
