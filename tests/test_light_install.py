@@ -59,7 +59,8 @@ def test_make_demo_installs_the_base_only():
     assert deps == "$(BASE)" and recipe and all("$(PIP)" not in line for line in recipe)
     deps, recipe = _rule(makefile, "$(BASE)")
     installs = [line for line in recipe if "$(PIP)" in line]
-    assert installs == ["$(PIP) install -q torch==2.13.0", "$(PIP) install -q -e ."]
+    assert len(installs) == 2 and installs[1] == "$(PIP) install -q -e ."
+    assert installs[0].startswith("$(PIP) install -q torch==2.13.0") and "[" not in installs[0]
     assert any(line.startswith("@echo") for line in recipe)  # it says what it does
     _, venv = _rule(makefile, "$(BIN)/python")
     assert [line for line in venv if "$(PIP)" in line] == ["$(PIP) install -q --upgrade pip"]
