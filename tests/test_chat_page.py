@@ -54,6 +54,7 @@ def _get_page(server: ServerProcess) -> httpx.Response:
 
 def test_page_without_key(open_server):
     _get_page(open_server)
+    assert f"strata: chat page: {open_server.url}/\n" in open_server.log()  # said at start
     assert httpx.head(open_server.url + "/", timeout=30).status_code == 200
 
 
