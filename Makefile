@@ -26,10 +26,18 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first, pinned, so that a CPU machine takes the small CPU build instead of a CUDA build.
+# torch first, pinned, so that strata's install finds it there. PyPI's Linux torch is the CUDA
+# build (with NVIDIA's libraries, several GB): on a machine without an NVIDIA GPU,
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU build (a local wheelhouse
+# in pip's find-links, as on this project's CI machines, is taken either way).
+TORCH_INDEX ?=
+TORCH_CPU := https://download.pytorch.org/whl/cpu
 $(BASE): $(BIN)/python pyproject.toml
-	@echo "== [2/4] base install: torch 2.13.0, then strata and its base dependencies"
-	$(PIP) install -q torch==2.13.0
+	@echo "== [2/4] base install: torch 2.13.0$(if $(TORCH_INDEX), from $(TORCH_INDEX)), then strata and its base dependencies"
+	@if [ -z "$(TORCH_INDEX)" ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "== no NVIDIA GPU seen: where pip finds no CPU wheel of torch, it takes the CUDA" \
+			"build; make $(MAKECMDGOALS) TORCH_INDEX=$(TORCH_CPU) takes the CPU build"; fi
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e .
 	touch $(BASE)
 

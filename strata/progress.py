@@ -75,16 +75,38 @@ class Meter:
         self.stream.flush()
         self.shown = True
 
+    def layers(self, start: float, tokens: int, n_layers: int) -> LayerMarks:
+        """The marks of one forward pass over `tokens` tokens after `start` done: the bar moves
+        layer by layer (Transformer.forward calls marks.after(i) after layer i and the head)."""
+        return LayerMarks(self, start, tokens, n_layers)
+
+    def erase(self) -> None:
+        """Erase the bar (work stopped before its end: no summary line)."""
+        if self.shown:
+            self.stream.write(_ERASE)
+            self.stream.flush()
+            self.shown = False
+
     def close(self) -> None:
         """Erase the bar; without a terminal, one line for work that took `delay` or more."""
         seconds = time.perf_counter() - self.t0
         if self.shown:
-            self.stream.write(_ERASE)
-            self.stream.flush()
+            self.erase()
         elif not self.tty and seconds >= self.delay:
             unit = " GiB" if self.unit == "bytes" else " tokens"
             print(f"strata: {self.label}: {_amount(self.done, self.unit)}{unit} in "
                   f"{seconds:.1f} s ({_rate(self.done, seconds, self.unit)})", file=self.stream)
+
+
+class LayerMarks:
+    """A forward pass's layers as a Meter's progress: after layer i of n (n: the head), the
+    pass's tokens count as (i + 1) / (n + 1) done."""
+
+    def __init__(self, meter: Meter, start: float, tokens: int, n_layers: int):
+        self.meter, self.start, self.tokens, self.n = meter, start, tokens, n_layers
+
+    def after(self, layer: int) -> None:
+        self.meter.update(self.start + self.tokens * (layer + 1) / (self.n + 1))
 
 
 class LoadStages:

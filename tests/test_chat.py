@@ -196,7 +196,9 @@ def test_chat_in_a_terminal_demo_ctrl_c():
         t.expect(r">>> ")
         t.type("Write a long story about the Linux kernel and its modules.\n")
         t.expect(r"modules\.\n")  # the terminal's echo of the line (before the program reads it)
-        t.expect(r"\w+ \w+ \w+")  # the answer is streaming: the program read the line
+        # the answer is streaming (three words on a line of its own, not the program's "strata:"
+        # lines, such as the one saying old turns were dropped): the program read the line
+        t.expect(r"(?m)^(?!strata: )\W*\w+ \w+ \w+")
         t.type(b"\x03")
         part = t.expect(TOK_S)
         assert re.search(TOK_S, part).group(3) == "stopped", part
@@ -245,3 +247,18 @@ def test_cuda_0_on_a_cpu_machine_is_one_line(synth):
     assert r.stderr.strip().splitlines()[-1] == (
         "strata chat: error: --device cuda:0: no such device; torch sees no CUDA device; use "
         "--device cpu")
+
+
+def test_the_line_after_an_answer_stopped_in_its_prompt():
+    """Ctrl-C before the first token: the line says the prompt was stopped (no rates of 0)."""
+    from types import SimpleNamespace
+
+    from strata.engine.generator import GenerationStats
+
+    s = Session(SimpleNamespace(stats=GenerationStats(prompt_tokens=848)), 1024)
+    s.finish, s.reused = "stopped", 12
+    assert s.line(0) == ("strata: stopped in the prompt of 848 new tokens (12 reused); nothing "
+                         "answered")
+    s.engine.stats = GenerationStats(prompt_tokens=8, prompt_s=0.5, decode_tokens=3,
+                                     decode_s=0.25)
+    assert re.fullmatch(TOK_S, s.line(4)).groups() == ("12", "4", "stopped")

@@ -54,6 +54,7 @@ def _get_page(server: ServerProcess) -> httpx.Response:
 
 def test_page_without_key(open_server):
     _get_page(open_server)
+    assert f"strata: chat page: {open_server.url}/\n" in open_server.log()  # said at start
     assert httpx.head(open_server.url + "/", timeout=30).status_code == 200
 
 
@@ -196,3 +197,62 @@ def _stored_answer(d) -> str:
     return d.execute_script(
         "return JSON.parse(localStorage.getItem('strata.chat.messages'))"
         ".find(m => m.role === 'assistant').content")
+
+
+def test_reasoning_is_shown_folded_and_kept_out_of_the_history(open_server, browser):
+    """A model's reasoning (delta.reasoning_content: gpt-oss's analysis channel) streams into a
+    folded block above its answer, is kept with the conversation, and is not sent back as part
+    of the history. The server's stream is stood in for by the page's own fetch, replaced."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    d, wait = browser, WebDriverWait(browser, 30, poll_frequency=0.1)
+    d.get(open_server.url + "/")
+    d.execute_script(_FAKE_STREAM)
+    d.find_element(By.ID, "input").send_keys("Hi", Keys.ENTER)
+    wait.until(lambda _: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))
+
+    def shown() -> tuple[str, str, bool]:
+        block = d.find_element(By.CSS_SELECTOR, "details.reasoning")
+        return (block.find_element(By.TAG_NAME, "div").get_attribute("textContent"),
+                d.find_element(By.CSS_SELECTOR, ".msg.assistant").text, block.is_displayed())
+
+    assert shown() == ("The user greets. Answer kindly.", "Hello!", True)
+    stats = d.find_element(By.CSS_SELECTOR, ".stats").text
+    assert re.fullmatch(r"3 tokens · \d+\.\d tok/s · first token after \d+\.\d\d s", stats), stats
+    d.refresh()
+    wait.until(lambda _: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+    assert shown() == ("The user greets. Answer kindly.", "Hello!", True)
+    d.execute_script(_FAKE_STREAM)
+    d.find_element(By.ID, "input").send_keys("Again", Keys.ENTER)
+    wait.until(lambda _: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))  # (new)
+    sent = d.execute_script("return window.sentBodies")[0]["messages"]
+    assert sent == [{"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello!"},
+                    {"role": "user", "content": "Again"}]
+    d.find_element(By.ID, "new").click()
+    assert d.find_elements(By.CSS_SELECTOR, "details.reasoning") == []
+
+
+# the server's answer as gpt-oss streams one: reasoning deltas, then content, then usage
+_FAKE_STREAM = """
+window.sentBodies = [];
+const events = [
+  {choices: [{index: 0, delta: {role: "assistant", content: ""}, finish_reason: null}]},
+  {choices: [{index: 0, delta: {reasoning_content: "The user greets."}, finish_reason: null}]},
+  {choices: [{index: 0, delta: {reasoning_content: " Answer kindly."}, finish_reason: null}]},
+  {choices: [{index: 0, delta: {content: "Hello"}, finish_reason: null}]},
+  {choices: [{index: 0, delta: {content: "!"}, finish_reason: null}]},
+  {choices: [{index: 0, delta: {}, finish_reason: "stop"}]},
+  {choices: [], usage: {prompt_tokens: 5, completion_tokens: 3, total_tokens: 8}}];
+const plain = window.fetch;
+window.fetch = (url, init) => {
+  if (url !== "/v1/chat/completions") return plain(url, init);
+  window.sentBodies.push(JSON.parse(init.body));
+  const text = events.map((e) => "data: " + JSON.stringify(e) + "\\n\\n").join("") +
+    "data: [DONE]\\n\\n";
+  return Promise.resolve(new Response(text, {status: 200,
+                                             headers: {"Content-Type": "text/event-stream"}}));
+};
+"""

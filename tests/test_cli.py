@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 
@@ -149,3 +150,57 @@ def test_kv_type_auto_follows_the_device(flags, device, kv, monkeypatch):
     add_engine_arguments(p)
     ec = engine_config(p.parse_args(flags))
     assert (ec.device, ec.kv_type) == (device, kv)
+
+
+def _option_helps():
+    """(command, flag, default, help) for every option of every command that takes a value
+    (serve's flags read a "not given" marker: their defaults are ServeConfig's and the engine
+    flags')."""
+    import argparse
+    from dataclasses import fields
+
+    from strata.cli.main import COMMANDS, build_parser
+    from strata.server.config import ENGINE_DEFAULTS, ServeConfig
+
+    serve = {f.name: f.default for f in fields(ServeConfig)} | ENGINE_DEFAULTS
+    for command in COMMANDS:
+        parser = build_parser(command)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        for a in sub.choices[command]._actions:
+            if not a.option_strings or a.nargs == 0 or a.dest in ("help", "debug"):
+                continue  # switches, --help
+            default = serve.get(a.dest) if command == "serve" else a.default
+            yield command, a.option_strings[-1], default, " ".join((a.help or "").split())
+
+
+def _says_default(default, text: str) -> bool:
+    """The help says its default: in words after "default", or as a parenthesis that opens with
+    it, "(4096)", "(auto: ...)", "(lfu, ...)", "(1; 0: off)" (numbers by value: "(1e-4)")."""
+    if re.search(r"\bdefault\b", text) or re.search(r"\(" + re.escape(str(default)) + r"[;:,)]",
+                                                    text):
+        return True
+    for word in re.findall(r"\(([^\s;:,()]+)(?=[;:,)])", text):
+        if word == str(default):
+            return True
+        try:
+            if float(word) == float(default):
+                return True
+        except (TypeError, ValueError):
+            pass
+    return False
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    """Every option that takes a value has a help text; one with a default says it; and no help
+    quotes a measurement (the figures live in docs/ and bench/)."""
+    checked, missing = 0, []
+    for command, flag, default, text in _option_helps():
+        assert len(text) > 10, f"strata {command} {flag}: no help text"
+        assert not re.search(r"\d ?(%|(tok/s|GiB/s|GB/s|ms|us|µs)\b)|\b(faster|slower)\b",
+                             text), f"strata {command} {flag}: a measurement in --help: {text}"
+        if default is not None:
+            checked += 1
+            if not _says_default(default, text):
+                missing.append(f"strata {command} {flag} (default {default!r}): {text}")
+    assert checked > 60
+    assert not missing, "\n".join(missing)

@@ -165,3 +165,70 @@ def test_arena_fill_reports_gib_and_gib_s(synth, monkeypatch):
     (bar,) = seen
     assert bar.done == a.nbytes and bar.unit == "bytes"
     assert re.search(r"GiB  \[#{24}\] 100%  [\d.]+ GiB/s", bar.line())
+
+
+@pytest.mark.parametrize("prefill", ["off", "8"])
+def test_a_prompt_moves_the_bar_layer_by_layer(synth, monkeypatch, prefill):
+    """In one chunk or several, the prompt's bar moves after every layer and the head of each
+    pass: (i + 1) / (layers + 1) of the chunk's tokens, up to the whole prompt; the logits are
+    those of the same prompt run without a bar."""
+    import torch
+
+    from strata.config import EngineConfig
+    from strata.engine import generator
+
+    seen = []
+
+    class Spy(Meter):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k, stream=FakeTerminal(), delay=0)
+            seen.append(self)
+            self.done_at: list[float] = []
+
+        def update(self, done: float) -> None:
+            self.done_at.append(done)
+            super().update(done)
+
+    monkeypatch.setattr(generator, "Meter", Spy)
+    engine = generator.Engine.load(synth("qwen3moe", "Q4_K_M"),
+                                   config=EngineConfig(prefill=prefill))
+    ids = list(range(5, 29))  # 24 tokens: one chunk, or three of 8
+    plain = engine.run_prompt(ids, engine.model.new_cache(64))
+    assert not seen  # no bar unless the CLI asks for one
+    engine.show_progress = True
+    shown = engine.run_prompt(ids, engine.model.new_cache(64))
+    torch.testing.assert_close(shown, plain, rtol=0, atol=0)
+    (bar,) = seen
+    n, chunks = len(engine.model.layers), 1 if prefill == "off" else 3
+    assert len(bar.done_at) == chunks * (n + 1) + chunks  # each layer, the head, each chunk
+    assert bar.done_at == sorted(bar.done_at) and bar.done_at[-1] == len(ids)
+    step = len(ids) / chunks
+    assert bar.done_at[0] == pytest.approx(step / (n + 1))
+    assert re.search(r"prompt  24 / 24 tokens  \[#{24}\] 100%", bar.line())
+
+
+def test_a_stopped_prompt_erases_its_bar(synth, monkeypatch):
+    """Ctrl-C inside a prompt's forward pass (strata chat goes on after it): the bar is erased,
+    no summary line is written, and the interrupt reaches the caller."""
+    from strata.engine import generator
+
+    bars = []
+
+    class Stops(Meter):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k, stream=FakeTerminal(), delay=0)
+            bars.append(self)
+
+        def update(self, done: float) -> None:
+            super().update(done)
+            if done >= 6:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(generator, "Meter", Stops)
+    engine = generator.Engine.load(synth("qwen3moe", "Q4_K_M"))
+    engine.show_progress = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_prompt(list(range(5, 29)), engine.model.new_cache(64))
+    (bar,) = bars
+    text = bar.stream.getvalue()
+    assert "prompt  " in text and text.endswith("\r\x1b[K") and "strata: prompt" not in text

@@ -219,3 +219,43 @@ def test_response_objects_carry_reasoning_and_calls():
     assert deltas[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert deltas[2] == {"tool_calls": [{"index": 0, "function": {
         "arguments": '{"city": "Paris", "days": 2}'}}]}
+
+
+def test_a_template_without_tools_gets_them_as_qwen_writes_them():
+    """The demo model's template takes no tools: the tools, an assistant's calls and the tool
+    results, rewritten into plain messages (tool_prompt.py), render through it to exactly the
+    text Qwen3's template writes for the conversation as it came; a template that reads `tools`
+    keeps it as it came."""
+    from strata.demo import demo_model
+    from strata.gguf import open_model
+    from strata.server.tool_prompt import needs_rewrite, rewrite
+    from strata.tokenizer import ChatTemplate, Tokenizer
+
+    meta = open_model(demo_model()).metadata
+    demo = ChatTemplate.from_metadata(meta, Tokenizer.from_metadata(meta))
+    qwen = ChatTemplate(QWEN3_TOOLS, Tokenizer.from_metadata(meta))
+    assert "tools" not in demo.template
+    calls = [{"id": f"call_{i}", "type": "function", "function": {
+        "name": name, "arguments": json.dumps(args)}} for i, (name, args) in enumerate(
+            [("get_weather", {"city": "Paris"}), ("get_time", {})])]
+    for system in ([], [{"role": "system", "content": "Be brief."}]):
+        for content in (None, "Let me look."):
+            req = parse_chat({"tools": [WEATHER, TIME], "messages": [
+                *system, *USER, {"role": "assistant", "content": content, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": '{"temp_c": 14}'},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+                {"role": "assistant", "content": "14 C at noon."},
+                {"role": "user", "content": "And tomorrow?"}]}, 256)
+            assert needs_rewrite(demo.template, req.messages, req.tools)
+            assert not needs_rewrite(qwen.template, req.messages, req.tools)
+            want = qwen.render(req.messages, True, **req.template_kwargs)
+            assert "<tool_response>\n12:00\n</tool_response>" in want
+            got = demo.render(rewrite(req.messages, req.tools), True, **req.template_kwargs)
+            assert got == want
+    # tool_choice "none": no tool list, the calls and results still written
+    req = parse_chat({"tools": [WEATHER], "tool_choice": "none", "messages": [
+        *USER, {"role": "assistant", "content": None, "tool_calls": calls[:1]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "3"}]}, 256)
+    text = demo.render(rewrite(req.messages, None))
+    assert "<tools>" not in text and '"arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert not needs_rewrite(demo.template, USER, None)

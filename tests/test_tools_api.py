@@ -217,3 +217,39 @@ def test_bad_response_format(client):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
                                        response_format={"type": "yaml"})
     assert e.value.body["param"] == "response_format"
+
+
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+
+def test_constrained_answers_beside_others_are_their_serial_ones(client):
+    """Grammars masking some sequences of a shared forward pass: a json_schema answer, a
+    json_object one, a forced call and a plain one, run together, are each what it was alone
+    (same seed) and still follow its grammar."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                     "strict": True}}
+    kinds = [dict(response_format=schema), dict(response_format={"type": "json_object"}),
+             dict(tools=[STRICT_WEATHER], tool_choice="required"), {}]
+
+    def one(i: int):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Describe programmer {i}."}],
+            max_tokens=60, temperature=1.0, seed=40 + i, **kinds[i % len(kinds)])
+        c = r.choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        return c.message.content, calls, c.finish_reason
+
+    serial = [one(i) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(one, range(4), timeout=300))
+    assert together == serial
+    for i, (text, calls, finish) in enumerate(serial):
+        if i % 4 == 0:
+            assert finish == "stop" and valid(json.loads(text), PERSON), text
+        if i % 4 == 1:
+            assert text.startswith("{")
+        if i % 4 == 2:
+            assert finish == "tool_calls" and calls[0][0] == "get_weather", (text, calls)
+            assert valid(json.loads(calls[0][1]), WEATHER["function"]["parameters"])

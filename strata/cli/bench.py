@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--sweep-vram", default=None, metavar="GIB,GIB,...",
                    help="run once per VRAM budget and plot decode tok/s against it (--plot)")
-    p.add_argument("--plot", default="bench-sweep.png", help="PNG for --sweep-vram")
+    p.add_argument("--plot", default="bench-sweep.png",
+                   help="PNG for --sweep-vram (bench-sweep.png)")
     add_engine_arguments(p)
 
 

@@ -122,6 +122,9 @@ class Session:
 
     def line(self, generated: int) -> str:
         st = self.engine.stats
+        if self.finish == "stopped" and not generated and not st.prompt_s:
+            return (f"strata: stopped in the prompt of {st.prompt_tokens} new tokens "
+                    f"({self.reused} reused); nothing answered")
         pre = st.prompt_tokens / st.prompt_s if st.prompt_s else 0.0
         tok_s = st.decode_tok_s  # (tokens: a verify window gives several a step)
         return (f"strata: prompt {st.prompt_tokens} new tokens ({self.reused} reused) at "

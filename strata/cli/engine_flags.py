@@ -35,9 +35,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-profile", default=None, metavar="P",
                    help="routing profile from `strata profile`: seeds the cache")
     g.add_argument("--miss", default="auto", choices=["auto", "cpu", "dma"],
-                   help="missed experts: CPU pool, copy to the GPU (in a CUDA decode step: "
-                   "gathered from the pinned arena by the GPU inside the step's graph), or "
-                   "split by measured cost")
+                   help="missed experts: computed by the CPU pool (cpu), copied to the GPU (dma; "
+                   "in a CUDA decode step gathered from the pinned arena by the GPU inside the "
+                   "step's graph), or split between the two by measured cost (auto)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU pool threads (the cores this process may use, less one)")
     g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
@@ -60,7 +60,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "tensor cores; decode rounds activations to 8 bits for expert gate/up and "
                    "down and large output matrices in Q4_K, Q6_K (down, output), IQ2_XS or "
                    "IQ3_XXS, as llama.cpp does), exact "
-                   "(fused only where float32-exact: up to 4 tokens), off")
+                   "(fused only where float32-exact: up to 4 tokens), off (fused)")
     g.add_argument("--decode-step", default="graphs", choices=["graphs", "eager", "off"],
                    help="one sequence's decode token on the offload runtime: static buffers "
                    "captured as CUDA graphs (graphs; eager on the CPU), the same pieces run "
@@ -75,17 +75,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA decode steps whose layers gather their misses over PCIe: while a "
                    "layer computes, copy the N experts the next layer's router ranks best for "
                    "the current hidden state (less those in VRAM already), so its gather finds "
-                   f"them in VRAM (0: off; auto: {AUTO_PREFETCH} where the cache holds fewer "
-                   "slots a layer than a token's experts, else off; measurements: "
-                   "docs/offload.md)")
+                   f"them in VRAM (auto: {AUTO_PREFETCH} where the cache holds fewer slots a layer "
+                   "than a token's experts, else off; 0: off; measurements: docs/offload.md)")
     g.add_argument("--spec", type=int, default=0, metavar="T",
                    help="speculative decoding: up to T drafted tokens checked in one verify "
                    "window (a forward of T+1 tokens); the window shrinks or turns off while "
                    "few are accepted (0: off)")
     g.add_argument("--draft", default="auto", metavar="auto|ngram|mtp|PATH.gguf",
                    help="what drafts a window's tokens: n-grams of the context (ngram), the "
-                   "file's MTP head (mtp), a small model sharing the tokenizer (PATH.gguf); auto: "
-                   "mtp where the file has one that runs, else ngram")
+                   "file's MTP head (mtp), a small model sharing the tokenizer (PATH.gguf) (auto: "
+                   "mtp where the file has one that runs, else ngram)")
 
 
 MAX_SPEC = 64  # drafted tokens a window may hold (a window is one forward pass)

@@ -18,14 +18,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="GGUF file (any shard of a split set); "
                    "without it, the built-in demo model")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt", help="raw text to continue")
+    g.add_argument("--prompt", help="raw text to continue (without --prompt or --chat: "
+                   "'Once upon a time')")
     g.add_argument("--chat", help="a user message, rendered with the model's chat template")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (128)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (0.95)")
     p.add_argument("--top-k", type=int, default=40, help="0 turns it off (40)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top (0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
     p.add_argument("--stats", action="store_true",
                    help="print expert cache and miss-path statistics per layer")
     add_engine_arguments(p)

@@ -28,8 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="keep the preset's widths but use this many layers")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    p.add_argument("--split-max-tensors", type=int, default=0, help="write a split set")
-    p.add_argument("--split-max-size", default="0", help="write a split set, e.g. 4G")
+    p.add_argument("--split-max-tensors", type=int, default=0,
+                   help="write a split set of at most this many tensors a file (0: one file)")
+    p.add_argument("--split-max-size", default="0",
+                   help="write a split set of files of at most this size, e.g. 4G (0: one file)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 

@@ -142,17 +142,22 @@ class Engine:
         """The prompt in chunks through the model, appending to kv. Returns the last position's
         logits [1, V], or every position's [n, V] with all_logits."""
         chunk = self.prefill_chunk(len(ids))
-        meter = Meter("prompt", len(ids), "tokens") if self.show_progress and chunk < len(ids) \
-            else None
+        meter = Meter("prompt", len(ids), "tokens") if self.show_progress else None
         out = []
-        for c, start in enumerate(range(0, len(ids), chunk)):
-            part = ids[start:start + chunk]
-            PROGRESS.at("prompt", chunk=c, position=kv.length)
-            out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
-                                          all_logits=all_logits))
-            PROGRESS.steps += 1
+        try:
+            for c, start in enumerate(range(0, len(ids), chunk)):
+                part = ids[start:start + chunk]
+                PROGRESS.at("prompt", chunk=c, position=kv.length)
+                marks = meter.layers(start, len(part), len(self.model.layers)) if meter else None
+                out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
+                                              all_logits=all_logits, marks=marks))
+                PROGRESS.steps += 1
+                if meter is not None:
+                    meter.update(start + len(part))
+        except BaseException:  # (Ctrl-C in `strata chat`: the bar goes, the chat goes on)
             if meter is not None:
-                meter.update(start + len(part))
+                meter.erase()
+            raise
         if meter is not None:
             meter.close()
         return torch.cat(out) if all_logits else out[-1]

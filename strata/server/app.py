@@ -46,6 +46,7 @@ from strata.server.tool_calls import (
     parse,
     parser_for,
 )
+from strata.server.tool_prompt import needs_rewrite, rewrite
 from strata.server.validation import ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger("strata.serve")
@@ -233,6 +234,9 @@ class API:
         deadline and size cap (strata.tokenizer.chat), so that a runaway template fails its own
         request with a 400 and never holds up the engine; a few renders run at a time."""
         chat = self.sup.chat
+        if needs_rewrite(getattr(chat, "template", None), req.messages, req.tools):
+            # a template that takes no tools: tools and calls as hermes text (tool_prompt.py)
+            req.messages = rewrite(req.messages, req.tools if req.tool_choice != "none" else None)
         async with self._renders:
             try:
                 ids = await asyncio.to_thread(chat.encode, req.messages, True,

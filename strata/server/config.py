@@ -94,7 +94,7 @@ HELP = {
     "model_name": "the model id clients send and /v1/models lists (default: the file's name)",
     "host": "address to listen on; 127.0.0.1 keeps the server on this machine (127.0.0.1)",
     "port": "TCP port; 0 picks a free one and logs it (8000)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/* requests",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* requests (none: no key)",
     "batch": "requests decoded together, sharing each forward pass (4)",
     "queue": "requests that may wait for a batch slot; more get HTTP 429 (16)",
     "max_tokens": "the most tokens one request may ask for, and the default (4096)",
@@ -106,7 +106,7 @@ HELP = {
     "max_restarts": "restarts allowed within --restart-window; one more failure and the server "
                     "stops restarting and says why in /health (3)",
     "restart_window": "seconds over which --max-restarts counts failures (600)",
-    "report_dir": "folder for stall and crash reports (the current folder)",
+    "report_dir": "folder for stall and crash reports (default: the current folder)",
     "template_timeout": "seconds one chat request's template may take to render and tokenize; "
                         "longer fails that request with HTTP 400 (5)",
     "head_timeout": "seconds a connection may stay open without a request running before it "

@@ -109,6 +109,7 @@ def serve(cfg: ServeConfig, fault: FaultPlan | None) -> int:
     shown = f"[{host}]" if ":" in host else host
     log.info("listening on http://%s:%d/v1 (model %r; the engine loads in the background, "
              "GET /health shows its progress)", shown, port, cfg.served_name)
+    log.info("chat page: http://%s:%d/", shown, port)
     if not _is_loopback(cfg.host) and cfg.api_key is None:
         log.warning("--host %s opens the server to the network without --api-key", cfg.host)
     if fault is not None:
