@@ -163,9 +163,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
     kv_type = args.kv_type
-    if kv_type == "auto":  # (what llama.cpp keeps too; the CPU's paths stay the reference's)
+    if kv_type == "auto":  # (what llama.cpp keeps too; the CPU's paths stay the reference's;
+        # the memory plan's KV line names the type)
         kv_type = "f16" if device.startswith("cuda") else "f32"
-        log.info("KV cache: %s (--kv-type auto on %s)", kv_type, device)
     return EngineConfig(
         device=device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,

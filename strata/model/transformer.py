@@ -24,11 +24,13 @@ from strata.experts import ExpertExecutor, ReferenceExperts
 from strata.model.layers import rope_tables
 from strata.model.parts import Head, Layer, Segment, Segments
 from strata.model.parts.attention import BF16_ATTENTION_MIN_T
+from strata.model.parts.context import decode_ops
 from strata.model.parts.ffn import SharedExpert
 from strata.model.weights import LayerWeights, ModelWeights
 from strata.runtime.delta_state import DeltaState
 from strata.runtime.kv_cache import KVCache, grown
 from strata.runtime.latent_cache import LatentCache
+from strata.runtime.waits import to_device
 
 __all__ = ["BF16_ATTENTION_MIN_T", "MoETransformer", "Segment", "shared_expert"]
 
@@ -45,6 +47,7 @@ class MoETransformer:
         # CUDA with --kernels fused: prompt chunks attend on bf16 tensor cores, a few tokens
         # over a float16 / bfloat16 KV cache through the decode kernel
         self.fused_attention = False
+        self._inv_freq: torch.Tensor | None = None  # RoPE frequencies of the fused chunk path
         self.kv_dtype = torch.float32  # the KV cache's elements (--kv-type)
         self.kv_limit: int | None = None  # rows a cache may hold (the memory plan's, on CUDA)
         # called after the layers of each forward with (segments, hidden [T, D]): the last
@@ -107,6 +110,13 @@ class MoETransformer:
                                for s in segments]).to(self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
+        if self.fused_attention and len(segments) == 1 and cfg.yarn is None:
+            # (one launch a layer for the q/k norms, RoPE and the cache store: GQAAttention)
+            if self._inv_freq is None:
+                self._inv_freq = decode_ops().rope_inv_freq(cfg.rope_dim, cfg.rope_theta,
+                                                            self.device)
+            ctx.inv_freq = self._inv_freq
+            ctx.pos = to_device(torch.tensor([segments[0].kv.length]), self.device)
         x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
         delta = None  # each layer's output, added by the next residual step
         for i, layer in enumerate(self.layers):

@@ -19,6 +19,7 @@ from strata.kernels.tuning import BF16_ATTENTION_MIN_T
 from strata.model.layers import apply_rope, attention, attention_bf16, attention_last, rms_norm
 from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
 from strata.model.weights import LayerWeights, linear, qkv_linear
+from strata.runtime.kv_cache import dequantize_q8_0
 
 
 class GQAAttention:
@@ -58,6 +59,8 @@ class GQAAttention:
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
         """Each segment appends its keys and values to its own cache and attends over it."""
+        if ctx.inv_freq is not None:  # one segment, --kernels fused on CUDA
+            return self._chunk(q, k, v, ctx)
         lw, i = self.lw, self.layer
         if self.qk_norm:
             q, k = rms_norm(q, lw.q_norm, self.eps), rms_norm(k, lw.k_norm, self.eps)
@@ -89,6 +92,28 @@ class GQAAttention:
                 out.append(attention(q[sl], keys.float(), values.float(), s.kv.length))
             start += s.length
         return torch.cat(out)  # [T, H*hd]
+
+    def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: Segments) -> torch.Tensor:
+        """One segment's T tokens on the fused kernels: q/k norms, RoPE and the cache store in
+        one launch (as the decode step's), then bf16 flash attention over the cache's rows (T >
+        BF16_ATTENTION_MIN_T) or the decode kernel reading them as stored (a few tokens)."""
+        ops, lw, i = decode_ops(), self.lw, self.layer
+        kv, t = ctx.segments[0].kv, q.shape[0]
+        end = kv.length + t
+        kv.reserve(end)
+        ks, vs = (kv.ks[i], kv.vs[i]) if kv.quantized else (None, None)  # q8_0's scales
+        q = ops.qk_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
+                              lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
+                              ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i], k_scales=ks,
+                              v_scales=vs)
+        if t > BF16_ATTENTION_MIN_T:
+            keys, values = kv.k[i][:end], kv.v[i][:end]  # [end, Hkv, hd]
+            if kv.quantized:
+                keys, values = dequantize_q8_0(keys, ks[:end]), dequantize_q8_0(values, vs[:end])
+            return attention_bf16(q, keys, values)
+        return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.pos + t, self.scale, k_scales=ks,
+                                    v_scales=vs, fused=True)  # [T, H*hd]
 
 
 class GatedAttention(GQAAttention):

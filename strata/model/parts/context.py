@@ -34,7 +34,9 @@ class Segments:
 
     cos, sin [T, rope_dim/2]: RoPE at every token's position; experts: the model's
     ExpertExecutor; timer: --stats' GPU timer (each layer's experts timed), or None;
-    fused_attention: CUDA with --kernels fused (see GQAAttention)."""
+    fused_attention: CUDA with --kernels fused (see GQAAttention): the residual steps' norms
+    run as one launch each (decode_ops.add_rms_norm), and a single segment's q/k norms, RoPE
+    and cache store too (decode_ops.qk_rope_store, from pos and inv_freq)."""
 
     segments: Sequence[Segment]
     cos: torch.Tensor
@@ -42,6 +44,10 @@ class Segments:
     experts: object  # ExpertExecutor (strata.experts): run(layer, weights, h, ids, weights)
     timer: object | None = None  # GpuTimer (strata.experts.stats)
     fused_attention: bool = False
+    # one segment under fused_attention: its first position (int64 [1] on the device) and the
+    # RoPE frequencies (decode_ops.rope_inv_freq; None with YaRN), for the fused chunk kernels
+    pos: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None
     static = False
 
     def run_experts(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,

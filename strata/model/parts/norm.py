@@ -12,8 +12,9 @@ from strata.model.parts.context import Context, decode_ops
 
 def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
              ctx: Context) -> torch.Tensor:
-    """x [T, D] += delta (in place), then -> rms_norm(x, weight) [T, D]."""
-    if ctx.static:
+    """x [T, D] += delta (in place), then -> rms_norm(x, weight) [T, D]. One launch in a static
+    step and in a pass under --kernels fused on CUDA (the fused norm, float32 as the reference)."""
+    if ctx.static or ctx.fused_attention:
         ops = decode_ops()
         return (ops.rms_norm(x, weight, eps) if delta is None
                 else ops.add_rms_norm(x, delta, weight, eps))
