@@ -1,8 +1,9 @@
 """A prompt chunk under --kernels fused (one segment): the residual steps' norms, the q/k norms,
-RoPE and the cache store run on the fused decode kernels (decode_ops.add_rms_norm,
-qk_rope_store) over the chunk's T tokens. Under Triton's interpreter on the CPU: the first
-layer's cache rows they store equal the reference path's (to float32 rounding, or to the cache
-type's), and the logits stay within the bf16 flash attention's rounding of the reference's."""
+RoPE and the cache store, and the routing's softmax and top k run on the fused decode kernels
+(decode_ops.add_rms_norm, qk_rope_store, route_topk) over the chunk's T tokens. Under Triton's
+interpreter on the CPU: the first layer's cache rows they store equal the reference path's (to
+float32 rounding, or to the cache type's), and the logits stay within the bf16 flash
+attention's rounding of the reference's."""
 
 from __future__ import annotations
 

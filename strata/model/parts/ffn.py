@@ -86,6 +86,10 @@ class RoutedExperts:
             h, ids, wts = decode_ops().norm_route(
                 x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,
                 counts=ctx.counts(self.layer), fuse=ctx.fuse_route)
+        elif ctx.fused_attention:  # (CUDA, --kernels fused) softmax and top k in one launch
+            h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
+            ops = decode_ops()
+            ids, wts = ops.route_topk(ops.router_logits(h, lw.router), self.k, self.norm_topk)
         else:
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ids, wts = route(h, lw.router, self.k, self.norm_topk)  # [T, K]
