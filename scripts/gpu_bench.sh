@@ -31,7 +31,8 @@
 # added), grouped (the 30B-A3B prompt MoE layer through the grouped and the tl.dot paths by
 # token count, scripts/bench_kernels.py --moe-prompt-only, GROUPED_ARGS added, e.g.
 # "--moe-prompt-tokens 64,128"),
-# compare (an older tree's strata bench beside this one's: COMPARE_TREE, COMPARE_SPECS),
+# compare (an older tree's strata bench beside this one's: COMPARE_TREE, COMPARE_SPECS,
+# COMPARE_ORDER, COMPARE_NEW_FLAGS),
 # matrix (llama-bench's matrix, MATRIX_P prompts, MATRIX_N decode tokens at MATRIX_D depths, from
 # strata bench and from llama-bench -fa 1 at each of MATRIX_BUDGETS, -ncmoe fitted to the budget,
 # peaks from nvidia-smi: scripts/llama_side_by_side.py writes $OUT/matrix.md), serve (strata
@@ -339,13 +340,18 @@ if [[ $STAGES == *compare* ]]; then
   for spec in ${COMPARE_SPECS:-2:512:64 10:512:64 all:512:64 all:8192:0 6:8192:0}; do
     IFS=: read -r b np ng <<<"$spec"
     flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
-    for side in old new; do
+    # COMPARE_ORDER: the sides in turn, e.g. "old new new old" (drift on the machine between
+    # runs then falls on both); each run writes its own JSON (…_<side>_<spec>_<i>.json)
+    i=0
+    for side in ${COMPARE_ORDER:-old new}; do
+      i=$((i + 1))
       dir=$PWD; extra=(${COMPARE_NEW_FLAGS:-})
       [[ $side == old ]] && { dir=$(cd "${COMPARE_TREE:-.old}" && pwd); extra=(); }
       echo "== compare ($side tree): --vram-budget $b --prompt-len $np --gen-len $ng"
       (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 300 python3 -m strata bench $M \
         --device cuda "${flags[@]}" --prompt-len "$np" --gen-len "$ng" --runs 2 \
-        "${extra[@]}" --json "$OUT/compare_${side}_${b}_${np}_$ng.json" 2>&1 | grep -E "tok/s|VRAM|hit" | tail -4)
+        "${extra[@]}" --json "$OUT/compare_${side}_${b}_${np}_${ng}_$i.json" 2>&1 \
+        | grep -E "tok/s|VRAM|hit" | tail -4)
     done
   done
 fi
