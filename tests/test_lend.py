@@ -71,6 +71,12 @@ def test_plan_lends_the_workspace_to_decode_slots(synth):
     assert cpu.lent_per_layer == ()
     full = make_plan(mf, cfg, EngineConfig(vram_budget_gib=1, **CUDA), layouts)
     assert full.slots_per_layer == [E] * cfg.n_layers and full.lent_per_layer == ()
+    # every expert in a slot: nothing ever streams, so no ring (unless asked for)
+    assert full.ring == 0 and full.ring_borrow == 0
+    assert "every expert has a cache slot, so nothing streams" in "\n".join(full.lines())
+    asked = make_plan(mf, cfg, EngineConfig(vram_budget_gib=1, stream_min=1, **CUDA), layouts)
+    assert asked.slots_per_layer == [E] * cfg.n_layers and asked.ring > 0
+    assert b < 1 and plan.ring > 0  # (a cache short of every expert keeps its ring)
 
 
 def test_lent_slots_fill_the_workspace_at_30b_shapes():

@@ -66,6 +66,7 @@ class MemoryPlan:
     # (decode steps of up to DECODE_MAX_T tokens); a larger pass takes them back first
     lent_per_layer: tuple[int, ...] = ()
     lent_ring: bool = False  # the lent slots take the streaming ring's VRAM too
+    ring_note: str = ""  # why there is no ring, where that is a choice
 
     @property
     def left(self) -> int:
@@ -89,6 +90,7 @@ class MemoryPlan:
             "tokens)",
             f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
             f"  streaming ring {f(self.ring):>10}"
+            + (f" ({self.ring_note})" if self.ring_note else "")
             + (f" (+ up to {f(self.ring_borrow)} of what is left, during prompt chunks that "
                "stream)" if self.ring_borrow else ""),
             f"  cache slots    {f(self.cache):>10} ({n} slots, "
@@ -270,6 +272,14 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         fixed -= prefetch * max_stride
         staging_slots, staging, prefetch = cfg.n_experts_used, staging - prefetch * max_stride, 0
         slots = _cache_slots(cfg, ec, layouts, budget - fixed - kv, borrow_cap)
+    if ring and ec.ring_bytes is None and ec.stream_min is None and all(
+            n >= cfg.n_experts for n, lay in zip(slots, layouts, strict=True) if not lay.empty):
+        # every expert has a slot: no pass misses one, so nothing streams (the ring's VRAM,
+        # up to an eighth of the budget, stays with the driver)
+        fixed, ring, borrow_cap = fixed - ring, 0, 0
+        ring_note = "none: every expert has a cache slot, so nothing streams"
+    else:
+        ring_note = ""
     room = budget - fixed - kv
     cache = sum(n * lay.stride for n, lay in zip(slots, layouts, strict=True))
     if cache > room:
@@ -294,7 +304,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
                       chunk, prompt_weights, borrow, ec.kv_type,
-                      tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring)
+                      tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,
+                      ring_note)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],
