@@ -126,3 +126,11 @@ def test_the_router_runs_in_float32_whatever_its_input_holds():
     assert wts.dtype == torch.float32 and torch.equal(ids, ref_ids) and torch.equal(wts, ref_wts)
     pinned = route_weights(h.bfloat16(), router.bfloat16(), ids, True)
     assert pinned.dtype == torch.float32 and torch.equal(pinned, ref_wts)
+
+
+def test_check_keeps_float32_kv_on_both_sides_unless_named():
+    from strata.cli.check import parse_flags
+
+    assert parse_flags("b", "--device cuda").kv_type == "f32"  # (auto would give f16 there)
+    assert parse_flags("b", "--device cuda --kv-type auto").kv_type == "f16"
+    assert parse_flags("a", "--offload off --kv-type q8_0").kv_type == "q8_0"

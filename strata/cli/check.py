@@ -56,6 +56,9 @@ def parse_flags(name: str, text: str) -> EngineConfig:
     p = argparse.ArgumentParser(prog=f"strata check --{name}", add_help=False,
                                 exit_on_error=False)
     add_engine_arguments(p)
+    # (check compares paths: the KV cache float32 on both sides unless a side names --kv-type,
+    # where --kv-type auto would give a CUDA side f16 and the CPU side float32)
+    p.set_defaults(kv_type="f32")
     try:
         args, rest = p.parse_known_args(shlex.split(text))
     except (argparse.ArgumentError, ValueError) as e:
