@@ -345,7 +345,8 @@ if [[ $STAGES == *compare* ]]; then
     i=0
     for side in ${COMPARE_ORDER:-old new}; do
       i=$((i + 1))
-      dir=$PWD; extra=(${COMPARE_NEW_FLAGS:-})
+      # (this tree's --kv-type auto keeps f16 on CUDA; the older tree's cache is f32)
+      dir=$PWD; extra=(--kv-type f32 ${COMPARE_NEW_FLAGS:-})
       [[ $side == old ]] && { dir=$(cd "${COMPARE_TREE:-.old}" && pwd); extra=(); }
       echo "== compare ($side tree): --vram-budget $b --prompt-len $np --gen-len $ng"
       (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 300 python3 -m strata bench $M \
