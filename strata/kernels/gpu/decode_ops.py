@@ -496,6 +496,96 @@ def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return o.transpose(0, 1).reshape(t, h * hd)
 
 
+# ---- B sequences of one KV pool (the batched decode step) ---------------------------------------
+
+
+def rows_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                    pos: torch.Tensor, inv_freq: torch.Tensor, style: str,
+                    k_pool: torch.Tensor, v_pool: torch.Tensor, write: torch.Tensor,
+                    k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """qk_rope_store for one token of each of B sequences: row b at position pos[b], its k and
+    v written to pool row write[b]; returns the rotated q. Torch ops (graph safe: no host sync,
+    shapes fixed by B).
+
+    q [B, H, hd], k, v [B, Hkv, hd] f32; pos, write int64 [B] on the device; k_pool, v_pool
+    [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales, v_scales f16 [R, Hkv, hd/32] (q8_0)
+    -> [B, H, hd] f32. write holds distinct rows except the padded rows' scratch row."""
+    _check(q.dim() == 3 and k.dim() == 3 and pos.shape == (q.shape[0],)
+           and write.shape == pos.shape, "q [B, H, hd], k [B, Hkv, hd], pos and write [B]")
+    _q8_scales(k_pool, k_scales, "k_pool")
+    _q8_scales(v_pool, v_scales, "v_pool")
+    angles = pos.long().to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
+    cos, sin = angles.cos(), angles.sin()
+    if q_norm is not None:
+        q = layers.rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = layers.rms_norm(k, k_norm, eps)
+    q = layers.apply_rope(q, cos, sin, style)
+    k = layers.apply_rope(k, cos, sin, style)
+    if k_pool.dtype == torch.int8:
+        for pool, scales, x in ((k_pool, k_scales, k), (v_pool, v_scales, v)):
+            qx, dx = quantize_q8_0(x)
+            pool.index_copy_(0, write, qx)
+            scales.index_copy_(0, write, dx)
+    else:
+        k_pool.index_copy_(0, write, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, write, v.to(v_pool.dtype).contiguous())
+    return q.contiguous()
+
+
+def block_rows(table: torch.Tensor, block: int, span: int) -> torch.Tensor:
+    """The pool rows of positions 0 .. span-1 of each sequence: table int64 [B, nb] (block ids,
+    nb * block >= span) -> int64 [B, span], row = table[b, j // block] * block + j % block."""
+    j = torch.arange(span, device=table.device)
+    return table[:, j // block] * block + j % block
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    read: torch.Tensor, length: torch.Tensor, scale: float, window: int = 0,
+                    sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention for one new token of each of B sequences, each over its own rows of a
+    shared pool: row b's token is at position length[b] - 1 and sees its positions
+    j < length[b] (and j > length[b] - 1 - window with a window), whose keys and values are
+    pool rows read[b, j]. softmax(q k^T · scale) v per head, with gpt-oss's sink logit per
+    head when given (as _attention_torch).
+
+    q [B, H, hd] f32; k_pool, v_pool [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales,
+    v_scales (q8_0); read int64 [B, Tk]; length int64 [B] on the device, 1 <= length[b] <= Tk
+    -> [B, H·hd] f32. Torch ops: graph safe, every row reads Tk rows (masked past its length)."""
+    _check(q.dim() == 3 and k_pool.dim() == 3 and read.dim() == 2 and read.shape[0] == q.shape[0]
+           and length.shape == (q.shape[0],), "q [B, H, hd], pools [R, Hkv, hd], read [B, Tk], "
+           "length [B]")
+    _q8_scales(k_pool, k_scales, "k_pool")
+    _q8_scales(v_pool, v_scales, "v_pool")
+    b, h, hd = q.shape
+    tk = read.shape[1]
+    k, v = k_pool[read], v_pool[read]  # [B, Tk, Hkv, hd]
+    if k_pool.dtype == torch.int8:
+        k, v = dequantize_q8_0(k, k_scales[read]), dequantize_q8_0(v, v_scales[read])
+    keys = torch.arange(tk, device=q.device)[None, :]  # [1, Tk]
+    n = length.long()[:, None]  # [B, 1]
+    mask = keys < n  # [B, Tk]
+    k = torch.where(mask[..., None, None], k.float(), 0.0)  # (a NaN there would poison sums)
+    v = torch.where(mask[..., None, None], v.float(), 0.0)
+    if window:
+        mask &= keys > n - 1 - window
+    g = h // k.shape[2]
+    kh = k.repeat_interleave(g, 2).permute(0, 2, 1, 3)  # [B, H, Tk, hd]
+    vh = v.repeat_interleave(g, 2).permute(0, 2, 1, 3)
+    if sinks is not None:
+        sc = (kh @ q[..., None])[..., 0] * scale  # [B, H, Tk]
+        sc = torch.where(mask[:, None, :], sc, float("-inf"))
+        sink = sinks.float()[None, :, None].expand(b, h, 1)
+        p = torch.softmax(torch.cat([sc, sink], dim=-1), dim=-1)[..., :-1]
+        return (p[:, :, None, :] @ vh)[:, :, 0].reshape(b, h * hd)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :], kh, vh, attn_mask=mask[:, None, None, :], scale=scale)  # [B, H, 1, hd]
+    return o.reshape(b, h * hd)
+
+
 # ---- routing -------------------------------------------------------------------------------------
 
 

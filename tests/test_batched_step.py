@@ -1,0 +1,159 @@
+"""The batched decode step (B sequences of one KV pool, padded to the next batch size) gives each
+sequence the logits it gets decoded alone, for every architecture's mixer (GQA, sinks and
+windows, the hybrids' recurrent state, MLA's latents), KV type and expert plan; padded rows
+write no sequence's rows and are never counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_offload import offload
+
+from strata.engine.batch_step import BatchStep, padded_size
+from strata.engine.sampling import SamplingParams, sample
+from strata.model.parts import Segment
+from strata.runtime.kv_slots import KVSlots
+
+# prompts of different lengths (the rows of one batch sit at different positions)
+PROMPTS = [[5, 311, 17], [902, 64], [64, 1000, 3, 250, 777], [41, 8, 8, 900], [7],
+           [12, 13, 14, 15, 16, 17]]
+STEPS = 4  # decode steps after the prompts
+
+
+def pool_for(engine, slots: int, capacity: int = 32) -> KVSlots:
+    m = engine.model
+    return KVSlots(m.cfg, m.device, slots, capacity, m.kv_dtype)
+
+
+def prefill(engine, prompt: list[int], kv) -> torch.Tensor:  # noqa: ANN001
+    return engine.model.forward(torch.tensor(prompt), [Segment(kv, len(prompt))])
+
+
+def alone(engine, prompt: list[int], fed: list[int]) -> np.ndarray:
+    """The sequence decoded by itself (the one-sequence decode step) over a cache of its own,
+    fed the tokens `fed` -> logits [len(fed), V]."""
+    kv = engine.model.new_cache(64)
+    prefill(engine, prompt, kv)
+    return np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in fed])
+
+
+def batched(engine, step: BatchStep, prompts: list[list[int]], steps: int,
+            seeds: list[int] | None = None) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Every prompt prefilled into the pool, then `steps` batched decode steps; tokens greedy
+    (or sampled with each sequence's seed) -> (tokens fed per sequence, logits [steps, V])."""
+    caches = [step.pool.take() for _ in prompts]
+    last = [prefill(engine, p, kv)[0] for p, kv in zip(prompts, caches, strict=True)]
+    gens = [torch.Generator().manual_seed(s) for s in seeds] if seeds else None
+    params = SamplingParams(temperature=0.8 if seeds else 0.0, max_tokens=steps)
+    fed, logits = [[] for _ in prompts], [[] for _ in prompts]
+    for _ in range(steps):
+        toks = [sample(row, params, gens[i] if gens else None) for i, row in enumerate(last)]
+        out = step(toks, caches)
+        for i, t in enumerate(toks):
+            fed[i].append(t)
+            logits[i].append(out[i].float().numpy().copy())
+        last = list(out.clone())
+    return fed, [np.stack(x) for x in logits]
+
+
+def assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
+    """float32 bounds: the two paths sum attention in another order."""
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * max(1.0, np.abs(ref).max()))
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_batch_sizes_pad_to_the_next() -> None:
+    assert [padded_size(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    with pytest.raises(ValueError, match="at most 16"):
+        padded_size(17)
+
+
+# the architectures' mixers: GQA with q/k norms, sinks with sliding windows, the hybrid's
+# recurrent state beside gated attention, MLA's latent rows
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "qwen35moe", "deepseek2"])
+@pytest.mark.parametrize("n", [3, 5])  # padded to 4 and 8
+def test_batched_step_gives_each_sequence_its_logits_alone(synth, arch, n):
+    engine = offload(synth(arch, "Q4_K_M"), expert_cache="0", miss="cpu")
+    step = BatchStep(engine.model, pool_for(engine, n), "eager")
+    prompts = PROMPTS[:n]
+    fed, logits = batched(engine, step, prompts, STEPS)
+    for p, f, got in zip(prompts, fed, logits, strict=True):
+        assert_close(got, alone(engine, p, f))
+    assert step.steps["rows"] == n * STEPS
+    assert step.steps["padded"] == (padded_size(n) - n) * STEPS
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "bf16", "q8_0"])
+def test_batched_step_over_reduced_kv_types(synth, kv_type):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24", kv_type=kv_type)
+    step = BatchStep(engine.model, pool_for(engine, 3), "eager")
+    assert step.pool.store.dtype == engine.model.kv_dtype
+    fed, logits = batched(engine, step, PROMPTS[:3], STEPS)
+    for p, f, got in zip(PROMPTS[:3], fed, logits, strict=True):
+        assert_close(got, alone(engine, p, f))
+
+
+@pytest.mark.parametrize("cache", ["0", "5", "24"])  # host layers, some hits, all resident
+def test_expert_counts_are_the_real_rows_only(synth, cache):
+    engine = offload(synth("qwen2moe", "Q4_K_M"), expert_cache=cache, miss="cpu")
+    step = BatchStep(engine.model, pool_for(engine, 3), "eager")
+    st = engine.model.experts.stats
+    caches = [step.pool.take() for _ in range(3)]
+    for p, kv in zip(PROMPTS[:3], caches, strict=True):
+        prefill(engine, p, kv)
+    before = st.hits.sum() + st.cpu.sum() + st.streamed.sum()
+    step([1, 2, 3], caches)  # 3 rows at batch size 4
+    st.settle()
+    pairs = st.hits.sum() + st.cpu.sum() + st.streamed.sum() - before
+    assert pairs == 3 * engine.config.n_layers * engine.config.n_experts_used
+    assert (len(step.pieces) == 1) == (cache == "24")
+
+
+def test_sampled_text_is_the_same_batched_and_alone(synth):
+    """Each sequence samples with its own generator: the same seed gives the same tokens
+    whatever ran beside it."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="5", miss="cpu")
+    step = BatchStep(engine.model, pool_for(engine, 5), "eager")
+    seeds = [11, 12, 13, 14, 15]
+    fed, _ = batched(engine, step, PROMPTS[:5], 6, seeds)
+    for i in range(5):
+        solo, _ = batched(engine, step, PROMPTS[i:i + 1], 6, seeds[i:i + 1])
+        assert solo[0] == fed[i]
+
+
+def test_padded_rows_write_no_sequence_rows(synth):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24")
+    pool = pool_for(engine, 4)
+    step = BatchStep(engine.model, pool, "eager")
+    caches = [pool.take() for _ in range(3)]
+    for p, kv in zip(PROMPTS[:3], caches, strict=True):
+        prefill(engine, p, kv)
+    free_rows = pool.store[:, :, 3 * pool.capacity: 4 * pool.capacity].clone()
+    rows = [kv.store[:, :, : kv.length].clone() for kv in caches]
+    step([1, 2, 3], caches)  # padded to 4: the fourth row writes the scratch row only
+    assert torch.equal(pool.store[:, :, 3 * pool.capacity: 4 * pool.capacity], free_rows)
+    for kv, old in zip(caches, rows, strict=True):
+        assert torch.equal(kv.store[:, :, : old.shape[2]], old)  # rows before the new one kept
+        assert kv.length == old.shape[2] + 1
+
+
+def test_the_step_refuses_caches_of_another_pool(synth):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24")
+    step = BatchStep(engine.model, pool_for(engine, 2), "eager")
+    with pytest.raises(ValueError, match="its own KV pool"):
+        step([1], [engine.model.new_cache(8)])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cache", ["5", "24"])
+def test_batched_step_graphs_per_size_on_cuda(synth, cache):
+    """Graphs per batch size: eager, captured, then replayed; each sequence's logits as alone."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cuda", expert_cache=cache, miss="cpu")
+    step = BatchStep(engine.model, pool_for(engine, 5), "graphs")
+    for n in (3, 5):
+        fed, logits = batched(engine, step, PROMPTS[:n], STEPS)
+        for p, f, got in zip(PROMPTS[:n], fed, logits, strict=True):
+            ref = alone(engine, p, f)
+            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * max(1, np.abs(ref).max()))
+    assert not step._failed and step.steps["captured"] >= 2 and step.steps["replayed"] > 0
