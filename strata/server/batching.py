@@ -14,6 +14,12 @@ With --spec T (strata.engine.spec) a step of one decoding sequence is a verify w
 give several tokens; a step of several sequences decodes one token each (no windows in batched
 decode).
 
+With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
+(strata.runtime.kv_slots: N slots of the planned context, allocated once): a step whose sequences
+all decode runs the batched step (strata.engine.batch_step, CUDA graphs per batch size), a step
+with a prompt in it the plain forward. A finished or cancelled sequence's slot is free at once;
+a request that finds the pool full is refused with 429, and no other sequence is touched.
+
 Legend: B sequences in the step, V vocab.
 """
 
@@ -33,6 +39,7 @@ from strata.engine.sampling import SamplingParams, sample
 from strata.errors import StrataError
 from strata.model.transformer import Segment
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.kv_slots import KVSlots, PoolFull
 from strata.runtime.waits import PROGRESS, StallError
 from strata.server.faults import FaultTrigger
 from strata.server.prefix_cache import PrefixCache
@@ -82,6 +89,7 @@ class BatchRunner:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.seqs: dict[str, Sequence] = {}
         self.stage = "idle"
+        self.pool, self.batch_step = _batched(engine)
 
     @property
     def active(self) -> int:
@@ -98,7 +106,7 @@ class BatchRunner:
         try:
             seq = self._make_sequence(sub)
         except _Reject as r:
-            self.send(Failed(sub.rid, 400, r.message, r.param, r.code))
+            self.send(Failed(sub.rid, r.status, r.message, r.param, r.code))
             return
         self.seqs[sub.rid] = seq
         self.send(Accepted(sub.rid, seq.prompt_len, seq.max_tokens))
@@ -107,6 +115,7 @@ class BatchRunner:
         seq = self.seqs.pop(rid, None)  # dropping the sequence frees its KV cache
         if seq is not None:
             self.prefix.store(seq.context, seq.kv)  # (the rows written so far are whole)
+            self._release(seq)
             self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated,
                                cached_tokens=seq.cached))
 
@@ -130,6 +139,9 @@ class BatchRunner:
                 logits = []
             elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
                 logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
+            elif not prompt and self.batch_step is not None and len(tokens) == len(batch):
+                # several sequences decoding: the batched step, one token each
+                logits = self.batch_step(tokens.tolist(), [s.kv for s in batch])
             else:
                 logits = self.engine.model.forward(tokens, segments)  # [B, V]
         except StallError as e:  # a bounded wait ran out: the GPU or a worker is stuck
@@ -139,7 +151,8 @@ class BatchRunner:
         except Exception as e:  # a failed step fails its requests; the engine serves on
             traceback.print_exc(file=sys.stderr)
             for s in batch:
-                self.seqs.pop(s.rid, None)
+                if self.seqs.pop(s.rid, None) is not None:
+                    self._release(s)
                 self.send(Failed(s.rid, 500, f"the engine failed in a {self.stage} step: "
                                  f"{type(e).__name__}: {e}"))
             return
@@ -161,6 +174,7 @@ class BatchRunner:
                 token = self._sample(s, row)
             except StrataError as e:  # the grammar failed: that request fails, the rest go on
                 self.seqs.pop(s.rid, None)
+                self._release(s)
                 self.send(Failed(s.rid, 500, f"constrained decoding failed: {e}"))
                 continue
             self._advance(s, token)
@@ -244,7 +258,13 @@ class BatchRunner:
             reason = "stop" if s.stops.stopped else reason
         del self.seqs[s.rid]
         self.prefix.store(s.context, s.kv)
+        self._release(s)
         self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail, s.cached))
+
+    def _release(self, s: Sequence) -> None:
+        """A sequence that left: its KV pool slot is free at once."""
+        if self.pool is not None and getattr(s.kv, "slots", None) is self.pool:
+            self.pool.give(s.kv)
 
     def _make_sequence(self, sub: Submit) -> Sequence:
         eng = self.engine
@@ -267,6 +287,12 @@ class BatchRunner:
         if not ids:
             raise _Reject("the prompt is empty", where)
         room = eng.config.context_length - len(ids)
+        if self.pool is not None:  # (a slot holds the planned context)
+            if len(ids) >= self.pool.capacity:
+                raise _Reject(f"prompt of {len(ids)} tokens exceeds the {self.pool.capacity} "
+                              "KV rows a sequence holds (--ctx); shorten the " + where, where,
+                              "context_length_exceeded")
+            room = min(room, self.pool.capacity - len(ids))
         max_tokens = min(sub.max_tokens_limit, room) if sub.max_tokens is None else sub.max_tokens
         try:
             eng.check_prompt(ids, max(max_tokens, 1))
@@ -292,7 +318,17 @@ class BatchRunner:
             except StrataError as e:
                 raise _Reject(str(e), "response_format") from None
         stream = eng.tokenizer.stream(skip_special=not sub.keep_special)
-        kv = eng.model.new_cache(capacity)
+        if self.pool is None:
+            kv = eng.model.new_cache(capacity)
+        elif max_tokens > self.pool.capacity - len(ids):
+            raise _Reject(f"prompt of {len(ids)} tokens + {max_tokens} to generate exceeds the "
+                          f"{self.pool.capacity} KV rows a sequence holds (--ctx); shorten the "
+                          f"{where} or lower max_tokens", where, "context_length_exceeded")
+        else:
+            try:
+                kv = self.pool.take()
+            except PoolFull as e:
+                raise _Reject(str(e), None, "pool_full", 429) from None
         cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 filled from an earlier request
         return Sequence(sub.rid, len(ids), max_tokens, params, gen, kv, stream,
                         StopText(sub.stop), ids[cached:], sub.ignore_eos, constraint=constraint,
@@ -300,6 +336,24 @@ class BatchRunner:
 
 
 class _Reject(Exception):
-    def __init__(self, message: str, param: str | None, code: str | None = None):
+    def __init__(self, message: str, param: str | None, code: str | None = None,
+                 status: int = 400):
         super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+def _batched(engine: Engine) -> tuple[KVSlots | None, object | None]:
+    """The KV pool and the batched decode step for --batch N (2..16) where the engine has a
+    decode step (the offload runtime), else (None, None): each sequence a cache of its own, the
+    plain forward for several at once."""
+    from strata.engine.batch_step import BATCH_SIZES, BatchStep
+
+    model, ec = engine.model, getattr(engine, "engine_config", None)
+    n = getattr(ec, "sequences", 1)
+    if getattr(model, "step", None) is None or not 1 < n <= BATCH_SIZES[-1]:
+        return None, None
+    capacity = model.kv_limit or model.step.kv_capacity or ec.ctx or min(
+        engine.config.context_length, 4096)
+    pool = KVSlots(model.cfg, model.device, n, capacity, model.kv_dtype)
+    mode = "graphs" if ec.decode_step == "graphs" else "eager"
+    return pool, BatchStep(model, pool, mode)
