@@ -554,13 +554,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
     q [B, H, hd] f32; k_pool, v_pool [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales,
     v_scales (q8_0); read int64 [B, Tk]; length int64 [B] on the device, 1 <= length[b] <= Tk
-    -> [B, H·hd] f32. Torch ops: graph safe, every row reads Tk rows (masked past its length)."""
+    -> [B, H·hd] f32. On CUDA (or under the interpreter) `_paged_attn_kernel`, one launch,
+    program (b, kv head): each row reads its own keys only, up to its length; elsewhere torch
+    ops, every row reading Tk rows masked past its length. Both graph safe."""
     _check(q.dim() == 3 and k_pool.dim() == 3 and read.dim() == 2 and read.shape[0] == q.shape[0]
            and length.shape == (q.shape[0],), "q [B, H, hd], pools [R, Hkv, hd], read [B, Tk], "
            "length [B]")
     _q8_scales(k_pool, k_scales, "k_pool")
     _q8_scales(v_pool, v_scales, "v_pool")
     b, h, hd = q.shape
+    if _use_kernels(q):
+        return _paged_launch(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales,
+                             v_scales)
     tk = read.shape[1]
     k, v = k_pool[read], v_pool[read]  # [B, Tk, Hkv, hd]
     if k_pool.dtype == torch.int8:
@@ -584,6 +589,44 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     o = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None, :], kh, vh, attn_mask=mask[:, None, None, :], scale=scale)  # [B, H, 1, hd]
     return o.reshape(b, h * hd)
+
+
+def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  read: torch.Tensor, length: torch.Tensor, scale: float, window: int,
+                  sinks: torch.Tensor | None, k_scales: torch.Tensor | None,
+                  v_scales: torch.Tensor | None) -> torch.Tensor:
+    """paged_attention's kernel: checks, tiles, one launch."""
+    b, h, hd = q.shape
+    hkv = k_pool.shape[1]
+    _f32(q, "q")
+    for name, c in (("k_pool", k_pool), ("v_pool", v_pool)):
+        _f32(c, name, (k_pool.shape[0], hkv, hd), KV_DTYPES)
+        _check(c.device == q.device, f"{name} must be on q's device")
+    _check(hkv > 0 and h % hkv == 0, f"H = {h} must be a multiple of Hkv = {hkv}")
+    _check(read.dtype == torch.int64 and read.stride(1) == 1 and read.device == q.device,
+           "read must be int64 [B, Tk] with contiguous rows, on q's device")
+    _check(length.dtype in (torch.int32, torch.int64) and length.device == q.device,
+           f"length must be int32/int64 [B] on {q.device}")
+    if sinks is not None:
+        _f32(sinks, "sinks", (h,))
+        _check(sinks.is_contiguous() and sinks.device == q.device, "sinks must be contiguous")
+    out = torch.empty((b, h * hd), dtype=torch.float32, device=q.device)
+    if b == 0:
+        return out
+    g = h // hkv
+    block_m, block_d = _pow2(g), _pow2(hd)
+    # [BLOCK_M, BLOCK_N, BLOCK_D] products a step: at most 8K values (registers)
+    block_n = max(4, min(64, 8192 // (block_m * block_d)))
+    q8 = k_pool.dtype == torch.int8
+    ks, vs = (k_scales, v_scales) if q8 else (k_pool, v_pool)  # (unread without q8_0)
+    _kernels()._paged_attn_kernel[(b, hkv)](
+        q, k_pool, v_pool, ks, vs, read, length.contiguous(), out,
+        q if sinks is None else sinks, scale, q.stride(0), q.stride(1), k_pool.stride(0),
+        k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), ks.stride(0), ks.stride(1),
+        vs.stride(0), vs.stride(1), read.stride(0), out.stride(0), HD=hd, G=g, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, Q8=q8, WINDOW=window, HAS_SINKS=sinks is not None,
+        num_warps=4)
+    return out
 
 
 # ---- routing -------------------------------------------------------------------------------------
