@@ -85,3 +85,21 @@ def test_cancel_frees_the_slot_at_once_and_a_full_pool_refuses(synth):
     alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
     assert _texts(alone, sent_alone, [_submit("a", PROMPTS[0], 6)])["a"] == text_a
     assert pool.used == 0 and sorted(pool.free) == [0, 1]
+
+
+def test_a_prompt_that_starts_alike_shares_the_pool_blocks(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    eng = _engine(path, 2)
+    long = "the quick brown fox jumps over the lazy dog " * 3
+    texts = {}
+    for cache in (1 << 30, 0):
+        sent: list = []
+        runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=cache)
+        _texts(runner, sent, [_submit("first", long, 4)])
+        sent.clear()
+        texts[cache] = _texts(runner, sent, [_submit("second", long + "and more", 6)])
+        (done,) = [m for m in sent if isinstance(m, Finished)]
+        assert (done.cached_tokens > 16) == bool(cache)  # whole blocks of the first prompt
+        assert runner.pool.used == 0
+        runner.pool.check_integrity()
+    assert texts[1 << 30] == texts[0]

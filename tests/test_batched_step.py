@@ -21,9 +21,9 @@ PROMPTS = [[5, 311, 17], [902, 64], [64, 1000, 3, 250, 777], [41, 8, 8, 900], [7
 STEPS = 4  # decode steps after the prompts
 
 
-def pool_for(engine, slots: int, capacity: int = 32) -> KVSlots:
+def pool_for(engine, slots: int, capacity: int = 32, block: int | None = None) -> KVSlots:
     m = engine.model
-    return KVSlots(m.cfg, m.device, slots, capacity, m.kv_dtype)
+    return KVSlots(m.cfg, m.device, slots, capacity, m.kv_dtype, block)
 
 
 def prefill(engine, prompt: list[int], kv) -> torch.Tensor:  # noqa: ANN001
@@ -73,9 +73,10 @@ def test_batch_sizes_pad_to_the_next() -> None:
 # recurrent state beside gated attention, MLA's latent rows
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "qwen35moe", "deepseek2"])
 @pytest.mark.parametrize("n", [3, 5])  # padded to 4 and 8
-def test_batched_step_gives_each_sequence_its_logits_alone(synth, arch, n):
+@pytest.mark.parametrize("block", [None, 3])  # a slot a sequence; blocks of 3 rows (paged)
+def test_batched_step_gives_each_sequence_its_logits_alone(synth, arch, n, block):
     engine = offload(synth(arch, "Q4_K_M"), expert_cache="0", miss="cpu")
-    step = BatchStep(engine.model, pool_for(engine, n), "eager")
+    step = BatchStep(engine.model, pool_for(engine, n, block=block), "eager")
     prompts = PROMPTS[:n]
     fed, logits = batched(engine, step, prompts, STEPS)
     for p, f, got in zip(prompts, fed, logits, strict=True):
@@ -85,9 +86,10 @@ def test_batched_step_gives_each_sequence_its_logits_alone(synth, arch, n):
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "bf16", "q8_0"])
-def test_batched_step_over_reduced_kv_types(synth, kv_type):
+@pytest.mark.parametrize("block", [None, 4])
+def test_batched_step_over_reduced_kv_types(synth, kv_type, block):
     engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24", kv_type=kv_type)
-    step = BatchStep(engine.model, pool_for(engine, 3), "eager")
+    step = BatchStep(engine.model, pool_for(engine, 3, block=block), "eager")
     assert step.pool.store.dtype == engine.model.kv_dtype
     fed, logits = batched(engine, step, PROMPTS[:3], STEPS)
     for p, f, got in zip(PROMPTS[:3], fed, logits, strict=True):
@@ -136,6 +138,22 @@ def test_padded_rows_write_no_sequence_rows(synth):
     for kv, old in zip(caches, rows, strict=True):
         assert torch.equal(kv.store[:, :, : old.shape[2]], old)  # rows before the new one kept
         assert kv.length == old.shape[2] + 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe", "deepseek2"])
+def test_one_sequence_step_over_a_paged_cache(synth, arch):
+    """The one-sequence decode step reads a paged cache through its block table."""
+    engine = offload(synth(arch, "Q4_K_M"), expert_cache="5", miss="cpu")
+    pool = pool_for(engine, 2, block=3)
+    kv = pool.take()
+    prefill(engine, PROMPTS[2], kv)
+    fed = [3, 99, 4, 250, 8]
+    got = np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in fed])
+    assert_close(got, alone(engine, PROMPTS[2], fed))
+    assert len(kv.table) == 4 and pool.used_blocks == 4  # 10 rows in blocks of 3
+    pool.give(kv)
+    assert pool.used_blocks == 0 and pool.used == 0
+    pool.check_integrity()
 
 
 def test_the_step_refuses_caches_of_another_pool(synth):

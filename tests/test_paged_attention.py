@@ -85,7 +85,7 @@ _INTERPRETED = """
     torch.manual_seed(seed)
     CASES = {cases}
     for b, h, hkv, hd, lengths, window, sinks in CASES:
-        rows = 61
+        rows = 101
         q = torch.randn(b, h, hd)
         k, v = torch.randn(rows, hkv, hd), torch.randn(rows, hkv, hd)
         span = max(lengths) + 2
@@ -101,12 +101,14 @@ _INTERPRETED = """
             elif kind != "f32":
                 dt = torch.float16 if kind == "f16" else torch.bfloat16
                 kp, vp = k.to(dt), v.to(dt)
-            got = ops._paged_launch(q, kp, vp, read, length, hd ** -0.5, window, s, ks, vs)
             use, ops._use_kernels = ops._use_kernels, lambda t: False
             ref = ops.paged_attention(q, kp, vp, read, length, hd ** -0.5, window, s, ks, vs)
             ops._use_kernels = use
-            err = float((got - ref).norm() / ref.norm())
-            assert err < 1e-5, (b, h, hkv, hd, lengths, window, kind, err)
+            for splits in (None, 3):  # (3: rows past 64 keys in three live splits)
+                got = ops._paged_launch(q, kp, vp, read, length, hd ** -0.5, window, s, ks, vs,
+                                        splits)
+                err = float((got - ref).norm() / ref.norm())
+                assert err < 1e-5, (b, h, hkv, hd, lengths, window, kind, splits, err)
     print("ok")
 """
 
@@ -117,7 +119,9 @@ def test_paged_kernel_under_the_interpreter():
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
-    cases = [(2, 4, 2, 48, [5, 17], 0, False), (3, 6, 2, 32, [1, 9, 23], 5, True)]
+    # rows of 1..80 keys (one to three splits of 32), a group of 3, hd 48, windows with sinks
+    cases = [(2, 4, 2, 48, [5, 70], 0, False), (3, 6, 2, 32, [1, 9, 75], 5, True),
+             (1, 2, 1, 64, [80], 40, False)]
     run_interpreted(_INTERPRETED.replace("{cases}", repr(cases)), fresh_seed() % 2**31,
                     timeout=300)
 

@@ -228,8 +228,8 @@ class BatchStep:
         inp[3, :] = pool.scratch_row
         inp[4, :] = pool.scratch_state
         for i, (t, kv) in enumerate(zip(tokens, caches, strict=True)):
-            inp[:, i] = (t, kv.length, kv.length + 1, pool.row(kv.slot, kv.length), kv.slot)
-            table[i] = pool.table(kv.slot)
+            inp[:, i] = (t, kv.length, kv.length + 1, pool.row(kv, kv.length), kv.slot)
+            table[i] = pool.table(kv)
         table[n:] = table[0]
         b.valid_host[:] = False
         b.valid_host[:n] = True

@@ -15,10 +15,13 @@ give several tokens; a step of several sequences decodes one token each (no wind
 decode).
 
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
-(strata.runtime.kv_slots: N slots of the planned context, allocated once): a step whose sequences
-all decode runs the batched step (strata.engine.batch_step, CUDA graphs per batch size), a step
-with a prompt in it the plain forward. A finished or cancelled sequence's slot is free at once;
-a request that finds the pool full is refused with 429, and no other sequence is touched.
+(strata.runtime.kv_slots: blocks of KV_BLOCK rows, N sequences of the planned context, allocated
+once): a step whose sequences all decode runs the batched step (strata.engine.batch_step, CUDA
+graphs per batch size), a step with a prompt in it the plain forward. A finished or cancelled
+sequence's blocks are free at once; a request that finds the pool full is refused with 429, and
+no other sequence is touched. With --prefix-cache, a finished sequence's blocks stay indexed in
+the pool (until the pool needs them) and a prompt that starts alike shares them, in place of the
+host copies of prefix_cache.py.
 
 Legend: B sequences in the step, V vocab.
 """
@@ -58,6 +61,7 @@ from strata.server.stops import StopText
 from strata.tokenizer import StreamDecoder
 
 _KV_START = 256  # generated tokens a new KV cache has room for before its first doubling
+KV_BLOCK = 16  # rows a block of the batch's KV pool (the unit of prefix sharing)
 
 
 @dataclass
@@ -262,8 +266,11 @@ class BatchRunner:
         self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail, s.cached))
 
     def _release(self, s: Sequence) -> None:
-        """A sequence that left: its KV pool slot is free at once."""
+        """A sequence that left: its KV pool blocks are free at once (or, with --prefix-cache,
+        kept indexed for a later prompt that starts alike)."""
         if self.pool is not None and getattr(s.kv, "slots", None) is self.pool:
+            if self.prefix.max_bytes > 0:
+                self.pool.keep(s.context, s.kv)
             self.pool.give(s.kv)
 
     def _make_sequence(self, sub: Submit) -> Sequence:
@@ -329,7 +336,10 @@ class BatchRunner:
                 kv = self.pool.take()
             except PoolFull as e:
                 raise _Reject(str(e), None, "pool_full", 429) from None
-        cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 filled from an earlier request
+        if self.pool is not None and self.pool.paged and self.prefix.max_bytes > 0:
+            cached = self.pool.lookup(ids, kv)  # blocks shared with an earlier request
+        else:
+            cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 copied from one
         return Sequence(sub.rid, len(ids), max_tokens, params, gen, kv, stream,
                         StopText(sub.stop), ids[cached:], sub.ignore_eos, constraint=constraint,
                         context=list(ids), cached=cached)
@@ -354,6 +364,6 @@ def _batched(engine: Engine) -> tuple[KVSlots | None, object | None]:
         return None, None
     capacity = model.kv_limit or model.step.kv_capacity or ec.ctx or min(
         engine.config.context_length, 4096)
-    pool = KVSlots(model.cfg, model.device, n, capacity, model.kv_dtype)
+    pool = KVSlots(model.cfg, model.device, n, capacity, model.kv_dtype, KV_BLOCK)
     mode = "graphs" if ec.decode_step == "graphs" else "eager"
     return pool, BatchStep(model, pool, mode)

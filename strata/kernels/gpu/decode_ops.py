@@ -554,9 +554,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
     q [B, H, hd] f32; k_pool, v_pool [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales,
     v_scales (q8_0); read int64 [B, Tk]; length int64 [B] on the device, 1 <= length[b] <= Tk
-    -> [B, H·hd] f32. On CUDA (or under the interpreter) `_paged_attn_kernel`, one launch,
-    program (b, kv head): each row reads its own keys only, up to its length; elsewhere torch
-    ops, every row reading Tk rows masked past its length. Both graph safe."""
+    -> [B, H·hd] f32. On CUDA (or under the interpreter) flash decoding in two launches:
+    `_paged_split_kernel`, program (b, kv head, key split), each row reading its own keys only,
+    up to its length; `_paged_reduce_kernel`, program (b, h), combining the splits. Elsewhere
+    torch ops, every row reading Tk rows masked past its length. Both graph safe."""
     _check(q.dim() == 3 and k_pool.dim() == 3 and read.dim() == 2 and read.shape[0] == q.shape[0]
            and length.shape == (q.shape[0],), "q [B, H, hd], pools [R, Hkv, hd], read [B, Tk], "
            "length [B]")
@@ -594,8 +595,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   read: torch.Tensor, length: torch.Tensor, scale: float, window: int,
                   sinks: torch.Tensor | None, k_scales: torch.Tensor | None,
-                  v_scales: torch.Tensor | None) -> torch.Tensor:
-    """paged_attention's kernel: checks, tiles, one launch."""
+                  v_scales: torch.Tensor | None, n_splits: int | None = None) -> torch.Tensor:
+    """paged_attention's kernels: checks, tiles, two launches (n_splits: tests)."""
     b, h, hd = q.shape
     hkv = k_pool.shape[1]
     _f32(q, "q")
@@ -617,15 +618,27 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     block_m, block_d = _pow2(g), _pow2(hd)
     # [BLOCK_M, BLOCK_N, BLOCK_D] products a step: at most 8K values (registers)
     block_n = max(4, min(64, 8192 // (block_m * block_d)))
+    # splits fixed by the rows a row may read (a captured graph serves every length), enough
+    # for ~ATTN_TARGET_CTAS programs at full length; each split's size is derived on the
+    # device from the row's length (splits past it exit at once)
+    s = n_splits or max(1, min(_cdiv(read.shape[1], ATTN_MIN_CHUNK),
+                               ATTN_TARGET_CTAS // (b * hkv)))
     q8 = k_pool.dtype == torch.int8
     ks, vs = (k_scales, v_scales) if q8 else (k_pool, v_pool)  # (unread without q8_0)
-    _kernels()._paged_attn_kernel[(b, hkv)](
-        q, k_pool, v_pool, ks, vs, read, length.contiguous(), out,
-        q if sinks is None else sinks, scale, q.stride(0), q.stride(1), k_pool.stride(0),
-        k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), ks.stride(0), ks.stride(1),
-        vs.stride(0), vs.stride(1), read.stride(0), out.stride(0), HD=hd, G=g, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, Q8=q8, WINDOW=window, HAS_SINKS=sinks is not None,
-        num_warps=4)
+    part_o = scratch((s, b, h, hd), torch.float32, q.device)
+    part_ml = scratch((s, b, h, 2), torch.float32, q.device)
+    length = length.contiguous()
+    _kernels()._paged_split_kernel[(b, hkv, s)](
+        q, k_pool, v_pool, ks, vs, read, length, part_o, part_ml, scale, b, h, s, q.stride(0),
+        q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), read.stride(0), HD=hd, G=g,
+        MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, Q8=q8,
+        WINDOW=window, num_warps=4)
+    block_s = min(_pow2(s), max(1, 4096 // block_d))
+    _kernels()._paged_reduce_kernel[(b, h)](
+        part_o, part_ml, length, out, b, h, s, out.stride(0), q if sinks is None else sinks,
+        HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d,
+        WINDOW=window, HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
 

@@ -86,12 +86,15 @@ class GQAAttention:
         for s in ctx.segments:
             sl = slice(start, start + s.length)
             # (a q8_0 cache read by the decode kernel below needs no float32 copy)
-            kernel_reads = (ctx.fused_attention and s.kv.quantized
+            # (a paged cache's rows come gathered from its blocks: attention() reads them)
+            paged = getattr(s.kv, "paged", False)
+            kernel_reads = (ctx.fused_attention and s.kv.quantized and not paged
                             and s.length <= BF16_ATTENTION_MIN_T)
             keys, values = s.kv.append(i, k[sl], v[sl], read=not kernel_reads)  # [pos0 + t, ..]
             if ctx.fused_attention and s.length > BF16_ATTENTION_MIN_T:
                 out.append(attention_bf16(q[sl], keys, values))
-            elif kernel_reads or ctx.fused_attention and keys.dtype != torch.float32:
+            elif kernel_reads or (ctx.fused_attention and keys.dtype != torch.float32
+                                  and not paged):
                 # a few tokens (batched decode) over a half-size or q8_0 cache: the decode
                 # kernel reads its rows as they are, where attention() needs float32
                 end = torch.full((1,), s.kv.length + s.length, device=q.device)
