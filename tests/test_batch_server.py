@@ -103,3 +103,21 @@ def test_a_prompt_that_starts_alike_shares_the_pool_blocks(synth):
         assert runner.pool.used == 0
         runner.pool.check_integrity()
     assert texts[1 << 30] == texts[0]
+
+
+def test_warm_up_runs_every_batch_size_and_leaves_the_pool_empty(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    cold_sent: list = []
+    cold = BatchRunner(_engine(path, 3), cold_sent.append, FaultTrigger(None))
+    subs = [_submit(f"r{i}", p, 5) for i, p in enumerate(PROMPTS[:3])]
+    want = _texts(cold, cold_sent, subs)
+    eng = _engine(path, 3)
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    assert runner.warm_up() > 0
+    step, st = runner.batch_step, eng.model.experts.stats
+    assert step.sizes == (1, 2, 4) and step.steps["eager"] + step.steps["replayed"] == 9
+    assert runner.pool.used == 0 and runner.pool.used_blocks == 0
+    runner.pool.check_integrity()
+    assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == 0 and st.routed.sum() == 0
+    assert _texts(runner, sent, subs) == want

@@ -144,15 +144,17 @@ class BatchStep:
                 raise ValueError("the batched decode step decodes caches of its own KV pool "
                                  "(KVSlots.take)")
             kv.reserve(kv.length + 1)  # (past the pool's rows: refused with the numbers)
+            if self.pool.paged:
+                kv.own(kv.length, kv.length + 1)  # (a shared block is copied before the write)
         self._fill(b, tokens, caches)
         self.ex.before_pass(n)
         _, slots = self.ex.begin_step([])
         key = (slots,)
+        self._cur = b  # (what _experts reads, captured or eager)
         graphs = self._graphs(b, key) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
         self.steps["rows"] += n
         self.steps["padded"] += b.size - n
-        self._cur = b
         timer = self.ex.stats.timer
         t0 = timer.start() if timer else None
         for i, piece in enumerate(self.pieces):

@@ -257,6 +257,7 @@ class DecodeStep:
         table to the device (the attention reads its rows through them: BatchRows); -> the
         graphs' key for its pool."""
         pool = kv.slots
+        kv.own(kv.length, kv.length + 1)  # (a shared block is copied before the write)
         if self._paged is None or self._paged[0] is not pool:
             pin = self.device.type == "cuda"
             nb = pool.blocks_per_seq

@@ -70,7 +70,7 @@ class _Blocks:
             self._idx[(start, end)] = t
         return t
 
-    def _own(self, start: int, end: int) -> None:
+    def own(self, start: int, end: int) -> None:
         """The blocks rows start .. end-1 lie in, this sequence's alone (shared ones copied)."""
         p = self.slots.block
         for i in range(start // p, -(-end // p)):
@@ -104,7 +104,7 @@ class PagedKVCache(_Blocks, KVCache):
         """KVCache.append through the table: rows length.. written, all rows so far gathered."""
         end = self.length + k.shape[0]
         self.reserve(end)
-        self._own(self.length, end)
+        self.own(self.length, end)
         new = self.rows(self.length, end)
         kp, vp, ks, vs = self.slots.layer(layer)
         if self.quantized:
@@ -138,7 +138,7 @@ class PagedLatentCache(_Blocks, LatentCache):
     def append(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         end = self.length + rows.shape[0]
         self.reserve(end)
-        self._own(self.length, end)
+        self.own(self.length, end)
         store = self.slots.latent[layer]
         store.index_copy_(0, self.rows(self.length, end), rows.to(store.dtype))
         return store[self.rows(0, end)]

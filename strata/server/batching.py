@@ -99,6 +99,39 @@ class BatchRunner:
     def active(self) -> int:
         return len(self.seqs)
 
+    def warm_up(self) -> float:
+        """The first passes at load, over the batch's KV pool (server.warmup's, when there is
+        none): a prompt, three decode steps of one sequence (eager, capture, replay: its graphs
+        read the pool's blocks, so every later request replays them) and three batched steps at
+        each batch size; then the pool empty again and the expert counters at zero. -> seconds"""
+        if self.pool is None:
+            from strata.server.warmup import warm_up
+
+            return warm_up(self.engine)
+        t0 = time.perf_counter()
+        eng, pool, step = self.engine, self.pool, self.batch_step
+        ids = eng.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
+        ids = (ids * (32 // max(len(ids), 1) + 1))[:32]
+        caches = [pool.take() for _ in range(pool.n_slots)]
+        if pool.capacity >= len(ids) + 4 + 3 * len(step.sizes):
+            eng.run_prompt(ids, caches[0])
+            for t in ids[:3]:
+                eng.model.decode(t, caches[0])
+            for kv in caches[1:]:
+                eng.run_prompt(ids[:4], kv)
+            for size in step.sizes:
+                n = min(size, len(caches))
+                for t in ids[:3]:
+                    step([t] * n, caches[:n])
+        for kv in caches:
+            pool.give(kv)
+        if eng.model.device.type == "cuda":
+            torch.cuda.synchronize(eng.model.device)
+        stats = getattr(eng.model.experts, "stats", None)
+        if hasattr(stats, "reset"):
+            stats.reset()
+        return time.perf_counter() - t0
+
     def handle(self, msg: Submit | Cancel) -> None:
         if isinstance(msg, Cancel):
             self.cancel(msg.rid)
