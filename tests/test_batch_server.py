@@ -121,3 +121,22 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_pool_empty(synth):
     runner.pool.check_integrity()
     assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == 0 and st.routed.sum() == 0
     assert _texts(runner, sent, subs) == want
+
+
+def test_verify_windows_run_over_the_pool(synth):
+    """--spec with the batch's pool: one decoding sequence's verify windows over its blocks
+    give the text of plain decoding."""
+    path = synth("qwen3moe", "Q4_K_M")
+    sent: list = []
+    plain = _texts(BatchRunner(_engine(path, 2), sent.append, FaultTrigger(None)), sent,
+                   [_submit("a", PROMPTS[0], 12)])
+    eng = Engine.load(path, config=EngineConfig(device="cpu", offload="on", cpu_kernels="torch",
+                                                kernels="exact", sequences=2, spec=3,
+                                                draft=str(path)))
+    eng.spec.timed = False
+    sent = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    assert runner.pool is not None and runner.pool.paged
+    assert _texts(runner, sent, [_submit("a", PROMPTS[0], 12)]) == plain
+    assert eng.spec.stats.windows > 0
+    runner.pool.check_integrity()

@@ -175,3 +175,24 @@ def test_batched_step_graphs_per_size_on_cuda(synth, cache):
             ref = alone(engine, p, f)
             np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * max(1, np.abs(ref).max()))
     assert not step._failed and step.steps["captured"] >= 2 and step.steps["replayed"] > 0
+
+
+@pytest.mark.cuda
+def test_one_sequence_graphs_serve_every_paged_cache_on_cuda(synth):
+    """The one-sequence step's graphs are captured once for the pool: two sequences in other
+    blocks replay them, each with its logits alone."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cuda", expert_cache="24")
+    pool = pool_for(engine, 2, block=4)
+    caches = [pool.take(), pool.take()]
+    for p, kv in zip(PROMPTS[:2], caches, strict=True):
+        prefill(engine, p, kv)
+    fed = [3, 99, 4, 250]
+    got = [[], []]
+    for t in fed:
+        for i, kv in enumerate(caches):
+            got[i].append(engine.model.decode(t, kv)[0].float().cpu().numpy().copy())
+    step = engine.model.step
+    assert not step._failed and step.steps["captured"] == 1 and step.steps["replayed"] > 0
+    for p, g in zip(PROMPTS[:2], got, strict=True):
+        ref = alone(engine, p, fed)
+        np.testing.assert_allclose(np.stack(g), ref, rtol=0, atol=2e-3 * max(1, np.abs(ref).max()))
