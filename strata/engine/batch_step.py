@@ -79,6 +79,7 @@ class Rows:
     warm: tuple | None = None  # the key whose eager step ran
     n: int = 0  # real rows of the current step
     span: int = 0  # pool rows each row reads in the current step
+    read: torch.Tensor | None = None  # eagerly: the step's pool rows [B, span], made once
     events: dict = field(default_factory=dict)
 
 
@@ -244,6 +245,8 @@ class BatchStep:
         b.valid.copy_(b.valid_host, non_blocking=True)
         if self.cuda:
             b.events["inputs"] = self._record()
+        # (a graph computes the rows in each piece, from the table as it is at the replay)
+        b.read = None if self.graphs else ops.block_rows(b.table, pool.block, b.span)
 
     # ---- graphs ---------------------------------------------------------------------------------
 
@@ -288,7 +291,8 @@ class BatchStep:
     def _piece(self, piece: Piece, b: Rows) -> None:
         """The piece's layers, the model's own, over this size's static buffers."""
         w, x = self.model.w, b.x
-        read = ops.block_rows(b.table, self.pool.block, b.span)  # [B, span]
+        read = b.read if b.read is not None else ops.block_rows(b.table, self.pool.block,
+                                                                  b.span)  # [B, span]
         rows = BatchRows(self.pool, b.inputs[3], read, b.inputs[4])
         ctx = StaticStep(None, b.inputs[1], b.inputs[2], self.inv_freq, self.sync, False,
                          lambda i: None, self._experts, self.model.fused_attention, rows)
@@ -309,12 +313,14 @@ class BatchStep:
             layer = self.model.layers[i]
             r = layer.begin(x, delta, ctx)
             if i == piece.host_layer:
-                ids, wts = self._masked(r.ids, r.wts, b)
+                # (on the CPU only the real rows run: no mask, no host copies)
+                ids, wts = self._masked(r.ids, r.wts, b) if self.cuda else (r.ids, r.wts)
                 b.h.copy_(r.h)
                 b.ids.copy_(ids)
                 b.wts.copy_(wts)
-                for buf, src in zip(b.host_bufs, (ids, wts, r.h), strict=True):
-                    buf.copy_(src, non_blocking=True)
+                if self.cuda:
+                    for buf, src in zip(b.host_bufs, (ids, wts, r.h), strict=True):
+                        buf.copy_(src, non_blocking=True)
                 return
             delta = layer.finish(r, ctx)
         b.logits.copy_(self.model.head.forward(x, delta, ctx))

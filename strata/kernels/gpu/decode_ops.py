@@ -567,28 +567,28 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if _use_kernels(q):
         return _paged_launch(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales,
                              v_scales)
-    tk = read.shape[1]
+    tk, hkv = read.shape[1], k_pool.shape[1]
     k, v = k_pool[read], v_pool[read]  # [B, Tk, Hkv, hd]
     if k_pool.dtype == torch.int8:
         k, v = dequantize_q8_0(k, k_scales[read]), dequantize_q8_0(v, v_scales[read])
+    # (rows past a length are masked out of the scores; the pool's rows are zeros until
+    # written, so their zero weights never meet a NaN)
     keys = torch.arange(tk, device=q.device)[None, :]  # [1, Tk]
     n = length.long()[:, None]  # [B, 1]
     mask = keys < n  # [B, Tk]
-    k = torch.where(mask[..., None, None], k.float(), 0.0)  # (a NaN there would poison sums)
-    v = torch.where(mask[..., None, None], v.float(), 0.0)
     if window:
         mask &= keys > n - 1 - window
-    g = h // k.shape[2]
-    kh = k.repeat_interleave(g, 2).permute(0, 2, 1, 3)  # [B, H, Tk, hd]
-    vh = v.repeat_interleave(g, 2).permute(0, 2, 1, 3)
+    g = h // hkv
+    qg = q.view(b, hkv, g, hd)
+    kt = k.float().permute(0, 2, 3, 1)  # [B, Hkv, hd, Tk]
+    sc = (qg @ kt) * scale  # [B, Hkv, G, Tk]
+    sc = sc.masked_fill(~mask[:, None, None, :], float("-inf"))
     if sinks is not None:
-        sc = (kh @ q[..., None])[..., 0] * scale  # [B, H, Tk]
-        sc = torch.where(mask[:, None, :], sc, float("-inf"))
-        sink = sinks.float()[None, :, None].expand(b, h, 1)
+        sink = sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, 1)
         p = torch.softmax(torch.cat([sc, sink], dim=-1), dim=-1)[..., :-1]
-        return (p[:, :, None, :] @ vh)[:, :, 0].reshape(b, h * hd)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], kh, vh, attn_mask=mask[:, None, None, :], scale=scale)  # [B, H, 1, hd]
+    else:
+        p = torch.softmax(sc, dim=-1)
+    o = p @ v.float().transpose(1, 2)  # [B, Hkv, G, hd]
     return o.reshape(b, h * hd)
 
 
