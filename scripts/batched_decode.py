@@ -64,7 +64,7 @@ def main() -> int:
     if args.step == "batched":
         from strata.engine.batch_step import BatchStep
         from strata.runtime.kv_slots import KVSlots
-        from strata.server.batching import KV_BLOCK
+        from strata.server.kv_batch import KV_BLOCK
 
         m, most = engine.model, max(int(x) for x in args.batches.split(","))
         pool = KVSlots(m.cfg, m.device, most, PROMPT + max(args.steps, 4) + 1, m.kv_dtype,

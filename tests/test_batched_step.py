@@ -70,8 +70,9 @@ def test_batch_sizes_pad_to_the_next() -> None:
 
 
 # the architectures' mixers: GQA with q/k norms, sinks with sliding windows, the hybrid's
-# recurrent state beside gated attention, MLA's latent rows
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "qwen35moe", "deepseek2"])
+# recurrent state beside gated attention, MLA's latent rows; glm4moe's dense first layers and
+# sigmoid routing
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "qwen35moe", "deepseek2", "glm4moe"])
 @pytest.mark.parametrize("n", [3, 5])  # padded to 4 and 8
 @pytest.mark.parametrize("block", [None, 3])  # a slot a sequence; blocks of 3 rows (paged)
 def test_batched_step_gives_each_sequence_its_logits_alone(synth, arch, n, block):

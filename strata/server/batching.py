@@ -15,13 +15,13 @@ give several tokens; a step of several sequences decodes one token each (no wind
 decode).
 
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
-(strata.runtime.kv_slots: blocks of KV_BLOCK rows, N sequences of the planned context, allocated
-once): a step whose sequences all decode runs the batched step (strata.engine.batch_step, CUDA
-graphs per batch size), a step with a prompt in it the plain forward. A finished or cancelled
-sequence's blocks are free at once; a request that finds the pool full is refused with 429, and
-no other sequence is touched. With --prefix-cache, a finished sequence's blocks stay indexed in
-the pool (until the pool needs them) and a prompt that starts alike shares them, in place of the
-host copies of prefix_cache.py.
+(kv_batch.py; strata.runtime.kv_slots: blocks of 16 rows, N sequences of the planned context,
+allocated once): a step whose sequences all decode runs the batched step (strata.engine.
+batch_step, CUDA graphs per batch size), a step with a prompt in it the plain forward. A finished
+or cancelled sequence's blocks are free at once; a request that finds the pool full is refused
+with 429, and no other sequence is touched. With --prefix-cache, a finished sequence's blocks
+stay indexed in the pool (until the pool needs them) and a prompt that starts alike shares them,
+in place of the host copies of prefix_cache.py.
 
 Legend: B sequences in the step, V vocab.
 """
@@ -42,8 +42,9 @@ from strata.engine.sampling import SamplingParams, sample
 from strata.errors import StrataError
 from strata.model.transformer import Segment
 from strata.runtime.kv_cache import KVCache
-from strata.runtime.kv_slots import KVSlots, PoolFull
+from strata.runtime.kv_slots import PoolFull
 from strata.runtime.waits import PROGRESS, StallError
+from strata.server import kv_batch
 from strata.server.faults import FaultTrigger
 from strata.server.prefix_cache import PrefixCache
 from strata.server.protocol import (
@@ -61,7 +62,6 @@ from strata.server.stops import StopText
 from strata.tokenizer import StreamDecoder
 
 _KV_START = 256  # generated tokens a new KV cache has room for before its first doubling
-KV_BLOCK = 16  # rows a block of the batch's KV pool (the unit of prefix sharing)
 
 
 @dataclass
@@ -93,44 +93,20 @@ class BatchRunner:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.seqs: dict[str, Sequence] = {}
         self.stage = "idle"
-        self.pool, self.batch_step = _batched(engine)
+        self.pool, self.batch_step = kv_batch.batched(engine)
 
     @property
     def active(self) -> int:
         return len(self.seqs)
 
     def warm_up(self) -> float:
-        """The first passes at load, over the batch's KV pool (server.warmup's, when there is
-        none): a prompt, three decode steps of one sequence (eager, capture, replay: its graphs
-        read the pool's blocks, so every later request replays them) and three batched steps at
-        each batch size; then the pool empty again and the expert counters at zero. -> seconds"""
+        """The first passes at load (server.warmup's; over the batch's KV pool where there is
+        one: kv_batch.warm_up). -> seconds"""
         if self.pool is None:
             from strata.server.warmup import warm_up
 
             return warm_up(self.engine)
-        t0 = time.perf_counter()
-        eng, pool, step = self.engine, self.pool, self.batch_step
-        ids = eng.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
-        ids = (ids * (32 // max(len(ids), 1) + 1))[:32]
-        caches = [pool.take() for _ in range(pool.n_slots)]
-        if pool.capacity >= len(ids) + 4 + 3 * len(step.sizes):
-            eng.run_prompt(ids, caches[0])
-            for t in ids[:3]:
-                eng.model.decode(t, caches[0])
-            for kv in caches[1:]:
-                eng.run_prompt(ids[:4], kv)
-            for size in step.sizes:
-                n = min(size, len(caches))
-                for t in ids[:3]:
-                    step([t] * n, caches[:n])
-        for kv in caches:
-            pool.give(kv)
-        if eng.model.device.type == "cuda":
-            torch.cuda.synchronize(eng.model.device)
-        stats = getattr(eng.model.experts, "stats", None)
-        if hasattr(stats, "reset"):
-            stats.reset()
-        return time.perf_counter() - t0
+        return kv_batch.warm_up(self.engine, self.pool, self.batch_step)
 
     def handle(self, msg: Submit | Cancel) -> None:
         if isinstance(msg, Cancel):
@@ -384,19 +360,3 @@ class _Reject(Exception):
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
 
-
-def _batched(engine: Engine) -> tuple[KVSlots | None, object | None]:
-    """The KV pool and the batched decode step for --batch N (2..16) where the engine has a
-    decode step (the offload runtime), else (None, None): each sequence a cache of its own, the
-    plain forward for several at once."""
-    from strata.engine.batch_step import BATCH_SIZES, BatchStep
-
-    model, ec = engine.model, getattr(engine, "engine_config", None)
-    n = getattr(ec, "sequences", 1)
-    if getattr(model, "step", None) is None or not 1 < n <= BATCH_SIZES[-1]:
-        return None, None
-    capacity = model.kv_limit or model.step.kv_capacity or ec.ctx or min(
-        engine.config.context_length, 4096)
-    pool = KVSlots(model.cfg, model.device, n, capacity, model.kv_dtype, KV_BLOCK)
-    mode = "graphs" if ec.decode_step == "graphs" else "eager"
-    return pool, BatchStep(model, pool, mode)
