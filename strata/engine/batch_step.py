@@ -76,7 +76,7 @@ class Rows:
     host_bufs: tuple[torch.Tensor, ...]  # pinned (ids, weights, h) of a host layer
     logits: torch.Tensor  # [B, V]
     graphs: tuple | None = None  # (key, [(main, tail)] per piece)
-    warm: tuple | None = None  # the key whose eager step ran
+    warm: bool = False  # an eager step ran at this size
     n: int = 0  # real rows of the current step
     span: int = 0  # pool rows each row reads in the current step
     read: torch.Tensor | None = None  # eagerly: the step's pool rows [B, span], made once
@@ -252,12 +252,13 @@ class BatchStep:
 
     def _graphs(self, b: Rows, key: tuple) -> list | None:
         """This size's pieces captured for these cache slot tensors: the first step at a size
-        runs eagerly (kernels compiled and warmed), the second captures, later ones replay."""
+        runs eagerly (kernels compiled and warmed), the second captures, later ones replay; when
+        only the slot tensors changed (lent slots) the step captures at once."""
         if b.graphs is not None and b.graphs[0] == key:
             return b.graphs[1]
-        if b.warm == key:
+        if b.warm:
             return self._capture(b, key)
-        b.warm = key
+        b.warm = True
         return None
 
     def _capture(self, b: Rows, key: tuple) -> list | None:
