@@ -5,6 +5,8 @@ write no sequence's rows and are never counted."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -110,7 +112,7 @@ def test_expert_counts_are_the_real_rows_only(synth, cache):
     st.settle()
     pairs = st.hits.sum() + st.cpu.sum() + st.streamed.sum() - before
     assert pairs == 3 * engine.config.n_layers * engine.config.n_experts_used
-    assert (len(step.pieces) == 1) == (cache == "24")
+    assert (len(step.plans[4].pieces) == 1) == (cache == "24")
 
 
 def test_sampled_text_is_the_same_batched_and_alone(synth):
@@ -197,3 +199,17 @@ def test_one_sequence_graphs_serve_every_paged_cache_on_cuda(synth):
     for p, g in zip(PROMPTS[:2], got, strict=True):
         ref = alone(engine, p, fed)
         np.testing.assert_allclose(np.stack(g), ref, rtol=0, atol=2e-3 * max(1, np.abs(ref).max()))
+
+
+def test_plans_per_batch_size():
+    """A resident layer stays in the piece only at the sizes the fused kernels cover (e.g.
+    --kernels exact: up to 4 tokens); a layer with misses waits on the host at every size."""
+    step = BatchStep.__new__(BatchStep)
+    step.cuda = True
+    step.ex = SimpleNamespace(fused=SimpleNamespace(covers=lambda i, t: i != 3 and t <= 4))
+    step._base_paths = ["resident", "gathered", "none", "host", "resident"]
+    assert step._paths(4) == ["resident", "host_hits", "none", "host", "resident"]
+    assert step._paths(8) == ["host", "host", "none", "host", "host"]
+    step.cuda = False
+    step._base_paths = ["resident", "host", "none"]
+    assert step._paths(16) == ["resident", "host", "none"]

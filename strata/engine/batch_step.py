@@ -52,6 +52,23 @@ def padded_size(n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> int:
     raise ValueError(f"{n} sequences: the batched step runs at most {sizes[-1]}")
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A batch size's layers: each one's path, the pieces cut after its host layers."""
+
+    paths: list[str]
+    pieces: list[Piece]
+    hits_in_piece: list[bool]  # a host layer whose hits the tail graph computes
+    resident: np.ndarray  # the layers without the host
+
+    @classmethod
+    def make(cls, paths: list[str]) -> Plan:
+        host = [p in ("host", "host_hits") for p in paths]
+        return cls(paths, cut_pieces(len(paths), host), [p == "host_hits" for p in paths],
+                   np.array([i for i, p in enumerate(paths) if p == "resident"],
+                            dtype=np.int64))
+
+
 @dataclass
 class Rows:
     """The static buffers of one batch size."""
@@ -75,6 +92,7 @@ class Rows:
     staged_host: torch.Tensor
     host_bufs: tuple[torch.Tensor, ...]  # pinned (ids, weights, h) of a host layer
     logits: torch.Tensor  # [B, V]
+    plan: Plan | None = None
     graphs: tuple | None = None  # (key, [(main, tail)] per piece)
     warm: bool = False  # an eager step ran at this size
     n: int = 0  # real rows of the current step
@@ -101,16 +119,10 @@ class BatchStep:
         self.cuda = dev.type == "cuda"
         self.graphs = mode == "graphs" and self.cuda
         cfg = model.cfg
-        # resident layers run in the piece; every other routed layer waits on the host (its
-        # hits on the device where the fused kernels cover them: host_hits)
-        paths = ex.decode_paths(cfg.n_experts_used, [layer.ffn.routed for layer in model.layers])
-        self.paths = [("host_hits" if self.cuda and ex.fused.covers(i, 1) else "host")
-                      if p == "gathered" else p for i, p in enumerate(paths)]
-        self.host = [p in ("host", "host_hits") for p in self.paths]
-        self.hits_in_piece = [p == "host_hits" for p in self.paths]
-        self.pieces = cut_pieces(cfg.n_layers, self.host)
-        self.resident_layers = np.array([i for i, p in enumerate(self.paths) if p == "resident"],
-                                        dtype=np.int64)
+        self._base_paths = ex.decode_paths(cfg.n_experts_used,
+                                           [layer.ffn.routed for layer in model.layers])
+        self.plans = {size: Plan.make(self._paths(size)) for size in self.sizes}
+        largest = self.plans[self.sizes[-1]]
         self.staging = ex.staging[0] if ex.staging else None
         self.aids = StepAids(self.staging)
         self.inv_freq = ops.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dev)
@@ -125,8 +137,23 @@ class BatchStep:
         self._failed = False
         self.steps = {"replayed": 0, "eager": 0, "captured": 0, "rows": 0, "padded": 0}
         log.info(f"batched decode step: batch sizes {', '.join(map(str, self.sizes))}, "
-                 f"{len(self.pieces)} piece(s), {len(self.resident_layers)} of {cfg.n_layers} "
-                 "layers without the host; " + ("CUDA graphs" if self.graphs else "eager"))
+                 f"{len(largest.pieces)} piece(s), {len(largest.resident)} of {cfg.n_layers} "
+                 f"layers without the host at {self.sizes[-1]}; "
+                 + ("CUDA graphs" if self.graphs else "eager"))
+
+    def _paths(self, size: int) -> list[str]:
+        """Each layer's path at a batch size: resident layers run in the piece where the fused
+        kernels cover `size` tokens (on the CPU, always); every other routed layer waits on
+        the host, its hits on the device where the fused kernels cover them (host_hits)."""
+        out = []
+        for i, p in enumerate(self._base_paths):
+            covered = self.cuda and self.ex.fused.covers(i, size)
+            if p == "resident" and self.cuda and not covered:
+                p = "host"  # (e.g. --kernels exact past 4 tokens: the executor's own path)
+            elif p not in ("resident", "none"):
+                p = "host_hits" if covered else "host"
+            out.append(p)
+        return out
 
     # ---- one token of each sequence -------------------------------------------------------------
 
@@ -158,7 +185,7 @@ class BatchStep:
         self.steps["padded"] += b.size - n
         timer = self.ex.stats.timer
         t0 = timer.start() if timer else None
-        for i, piece in enumerate(self.pieces):
+        for i, piece in enumerate(b.plan.pieces):
             if graphs is not None:
                 graphs[i][0].replay()
             else:
@@ -174,8 +201,8 @@ class BatchStep:
                 self.ex.slots_read([piece.host_layer], self._record())
             self._host_layer(piece.host_layer, routed, b)
         if self.cuda:  # the device counted the resident layers' routing (real rows only)
-            self.ex.account(self.resident_layers, hits=self.cfg.n_experts_used * n)
-            self.ex.slots_read(self.resident_layers, self._record())
+            self.ex.account(b.plan.resident, hits=self.cfg.n_experts_used * n)
+            self.ex.slots_read(b.plan.resident, self._record())
         if timer:
             timer.stop(t0)
         for kv in caches:
@@ -214,7 +241,7 @@ class BatchStep:
             (torch.zeros(size, K, dtype=torch.int64, pin_memory=pin),
              torch.zeros(size, K, dtype=torch.float32, pin_memory=pin),
              torch.zeros(size, cfg.d_model, dtype=torch.float32, pin_memory=pin)),
-            torch.zeros(size, cfg.n_vocab, **f32))
+            torch.zeros(size, cfg.n_vocab, **f32), self.plans[size])
         self._rows[size] = b
         return b
 
@@ -267,7 +294,7 @@ class BatchStep:
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         try:
-            for piece in self.pieces:
+            for piece in b.plan.pieces:
                 main = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(main, pool=pool):
                     self._piece(piece, b)
@@ -302,7 +329,7 @@ class BatchStep:
         delta = None
         if piece.after_host:
             prev = piece.layers.start - 1
-            if self.hits_in_piece[prev]:
+            if b.plan.hits_in_piece[prev]:
                 lay = self.ex.arena.layouts[prev]
                 delta = b.carry + b.cpu_out
                 if self.staging is not None:
@@ -344,16 +371,17 @@ class BatchStep:
             counter = self.ex.stats.routed_on_device(self.device)[i]
             flat = ids.reshape(-1)
             counter.index_add_(0, flat, b.valid.repeat_interleave(ids.shape[1]).int())
-            return self.ex.step_experts(self.paths[i], i, h, ids, wts, sum_pairs, self.aids)
+            return self.ex.step_experts(b.plan.paths[i], i, h, ids, wts, sum_pairs, self.aids)
         n = b.n
-        out = self.ex.step_experts(self.paths[i], i, h[:n], ids[:n], wts[:n], True, self.aids)
+        out = self.ex.step_experts(b.plan.paths[i], i, h[:n], ids[:n], wts[:n], True,
+                                   self.aids)
         return torch.nn.functional.pad(out, (0, 0, 0, h.shape[0] - n))
 
     def _tail(self, layer: int, b: Rows) -> None:
         """A host layer's device part: the shared expert and (host_hits) the hits."""
         shared = self.model.layers[layer].ffn.shared
         carry = shared.forward(b.h) if shared is not None else torch.zeros_like(b.h)
-        if self.hits_in_piece[layer]:
+        if b.plan.hits_in_piece[layer]:
             carry = carry + self.ex.device_hits(layer, b.h, b.ids, b.wts, count=False)
         b.carry.copy_(carry)
 
@@ -369,7 +397,7 @@ class BatchStep:
             return
         wait_event(routed, f"layer {layer} routing (batched decode step)")
         host = tuple(t[:n] for t in b.host_bufs)
-        if not self.hits_in_piece[layer]:
+        if not b.plan.hits_in_piece[layer]:
             b.moe_out[:n].copy_(self.ex.run(layer, None, b.h[:n], b.ids[:n], b.wts[:n],
                                             host=host))
             return
