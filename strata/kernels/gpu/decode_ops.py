@@ -42,6 +42,14 @@ Kernels and launches:
       `_attn_split_fma_kernel`, no tl.dot (broadcast products and sums on the CUDA cores,
       exact float32, row blocks of pow2(T·G) <= 16); "tf32" the dots with TF32 inputs, picked
       only with fused=True (--kernels fused).
+  paged_attention  one new token of each of B sequences over its own rows of a shared KV pool
+      (the batched decode step, paged caches), 2 launches. `_paged_split_kernel`, grid
+      (B, Hkv, S): the G query heads of a kv head of one row, a split of its keys, each key's
+      pool row read from the row's index vector (`read`, from its block table: block_rows);
+      exact float32 products on the CUDA cores, online softmax; S fixed by the rows a row may
+      read (so a graph serves every length), each split's size derived on the device from the
+      row's own length. `_paged_reduce_kernel`, grid (B, H), as `_attn_reduce_kernel` per row
+      (with the sink logits). rows_rope_store (RoPE, the pool store) is torch ops.
   router_logits  `_rows_dot_kernel`, one token against E float32 router rows: BN rows per CTA,
       E / BN CTAs (cuBLAS picked a GEMV taking ~18 us for 128 x 2048 on an H200; a product and
       a row sum took two kernels), float32 sums in a fixed order.
