@@ -140,3 +140,23 @@ def test_verify_windows_run_over_the_pool(synth):
     assert _texts(runner, sent, [_submit("a", PROMPTS[0], 12)]) == plain
     assert eng.spec.stats.windows > 0
     runner.pool.check_integrity()
+
+
+def test_a_failed_batched_step_fails_its_requests_and_frees_their_blocks(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    sent: list = []
+    runner = BatchRunner(_engine(path, 2), sent.append, FaultTrigger(None))
+    for i in range(2):
+        runner.submit(_submit(f"r{i}", PROMPTS[i], 6))
+    runner.step()  # the prompts
+    assert runner.pool.used == 2
+
+    def broken(tokens, caches):  # noqa: ANN001, ANN202
+        raise RuntimeError("injected")
+
+    runner.batch_step = broken
+    runner.step()
+    fails = [m for m in sent if isinstance(m, Failed)]
+    assert {m.rid for m in fails} == {"r0", "r1"} and all(m.status == 500 for m in fails)
+    assert not runner.active and runner.pool.used == 0 and runner.pool.used_blocks == 0
+    runner.pool.check_integrity()
