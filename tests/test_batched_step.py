@@ -79,7 +79,8 @@ def test_batch_sizes_pad_to_the_next() -> None:
 @pytest.mark.parametrize("block", [None, 3])  # a slot a sequence; blocks of 3 rows (paged)
 def test_batched_step_gives_each_sequence_its_logits_alone(synth, arch, n, block):
     engine = offload(synth(arch, "Q4_K_M"), expert_cache="0", miss="cpu")
-    step = BatchStep(engine.model, pool_for(engine, n, block=block), "eager")
+    # (a pool of 4 / 8 slots: n sequences run padded to its size)
+    step = BatchStep(engine.model, pool_for(engine, padded_size(n), block=block), "eager")
     prompts = PROMPTS[:n]
     fed, logits = batched(engine, step, prompts, STEPS)
     for p, f, got in zip(prompts, fed, logits, strict=True):
@@ -102,7 +103,7 @@ def test_batched_step_over_reduced_kv_types(synth, kv_type, block):
 @pytest.mark.parametrize("cache", ["0", "5", "24"])  # host layers, some hits, all resident
 def test_expert_counts_are_the_real_rows_only(synth, cache):
     engine = offload(synth("qwen2moe", "Q4_K_M"), expert_cache=cache, miss="cpu")
-    step = BatchStep(engine.model, pool_for(engine, 3), "eager")
+    step = BatchStep(engine.model, pool_for(engine, 4), "eager")
     st = engine.model.experts.stats
     caches = [step.pool.take() for _ in range(3)]
     for p, kv in zip(PROMPTS[:3], caches, strict=True):
@@ -119,12 +120,37 @@ def test_sampled_text_is_the_same_batched_and_alone(synth):
     """Each sequence samples with its own generator: the same seed gives the same tokens
     whatever ran beside it."""
     engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="5", miss="cpu")
-    step = BatchStep(engine.model, pool_for(engine, 5), "eager")
+    step = BatchStep(engine.model, pool_for(engine, 8), "eager")
     seeds = [11, 12, 13, 14, 15]
     fed, _ = batched(engine, step, PROMPTS[:5], 6, seeds)
     for i in range(5):
         solo, _ = batched(engine, step, PROMPTS[i:i + 1], 6, seeds[i:i + 1])
         assert solo[0] == fed[i]
+
+
+def test_batch_sizes_end_at_the_pool_slots(synth):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24")
+    assert BatchStep(engine.model, pool_for(engine, 6), "eager").sizes == (1, 2, 4, 6)
+    assert BatchStep(engine.model, pool_for(engine, 16), "eager").sizes == (1, 2, 4, 8, 16)
+    assert BatchStep(engine.model, pool_for(engine, 1), "eager").sizes == (1,)
+
+
+def test_padded_rows_of_a_hybrid_write_a_free_slots_state(synth):
+    """A free slot's recurrent state takes a padded row's update; a sequence that takes the
+    slot later starts from zeros and decodes as alone."""
+    engine = offload(synth("qwen35moe", "Q4_K_M"), expert_cache="0", miss="cpu")
+    pool = pool_for(engine, 4)
+    step = BatchStep(engine.model, pool, "eager")
+    caches = [pool.take() for _ in range(3)]
+    for p, kv in zip(PROMPTS[:3], caches, strict=True):
+        prefill(engine, p, kv)
+    step([1, 2, 3], caches)  # padded to 4: the fourth row moves slot 3's state
+    assert pool.ssm[:, 3].abs().sum() > 0
+    kv = pool.take()
+    assert kv.slot == 3 and pool.ssm[:, 3].abs().sum() == 0 and pool.conv[:, 3].abs().sum() == 0
+    prefill(engine, PROMPTS[3], kv)
+    got = np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in (5, 6)])
+    assert_close(got, alone(engine, PROMPTS[3], [5, 6]))
 
 
 def test_padded_rows_write_no_sequence_rows(synth):

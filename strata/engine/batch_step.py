@@ -8,9 +8,11 @@ in the one KV pool (strata.runtime.kv_slots.KVSlots): the pool row its new keys 
 the rows it reads (through its block table), its recurrent-state entry. Position and KV length
 are [B] device tensors, so one graph per batch size serves any sequences of the pool.
 
-    sizes       1, 2, 4, 8, 16: a batch runs at the next size; its padded rows take token 0 at
-                position 0, write the pool's scratch row and scratch state, route as row 0
-                with zero weights (no expert more is read) and are never counted
+    sizes       1, 2, 4, 8, 16 below the pool's slots, and the slots (--batch 16: all five;
+                --batch 6: 1, 2, 4, 6): a batch runs at the next size; its padded rows take
+                token 0 at position 0, write the pool's scratch row and (hybrids) a free slot's
+                recurrent state, route as row 0 with zero weights (no expert more is read) and
+                are never counted
     experts     a layer's experts run once for the batch (the fused kernels take the B tokens'
                 pairs; a host layer's misses are planned for the batch: each missed expert is
                 copied or computed on the CPU from the tokens it serves)
@@ -114,7 +116,12 @@ class BatchStep:
         if not isinstance(ex, OffloadExperts):
             raise TypeError("the batched decode step runs on the offload runtime")
         self.model, self.ex, self.cfg, self.pool = model, ex, model.cfg, pool
-        self.sizes = tuple(s for s in sizes if s <= padded_size(pool.n_slots, sizes))
+        # sizes below the pool's slots, and the slots themselves: a padded row then always has
+        # a free slot's state entry to write (the pool needs no state beyond the plan's)
+        self.sizes = tuple(s for s in sizes if s < pool.n_slots) + (pool.n_slots,)
+        if pool.n_slots > sizes[-1]:
+            raise ValueError(f"{pool.n_slots} sequences: the batched step runs at most "
+                             f"{sizes[-1]}")
         dev = self.device = model.device
         self.cuda = dev.type == "cuda"
         self.graphs = mode == "graphs" and self.cuda
@@ -247,7 +254,8 @@ class BatchStep:
 
     def _fill(self, b: Rows, tokens: list[int], caches: list) -> None:  # noqa: ANN001
         """The step's inputs to the device: real rows from their sequences, padded rows at
-        token 0, position 0 of the scratch row and state (reading row 0's first row)."""
+        token 0, position 0, writing the pool's scratch row and (hybrids) the state of a free
+        slot each, reading row 0's first row."""
         read = b.events.pop("inputs", None)
         if read is not None:  # the last step's copy has read the pinned buffers
             wait_event(read, "the batched step's input copy")
@@ -256,7 +264,12 @@ class BatchStep:
         inp[:, :] = 0
         inp[2, :] = 1
         inp[3, :] = pool.scratch_row
-        inp[4, :] = pool.scratch_state
+        if pool.conv is not None and b.size > n:  # a free slot's state entry each (reset when
+            free = pool.free[: b.size - n]  # the slot is taken)
+            if len(free) < b.size - n:
+                raise ValueError(f"{b.size - n} padded row(s) and {len(pool.free)} free slot(s): "
+                                 "a batch of a hybrid model is padded only into free slots")
+            inp[4, n:] = free
         for i, (t, kv) in enumerate(zip(tokens, caches, strict=True)):
             inp[:, i] = (t, kv.length, kv.length + 1, pool.row(kv, kv.length), kv.slot)
             table[i] = pool.table(kv)

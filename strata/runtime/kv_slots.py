@@ -3,10 +3,9 @@ allocated once, so the step's CUDA graphs hold fixed addresses and serve any seq
 
     kv store  [2, L, R, Hkv, hd]   R = blocks * block + 1 rows (+ q8_0 scales [.., hd/32])
     latent    [L, R, kv_lora + rope]                           (MLA, in place of the kv store)
-    conv      [Ll, S + 1, K-1, C], ssm [Ll, S + 1, Hv, dk, dv] (hybrids: recurrent state)
+    conv      [Ll, S, K-1, C], ssm [Ll, S, Hv, dk, dv]  (hybrids: recurrent state, a slot each)
 
     rows:   | block 0 | block 1 | ... | block n-1 | scratch row |
-    state:  | seq 0 | seq 1 | ... | seq S-1 | scratch |
 
 A sequence takes a slot (one state entry; at most `slots` sequences) and blocks for its rows,
 two ways:
@@ -20,9 +19,10 @@ two ways:
                                back when it leaves; refcounted, so sequences that start alike
                                share their prefix's full blocks (copy on write)
 
-Either way the decode steps read a sequence's rows through its block table. The scratch row and
-the scratch state are where the padded rows of a batch write (a batch of 3 runs as 4): never a
-sequence's rows. Accounting, checked by check_integrity: free + used == slots, and in paged form
+Either way the decode steps read a sequence's rows through its block table. The scratch row is
+where the padded rows of a batch write their keys and values (a batch of 3 runs as 4), and a
+free slot's state entry their recurrent state (reset when the slot is taken): never a
+sequence's. Accounting, checked by check_integrity: free + used == slots, and in paged form
 free + used == blocks (a block used by as many holders as its refcount).
 
 Legend: L kv layers, Ll linear layers, R pool rows, S slots, Hkv kv heads, hd head dim.
@@ -65,7 +65,6 @@ class KVSlots:
         self.free_blocks = list(range(self.n_blocks - 1, -1, -1))  # (popped: block 0 first)
         rows = self.n_blocks * self.block + 1
         self.scratch_row = rows - 1
-        self.scratch_state = slots
         self.latent = self.store = self.scales = None
         self.conv = self.ssm = None
         z = dict(device=device)
@@ -80,12 +79,11 @@ class KVSlots:
             if dtype == torch.int8:
                 self.scales = torch.zeros((*shape[:-1], cfg.head_dim // Q8_BLOCK),
                                           dtype=torch.float16, **z)
-        if cfg.full_attn_interval:  # hybrid: one recurrent state a slot, and the scratch's
+        if cfg.full_attn_interval:  # hybrid: one recurrent state a slot
             n = cfg.n_layers - cfg.n_kv_layers
             channels = (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state
-            self.conv = torch.zeros(n, slots + 1, cfg.ssm_conv - 1, channels, **z)
-            self.ssm = torch.zeros(n, slots + 1, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_state,
-                                   **z)
+            self.conv = torch.zeros(n, slots, cfg.ssm_conv - 1, channels, **z)
+            self.ssm = torch.zeros(n, slots, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_state, **z)
         self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._release: dict[int, weakref.finalize] = {}
         self.index: OrderedDict[tuple, int] = OrderedDict()  # prefix sharing (keep, lookup)

@@ -96,7 +96,7 @@ class BatchRows:
     token's keys and values go to (a padded row's: the scratch row); read int64 [B, span]:
     the pool rows of positions 0 .. span-1 of each row's sequence (through its block table;
     rows at and past its length are masked); state int64 [B]: each row's recurrent-state
-    entry (hybrids; a padded row's: the scratch entry)."""
+    entry (hybrids; a padded row's: a free slot's)."""
 
     pool: object  # strata.runtime.kv_slots.KVSlots
     write: torch.Tensor

@@ -166,7 +166,7 @@ class GatedDeltaNet:
         moved one token as delta_recurrent does, written back; torch ops, graph safe).
         qkv [B, C], g, beta [B, Hv] -> o [B, Hv, dv]"""
         r = ctx.rows
-        conv, ssm = r.pool.conv[self.slot], r.pool.ssm[self.slot]  # [S+1, K-1, C], [S+1, ...]
+        conv, ssm = r.pool.conv[self.slot], r.pool.ssm[self.slot]  # [S, K-1, C], [S, ...]
         full = torch.cat([conv[r.state], qkv[:, None]], dim=1)  # [B, K, C]
         x = F.silu((full * self.w.conv.T[None]).sum(1))  # the causal conv's last output [B, C]
         conv.index_copy_(0, r.state, full[:, 1:].contiguous())
