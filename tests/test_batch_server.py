@@ -151,12 +151,27 @@ def test_a_failed_batched_step_fails_its_requests_and_frees_their_blocks(synth):
     runner.step()  # the prompts
     assert runner.pool.used == 2
 
-    def broken(tokens, caches):  # noqa: ANN001, ANN202
-        raise RuntimeError("injected")
+    class Broken:
+        def __call__(self, tokens, caches):  # noqa: ANN001, ANN204
+            raise RuntimeError("injected")
 
-    runner.batch_step = broken
+        def line(self) -> str:
+            return "broken"
+
+    runner.batch_step = Broken()
     runner.step()
     fails = [m for m in sent if isinstance(m, Failed)]
     assert {m.rid for m in fails} == {"r0", "r1"} and all(m.status == 500 for m in fails)
     assert not runner.active and runner.pool.used == 0 and runner.pool.used_blocks == 0
     runner.pool.check_integrity()
+
+
+def test_stall_state_names_the_pool(synth):
+    sent: list = []
+    runner = BatchRunner(_engine(synth("qwen3moe", "Q4_K_M"), 2), sent.append,
+                         FaultTrigger(None))
+    runner.submit(_submit("a", PROMPTS[0], 3))
+    runner.step()
+    st = runner.state()
+    assert st["kv_pool"].startswith("1 of 2 slots, 1 of ") and "batched decode step" in \
+        st["batch_step"]

@@ -198,6 +198,8 @@ class BatchRunner:
                            getattr(stats, "hit_rate", None),
                            *((window[1], window[2]) if window else ())))
         self.stage = "decode" if self.seqs else "idle"
+        if not self.seqs and self.pool is not None:  # idle: the pool's accounting holds
+            self.pool.check_integrity()
 
     def _window(self, spec, s: Sequence) -> tuple[list[int], int, int]:  # noqa: ANN001
         """One decode step of `s` through spec (a SpecDecoder): (tokens, drafted, accepted).
@@ -229,6 +231,12 @@ class BatchRunner:
         """What a stall report shows about the batch (cheap: ints and strings)."""
         seqs = [(s.rid, s.kv.length, s.decode_steps, s.generated) for s in self.seqs.values()]
         state: dict = {"requests": seqs, "kv_bytes": sum(s.kv.nbytes for s in self.seqs.values())}
+        if self.pool is not None:  # the batch's KV pool and step
+            p = self.pool
+            state["kv_pool"] = (f"{p.used} of {p.n_slots} slots, {p.used_blocks} of "
+                                f"{p.n_blocks} blocks of {p.block} rows used "
+                                f"({len(p.index)} indexed for prefixes)")
+            state["batch_step"] = self.batch_step.line()
         stats = getattr(self.engine.model.experts, "stats", None)
         if hasattr(stats, "summary"):  # the offload runtime's counters: hits, CPU, streamed
             state["experts"] = stats.summary()
