@@ -91,7 +91,9 @@ def test_a_full_pool_of_blocks_refuses(engine):
     assert len(b.table) == 2
 
 
-def test_prefix_reuse_gives_identical_logits_and_shares_blocks(engine):
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])  # key/value rows; MLA's latents
+def test_prefix_reuse_gives_identical_logits_and_shares_blocks(synth, arch):
+    engine = offload(synth(arch, "Q4_K_M"), expert_cache="24")
     pool = pool_for(engine, block=4)
     first = pool.take()
     run(engine, PROMPT, first)
@@ -107,7 +109,8 @@ def test_prefix_reuse_gives_identical_logits_and_shares_blocks(engine):
     assert kv.table[2] not in (0, 1, 2) and pool.refs[kv.table[2]] == 1
     got = run(engine, prompt[reused:], kv)
     fresh = run(engine, prompt, engine.model.new_cache(16))[reused:]
-    np.testing.assert_allclose(got, fresh, atol=1e-5)
+    # (float32 bounds: the rest runs as a chunk of its own, MLA's in its absorbed form)
+    np.testing.assert_allclose(got, fresh, atol=1e-5 * max(1.0, np.abs(fresh).max()))
     assert (got.argmax(-1) == fresh.argmax(-1)).all()
     pool.check_integrity()
     other = pool.take()  # a third prompt reads the shared blocks, written by nobody
