@@ -64,7 +64,9 @@ class _Blocks:
             p = self.slots.block
             j = np.arange(start, end)
             idx = np.asarray(self.table, dtype=np.int64)[j // p] * p + j % p
-            t = torch.from_numpy(idx).to(self.slots.device)
+            t = torch.from_numpy(idx)
+            if self.slots.device.type == "cuda":  # (pinned, queued: no wait on the GPU's work)
+                t = t.pin_memory().to(self.slots.device, non_blocking=True)
             if len(self._idx) > 8:
                 self._idx.clear()
             self._idx[(start, end)] = t
