@@ -43,7 +43,7 @@ from strata.runtime.latent_cache import LatentCache
 
 
 class PoolFull(StrataError):
-    """Every slot of the pool holds a sequence."""
+    """The pool has no slot (or, paged, no block) left."""
 
 
 class KVSlots:
