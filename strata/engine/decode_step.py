@@ -19,6 +19,10 @@ kernels there (qk_rope_store and decode_attention, norm_route, add_rms_norm) ove
 buffers; a host layer's piece stops after its begin. The experts of a layer inside a piece are
 the executor's device paths (`_experts`).
 
+A paged cache (strata.runtime.paged_kv: blocks of a KVSlots pool) is read through its block
+table (the context's BatchRows, as the batched step reads B of them): the graphs are captured
+once for the pool and serve each of its sequences.
+
 With every expert resident the step is one graph: one launch per token. Each tensor that crosses
 a piece boundary is static; the token, position and KV length are device tensors, so a piece is
 captured once per KV storage (KVCache.store) and replayed for every later token. A step whose
@@ -40,6 +44,7 @@ import torch
 from strata.experts.paths import StepAids
 from strata.kernels.gpu import decode_ops as ops
 from strata.model.parts import StaticStep
+from strata.model.parts.context import BatchRows
 from strata.runtime.kv_cache import KVCache, KVPool
 from strata.runtime.waits import wait_event
 
@@ -177,6 +182,9 @@ class DecodeStep:
         self._captured: tuple[tuple[int, int], list[torch.cuda.CUDAGraph]] | None = None
         self._warm: tuple[int, int] | None = None  # the storage whose eager step ran
         self._inputs_read: torch.cuda.Event | None = None
+        self._paged: tuple | None = None  # a paged cache's inputs (_paged_inputs)
+        self._paged_read: torch.cuda.Event | None = None
+        self._span = 0
         self._failed = False
         self.steps = {"replayed": 0, "eager": 0, "captured": 0}  # steps run each way; captures
         log.info(f"decode step: {len(self.pieces)} piece(s), {len(self.resident_layers)} of "
@@ -204,8 +212,11 @@ class DecodeStep:
         # the tables the graphs read hold for the whole step; the gathered layers', for their
         # counters; what the graphs hold of the slot tensors
         tables, slots = self.ex.begin_step(self.gathered_layers)
-        store = kv.store.data_ptr() if kv.state is None else (  # (+ a hybrid's recurrent state)
-            kv.store.data_ptr(), kv.state.conv.data_ptr(), kv.state.ssm.data_ptr())
+        if getattr(kv, "paged", False):  # blocks of a pool: one graph serves its sequences
+            store = self._paged_inputs(kv)
+        else:
+            store = kv.store.data_ptr() if kv.state is None else (  # (+ a recurrent state)
+                kv.store.data_ptr(), kv.state.conv.data_ptr(), kv.state.ssm.data_ptr())
         key = (store, kv.capacity, slots)
         graphs = self._graphs(key, kv) if self.graphs and not self._failed else None
         self.steps["replayed" if graphs is not None else "eager"] += 1
@@ -240,6 +251,33 @@ class DecodeStep:
             timer.stop(t0)
         kv.advance(1)
         return self.logits
+
+    def _paged_inputs(self, kv) -> tuple:  # noqa: ANN001 (a paged cache: runtime/paged_kv.py)
+        """A paged cache's pool row for the new token, its recurrent-state entry and its block
+        table to the device (the attention reads its rows through them: BatchRows); -> the
+        graphs' key for its pool."""
+        pool = kv.slots
+        kv.own(kv.length, kv.length + 1)  # (a shared block is copied before the write)
+        if self._paged is None or self._paged[0] is not pool:
+            pin = self.device.type == "cuda"
+            nb = pool.blocks_per_seq
+            self._paged = (pool, torch.zeros(2, dtype=torch.int64, pin_memory=pin),
+                           torch.zeros(2, dtype=torch.int64, device=self.device),
+                           torch.zeros(1, nb, dtype=torch.int64, pin_memory=pin),
+                           torch.zeros(1, nb, dtype=torch.int64, device=self.device))
+        _, inp_host, inp, table_host, table = self._paged
+        if self._paged_read is not None:  # the last step's copies have read the buffers
+            wait_event(self._paged_read, "the decode step's block table copy")
+        inp_host[0], inp_host[1] = pool.row(kv, kv.length), kv.slot
+        table_host[0] = torch.tensor(pool.table(kv))
+        inp.copy_(inp_host, non_blocking=True)
+        table.copy_(table_host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._paged_read = self._record()
+        # (the graphs read every row a sequence may hold; eagerly, up to this one's length)
+        self._span = pool.blocks_per_seq * pool.block if self.graphs else kv.length + 1
+        base = pool.store if pool.store is not None else pool.latent
+        return ("paged", base.data_ptr(), None if pool.conv is None else pool.conv.data_ptr())
 
     def line(self) -> str:
         """One line for --stats."""
@@ -295,9 +333,14 @@ class DecodeStep:
     def _piece(self, piece: Piece, kv: KVCache) -> None:
         """The piece's layers, each the model's own Layer over the static buffers."""
         w, x = self.model.w, self.x
+        rows = None
+        if getattr(kv, "paged", False):  # its rows through its block table
+            pool, _, inp, _, table = self._paged
+            rows = BatchRows(pool, inp[0:1], ops.block_rows(table, pool.block, self._span),
+                             inp[1:2])
         ctx = StaticStep(kv, self.inputs[1:2], self.inputs[2:3], self.inv_freq, self.sync,
                          self.fuse_route, lambda i: self._counter(i, piece), self._experts,
-                         self.model.fused_attention)
+                         self.model.fused_attention, rows)
         if piece.first:
             x.copy_(w.embed.rows(self.inputs[0:1]))
             if self.share is not None:

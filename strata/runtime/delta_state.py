@@ -42,12 +42,20 @@ class WindowStates:
 
 
 class DeltaState:
-    def __init__(self, cfg: ModelConfig, device: torch.device, pool=None):  # noqa: ANN001
+    def __init__(self, cfg: ModelConfig, device: torch.device, pool=None,  # noqa: ANN001
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """storage: (conv, ssm) to hold the state in (a slot of a KVSlots pool), reset."""
         n = cfg.n_layers - cfg.n_kv_layers
         channels = (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state
         shapes = ((n, cfg.ssm_conv - 1, channels),
                   (n, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_state))
-        if pool is None:
+        if storage is not None:
+            self.conv, self.ssm = storage
+            if (tuple(self.conv.shape), tuple(self.ssm.shape)) != shapes:
+                raise ValueError(f"recurrent state storage {tuple(self.conv.shape)}, "
+                                 f"{tuple(self.ssm.shape)}: the model needs {shapes}")
+            self.reset()
+        elif pool is None:
             self.conv, self.ssm = (torch.zeros(s, device=device) for s in shapes)
         else:
             self.conv, self.ssm = (pool.take(s, device) for s in shapes)

@@ -85,7 +85,10 @@ class KVPool:
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, device: torch.device,
                  capacity: int = 256, pool: KVPool | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32,
+                 storage: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+        """storage: (store, scales) to hold the rows in instead of new tensors (a view of a
+        KVSlots pool: the cache never grows past it)."""
         self.shape = (n_kv_heads, head_dim)
         self.dtype = dtype
         self.quantized = dtype == torch.int8  # q8_0: int8 rows and their scales
@@ -99,7 +102,12 @@ class KVCache:
         self._release = None
         self.limit: int | None = None  # rows the memory plan holds (model.new_cache), or none
         self.state = None  # a hybrid model's DeltaState (strata.runtime.delta_state), or None
-        self._alloc(capacity)
+        self.slot: int | None = None  # its slot of a KVSlots pool (`slots`), or None
+        self.slots = None
+        if storage is not None:
+            self._over(*storage)
+        else:
+            self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
         shape = (2, self.n_layers, capacity, *self.shape)
@@ -110,6 +118,16 @@ class KVCache:
         self.scales = take(sshape, self.device, torch.float16) if self.quantized else None
         if self.pool is not None:
             self._release = weakref.finalize(self, _give, self.pool, self.store, self.scales)
+        self._views()
+
+    def _over(self, store: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Rows held in given tensors ([2, L, capacity, Hkv, hd], q8_0's scales beside)."""
+        if (scales is not None) != self.quantized:
+            raise ValueError("a q8_0 cache's storage comes with its scales, no other one does")
+        self.store, self.scales = store, scales
+        self._views()
+
+    def _views(self) -> None:
         self.k = list(self.store[0].unbind(0))
         self.v = list(self.store[1].unbind(0))
         self.ks = list(self.scales[0].unbind(0)) if self.quantized else None

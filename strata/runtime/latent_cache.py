@@ -23,14 +23,21 @@ class LatentCache:
     captured for one storage, serve the next request)."""
 
     def __init__(self, n_layers: int, row: int, device: torch.device, capacity: int = 256,
-                 pool: KVPool | None = None, dtype: torch.dtype = torch.float32):
+                 pool: KVPool | None = None, dtype: torch.dtype = torch.float32,
+                 storage: torch.Tensor | None = None):
+        """storage: [L, capacity, row] to hold the rows in (a view of a KVSlots pool)."""
         self.n_layers, self.row, self.device, self.dtype = n_layers, row, device, dtype
         self.length = 0
         self.state = None  # (no recurrent state: the decode step keys its graphs on it)
         self.pool = pool
         self._release = None
         self.limit: int | None = None  # rows the memory plan holds (model.new_cache), or none
-        self._alloc(capacity)
+        self.slot: int | None = None  # its slot of a KVSlots pool (`slots`), or None
+        self.slots = None
+        if storage is not None:
+            self.store = storage
+        else:
+            self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
         shape = (self.n_layers, capacity, self.row)

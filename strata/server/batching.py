@@ -14,6 +14,15 @@ With --spec T (strata.engine.spec) a step of one decoding sequence is a verify w
 give several tokens; a step of several sequences decodes one token each (no windows in batched
 decode).
 
+With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
+(kv_batch.py; strata.runtime.kv_slots: blocks of 16 rows, N sequences of the planned context,
+allocated once): a step whose sequences all decode runs the batched step (strata.engine.
+batch_step, CUDA graphs per batch size), a step with a prompt in it the plain forward. A finished
+or cancelled sequence's blocks are free at once; a request that finds the pool full is refused
+with 429, and no other sequence is touched. With --prefix-cache, a finished sequence's blocks
+stay indexed in the pool (until the pool needs them) and a prompt that starts alike shares them,
+in place of the host copies of prefix_cache.py.
+
 Legend: B sequences in the step, V vocab.
 """
 
@@ -33,7 +42,9 @@ from strata.engine.sampling import SamplingParams, sample
 from strata.errors import StrataError
 from strata.model.transformer import Segment
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.kv_slots import PoolFull
 from strata.runtime.waits import PROGRESS, StallError
+from strata.server import kv_batch
 from strata.server.faults import FaultTrigger
 from strata.server.prefix_cache import PrefixCache
 from strata.server.protocol import (
@@ -82,10 +93,20 @@ class BatchRunner:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.seqs: dict[str, Sequence] = {}
         self.stage = "idle"
+        self.pool, self.batch_step = kv_batch.batched(engine)
 
     @property
     def active(self) -> int:
         return len(self.seqs)
+
+    def warm_up(self) -> float:
+        """The first passes at load (server.warmup's; over the batch's KV pool where there is
+        one: kv_batch.warm_up). -> seconds"""
+        if self.pool is None:
+            from strata.server.warmup import warm_up
+
+            return warm_up(self.engine)
+        return kv_batch.warm_up(self.engine, self.pool, self.batch_step)
 
     def handle(self, msg: Submit | Cancel) -> None:
         if isinstance(msg, Cancel):
@@ -98,7 +119,7 @@ class BatchRunner:
         try:
             seq = self._make_sequence(sub)
         except _Reject as r:
-            self.send(Failed(sub.rid, 400, r.message, r.param, r.code))
+            self.send(Failed(sub.rid, r.status, r.message, r.param, r.code))
             return
         self.seqs[sub.rid] = seq
         self.send(Accepted(sub.rid, seq.prompt_len, seq.max_tokens))
@@ -107,6 +128,7 @@ class BatchRunner:
         seq = self.seqs.pop(rid, None)  # dropping the sequence frees its KV cache
         if seq is not None:
             self.prefix.store(seq.context, seq.kv)  # (the rows written so far are whole)
+            self._release(seq)
             self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated,
                                cached_tokens=seq.cached))
 
@@ -130,6 +152,9 @@ class BatchRunner:
                 logits = []
             elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
                 logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
+            elif not prompt and self.batch_step is not None and len(tokens) == len(batch):
+                # several sequences decoding: the batched step, one token each
+                logits = self.batch_step(tokens.tolist(), [s.kv for s in batch])
             else:
                 logits = self.engine.model.forward(tokens, segments)  # [B, V]
         except StallError as e:  # a bounded wait ran out: the GPU or a worker is stuck
@@ -139,7 +164,8 @@ class BatchRunner:
         except Exception as e:  # a failed step fails its requests; the engine serves on
             traceback.print_exc(file=sys.stderr)
             for s in batch:
-                self.seqs.pop(s.rid, None)
+                if self.seqs.pop(s.rid, None) is not None:
+                    self._release(s)
                 self.send(Failed(s.rid, 500, f"the engine failed in a {self.stage} step: "
                                  f"{type(e).__name__}: {e}"))
             return
@@ -161,6 +187,7 @@ class BatchRunner:
                 token = self._sample(s, row)
             except StrataError as e:  # the grammar failed: that request fails, the rest go on
                 self.seqs.pop(s.rid, None)
+                self._release(s)
                 self.send(Failed(s.rid, 500, f"constrained decoding failed: {e}"))
                 continue
             self._advance(s, token)
@@ -171,6 +198,8 @@ class BatchRunner:
                            getattr(stats, "hit_rate", None),
                            *((window[1], window[2]) if window else ())))
         self.stage = "decode" if self.seqs else "idle"
+        if not self.seqs and self.pool is not None:  # idle: the pool's accounting holds
+            self.pool.check_integrity()
 
     def _window(self, spec, s: Sequence) -> tuple[list[int], int, int]:  # noqa: ANN001
         """One decode step of `s` through spec (a SpecDecoder): (tokens, drafted, accepted).
@@ -202,6 +231,12 @@ class BatchRunner:
         """What a stall report shows about the batch (cheap: ints and strings)."""
         seqs = [(s.rid, s.kv.length, s.decode_steps, s.generated) for s in self.seqs.values()]
         state: dict = {"requests": seqs, "kv_bytes": sum(s.kv.nbytes for s in self.seqs.values())}
+        if self.pool is not None:  # the batch's KV pool and step
+            p = self.pool
+            state["kv_pool"] = (f"{p.used} of {p.n_slots} slots, {p.used_blocks} of "
+                                f"{p.n_blocks} blocks of {p.block} rows used "
+                                f"({len(p.index)} indexed for prefixes)")
+            state["batch_step"] = self.batch_step.line()
         stats = getattr(self.engine.model.experts, "stats", None)
         if hasattr(stats, "summary"):  # the offload runtime's counters: hits, CPU, streamed
             state["experts"] = stats.summary()
@@ -244,7 +279,16 @@ class BatchRunner:
             reason = "stop" if s.stops.stopped else reason
         del self.seqs[s.rid]
         self.prefix.store(s.context, s.kv)
+        self._release(s)
         self.send(Finished(s.rid, reason, s.prompt_len, s.generated, tail, s.cached))
+
+    def _release(self, s: Sequence) -> None:
+        """A sequence that left: its KV pool blocks are free at once (or, with --prefix-cache,
+        kept indexed for a later prompt that starts alike)."""
+        if self.pool is not None and getattr(s.kv, "slots", None) is self.pool:
+            if self.prefix.max_bytes > 0:
+                self.pool.keep(s.context, s.kv)
+            self.pool.give(s.kv)
 
     def _make_sequence(self, sub: Submit) -> Sequence:
         eng = self.engine
@@ -267,6 +311,12 @@ class BatchRunner:
         if not ids:
             raise _Reject("the prompt is empty", where)
         room = eng.config.context_length - len(ids)
+        if self.pool is not None:  # (a slot holds the planned context)
+            if len(ids) >= self.pool.capacity:
+                raise _Reject(f"prompt of {len(ids)} tokens exceeds the {self.pool.capacity} "
+                              "KV rows a sequence holds (--ctx); shorten the " + where, where,
+                              "context_length_exceeded")
+            room = min(room, self.pool.capacity - len(ids))
         max_tokens = min(sub.max_tokens_limit, room) if sub.max_tokens is None else sub.max_tokens
         try:
             eng.check_prompt(ids, max(max_tokens, 1))
@@ -292,14 +342,29 @@ class BatchRunner:
             except StrataError as e:
                 raise _Reject(str(e), "response_format") from None
         stream = eng.tokenizer.stream(skip_special=not sub.keep_special)
-        kv = eng.model.new_cache(capacity)
-        cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 filled from an earlier request
+        if self.pool is None:
+            kv = eng.model.new_cache(capacity)
+        elif max_tokens > self.pool.capacity - len(ids):
+            raise _Reject(f"prompt of {len(ids)} tokens + {max_tokens} to generate exceeds the "
+                          f"{self.pool.capacity} KV rows a sequence holds (--ctx); shorten the "
+                          f"{where} or lower max_tokens", where, "context_length_exceeded")
+        else:
+            try:
+                kv = self.pool.take()
+            except PoolFull as e:
+                raise _Reject(str(e), None, "pool_full", 429) from None
+        if self.pool is not None and self.pool.paged and self.prefix.max_bytes > 0:
+            cached = self.pool.lookup(ids, kv)  # blocks shared with an earlier request
+        else:
+            cached = self.prefix.lookup(ids, kv)  # rows 0..cached-1 copied from one
         return Sequence(sub.rid, len(ids), max_tokens, params, gen, kv, stream,
                         StopText(sub.stop), ids[cached:], sub.ignore_eos, constraint=constraint,
                         context=list(ids), cached=cached)
 
 
 class _Reject(Exception):
-    def __init__(self, message: str, param: str | None, code: str | None = None):
+    def __init__(self, message: str, param: str | None, code: str | None = None,
+                 status: int = 400):
         super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        self.message, self.param, self.code, self.status = message, param, code, status
+

@@ -88,13 +88,11 @@ def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
     except StrataError as e:
         out.send(LoadFailed(str(e)))
         return
-    if opts.warmup:
-        from strata.server.warmup import warm_up
-
+    runner = BatchRunner(engine, out.send, faults, opts.prefix_cache_bytes)
+    if opts.warmup:  # (server.warmup's passes, or over the batch's KV pool where it has one)
         out.send(Progress("loading", "warming up: kernels and decode graphs", 0.95))
         logging.getLogger("strata").info("warm-up: kernels built and decode graphs captured in "
-                                         f"{warm_up(engine):.1f} s")
-    runner = BatchRunner(engine, out.send, faults, opts.prefix_cache_bytes)
+                                         f"{runner.warm_up():.1f} s")
     experts = engine.model.experts
     engine.model.experts = LayerProgress(experts, engine.config.n_layers, out.send, runner)
     cfg = engine.config

@@ -441,3 +441,101 @@ def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, s
         _route_row(logits, 0, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP, BLOCK_E,
                    BLOCK_J)
         tl.atomic_xchg(sync, 0)
+
+
+@triton.jit
+def _paged_split_kernel(q, kc, vc, ks, vs, read, length, part_o, part_ml, scale, B, H, S,
+                        stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                        stride_ksr, stride_ksh, stride_vsr, stride_vsh, stride_rb,
+                        HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        Q8: tl.constexpr = False, WINDOW: tl.constexpr = 0):
+    # program (b, g, s): the G query heads of kv head g of row b (one new token at position
+    # n - 1, n = length[b]) over split s of its keys [lo, n), pool rows read[b, j]; online
+    # softmax in float32, exact products on the CUDA cores (no tl.dot). Writes (max, sum,
+    # unnormalized output) per head into [S, B, H]; _paged_reduce_kernel combines the splits.
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    n = tl.load(length + b).to(tl.int32)
+    lo = _window_lo(n, 1, WINDOW)  # (one query a row: the token sees j > n - 1 - WINDOW)
+    chunk = _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N)
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, n)
+    if start < n:
+        r = tl.arange(0, BLOCK_M)
+        rm = r < G
+        h = g * G + r  # [BLOCK_M]
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HD
+        qv = tl.load(q + b * stride_qb + h[:, None] * stride_qh + d[None, :],
+                     mask=rm[:, None] & dm[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        m_i = tl.full((BLOCK_M,), _NEG, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for j0 in tl.range(start, end, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            jm = j < end
+            rows = tl.load(read + b * stride_rb + j, mask=jm, other=0).to(tl.int64)  # [BLOCK_N]
+            ld = jm[:, None] & dm[None, :]
+            kt = tl.load(kc + rows[:, None] * stride_kr + g * stride_kh + d[None, :], mask=ld,
+                         other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]; rows >= n never read
+            vt = tl.load(vc + rows[:, None] * stride_vr + g * stride_vh + d[None, :], mask=ld,
+                         other=0.0).to(tl.float32)
+            if Q8:
+                kt = kt * tl.load(ks + rows[:, None] * stride_ksr + g * stride_ksh
+                                  + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
+                vt = vt * tl.load(vs + rows[:, None] * stride_vsr + g * stride_vsh
+                                  + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
+            sc = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # [BLOCK_M, BLOCK_N]
+            sc = tl.where(jm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+            m_i = m_new
+        row = ((s * B + b) * H + h).to(tl.int64)  # [BLOCK_M], into [S, B, H]
+        tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
+        tl.store(part_ml + row * 2, m_i, mask=rm)
+        tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
+
+
+@triton.jit
+def _paged_reduce_kernel(part_o, part_ml, length, out, B, H, S, stride_ob, sinks,
+                         HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                         WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False):
+    # program (b, h): _attn_reduce_kernel's combination for row b at its own length
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(length + b).to(tl.int32)
+    lo = _window_lo(n, 1, WINDOW)
+    live = tl.cdiv(n - lo, _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N))
+    sv = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HD
+    mx = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for s0 in tl.range(0, live, BLOCK_S):
+        s = s0 + sv
+        row = (s * B + b) * H + h
+        mx = tl.maximum(mx, tl.load(part_ml + row * 2, mask=s < live, other=float("-inf")))
+    m = tl.max(mx, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32)
+        m = tl.maximum(m, sink)
+    lsum = tl.zeros((BLOCK_S,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in tl.range(0, live, BLOCK_S):
+        s = s0 + sv
+        sm = s < live
+        row = ((s * B + b) * H + h).to(tl.int64)
+        w = tl.exp(tl.load(part_ml + row * 2, mask=sm, other=float("-inf")) - m)
+        lsum += w * tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
+        o = tl.load(part_o + row[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    den = tl.sum(lsum, axis=0)
+    if HAS_SINKS:
+        den += tl.exp(sink - m)
+    tl.store(out + b.to(tl.int64) * stride_ob + h * HD + d, acc / den, mask=dm)

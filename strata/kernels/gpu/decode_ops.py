@@ -42,6 +42,14 @@ Kernels and launches:
       `_attn_split_fma_kernel`, no tl.dot (broadcast products and sums on the CUDA cores,
       exact float32, row blocks of pow2(T·G) <= 16); "tf32" the dots with TF32 inputs, picked
       only with fused=True (--kernels fused).
+  paged_attention  one new token of each of B sequences over its own rows of a shared KV pool
+      (the batched decode step, paged caches), 2 launches. `_paged_split_kernel`, grid
+      (B, Hkv, S): the G query heads of a kv head of one row, a split of its keys, each key's
+      pool row read from the row's index vector (`read`, from its block table: block_rows);
+      exact float32 products on the CUDA cores, online softmax; S fixed by the rows a row may
+      read (so a graph serves every length), each split's size derived on the device from the
+      row's own length. `_paged_reduce_kernel`, grid (B, H), as `_attn_reduce_kernel` per row
+      (with the sink logits). rows_rope_store (RoPE, the pool store) is torch ops.
   router_logits  `_rows_dot_kernel`, one token against E float32 router rows: BN rows per CTA,
       E / BN CTAs (cuBLAS picked a GEMV taking ~18 us for 128 x 2048 on an H200; a product and
       a row sum took two kernels), float32 sums in a fixed order.
@@ -494,6 +502,152 @@ def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=True)  # [H, T, hd]
     return o.transpose(0, 1).reshape(t, h * hd)
+
+
+# ---- B sequences of one KV pool (the batched decode step) ---------------------------------------
+
+
+def rows_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                    pos: torch.Tensor, inv_freq: torch.Tensor, style: str,
+                    k_pool: torch.Tensor, v_pool: torch.Tensor, write: torch.Tensor,
+                    k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """qk_rope_store for one token of each of B sequences: row b at position pos[b], its k and
+    v written to pool row write[b]; returns the rotated q. Torch ops (graph safe: no host sync,
+    shapes fixed by B).
+
+    q [B, H, hd], k, v [B, Hkv, hd] f32; pos, write int64 [B] on the device; k_pool, v_pool
+    [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales, v_scales f16 [R, Hkv, hd/32] (q8_0)
+    -> [B, H, hd] f32. write holds distinct rows except the padded rows' scratch row."""
+    _check(q.dim() == 3 and k.dim() == 3 and pos.shape == (q.shape[0],)
+           and write.shape == pos.shape, "q [B, H, hd], k [B, Hkv, hd], pos and write [B]")
+    _q8_scales(k_pool, k_scales, "k_pool")
+    _q8_scales(v_pool, v_scales, "v_pool")
+    angles = pos.long().to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
+    cos, sin = angles.cos(), angles.sin()
+    if q_norm is not None:
+        q = layers.rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = layers.rms_norm(k, k_norm, eps)
+    q = layers.apply_rope(q, cos, sin, style)
+    k = layers.apply_rope(k, cos, sin, style)
+    if k_pool.dtype == torch.int8:
+        for pool, scales, x in ((k_pool, k_scales, k), (v_pool, v_scales, v)):
+            qx, dx = quantize_q8_0(x)
+            pool.index_copy_(0, write, qx)
+            scales.index_copy_(0, write, dx)
+    else:
+        k_pool.index_copy_(0, write, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, write, v.to(v_pool.dtype).contiguous())
+    return q.contiguous()
+
+
+def block_rows(table: torch.Tensor, block: int, span: int) -> torch.Tensor:
+    """The pool rows of positions 0 .. span-1 of each sequence: table int64 [B, nb] (block ids,
+    nb * block >= span) -> int64 [B, span], row = table[b, j // block] * block + j % block."""
+    j = torch.arange(span, device=table.device)
+    return table[:, j // block] * block + j % block
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    read: torch.Tensor, length: torch.Tensor, scale: float, window: int = 0,
+                    sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention for one new token of each of B sequences, each over its own rows of a
+    shared pool: row b's token is at position length[b] - 1 and sees its positions
+    j < length[b] (and j > length[b] - 1 - window with a window), whose keys and values are
+    pool rows read[b, j]. softmax(q k^T · scale) v per head, with gpt-oss's sink logit per
+    head when given (as _attention_torch).
+
+    q [B, H, hd] f32; k_pool, v_pool [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales,
+    v_scales (q8_0); read int64 [B, Tk]; length int64 [B] on the device, 1 <= length[b] <= Tk
+    -> [B, H·hd] f32. On CUDA (or under the interpreter) flash decoding in two launches:
+    `_paged_split_kernel`, program (b, kv head, key split), each row reading its own keys only,
+    up to its length; `_paged_reduce_kernel`, program (b, h), combining the splits. Elsewhere
+    torch ops, every row reading Tk rows masked past its length. Both graph safe."""
+    _check(q.dim() == 3 and k_pool.dim() == 3 and read.dim() == 2 and read.shape[0] == q.shape[0]
+           and length.shape == (q.shape[0],), "q [B, H, hd], pools [R, Hkv, hd], read [B, Tk], "
+           "length [B]")
+    _q8_scales(k_pool, k_scales, "k_pool")
+    _q8_scales(v_pool, v_scales, "v_pool")
+    b, h, hd = q.shape
+    if _use_kernels(q):
+        return _paged_launch(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales,
+                             v_scales)
+    tk, hkv = read.shape[1], k_pool.shape[1]
+    k, v = k_pool[read], v_pool[read]  # [B, Tk, Hkv, hd]
+    if k_pool.dtype == torch.int8:
+        k, v = dequantize_q8_0(k, k_scales[read]), dequantize_q8_0(v, v_scales[read])
+    # (rows past a length are masked out of the scores; the pool's rows are zeros until
+    # written, so their zero weights never meet a NaN)
+    keys = torch.arange(tk, device=q.device)[None, :]  # [1, Tk]
+    n = length.long()[:, None]  # [B, 1]
+    mask = keys < n  # [B, Tk]
+    if window:
+        mask &= keys > n - 1 - window
+    g = h // hkv
+    qg = q.view(b, hkv, g, hd)
+    kt = k.float().permute(0, 2, 3, 1)  # [B, Hkv, hd, Tk]
+    sc = (qg @ kt) * scale  # [B, Hkv, G, Tk]
+    sc = sc.masked_fill(~mask[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, 1)
+        p = torch.softmax(torch.cat([sc, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(sc, dim=-1)
+    o = p @ v.float().transpose(1, 2)  # [B, Hkv, G, hd]
+    return o.reshape(b, h * hd)
+
+
+def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  read: torch.Tensor, length: torch.Tensor, scale: float, window: int,
+                  sinks: torch.Tensor | None, k_scales: torch.Tensor | None,
+                  v_scales: torch.Tensor | None, n_splits: int | None = None) -> torch.Tensor:
+    """paged_attention's kernels: checks, tiles, two launches (n_splits: tests)."""
+    b, h, hd = q.shape
+    hkv = k_pool.shape[1]
+    _f32(q, "q")
+    for name, c in (("k_pool", k_pool), ("v_pool", v_pool)):
+        _f32(c, name, (k_pool.shape[0], hkv, hd), KV_DTYPES)
+        _check(c.device == q.device, f"{name} must be on q's device")
+    _check(hkv > 0 and h % hkv == 0, f"H = {h} must be a multiple of Hkv = {hkv}")
+    _check(read.dtype == torch.int64 and read.stride(1) == 1 and read.device == q.device,
+           "read must be int64 [B, Tk] with contiguous rows, on q's device")
+    _check(length.dtype in (torch.int32, torch.int64) and length.device == q.device,
+           f"length must be int32/int64 [B] on {q.device}")
+    if sinks is not None:
+        _f32(sinks, "sinks", (h,))
+        _check(sinks.is_contiguous() and sinks.device == q.device, "sinks must be contiguous")
+    out = torch.empty((b, h * hd), dtype=torch.float32, device=q.device)
+    if b == 0:
+        return out
+    g = h // hkv
+    block_m, block_d = _pow2(g), _pow2(hd)
+    # [BLOCK_M, BLOCK_N, BLOCK_D] products a step: at most 8K values (registers)
+    block_n = max(4, min(64, 8192 // (block_m * block_d)))
+    # splits fixed by the rows a row may read (a captured graph serves every length), enough
+    # for ~ATTN_TARGET_CTAS programs at full length; each split's size is derived on the
+    # device from the row's length (splits past it exit at once)
+    s = n_splits or max(1, min(_cdiv(read.shape[1], ATTN_MIN_CHUNK),
+                               ATTN_TARGET_CTAS // (b * hkv)))
+    q8 = k_pool.dtype == torch.int8
+    ks, vs = (k_scales, v_scales) if q8 else (k_pool, v_pool)  # (unread without q8_0)
+    part_o = scratch((s, b, h, hd), torch.float32, q.device)
+    part_ml = scratch((s, b, h, 2), torch.float32, q.device)
+    length = length.contiguous()
+    _kernels()._paged_split_kernel[(b, hkv, s)](
+        q, k_pool, v_pool, ks, vs, read, length, part_o, part_ml, scale, b, h, s, q.stride(0),
+        q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), read.stride(0), HD=hd, G=g,
+        MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, Q8=q8,
+        WINDOW=window, num_warps=4)
+    block_s = min(_pow2(s), max(1, 4096 // block_d))
+    _kernels()._paged_reduce_kernel[(b, h)](
+        part_o, part_ml, length, out, b, h, s, out.stride(0), q if sinks is None else sinks,
+        HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d,
+        WINDOW=window, HAS_SINKS=sinks is not None, num_warps=4)
+    return out
 
 
 # ---- routing -------------------------------------------------------------------------------------

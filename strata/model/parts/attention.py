@@ -47,6 +47,8 @@ class GQAAttention:
               ctx: StaticStep) -> torch.Tensor:
         """One token over static buffers: q/k norms, RoPE and the cache store in one launch,
         then flash decoding over the rows up to ctx.length (two launches)."""
+        if ctx.rows is not None:  # one token of each of B sequences (the batched step)
+            return self._rows(q, k, v, ctx)
         ops, lw, kv, i = decode_ops(), self.lw, ctx.kv, self.layer
         ks, vs = (kv.ks[i], kv.vs[i]) if kv.quantized else (None, None)  # q8_0's scales
         q = ops.qk_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
@@ -55,6 +57,18 @@ class GQAAttention:
                               v_scales=vs)
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale, k_scales=ks,
                                     v_scales=vs, fused=ctx.fused_attention)  # [1, H*hd]
+
+    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StaticStep,
+              window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """B sequences of one KV pool, one token each: q/k norms, RoPE at each row's position
+        and the pool store, then each row's attention over its own rows. -> [B, H*hd]"""
+        ops, lw, r = decode_ops(), self.lw, ctx.rows
+        kp, vp, ks, vs = r.pool.layer(self.layer)  # [R, Hkv, hd] (+ q8_0's scales)
+        q = ops.rows_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
+                                lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
+                                ctx.inv_freq, self.rope_style, kp, vp, r.write, ks, vs)
+        return ops.paged_attention(q, kp, vp, r.read, ctx.length, self.scale, window, sinks,
+                                   ks, vs)
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
@@ -75,12 +89,15 @@ class GQAAttention:
         for s in ctx.segments:
             sl = slice(start, start + s.length)
             # (a q8_0 cache read by the decode kernel below needs no float32 copy)
-            kernel_reads = (ctx.fused_attention and s.kv.quantized
+            # (a paged cache's rows come gathered from its blocks: attention() reads them)
+            paged = getattr(s.kv, "paged", False)
+            kernel_reads = (ctx.fused_attention and s.kv.quantized and not paged
                             and s.length <= BF16_ATTENTION_MIN_T)
             keys, values = s.kv.append(i, k[sl], v[sl], read=not kernel_reads)  # [pos0 + t, ..]
             if ctx.fused_attention and s.length > BF16_ATTENTION_MIN_T:
                 out.append(attention_bf16(q[sl], keys, values))
-            elif kernel_reads or ctx.fused_attention and keys.dtype != torch.float32:
+            elif kernel_reads or (ctx.fused_attention and keys.dtype != torch.float32
+                                  and not paged):
                 # a few tokens (batched decode) over a half-size or q8_0 cache: the decode
                 # kernel reads its rows as they are, where attention() needs float32
                 end = torch.full((1,), s.kv.length + s.length, device=q.device)

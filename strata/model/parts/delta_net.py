@@ -150,6 +150,8 @@ class GatedDeltaNet:
               ctx: StaticStep) -> torch.Tensor:
         """One token over the sequence's static state, updated in place (two launches on CUDA,
         kernels/gpu/delta_ops.py: no host sync, shapes fixed, so a CUDA graph captures it)."""
+        if ctx.rows is not None:  # one token of each of B sequences (the batched step)
+            return self._rows(qkv, g, beta, ctx)
         from strata.kernels.gpu import delta_ops
 
         st = ctx.kv.state
@@ -157,6 +159,24 @@ class GatedDeltaNet:
         o = delta_ops.delta_step(x, g[0].contiguous(), beta[0].contiguous(), st.ssm[self.slot],
                                  self.hk, self.w.tiled, self.eps)
         return o[None]  # [1, Hv, dv]
+
+    def _rows(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              ctx: StaticStep) -> torch.Tensor:
+        """One token of each of B sequences, each with its own state entry of the pool (gathered,
+        moved one token as delta_recurrent does, written back; torch ops, graph safe).
+        qkv [B, C], g, beta [B, Hv] -> o [B, Hv, dv]"""
+        r = ctx.rows
+        conv, ssm = r.pool.conv[self.slot], r.pool.ssm[self.slot]  # [S, K-1, C], [S, ...]
+        full = torch.cat([conv[r.state], qkv[:, None]], dim=1)  # [B, K, C]
+        x = F.silu((full * self.w.conv.T[None]).sum(1))  # the causal conv's last output [B, C]
+        conv.index_copy_(0, r.state, full[:, 1:].contiguous())
+        q, k, v = self._heads(x)  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv]
+        S = ssm[r.state] * g.exp()[:, :, None, None]  # [B, Hv, dk, dv]
+        kv = torch.einsum("bhkv,bhk->bhv", S, k)  # S^T k
+        delta = beta[..., None] * (v - kv)
+        S = S + k[..., None] * delta[:, :, None, :]
+        ssm.index_copy_(0, r.state, S)
+        return torch.einsum("bhkv,bhk->bhv", S, q)
 
     def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv of x [t, C] after the window's K-1 inputs [K-1, C], then

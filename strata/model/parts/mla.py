@@ -77,7 +77,9 @@ class MLAttention:
               ctx: StaticStep) -> torch.Tensor:
         """The decode step's token: its row stored at ctx.pos, then the absorbed attention
         over the storage's rows below ctx.length (graph-safe: no host sync, shapes fixed by the
-        storage). -> [1, H*V]"""
+        storage). -> [1, H*V]. With ctx.rows: B sequences of one pool, each over its own rows."""
+        if ctx.rows is not None:
+            return self._rows(q_nope, q_pe, row, ctx)
         store = ctx.kv.store[self.layer]  # [capacity, L + R]
         store.index_copy_(0, ctx.pos, row.to(store.dtype))
         valid = torch.arange(store.shape[0], device=store.device)[None] < ctx.length  # [1, Tk]
@@ -85,6 +87,24 @@ class MLAttention:
         # weights cannot meet a NaN there)
         cached = store.float().masked_fill(~valid[0, :, None], 0.0)
         return self._latent(q_nope, q_pe, cached, valid)
+
+    def _rows(self, q_nope: torch.Tensor, q_pe: torch.Tensor, row: torch.Tensor,
+              ctx: StaticStep) -> torch.Tensor:
+        """One token of each of B sequences: row b stored at pool row write[b], then the
+        absorbed attention over its rows read[b] below length[b]. -> [B, H*V]"""
+        lw, r, B = self.lw, ctx.rows, q_nope.shape[0]
+        store = r.pool.latent[self.layer]  # [R, L + R']
+        store.index_copy_(0, r.write, row.to(store.dtype))
+        valid = (torch.arange(r.read.shape[1], device=store.device)[None]
+                 < ctx.length.long()[:, None])  # [B, Tk]
+        cached = store[r.read].float().masked_fill(~valid[..., None], 0.0)  # [B, Tk, L + R']
+        c, k_pe = cached[..., : self.L], cached[..., self.L:]
+        q_lat = torch.einsum("bhn,hln->bhl", q_nope, lw.k_b)  # [B, H, L]
+        scores = (torch.einsum("bhl,bkl->bhk", q_lat, c)
+                  + torch.einsum("bhr,bkr->bhk", q_pe, k_pe)) * self.scale  # [B, H, Tk]
+        p = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+        o_lat = torch.einsum("bhk,bkl->bhl", p, c)  # [B, H, L]
+        return torch.einsum("bhl,hvl->bhv", o_lat, lw.v_b).reshape(B, self.H * self.V)
 
     def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cached: torch.Tensor,
                  pos0: int) -> torch.Tensor:

@@ -77,6 +77,8 @@ class SinkAttention(GQAAttention):
         ops, kv, i = decode_ops(), ctx.kv, self.layer
         if self.mscale != 1.0:
             q, k = q * self.mscale, k * self.mscale
+        if ctx.rows is not None:  # one token of each of B sequences (the batched step)
+            return self._rows(q, k, v, ctx, self.window, self.lw.sinks)
         q = ops.qk_rope_store(q, k, v, None, None, self.eps, ctx.pos, ctx.inv_freq,
                               self.rope_style, kv.k[i], kv.v[i])
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale,

@@ -1,0 +1,177 @@
+"""The engine's batch with --batch N: sequences in one KV pool, decoded together by the batched
+step; each text as it is alone (greedy and sampled), cancel frees a slot at once, a full pool
+refuses with 429 and leaves the others' text as it was."""
+
+from __future__ import annotations
+
+from strata.config import EngineConfig
+from strata.engine.generator import Engine
+from strata.server.batching import BatchRunner
+from strata.server.faults import FaultTrigger
+from strata.server.protocol import Delta, Failed, Finished, Submit
+
+PROMPTS = ["hello world", "the quick brown fox", "1 2 3 4 5 6 7", "a"]
+
+
+def _engine(path, batch: int) -> Engine:  # noqa: ANN001
+    return Engine.load(path, config=EngineConfig(device="cpu", offload="on", cpu_kernels="torch",
+                                                 kernels="exact", sequences=batch))
+
+
+def _texts(runner: BatchRunner, sent: list, subs: list[Submit],
+           cancel_after: dict[str, int] | None = None) -> dict[str, str]:
+    for sub in subs:
+        runner.submit(sub)
+    steps = 0
+    while runner.active:
+        runner.step()
+        steps += 1
+        for rid, at in (cancel_after or {}).items():
+            if steps == at:
+                runner.cancel(rid)
+    out: dict[str, str] = {}
+    for m in sent:
+        if isinstance(m, Delta):
+            out[m.rid] = out.get(m.rid, "") + m.text
+        elif isinstance(m, Finished):
+            out[m.rid] = out.get(m.rid, "") + m.text
+    return out
+
+
+def _submit(rid: str, prompt: str, n: int, seed: int | None = None) -> Submit:
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.9, "seed": seed}
+    return Submit(rid, None, prompt, sampling, n, n, ignore_eos=True)
+
+
+def test_batched_text_is_the_text_alone(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    eng = _engine(path, 4)
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    assert runner.batch_step is not None and runner.pool.n_slots == 4
+    subs = [_submit(f"r{i}", p, 8, seed=None if i % 2 else 100 + i)
+            for i, p in enumerate(PROMPTS)]
+    together = _texts(runner, sent, subs)
+    assert runner.batch_step.steps["rows"] > 0  # several sequences decoded in one step
+    assert runner.pool.used == 0
+    runner.pool.check_integrity()
+    for sub in subs:  # each alone, through the same engine (one-sequence decode step)
+        sent_alone: list = []
+        alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
+        assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid]
+
+
+def test_cancel_frees_the_slot_at_once_and_a_full_pool_refuses(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    eng = _engine(path, 2)
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    pool = runner.pool
+    runner.submit(_submit("a", PROMPTS[0], 6))
+    runner.submit(_submit("b", PROMPTS[1], 6))
+    assert pool.used == 2 and not pool.can_take()
+    runner.submit(_submit("c", PROMPTS[2], 6))  # no slot: refused, the others untouched
+    (fail,) = [m for m in sent if isinstance(m, Failed)]
+    assert fail.rid == "c" and fail.status == 429 and fail.code == "pool_full"
+    assert set(runner.seqs) == {"a", "b"} and pool.used == 2
+    runner.step()
+    runner.cancel("b")
+    assert pool.used == 1 and pool.can_take()  # at once, not when the cache is collected
+    pool.check_integrity()
+    while runner.active:
+        runner.step()
+    text_a = "".join(m.text for m in sent if isinstance(m, (Delta, Finished)) and m.rid == "a")
+    sent_alone: list = []
+    alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
+    assert _texts(alone, sent_alone, [_submit("a", PROMPTS[0], 6)])["a"] == text_a
+    assert pool.used == 0 and sorted(pool.free) == [0, 1]
+
+
+def test_a_prompt_that_starts_alike_shares_the_pool_blocks(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    eng = _engine(path, 2)
+    long = "the quick brown fox jumps over the lazy dog " * 3
+    texts = {}
+    for cache in (1 << 30, 0):
+        sent: list = []
+        runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=cache)
+        _texts(runner, sent, [_submit("first", long, 4)])
+        sent.clear()
+        texts[cache] = _texts(runner, sent, [_submit("second", long + "and more", 6)])
+        (done,) = [m for m in sent if isinstance(m, Finished)]
+        assert (done.cached_tokens > 16) == bool(cache)  # whole blocks of the first prompt
+        assert runner.pool.used == 0
+        runner.pool.check_integrity()
+    assert texts[1 << 30] == texts[0]
+
+
+def test_warm_up_runs_every_batch_size_and_leaves_the_pool_empty(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    cold_sent: list = []
+    cold = BatchRunner(_engine(path, 3), cold_sent.append, FaultTrigger(None))
+    subs = [_submit(f"r{i}", p, 5) for i, p in enumerate(PROMPTS[:3])]
+    want = _texts(cold, cold_sent, subs)
+    eng = _engine(path, 3)
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    assert runner.warm_up() > 0
+    step, st = runner.batch_step, eng.model.experts.stats
+    assert step.sizes == (1, 2, 3) and step.steps["eager"] + step.steps["replayed"] == 9
+    assert runner.pool.used == 0 and runner.pool.used_blocks == 0
+    runner.pool.check_integrity()
+    assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == 0 and st.routed.sum() == 0
+    assert _texts(runner, sent, subs) == want
+
+
+def test_verify_windows_run_over_the_pool(synth):
+    """--spec with the batch's pool: one decoding sequence's verify windows over its blocks
+    give the text of plain decoding."""
+    path = synth("qwen3moe", "Q4_K_M")
+    sent: list = []
+    plain = _texts(BatchRunner(_engine(path, 2), sent.append, FaultTrigger(None)), sent,
+                   [_submit("a", PROMPTS[0], 12)])
+    eng = Engine.load(path, config=EngineConfig(device="cpu", offload="on", cpu_kernels="torch",
+                                                kernels="exact", sequences=2, spec=3,
+                                                draft=str(path)))
+    eng.spec.timed = False
+    sent = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    assert runner.pool is not None and runner.pool.paged
+    assert _texts(runner, sent, [_submit("a", PROMPTS[0], 12)]) == plain
+    assert eng.spec.stats.windows > 0
+    runner.pool.check_integrity()
+
+
+def test_a_failed_batched_step_fails_its_requests_and_frees_their_blocks(synth):
+    path = synth("qwen3moe", "Q4_K_M")
+    sent: list = []
+    runner = BatchRunner(_engine(path, 2), sent.append, FaultTrigger(None))
+    for i in range(2):
+        runner.submit(_submit(f"r{i}", PROMPTS[i], 6))
+    runner.step()  # the prompts
+    assert runner.pool.used == 2
+
+    class Broken:
+        def __call__(self, tokens, caches):  # noqa: ANN001, ANN204
+            raise RuntimeError("injected")
+
+        def line(self) -> str:
+            return "broken"
+
+    runner.batch_step = Broken()
+    runner.step()
+    fails = [m for m in sent if isinstance(m, Failed)]
+    assert {m.rid for m in fails} == {"r0", "r1"} and all(m.status == 500 for m in fails)
+    assert not runner.active and runner.pool.used == 0 and runner.pool.used_blocks == 0
+    runner.pool.check_integrity()
+
+
+def test_stall_state_names_the_pool(synth):
+    sent: list = []
+    runner = BatchRunner(_engine(synth("qwen3moe", "Q4_K_M"), 2), sent.append,
+                         FaultTrigger(None))
+    runner.submit(_submit("a", PROMPTS[0], 3))
+    runner.step()
+    st = runner.state()
+    assert st["kv_pool"].startswith("1 of 2 slots, 1 of ") and "batched decode step" in \
+        st["batch_step"]

@@ -1,0 +1,241 @@
+"""The batched decode step (B sequences of one KV pool, padded to the next batch size) gives each
+sequence the logits it gets decoded alone, for every architecture's mixer (GQA, sinks and
+windows, the hybrids' recurrent state, MLA's latents), KV type and expert plan; padded rows
+write no sequence's rows and are never counted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_offload import offload
+
+from strata.engine.batch_step import BatchStep, padded_size
+from strata.engine.sampling import SamplingParams, sample
+from strata.model.parts import Segment
+from strata.runtime.kv_slots import KVSlots
+
+# prompts of different lengths (the rows of one batch sit at different positions)
+PROMPTS = [[5, 311, 17], [902, 64], [64, 1000, 3, 250, 777], [41, 8, 8, 900], [7],
+           [12, 13, 14, 15, 16, 17]]
+STEPS = 4  # decode steps after the prompts
+
+
+def pool_for(engine, slots: int, capacity: int = 32, block: int | None = None) -> KVSlots:
+    m = engine.model
+    return KVSlots(m.cfg, m.device, slots, capacity, m.kv_dtype, block)
+
+
+def prefill(engine, prompt: list[int], kv) -> torch.Tensor:  # noqa: ANN001
+    return engine.model.forward(torch.tensor(prompt), [Segment(kv, len(prompt))])
+
+
+def alone(engine, prompt: list[int], fed: list[int]) -> np.ndarray:
+    """The sequence decoded by itself (the one-sequence decode step) over a cache of its own,
+    fed the tokens `fed` -> logits [len(fed), V]."""
+    kv = engine.model.new_cache(64)
+    prefill(engine, prompt, kv)
+    return np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in fed])
+
+
+def batched(engine, step: BatchStep, prompts: list[list[int]], steps: int,
+            seeds: list[int] | None = None) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Every prompt prefilled into the pool, then `steps` batched decode steps; tokens greedy
+    (or sampled with each sequence's seed) -> (tokens fed per sequence, logits [steps, V])."""
+    caches = [step.pool.take() for _ in prompts]
+    last = [prefill(engine, p, kv)[0] for p, kv in zip(prompts, caches, strict=True)]
+    gens = [torch.Generator().manual_seed(s) for s in seeds] if seeds else None
+    params = SamplingParams(temperature=0.8 if seeds else 0.0, max_tokens=steps)
+    fed, logits = [[] for _ in prompts], [[] for _ in prompts]
+    for _ in range(steps):
+        toks = [sample(row, params, gens[i] if gens else None) for i, row in enumerate(last)]
+        out = step(toks, caches)
+        for i, t in enumerate(toks):
+            fed[i].append(t)
+            logits[i].append(out[i].float().numpy().copy())
+        last = list(out.clone())
+    return fed, [np.stack(x) for x in logits]
+
+
+def assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
+    """float32 bounds: the two paths sum attention in another order."""
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * max(1.0, np.abs(ref).max()))
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_batch_sizes_pad_to_the_next() -> None:
+    assert [padded_size(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    with pytest.raises(ValueError, match="at most 16"):
+        padded_size(17)
+
+
+# the architectures' mixers: GQA with q/k norms, sinks with sliding windows, the hybrid's
+# recurrent state beside gated attention, MLA's latent rows; glm4moe's dense first layers and
+# sigmoid routing
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "qwen35moe", "deepseek2", "glm4moe"])
+@pytest.mark.parametrize("n", [3, 5])  # padded to 4 and 8
+@pytest.mark.parametrize("block", [None, 3])  # a slot a sequence; blocks of 3 rows (paged)
+def test_batched_step_gives_each_sequence_its_logits_alone(synth, arch, n, block):
+    engine = offload(synth(arch, "Q4_K_M"), expert_cache="0", miss="cpu")
+    # (a pool of 4 / 8 slots: n sequences run padded to its size)
+    step = BatchStep(engine.model, pool_for(engine, padded_size(n), block=block), "eager")
+    prompts = PROMPTS[:n]
+    fed, logits = batched(engine, step, prompts, STEPS)
+    for p, f, got in zip(prompts, fed, logits, strict=True):
+        assert_close(got, alone(engine, p, f))
+    assert step.steps["rows"] == n * STEPS
+    assert step.steps["padded"] == (padded_size(n) - n) * STEPS
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("block", [None, 4])
+def test_batched_step_over_reduced_kv_types(synth, kv_type, block):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24", kv_type=kv_type)
+    step = BatchStep(engine.model, pool_for(engine, 3, block=block), "eager")
+    assert step.pool.store.dtype == engine.model.kv_dtype
+    fed, logits = batched(engine, step, PROMPTS[:3], STEPS)
+    for p, f, got in zip(PROMPTS[:3], fed, logits, strict=True):
+        assert_close(got, alone(engine, p, f))
+
+
+@pytest.mark.parametrize("cache", ["0", "5", "24"])  # host layers, some hits, all resident
+def test_expert_counts_are_the_real_rows_only(synth, cache):
+    engine = offload(synth("qwen2moe", "Q4_K_M"), expert_cache=cache, miss="cpu")
+    step = BatchStep(engine.model, pool_for(engine, 4), "eager")
+    st = engine.model.experts.stats
+    caches = [step.pool.take() for _ in range(3)]
+    for p, kv in zip(PROMPTS[:3], caches, strict=True):
+        prefill(engine, p, kv)
+    before = st.hits.sum() + st.cpu.sum() + st.streamed.sum()
+    step([1, 2, 3], caches)  # 3 rows at batch size 4
+    st.settle()
+    pairs = st.hits.sum() + st.cpu.sum() + st.streamed.sum() - before
+    assert pairs == 3 * engine.config.n_layers * engine.config.n_experts_used
+    assert (len(step.plans[4].pieces) == 1) == (cache == "24")
+
+
+def test_sampled_text_is_the_same_batched_and_alone(synth):
+    """Each sequence samples with its own generator: the same seed gives the same tokens
+    whatever ran beside it."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="5", miss="cpu")
+    step = BatchStep(engine.model, pool_for(engine, 8), "eager")
+    seeds = [11, 12, 13, 14, 15]
+    fed, _ = batched(engine, step, PROMPTS[:5], 6, seeds)
+    for i in range(5):
+        solo, _ = batched(engine, step, PROMPTS[i:i + 1], 6, seeds[i:i + 1])
+        assert solo[0] == fed[i]
+
+
+def test_batch_sizes_end_at_the_pool_slots(synth):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24")
+    assert BatchStep(engine.model, pool_for(engine, 6), "eager").sizes == (1, 2, 4, 6)
+    assert BatchStep(engine.model, pool_for(engine, 16), "eager").sizes == (1, 2, 4, 8, 16)
+    assert BatchStep(engine.model, pool_for(engine, 1), "eager").sizes == (1,)
+
+
+def test_padded_rows_of_a_hybrid_write_a_free_slots_state(synth):
+    """A free slot's recurrent state takes a padded row's update; a sequence that takes the
+    slot later starts from zeros and decodes as alone."""
+    engine = offload(synth("qwen35moe", "Q4_K_M"), expert_cache="0", miss="cpu")
+    pool = pool_for(engine, 4)
+    step = BatchStep(engine.model, pool, "eager")
+    caches = [pool.take() for _ in range(3)]
+    for p, kv in zip(PROMPTS[:3], caches, strict=True):
+        prefill(engine, p, kv)
+    step([1, 2, 3], caches)  # padded to 4: the fourth row moves slot 3's state
+    assert pool.ssm[:, 3].abs().sum() > 0
+    kv = pool.take()
+    assert kv.slot == 3 and pool.ssm[:, 3].abs().sum() == 0 and pool.conv[:, 3].abs().sum() == 0
+    prefill(engine, PROMPTS[3], kv)
+    got = np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in (5, 6)])
+    assert_close(got, alone(engine, PROMPTS[3], [5, 6]))
+
+
+def test_padded_rows_write_no_sequence_rows(synth):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24")
+    pool = pool_for(engine, 4)
+    step = BatchStep(engine.model, pool, "eager")
+    caches = [pool.take() for _ in range(3)]
+    for p, kv in zip(PROMPTS[:3], caches, strict=True):
+        prefill(engine, p, kv)
+    free_rows = pool.store[:, :, 3 * pool.capacity: 4 * pool.capacity].clone()
+    rows = [kv.store[:, :, : kv.length].clone() for kv in caches]
+    step([1, 2, 3], caches)  # padded to 4: the fourth row writes the scratch row only
+    assert torch.equal(pool.store[:, :, 3 * pool.capacity: 4 * pool.capacity], free_rows)
+    for kv, old in zip(caches, rows, strict=True):
+        assert torch.equal(kv.store[:, :, : old.shape[2]], old)  # rows before the new one kept
+        assert kv.length == old.shape[2] + 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe", "deepseek2"])
+def test_one_sequence_step_over_a_paged_cache(synth, arch):
+    """The one-sequence decode step reads a paged cache through its block table."""
+    engine = offload(synth(arch, "Q4_K_M"), expert_cache="5", miss="cpu")
+    pool = pool_for(engine, 2, block=3)
+    kv = pool.take()
+    prefill(engine, PROMPTS[2], kv)
+    fed = [3, 99, 4, 250, 8]
+    got = np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in fed])
+    assert_close(got, alone(engine, PROMPTS[2], fed))
+    assert len(kv.table) == 4 and pool.used_blocks == 4  # 10 rows in blocks of 3
+    pool.give(kv)
+    assert pool.used_blocks == 0 and pool.used == 0
+    pool.check_integrity()
+
+
+def test_the_step_refuses_caches_of_another_pool(synth):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24")
+    step = BatchStep(engine.model, pool_for(engine, 2), "eager")
+    with pytest.raises(ValueError, match="its own KV pool"):
+        step([1], [engine.model.new_cache(8)])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cache", ["5", "24"])
+def test_batched_step_graphs_per_size_on_cuda(synth, cache):
+    """Graphs per batch size: eager, captured, then replayed; each sequence's logits as alone."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cuda", expert_cache=cache, miss="cpu")
+    step = BatchStep(engine.model, pool_for(engine, 5), "graphs")
+    for n in (3, 5):
+        fed, logits = batched(engine, step, PROMPTS[:n], STEPS)
+        for p, f, got in zip(PROMPTS[:n], fed, logits, strict=True):
+            ref = alone(engine, p, f)
+            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * max(1, np.abs(ref).max()))
+    assert not step._failed and step.steps["captured"] >= 2 and step.steps["replayed"] > 0
+
+
+@pytest.mark.cuda
+def test_one_sequence_graphs_serve_every_paged_cache_on_cuda(synth):
+    """The one-sequence step's graphs are captured once for the pool: two sequences in other
+    blocks replay them, each with its logits alone."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cuda", expert_cache="24")
+    pool = pool_for(engine, 2, block=4)
+    caches = [pool.take(), pool.take()]
+    for p, kv in zip(PROMPTS[:2], caches, strict=True):
+        prefill(engine, p, kv)
+    fed = [3, 99, 4, 250]
+    got = [[], []]
+    for t in fed:
+        for i, kv in enumerate(caches):
+            got[i].append(engine.model.decode(t, kv)[0].float().cpu().numpy().copy())
+    step = engine.model.step
+    assert not step._failed and step.steps["captured"] == 1 and step.steps["replayed"] > 0
+    for p, g in zip(PROMPTS[:2], got, strict=True):
+        ref = alone(engine, p, fed)
+        np.testing.assert_allclose(np.stack(g), ref, rtol=0, atol=2e-3 * max(1, np.abs(ref).max()))
+
+
+def test_plans_per_batch_size():
+    """A resident layer stays in the piece only at the sizes the fused kernels cover (e.g.
+    --kernels exact: up to 4 tokens); a layer with misses waits on the host at every size."""
+    step = BatchStep.__new__(BatchStep)
+    step.cuda = True
+    step.ex = SimpleNamespace(fused=SimpleNamespace(covers=lambda i, t: i != 3 and t <= 4))
+    step._base_paths = ["resident", "gathered", "none", "host", "resident"]
+    assert step._paths(4) == ["resident", "host_hits", "none", "host", "resident"]
+    assert step._paths(8) == ["host", "host", "none", "host", "host"]
+    step.cuda = False
+    step._base_paths = ["resident", "host", "none"]
+    assert step._paths(16) == ["resident", "host", "none"]

@@ -1,0 +1,157 @@
+"""Paged KV blocks of one pool (strata.runtime.kv_slots, paged_kv): the plain forward over a
+paged cache gives the logits of a cache of its own; blocks are accounted (free + used == total,
+refcounts == holders) through growth, sharing, copy on write, cancel and a full pool; a prompt
+that starts like a finished one shares its blocks and gets identical logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_offload import offload
+
+from strata.errors import StrataError
+from strata.model.parts import Segment
+from strata.runtime.kv_slots import KVSlots, PoolFull
+
+PROMPT = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777, 41]
+
+
+@pytest.fixture(scope="module")
+def engine(synth):
+    return offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24")
+
+
+def pool_for(engine, slots: int = 3, capacity: int = 16, block: int = 4, **kw) -> KVSlots:
+    m = engine.model
+    return KVSlots(m.cfg, m.device, slots, capacity, kw.get("dtype", m.kv_dtype), block)
+
+
+def run(engine, tokens: list[int], kv) -> np.ndarray:  # noqa: ANN001
+    """tokens through the plain forward -> every position's logits [n, V]"""
+    out = engine.model.forward(torch.tensor(tokens), [Segment(kv, len(tokens))],
+                               all_logits=True)
+    return out.float().numpy()
+
+
+def test_plain_forward_over_blocks_is_the_plain_cache(engine):
+    pool = pool_for(engine)
+    kv = pool.take()
+    ref_kv = engine.model.new_cache(16)
+    for part in (PROMPT[:5], PROMPT[5:6], PROMPT[6:]):  # chunks across block edges
+        np.testing.assert_allclose(run(engine, part, kv), run(engine, part, ref_kv), atol=1e-5)
+    assert kv.length == len(PROMPT) and len(kv.table) == 3  # 11 rows in blocks of 4
+    assert pool.used_blocks == 3 and len(pool.free_blocks) == pool.n_blocks - 3
+    pool.check_integrity()
+
+
+def test_blocks_are_accounted_and_cancel_frees_them_at_once(engine):
+    pool = pool_for(engine)
+    a, b = pool.take(), pool.take()
+    run(engine, PROMPT, a)
+    run(engine, PROMPT[:3], b)
+    assert pool.used_blocks == 3 + 1
+    assert len(pool.free_blocks) + pool.used_blocks == pool.n_blocks
+    pool.check_integrity()
+    pool.give(a)  # (a cancel: its blocks free now, not when the cache is collected)
+    assert pool.used_blocks == 1 and pool.used == 1
+    pool.check_integrity()
+    del b  # a dropped cache gives its blocks back too
+    assert pool.used_blocks == 0 and pool.used == 0
+    pool.check_integrity()
+
+
+def test_a_full_pool_refuses_and_touches_no_other_sequence(engine):
+    pool = pool_for(engine, slots=2, capacity=8, block=4)  # 4 blocks in all
+    a, b = pool.take(), pool.take()
+    run(engine, PROMPT[:8], a)  # a holds 2 blocks
+    run(engine, PROMPT[:5], b)  # b 2
+    rows_a = pool.store[:, :, : 4 * 4].clone()
+    with pytest.raises(PoolFull):
+        pool.take()  # no slot
+    with pytest.raises(StrataError, match="holds 8"):
+        run(engine, PROMPT[5:9], b)  # past a sequence's rows: refused, before any write
+    assert b.length == 5 and len(b.table) == 2
+    assert torch.equal(pool.store[:, :, : 4 * 4], rows_a)
+    pool.check_integrity()
+
+
+def test_a_full_pool_of_blocks_refuses(engine):
+    pool = pool_for(engine, slots=2, capacity=8, block=4)
+    a, b = pool.take(), pool.take()
+    run(engine, PROMPT[:8], a)
+    run(engine, PROMPT[:4], b)
+    pool.refs[pool.free_blocks[-1]] += 1  # one free block taken elsewhere
+    held = pool.free_blocks.pop()
+    with pytest.raises(PoolFull, match="blocks"):
+        b.reserve(6)
+    assert len(b.table) == 1 and b.length == 4  # as it was
+    pool.unref(held)
+    b.reserve(6)
+    assert len(b.table) == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])  # key/value rows; MLA's latents
+def test_prefix_reuse_gives_identical_logits_and_shares_blocks(synth, arch):
+    engine = offload(synth(arch, "Q4_K_M"), expert_cache="24")
+    pool = pool_for(engine, block=4)
+    first = pool.take()
+    run(engine, PROMPT, first)
+    pool.keep(PROMPT, first)
+    pool.give(first)
+    assert pool.used_blocks == 3  # the index holds the finished sequence's blocks
+    pool.check_integrity()
+    prompt = PROMPT[:10] + [9, 9]  # the same first 10 tokens
+    kv = pool.take()
+    reused = pool.lookup(prompt, kv)
+    assert reused == 10  # two full blocks shared, 2 rows of the third copied
+    assert kv.table[:2] == [0, 1] and pool.refs[0] == pool.refs[1] == 2
+    assert kv.table[2] not in (0, 1, 2) and pool.refs[kv.table[2]] == 1
+    got = run(engine, prompt[reused:], kv)
+    fresh = run(engine, prompt, engine.model.new_cache(16))[reused:]
+    # (float32 bounds: the rest runs as a chunk of its own, MLA's in its absorbed form)
+    np.testing.assert_allclose(got, fresh, atol=1e-5 * max(1.0, np.abs(fresh).max()))
+    assert (got.argmax(-1) == fresh.argmax(-1)).all()
+    pool.check_integrity()
+    other = pool.take()  # a third prompt reads the shared blocks, written by nobody
+    assert pool.lookup(PROMPT[:9], other) == 8
+    run(engine, PROMPT[8:9], other)
+    pool.check_integrity()
+
+
+def test_copy_on_write_of_a_shared_block(engine):
+    pool = pool_for(engine, block=4)
+    a = pool.take()
+    run(engine, PROMPT[:8], a)
+    pool.keep(PROMPT[:8], a)
+    b = pool.take()
+    assert pool.lookup(PROMPT[:8] + [1], b) == 8
+    before = pool.store.clone()
+    b.truncate(6)  # (as a rollback would) then a write into the shared second block
+    run(engine, [7, 7], b)
+    assert b.table[1] != a.table[1]  # copied before the write
+    assert torch.equal(pool.store[:, :, 4:8], before[:, :, 4:8])  # a's rows as they were
+    pool.check_integrity()
+
+
+def test_the_index_gives_blocks_back_when_the_pool_runs_out(engine):
+    pool = pool_for(engine, slots=2, capacity=8, block=4)
+    a = pool.take()
+    run(engine, PROMPT[:8], a)
+    pool.keep(PROMPT[:8], a)
+    pool.give(a)
+    b, c = pool.take(), pool.take()
+    run(engine, PROMPT[3:11], b)  # other tokens: nothing shared
+    run(engine, [1, 2, 3, 4, 5, 6, 7, 8], c)  # the index's blocks evicted for it
+    assert not pool.index and pool.used_blocks == 4
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_reduced_kv_types_over_blocks(synth, kv_type):
+    engine = offload(synth("qwen3moe", "Q4_K_M"), expert_cache="24", kv_type=kv_type)
+    pool = pool_for(engine)
+    kv, ref = pool.take(), engine.model.new_cache(16)
+    for part in (PROMPT[:6], PROMPT[6:]):
+        np.testing.assert_allclose(run(engine, part, kv), run(engine, part, ref), atol=1e-5)
+    assert pool.block_bytes * pool.n_blocks < pool.nbytes  # (+ the scratch row)
