@@ -155,3 +155,23 @@ def test_reduced_kv_types_over_blocks(synth, kv_type):
     for part in (PROMPT[:6], PROMPT[6:]):
         np.testing.assert_allclose(run(engine, part, kv), run(engine, part, ref), atol=1e-5)
     assert pool.block_bytes * pool.n_blocks < pool.nbytes  # (+ the scratch row)
+
+
+@pytest.mark.parametrize("ctx", [100, 4096])
+def test_the_plan_counts_the_batch_pool_whole(synth, ctx):
+    """--batch 3: the memory plan's KV line counts the pool the server allocates (each
+    sequence's rows rounded up to whole blocks, and the scratch row), not just ctx rows each."""
+    from strata.config import EngineConfig, ModelConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+    from strata.runtime.kv_slots import POOL_BLOCK
+
+    mf = open_model(synth("qwen3moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+    plan = make_plan(mf, cfg, EngineConfig(sequences=3, ctx=ctx, vram_budget_gib=4),
+                     expert_layouts(mf, cfg))
+    pool = KVSlots(cfg, torch.device("cpu"), 3, plan.ctx, torch.float32, POOL_BLOCK)
+    assert plan.ctx == ctx and pool.nbytes <= plan.kv
+    one = make_plan(mf, cfg, EngineConfig(ctx=ctx, vram_budget_gib=4), expert_layouts(mf, cfg))
+    assert plan.kv > 3 * one.kv  # (the rounding and the scratch row on top of 3 caches)

@@ -34,6 +34,7 @@ from strata.gguf import ModelFile
 from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
+from strata.runtime.kv_slots import POOL_BLOCK
 from strata.units import fmt_bytes, proc_kib
 
 GIB = 1 << 30
@@ -242,7 +243,11 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # (and a hybrid model's recurrent state, a fixed size per sequence: config_hybrid)
     # and with --spec T, that state after each of a verify window's T+1 tokens (its rollback)
     states = state_bytes(cfg) * (max(1, ec.sequences) + (ec.spec + 1 if ec.spec else 0))
-    fixed = dense + workspace + staging + ring + MARGIN + states
+    # --batch's pool (strata.runtime.kv_slots): each sequence's rows rounded up to whole
+    # blocks, and one scratch row (padded rows of a batched step write there)
+    pool = ((POOL_BLOCK * ec.sequences + 1) * (kv_per_token // ec.sequences)
+            if ec.sequences > 1 else 0)
+    fixed = dense + workspace + staging + ring + MARGIN + states + pool
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(
@@ -301,7 +306,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         lent_ring = ec.sequences <= 1 and (ec.stream_min or 2) >= 2
         lent = lend_slots(cfg, layouts, slots, workspace + (ring if lent_ring else 0))
         lent_ring = lent_ring and bool(lent)
-    return MemoryPlan(dev.type, budget, quant_dense, dense, kv, ctx, workspace, staging,
+    # (the plan's KV line: the --batch pool's bytes, blocks and scratch row included)
+    return MemoryPlan(dev.type, budget, quant_dense, dense, kv + pool, ctx, workspace, staging,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
                       chunk, prompt_weights, borrow, ec.kv_type,
                       tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,

@@ -110,8 +110,10 @@ class MoETransformer:
                                for s in segments]).to(self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
-        if self.fused_attention and len(segments) == 1 and cfg.yarn is None:
-            # (one launch a layer for the q/k norms, RoPE and the cache store: GQAAttention)
+        if (self.fused_attention and len(segments) == 1 and cfg.yarn is None
+                and not getattr(segments[0].kv, "paged", False)):
+            # (one launch a layer for the q/k norms, RoPE and the cache store: GQAAttention;
+            # a paged cache's rows go through its block table instead)
             if self._inv_freq is None:
                 self._inv_freq = decode_ops().rope_inv_freq(cfg.rope_dim, cfg.rope_theta,
                                                             self.device)

@@ -41,6 +41,10 @@ from strata.runtime.delta_state import DeltaState
 from strata.runtime.kv_cache import Q8_BLOCK, KVCache
 from strata.runtime.latent_cache import LatentCache
 
+# rows a block of the server's batch pool (the unit of prefix sharing); the memory plan counts
+# each sequence's rows rounded up to it, and the pool's one scratch row
+POOL_BLOCK = 16
+
 
 class PoolFull(StrataError):
     """The pool has no slot (or, paged, no block) left."""

@@ -13,9 +13,9 @@ import time
 import torch
 
 from strata.engine.batch_step import BATCH_SIZES, BatchStep
-from strata.runtime.kv_slots import KVSlots
+from strata.runtime.kv_slots import POOL_BLOCK, KVSlots
 
-KV_BLOCK = 16  # rows a block of the batch's KV pool (the unit of prefix sharing)
+KV_BLOCK = POOL_BLOCK  # rows a block of the batch's KV pool (the unit of prefix sharing)
 WARM_PROMPT = 32  # the warm-up's prompt tokens (over 4: the prompt path)
 
 
