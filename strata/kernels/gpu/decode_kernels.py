@@ -303,17 +303,13 @@ def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T,
 
 
 @triton.jit
-def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
-                        HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                        WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False):
-    # program (h, t): out[t, h] = Σ_s w_s o_s / (Σ_s w_s l_s [+ exp(sink_h - m)]),
-    # w_s = exp(m_s - m), m = max(max_s m_s [, sink_h]), over the live splits only (the others
-    # were never written); a sink takes its share of the softmax and gives no value
-    h = tl.program_id(0)
-    t = tl.program_id(1)
-    n = tl.load(length).to(tl.int32)
-    lo = _window_lo(n, T, WINDOW)
+def _combine_splits(part_o, part_ml, out_row, n, lo, R, r, h, H, S, sinks,
+                    HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+    # out_row[h] = Σ_s w_s o_s / (Σ_s w_s l_s [+ exp(sink_h - m)]), w_s = exp(m_s - m),
+    # m = max(max_s m_s [, sink_h]), over the live splits of rows lo .. n-1 only (the others
+    # were never written); split s of query row r of R at part row (s·R + r)·H + h; a sink
+    # takes its share of the softmax and gives no value
     live = tl.cdiv(n - lo, _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N))
     sv = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -321,7 +317,7 @@ def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
     mx = tl.full((BLOCK_S,), float("-inf"), tl.float32)
     for s0 in tl.range(0, live, BLOCK_S):
         s = s0 + sv
-        row = (s * T + t) * H + h
+        row = (s * R + r) * H + h
         mx = tl.maximum(mx, tl.load(part_ml + row * 2, mask=s < live, other=float("-inf")))
     m = tl.max(mx, axis=0)
     if HAS_SINKS:
@@ -332,7 +328,7 @@ def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
     for s0 in tl.range(0, live, BLOCK_S):
         s = s0 + sv
         sm = s < live
-        row = ((s * T + t) * H + h).to(tl.int64)
+        row = ((s * R + r) * H + h).to(tl.int64)
         w = tl.exp(tl.load(part_ml + row * 2, mask=sm, other=float("-inf")) - m)
         lsum += w * tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
         o = tl.load(part_o + row[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :],
@@ -341,7 +337,20 @@ def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
     den = tl.sum(lsum, axis=0)
     if HAS_SINKS:
         den += tl.exp(sink - m)
-    tl.store(out + t * stride_ot + h * HD + d, acc / den, mask=dm)
+    tl.store(out_row + h * HD + d, acc / den, mask=dm)
+
+
+@triton.jit
+def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
+                        HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                        WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False):
+    # program (h, t): the live splits of token t's head h combined (_combine_splits)
+    h = tl.program_id(0)
+    t = tl.program_id(1)
+    n = tl.load(length).to(tl.int32)
+    _combine_splits(part_o, part_ml, out + t * stride_ot, n, _window_lo(n, T, WINDOW), T, t, h,
+                    H, S, sinks, HD, MIN_CHUNK, BLOCK_N, BLOCK_S, BLOCK_D, HAS_SINKS)
 
 
 @triton.jit
@@ -510,32 +519,6 @@ def _paged_reduce_kernel(part_o, part_ml, length, out, B, H, S, stride_ob, sinks
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(length + b).to(tl.int32)
-    lo = _window_lo(n, 1, WINDOW)
-    live = tl.cdiv(n - lo, _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N))
-    sv = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    mx = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    for s0 in tl.range(0, live, BLOCK_S):
-        s = s0 + sv
-        row = (s * B + b) * H + h
-        mx = tl.maximum(mx, tl.load(part_ml + row * 2, mask=s < live, other=float("-inf")))
-    m = tl.max(mx, axis=0)
-    if HAS_SINKS:
-        sink = tl.load(sinks + h).to(tl.float32)
-        m = tl.maximum(m, sink)
-    lsum = tl.zeros((BLOCK_S,), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    for s0 in tl.range(0, live, BLOCK_S):
-        s = s0 + sv
-        sm = s < live
-        row = ((s * B + b) * H + h).to(tl.int64)
-        w = tl.exp(tl.load(part_ml + row * 2, mask=sm, other=float("-inf")) - m)
-        lsum += w * tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
-        o = tl.load(part_o + row[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    den = tl.sum(lsum, axis=0)
-    if HAS_SINKS:
-        den += tl.exp(sink - m)
-    tl.store(out + b.to(tl.int64) * stride_ob + h * HD + d, acc / den, mask=dm)
+    _combine_splits(part_o, part_ml, out + b.to(tl.int64) * stride_ob, n,
+                    _window_lo(n, 1, WINDOW), B, b, h, H, S, sinks, HD, MIN_CHUNK, BLOCK_N,
+                    BLOCK_S, BLOCK_D, HAS_SINKS)
