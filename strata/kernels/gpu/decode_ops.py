@@ -465,12 +465,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         _kernels()._attn_split_kernel[(hkv * rb, s)](*args, TF32=tile.variant == "tf32",
                                                      **const)
-    block_s = min(_pow2(s), max(1, 4096 // block_d))
-    _kernels()._attn_reduce_kernel[(h, t)](
-        part_o, part_ml, length, out, t, h, s, out.stride(0), q if sinks is None else sinks,
-        HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d,
-        WINDOW=window, HAS_SINKS=sinks is not None, num_warps=4)
+    _reduce_splits(_kernels()._attn_reduce_kernel, (h, t), part_o, part_ml, length, out, t, h,
+                   s, sinks, q, block_n, block_d, window)
     return out
+
+
+def _reduce_splits(kernel, grid: tuple[int, int], part_o: torch.Tensor,  # noqa: ANN001
+                   part_ml: torch.Tensor, length: torch.Tensor, out: torch.Tensor, rows: int,
+                   h: int, s: int, sinks: torch.Tensor | None, q: torch.Tensor, block_n: int,
+                   block_d: int, window: int) -> None:
+    """The reduce launch of both split kernels (_attn_reduce_kernel over a sequence's T
+    tokens, _paged_reduce_kernel over a pool's B rows): the live splits combined per head."""
+    block_s = min(_pow2(s), max(1, 4096 // block_d))
+    kernel[grid](part_o, part_ml, length, out, rows, h, s, out.stride(0),
+                 q if sinks is None else sinks, HD=out.shape[1] // h, MIN_CHUNK=ATTN_MIN_CHUNK,
+                 BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, WINDOW=window,
+                 HAS_SINKS=sinks is not None, num_warps=4)
 
 
 def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -642,11 +652,8 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), read.stride(0), HD=hd, G=g,
         MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, Q8=q8,
         WINDOW=window, num_warps=4)
-    block_s = min(_pow2(s), max(1, 4096 // block_d))
-    _kernels()._paged_reduce_kernel[(b, h)](
-        part_o, part_ml, length, out, b, h, s, out.stride(0), q if sinks is None else sinks,
-        HD=hd, MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d,
-        WINDOW=window, HAS_SINKS=sinks is not None, num_warps=4)
+    _reduce_splits(_kernels()._paged_reduce_kernel, (b, h), part_o, part_ml, length, out, b, h,
+                   s, sinks, q, block_n, block_d, window)
     return out
 
 
