@@ -386,7 +386,7 @@ class EngineConfig:
     # experts of the next gathered layer copied ahead of its routing (decode); None: auto
     prefetch: int | None = None
     threads: int | None = None  # CPU pool threads (default: cpu_pool.default_threads)
-    ctx: int | None = None  # KV cache tokens planned for (default: min(context, 4096))
+    ctx: int | None = None  # KV cache tokens planned (default: the model's, capped: memory_plan)
     kv_type: str = "f32"  # KV cache elements: f32 | f16 | bf16
     sequences: int = 1  # sequences decoded together (strata serve --batch): each has a KV cache
     workspace_mib: int = 256  # float32 scratch of the dequantizing paths

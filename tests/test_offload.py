@@ -199,11 +199,11 @@ def test_reduced_kv_types_halve_the_planned_kv_cache(synth, capsys):
     full = 2 * cfg.n_layers * cfg.kv_dim * 4096
     assert plans["f32"].kv == 4 * full and plans["f16"].kv == plans["bf16"].kv == 2 * full
     assert plans["f16"].cache >= plans["f32"].cache
-    assert any("4096 tokens x 1 sequences, f16)" in line for line in plans["f16"].lines())
+    assert any("4096 tokens x 1 sequences, f16: --ctx)" in line for line in plans["f16"].lines())
     with pytest.raises(StrataError, match="--kv-type f8: choose one of f32, f16, bf16"):
         offload(path, kv_type="f8")
     assert main(["generate", str(path), "--kv-type", "f16", "-n", "2", "--offload", "on"]) == 0
-    assert "sequences, f16)" in capsys.readouterr().err
+    assert "sequences, f16: the model's context)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as bad:
         main(["generate", str(path), "--kv-type", "int8", "-n", "2"])
     assert bad.value.code == 2 and "--kv-type" in capsys.readouterr().err
@@ -257,9 +257,14 @@ def test_plan_counts_a_kv_cache_per_batched_sequence(synth):
     mf = open_model(synth("qwen3moe", "Q4_K_M"))
     cfg = ModelConfig.from_model(mf)
     layouts = expert_layouts(mf, cfg)
+    from strata.runtime.kv_slots import POOL_BLOCK
+
     one = make_plan(mf, cfg, EngineConfig(ctx=512), layouts)
     four = make_plan(mf, cfg, EngineConfig(ctx=512, sequences=4), layouts)
-    assert one.kv == 512 * 2 * cfg.n_layers * cfg.kv_dim * 4 and four.kv == 4 * one.kv
+    row = 2 * cfg.n_layers * cfg.kv_dim * 4
+    assert one.kv == 512 * row
+    # four caches, and the --batch pool's rounding to whole blocks and its scratch row
+    assert four.kv == 4 * one.kv + (4 * POOL_BLOCK + 1) * row
 
 
 def test_an_asked_for_context_is_kept_or_refused_never_passed(synth):
@@ -367,3 +372,35 @@ def test_plan_lets_the_ring_borrow_what_it_leaves(synth):
     fixed = make_plan(mf, cfg, ec(vram_budget_gib=1, ring_bytes=big.ring), layouts)
     assert fixed.ring == big.ring and fixed.ring_borrow == 0
     assert "+ up to" not in "\n".join(fixed.lines())
+
+
+def test_ctx_defaults_to_the_models_context_capped_by_the_plan(synth):
+    """Without --ctx the plan holds the model's context where its KV cache takes at most a
+    quarter of the room the fixed parts leave, at least 4096 tokens where those fit, and says
+    which in its KV line; --ctx is taken as asked."""
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import MARGIN, make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+    from strata.kernels.tuning import KV_SHARE
+
+    mf = open_model(synth("gpt-oss", "Q8_0"))  # (a context of 131072 tokens)
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+
+    def plan(**kw):  # noqa: ANN003, ANN202
+        return make_plan(mf, cfg, EngineConfig(**kw), layouts)
+
+    whole = plan(vram_budget_gib=8)
+    assert whole.ctx == cfg.context_length == 131072
+    assert "131072 tokens x 1 sequences, f32: the model's context)" in "\n".join(whole.lines())
+    small = plan(vram_budget_gib=0.6)
+    per_token = small.kv // small.ctx
+    room = small.kv + small.left + small.cache - MARGIN  # (what the fixed parts leave)
+    assert 4096 < small.ctx < cfg.context_length
+    assert small.kv <= room // KV_SHARE + per_token  # a quarter, the rest for expert slots
+    assert "a quarter of the room; the model's context is 131072" in "\n".join(small.lines())
+    tiny = plan(vram_budget_gib=0.55)
+    assert tiny.ctx == 4096 and "the default" in "\n".join(tiny.lines())
+    asked = plan(vram_budget_gib=8, ctx=1000)
+    assert asked.ctx == 1000 and "f32: --ctx)" in "\n".join(asked.lines())

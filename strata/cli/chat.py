@@ -135,7 +135,8 @@ class Session:
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     engine = load_engine(args)
-    limit = min(engine.config.context_length, engine.engine_config.ctx or 4096)
+    limit = min(engine.config.context_length, engine.engine_config.ctx
+                or getattr(engine.model, "plan_ctx", None) or 4096)
     if args.max_tokens >= limit:
         raise StrataError(f"-n {args.max_tokens}: leaves no room for a prompt in the context "
                           f"of {limit} tokens (--ctx)")

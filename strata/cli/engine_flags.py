@@ -40,7 +40,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "step's graph), or split between the two by measured cost (auto)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU pool threads (the cores this process may use, less one)")
-    g.add_argument("--ctx", type=int, default=None, help="KV cache tokens to plan for (4096)")
+    g.add_argument("--ctx", type=int, default=None,
+                   help="KV cache tokens to plan for (the model's context, capped so that its "
+                   "cache takes at most a quarter of the memory the plan leaves, and at least "
+                   "4096 where those fit)")
     g.add_argument("--kv-type", default="auto", choices=["auto", "f32", "f16", "bf16", "q8_0"],
                    help="KV cache elements: f16 or bf16 halve its memory and the bytes decode "
                    "attention reads, q8_0 (8-bit blocks of 32 with a scale, as llama.cpp's) "

@@ -31,7 +31,7 @@ from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
 from strata.gguf import ModelFile
-from strata.kernels.tuning import BORROW_RECORDS, MIN_KV_TOKENS
+from strata.kernels.tuning import BORROW_RECORDS, DEFAULT_CTX, KV_SHARE, MIN_KV_TOKENS
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
 from strata.runtime.kv_slots import POOL_BLOCK
@@ -68,6 +68,7 @@ class MemoryPlan:
     lent_per_layer: tuple[int, ...] = ()
     lent_ring: bool = False  # the lent slots take the streaming ring's VRAM too
     ring_note: str = ""  # why there is no ring, where that is a choice
+    ctx_note: str = ""  # where the planned context comes from (--ctx, the model's, ...)
 
     @property
     def left(self) -> int:
@@ -86,7 +87,7 @@ class MemoryPlan:
             f"  dense weights  {f(self.dense):>10} "
             f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
             f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences, "
-            f"{self.kv_type})",
+            f"{self.kv_type}" + (f": {self.ctx_note})" if self.ctx_note else ")"),
             f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
             "tokens)",
             f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
@@ -194,7 +195,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         budget = free - 2 * MARGIN
     else:
         budget = host_available() // 2
-    ctx = min(ec.ctx or 4096, cfg.context_length)
+    # --ctx, or by default the model's context, planned below (capped by what the plan holds)
+    ctx = min(ec.ctx or cfg.context_length, cfg.context_length)
     # the cached elements of every full-attention layer (keys and values, or MLA's latent rows;
     # 4 bytes each, 2 with --kv-type f16 or bf16, 34/32 with q8_0), for each sequence decoded
     # together
@@ -266,8 +268,18 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
             f"dense weights, workspace, staging, ring and margin: give at most --ctx "
             f"{kv_room // kv_per_token}, a smaller --kv-type (f16, q8_0), or at least "
             f"--vram-budget {(fixed + ctx * kv_per_token) / GIB + 0.01:.2f}")
+    ctx_note = "--ctx"
+    if ec.ctx is None:  # the model's context where its cache takes at most a quarter of the
+        # room left, the rest kept for expert cache slots; never below the old default of 4096
+        # tokens where those fit
+        fit = max(kv_room, 0) // KV_SHARE // kv_per_token
+        ctx = min(cfg.context_length, max(fit, DEFAULT_CTX))
+        ctx_note = ("the model's context" if ctx == cfg.context_length else
+                    f"{'a quarter of the room' if ctx == fit else 'the default'}; the model's "
+                    f"context is {cfg.context_length}")
     if ctx * kv_per_token > kv_room:
         ctx = max(MIN_KV_TOKENS, kv_room // 2 // kv_per_token)
+        ctx_note = f"what the budget holds; the model's context is {cfg.context_length}"
     kv = ctx * kv_per_token
     slots = _cache_slots(cfg, ec, layouts, budget - fixed - kv, borrow_cap)
     if ec.prefetch is None and prefetch and not prefetch_pays(
@@ -311,7 +323,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
                       chunk, prompt_weights, borrow, ec.kv_type,
                       tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,
-                      ring_note)
+                      ring_note, ctx_note)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

@@ -189,6 +189,11 @@ TORCH_BATCH_BYTES = 32 << 20
 PLAN_MARGIN = 256 << 20
 # the smallest KV cache a plan accepts (tokens): a floor for a useful context (bench: none)
 MIN_KV_TOKENS = 256
+# without --ctx the plan takes the model's context where its KV cache fits in 1 / KV_SHARE of the
+# room the fixed parts leave (the rest for expert cache slots), and at least DEFAULT_CTX tokens
+# where those fit (a policy, not a timing: bench none)
+KV_SHARE = 4
+DEFAULT_CTX = 4096
 # the ring with what it borrows: at most this many of the largest records.
 # bench/2026-11-30-h200-prompt-streaming.md
 BORROW_RECORDS = 512

@@ -27,8 +27,8 @@ def batched(engine) -> tuple[KVSlots | None, BatchStep | None]:  # noqa: ANN001 
     n = getattr(ec, "sequences", 1)
     if getattr(model, "step", None) is None or not 1 < n <= BATCH_SIZES[-1]:
         return None, None
-    capacity = model.kv_limit or model.step.kv_capacity or ec.ctx or min(
-        engine.config.context_length, 4096)
+    capacity = (model.kv_limit or model.step.kv_capacity or ec.ctx
+                or getattr(model, "plan_ctx", None) or min(engine.config.context_length, 4096))
     pool = KVSlots(model.cfg, model.device, n, capacity, model.kv_dtype, KV_BLOCK)
     mode = "graphs" if ec.decode_step == "graphs" else "eager"
     return pool, BatchStep(model, pool, mode)
