@@ -175,3 +175,38 @@ def test_stall_state_names_the_pool(synth):
     st = runner.state()
     assert st["kv_pool"].startswith("1 of 2 slots, 1 of ") and "batched decode step" in \
         st["batch_step"]
+
+
+def test_a_long_prompt_advances_between_the_others_tokens(synth, monkeypatch):
+    """While a sequence decodes, a prompt arriving adds at most PREFILL_WHILE_DECODING tokens
+    a step (here 4): the decoding sequence gets its next token in every step meanwhile, and
+    both texts are their texts alone."""
+    import strata.server.batching as batching
+
+    monkeypatch.setattr(batching, "PREFILL_WHILE_DECODING", 4)
+    eng = _engine(synth("qwen3moe", "Q4_K_M"), 2)
+    first, long = _submit("a", "hello world", 12), _submit("b", " ".join(["seven"] * 14), 3)
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    runner.submit(first)
+    runner.step()  # a's prompt, then a decodes
+    runner.submit(long)
+    n_long = runner.seqs["b"].prompt_len
+    assert n_long > 8  # (three steps of at most 4 prompt tokens at least)
+    a_tokens, b_prefill_steps = [], 0
+    while "b" in runner.seqs and not runner.seqs["b"].prefilled:
+        before = runner.seqs["a"].generated
+        runner.step()
+        a_tokens.append(runner.seqs["a"].generated - before)
+        b_prefill_steps += 1
+    assert b_prefill_steps == -(-n_long // 4) and a_tokens == [1] * b_prefill_steps
+    while runner.active:
+        runner.step()
+    together = {}
+    for m in sent:
+        if isinstance(m, (Delta, Finished)):
+            together[m.rid] = together.get(m.rid, "") + m.text
+    for sub in (first, long):
+        sent_alone: list = []
+        alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
+        assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid]

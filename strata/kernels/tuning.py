@@ -194,6 +194,11 @@ MIN_KV_TOKENS = 256
 # where those fit (a policy, not a timing: bench none)
 KV_SHARE = 4
 DEFAULT_CTX = 4096
+# strata serve: prompt tokens a step may add while other sequences decode in it (their next
+# token waits for the whole step): prompts advance in chunks of at most this many tokens between
+# the others' tokens, oldest first, as vLLM's chunked prefill bounds a step's tokens. A policy
+# (bench: none; the cost of a 512-token chunk on the H200: bench/2026-12-02-h200-kv-attention.md)
+PREFILL_WHILE_DECODING = 512
 # the ring with what it borrows: at most this many of the largest records.
 # bench/2026-11-30-h200-prompt-streaming.md
 BORROW_RECORDS = 512

@@ -2,8 +2,10 @@
 pass per step, and new requests join between steps.
 
 One step (`BatchRunner.step`):
-    plan     every active sequence contributes its pending tokens: the whole prompt on its first
-             step, then the token it sampled last
+    plan     every active sequence contributes its pending tokens: its prompt in chunks
+             (--prefill), then the token it sampled last; while others decode, the prompts
+             add at most PREFILL_WHILE_DECODING tokens to a step, oldest first (the others'
+             next token waits for one such chunk, not a whole prompt)
     forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each  -> [B, V]
     sample   each sequence with its own torch.Generator, so a seed gives the same text whether
              the request ran alone or beside others
@@ -40,6 +42,7 @@ import torch
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams, sample
 from strata.errors import StrataError
+from strata.kernels.tuning import PREFILL_WHILE_DECODING
 from strata.model.transformer import Segment
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.kv_slots import PoolFull
@@ -134,7 +137,8 @@ class BatchRunner:
 
     def step(self) -> None:
         batch = list(self.seqs.values())
-        take = {s.rid: self._take(s) for s in batch}  # the tokens each adds to this pass
+        take = self._takes(batch)  # the tokens each adds to this pass
+        batch = [s for s in batch if take[s.rid]]  # (a prompt past this step's budget waits)
         prompt = [s for s in batch if not s.prefilled]
         self.stage = "prompt" if prompt else "decode"
         self.send(Progress(self.stage, self._detail(batch, take), state=self.state()))
@@ -219,6 +223,20 @@ class BatchRunner:
         if c is not None:
             c.accept(token)
         return token
+
+    def _takes(self, batch: list[Sequence]) -> dict[str, list[int]]:
+        """Each sequence's tokens for the next pass. While some decode, the prompts' tokens
+        in it are at most PREFILL_WHILE_DECODING, oldest first, so a long prompt arriving holds
+        the others' next token for one such chunk at a time, not for a whole prompt chunk."""
+        budget = (PREFILL_WHILE_DECODING if any(s.prefilled for s in batch) else None)
+        take = {}
+        for s in batch:
+            t = self._take(s)
+            if budget is not None and not s.prefilled:
+                t = t[:budget]
+                budget -= len(t)
+            take[s.rid] = t
+        return take
 
     def _take(self, s: Sequence) -> list[int]:
         """A decoding sequence's last token, or the next chunk of a prompt (--prefill)."""
