@@ -18,6 +18,14 @@ fused.
 CTA, keys a step, stages, warps[, fma's DC]), each a row of its own named by its spec; a tile
 that does not build or fit is reported and skipped.
 
+--field sdpa,flex times the field's kernels beside them on the same rows (T new tokens over
+a cache's first `length` rows, f32 / f16 caches; q8_0 has no such form): "sdpa" torch's
+scaled_dot_product_attention with enable_gqa (flash / cuDNN / efficient, whichever torch picks
+for the case), "flex" torch's FlexAttention (torch.compile'd once a shape; its decoding form
+at T 1), each timed with CUDA events over a loop of calls (not captured in a graph: a compiled
+FlexAttention may not be), so their figures include launch overhead the graph-timed rows do
+not; their error is against the ieee variant's as for the rest.
+
 --warm N (default: min(8, CPUs / 2)) first runs the cases once in N processes at once, so that
 Triton's cache on disk holds every kernel before the timed pass (kernel builds dominate a cold
 run: ~100 of them).
@@ -72,7 +80,67 @@ def make_caches(copies: int, cap: int, hkv: int, hd: int, cache: str,
 def cases(a: argparse.Namespace) -> list[tuple]:
     return [(shape, cache, t, n, variant)
             for shape in a.shapes for cache in a.caches for t in a.tokens for n in a.lengths
-            for variant in a.variants + a.tiles]
+            for variant in a.variants + a.tiles
+            + ([f for f in a.field] if cache != "q8_0" else [])]
+
+
+FIELD = ("sdpa", "flex")
+
+
+def field_call(kind: str, h: int, hkv: int, t: int, n: int, hd: int, sinks: torch.Tensor | None,
+               device: str = "cuda"):
+    """fn(q [T, H, hd] f32, k, v [C, Hkv, hd]) -> [T, H*hd]: the field's kernel over k[:n],
+    v[:n] in the cache's type (q cast to it), causal for the T new tokens (the last T rows)."""
+    if sinks is not None:
+        raise ValueError("no sinks in the field's forms here")
+    if kind == "sdpa":
+        from torch.nn.attention.bias import causal_lower_right
+
+        def run(q, k, v):  # noqa: ANN001, ANN202
+            qb = q.to(k.dtype).transpose(0, 1)[None]  # [1, H, T, hd]
+            kb, vb = k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None]
+            mask = causal_lower_right(t, n) if t > 1 else None
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
+            return o[0].transpose(0, 1).reshape(t, h * hd).float()
+
+        return run
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    block = None
+    if t > 1:
+        def causal(b, hh, qi, ki):  # noqa: ANN001, ANN202
+            return ki <= qi + (n - t)
+
+        block = create_block_mask(causal, None, None, t, n, device=device)
+
+    def run(q, k, v):  # noqa: ANN001, ANN202
+        qb = q.to(k.dtype).transpose(0, 1)[None]
+        kb, vb = k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None]
+        o = flex(qb, kb, vb, block_mask=block, scale=hd ** -0.5, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(t, h * hd).float()
+
+    return run
+
+
+def event_seconds(fn, calls: int, reps: int = 5) -> float:  # noqa: ANN001
+    """Median seconds of one call of fn(0) .. fn(calls - 1), run in a loop (not a graph)."""
+    import statistics
+
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(calls):
+            fn(i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    return statistics.median(times)
 
 
 def parse_tile(spec: str) -> ops.AttnLaunch:
@@ -106,6 +174,7 @@ def main() -> None:
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--variants", default=",".join(ops.ATTN_VARIANTS))
     ap.add_argument("--tiles", default="", help="other tiles: variant:m:n:stages:warps[:dc],..")
+    ap.add_argument("--field", default="", help="the field's kernels beside them: sdpa,flex")
     ap.add_argument("--capacity", type=int, default=max(LENGTHS))
     ap.add_argument("--copies", type=int, default=8, help="caches a graph's calls cycle over")
     ap.add_argument("--splits", type=int, default=None, help="S instead of attention_splits")
@@ -117,6 +186,9 @@ def main() -> None:
     a.shapes = [s for s in SHAPES if any(p in s for p in pick["shapes"])]
     a.caches, a.variants = pick["caches"], pick["variants"]
     a.tiles = [x for x in a.tiles.split(",") if x]
+    a.field = [x for x in a.field.split(",") if x]
+    if any(f not in FIELD for f in a.field):
+        ap.error(f"--field {','.join(a.field)}: choose from {','.join(FIELD)}")
     a.tokens, a.lengths = [int(x) for x in pick["tokens"]], [int(x) for x in pick["lengths"]]
     if a.shard is None and a.warm > 1:
         warm(a.warm)
@@ -145,6 +217,7 @@ def main() -> None:
         out = torch.empty(t, h * hd, device=dev)
 
         tile = parse_tile(variant) if ":" in variant else None
+        field = variant in FIELD
 
         def call(i: int, kvs=kvs, q=q, sinks=sinks, length=length, out=out, hd=hd,
                  variant=variant, tile=tile) -> None:
@@ -154,10 +227,18 @@ def main() -> None:
                                  variant=None if tile else variant, tile=tile)
 
         try:
+            if field:
+                run = field_call(variant, h, hkv, t, n, hd, sinks)
+
+                def call(i: int, kvs=kvs, q=q, out=out, run=run) -> None:  # noqa: F811
+                    k, v, _, _ = kvs[i % len(kvs)]
+                    out.copy_(run(q, k, v))
+
             if not timed:
                 call(0)
                 continue
-            us = graph_seconds(call, calls=2 * len(kvs), reps=5) * 1e6
+            us = (event_seconds(call, calls=2 * len(kvs)) if field
+                  else graph_seconds(call, calls=2 * len(kvs), reps=5)) * 1e6
         except Exception as e:  # noqa: BLE001 (a tile that does not build or fit: say so)
             print(f"{shape} {cache} T={t} {n} {variant}: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)

@@ -11,7 +11,8 @@
 # NCU_EXTRA added to ncu's arguments, e.g. --metrics), mapped
 # (bench_mapped.py), overlap (bench_gather_overlap.py), attention (bench_attention.py: decode
 # attention's split kernel variants at the 30B-A3B, gpt-oss-20b and qwen3.6-35b-a3b shapes by
-# cache type, tokens and length; ATTN_ARGS added, e.g. "--caches f32 --tokens 1"), profile
+# cache type, tokens and length; ATTN_ARGS added, e.g. "--caches f32 --tokens 1", or
+# "--field sdpa,flex": torch's SDPA and FlexAttention on the same rows), profile
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing), ttft
 # (profile_prompt.py on prompts of TTFT_LEN tokens, "128 512", every expert resident: wall time,
