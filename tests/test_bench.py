@@ -98,6 +98,7 @@ def test_bench_matrix_has_every_cell(synth, tmp_path, capsys):
     assert "| model | size | params | backend | test | t/s |" in captured.out
     assert "VRAM peak / budget | depth |" in captured.out
     assert "decode inputs: random tokens" in captured.out
+    assert "; KV cache f32; " in captured.out  # (--kv-type auto on the CPU)
 
 
 def _recorded(synth, monkeypatch, decode_input: str, prompt_len: int, runs: int = 1):

@@ -8,7 +8,7 @@ attention's rounding of the reference's."""
 from __future__ import annotations
 
 import pytest
-from interpreted import fresh_seed, run_interpreted
+from interpreted import fresh_seed, run_interpreted_side_by_side
 
 pytest.importorskip("triton")
 
@@ -35,8 +35,7 @@ _CHUNK_INTERPRETED = """
         return kv.store.float()
 
     with tempfile.TemporaryDirectory() as tmp:
-        for arch, kv_type in (("qwen3moe", "f32"), ("qwen3moe", "f16"), ("qwen3moe", "q8_0"),
-                              ("qwen35moe", "f32")):
+        for arch, kv_type in CASES:
             path = Path(tmp) / f"{arch}.gguf"
             if not path.exists():
                 write_model(path, get_preset("tiny", arch), Recipe("Q8_0"), 0)
@@ -75,4 +74,8 @@ _CHUNK_INTERPRETED = """
 
 
 def test_fused_chunk_path_stores_the_reference_rows():
-    run_interpreted(_CHUNK_INTERPRETED, fresh_seed(), timeout=600)
+    # (two processes side by side: the interpreter runs on one core each)
+    halves = ([("qwen3moe", "f32"), ("qwen35moe", "f32")], [("qwen3moe", "f16"),
+                                                            ("qwen3moe", "q8_0")])
+    run_interpreted_side_by_side([f"\n    CASES = {h!r}" + _CHUNK_INTERPRETED for h in halves],
+                                 fresh_seed(), timeout=600)

@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         del engine  # the engine holds cycles: collect them, or the next budget's arena is
         gc.collect()  # filled while this one is still mapped (host RAM peak twice the arena)
     table = rows(results)
-    print(f"decode inputs: {_inputs(args)}; t/s: median ± standard deviation of "
-          f"{args.runs} run(s)\n" + markdown(info, backend, table))
+    print(f"decode inputs: {_inputs(args)}; KV cache {base.kv_type}; t/s: median ± standard "
+          f"deviation of {args.runs} run(s)\n" + markdown(info, backend, table))
     if args.json:
         with atomic_path(args.json, "--json") as tmp, open(tmp, "w") as f:
             json.dump({"model": args.model, "model_info": info.to_dict(), "backend": backend,
