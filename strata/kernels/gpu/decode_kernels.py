@@ -159,6 +159,42 @@ def _split_span(length, T, S, RB, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _query_rows(r, g, T, G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+    # a split program's query rows r of kv head g: token t, head h, the rows that exist (rm),
+    # and the head dims d with their mask
+    d = tl.arange(0, BLOCK_D)
+    return r // G, g * G + r % G, r < T * G, d, d < HD
+
+
+@triton.jit
+def _softmax_step(sc, m_i, l_i):
+    # the online softmax over one tile of scores sc [M, N] (keys not seen at -inf): the tile's
+    # p, the factor alpha the running sums scale by, the new running max and sum
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _seen(j, jm, last, WINDOW: tl.constexpr):
+    # [M, N]: row m sees key j when j is in the tile, j <= last[m] and (a sliding WINDOW)
+    # j > last[m] - WINDOW
+    seen = jm[None, :] & (j[None, :] <= last[:, None])
+    if WINDOW:
+        seen = seen & (j[None, :] > last[:, None] - WINDOW)
+    return seen
+
+
+@triton.jit
+def _store_split(part_o, part_ml, row, acc, m_i, l_i, rm, d, dm, HD: tl.constexpr):
+    # a split's partials of rows `row` (int64 [M]): Σ p v, and (max score, Σ p)
+    tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
+    tl.store(part_ml + row * 2, m_i, mask=rm)
+    tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
+
+
+@triton.jit
 def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, S, RB,
                        stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                        stride_ksr, stride_ksh, stride_vsr, stride_vsh,
@@ -176,11 +212,7 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
     g, s, n, start, end, r = _split_span(length, T, S, RB, MIN_CHUNK, BLOCK_N, BLOCK_M,
                                          WINDOW)
     if start < n:
-        t = r // G
-        h = g * G + r % G
-        rm = r < T * G
-        d = tl.arange(0, BLOCK_D)
-        dm = d < HD
+        t, h, rm, d, dm = _query_rows(r, g, T, G, HD, BLOCK_D)
         qt = tl.load(q + (t * stride_qt + h * stride_qh)[:, None] + d[None, :],
                      mask=rm[:, None] & dm[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         last = n - T + t  # [BLOCK_M]
@@ -204,14 +236,8 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
                 sc = tl.dot(qt, tl.trans(kt), input_precision="tf32") * scale
             else:  # exact float32 products ("ieee": FMA, no TF32 rounding)
                 sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
-            seen = jm[None, :] & (j[None, :] <= last[:, None])
-            if WINDOW:
-                seen = seen & (j[None, :] > last[:, None] - WINDOW)
-            sc = tl.where(seen, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            sc = tl.where(_seen(j, jm, last, WINDOW), sc, float("-inf"))
+            p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
             vt = tl.load(vbase + j.to(tl.int64)[:, None] * stride_vr + d[None, :], mask=ld,
                          other=0.0).to(tl.float32)
             if Q8:
@@ -224,9 +250,7 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
             acc = acc * alpha[:, None] + pv  # [BLOCK_M, BLOCK_D]
             m_i = m_new
         row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
-        tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
-        tl.store(part_ml + row * 2, m_i, mask=rm)
-        tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
+        _store_split(part_o, part_ml, row, acc, m_i, l_i, rm, d, dm, HD)
 
 
 @triton.jit
@@ -250,11 +274,7 @@ def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T,
     g, s, n, start, end, r = _split_span(length, T, S, RB, MIN_CHUNK, BLOCK_N, BLOCK_M,
                                          WINDOW)
     if start < n:
-        t = r // G
-        h = g * G + r % G
-        rm = r < T * G
-        d = tl.arange(0, BLOCK_D)
-        dm = d < HD
+        t, h, rm, d, dm = _query_rows(r, g, T, G, HD, BLOCK_D)
         dk = tl.arange(0, NC)[:, None, None] * DC + tl.arange(0, DC)[None, None, :]  # [NC, 1, DC]
         dkm = dk < HD
         q4 = tl.load(q + (t * stride_qt + h * stride_qh)[:, None, None, None] + dk[None],
@@ -278,14 +298,8 @@ def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T,
                 kt = kt * tl.load(ksbase + jk * stride_ksr + dk // 32, mask=ldk,
                                   other=0.0).to(tl.float32)
             sc = tl.sum(tl.sum(q4 * kt[None], axis=1), axis=2) * scale  # [BLOCK_M, BLOCK_N]
-            seen = jm[None, :] & (j[None, :] <= last[:, None])
-            if WINDOW:
-                seen = seen & (j[None, :] > last[:, None] - WINDOW)
-            sc = tl.where(seen, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            sc = tl.where(_seen(j, jm, last, WINDOW), sc, float("-inf"))
+            p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
             jv = j.to(tl.int64)[:, None]  # [BLOCK_N, 1]
             ldv = jm[:, None] & dm[None, :]
             vt = tl.load(vbase + jv * stride_vr + d[None, :], mask=ldv,
@@ -297,9 +311,7 @@ def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T,
             m_i = m_new
         acc = tl.sum(acc3, axis=1)  # [BLOCK_M, BLOCK_D]
         row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
-        tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
-        tl.store(part_ml + row * 2, m_i, mask=rm)
-        tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
+        _store_split(part_o, part_ml, row, acc, m_i, l_i, rm, d, dm, HD)
 
 
 @triton.jit
@@ -498,16 +510,11 @@ def _paged_split_kernel(q, kc, vc, ks, vs, read, length, part_o, part_ml, scale,
                                   + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
             sc = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # [BLOCK_M, BLOCK_N]
             sc = tl.where(jm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
             m_i = m_new
         row = ((s * B + b) * H + h).to(tl.int64)  # [BLOCK_M], into [S, B, H]
-        tl.store(part_o + row[:, None] * HD + d[None, :], acc, mask=rm[:, None] & dm[None, :])
-        tl.store(part_ml + row * 2, m_i, mask=rm)
-        tl.store(part_ml + row * 2 + 1, l_i, mask=rm)
+        _store_split(part_o, part_ml, row, acc, m_i, l_i, rm, d, dm, HD)
 
 
 @triton.jit
