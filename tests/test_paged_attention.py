@@ -30,11 +30,17 @@ CASES = [(1, 2, 2, 32, [1], 0, False), (3, 4, 2, 48, [5, 17, 2], 0, False),
          (2, 6, 2, 32, [9, 31], 0, False), (4, 4, 1, 64, [3, 12, 40, 1], 7, True)]
 
 
+def _inputs(case: tuple) -> tuple:
+    """A CASES row's fresh inputs: q, k, v, read, length and the sinks (or None)."""
+    b, h, hkv, hd, lengths, _, sinks = case
+    q, k, v, read, length = _case(fresh_seed() % 2**31, b, h, hkv, hd, lengths)
+    return q, k, v, read, length, torch.randn(h) if sinks else None
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_torch_path_is_each_rows_attention(case):
-    b, h, hkv, hd, lengths, window, sinks = case
-    q, k, v, read, length = _case(fresh_seed() % 2**31, b, h, hkv, hd, lengths)
-    s = torch.randn(h) if sinks else None
+    _, h, _, hd, lengths, window, _ = case
+    q, k, v, read, length, s = _inputs(case)
     out = ops.paged_attention(q, k, v, read, length, hd ** -0.5, window, s)
     for i, n in enumerate(lengths):
         keys, values = k[read[i, :n]], v[read[i, :n]]
@@ -130,9 +136,8 @@ def test_paged_kernel_under_the_interpreter():
 @pytest.mark.parametrize("case", CASES)
 def test_paged_kernel_on_cuda(case):
     """The compiled kernel against the torch path (CPU) over every KV type."""
-    b, h, hkv, hd, lengths, window, sinks = case
-    q, k, v, read, length = _case(fresh_seed() % 2**31, b, h, hkv, hd, lengths)
-    s = torch.randn(h) if sinks else None
+    hd, window = case[3], case[5]
+    q, k, v, read, length, s = _inputs(case)
     ref = ops.paged_attention(q, k, v, read, length, hd ** -0.5, window, s)
     dev = [t.cuda() if t is not None else None for t in (q, k, v, read, length, s)]
     got = ops.paged_attention(dev[0], dev[1], dev[2], dev[3], dev[4], hd ** -0.5, window,
