@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from strata.engine.decode_step import DECODE_STEP_MODES, Piece, cut_pieces
+from strata.engine.decode_step import DECODE_STEP_MODES, Piece, capture_pieces, cut_pieces
 from strata.experts.paths import StepAids
 from strata.kernels.gpu import decode_ops as ops
 from strata.model.parts import StaticStep
@@ -303,20 +303,9 @@ class BatchStep:
 
     def _capture(self, b: Rows, key: tuple) -> list | None:
         b.graphs = None
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        graphs = []
         try:
-            for piece in b.plan.pieces:
-                main = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(main, pool=pool):
-                    self._piece(piece, b)
-                tail = None
-                if piece.host_layer >= 0:
-                    tail = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(tail, pool=pool):
-                        self._tail(piece.host_layer, b)
-                graphs.append((main, tail))
+            graphs = capture_pieces(b.plan.pieces, lambda p: self._piece(p, b),
+                                    lambda layer: self._tail(layer, b), self.device)
         except Exception as e:  # noqa: BLE001 (any capture failure: run eagerly, say why)
             log.warning(f"batched decode step: CUDA graph capture at batch size {b.size} failed "
                         f"({type(e).__name__}: {e}); decoding eagerly")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,26 @@ def cut_pieces(n_layers: int, host: list[bool]) -> list[Piece]:
             start = layer + 1
     pieces.append(Piece(range(start, n_layers), -1, start == 0, bool(pieces)))
     return pieces
+
+
+def capture_pieces(pieces: list[Piece], run_piece: Callable[[Piece], None],
+                   run_tail: Callable[[int], None], device: torch.device) -> list[tuple]:
+    """Each piece, and the tail of its host layer, captured as CUDA graphs in one memory pool:
+    [(main, tail or None)] (what a capture raises goes to the caller: it decodes eagerly)."""
+    torch.cuda.synchronize(device)
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for piece in pieces:
+        main = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(main, pool=pool):
+            run_piece(piece)
+        tail = None
+        if piece.host_layer >= 0:
+            tail = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(tail, pool=pool):
+                run_tail(piece.host_layer)
+        graphs.append((main, tail))
+    return graphs
 
 
 class DecodeStep:
@@ -302,20 +323,9 @@ class DecodeStep:
 
     def _capture(self, key: tuple, kv: KVCache) -> list[torch.cuda.CUDAGraph] | None:
         self._captured = None
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        graphs = []
         try:
-            for piece in self.pieces:
-                main = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(main, pool=pool):
-                    self._piece(piece, kv)
-                tail = None
-                if piece.host_layer >= 0:
-                    tail = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(tail, pool=pool):
-                        self._tail(piece.host_layer)
-                graphs.append((main, tail))
+            graphs = capture_pieces(self.pieces, lambda p: self._piece(p, kv), self._tail,
+                                    self.device)
         except Exception as e:  # noqa: BLE001 (any capture failure: run eagerly, say why)
             log.warning(f"decode step: CUDA graph capture failed ({type(e).__name__}: {e}); "
                         "decoding eagerly")
