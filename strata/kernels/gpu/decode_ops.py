@@ -319,23 +319,37 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             NEOX=style == "neox", BLOCK_D=_pow2(hd), Q8=q8, num_warps=1)
         return out
     positions = pos.reshape(1).long() + torch.arange(t, device=q.device)  # [T], on the device
+    out.copy_(_rope_store_torch(q, k, v, q_norm, k_norm, eps, positions, inv_freq, style,
+                                k_cache, v_cache, positions, k_scales, v_scales))
+    return out
+
+
+def _rope_store_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                      positions: torch.Tensor, inv_freq: torch.Tensor, style: str,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                      k_scales: torch.Tensor | None,
+                      v_scales: torch.Tensor | None) -> torch.Tensor:
+    """The torch form of qk_rope_store and rows_rope_store: q/k norms, RoPE of each token at
+    its position (positions int64 [T]), k and v stored at cache rows `rows` [T] (rounded to the
+    cache's type, or q8_0 with their scales) -> the rotated q [T, H, hd]. Graph safe."""
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
     cos, sin = angles.cos(), angles.sin()
     if q_norm is not None:
         q = layers.rms_norm(q, q_norm, eps)
     if k_norm is not None:
         k = layers.rms_norm(k, k_norm, eps)
-    out.copy_(layers.apply_rope(q, cos, sin, style))
+    q = layers.apply_rope(q, cos, sin, style)
     k = layers.apply_rope(k, cos, sin, style)
-    if q8:
+    if k_cache.dtype == torch.int8:
         for cache, scales, x in ((k_cache, k_scales, k), (v_cache, v_scales, v)):
             qx, dx = quantize_q8_0(x)
-            cache.index_copy_(0, positions, qx)
-            scales.index_copy_(0, positions, dx)
-        return out
-    k_cache.index_copy_(0, positions, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, positions, v.to(v_cache.dtype).contiguous())
-    return out
+            cache.index_copy_(0, rows, qx)
+            scales.index_copy_(0, rows, dx)
+    else:
+        k_cache.index_copy_(0, rows, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, rows, v.to(v_cache.dtype).contiguous())
+    return q
 
 
 # ---- decode attention (flash decoding) ----------------------------------------------------------
@@ -534,23 +548,8 @@ def rows_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            and write.shape == pos.shape, "q [B, H, hd], k [B, Hkv, hd], pos and write [B]")
     _q8_scales(k_pool, k_scales, "k_pool")
     _q8_scales(v_pool, v_scales, "v_pool")
-    angles = pos.long().to(torch.float32)[:, None] * inv_freq[None, :]  # as in rope_tables
-    cos, sin = angles.cos(), angles.sin()
-    if q_norm is not None:
-        q = layers.rms_norm(q, q_norm, eps)
-    if k_norm is not None:
-        k = layers.rms_norm(k, k_norm, eps)
-    q = layers.apply_rope(q, cos, sin, style)
-    k = layers.apply_rope(k, cos, sin, style)
-    if k_pool.dtype == torch.int8:
-        for pool, scales, x in ((k_pool, k_scales, k), (v_pool, v_scales, v)):
-            qx, dx = quantize_q8_0(x)
-            pool.index_copy_(0, write, qx)
-            scales.index_copy_(0, write, dx)
-    else:
-        k_pool.index_copy_(0, write, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, write, v.to(v_pool.dtype).contiguous())
-    return q.contiguous()
+    return _rope_store_torch(q, k, v, q_norm, k_norm, eps, pos.long(), inv_freq, style, k_pool,
+                             v_pool, write, k_scales, v_scales).contiguous()
 
 
 def block_rows(table: torch.Tensor, block: int, span: int) -> torch.Tensor:
