@@ -192,3 +192,14 @@ def expert_mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     """One expert with biases: down(glu(gate h + b_gate, up h + b_up)) + b_down.
     h: [T, D]; w_gate, w_up: [F, D]; w_down: [D, F]; b_gate, b_up: [F]; b_down: [D] -> [T, D]"""
     return glu(h @ w_gate.T + b_gate, h @ w_up.T + b_up, act) @ w_down.T + b_down
+
+
+def delta_rule_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule (Gated DeltaNet) over any leading dims: S [..., H, dk,
+    dv] the state before it, q (scaled), k [..., H, dk], v [..., H, dv], g, beta [..., H]
+    -> (o [..., H, dv], the new state): S' = e^g S + k (beta (v - S^T k))^T, o = S'^T q."""
+    S = S * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("...hkv,...hk->...hv", S, k))
+    S = S + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("...hkv,...hk->...hv", S, q), S

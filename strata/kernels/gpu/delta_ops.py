@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.gpu.decode_ops import _check, _f32, _use_kernels
+from strata.kernels.torch_ops import delta_rule_step
 from strata.kernels.tuning import (
     CHUNK_SCAN_BV,
     CHUNK_SCAN_STAGES,
@@ -68,12 +69,9 @@ def delta_step(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torc
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
         if r > 1:
             q, k = ((y.repeat(r, 1) if tiled else y.repeat_interleave(r, 0)) for y in (q, k))
-        v = x[2 * key:].view(hv, dv)
-        S = state * g.exp()[:, None, None]
-        delta = beta[:, None] * (v - torch.einsum("hkv,hk->hv", S, k))
-        S = S + k[:, :, None] * delta[:, None, :]
+        o, S = delta_rule_step(state, q, k, x[2 * key:].view(hv, dv), g, beta)
         state.copy_(S)
-        return torch.einsum("hkv,hk->hv", S, q)
+        return o
     from strata.kernels.gpu.delta_kernels import _delta_step_kernel
 
     bv, warps = DELTA_STEP_TILE

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.config import ModelConfig
+from strata.kernels.torch_ops import delta_rule_step
 from strata.kernels.tuning import DELTA_CHUNK
 from strata.model.layers import rms_norm
 from strata.model.parts.context import Context, Segments, StaticStep
@@ -40,11 +41,8 @@ def delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     written with the state after each token (a verify window's rollback)."""
     S, out = state, []
     for t in range(q.shape[0]):
-        S = S * g[t].exp()[:, None, None]
-        kv = torch.einsum("hkv,hk->hv", S, k[t])  # S^T k
-        delta = beta[t][:, None] * (v[t] - kv)  # [H, dv]
-        S = S + k[t][:, :, None] * delta[:, None, :]
-        out.append(torch.einsum("hkv,hk->hv", S, q[t]))
+        o, S = delta_rule_step(S, q[t], k[t], v[t], g[t], beta[t])
+        out.append(o)
         if keep is not None:
             keep[t] = S
     return torch.stack(out), S
@@ -171,12 +169,9 @@ class GatedDeltaNet:
         x = F.silu((full * self.w.conv.T[None]).sum(1))  # the causal conv's last output [B, C]
         conv.index_copy_(0, r.state, full[:, 1:].contiguous())
         q, k, v = self._heads(x)  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv]
-        S = ssm[r.state] * g.exp()[:, :, None, None]  # [B, Hv, dk, dv]
-        kv = torch.einsum("bhkv,bhk->bhv", S, k)  # S^T k
-        delta = beta[..., None] * (v - kv)
-        S = S + k[..., None] * delta[:, :, None, :]
+        o, S = delta_rule_step(ssm[r.state], q, k, v, g, beta)  # S [B, Hv, dk, dv]
         ssm.index_copy_(0, r.state, S)
-        return torch.einsum("bhkv,bhk->bhv", S, q)
+        return o
 
     def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv of x [t, C] after the window's K-1 inputs [K-1, C], then
