@@ -52,8 +52,9 @@
 # process, after the kernel files at PYTEST_N with TCACHE=1 on the same machine (run 115: 248
 # passed in 127 s with run 114's kernels built). TEST_TIMEOUT: the tests' limit in s (400).
 # WARM=N builds the kernels stage's kernels in N processes first (bench_moe_decode.py --warm).
-# Carried in .whl/: the gguf wheel, and ggml-python's sdist (built here for the CPU miss path,
-# in the background while the tests run).
+# Carried in .whl/: the gguf wheel, the uvicorn and starlette wheels (strata serve; the GPU
+# machine has neither), and ggml-python's sdist (built here for the CPU miss path, in the
+# background while the tests run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -324,7 +325,11 @@ if [[ $STAGES == *serve* ]]; then
     python3 -m strata serve $M --device cuda --port 18080 --batch 16 --queue 256 "${flags[@]}" \
       ${SERVE_FLAGS:-} >"$OUT/serve_$b.log" 2>&1 &
     SRV=$!
-    for _ in $(seq 240); do curl -sf localhost:18080/health >/dev/null && break; sleep 1; done
+    for _ in $(seq 240); do  # (a server that died at start is said at once, not waited for)
+      curl -sf localhost:18080/health >/dev/null && break
+      kill -0 $SRV 2>/dev/null || { echo "serve at ${b} GiB exited:"; tail -3 "$OUT/serve_$b.log"; break; }
+      sleep 1
+    done
     timeout 500 python3 -m strata bench-serve --url http://127.0.0.1:18080 \
       -c "${SERVE_CLIENTS:-1,4,8,16}" --prompt-len "${SERVE_PROMPT:-128}" \
       --output-len "${SERVE_OUTPUT:-64}" --json "$OUT/serve_$b.json" 2>&1 | tee "$OUT/serve_$b.txt"

@@ -94,18 +94,21 @@ def main() -> None:
 
         OffloadExperts._streams_routed = lambda *args: False
     prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, a.prompt_len).tolist()
-    ring = engine.model.experts.ring
+    ring = engine.model.experts.ring  # None when every expert has a cache slot
+
+    def streamed_bytes() -> int:
+        return ring.streamed_bytes if ring is not None else 0
 
     def run() -> tuple[float, int]:
         kv = engine.model.new_cache(a.prompt_len)
-        streamed0 = ring.streamed_bytes
+        streamed0 = streamed_bytes()
         if a.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.run_prompt(prompt, kv)
         if a.device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0, ring.streamed_bytes - streamed0
+        return time.perf_counter() - t0, streamed_bytes() - streamed0
 
     run()  # warm-up
     act = torch.profiler.ProfilerActivity

@@ -409,7 +409,7 @@ def test_plan_counts_the_experts_biases_on_cuda(synth):
     mf = open_model(synth("gpt-oss", "MXFP4"))
     cfg = ModelConfig.from_model(mf)
     layouts = expert_layouts(mf, cfg)
-    ec = EngineConfig(device="cuda", vram_budget_gib=1, ctx=256)
+    ec = EngineConfig(device="cuda", vram_budget_gib=2, ctx=256)
     bare = [replace(lay, bias=None) for lay in layouts]
     biases = sum(b.gate.nbytes + b.up.nbytes + b.down.nbytes
                  for b in (lay.bias for lay in layouts))

@@ -37,7 +37,7 @@ def alone(engine, prompt: list[int], fed: list[int]) -> np.ndarray:
     fed the tokens `fed` -> logits [len(fed), V]."""
     kv = engine.model.new_cache(64)
     prefill(engine, prompt, kv)
-    return np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in fed])
+    return np.stack([engine.model.decode(t, kv)[0].float().cpu().numpy().copy() for t in fed])
 
 
 def batched(engine, step: BatchStep, prompts: list[list[int]], steps: int,
@@ -54,7 +54,7 @@ def batched(engine, step: BatchStep, prompts: list[list[int]], steps: int,
         out = step(toks, caches)
         for i, t in enumerate(toks):
             fed[i].append(t)
-            logits[i].append(out[i].float().numpy().copy())
+            logits[i].append(out[i].float().cpu().numpy().copy())
         last = list(out.clone())
     return fed, [np.stack(x) for x in logits]
 
@@ -149,7 +149,7 @@ def test_padded_rows_of_a_hybrid_write_a_free_slots_state(synth):
     kv = pool.take()
     assert kv.slot == 3 and pool.ssm[:, 3].abs().sum() == 0 and pool.conv[:, 3].abs().sum() == 0
     prefill(engine, PROMPTS[3], kv)
-    got = np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in (5, 6)])
+    got = np.stack([engine.model.decode(t, kv)[0].float().cpu().numpy().copy() for t in (5, 6)])
     assert_close(got, alone(engine, PROMPTS[3], [5, 6]))
 
 
@@ -177,7 +177,7 @@ def test_one_sequence_step_over_a_paged_cache(synth, arch):
     kv = pool.take()
     prefill(engine, PROMPTS[2], kv)
     fed = [3, 99, 4, 250, 8]
-    got = np.stack([engine.model.decode(t, kv)[0].float().numpy().copy() for t in fed])
+    got = np.stack([engine.model.decode(t, kv)[0].float().cpu().numpy().copy() for t in fed])
     assert_close(got, alone(engine, PROMPTS[2], fed))
     assert len(kv.table) == 4 and pool.used_blocks == 4  # 10 rows in blocks of 3
     pool.give(kv)

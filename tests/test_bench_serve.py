@@ -66,6 +66,7 @@ def test_bench_serve_against_strata_serve(synth, tmp_path) -> None:
 def test_bench_serve_flags_refused_in_one_line() -> None:
     for argv, what in ((["-c", "0"], "--concurrency"), (["--prompt-len", "0"], "--prompt-len"),
                        (["--request-rate", "-1"], "--request-rate"),
+                       (["--temperature", "-1"], "--temperature"),
                        (["--url", "ftp://x"], "--url")):
         r = subprocess.run([sys.executable, "-m", "strata", "bench-serve", *argv],
                            capture_output=True, text=True, timeout=60)

@@ -331,14 +331,55 @@ def test_plan_sizes_the_prompt_scratch_and_chunk_from_the_budget(synth):
     mf = open_model(synth("qwen3moe", "Q4_K_M"))
     cfg = ModelConfig.from_model(mf)
     layouts = expert_layouts(mf, cfg)
-    plan = make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=1, kernels="fused"),
+    plan = make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=2, kernels="fused"),
                      layouts)
     need = grouped_scratch_bytes(layouts[0], cfg.n_experts, plan.chunk, cfg.n_experts_used,
                                  plan.prompt_weights)
     assert plan.prompt_weights is not None and plan.workspace >= need
-    exact = make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=1, kernels="exact"),
+    exact = make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=2, kernels="exact"),
                       layouts)
     assert exact.prompt_weights is None
+
+
+def test_named_cuda_budget_holds_the_context(synth):
+    """A --vram-budget on CUDA holds the CUDA context (nvidia-smi counts it, torch does not):
+    it is a line of the plan and out of what is left; free VRAM (no budget) and the CPU have
+    none."""
+    from strata.config import ModelConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+    from strata.kernels.tuning import CUDA_CONTEXT
+
+    mf = open_model(synth("qwen3moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+    layouts = expert_layouts(mf, cfg)
+    cuda = make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=2, ctx=256,
+                                           expert_cache="0"), layouts)
+    cpu = make_plan(mf, cfg, EngineConfig(device="cpu", vram_budget_gib=2, ctx=256,
+                                          expert_cache="0"), layouts)
+    assert cuda.context == CUDA_CONTEXT and cpu.context == 0
+    assert cuda.left == (cuda.budget - CUDA_CONTEXT - cuda.dense - cuda.kv - cuda.workspace
+                         - cuda.staging - cuda.ring - cuda.cache)
+    assert any(line.startswith("  CUDA context") for line in cuda.lines())
+    assert not any("CUDA context" in line for line in cpu.lines())
+
+
+@pytest.mark.cuda
+def test_named_budget_caps_the_allocator(synth):
+    """On CUDA a --vram-budget caps torch's allocator at the budget less the context: a tensor
+    past it fails (the cached blocks are given back first), one inside it does not."""
+    import torch
+
+    from strata.kernels.tuning import CUDA_CONTEXT
+
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cuda", vram_budget_gib=2)
+    cap = (2 << 30) - CUDA_CONTEXT
+    live = torch.cuda.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(cap - live + (64 << 20), dtype=torch.uint8, device="cuda")
+    x = torch.empty(cap // 4, dtype=torch.uint8, device="cuda")  # (well inside it)
+    del x, engine
 
 
 def test_plan_lets_the_ring_borrow_what_it_leaves(synth):
@@ -359,7 +400,7 @@ def test_plan_lets_the_ring_borrow_what_it_leaves(synth):
     def ec(**kw) -> EngineConfig:
         return EngineConfig(ctx=256, expert_cache="0", stream_min=2, **kw)
 
-    big = make_plan(mf, cfg, ec(vram_budget_gib=1), layouts)
+    big = make_plan(mf, cfg, ec(vram_budget_gib=2), layouts)
     assert big.ring + big.ring_borrow == BORROW_RECORDS * largest  # capped by the records
     assert "+ up to" in "\n".join(big.lines())
     tight = make_plan(mf, cfg, ec(), layouts)
@@ -369,7 +410,7 @@ def test_plan_lets_the_ring_borrow_what_it_leaves(synth):
     # all that is left, 256-aligned: the budget holds the borrowed ring too
     assert room > 0 and 0 <= small.left - MARGIN - small.ring_borrow < 256
     assert 3 * largest - 256 < small.ring_borrow <= 3 * largest
-    fixed = make_plan(mf, cfg, ec(vram_budget_gib=1, ring_bytes=big.ring), layouts)
+    fixed = make_plan(mf, cfg, ec(vram_budget_gib=2, ring_bytes=big.ring), layouts)
     assert fixed.ring == big.ring and fixed.ring_borrow == 0
     assert "+ up to" not in "\n".join(fixed.lines())
 

@@ -280,14 +280,14 @@ def test_the_plan_counts_the_prefetch_rows(synth) -> None:
             ("cuda", "graphs", None, "6", k),  # 2 slots a layer = K: off
             ("cuda", "graphs", None, "auto", k),  # every expert fits: off
             ("cuda", "off", None, "0", k), ("cpu", "eager", None, "0", k)):
-        plan = make_plan(mf, cfg, EngineConfig(device=device, vram_budget_gib=1, ctx=256,
+        plan = make_plan(mf, cfg, EngineConfig(device=device, vram_budget_gib=2, ctx=256,
                                                decode_step=decode_step, prefetch=prefetch,
                                                expert_cache=cache), layouts)
         assert (plan.staging_slots, plan.staging) == (rows, rows * stride), (device, prefetch,
                                                                               cache)
         assert plan.prefetch == rows - k, (device, prefetch, cache)
     # auto, when it turns off, keeps no rows: the plan is --prefetch 0's
-    auto, off = (make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=1, ctx=256,
+    auto, off = (make_plan(mf, cfg, EngineConfig(device="cuda", vram_budget_gib=2, ctx=256,
                                                  prefetch=p), layouts) for p in (None, 0))
     assert replace(auto, host_available=0) == replace(off, host_available=0)  # (RAM moves)
 

@@ -61,12 +61,17 @@ def cuda_seconds(fn, repeats: int) -> float:  # noqa: ANN001
     return _median(times)
 
 
-def measure() -> dict[str, float]:
+def measure(device_bytes: int | None = None) -> dict[str, float]:
+    """The ceilings; device_bytes: the most VRAM the GPU's test buffers may take at once (a
+    quarter of the smallest --vram-budget: the run's VRAM peak stays inside it; 4 GiB
+    without). The HBM copy's buffers stay far above the 60 MB L2 of an H200 even at 2 GiB."""
     out = {"host_read_GBs": host_read_gbs(), "cpu_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
-        out |= {"hbm_copy_GBs": hbm_copy_gbs(), "pcie_h2d_pinned_GBs": pcie_h2d_gbs(),
+        most = device_bytes or 4 << 30
+        out |= {"hbm_copy_GBs": hbm_copy_gbs(min(2 << 30, most // 2)),
+                "pcie_h2d_pinned_GBs": pcie_h2d_gbs(min(1 << 30, most)),
                 "gpu": torch.cuda.get_device_name()}
-        # the 5 GiB of test buffers back to the driver: kept in torch's cache they were counted
+        # the test buffers back to the driver: kept in torch's cache they were counted
         # in every nvidia-smi peak of the run (4.6 GiB before the model loaded, on an H200)
         torch.cuda.empty_cache()
     return out

@@ -37,10 +37,15 @@ class BenchResult:
     hit_rate: float | None
     h2d_bytes_per_token: float | None
     cpu_pairs_per_token: float | None
-    vram_peak_gib: float | None  # the larger of the two below
+    vram_peak_gib: float | None  # the larger of the two below (bytes in live tensors)
     host_peak_gib: float
     vram_peak_prompt_gib: float | None = None  # allocated by torch during the prompts
     vram_peak_decode_gib: float | None = None  # during the decode steps
+    # what torch held from the driver at most (live tensors and its cache of freed blocks: what
+    # nvidia-smi shows, less the CUDA context), and the device's used memory at the phases' ends
+    # (every process on it, the context included)
+    vram_reserved_peak_gib: float | None = None
+    device_used_gib: float | None = None
     prompt_chunks: int = 1
     prompt_streamed_gib: float | None = None  # expert bytes streamed through the ring per prompt
     prompt_streamed_gib_all: list[float] | None = None  # each measured run's (the line above:
@@ -105,9 +110,10 @@ class BenchResult:
                        f"{100 * self.bound_fraction:.1f}%")
         mem = f"host RAM peak {self.host_peak_gib:.2f} GiB"
         if self.vram_peak_gib is not None:
-            mem = (f"VRAM peak {self.vram_peak_gib:.2f} GiB (prompt "
+            mem = (f"VRAM peak {self.vram_peak_gib:.2f} GiB in tensors (prompt "
                    f"{self.vram_peak_prompt_gib:.2f}, decode {self.vram_peak_decode_gib:.2f}), "
-                   + mem)
+                   f"{self.vram_reserved_peak_gib:.2f} GiB held by torch's allocator; device "
+                   f"memory used {self.device_used_gib:.2f} GiB; " + mem)
         out.append(mem)
         return out
 
@@ -178,10 +184,13 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     experts = getattr(model.experts, "stats", None)
     dev = model.device
     peaks = [0, 0]  # bytes allocated at most during the prompts, during the decode steps
+    held = [0, 0]  # the allocator's reserved bytes at most; the device's used bytes at most
 
     def peak(phase: int) -> None:
         if dev.type == "cuda":
             peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated(dev))
+            free, total = torch.cuda.mem_get_info(dev)
+            held[:] = max(held[0], torch.cuda.max_memory_reserved(dev)), max(held[1], total - free)
             torch.cuda.reset_peak_memory_stats(dev)
 
     if dev.type == "cuda":  # (what loading left allocated is in both phases' peaks)
@@ -261,6 +270,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         prompt_tok_s_std=spread(p_rates), decode_tok_s_std=spread(d_rates))
     if dev.type == "cuda":
         res.vram_peak_prompt_gib, res.vram_peak_decode_gib = (x / 2**30 for x in peaks)
+        res.vram_reserved_peak_gib, res.device_used_gib = (x / 2**30 for x in held)
     pf = getattr(getattr(model, "step", None), "prefetch", None)
     res.prefetch = pf.n if pf is not None else 0
     res.warmups = warmups

@@ -92,10 +92,14 @@ def prompt_pool(server: Server, seed: int, words: int = 2000) -> list[int]:
     return pool
 
 
-def one_request(server: Server, prompt: list[int], max_tokens: int) -> Result:
-    """A streamed completion; the clock starts as the request is sent."""
+def one_request(server: Server, prompt: list[int], max_tokens: int, temperature: float = 1.0,
+                seed: int = 0) -> Result:
+    """A streamed completion; the clock starts as the request is sent. Sampled by default (with
+    its own seed): a random model's greedy output can settle on a token without text (a control
+    token), and then no chunk carries text to time."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}
+            "stream_options": {"include_usage": True}, "temperature": temperature,
+            "seed": seed}
     if server.model:
         body["model"] = server.model
     conn = server._conn()
@@ -129,7 +133,8 @@ def one_request(server: Server, prompt: list[int], max_tokens: int) -> Result:
         res.e2e = time.perf_counter() - t0
         res.ok = last is not None
         if not res.ok:
-            res.error = "the stream ended without text"
+            res.error = (f"the stream ended without text ({res.tokens} tokens by the server's "
+                         "usage count)")
     except (OSError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
     finally:
@@ -175,9 +180,11 @@ def percentile(xs: list[float], p: float) -> float:
 
 
 def run_level(server: Server, concurrency: int, n_requests: int, prompt_len: int,
-              output_len: int, pool: list[int], seed: int, rate: float | None = None) -> Level:
+              output_len: int, pool: list[int], seed: int, rate: float | None = None,
+              temperature: float = 1.0) -> Level:
     """n_requests requests, at most `concurrency` in flight; with `rate`, sent at Poisson
-    arrival times (requests/s), else each client sends its next when its last ends."""
+    arrival times (requests/s), else each client sends its next when its last ends. Request i
+    samples with seed `seed` * 1000 + i (temperature 0: greedy)."""
     rng = random.Random(seed)
     prompts = [[rng.choice(pool) for _ in range(prompt_len)] for _ in range(n_requests)]
     starts = [0.0] * n_requests
@@ -200,7 +207,8 @@ def run_level(server: Server, concurrency: int, n_requests: int, prompt_len: int
             wait = starts[i] - (time.perf_counter() - t0)
             if wait > 0:
                 time.sleep(wait)
-            results[i] = one_request(server, prompts[i], output_len)
+            results[i] = one_request(server, prompts[i], output_len, temperature,
+                                     seed * 1000 + i)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     for th in threads:

@@ -107,7 +107,10 @@ def run(args: argparse.Namespace) -> int:
         if path:
             check_folder(path, flag)  # before the runs, not after
     budgets = _budgets(args.sweep_vram) if args.sweep_vram else [args.vram_budget]
-    ceilings = measure()
+    # (the ceilings' test buffers inside a quarter of the smallest budget: nvidia-smi's peak
+    # of the run counts them too)
+    small = min((b for b in budgets if b), default=None)
+    ceilings = measure(int(small * (1 << 30)) // 4 if small else None)
     print("strata: ceilings " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in ceilings.items()), file=sys.stderr)
     info = model_info(args.model)

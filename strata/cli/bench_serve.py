@@ -31,7 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: closed loop, each client sends its next request when its last ends)")
     p.add_argument("--warmup", type=int, default=1,
                    help="requests sent one at a time before the levels, not counted (1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (0)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="each request's sampling temperature, with a seed of its own; 0: greedy "
+                   "(1: a random model's greedy output can settle on a token without text)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts, arrivals and requests' sampling (0)")
     p.add_argument("--json", default=None, help="write every level's figures to this JSON file")
 
 
@@ -52,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
             raise StrataError(f"--{name.replace('_', '-')} must be at least 1")
     if args.request_rate is not None and not args.request_rate > 0:
         raise StrataError("--request-rate must be above 0 requests/s")
+    if not 0 <= args.temperature <= 2:
+        raise StrataError(f"--temperature {args.temperature}: give 0 (greedy) to 2")
     if args.requests is not None and args.requests < 1:
         raise StrataError("--requests must be at least 1")
     if args.json:
@@ -59,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
     server = Server(args.url.rstrip("/"), args.api_key, args.model)
     pool = prompt_pool(server, args.seed)
     if args.warmup:
-        run_level(server, 1, args.warmup, args.prompt_len, args.output_len, pool, args.seed + 1)
+        run_level(server, 1, args.warmup, args.prompt_len, args.output_len, pool, args.seed + 1,
+                  temperature=args.temperature)
     rows = []
     for i, c in enumerate(levels):
         n = args.requests or max(8, 4 * c)
         level = run_level(server, c, n, args.prompt_len, args.output_len, pool,
-                          args.seed + 2 + i, args.request_rate)
+                          args.seed + 2 + i, args.request_rate, args.temperature)
         rows.append(level.summary())
         _print_row(rows[-1], rows[0], first=i == 0)
     if args.json:

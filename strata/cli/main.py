@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         report = _write_report(args.command, argv)
+        if type(e).__name__ == "OutOfMemoryError":  # (torch's, for the GPU)
+            print(f"strata {args.command}: error: out of GPU memory: the engine needed more "
+                  "than its memory plan holds; raise --vram-budget, or lower --ctx, "
+                  f"--expert-cache or the prompt's size (report: {report})", file=sys.stderr)
+            return 2
         print(f"strata {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
               f"(report: {report}; --debug shows the traceback)", file=sys.stderr)
         return 1

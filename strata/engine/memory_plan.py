@@ -1,6 +1,7 @@
 """The memory plan: every VRAM byte the engine takes, decided before anything is allocated.
 
     budget = dense weights + KV cache + workspace + staging + expert cache slots + margin
+             (+ the CUDA context, where --vram-budget names the budget: nvidia-smi counts it)
 
 Dense weights stay in their GGUF blocks on the GPU when every dense matrix has a fused kernel
 (fewer bytes per decode GEMV, and faster), or when float32 copies would take more than a quarter
@@ -31,7 +32,13 @@ from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
 from strata.gguf import ModelFile
-from strata.kernels.tuning import BORROW_RECORDS, DEFAULT_CTX, KV_SHARE, MIN_KV_TOKENS
+from strata.kernels.tuning import (
+    BORROW_RECORDS,
+    CUDA_CONTEXT,
+    DEFAULT_CTX,
+    KV_SHARE,
+    MIN_KV_TOKENS,
+)
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
 from strata.runtime.kv_slots import POOL_BLOCK
@@ -69,11 +76,12 @@ class MemoryPlan:
     lent_ring: bool = False  # the lent slots take the streaming ring's VRAM too
     ring_note: str = ""  # why there is no ring, where that is a choice
     ctx_note: str = ""  # where the planned context comes from (--ctx, the model's, ...)
+    context: int = 0  # the CUDA context's own VRAM, in a --vram-budget (tuning.CUDA_CONTEXT)
 
     @property
     def left(self) -> int:
-        return (self.budget - self.dense - self.kv - self.workspace - self.staging - self.ring
-                - self.cache)
+        return (self.budget - self.context - self.dense - self.kv - self.workspace
+                - self.staging - self.ring - self.cache)
 
     @property
     def lent(self) -> int:
@@ -84,6 +92,8 @@ class MemoryPlan:
         n, f = sum(self.slots_per_layer), fmt_bytes
         return [
             f"memory plan on {self.device}, budget {f(self.budget)}:",
+            *([f"  CUDA context   {f(self.context):>10} (the driver's and the libraries' own, "
+               "outside torch's allocator)"] if self.context else []),
             f"  dense weights  {f(self.dense):>10} "
             f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
             f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences, "
@@ -195,6 +205,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         budget = free - 2 * MARGIN
     else:
         budget = host_available() // 2
+    # (a named budget holds the process's CUDA context too; free VRAM is measured after it)
+    context = CUDA_CONTEXT if dev.type == "cuda" and ec.vram_budget_gib is not None else 0
     # --ctx, or by default the model's context, planned below (capped by what the plan holds)
     ctx = min(ec.ctx or cfg.context_length, cfg.context_length)
     # the cached elements of every full-attention layer (keys and values, or MLA's latent rows;
@@ -249,13 +261,13 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # blocks, and one scratch row (padded rows of a batched step write there)
     pool = ((POOL_BLOCK * ec.sequences + 1) * (kv_per_token // ec.sequences)
             if ec.sequences > 1 else 0)
-    fixed = dense + workspace + staging + ring + MARGIN + states + pool
+    fixed = context + dense + workspace + staging + ring + MARGIN + states + pool
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(
             f"--vram-budget {budget / GIB:.2f} GiB cannot hold the dense weights ({f(dense)}), "
             f"workspace, staging and ring ({f(workspace + staging + ring)}), a margin of "
-            f"{f(MARGIN)} and a "
+            f"{f(MARGIN)}" + (f", the CUDA context ({f(context)})" if context else "") + " and a "
             f"{MIN_KV_TOKENS}-token KV cache ({f(MIN_KV_TOKENS * kv_per_token)}): give at least "
             f"{(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
     kv_room = budget - fixed
@@ -312,7 +324,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     borrow = max(0, min(budget - fixed - kv - cache, borrow_cap)) // 256 * 256
     lent, lent_ring = (), False
     if dev.type == "cuda" and ec.kernels == "fused" and ec.decode_step != "off" and \
-            ec.expert_cache == "auto":
+            ec.expert_cache == "auto" and ec.sequences <= 1:
+        # (one sequence only: a server's passes mix prompt chunks with decode steps, and each
+        # change of kind would shrink and grow every lending layer's slots, a device copy of
+        # the cache and a refill over PCIe each time)
         # one decoding sequence (and no --stream-min 1): no pass that lends streams, so the
         # ring's VRAM is lent too
         lent_ring = ec.sequences <= 1 and (ec.stream_min or 2) >= 2
@@ -323,7 +338,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
                       chunk, prompt_weights, borrow, ec.kv_type,
                       tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,
-                      ring_note, ctx_note)
+                      ring_note, ctx_note, context)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],
