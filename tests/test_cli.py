@@ -204,3 +204,14 @@ def test_every_flag_says_what_it_does_and_its_default():
                 missing.append(f"strata {command} {flag} (default {default!r}): {text}")
     assert checked > 60
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.cuda
+def test_generate_on_a_named_cuda_device():
+    """--device cuda:N: the engine loads there, says so in its log, and generates."""
+    r = subprocess.run([sys.executable, "-m", "strata", "generate", "--device", "cuda:0",
+                        "--prompt", "The Linux kernel", "-n", "8", "--seed", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "strata: device: cuda:0 (--device cuda:0)" in r.stderr.splitlines(), r.stderr
+    assert r.stdout.strip().startswith("The Linux kernel") and len(r.stdout.split()) > 3
