@@ -37,10 +37,13 @@ def model(path):  # noqa: ANN001, ANN201
 def budget_for(mf, cfg, layouts, base: int, **kw) -> float:  # noqa: ANN001
     """A --vram-budget (GiB) whose auto cache gets `base` slots a layer on CUDA (kw: more of
     the engine's config)."""
-    none = make_plan(mf, cfg, EngineConfig(expert_cache="0", vram_budget_gib=2, **CUDA, **kw),
-                     layouts)
-    fixed = none.budget - none.left + MARGIN
-    return (fixed + base * sum(lay.stride for lay in layouts)) / GIB
+    b = 2.0  # (the workspace and ring take shares of the room the budget leaves: iterated to
+    for _ in range(8):  # the budget whose fixed parts and `base` slots fill it)
+        none = make_plan(mf, cfg, EngineConfig(expert_cache="0", vram_budget_gib=b, **CUDA, **kw),
+                         layouts)
+        fixed = none.budget - none.left + MARGIN
+        b = (fixed + base * sum(lay.stride for lay in layouts)) / GIB
+    return b
 
 
 def test_plan_lends_the_workspace_to_decode_slots(synth):
@@ -289,3 +292,18 @@ def test_lent_slots_give_the_reference_logits_across_requests(synth, device, rin
     # graphs over the slot tensors: captured again only where a new tensor moved
     assert not step._failed and 1 <= step.steps["captured"] <= 2
     assert step._captured is not None and step._captured[0][2] == cache.slots_key()
+
+
+def test_a_small_cuda_budget_shares_out_the_room_its_fixed_parts_leave(synth):
+    """The prompt scratch, the workspace and the ring take shares of the budget less the CUDA
+    context, dense weights and margin (not of the whole budget): 1 GiB, which those three take
+    most of, still plans, each share inside the room."""
+    from strata.kernels.tuning import CUDA_CONTEXT
+    from strata.quant import DEQUANT_CHUNK_BYTES
+
+    mf, cfg, layouts = model(synth("qwen3moe", "Q4_K_M"))
+    plan = make_plan(mf, cfg, EngineConfig(vram_budget_gib=1, **CUDA), layouts)
+    room = plan.budget - CUDA_CONTEXT - plan.dense - MARGIN
+    floor = 3 * cfg.d_model * cfg.d_expert * 4 + DEQUANT_CHUNK_BYTES
+    assert 0 < room < 256 << 20 and plan.workspace <= max(room // 4, floor)
+    assert plan.left >= 0 and plan.ctx >= 256

@@ -126,8 +126,9 @@ def auto_chunk(cfg: ModelConfig, workspace: int) -> int:
 def prompt_scratch(cfg: ModelConfig, layouts: list[ExpertLayout], budget: int,
                    chunk: int) -> tuple[int, int, int]:
     """The grouped prompt path's scratch on CUDA (strata.kernels.gpu.moe_grouped): (bytes, chunk,
-    weight scratch). Its weights take at most an eighth of the budget; the chunk is halved
-    (not below 256 tokens) until the whole scratch fits a quarter of it."""
+    weight scratch). Its weights take at most an eighth of `budget` (the plan's room: the budget
+    less the context, dense weights and margin); the chunk is halved (not below 256 tokens)
+    until the whole scratch fits a quarter of it."""
     from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, grouped_scratch_bytes
 
     lay = max(layouts, key=lambda la: la.d_model * la.d_expert)
@@ -214,14 +215,26 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # together
     kv_size = kv_elem_bytes(ec.kv_type)
     kv_per_token = int(cfg.n_kv_layers * cfg.kv_row * kv_size * max(1, ec.sequences))
+    quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > (budget - context) // 4
+                                          or fused_dense(mf, cfg, ec))
+    dense = dense_bytes(mf, cfg, quant_dense) + mtp_head_bytes(mf, cfg, ec)
+    if dev.type == "cuda":  # (gpt-oss: the experts' biases, copied once for the fused kernels)
+        dense += sum(lay.bias.gate.nbytes + lay.bias.up.nbytes + lay.bias.down.nbytes
+                     for lay in layouts if lay.bias is not None)
+    # what the prompt path's scratch and the ring take their shares of: the budget less what
+    # no plan can shrink (at 2 GiB for Qwen3-30B-A3B the context, dense weights and margin
+    # leave 0.24 GiB: shares of the whole budget would not fit beside them)
+    room = max(0, budget - context - dense - MARGIN)
     # (the float32 dequantizing paths: at least one float32 expert and a piece being dequantized,
     # compute.run_records; a piece of a dense matrix, weights.QuantTensor)
-    workspace = max(ec.workspace_mib << 20,
+    # (on CUDA --workspace-mib's share is at most a quarter of the room, above that floor)
+    asked = ec.workspace_mib << 20
+    workspace = max(min(asked, room // 4) if dev.type == "cuda" else asked,
                     3 * cfg.d_model * cfg.d_expert * 4 + DEQUANT_CHUNK_BYTES)
     chunk, prompt_weights = auto_chunk(cfg, workspace), None
     if dev.type == "cuda" and ec.kernels == "fused":  # the grouped prompt path's scratch; it
         # and the float32 dequantizing paths never run at once, so they share the workspace
-        grouped, chunk, prompt_weights = prompt_scratch(cfg, layouts, budget, 4096)
+        grouped, chunk, prompt_weights = prompt_scratch(cfg, layouts, room, 4096)
         workspace = max(workspace, grouped)
     max_stride = max(lay.stride for lay in layouts)
     # a decode token's missed pairs, and the rows --prefetch copies the next layer's into
@@ -229,19 +242,13 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 if dev.type == "cuda" and ec.decode_step != "off" else 0)
     staging_slots = cfg.n_experts_used + prefetch
     staging = staging_slots * max_stride
-    quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > budget // 4
-                                          or fused_dense(mf, cfg, ec))
-    dense = dense_bytes(mf, cfg, quant_dense) + mtp_head_bytes(mf, cfg, ec)
-    if dev.type == "cuda":  # (gpt-oss: the experts' biases, copied once for the fused kernels)
-        dense += sum(lay.bias.gate.nbytes + lay.bias.up.nbytes + lay.bias.down.nbytes
-                     for lay in layouts if lay.bias is not None)
     # the ring: by default four of the largest records (double buffering with room to spare);
     # with the grouped prompt path (banks of a quarter of the ring, copied ahead across layers),
-    # up to 256: an eighth of budgets from 4 GiB, a sixteenth below. On the H200, an 8K prompt
-    # streaming every expert kept PCIe at 45% of its ceiling with 64 records, 71% with 256
+    # up to 256: an eighth of the room from 4 GiB budgets, a sixteenth below. On the H200, an 8K
+    # prompt streaming every expert kept PCIe at 45% of its ceiling with 64 records, 71% with 256
     n_ring = 4
     if dev.type == "cuda" and ec.kernels == "fused":
-        share = budget // 8 if budget >= 4 * GIB else budget // 16
+        share = room // 8 if budget >= 4 * GIB else room // 16
         n_ring = max(4, min(256, share // max_stride))
     ring = ring_size(ec.ring_bytes, layouts, n_ring * max_stride)
     if dev.type != "cuda" and ec.stream_min is None and ec.ring_bytes is None:
