@@ -75,7 +75,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     whose rows are cache rows j (read None: one sequence, B = 1) or read[b, j].
 
     q_lat [B, H, L], q_pe [B, H, R] f32 (the rotated rope queries; last dims contiguous);
-    cache [C, L + R] f32 / f16 / bf16 (read as f32; rows contiguous); length int32/int64 [B] on
+    cache [C, L + R] f32 / f16 / bf16 (read as f32; last dim contiguous); length int32/int64 [B] on
     the device, 1 <= length[b] <= Tk (Tk = C, or read's int64 [B, Tk]) -> o_lat [B, H, L] f32,
     before v_b. On CUDA (or under the interpreter) the two kernels (module doc): rows at and
     past a length are never read; fused (--kernels fused) puts the products on TF32 tensor
@@ -129,8 +129,6 @@ def _latent_launch(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     """latent_attention's two launches."""
     b, h, lat = q_lat.shape
     rope = q_pe.shape[2]
-    _check(cache.stride(0) == lat + rope or cache.shape[0] == 1, "cache rows must be "
-           "contiguous")
     _check(_pow2(tile.block_h) == tile.block_h >= 16 and _pow2(tile.block_n) == tile.block_n
            >= 16, f"latent tile {tile}: powers of two, tl.dot's 16 rows and keys at least")
     out = torch.empty((b, h * lat), dtype=torch.float32, device=q_lat.device)
