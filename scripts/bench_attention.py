@@ -26,6 +26,13 @@ at T 1), each timed with CUDA events over a loop of calls (not captured in a gra
 FlexAttention may not be), so their figures include launch overhead the graph-timed rows do
 not; their error is against the ieee variant's as for the rest.
 
+--mla times MLA's absorbed decode instead (latent_ops.latent_attention, one token over a latent
+cache of --capacity rows [L 512 + R 64]: DeepSeek-V3's 128 heads and Kimi-K2's 64, f32 / f16 /
+bf16 rows): "exact" and "tf32" the split kernel's two tiles, "torch" the torch form over every
+stored row, masked (what the decode step ran before the kernel); GB/s of the rows below the
+length, err against the torch form on the same inputs. --caches, --lengths, --shapes (among
+MLA_SHAPES) and --splits apply; --tokens, --variants, --tiles and --field do not.
+
 --warm N (default: min(8, CPUs / 2)) first runs the cases once in N processes at once, so that
 Triton's cache on disk holds every kernel before the timed pass (kernel builds dominate a cold
 run: ~100 of them).
@@ -47,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strata.bench.ceilings import hbm_copy_gbs  # noqa: E402
 from strata.bench.graph_timing import graph_seconds  # noqa: E402
 from strata.kernels.gpu import decode_ops as ops  # noqa: E402
+from strata.kernels.gpu import latent_ops  # noqa: E402
 from strata.runtime.kv_cache import quantize_q8_0  # noqa: E402
 
 # name -> (H, Hkv, hd, sinks)
@@ -54,6 +62,10 @@ SHAPES = {"30b-a3b": (32, 4, 128, False), "gpt-oss-20b": (64, 8, 64, True),
           "qwen3.6-35b-a3b": (16, 2, 256, False)}
 CACHES = {"f32": torch.float32, "f16": torch.float16, "q8_0": torch.int8}
 LENGTHS = (512, 4096, 16384, 32768)
+# MLA: name -> (H, L kv_lora, R rope dims); the forms latent_attention runs
+MLA_SHAPES = {"deepseek-v3": (128, 512, 64), "kimi-k2": (64, 512, 64)}
+MLA_FORMS = ("exact", "tf32", "torch")
+LATENT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def kv_bytes(n: int, hkv: int, hd: int, cache: str) -> int:
@@ -149,6 +161,53 @@ def parse_tile(spec: str) -> ops.AttnLaunch:
     return ops.AttnLaunch(v, *map(int, nums))
 
 
+def mla_rows(a: argparse.Namespace, res: dict, shapes: list[str], timed: bool,
+             dev: torch.device) -> None:
+    """--mla: each (shape, cache type, length, form) timed over --copies caches in one graph,
+    printed and added to res["rows"]."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for shape in shapes:
+        h, lat, rope = MLA_SHAPES[shape]
+        for cache in [c for c in a.caches if c in LATENT]:
+            stores = [torch.randn(a.capacity, lat + rope, device=dev, generator=gen)
+                      .to(LATENT[cache]) for _ in range(a.copies if timed else 1)]
+            q_lat = torch.randn(1, h, lat, device=dev, generator=gen) * lat ** -0.25
+            q_pe = torch.randn(1, h, rope, device=dev, generator=gen) * rope ** -0.25
+            for n in a.lengths:
+                length = torch.full((1,), n, dtype=torch.int64, device=dev)
+                ref = latent_ops._latent_torch(q_lat, q_pe, stores[0], length, 0.1, None)
+                for form in MLA_FORMS:
+                    call = mla_call(form, q_lat, q_pe, stores, length, a.splits)
+                    if not timed:
+                        call(0)
+                        continue
+                    us = graph_seconds(call, calls=2 * len(stores), reps=5) * 1e6
+                    gbs = n * (lat + rope) * stores[0].element_size() / us / 1e3
+                    err = float((call(0) - ref).abs().max() / ref.abs().max())
+                    res["rows"].append(dict(shape=shape, H=h, L=lat, R=rope, cache=cache,
+                                            length=n, form=form, us=round(us, 2),
+                                            GBs=round(gbs, 1), err_vs_torch=err))
+                    print(f"{shape:12} {cache:5} {n:6} {form:5} {us:9.1f} us {gbs:7.0f} GB/s "
+                          f"{100 * gbs / res['hbm_copy_GBs']:4.0f}%  err {err:.0e}", flush=True)
+                    if a.json:
+                        Path(a.json).write_text(json.dumps(res, indent=1))
+            stores.clear()  # (one shape and type's copies held at a time)
+            torch.cuda.empty_cache()
+
+
+def mla_call(form: str, q_lat: torch.Tensor, q_pe: torch.Tensor, stores: list[torch.Tensor],
+             length: torch.Tensor, splits: int | None):  # noqa: ANN201
+    """call(i) -> o_lat: `form` over copy i of the latent rows."""
+    def call(i: int) -> torch.Tensor:
+        c = stores[i % len(stores)]
+        if form == "torch":
+            return latent_ops._latent_torch(q_lat, q_pe, c, length, 0.1, None)
+        return latent_ops.latent_attention(q_lat, q_pe, c, length, 0.1, fused=form == "tf32",
+                                           n_splits=splits)
+
+    return call
+
+
 def warm(n: int) -> None:
     """This script's cases in n processes at once (each every n-th, one call each, untimed)."""
     args = [v for v in sys.argv[1:] if not v.startswith(("--warm=", "--json="))]
@@ -179,18 +238,24 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=8, help="caches a graph's calls cycle over")
     ap.add_argument("--splits", type=int, default=None, help="S instead of attention_splits")
     ap.add_argument("--warm", type=int, default=min(8, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--mla", action="store_true", help="MLA's absorbed decode instead")
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     pick = {k: [x for x in getattr(a, k).split(",") if x] for k in
             ("shapes", "caches", "tokens", "lengths", "variants")}
-    a.shapes = [s for s in SHAPES if any(p in s for p in pick["shapes"])]
+    shapes = MLA_SHAPES if a.mla else SHAPES
+    if a.mla and a.shapes == ",".join(SHAPES):
+        pick["shapes"] = list(MLA_SHAPES)
+    a.shapes = [s for s in shapes if any(p in s for p in pick["shapes"])]
     a.caches, a.variants = pick["caches"], pick["variants"]
     a.tiles = [x for x in a.tiles.split(",") if x]
     a.field = [x for x in a.field.split(",") if x]
     if any(f not in FIELD for f in a.field):
         ap.error(f"--field {','.join(a.field)}: choose from {','.join(FIELD)}")
     a.tokens, a.lengths = [int(x) for x in pick["tokens"]], [int(x) for x in pick["lengths"]]
-    if a.shard is None and a.warm > 1:
+    if a.mla and a.caches == list(CACHES):
+        a.caches = list(LATENT)
+    if a.shard is None and a.warm > 1 and not a.mla:
         warm(a.warm)
     shard, shards = map(int, a.shard.split("/")) if a.shard else (0, 1)
     dev = torch.device("cuda")
@@ -199,7 +264,11 @@ def main() -> None:
     if timed:
         res["hbm_copy_GBs"] = hbm_copy_gbs()
         print(f"HBM copy {res['hbm_copy_GBs']:.0f} GB/s; capacity {a.capacity} rows; err: "
-              "max |out - ieee's| / max |ieee's| on the same inputs")
+              + ("max |out - torch's| / max |torch's|" if a.mla else
+                 "max |out - ieee's| / max |ieee's|") + " on the same inputs")
+    if a.mla:
+        mla_rows(a, res, a.shapes, timed, dev)
+        return
     todo = [c for i, c in enumerate(cases(a)) if i % shards == shard]
     gen = torch.Generator(device=dev).manual_seed(0)
     caches_at: dict = {}

@@ -12,7 +12,8 @@
 # (bench_mapped.py), overlap (bench_gather_overlap.py), attention (bench_attention.py: decode
 # attention's split kernel variants at the 30B-A3B, gpt-oss-20b and qwen3.6-35b-a3b shapes by
 # cache type, tokens and length; ATTN_ARGS added, e.g. "--caches f32 --tokens 1", or
-# "--field sdpa,flex": torch's SDPA and FlexAttention on the same rows), profile
+# "--field sdpa,flex": torch's SDPA and FlexAttention on the same rows; then --mla, MLA's
+# absorbed decode kernel against its torch form, MLA_ARGS added), profile
 # (profile_decode.py at PROFILE_BUDGETS, each budget or budget:flags; PROFILE_TRACE=1 also
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing), ttft
 # (profile_prompt.py on prompts of TTFT_LEN tokens, "128 512", every expert resident: wall time,
@@ -133,7 +134,7 @@ if [[ $STAGES == *tests* ]]; then
     tests/test_cpu_share.py tests/test_prefetch.py tests/test_gemv_q8.py tests/test_lend.py \
     tests/test_kv_q8.py tests/test_spec.py tests/test_arch_qwen35.py tests/test_arch_gpt_oss.py \
     tests/test_arch_glm4moe.py tests/test_arch_deepseek2.py tests/test_reference.py \
-    tests/test_batched_step.py tests/test_paged_attention.py \
+    tests/test_batched_step.py tests/test_paged_attention.py tests/test_latent_ops.py \
     tests/test_constrain.py tests/test_cli.py::test_generate_on_a_named_cuda_device} \
     2>&1 \
     | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
@@ -180,6 +181,9 @@ if [[ $STAGES == *attention* ]]; then
   echo "== decode attention: split kernel variants by shape, cache type, tokens and length"
   timeout 300 python3 scripts/bench_attention.py --json "$OUT/attention.json" ${ATTN_ARGS:-} \
     2>&1 | tee "$OUT/attention.txt" | tail -80
+  echo "== MLA decode attention: the split kernel (exact, tf32) against the torch form"
+  timeout 200 python3 scripts/bench_attention.py --mla --json "$OUT/attention_mla.json" \
+    ${MLA_ARGS:-} 2>&1 | tee "$OUT/attention_mla.txt" | tail -40
 fi
 if [[ $STAGES == *mapped* ]]; then
   echo "== decode MoE layer reading experts from the mapped host arena"

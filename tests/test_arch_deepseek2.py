@@ -150,6 +150,94 @@ def test_decode_step_graphs_on_cuda(synth):
     assert_same(again, ref) and step.steps["captured"] == 1
 
 
+# the deepseek2 decode step on the CPU device with the Triton kernels interpreted: MLA's latent
+# attention through latent_ops' split kernel in every layer of every step (f32 and bf16 rows),
+# the logits the reference's (interpreted.py's prelude defines seed; PATH is the model)
+_STEP_INTERPRETED = """
+    from pathlib import Path
+    sys.path.insert(0, "tests")
+    from test_decode_step import PROMPT, decoded_logits
+    from test_offload import TOKENS, assert_same, offload
+    from strata.cli.logits import compute_logits
+    from strata.config import EngineConfig
+    from strata.engine.generator import Engine
+    from strata.kernels.gpu import latent_ops
+
+    path = Path(PATH)
+    real = latent_ops._latent_launch
+    for kv_type in ("f32", "bf16"):
+        ref = compute_logits(Engine.load(path, config=EngineConfig(kv_type=kv_type)), TOKENS)
+        engine = offload(path, "cpu", expert_cache="16", kv_type=kv_type)
+        calls = []
+        latent_ops._latent_launch = lambda *a, **k: calls.append(a[2].dtype) or real(*a, **k)
+        got = decoded_logits(engine, TOKENS)
+        latent_ops._latent_launch = real
+        layers = engine.model.cfg.n_layers
+        assert len(calls) == layers * (len(TOKENS) - PROMPT), len(calls)
+        assert set(calls) == {engine.model.kv_dtype}, calls
+        assert_same(got, ref[PROMPT:])
+    print("ok")
+"""
+
+
+def test_decode_step_through_the_latent_kernel_under_the_interpreter(synth):
+    """The decode step's MLA attention on the split kernel (as on CUDA), run by Triton's
+    interpreter on the CPU (~12 s)."""
+    pytest.importorskip("triton")
+    from interpreted import fresh_seed, run_interpreted
+
+    body = _STEP_INTERPRETED.replace("PATH", repr(str(synth(ARCH, "Q4_K_M"))))
+    run_interpreted(body, fresh_seed(), timeout=600)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels,kv_type", [("exact", "bf16"), ("fused", "f32")])
+def test_decode_step_graphs_on_the_latent_kernel_on_cuda(synth, kernels, kv_type):
+    """Graphs with MLA's attention on the split kernel: exact float32 over a bf16 latent cache
+    gives the reference's logits of that cache type; TF32 (--kernels fused, f32 rows) stays
+    within the 8-bit rounding of the experts' activations (test_decode_step's bound)."""
+    from test_decode_step import assert_within_x8_rounding
+
+    from strata.kernels.gpu import latent_ops
+
+    path = synth(ARCH, "Q4_K_M")
+    calls, real = [], latent_ops._latent_launch
+    latent_ops._latent_launch = lambda *a, **k: calls.append(a[6].tf32) or real(*a, **k)
+    try:
+        engine = offload(path, "cuda", expert_cache="16", kv_type=kv_type, kernels=kernels)
+        step = engine.model.step
+        if kernels == "fused":
+            assert_within_x8_rounding(engine, path)
+        else:
+            ref = compute_logits(Engine.load(path, config=EngineConfig(kv_type=kv_type)), TOKENS)
+            assert_same(decoded_logits(engine, TOKENS), ref[PROMPT:])
+    finally:
+        latent_ops._latent_launch = real
+    assert step.graphs and not step._failed and step.steps["replayed"] > 0
+    assert calls and set(calls) == {kernels == "fused"}
+
+
+@pytest.mark.cuda
+def test_batched_step_on_cuda_gives_the_torch_forms_logits(synth):
+    """The batched step's graphs over a paged pool (blocks of 3 rows), MLA's attention on the
+    split kernel reading each row's latents through its block table: each sequence's logits as
+    the CPU's torch form gives them decoded alone."""
+    from test_batched_step import PROMPTS, STEPS, alone, batched, pool_for
+
+    from strata.engine.batch_step import BatchStep
+
+    path = synth(ARCH, "Q4_K_M")
+    engine = offload(path, "cuda", expert_cache="16")
+    cpu = offload(path, "cpu", expert_cache="16")
+    step = BatchStep(engine.model, pool_for(engine, 4, block=3), "graphs")
+    fed, logits = batched(engine, step, PROMPTS[:3], STEPS)
+    for p, f, got in zip(PROMPTS[:3], fed, logits, strict=True):
+        ref = alone(cpu, p, f)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * max(1, np.abs(ref).max()))
+        assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert not step._failed and step.steps["captured"] >= 1 and step.steps["replayed"] > 0
+
+
 def test_plan_counts_the_latent_cache(synth):
     from strata.engine.memory_plan import make_plan
     from strata.experts.layout import expert_layouts

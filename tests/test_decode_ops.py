@@ -496,19 +496,8 @@ KNOWN_SPILLS = {("ieee", m, kv) for m in ("qwen3-30b-a3b", "qwen3.6-35b-a3b")
 def split_kernel_resources(variant: str, t: int, h: int, hkv: int, hd: int, window: int,
                            kv: str, capacity: int = 32768,
                            tile: ops.AttnLaunch | None = None) -> dict:
-    """The split kernel as the launch builds it for sm_90 (no GPU), with the specialization
-    Triton's launcher gives its arguments (pointers 16-byte aligned, ints equal to 1 constant,
-    multiples of 16 marked so), over contiguous caches of `capacity` rows: shared bytes,
-    registers, spill stores and local bytes (cuobjdump of the cubin). tile: another than the
-    variant's (tuning)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The split kernel as the launch builds it for sm_90 (no GPU), over contiguous caches of
+    `capacity` rows: sm90_resources. tile: another than the variant's (tuning)."""
     g = h // hkv
     tile = tile or ops.attention_launch(variant, t, g, hd)
     q8 = kv == "q8_0"
@@ -526,18 +515,35 @@ def split_kernel_resources(variant: str, t: int, h: int, hkv: int, hd: int, wind
                 RB=-(-t * g // tile.block_m), stride_qt=h * hd, stride_qh=hd,
                 stride_kr=hkv * hd, stride_kh=hd, stride_vr=hkv * hd, stride_vh=hd,
                 stride_ksr=hkv * sd, stride_ksh=sd, stride_vsr=hkv * sd, stride_vsh=sd)
-    const |= {k: 1 for k, v in ints.items() if v == 1}
-    sig = {"q": "*fp32", "kc": f"*{elem}", "vc": f"*{elem}", "ks": scales, "vs": scales,
-           "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32", "scale": "fp32",
+    pointers = {"q": "*fp32", "kc": f"*{elem}", "vc": f"*{elem}", "ks": scales, "vs": scales,
+                "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32"}
+    return sm90_resources(fn, pointers, {"scale": "fp32"}, ints, const, tile.warps)
+
+
+def sm90_resources(fn, pointers: dict, floats: dict, ints: dict, const: dict,  # noqa: ANN001
+                   warps: int) -> dict:
+    """`fn` built by Triton for sm_90 (no GPU) with the specialization Triton's launcher gives
+    its arguments (pointers 16-byte aligned, ints equal to 1 constant, multiples of 16 marked
+    so): shared bytes, registers, spill stores and local bytes (cuobjdump of the cubin).
+    pointers, floats: {name: type}; ints: {name: value}; const: the constexprs."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = const | {k: 1 for k, v in ints.items() if v == 1}
+    sig = {**pointers, **floats,
            **{k: "constexpr" if v == 1 else "i32" for k, v in ints.items()},
            **dict.fromkeys(const, "constexpr")}
     names = list(fn.arg_names)
-    aligned = [names.index(k) for k in ("q", "kc", "vc", "ks", "vs", "length", "part_o",
-                                         "part_ml")]
+    aligned = [names.index(k) for k in pointers]
     aligned += [names.index(k) for k, v in ints.items() if v != 1 and v % 16 == 0]
     k = triton.compile(ASTSource(fn, sig, constexprs=const,
                                  attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps})
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

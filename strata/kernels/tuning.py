@@ -158,6 +158,21 @@ ATTN_FMA_TILE = (8 * 16 * 128, 128, 2, 8)
 # registers) in the sm_90 build. bench: none yet
 ATTN_TF32_TILE = (8192, 3, 8)
 
+# MLA's absorbed decode (kernels/gpu/latent_ops.py): (heads a CTA, tl.dot's rows; rows a step;
+# stages; warps) of the exact float32 kernel (False) and the TF32 one (True, --kernels fused).
+# In the sm_90 build at DeepSeek-V3's shape (H 128, L 512, R 64) over f32, f16 and bf16 rows,
+# one sequence or paged: exact (16, 16, 1, 8) 110-119 registers, 72 KiB shared, no spills;
+# with 32 rows a step or 2 stages it spilled (4-8 stores over f32 and bf16 at 32 rows, over
+# 2000 with a bf16 cache and 2 stages: the FMA-emulated dot's layouts); TF32 (16, 32, 2, 8)
+# 162-234 registers, 74-172 KiB, no spills. tests/test_latent_ops.py checks both builds.
+# bench: none yet (scripts/bench_attention.py --mla times them against the torch form)
+MLA_TILES = MappingProxyType({False: (16, 16, 1, 8), True: (16, 32, 2, 8)})
+# tokens x head blocks x splits aimed at: ~1 CTA per SM of an H200 (132) when every split is
+# live; each live split writes [H, L] float32 partials (256 KiB a split at DeepSeek-V3's 128
+# heads), so fewer, longer splits than the GQA kernels' ATTN_TARGET_CTAS. An estimate (bench:
+# none)
+MLA_TARGET_CTAS = 128
+
 # ---- the CPU share and the mailbox (kernels/gpu/mailbox.py, kernels/cpu, experts/cpu_share.py) --
 
 # polls of done[l] before a take gives up: seconds at PCIe latency, far past any real share.

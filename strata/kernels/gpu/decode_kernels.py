@@ -529,3 +529,70 @@ def _paged_reduce_kernel(part_o, part_ml, length, out, B, H, S, stride_ob, sinks
     _combine_splits(part_o, part_ml, out + b.to(tl.int64) * stride_ob, n,
                     _window_lo(n, 1, WINDOW), B, b, h, H, S, sinks, HD, MIN_CHUNK, BLOCK_N,
                     BLOCK_S, BLOCK_D, HAS_SINKS)
+
+
+@triton.jit
+def _latent_split_kernel(ql, qp, cache, read, length, part_o, part_ml, scale, B, H, S,
+                         stride_qb, stride_qh, stride_pb, stride_ph, stride_cr, stride_rb,
+                         L: tl.constexpr, R: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+                         BLOCK_R: tl.constexpr, STAGES: tl.constexpr, PAGED: tl.constexpr,
+                         TF32: tl.constexpr):
+    # program (b, hb, s): heads hb·BLOCK_H .. of row b (one token at position n - 1,
+    # n = length[b]) over split s of its cached rows [0, n) (MLA's absorbed form); position j's
+    # row is cache row j (one sequence) or read[b, j] (PAGED: a pool through a block table).
+    # score_hj = (q_lat_h · c_j + q_pe_h · k_pe_j) · scale over the rows [c ; k_pe] [L + R];
+    # acc_h = Σ_j p_hj c_j [L] (the latent, which the caller multiplies by v_b). Every head
+    # reads the same rows: a block of BLOCK_N rows is loaded once for the CTA's BLOCK_H heads,
+    # the rows of tl.dot's tile. Online softmax in float32; the products exact float32
+    # ("ieee": FMA, no TF32) or, with TF32 (--kernels fused), on TF32 tensor cores. Writes
+    # (max, sum, unnormalized latent) per head into [S, B, H]; _paged_reduce_kernel combines.
+    b = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    s = tl.program_id(2)
+    n = tl.load(length + b).to(tl.int32)
+    chunk = _split_chunk(n, S, MIN_CHUNK, BLOCK_N)
+    start = s * chunk
+    end = tl.minimum(start + chunk, n)
+    if start < n:
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < H
+        dl = tl.arange(0, BLOCK_L)
+        dlm = dl < L
+        dr = tl.arange(0, BLOCK_R)
+        drm = dr < R
+        qlt = tl.load(ql + b * stride_qb + h[:, None] * stride_qh + dl[None, :],
+                      mask=hm[:, None] & dlm[None, :], other=0.0)  # [BLOCK_H, BLOCK_L]
+        qpt = tl.load(qp + b * stride_pb + h[:, None] * stride_ph + dr[None, :],
+                      mask=hm[:, None] & drm[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+        m_i = tl.full((BLOCK_H,), _NEG, tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+        for j0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+            j = j0 + tl.arange(0, BLOCK_N)
+            jm = j < end
+            if PAGED:
+                rows = tl.load(read + b * stride_rb + j, mask=jm, other=0).to(tl.int64)
+            else:
+                rows = j.to(tl.int64)
+            base = cache + rows[:, None] * stride_cr  # [BLOCK_N, 1]; rows >= n never read
+            c = tl.load(base + dl[None, :], mask=jm[:, None] & dlm[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_L]
+            kp = tl.load(base + L + dr[None, :], mask=jm[:, None] & drm[None, :],
+                         other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+            if TF32:
+                sc = (tl.dot(qlt, tl.trans(c), input_precision="tf32")
+                      + tl.dot(qpt, tl.trans(kp), input_precision="tf32"))
+            else:
+                sc = (tl.dot(qlt, tl.trans(c), input_precision="ieee")
+                      + tl.dot(qpt, tl.trans(kp), input_precision="ieee"))
+            sc = tl.where(jm[None, :], sc * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
+            if TF32:
+                pv = tl.dot(p, c, input_precision="tf32")
+            else:
+                pv = tl.dot(p, c, input_precision="ieee")
+            acc = acc * alpha[:, None] + pv  # [BLOCK_H, BLOCK_L]
+            m_i = m_new
+        row = ((s * B + b) * H + h).to(tl.int64)  # [BLOCK_H], into [S, B, H]
+        _store_split(part_o, part_ml, row, acc, m_i, l_i, hm, dl, dlm, L)

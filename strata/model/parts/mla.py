@@ -10,8 +10,11 @@ Two equal forms of the same attention (scale = mscale^2 / sqrt(nope + rope)):
                               o_h = v_b[h] (softmax . c), attending in the latent space (the
                               cached rows as they are, no expansion)
 A segment of at most ABSORB_MAX_T tokens takes the absorbed form (decode, batched decode,
-short chunks), a longer one the expanded form. In the decode step (StaticStep) the absorbed
-form in torch ops over the storage's rows, masked below the device-side length (capturable).
+short chunks), a longer one the expanded form. In the decode steps (StaticStep: one sequence,
+or a batch's rows over a pool) the absorbed form through latent_ops.latent_attention: on CUDA
+split-KV kernels that read only the rows below the device-side length (exact float32, or TF32
+with --kernels fused), elsewhere the same form in torch ops over the storage's rows, masked
+(both capturable).
 
 Legend: T tokens, Tk cached tokens, H heads, L kv_lora, R rope dims, N nope dims, V value dims.
 """
@@ -75,35 +78,22 @@ class MLAttention:
 
     def _step(self, q_nope: torch.Tensor, q_pe: torch.Tensor, row: torch.Tensor,
               ctx: StaticStep) -> torch.Tensor:
-        """The decode step's token: its row stored at ctx.pos, then the absorbed attention
-        over the storage's rows below ctx.length (graph-safe: no host sync, shapes fixed by the
-        storage). -> [1, H*V]. With ctx.rows: B sequences of one pool, each over its own rows."""
-        if ctx.rows is not None:
-            return self._rows(q_nope, q_pe, row, ctx)
-        store = ctx.kv.store[self.layer]  # [capacity, L + R]
-        store.index_copy_(0, ctx.pos, row.to(store.dtype))
-        valid = torch.arange(store.shape[0], device=store.device)[None] < ctx.length  # [1, Tk]
-        # (rows past the length hold whatever the storage held: zeroed, so that their zero
-        # weights cannot meet a NaN there)
-        cached = store.float().masked_fill(~valid[0, :, None], 0.0)
-        return self._latent(q_nope, q_pe, cached, valid)
+        """The decode step's token: its row stored at ctx.pos, then the absorbed attention over
+        the storage's rows below ctx.length (latent_ops.latent_attention: the split kernels on
+        CUDA, torch ops over the whole storage, masked, elsewhere; graph-safe either way).
+        -> [1, H*V]. With ctx.rows: B sequences of one pool, row b stored at pool row
+        write[b], each attending over its rows read[b] below length[b] -> [B, H*V]."""
+        from strata.kernels.gpu.latent_ops import latent_attention
 
-    def _rows(self, q_nope: torch.Tensor, q_pe: torch.Tensor, row: torch.Tensor,
-              ctx: StaticStep) -> torch.Tensor:
-        """One token of each of B sequences: row b stored at pool row write[b], then the
-        absorbed attention over its rows read[b] below length[b]. -> [B, H*V]"""
-        lw, r, B = self.lw, ctx.rows, q_nope.shape[0]
-        store = r.pool.latent[self.layer]  # [R, L + R']
-        store.index_copy_(0, r.write, row.to(store.dtype))
-        valid = (torch.arange(r.read.shape[1], device=store.device)[None]
-                 < ctx.length.long()[:, None])  # [B, Tk]
-        cached = store[r.read].float().masked_fill(~valid[..., None], 0.0)  # [B, Tk, L + R']
-        c, k_pe = cached[..., : self.L], cached[..., self.L:]
-        q_lat = torch.einsum("bhn,hln->bhl", q_nope, lw.k_b)  # [B, H, L]
-        scores = (torch.einsum("bhl,bkl->bhk", q_lat, c)
-                  + torch.einsum("bhr,bkr->bhk", q_pe, k_pe)) * self.scale  # [B, H, Tk]
-        p = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
-        o_lat = torch.einsum("bhk,bkl->bhl", p, c)  # [B, H, L]
+        lw, B, r = self.lw, q_nope.shape[0], ctx.rows
+        if r is None:
+            store, read, at = ctx.kv.store[self.layer], None, ctx.pos  # [capacity, L + R]
+        else:
+            store, read, at = r.pool.latent[self.layer], r.read, r.write  # [rows, L + R]
+        store.index_copy_(0, at, row.to(store.dtype))
+        q_lat = torch.einsum("bhn,hln->bhl", q_nope, lw.k_b).contiguous()  # [B, H, L]
+        o_lat = latent_attention(q_lat, q_pe.contiguous(), store, ctx.length, self.scale, read,
+                                 fused=ctx.fused_attention)  # [B, H, L]
         return torch.einsum("bhl,hvl->bhv", o_lat, lw.v_b).reshape(B, self.H * self.V)
 
     def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cached: torch.Tensor,
