@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from strata.config import EngineConfig, ModelConfig
+from strata.kernels.gpu.chunk_attention import flash_reads
 from strata.kernels.tuning import DEQUANT_MIN_M, PROMPT_GRAPH_BUCKETS
 from strata.model.parts.spec import layer_spec
 from strata.runtime.waits import wait_event
@@ -228,7 +229,6 @@ class ChunkGraphs:
     def _device_reason(self) -> str | None:
         """What the built engine on this GPU keeps from the graphs (None: nothing); may drop
         the buckets whose MoE layers take a path with a host sync here."""
-        from strata.kernels.gpu.chunk_attention import flash_reads
         from strata.kernels.gpu.moe import use_grouped
 
         cfg = self.cfg
@@ -271,6 +271,8 @@ class ChunkGraphs:
             return f"longer than {self.buckets[-1]} tokens"
         if getattr(kv, "paged", False) or kv.state is not None or kv.dtype != model.kv_dtype:
             return "a paged, hybrid or other-typed cache"
+        if self.graphs and not flash_reads(kv.k[0]):  # (a pass without it slices on the host)
+            return "no flash attention over the cache"
         if kv.limit is not None and kv.length + t > kv.limit:
             return "padding past the cache's planned rows"
         if model.hidden_hook is not None or any(model.layers[int(i)].ffn.hook is not None

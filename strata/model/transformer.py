@@ -63,7 +63,7 @@ class MoETransformer:
         if self.step is not None:
             self.experts.before_pass(1)
             return self.step(token, kv)
-        return self.forward(torch.tensor([token]), [Segment(kv, 1)])
+        return self._forward(torch.tensor([token]), [Segment(kv, 1)])  # (one token: no bucket)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         """A KV cache for `capacity` tokens (it grows past them, up to kv_limit rows where the
@@ -102,19 +102,29 @@ class MoETransformer:
         Returns [T, V] when all_logits, else [n_segments, V] (each segment's last position).
         Each segment's KV cache grows by its length. marks: told after each layer and after
         the head (`marks.after(i)`: a verify window's bounded wait, strata.engine.spec).
+        One prompt chunk is replayed from a CUDA graph where the engine built them and one
+        applies (strata.engine.chunk_graph), the same layers over static buffers.
         """
-        cfg = self.cfg
         if sum(s.length for s in segments) != tokens.shape[0]:
             raise ValueError("segments do not cover the tokens")
-        if self.chunks is not None:  # one prompt chunk from CUDA graphs, where one applies
+        if self.chunks is not None:
             logits = self.chunks(tokens, segments, all_logits, marks)
             if logits is not None:
                 return logits
+        return self._forward(tokens, segments, all_logits, marks)
+
+    @torch.inference_mode()
+    def _forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
+                 all_logits: bool = False, marks: object | None = None) -> torch.Tensor:
+        """forward's passes run eagerly."""
+        cfg = self.cfg
         self.experts.before_pass(tokens.shape[0])
         timer = self.gpu_timer()
         t0 = timer.start() if timer else None
-        positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
-                               for s in segments]).to(self.device)
+        # (small host tensors through pinned memory: a plain .to() from pageable memory waits
+        # for the stream's queued work)
+        positions = to_device(torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
+                                         for s in segments]), self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         if (self.fused_attention and len(segments) == 1 and cfg.yarn is None
@@ -130,7 +140,8 @@ class MoETransformer:
             s.kv.advance(s.length)
         ends = None
         if not all_logits:
-            ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
+            ends = to_device(torch.tensor([s.length for s in segments]).cumsum(0) - 1,
+                             self.device)
         logits = self.head.forward(x, delta, ctx, rows=ends)
         if marks is not None:
             marks.after(len(self.layers))

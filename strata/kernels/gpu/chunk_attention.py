@@ -20,10 +20,14 @@ Legend: T new tokens, H heads, Hkv kv heads, hd head dim, C cache capacity (rows
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
+log = logging.getLogger("strata.kernels")
+
 HALF = (torch.float16, torch.bfloat16)
+_REFUSED: list[str] = []  # why torch's flash kernel refused a call (then never tried again)
 
 
 def flash_reads(k_cache: torch.Tensor) -> bool:
@@ -31,7 +35,7 @@ def flash_reads(k_cache: torch.Tensor) -> bool:
     a head dim flash takes (a multiple of 8, at most 256), a GPU and torch build with flash."""
     hd = k_cache.shape[-1]
     return (k_cache.is_cuda and k_cache.dtype in HALF and hd % 8 == 0 and hd <= 256
-            and _flash_available(k_cache.device))
+            and not _REFUSED and _flash_available(k_cache.device))
 
 
 @functools.cache
@@ -67,10 +71,20 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         cu_q = torch.arange(0, 2 * t, t, dtype=torch.int32, device=dev)
         cu_k = torch.arange(0, 2 * cap, cap, dtype=torch.int32, device=dev)
         used = length.reshape(1).to(torch.int32)
-        out = torch.ops.aten._flash_attention_forward(
-            q.to(k_cache.dtype), k_cache, v_cache, cu_q, cu_k, t, cap, 0.0, True, False,
-            scale=scale, seqused_k=used)[0]  # [T, H, hd]
-        return out.reshape(t, h * hd).float()
+        try:
+            out = torch.ops.aten._flash_attention_forward(
+                q.to(k_cache.dtype), k_cache, v_cache, cu_q, cu_k, t, cap, 0.0, True, False,
+                scale=scale, seqused_k=used)[0]  # [T, H, hd]
+        except RuntimeError as e:
+            if torch.cuda.is_current_stream_capturing():
+                raise  # (a capture fails whole: its chunk runs eagerly, and lands below)
+            # a torch build whose flash kernel refuses this form: said once, then the callers
+            # take their other path (flash_reads is False from here on); this call the torch form
+            _REFUSED.append(str(e).splitlines()[0][:200])
+            log.warning("flash attention over the KV cache refused (%s): prompt chunks attend "
+                        "over bf16 copies of their rows", _REFUSED[0])
+        else:
+            return out.reshape(t, h * hd).float()
     from strata.kernels.gpu.decode_ops import _attention_torch
 
     rounded = q.to(k_cache.dtype).float() if k_cache.dtype in HALF else q
