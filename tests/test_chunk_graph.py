@@ -305,6 +305,9 @@ def test_graphs_give_the_eager_logits_and_rows(synth):
     shapes) the logits and KV rows are bit-equal; elsewhere the padded rows change the
     matmuls' row counts (and so their bf16 kernels' tiles): within bf16 rounding (KL 1e-3, the
     rows 2e-2 of their scale). Each bucket is captured once, every later chunk replayed."""
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("torch._grouped_mm reads its groups on the host here: the buckets stop "
+                    "below the grouped MoE path")
     engine = cuda_engine(synth)
     model = engine.model
     graphs = model.chunks
@@ -385,8 +388,27 @@ def test_flash_chunk_attention_equals_its_torch_form(dtype, t, start):
     q = torch.randn(t, h, hd, generator=g).cuda()
     k = torch.randn(cap, hkv, hd, generator=g).to(dtype).cuda()
     v = torch.randn(cap, hkv, hd, generator=g).to(dtype).cuda()
+    k[start + t:], v[start + t:] = float("nan"), float("nan")  # past the length: never read
     n = torch.tensor([start + t], device="cuda")
     out = chunk_attention(q, k, v, n, hd ** -0.5)
     ref = chunk_attention(q.cpu(), k.cpu(), v.cpu(), n.cpu(), hd ** -0.5)
-    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
-    assert float((out.cpu() - ref).abs().max()) < tol
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3  # (flash rounds p to the type for p.V)
+    assert torch.isfinite(out).all() and float((out.cpu() - ref).abs().max()) < tol
+
+
+def test_the_device_counters_count_the_real_rows_and_outlive_a_reset():
+    """count_on_device with a live mask counts the real rows' pairs only; a reset zeroes the
+    device counters in place (captured graphs write into them: a new tensor would leave the
+    graphs counting into freed memory)."""
+    from strata.experts.stats import OffloadStats
+
+    st = OffloadStats(2, 4)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():  # (as a forward makes it: an inference tensor)
+        counter = st.routed_on_device(cpu)
+        st.count_on_device(1, torch.tensor([[0, 3], [3, 2], [1, 1]]),
+                           torch.tensor([1, 1, 0], dtype=torch.int32))
+    assert st.routed[1].tolist() == [1, 0, 1, 2]
+    st.reset()
+    assert st.routed_on_device(cpu) is counter and not counter.any()
+    assert st.routed.sum() == 0

@@ -58,9 +58,16 @@ class OffloadStats:
         self._routed_dev: torch.Tensor | None = None  # counted without a host sync
 
     def reset(self) -> None:
-        """Every counter back to zero (after a warm-up pass, say); the timer stays."""
+        """Every counter back to zero (after a warm-up pass, say); the timer stays. The device
+        counters are zeroed where they are: captured CUDA graphs (decode steps, prompt chunks)
+        count into them."""
         self.settle()
+        routed_dev = self._routed_dev
         self.__post_init__()
+        if routed_dev is not None:
+            with torch.inference_mode():  # (made in it)
+                routed_dev.zero_()
+            self._routed_dev = routed_dev
         self.bytes_h2d = self.admissions = self.steps = 0
         self.cpu_s = 0.0
 
