@@ -78,7 +78,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if not ec.use_offload:
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
         model.kv_dtype = kv_elem
-        log.info(f"prompt graphs: off, {blocked(cfg, ec)}; prompt chunks run eagerly")
+        if dev.type == "cuda":  # (the CPU's reference layout has no other way to run them)
+            log.info(f"prompt graphs: off, {blocked(cfg, ec)}; prompt chunks run eagerly")
         return model
     from strata.engine.memory_plan import make_plan
 
