@@ -396,6 +396,7 @@ class EngineConfig:
     stream_min: int | None = None  # chunk tokens from which misses stream (None: auto)
     kernels: str = "fused"  # fused | exact (fused only for <= 4 tokens, float32-exact) | off
     decode_step: str = "graphs"  # graphs | eager | off: one-sequence decode (offload runtime)
+    prompt_graphs: str = "on"  # on | off: prompt chunks replayed from CUDA graphs where they can
     debug: bool = False  # check cache invariants after every layer
     spec: int = 0  # --spec T: drafted tokens per verify window at most (0: off)
     draft: str = "auto"  # --draft auto | ngram | mtp | PATH.gguf (strata.engine.drafters)

@@ -68,6 +68,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="one sequence's decode token on the offload runtime: static buffers "
                    "captured as CUDA graphs (graphs; eager on the CPU), the same pieces run "
                    "eagerly, or off (the plain batched forward)")
+    g.add_argument("--prompt-graphs", default="on", choices=["on", "off"],
+                   help="prompt chunks of one sequence on CUDA, with every expert in VRAM and "
+                   "an f16 or bf16 KV cache: each chunk padded up to a bucket of 16, 32, 64 .. "
+                   "tokens (as many as the memory plan holds the graph pool of) and replayed "
+                   "from a CUDA graph captured on the bucket's first chunk, so the host no "
+                   "longer launches every kernel of every chunk (on: where that applies, the "
+                   "load log says; off: every chunk eagerly)")
     g.add_argument("--stream-min", default="auto", metavar="auto|T",
                    help="chunk tokens from which missed experts are streamed (auto: measured)")
     g.add_argument("--cpu-share", type=int, default=0, metavar="N",
@@ -175,6 +182,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_profile=args.expert_profile, miss=args.miss, threads=threads, ctx=args.ctx,
         kv_type=kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
+        prompt_graphs=getattr(args, "prompt_graphs", "on"),
         cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False),
         spec=spec, draft=getattr(args, "draft", "auto"))
 

@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(experts.stats.lines()), file=sys.stderr)
         if engine.model.step is not None:
             print(engine.model.step.line(), file=sys.stderr)
+        if engine.model.chunks is not None:
+            print(engine.model.chunks.line(), file=sys.stderr)
         if experts.cache.lends:
             print(experts.cache.line(), file=sys.stderr)
     elif args.stats:

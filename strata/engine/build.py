@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from strata.config import EngineConfig, ModelConfig
+from strata.engine.chunk_graph import PROMPT_GRAPH_MODES, ChunkGraphs, blocked
 from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
 from strata.errors import StrataError
 from strata.experts.arena import Arena
@@ -66,6 +67,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if ec.decode_step not in DECODE_STEP_MODES:  # before the arena is filled
         raise StrataError(f"--decode-step {ec.decode_step}: choose from "
                           f"{', '.join(DECODE_STEP_MODES)}")
+    if ec.prompt_graphs not in PROMPT_GRAPH_MODES:
+        raise StrataError(f"--prompt-graphs {ec.prompt_graphs}: choose from "
+                          f"{', '.join(PROMPT_GRAPH_MODES)}")
     fused_max_t = FUSED_MAX_T[ec.kernels]
     kv_elem = kv_dtype(ec.kv_type)  # (refused before anything loads)
     if cfg.kv_lora and ec.kv_type == "q8_0":
@@ -74,6 +78,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if not ec.use_offload:
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
         model.kv_dtype = kv_elem
+        if dev.type == "cuda":  # (the CPU's reference layout has no other way to run them)
+            log.info(f"prompt graphs: off, {blocked(cfg, ec)}; prompt chunks run eagerly")
         return model
     from strata.engine.memory_plan import make_plan
 
@@ -172,4 +178,6 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         model.kv_limit = plan.ctx  # (the plan's KV rows: a cache past them would pass the budget)
     if ec.decode_step != "off":
         model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)
+    # prompt chunks from CUDA graphs where they apply (its log line says which, or why not)
+    model.chunks = ChunkGraphs(model, plan.prompt_buckets, plan.prompt_graphs_note or None)
     return model

@@ -28,6 +28,7 @@ from strata.config import (
     prefetch_pays,
 )
 from strata.config_hybrid import state_bytes
+from strata.engine.chunk_graph import plan_buckets
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
@@ -77,11 +78,16 @@ class MemoryPlan:
     ring_note: str = ""  # why there is no ring, where that is a choice
     ctx_note: str = ""  # where the planned context comes from (--ctx, the model's, ...)
     context: int = 0  # the CUDA context's own VRAM, in a --vram-budget (tuning.CUDA_CONTEXT)
+    # the prompt graphs' pool and static buffers (strata.engine.chunk_graph.plan_buckets), the
+    # buckets they hold, and why none where they do not apply
+    prompt_graphs: int = 0
+    prompt_buckets: tuple[int, ...] = ()
+    prompt_graphs_note: str = ""
 
     @property
     def left(self) -> int:
         return (self.budget - self.context - self.dense - self.kv - self.workspace
-                - self.staging - self.ring - self.cache)
+                - self.staging - self.ring - self.cache - self.prompt_graphs)
 
     @property
     def lent(self) -> int:
@@ -111,6 +117,10 @@ class MemoryPlan:
                            + (" and the ring" if self.lent_ring else "")
                            + f" while decoding, {fmt_bytes(self.lent)})"
                            if sum(self.lent_per_layer) else ")"),
+            f"  prompt graphs  {f(self.prompt_graphs):>10} (" + (
+                f"chunks padded to {', '.join(map(str, self.prompt_buckets))} tokens: one pool, "
+                "the largest pass's" if self.prompt_buckets else
+                f"none: {self.prompt_graphs_note}") + ")",
             f"  host arena     {f(self.arena):>10} of {f(self.host_available)} RAM available",
             f"  left           {f(self.left):>10}",
         ]
@@ -329,6 +339,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{fmt_bytes(avail)} is available; close other programs or use a "
                           "machine with more RAM")
     borrow = max(0, min(budget - fixed - kv - cache, borrow_cap)) // 256 * 256
+    # prompt chunks replayed from CUDA graphs: their pool from what is left (never from the
+    # cache: a plan whose experts do not all fit takes none)
+    graphs, buckets, graphs_note = plan_buckets(cfg, ec, layouts, slots, chunk, prompt_weights,
+                                                budget - fixed - kv - cache - borrow)
     lent, lent_ring = (), False
     if dev.type == "cuda" and ec.kernels == "fused" and ec.decode_step != "off" and \
             ec.expert_cache == "auto" and ec.sequences <= 1:
@@ -345,7 +359,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       staging_slots, ring, max(1, ec.sequences), slots, cache, arena, avail,
                       chunk, prompt_weights, borrow, ec.kv_type,
                       tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,
-                      ring_note, ctx_note, context)
+                      ring_note, ctx_note, context, prompt_graphs=graphs,
+                      prompt_buckets=buckets, prompt_graphs_note=graphs_note)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

@@ -58,9 +58,16 @@ class OffloadStats:
         self._routed_dev: torch.Tensor | None = None  # counted without a host sync
 
     def reset(self) -> None:
-        """Every counter back to zero (after a warm-up pass, say); the timer stays."""
+        """Every counter back to zero (after a warm-up pass, say); the timer stays. The device
+        counters are zeroed where they are: captured CUDA graphs (decode steps, prompt chunks)
+        count into them."""
         self.settle()
+        routed_dev = self._routed_dev
         self.__post_init__()
+        if routed_dev is not None:
+            with torch.inference_mode():  # (made in it)
+                routed_dev.zero_()
+            self._routed_dev = routed_dev
         self.bytes_h2d = self.admissions = self.steps = 0
         self.cpu_s = 0.0
 
@@ -74,10 +81,15 @@ class OffloadStats:
             self._routed_dev = torch.zeros(self._routed.shape, dtype=torch.int32, device=device)
         return self._routed_dev
 
-    def count_on_device(self, layer: int, ids: torch.Tensor) -> None:
+    def count_on_device(self, layer: int, ids: torch.Tensor,
+                        live: torch.Tensor | None = None) -> None:
+        """Count the pairs of ids [T, K] on the device; live: int32 [T] 1 for the rows to count,
+        0 for the others (a padded chunk's, strata.engine.chunk_graph)."""
         self.routed_on_device(ids.device)
         flat = ids.flatten().long()  # scatter_add_, not bincount: bincount syncs to size its output
-        self._routed_dev[layer].scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ones = (torch.ones_like(flat, dtype=torch.int32) if live is None
+                else live.to(torch.int32)[:, None].expand(ids.shape).reshape(-1))
+        self._routed_dev[layer].scatter_add_(0, flat, ones)
 
     def settle(self) -> None:
         for fn in self.settlers:

@@ -240,6 +240,13 @@ FUSED_MAX_T = MappingProxyType({"fused": 1 << 30, "exact": 4, "off": 0})
 # bench/2026-11-30-h200-offload.md
 BF16_ATTENTION_MIN_T = 4
 
+# prompt chunks of one sequence replayed from CUDA graphs (engine/chunk_graph.py): a chunk runs in
+# the smallest of these buckets that holds it, padded after its real tokens. Powers of two from
+# 16 (the smallest tl.dot tile: a shorter chunk costs its launches, not its rows) to the plan's
+# largest chunk, so padding at most doubles a chunk's rows; the memory plan keeps the buckets
+# whose graph pool fits what it leaves (a policy, not a timing: bench none)
+PROMPT_GRAPH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
 # --prefetch auto on CUDA decode steps (where the cache is small: prefetch_pays):
 # at 2 GiB (30B-A3B, H200, LRU, before lent slots) 2 gave 42.8-45.1 tok/s against 40.6-40.9
 # without, 1 gave 42.2 and 3-4 42.8-43.4 (bench/2026-11-30-h200-prefetch2.md); with LFU and lent

@@ -43,6 +43,8 @@ class MoETransformer:
         self.layers = [Layer.build(cfg, lw, i) for i, lw in enumerate(weights.layers)]
         self.head = Head(weights.output_norm, weights.output, cfg.rms_eps)
         self.step = None  # a DecodeStep (strata.engine.decode_step) when the engine made one
+        # ChunkGraphs (strata.engine.chunk_graph): prompt chunks replayed from CUDA graphs
+        self.chunks = None
         self.max_chunk: int | None = None  # prompt tokens per forward the memory plan allows
         # CUDA with --kernels fused: prompt chunks attend on bf16 tensor cores, a few tokens
         # over a float16 / bfloat16 KV cache through the decode kernel
@@ -61,7 +63,7 @@ class MoETransformer:
         if self.step is not None:
             self.experts.before_pass(1)
             return self.step(token, kv)
-        return self.forward(torch.tensor([token]), [Segment(kv, 1)])
+        return self._forward(torch.tensor([token]), [Segment(kv, 1)])  # (one token: no bucket)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         """A KV cache for `capacity` tokens (it grows past them, up to kv_limit rows where the
@@ -100,45 +102,71 @@ class MoETransformer:
         Returns [T, V] when all_logits, else [n_segments, V] (each segment's last position).
         Each segment's KV cache grows by its length. marks: told after each layer and after
         the head (`marks.after(i)`: a verify window's bounded wait, strata.engine.spec).
+        One prompt chunk is replayed from a CUDA graph where the engine built them and one
+        applies (strata.engine.chunk_graph), the same layers over static buffers.
         """
-        cfg = self.cfg
         if sum(s.length for s in segments) != tokens.shape[0]:
             raise ValueError("segments do not cover the tokens")
+        if self.chunks is not None:
+            logits = self.chunks(tokens, segments, all_logits, marks)
+            if logits is not None:
+                return logits
+        return self._forward(tokens, segments, all_logits, marks)
+
+    @torch.inference_mode()
+    def _forward(self, tokens: torch.Tensor, segments: Sequence[Segment],
+                 all_logits: bool = False, marks: object | None = None) -> torch.Tensor:
+        """forward's passes run eagerly."""
+        cfg = self.cfg
         self.experts.before_pass(tokens.shape[0])
         timer = self.gpu_timer()
         t0 = timer.start() if timer else None
-        positions = torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
-                               for s in segments]).to(self.device)
+        # (small host tensors through pinned memory: a plain .to() from pageable memory waits
+        # for the stream's queued work)
+        positions = to_device(torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
+                                         for s in segments]), self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
         if (self.fused_attention and len(segments) == 1 and cfg.yarn is None
                 and not getattr(segments[0].kv, "paged", False)):
             # (one launch a layer for the q/k norms, RoPE and the cache store: GQAAttention;
             # a paged cache's rows go through its block table instead)
-            if self._inv_freq is None:
-                self._inv_freq = decode_ops().rope_inv_freq(cfg.rope_dim, cfg.rope_theta,
-                                                            self.device)
-            ctx.inv_freq = self._inv_freq
+            ctx.inv_freq = self.rope_inv_freq()
             ctx.pos = to_device(torch.tensor([segments[0].kv.length]), self.device)
-        x = self.w.embed.rows(tokens.to(self.device))  # [T, D]
-        delta = None  # each layer's output, added by the next residual step
-        for i, layer in enumerate(self.layers):
-            delta = layer.forward(x, delta, ctx)
-            if marks is not None:
-                marks.after(i)
+        x, delta = self.trunk(tokens.to(self.device), ctx, marks)
         if self.hidden_hook is not None:  # (before advance: each segment's kv.length is its start)
             self.hidden_hook(segments, x if delta is None else x + delta)
         for s in segments:
             s.kv.advance(s.length)
         ends = None
         if not all_logits:
-            ends = torch.tensor([s.length for s in segments], device=self.device).cumsum(0) - 1
+            ends = to_device(torch.tensor([s.length for s in segments]).cumsum(0) - 1,
+                             self.device)
         logits = self.head.forward(x, delta, ctx, rows=ends)
         if marks is not None:
             marks.after(len(self.layers))
         if timer:
             timer.stop(t0)
         return logits
+
+    def trunk(self, tokens: torch.Tensor, ctx: Segments,
+              marks: object | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [T] on the device, embedded and run through every layer -> (x [T, D], the last
+        layer's output delta, which the head's norm adds). marks.after(i) after layer i."""
+        x = self.w.embed.rows(tokens)  # [T, D]
+        delta = None  # each layer's output, added by the next residual step
+        for i, layer in enumerate(self.layers):
+            delta = layer.forward(x, delta, ctx)
+            if marks is not None:
+                marks.after(i)
+        return x, delta
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """RoPE's frequencies for the fused chunk kernels (decode_ops.rope_inv_freq), made once."""
+        if self._inv_freq is None:
+            self._inv_freq = decode_ops().rope_inv_freq(self.cfg.rope_dim, self.cfg.rope_theta,
+                                                        self.device)
+        return self._inv_freq
 
     def gpu_timer(self):  # noqa: ANN201 (GpuTimer | None)
         """The experts' GPU timer when --stats asked for one (CUDA only)."""

@@ -14,7 +14,9 @@ of weights[t, k] · down_e(silu(gate_e x_t) ⊙ up_e x_t); other pairs add nothi
    (`_dequant_slots_kernel`: matmul.py's dequantize kernel over the tiles of tiles.py, reading
    the slot table, so the slot views' record stride and any slot order work): gate and up into
    one [n, 2F, D] buffer, so one grouped GEMM gives g | u, down into [n, D, F]. Experts
-   without a slot are skipped (their groups are empty and never read). Types without a tile go
+   without a slot, and those no pair of the call routes to, are skipped (their slot passed as
+   -1 on the device: the grid stays fixed; their groups are empty and never read), so a short
+   chunk dequantizes only the experts it uses. Types without a tile go
    through strata.quant.dequantize.
 3. h = grouped_mm(x[tok] [P, D], W_gu^T [n, D, 2F]); act = silu(g) · u · w (float32 math, the
    routing weight folded in before rounding to bf16); y = grouped_mm(act, W_d^T [n, F, D]);
@@ -278,6 +280,9 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     counts = torch.zeros(e + 2, dtype=torch.int32, device=dev)  # counts[i + 1]: expert i's
     counts.scatter_add_(0, key + 1, torch.ones_like(key, dtype=torch.int32))
     bounds = torch.cumsum(counts[:e + 1], 0, dtype=torch.int32)  # expert i: bounds[i]:[i + 1]
+    # the slots of the experts some pair uses: the dequantize launches skip the others (their
+    # groups are empty), on the device over the same fixed grid
+    live = torch.where(counts[1:e + 1] > 0, slot_of_expert, -1)
     wflat = weights.reshape(-1).float()
     nb = experts_per_batch(e, d, f, scratch_bytes, dtype.itemsize)
     wbuf = _weight_buffer(min(nb, e), d, f, dtype, dev)
@@ -285,7 +290,7 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     idx = torch.arange(p, device=dev)
     if nb >= e:  # one batch: every position's pair is written, non-resident ones as zeros
         offs = bounds[1:]
-        y_sorted = _experts(x, order // topk, wflat[order], offs, slot_of_expert, parts,
+        y_sorted = _experts(x, order // topk, wflat[order], offs, live, parts,
                             qtypes, d, f, wbuf, bias, flat[order], act)
         y_sorted.masked_fill_((idx >= offs[-1])[:, None], 0)
         y = scratch((p, d), dtype, dev)
@@ -296,7 +301,7 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
             e1 = min(e, e0 + nb)
             offs = bounds[e0 + 1:e1 + 1] - bounds[e0]
             pairs = order[(idx + bounds[e0]).clamp_(max=p - 1)]
-            y_b = _experts(x, pairs // topk, wflat[pairs], offs, slot_of_expert[e0:e1], parts,
+            y_b = _experts(x, pairs // topk, wflat[pairs], offs, live[e0:e1], parts,
                            qtypes, d, f, wbuf, bias, flat[pairs], act)
             y.index_copy_(0, torch.where(idx < offs[-1], pairs, p), y_b)
         y = y[:p]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from strata.config import ModelConfig
+from strata.kernels.gpu.chunk_attention import chunk_attention, flash_reads
 from strata.kernels.tuning import BF16_ATTENTION_MIN_T
 from strata.model.layers import apply_rope, attention, attention_bf16, attention_last, rms_norm
 from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
@@ -113,8 +114,12 @@ class GQAAttention:
     def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                ctx: Segments) -> torch.Tensor:
         """One segment's T tokens on the fused kernels: q/k norms, RoPE and the cache store in
-        one launch (as the decode step's), then bf16 flash attention over the cache's rows (T >
-        BF16_ATTENTION_MIN_T) or the decode kernel reading them as stored (a few tokens)."""
+        one launch (as the decode step's), then flash attention over the cache's rows (T >
+        BF16_ATTENTION_MIN_T: on a float16 / bfloat16 CUDA cache as stored, its length read on
+        the device, chunk_attention; else over the rows up to the chunk's end in bf16) or the
+        decode kernel reading them as stored (a few tokens). Every position and length but
+        that bf16 copy's comes from ctx.pos on the device: a captured chunk serves any start
+        (strata.engine.chunk_graph)."""
         ops, lw, i = decode_ops(), self.lw, self.layer
         kv, t = ctx.segments[0].kv, q.shape[0]
         end = kv.length + t
@@ -124,6 +129,8 @@ class GQAAttention:
                               lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
                               ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i], k_scales=ks,
                               v_scales=vs)
+        if t > BF16_ATTENTION_MIN_T and flash_reads(kv.k[i]):
+            return chunk_attention(q, kv.k[i], kv.v[i], ctx.pos + t, self.scale)
         if t > BF16_ATTENTION_MIN_T:
             keys, values = kv.k[i][:end], kv.v[i][:end]  # [end, Hkv, hd]
             if kv.quantized:

@@ -1,0 +1,399 @@
+"""Prompt chunks of one sequence replayed from CUDA graphs: the host launches a chunk's kernels
+once per bucket instead of once per chunk.
+
+A chunk of n tokens runs in the smallest bucket T >= n (tuning.PROMPT_GRAPH_BUCKETS, those the
+memory plan took), padded after its real tokens to T, through the model's own trunk and head
+(MoETransformer.trunk: every layer's parts, in a Segments context on --kernels fused's chunk
+kernels, as MoETransformer.forward runs them) over static buffers:
+
+    inputs  int64 [T + 2] on the device: the T tokens (padding: token 0), the chunk's first
+            position `pos`, and `last` = n - 1, the row whose logits are kept
+    logits  float32 [1, V]: the last real token's
+
+    x = embed(tokens)                  [T, D]
+    per layer: norms, attention        qk_rope_store writes KV rows pos .. pos+T-1;
+                                       chunk_attention reads pos + T rows (flash, the length
+                                       read on the device)
+               routing, experts        route_topk; the executor's resident path (device_hits)
+    logits = head(x[last])             [1, V]
+
+Padding leaves the real rows exact: causal attention lets row t < n see keys <= pos + t only,
+and every other op works row by row (norms, matmuls, routing, each pair's expert). The padded
+rows' KV rows pos+n .. pos+T-1 are written but never counted (the cache advances by n) and are
+overwritten by the next chunk or decode token; their routing is left out of the counters (the
+`live` mask), their logits are never computed.
+
+Each bucket is captured once per KV storage (its address and capacity: the rows the kernels
+write and read) and expert slot tensors (ExpertCache.slots_key). The first chunk of a bucket on
+a storage runs the pass eagerly (compiling and warming every kernel; its results are the
+chunk's), which is then captured; later chunks replay it. One memory pool holds every bucket's
+graph (they never run at once, so a later capture reuses an earlier one's freed blocks; every
+buffer that outlives a pass is allocated outside it); the memory plan counts it
+(`graph_pool_bytes`) and keeps the buckets that fit (`plan_buckets`).
+
+Where a chunk cannot be captured it runs eagerly through MoETransformer.forward, as before:
+decided once at load (`blocked` and ChunkGraphs.__init__: the reason in one log line) or per
+chunk (`ChunkGraphs.eager_reason`: counted by reason for --stats).
+
+Legend: n real tokens, T the bucket, D hidden, V vocab, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata.config import EngineConfig, ModelConfig
+from strata.kernels.gpu.chunk_attention import flash_reads
+from strata.kernels.tuning import DEQUANT_MIN_M, PROMPT_GRAPH_BUCKETS
+from strata.model.parts.spec import layer_spec
+from strata.runtime.waits import wait_event
+
+log = logging.getLogger("strata")
+
+PROMPT_GRAPH_MODES = ("on", "off")
+HALF_KV = ("f16", "bf16")  # the cache types chunk_attention reads on flash attention
+# layer parts other than full GQA attention, and why their chunks need the host
+MIXER_WHY = {"mla": "a latent cache", "sinks": "attention sinks and sliding windows",
+             "delta": "a recurrent state the padding would enter",
+             "gated": "a hybrid's recurrent layers beside it"}
+
+
+# ---- the choice, at load ------------------------------------------------------------------------
+
+
+def blocked(cfg: ModelConfig, ec: EngineConfig) -> str | None:
+    """Why no prompt chunk of this model under this configuration can be captured, or None
+    (then ChunkGraphs checks what the built engine adds: the executor, resident experts, flash
+    attention on this GPU)."""
+    if ec.prompt_graphs == "off":
+        return "--prompt-graphs off"
+    if not ec.device.startswith("cuda"):
+        return "the CPU device"
+    if not ec.use_offload:
+        return "--offload off: the reference layout groups each layer's experts on the host"
+    if ec.kernels != "fused":
+        return f"--kernels {ec.kernels}: prompt chunks attend over rows the host slices"
+    mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - {"gqa"})
+    if mixers:
+        return f"{cfg.arch}'s layers hold " + ", ".join(MIXER_WHY.get(m, m) for m in mixers)
+    if cfg.yarn is not None:
+        return "YaRN RoPE: its chunks take the reference attention, sliced on the host"
+    if ec.kv_type not in HALF_KV:
+        return (f"--kv-type {ec.kv_type}: flash attention reads f16 or bf16 rows; this cache's "
+                "rows are copied up to a length the host knows")
+    return None
+
+
+def buckets_for(chunk: int) -> tuple[int, ...]:
+    """The buckets a plan of prompt chunks of up to `chunk` tokens may take: those up to the
+    first that holds a whole chunk."""
+    out = []
+    for b in PROMPT_GRAPH_BUCKETS:
+        out.append(b)
+        if b >= chunk:
+            break
+    return tuple(out)
+
+
+def bucket_of(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding n tokens (None: n is past the largest)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def graph_pool_bytes(cfg: ModelConfig, layouts: list, t: int,
+                     prompt_weights: int | None) -> int:
+    """A bound on the device bytes one captured pass of t tokens allocates inside its graph
+    (its pool holds them for good): the MoE layer's scratch at t tokens (the grouped path's,
+    moe_grouped.grouped_scratch_bytes, or the tl.dot path's h and y), the dense parts' float32
+    activations live across a layer, a dense matrix's bf16 copy (cuBLAS, from DEQUANT_MIN_M
+    tokens) and the head's row. Derived from the buffers the parts allocate, not measured."""
+    from strata.kernels.gpu.moe import use_grouped
+    from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, grouped_scratch_bytes
+
+    lay = max(layouts, key=lambda la: la.d_model * la.d_expert)
+    d, e, k = cfg.d_model, cfg.n_experts, cfg.n_experts_used
+    p = t * k
+    if use_grouped(t, k, e):
+        moe = grouped_scratch_bytes(lay, e, t, k, prompt_weights or GROUPED_SCRATCH_BYTES)
+    else:  # _prompt: h bf16 [P, F], y float32 [P, D], the sum [T, D], sort keys and order
+        moe = p * (2 * lay.d_expert + 4 * d + 24) + 4 * t * d + 12 * e
+    qkv = cfg.q_dim + 2 * cfg.kv_dim
+    hidden = max(cfg.d_ff, cfg.d_shared, lay.d_expert)
+    # x, h, attention out, wo out, norms (6 D); qkv, its split copies, q rotated and its half
+    # copy, flash's out (4 qkv); router logits and probabilities (2 E); a dense or shared FFN
+    rows = 4 * t * (6 * d + 4 * qkv + 2 * e + 3 * hidden)
+    dequant = 2 * max(qkv * d, cfg.q_dim * d, 3 * hidden * d) if t >= DEQUANT_MIN_M else 0
+    return moe + rows + dequant + 4 * cfg.n_vocab
+
+
+def plan_buckets(cfg: ModelConfig, ec: EngineConfig, layouts: list, slots: list[int],
+                 chunk: int, prompt_weights: int | None, room: int) -> tuple[int, tuple, str]:
+    """The memory plan's line item: (bytes, buckets, why none) for the prompt graphs where
+    they apply (`blocked`, and every routed layer's experts each in a slot: no chunk of a plan
+    that misses some runs without the host). Buckets up to the first holding a whole chunk,
+    as many as `room` holds the shared pool of (the largest one's pass) and the static
+    buffers of."""
+    why = blocked(cfg, ec)
+    if why is None and any(n < cfg.n_experts and not lay.empty
+                           for n, lay in zip(slots, layouts, strict=True)):
+        why = "experts outside VRAM: their misses are planned on the host"
+    if why is not None:
+        return 0, (), why
+    taken, total = (), 0
+    for b in buckets_for(chunk):
+        static = sum(8 * (x + 2) + 8 * x + 4 * cfg.n_vocab for x in (*taken, b))
+        need = graph_pool_bytes(cfg, layouts, b, prompt_weights) + static
+        if need > room:
+            break
+        taken, total = (*taken, b), need
+    return total, taken, "" if taken else "the plan leaves too little room for their pool"
+
+
+# ---- the graphs ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Bucket:
+    """One bucket's static buffers and its graph (captured for `key`: KV storage, capacity,
+    slot tensors)."""
+
+    size: int
+    inputs: torch.Tensor  # int64 [T + 2]: tokens, pos, last
+    rows: torch.Tensor  # int64 [T]: 0 .. T-1
+    logits: torch.Tensor  # float32 [1, V]
+    graph: object | None = None  # torch.cuda.CUDAGraph
+    key: tuple | None = None
+
+
+class _Experts:
+    """The executor's path for the routed experts of a pass over static buffers (Segments'
+    `experts`): on CUDA the resident path with device work only (device_hits; the routing of
+    the real rows counted on the device, the host counts the hits per pass), elsewhere (eager
+    tests on the CPU) its planned path, every pair a hit."""
+
+    def __init__(self, ex, live: torch.Tensor):  # noqa: ANN001 (OffloadExperts)
+        self.ex, self.live = ex, live
+
+    def run(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,
+            wts: torch.Tensor) -> torch.Tensor:
+        if self.ex.device.type != "cuda":
+            return self.ex.run(layer, weights, h, ids, wts)
+        out = self.ex.device_hits(layer, h, ids, wts, count=False)
+        self.ex.stats.count_on_device(layer, ids, self.live)
+        return out
+
+
+class ChunkGraphs:
+    def __init__(self, model, buckets: Sequence[int], why: str | None = None,  # noqa: ANN001
+                 mode: str = "graphs"):
+        """model: the MoETransformer (on the offload runtime); buckets: those the memory plan
+        took; why: the reason none applies (`blocked`, or the plan's), if known; mode "graphs"
+        (CUDA) or "eager" (the same passes over the static buffers, uncaptured: the CPU's
+        tests)."""
+        from strata.experts.offload import OffloadExperts
+
+        self.model, self.cfg, self.device = model, model.cfg, model.device
+        self.ex = model.experts
+        self.graphs = mode == "graphs" and self.device.type == "cuda"
+        self.routed = np.array([i for i, layer in enumerate(model.layers) if layer.ffn.routed],
+                               dtype=np.int64)
+        self.buckets = tuple(buckets)
+        if why is None and not isinstance(self.ex, OffloadExperts):
+            why = "the reference layout groups each layer's experts on the host"
+        if why is None and not self.buckets:
+            why = "no bucket"
+        if why is None:
+            why = self._device_reason()
+        self.why = why
+        self.steps = {"replayed": 0, "captured": 0, "warm": 0, "eager": 0}
+        self.eager: Counter[str] = Counter()  # chunks run eagerly, by reason
+        self._failed = False
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None
+        pin = self.device.type == "cuda"
+        top = max(self.buckets, default=0)
+        self._host = torch.zeros(top + 2, dtype=torch.int64, pin_memory=pin)
+        self._host_read: torch.cuda.Event | None = None
+        log.info("prompt graphs: " + (
+            f"off, {why}; prompt chunks run eagerly" if why else
+            f"chunks of up to {top} tokens padded to the next of {len(self.buckets)} buckets "
+            f"({', '.join(map(str, self.buckets))}), each captured once per KV storage; "
+            + ("CUDA graphs" if self.graphs else "eager")))
+
+    def _device_reason(self) -> str | None:
+        """What the built engine on this GPU keeps from the graphs (None: nothing); may drop
+        the buckets whose MoE layers take a path with a host sync here."""
+        from strata.kernels.gpu.moe import use_grouped
+
+        cfg = self.cfg
+        top = max(self.buckets)
+        outside = [int(i) for i in self.routed if not self._resident(int(i), top)]
+        if outside:
+            return (f"{len(outside)} of {len(self.routed)} routed layers keep experts outside "
+                    "VRAM or off the fused kernels: their misses are planned on the host")
+        probe = torch.empty(1, cfg.n_kv_heads, cfg.head_dim, dtype=self.model.kv_dtype,
+                            device=self.device)
+        if self.device.type == "cuda" and not flash_reads(probe):
+            return "no flash attention for this GPU, torch build or head dim"
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] \
+                not in (9, 10):  # torch._grouped_mm elsewhere loops on the host (moe_grouped)
+            keep = tuple(b for b in self.buckets
+                         if not use_grouped(b, cfg.n_experts_used, cfg.n_experts))
+            if not keep:
+                return "the grouped MoE path reads its group sizes on the host on this GPU"
+            self.buckets = keep
+        return None
+
+    # ---- one chunk ------------------------------------------------------------------------------
+
+    def eager_reason(self, tokens: torch.Tensor, segments: Sequence, all_logits: bool) -> str:
+        """Why this forward runs eagerly ("" where a graph takes it)."""
+        if self.why is not None:
+            return self.why
+        if len(segments) != 1:
+            return "several sequences"
+        kv, n = segments[0].kv, tokens.shape[0]
+        t = bucket_of(n, self.buckets)
+        model = self.model
+        if self._failed:
+            return "capture failed"
+        if n == 0:
+            return "no tokens"
+        if all_logits:
+            return "every position's logits"
+        if t is None:
+            return f"longer than {self.buckets[-1]} tokens"
+        if getattr(kv, "paged", False) or kv.state is not None or kv.dtype != model.kv_dtype:
+            return "a paged, hybrid or other-typed cache"
+        if self.graphs and not flash_reads(kv.k[0]):  # (a pass without it slices on the host)
+            return "no flash attention over the cache"
+        if kv.limit is not None and kv.length + t > kv.limit:
+            return "padding past the cache's planned rows"
+        if model.hidden_hook is not None or any(model.layers[int(i)].ffn.hook is not None
+                                                for i in self.routed):
+            return "a hook on the hidden states or the routing"
+        if not all(self._resident(int(i), t) for i in self.routed):
+            return "experts outside VRAM"
+        return ""
+
+    def _resident(self, layer: int, t: int) -> bool:
+        """Every expert of the layer has a slot (and, on CUDA, the fused kernels cover it at
+        t tokens: OffloadExperts.resident)."""
+        if self.device.type == "cuda":
+            return self.ex.resident(layer, t)
+        return self.ex.cache.layers[layer].capacity == self.ex.arena.n_experts
+
+    def __call__(self, tokens: torch.Tensor, segments: Sequence, all_logits: bool = False,
+                 marks: object | None = None) -> torch.Tensor | None:
+        """The chunk's last logits [1, V] (a new tensor), its KV rows appended; None where it
+        runs eagerly (the caller runs MoETransformer.forward)."""
+        why = self.eager_reason(tokens, segments, all_logits)
+        if why:
+            if self.why is None and len(segments) == 1:
+                self.eager[why] += 1
+                self.steps["eager"] += 1
+            return None
+        kv, n = segments[0].kv, tokens.shape[0]
+        b = self._bucket(bucket_of(n, self.buckets))
+        ex, start = self.ex, kv.length
+        ex.before_pass(n)
+        kv.reserve(start + b.size)  # (before any key: a growing cache moves its storage)
+        _, slots = ex.begin_step([])  # the cache's pending changes land: its tables hold
+        self._fill(b, tokens, start, n)
+        key = (kv.store.data_ptr(), kv.capacity, slots)
+        timer = self.model.gpu_timer()
+        t0 = timer.start() if timer else None
+        if b.key == key and b.graph is not None:
+            b.graph.replay()
+            self.steps["replayed"] += 1
+        else:
+            self._pass(b, kv)  # the chunk itself; every kernel compiled and warmed
+            self.steps["warm"] += 1
+            if self.graphs and not self._failed:
+                self._capture(b, key, kv)
+        if self.device.type == "cuda":  # (device_hits leaves the hits to the host)
+            ex.account(self.routed, hits=n * self.cfg.n_experts_used)
+            ex.slots_read(range(len(ex.cache.layers)), self._record())
+        if timer:
+            timer.stop(t0)
+        kv.advance(n)
+        if marks is not None:  # (the graph ran every layer and the head)
+            for i in range(len(self.model.layers) + 1):
+                marks.after(i)
+        return b.logits.clone()
+
+    def _bucket(self, t: int) -> _Bucket:
+        """The bucket's static buffers, made (outside any capture) on its first chunk."""
+        if t not in self._buckets:
+            dev = self.device
+            self._buckets[t] = _Bucket(t, torch.zeros(t + 2, dtype=torch.int64, device=dev),
+                                       torch.arange(t, device=dev),
+                                       torch.zeros(1, self.cfg.n_vocab, device=dev))
+        return self._buckets[t]
+
+    def _fill(self, b: _Bucket, tokens: torch.Tensor, start: int, n: int) -> None:
+        """The chunk's tokens (padded with token 0), its first position and last row into the
+        bucket's inputs: one copy from pinned memory."""
+        if self._host_read is not None:  # the last chunk's copy has read the pinned buffer
+            wait_event(self._host_read, "the prompt graphs' input copy")
+        t = b.size
+        host = self._host[: t + 2]
+        host[:n] = tokens.reshape(-1)
+        host[n:t] = 0
+        host[t], host[t + 1] = start, n - 1
+        b.inputs.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._host_read = self._record()
+
+    def _pass(self, b: _Bucket, kv) -> None:  # noqa: ANN001 (a KVCache)
+        """The bucket's forward over its static buffers: embed, every layer, the head's row."""
+        from strata.model.layers import rope_tables
+        from strata.model.parts import Segment, Segments
+
+        model, cfg, t = self.model, self.cfg, b.size
+        tokens, pos, last = b.inputs[:t], b.inputs[t:t + 1], b.inputs[t + 1:t + 2]
+        live = (b.rows <= last).to(torch.int32)  # [T]: 1 for the real rows
+        # (the chunk kernels take positions from pos; the tables serve any part that reads
+        # them, from the same device positions)
+        cos, sin = rope_tables(pos + b.rows, cfg.rope_dim, cfg.rope_theta)
+        ctx = Segments([Segment(kv, t)], cos, sin, _Experts(self.ex, live), None, True,
+                       pos=pos, inv_freq=model.rope_inv_freq())
+        x, delta = model.trunk(tokens, ctx)
+        b.logits.copy_(model.head.forward(x, delta, ctx, rows=last))
+
+    def _capture(self, b: _Bucket, key: tuple, kv) -> None:  # noqa: ANN001
+        try:
+            torch.cuda.synchronize(self.device)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._pass(b, kv)
+        except Exception as e:  # noqa: BLE001 (any capture failure: run eagerly, say why)
+            log.warning(f"prompt graphs: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                        "prompt chunks run eagerly")
+            self._failed = True
+            torch.cuda.synchronize(self.device)
+            return
+        b.graph, b.key = graph, key
+        self.steps["captured"] += 1
+
+    def _record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def line(self) -> str:
+        """One line for --stats."""
+        if self.why is not None:
+            return f"prompt graphs: off, {self.why}"
+        eager = "; ".join(f"{n} {why}" for why, n in self.eager.most_common())
+        return (f"prompt graphs: {self.steps['replayed']} chunk(s) replayed, "
+                f"{self.steps['warm']} run to capture ({self.steps['captured']} capture(s)), "
+                f"{self.steps['eager']} eager" + (f" ({eager})" if eager else ""))
