@@ -199,7 +199,7 @@ def plan(synth, **kw):  # noqa: ANN001, ANN003, ANN201
     cfg = ModelConfig.from_model(mf)
     layouts = expert_layouts(mf, cfg)
     kw = {"device": "cuda", "kernels": "fused", "kv_type": "f16", "ctx": 256,
-          "vram_budget_gib": 1.0, **kw}
+          "vram_budget_gib": 2.0, **kw}
     return cfg, layouts, make_plan(mf, cfg, EngineConfig(**kw), layouts)
 
 
@@ -212,8 +212,9 @@ def test_the_plan_counts_the_graphs_pool_as_a_line(synth):
     assert whole.prompt_graphs >= graph_pool_bytes(cfg, layouts, b[-1], whole.prompt_weights)
     lines = "\n".join(whole.lines())
     assert f"chunks padded to {', '.join(map(str, b))} tokens" in lines
-    assert whole.left == (whole.budget - whole.dense - whole.kv - whole.workspace
-                          - whole.staging - whole.ring - whole.cache - whole.prompt_graphs)
+    assert whole.left == (whole.budget - whole.context - whole.dense - whole.kv
+                          - whole.workspace - whole.staging - whole.ring - whole.cache
+                          - whole.prompt_graphs)
     for kw, why in ((dict(prompt_graphs="off"), "--prompt-graphs off"),
                     (dict(kv_type="f32"), "--kv-type f32"),
                     (dict(expert_cache="20"), "experts outside VRAM"),
