@@ -167,6 +167,16 @@ def _query_rows(r, g, T, G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def _rescaled_add(acc, alpha, p, v, TF32: tl.constexpr):
+    """The online softmax's output step: acc rescaled by alpha, plus p @ v (TF32 or exact)."""
+    if TF32:
+        pv = tl.dot(p, v, input_precision="tf32")
+    else:
+        pv = tl.dot(p, v, input_precision="ieee")
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _softmax_step(sc, m_i, l_i):
     # the online softmax over one tile of scores sc [M, N] (keys not seen at -inf): the tile's
     # p, the factor alpha the running sums scale by, the new running max and sum
@@ -243,11 +253,7 @@ def _attn_split_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T, H, 
             if Q8:
                 vt = vt * tl.load(vsbase + j.to(tl.int64)[:, None] * stride_vsr
                                   + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
-            if TF32:
-                pv = tl.dot(p, vt, input_precision="tf32")
-            else:
-                pv = tl.dot(p, vt, input_precision="ieee")
-            acc = acc * alpha[:, None] + pv  # [BLOCK_M, BLOCK_D]
+            acc = _rescaled_add(acc, alpha, p, vt, TF32)  # [BLOCK_M, BLOCK_D]
             m_i = m_new
         row = ((s * T + t) * H + h).to(tl.int64)  # [BLOCK_M], into [S, T, H]
         _store_split(part_o, part_ml, row, acc, m_i, l_i, rm, d, dm, HD)
@@ -588,11 +594,7 @@ def _latent_split_kernel(ql, qp, cache, read, length, part_o, part_ml, scale, B,
                       + tl.dot(qpt, tl.trans(kp), input_precision="ieee"))
             sc = tl.where(jm[None, :], sc * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
             p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
-            if TF32:
-                pv = tl.dot(p, c, input_precision="tf32")
-            else:
-                pv = tl.dot(p, c, input_precision="ieee")
-            acc = acc * alpha[:, None] + pv  # [BLOCK_H, BLOCK_L]
+            acc = _rescaled_add(acc, alpha, p, c, TF32)  # [BLOCK_H, BLOCK_L]
             m_i = m_new
         row = ((s * B + b) * H + h).to(tl.int64)  # [BLOCK_H], into [S, B, H]
         _store_split(part_o, part_ml, row, acc, m_i, l_i, hm, dl, dlm, L)
