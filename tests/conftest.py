@@ -42,3 +42,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device(request: pytest.FixtureRequest) -> str:
     """Runs a test on the CPU, and on CUDA where there is a GPU."""
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _uncapped_allocator():
+    """An engine loaded with --vram-budget on CUDA caps torch's allocator for the process
+    (build.py): each test starts without the cap an earlier test's engine left."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(1.0, i)
+    yield

@@ -97,13 +97,18 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     for line in plan.lines():
         log.info(line)
     if dev.type == "cuda":  # a named budget is a cap, not a target (another engine loaded
-        # before in this process, e.g. strata bench --sweep-vram, may have set one)
+        # before in this process, e.g. strata bench --sweep-vram, may have set one; one still
+        # loaded, e.g. strata check's other side, keeps what it holds beside this one's budget)
         total = torch.cuda.get_device_properties(dev).total_memory
-        cap = plan.budget - plan.context if plan.context else total
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved(dev)
+        cap = held + plan.budget - plan.context if plan.context else total
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
-    if plan.context:
-        log.info(f"VRAM cap: torch's allocator holds at most {fmt_bytes(cap)} (the budget less "
-                 "the CUDA context); it gives its cached free blocks back before passing it")
+        if plan.context:
+            log.info(f"VRAM cap: torch's allocator holds at most {fmt_bytes(cap)} (the budget "
+                     "less the CUDA context" + (f", beside the {fmt_bytes(held)} this process "
+                     "held already" if held else "") + "); it gives its cached free blocks back "
+                     "before passing it")
     if auto_prefetch and plan.prefetch < ec.prefetch_count(cfg.n_experts_used):
         n = [s for s, lay in zip(plan.slots_per_layer, layouts, strict=True)
              if s < cfg.n_experts and not lay.empty]
