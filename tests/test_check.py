@@ -73,6 +73,32 @@ def test_check_reports_no_routing_difference_on_equal_paths(model, capsys):
     assert n == 0 and listed == [] and pinned <= 1e-9 and unpinned <= 1e-9
 
 
+def layer_errors(out: str) -> dict[str, tuple[int, float]]:
+    """kind -> (layers, max relative error) from the report's per-kind lines."""
+    found = re.findall(r"^  (.+): (\d+) layers, max (\S+) \(layer \d+\), median \S+$", out,
+                       re.MULTILINE)
+    return {kind: (int(n), float(m)) for kind, n, m in found}
+
+
+@pytest.mark.parametrize("n_decode", [0, 5])
+def test_check_reports_layer_outputs_by_kind(model, synth, capsys, n_decode):
+    """Every layer's output, B against A, by layer kind: on equal paths near zero for every
+    layer (prompt and decode steps); a hybrid model's two kinds reported apart."""
+    from strata.cli.main import main
+
+    args = ["--prompt-len", "24", "--decode", str(n_decode)]
+    assert main(["check", model, "--b", "--offload on --expert-cache 2 --cpu-kernels torch",
+                 *args]) == 0
+    errs = layer_errors(capsys.readouterr().out)
+    assert list(errs) == ["gqa + routed"] and errs["gqa + routed"][0] == 3
+    assert errs["gqa + routed"][1] <= 1e-5
+    hybrid = str(synth("qwen35moe", "Q4_K_M"))
+    main(["check", hybrid, "--b", "--offload on --expert-cache 2 --cpu-kernels torch", *args])
+    errs = layer_errors(capsys.readouterr().out)
+    assert set(errs) == {"delta + routed", "gated + routed"}, errs
+    assert all(m <= 1e-4 for _, m in errs.values())
+
+
 @pytest.mark.parametrize("n_decode", [0, 8])
 def test_check_names_flipped_near_ties_and_pinning_removes_the_spike(model, capsys, n_decode):
     """ggml's 8-bit activations flip near-ties of this model's routers (against the float32
@@ -91,6 +117,7 @@ def test_check_names_flipped_near_ties_and_pinning_removes_the_spike(model, caps
     margins = [float(m) for m in re.findall(r"A's margin (\S+)", out)]
     assert min(margins) < 1e-2, out  # a near-tie (later flips may follow from an earlier one)
     assert pinned < unpinned / 10, out
+    assert layer_errors(out)["gqa + routed"][1] > 1e-4, out  # ggml's 8-bit activations
     if n_decode:
         assert f"{n_decode} decode steps: KL max" in out
 

@@ -13,7 +13,10 @@ token (strata.model.parts.routing; decode steps eager), the (layer, token) pairs
 differ are counted and the first few shown with A's router margin between its K-th and (K+1)-th
 expert, and B runs once more with its routing pinned to A's experts (B's weights for them): a KL
 spike that falls to the path's usual level when pinned is a router near-tie flipped by rounding;
-one that stays is not routing.
+one that stays is not routing. In that second run every layer's output (what the next residual
+step adds) is recorded too, and the relative error of B's against A's is
+reported per layer kind (mixer + feed-forward, sliding-window layers apart): where a fast path
+loses precision, by the part it runs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from strata.config import EngineConfig
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 from strata.model.parts.routing import RoutingPin, RoutingTrace, attach
+from strata.model.parts.spec import layer_spec
 
 SHOWN = 5  # routing differences listed
 
@@ -87,7 +91,7 @@ def kl_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     ca, cb = parse_flags("a", args.a), parse_flags("b", args.b)
-    logits, traces = [], []
+    logits, traces, outputs = [], [], []
     ids: list[int] | None = None
     for ec in (ca, cb):
         engine = Engine.load(args.model, config=ec)
@@ -105,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         logits.append(run_logits(engine, ids, args.decode))
         if args.routing:
             traces.append(RoutingTrace())
-            with attach(engine.model, traces[-1]):
+            outputs.append(LayerOutputs(engine.model))
+            with attach(engine.model, traces[-1]), outputs[-1]:
                 run_logits(engine, ids, args.decode)
             if len(traces) == 2:
                 with attach(engine.model, RoutingPin(traces[0].ids())):
@@ -115,11 +120,73 @@ def run(args: argparse.Namespace) -> int:
     a, b = logits
     ok = report(a, b, ids, args)
     if args.routing:
+        report_layers(outputs[0], outputs[1])
         report_routing(traces[0], traces[1])
         kl = kl_rows(a, pinned)
         print(f"routing pinned to A: KL max {kl.max():.3e} mean {kl.mean():.3e}  first token "
               f"{kl[-1]:.3e}  (unpinned max {kl_rows(a, b).max():.3e})")
     return 0 if ok else 1
+
+
+class LayerOutputs:
+    """While entered: each layer's output ([T, D] per pass, float32 on the host) in the order
+    the passes ran, and each layer's kind. A layer's output is read where the next part takes
+    it (the next layer's begin, the head's forward): every path hands it on there, the decode
+    step's host layers too. (The routing hooks that run beside it keep the decode step and the
+    prompt chunks eager, so those calls happen.)"""
+
+    def __init__(self, model) -> None:  # noqa: ANN001 (MoETransformer)
+        self.model = model
+        self.rows: list[list[np.ndarray]] = [[] for _ in model.layers]
+        self.kinds = [layer_kind(model.cfg, layer) for layer in model.layers]
+
+    def _keep(self, i: int, delta: torch.Tensor | None) -> None:
+        if i >= 0 and delta is not None:
+            self.rows[i].append(delta.float().cpu().numpy().copy())
+
+    def __enter__(self) -> LayerOutputs:
+        for layer in self.model.layers:
+            def begin(x, delta, ctx, _inner=layer.begin, _i=layer.index - 1):  # noqa: ANN001, ANN202
+                self._keep(_i, delta)
+                return _inner(x, delta, ctx)
+            layer.begin = begin
+        head, last = self.model.head, len(self.model.layers) - 1
+
+        def forward(x, delta, ctx, rows=None, _inner=head.forward):  # noqa: ANN001, ANN202
+            self._keep(last, delta)
+            return _inner(x, delta, ctx, rows)
+        head.forward = forward
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self.model.layers:
+            del layer.begin  # (the class's methods again)
+        del self.model.head.forward
+
+    def outputs(self, i: int) -> np.ndarray:
+        return np.concatenate(self.rows[i]) if self.rows[i] else np.zeros((0, 0), np.float32)
+
+
+def layer_kind(cfg, layer) -> str:  # noqa: ANN001 (ModelConfig, Layer)
+    spec = layer_spec(cfg, layer.index)
+    window = " (sliding window)" if getattr(layer.mixer, "window", 0) else ""
+    return f"{spec.mixer}{window} + {spec.ffn}"
+
+
+def report_layers(a: LayerOutputs, b: LayerOutputs) -> None:
+    """Per layer kind: B's layer outputs against A's, ||b - a|| / ||a|| over the tokens."""
+    by_kind: dict[str, list[tuple[float, int]]] = {}
+    for i, kind in enumerate(a.kinds):
+        oa, ob = a.outputs(i), b.outputs(i)
+        if oa.shape != ob.shape or not oa.size:
+            continue  # (a layer one side did not run as the other did)
+        err = float(np.linalg.norm(ob - oa) / max(np.linalg.norm(oa), 1e-30))
+        by_kind.setdefault(kind, []).append((err, i))
+    print("layer outputs, B against A (relative error over the tokens), by layer kind:")
+    for kind, errs in by_kind.items():
+        worst, at = max(errs)
+        print(f"  {kind}: {len(errs)} layers, max {worst:.2e} (layer {at}), median "
+              f"{float(np.median([e for e, _ in errs])):.2e}")
 
 
 def run_logits(engine: Engine, ids: list[int], n_decode: int) -> np.ndarray:
