@@ -39,3 +39,20 @@ def test_serve_warms_up_before_it_says_loaded(synth, tmp_path) -> None:
                        log_path=tmp_path / "cold.log") as s:
         s.wait_health(lambda h: h["status"] == "ok", what="a loaded engine")
         assert "warm-up:" not in s.log()
+
+
+def test_warm_up_runs_a_prompt_of_each_prompt_graph_bucket(synth) -> None:
+    """Where the prompt graphs apply, the warm-up runs one prompt in each of their buckets (on
+    CUDA its first chunk captures it): here their passes run uncaptured over the static
+    buffers on the CPU, one per bucket past the first prompt's."""
+    from strata.engine.chunk_graph import ChunkGraphs
+
+    engine = Engine.load(synth("qwen3moe", "Q4_K_M"), config=EngineConfig(
+        offload="on", expert_cache="24", cpu_kernels="torch"))
+    model = engine.model
+    model.fused_attention = True  # (the fused chunk path's torch forms, as on CUDA)
+    model.chunks = ChunkGraphs(model, (16, 32, 64), mode="eager")
+    assert model.chunks.why is None
+    warm_up(engine)
+    # the 32-token prompt, one of 16, 32 and 64 tokens, the second sequence's 32: every bucket
+    assert model.chunks.steps["warm"] == 5 and model.chunks.steps["eager"] == 0

@@ -1,7 +1,9 @@
 """The engine's first passes, run at load instead of in the first request: a short prompt, a few
 decode steps of one sequence (on CUDA: the first step compiles and warms every kernel, the
 second captures the step's graphs on the pooled KV storage every later request reuses, the third
-replays them) and one batched decode pass of two sequences. Then the expert counters go back to
+replays them), one prompt of each bucket the prompt graphs took (strata.engine.chunk_graph: its
+first chunk runs and captures it, so a request's chunk replays) and one batched decode pass of
+two sequences. Then the expert counters go back to
 zero, so /health and /metrics count requests only.
 
 The routing of the warm-up's tokens is seen by the cache policy like any other (a few dozen
@@ -30,6 +32,14 @@ def warm_up(engine: Any) -> float:
     engine.run_prompt(ids, kv)
     for t in ids[:DECODE_STEPS]:
         model.decode(t, kv)
+    chunks = getattr(model, "chunks", None)
+    if chunks is not None and chunks.why is None:
+        for size in chunks.buckets:  # (a prompt of the bucket's size lands in that bucket)
+            if kv.limit is not None and size + 1 > kv.limit:
+                break
+            bucket_kv = model.new_cache(size + 1)
+            engine.run_prompt((ids * (size // len(ids) + 1))[:size], bucket_kv)
+            del bucket_kv
     other = model.new_cache(PROMPT_TOKENS + 2)
     engine.run_prompt(ids[::-1], other)
     with torch.inference_mode():
