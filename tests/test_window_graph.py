@@ -43,15 +43,16 @@ def cpu_windows(synth, windows: int = WINDOW_GRAPH_MAX, **kw):  # noqa: ANN001, 
 def window(model, start: list[int], tokens: list[int], graphs):  # noqa: ANN001, ANN201
     """A prompt chunk `start` (plain forward; none where empty), then one window of `tokens`
     with every position's logits through `graphs` (None: the plain forward) -> (logits [n, V],
-    the cache, the hits the window counted per layer)."""
+    the cache, the hits [L] and routed pairs [L, E] the window counted)."""
     model.chunks = None
     kv = model.new_cache(256)
     if start:
         model.forward(torch.tensor(start), [Segment(kv, len(start))])
     model.chunks = graphs
-    hits = model.experts.stats.hits.copy()
+    st = model.experts.stats
+    hits, routed = st.hits.copy(), st.routed.copy()
     logits = model.forward(torch.tensor(tokens), [Segment(kv, len(tokens))], all_logits=True)
-    return logits.clone(), kv, model.experts.stats.hits - hits
+    return logits.clone(), kv, st.hits - hits, st.routed - routed
 
 
 @pytest.mark.parametrize("at", [0, PREFIX])
@@ -65,8 +66,8 @@ def test_windows_equal_the_plain_forward(synth, at):
     head = prompt(at, 3)
     for n in SIZES:
         tokens = prompt(n, n)
-        ref, ref_kv, ref_hits = window(model, head, tokens, None)
-        ours, kv, hits = window(model, head, tokens, graphs)
+        ref, ref_kv, ref_hits, ref_routed = window(model, head, tokens, None)
+        ours, kv, hits, routed = window(model, head, tokens, graphs)
         assert ours.shape == ref.shape == (n, engine.config.n_vocab)
         assert float((ours - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), n
         assert kv.length == ref_kv.length == at + n
@@ -74,6 +75,7 @@ def test_windows_equal_the_plain_forward(synth, at):
         mine, theirs = kv.store[:, :, rows], ref_kv.store[:, :, rows]
         assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max()), n
         assert (hits == ref_hits).all() and (hits[graphs.routed] == n * k).all(), n
+        assert (routed == ref_routed).all() and (routed.sum(1)[graphs.routed] == n * k).all()
     assert graphs.window_steps["warm"] == len(SIZES) and graphs.steps["eager"] == 0
     assert sorted(graphs._windows) == sorted(SIZES)  # one per size, sharing one logits buffer
     assert all(b.logits.data_ptr() == graphs._window_logits.data_ptr()
@@ -86,7 +88,7 @@ def test_a_window_overwrites_the_rows_a_rejected_one_left(synth):
     engine, graphs = cpu_windows(synth)
     model = engine.model
     head, first, second = prompt(9, 1), prompt(5, 2), prompt(3, 4)
-    _, kv, _ = window(model, head, first, graphs)
+    _, kv, _, _ = window(model, head, first, graphs)
     kv.truncate(9)
     ours = model.forward(torch.tensor(second), [Segment(kv, 3)], all_logits=True)
     model.chunks = None
@@ -223,23 +225,27 @@ def test_window_graphs_give_the_eager_logits_and_rows(synth, at):
     graphs = model.chunks
     assert graphs.why is None and graphs.graphs and graphs.windows == WINDOW_GRAPH_MAX
     head = prompt(at, 3)
-    st, k = model.experts.stats, engine.config.n_experts_used
+    k = engine.config.n_experts_used
     sizes = range(1, WINDOW_GRAPH_MAX + 1)
+
+    def run(tokens, chunks):  # noqa: ANN001, ANN202
+        # (the rows to the host and the cache dropped: its storage back to the pool, so the
+        # next cache gets it, and with it the captured graphs)
+        logits, kv, hits, routed = window(model, head, tokens, chunks)
+        rows = kv.store[:, :, : kv.length].float().cpu()
+        return logits.float().cpu(), rows, int(hits.sum()), int(routed.sum())
+
+    pairs = k * len(graphs.routed)
     for _ in range(2):
         for n in sizes:
             tokens = prompt(n, n)
-            ref, ref_kv, _ = window(model, head, tokens, None)
-            routed = st.routed.sum()
-            ours, kv, hits = window(model, head, tokens, graphs)
-            assert int(hits.sum()) == n * k * len(graphs.routed), n
-            assert int(st.routed.sum() - routed) == n * k * len(graphs.routed), n
-            p, q = torch.log_softmax(ref.float().cpu(), -1), torch.log_softmax(ours.float().cpu(),
-                                                                              -1)
+            ref, ref_rows, _, _ = run(tokens, None)
+            ours, rows, hits, routed = run(tokens, graphs)
             assert ours.shape == (n, engine.config.n_vocab)
+            assert hits == routed == n * pairs, n  # (the window's rows, each once)
+            p, q = torch.log_softmax(ref, -1), torch.log_softmax(ours, -1)
             assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3, n
-            rows, ref_rows = (c.store[:, :, : at + n].float().cpu() for c in (kv, ref_kv))
             assert float((rows - ref_rows).abs().max()) < 2e-2 * float(ref_rows.abs().max()), n
-            del kv, ref_kv  # (the storage back to the pool: the next cache gets it, and its graphs)
     w = graphs.window_steps
     assert w["captured"] == w["warm"] == len(sizes) and w["replayed"] == len(sizes)
 
@@ -247,14 +253,22 @@ def test_window_graphs_give_the_eager_logits_and_rows(synth, at):
 @pytest.mark.cuda
 def test_spec_greedy_text_through_window_graphs_is_the_plain_text(synth):
     """--spec 4 on CUDA with --kernels fused, drafts right and wrong by turns: the windows
-    replayed from their graphs, the greedy text the same as without --spec."""
+    replayed from their graphs give the greedy text of the same windows run eagerly (the
+    graphs' own check) and of no --spec at all."""
     params = SamplingParams(temperature=0, max_tokens=32)
     ids = prompt(16, 6)
     plain = list(cuda_engine(synth).generate(ids, params))
     engine = cuda_engine(synth, spec=4, draft="ngram")
     graphs = engine.model.chunks
     assert graphs.windows == 5
-    engine.spec = SpecDecoder(engine.model, ReplayDrafter(ids, plain), 4, timed=False)
-    assert list(engine.generate(ids, params)) == plain
-    assert engine.spec.stats.windows > 0 and graphs.window_steps["replayed"] > 0
-    assert graphs.window_steps["captured"] <= 5 and not graphs.eager
+    texts = []
+    for windows in (0, 5):  # eagerly, then through the graphs
+        graphs.windows = windows
+        engine.spec = SpecDecoder(engine.model, ReplayDrafter(ids, plain), 4, timed=False)
+        texts.append(list(engine.generate(ids, params)))
+        assert engine.spec.stats.windows > 0
+    assert texts[1] == texts[0]
+    assert texts[1] == plain
+    w = graphs.window_steps
+    assert w["replayed"] > 0 and w["captured"] == w["warm"] <= 5
+    assert set(graphs.eager) == {"every position's logits"}  # (the eager run's windows only)

@@ -40,10 +40,11 @@ every row:
             copied out after each pass)
 
 One graph per size rather than the 16 bucket padded with every row's logits: the static
-logits are W rows (W <= 16) against 16, the pool holds one pass of at most 16 tokens either way
-(the sizes' graphs share it with the chunks'), and an unpadded window reads no expert that only padding rows route to and runs the
-eager window's shapes (so its kernels and their rounding). The KV rows, the counters and the
-cache length behave as a chunk's (the window has no padding rows: every row is live).
+logits are W rows (W <= 16) against 16, the pool holds one pass of at most 16 tokens either
+way (the sizes' graphs share it with the chunks'), and an unpadded window reads no expert that
+only padding rows route to and runs the eager window's shapes (so its kernels and their
+rounding). The KV rows, the counters and the cache length behave as a chunk's (the window has
+no padding rows: every row is live).
 
 Where a chunk cannot be captured it runs eagerly through MoETransformer.forward, as before:
 decided once at load (`blocked` and ChunkGraphs.__init__: the reason in one log line) or per
