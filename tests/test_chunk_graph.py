@@ -231,10 +231,11 @@ def test_the_buckets_are_limited_to_what_the_plan_leaves(synth):
     full = plan_buckets(cfg, ec, layouts, slots, whole.chunk, whole.prompt_weights, 1 << 40)
     assert full[1] == whole.prompt_buckets
     room = graph_pool_bytes(cfg, layouts, 64, whole.prompt_weights) + (1 << 20)
-    n, some, _ = plan_buckets(cfg, ec, layouts, slots, whole.chunk, whole.prompt_weights, room)
-    assert some == (16, 32, 64) and n <= room
+    n, some, w, _ = plan_buckets(cfg, ec, layouts, slots, whole.chunk, whole.prompt_weights,
+                                 room)
+    assert some == (16, 32, 64) and n <= room and w == 0  # (no --spec: no windows)
     none = plan_buckets(cfg, ec, layouts, slots, whole.chunk, whole.prompt_weights, 1024)
-    assert none[:2] == (0, ()) and "too little room" in none[2]
+    assert none[:3] == (0, (), 0) and "too little room" in none[3]
 
 
 # ---- the parts the graphs need ------------------------------------------------------------------

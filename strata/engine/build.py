@@ -187,5 +187,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if ec.decode_step != "off":
         model.step = DecodeStep(model, ec.decode_step, plan.ctx if dev.type == "cuda" else 0)
     # prompt chunks from CUDA graphs where they apply (its log line says which, or why not)
-    model.chunks = ChunkGraphs(model, plan.prompt_buckets, plan.prompt_graphs_note or None)
+    # (and verify windows, one graph per size, where --spec asks and the plan took them)
+    model.chunks = ChunkGraphs(model, plan.prompt_buckets, plan.prompt_graphs_note or None,
+                               windows=plan.window_graphs)
     return model

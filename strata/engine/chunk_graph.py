@@ -31,11 +31,27 @@ graph (they never run at once, so a later capture reuses an earlier one's freed 
 buffer that outlives a pass is allocated outside it); the memory plan counts it
 (`graph_pool_bytes`) and keeps the buckets that fit (`plan_buckets`).
 
+A verify window (strata.engine.spec: a pass of n <= WINDOW_GRAPH_MAX tokens wanting every
+position's logits) runs the same pass unpadded, in a graph of its own size n, its head over
+every row:
+
+    logits  float32 [n, V]: rows 0 .. n-1 of one buffer [W, V] that every window size shares
+            (W the largest window the plan took; one window runs at a time, and its rows are
+            copied out after each pass)
+
+One graph per size rather than the 16 bucket padded with every row's logits: the static
+logits are W rows (W <= 16) against 16, the pool holds one pass of at most 16 tokens either
+way (the sizes' graphs share it with the chunks'), and an unpadded window reads no expert that
+only padding rows route to and runs the eager window's shapes (so its kernels and their
+rounding). The KV rows, the counters and the cache length behave as a chunk's (the window has
+no padding rows: every row is live).
+
 Where a chunk cannot be captured it runs eagerly through MoETransformer.forward, as before:
 decided once at load (`blocked` and ChunkGraphs.__init__: the reason in one log line) or per
 chunk (`ChunkGraphs.eager_reason`: counted by reason for --stats).
 
-Legend: n real tokens, T the bucket, D hidden, V vocab, E experts, K experts per token.
+Legend: n real tokens, T the bucket, W the largest window, D hidden, V vocab, E experts,
+K experts per token.
 """
 
 from __future__ import annotations
@@ -50,7 +66,7 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.kernels.gpu.chunk_attention import flash_reads
-from strata.kernels.tuning import DEQUANT_MIN_M, PROMPT_GRAPH_BUCKETS
+from strata.kernels.tuning import DEQUANT_MIN_M, PROMPT_GRAPH_BUCKETS, WINDOW_GRAPH_MAX
 from strata.model.parts.spec import layer_spec
 from strata.runtime.waits import wait_event
 
@@ -106,13 +122,19 @@ def bucket_of(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def window_tokens(spec: int) -> int:
+    """The most tokens of a verify window the graphs serve under --spec `spec` (0: none)."""
+    return min(WINDOW_GRAPH_MAX, spec + 1) if spec else 0
+
+
 def graph_pool_bytes(cfg: ModelConfig, layouts: list, t: int,
-                     prompt_weights: int | None) -> int:
+                     prompt_weights: int | None, logit_rows: int = 1) -> int:
     """A bound on the device bytes one captured pass of t tokens allocates inside its graph
     (its pool holds them for good): the MoE layer's scratch at t tokens (the grouped path's,
     moe_grouped.grouped_scratch_bytes, or the tl.dot path's h and y), the dense parts' float32
     activations live across a layer, a dense matrix's bf16 copy (cuBLAS, from DEQUANT_MIN_M
-    tokens) and the head's row. Derived from the buffers the parts allocate, not measured."""
+    tokens) and the head's `logit_rows` rows (a chunk's last one, a window's every row).
+    Derived from the buffers the parts allocate, not measured."""
     from strata.kernels.gpu.moe import use_grouped
     from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, grouped_scratch_bytes
 
@@ -129,30 +151,44 @@ def graph_pool_bytes(cfg: ModelConfig, layouts: list, t: int,
     # copy, flash's out (4 qkv); router logits and probabilities (2 E); a dense or shared FFN
     rows = 4 * t * (6 * d + 4 * qkv + 2 * e + 3 * hidden)
     dequant = 2 * max(qkv * d, cfg.q_dim * d, 3 * hidden * d) if t >= DEQUANT_MIN_M else 0
-    return moe + rows + dequant + 4 * cfg.n_vocab
+    return moe + rows + dequant + 4 * logit_rows * cfg.n_vocab
+
+
+def window_static_bytes(cfg: ModelConfig, w: int) -> int:
+    """The static buffers of the windows of 1 .. w tokens: each size's inputs and row indices,
+    and the one float32 [w, V] logits buffer they share."""
+    return sum(8 * (n + 2) + 8 * n for n in range(1, w + 1)) + 4 * w * cfg.n_vocab if w else 0
 
 
 def plan_buckets(cfg: ModelConfig, ec: EngineConfig, layouts: list, slots: list[int],
-                 chunk: int, prompt_weights: int | None, room: int) -> tuple[int, tuple, str]:
-    """The memory plan's line item: (bytes, buckets, why none) for the prompt graphs where
-    they apply (`blocked`, and every routed layer's experts each in a slot: no chunk of a plan
-    that misses some runs without the host). Buckets up to the first holding a whole chunk,
-    as many as `room` holds the shared pool of (the largest one's pass) and the static
-    buffers of."""
+                 chunk: int, prompt_weights: int | None,
+                 room: int) -> tuple[int, tuple, int, str]:
+    """The memory plan's line item: (bytes, buckets, window tokens, why none) for the prompt
+    graphs where they apply (`blocked`, and every routed layer's experts each in a slot: no
+    chunk of a plan that misses some runs without the host). Buckets up to the first holding a
+    whole chunk, and with --spec the verify windows of up to `window_tokens` tokens, as many
+    buckets as `room` holds the shared pool of (the largest pass's: a bucket's, or a window's
+    with every row's logits) and the static buffers of; where no bucket fits beside the
+    windows, the buckets are planned without them."""
     why = blocked(cfg, ec)
     if why is None and any(n < cfg.n_experts and not lay.empty
                            for n, lay in zip(slots, layouts, strict=True)):
         why = "experts outside VRAM: their misses are planned on the host"
     if why is not None:
-        return 0, (), why
-    taken, total = (), 0
-    for b in buckets_for(chunk):
-        static = sum(8 * (x + 2) + 8 * x + 4 * cfg.n_vocab for x in (*taken, b))
-        need = graph_pool_bytes(cfg, layouts, b, prompt_weights) + static
-        if need > room:
-            break
-        taken, total = (*taken, b), need
-    return total, taken, "" if taken else "the plan leaves too little room for their pool"
+        return 0, (), 0, why
+    for w in dict.fromkeys((window_tokens(ec.spec), 0)):
+        win_pool = graph_pool_bytes(cfg, layouts, w, prompt_weights, logit_rows=w) if w else 0
+        taken, total = (), 0
+        for b in buckets_for(chunk):
+            static = sum(8 * (x + 2) + 8 * x + 4 * cfg.n_vocab for x in (*taken, b))
+            pool = max(graph_pool_bytes(cfg, layouts, b, prompt_weights), win_pool)
+            need = pool + static + window_static_bytes(cfg, w)
+            if need > room:
+                break
+            taken, total = (*taken, b), need
+        if taken:
+            return total, taken, w, ""
+    return 0, (), 0, "the plan leaves too little room for their pool"
 
 
 # ---- the graphs ----------------------------------------------------------------------------------
@@ -160,15 +196,16 @@ def plan_buckets(cfg: ModelConfig, ec: EngineConfig, layouts: list, slots: list[
 
 @dataclass
 class _Bucket:
-    """One bucket's static buffers and its graph (captured for `key`: KV storage, capacity,
-    slot tensors)."""
+    """One bucket's (or one window size's) static buffers and its graph (captured for `key`:
+    KV storage, capacity, slot tensors)."""
 
     size: int
     inputs: torch.Tensor  # int64 [T + 2]: tokens, pos, last
     rows: torch.Tensor  # int64 [T]: 0 .. T-1
-    logits: torch.Tensor  # float32 [1, V]
+    logits: torch.Tensor  # float32 [1, V]; a window's [T, V] (every row's)
     graph: object | None = None  # torch.cuda.CUDAGraph
     key: tuple | None = None
+    window: bool = False  # a verify window's: every row's logits, no padding
 
 
 class _Experts:
@@ -191,11 +228,12 @@ class _Experts:
 
 class ChunkGraphs:
     def __init__(self, model, buckets: Sequence[int], why: str | None = None,  # noqa: ANN001
-                 mode: str = "graphs"):
+                 mode: str = "graphs", windows: int = 0):
         """model: the MoETransformer (on the offload runtime); buckets: those the memory plan
         took; why: the reason none applies (`blocked`, or the plan's), if known; mode "graphs"
         (CUDA) or "eager" (the same passes over the static buffers, uncaptured: the CPU's
-        tests)."""
+        tests); windows: the most tokens of a verify window the plan took (0: windows run
+        eagerly)."""
         from strata.experts.offload import OffloadExperts
 
         self.model, self.cfg, self.device = model, model.cfg, model.device
@@ -204,6 +242,7 @@ class ChunkGraphs:
         self.routed = np.array([i for i, layer in enumerate(model.layers) if layer.ffn.routed],
                                dtype=np.int64)
         self.buckets = tuple(buckets)
+        self.windows = windows
         if why is None and not isinstance(self.ex, OffloadExperts):
             why = "the reference layout groups each layer's experts on the host"
         if why is None and not self.buckets:
@@ -212,18 +251,23 @@ class ChunkGraphs:
             why = self._device_reason()
         self.why = why
         self.steps = {"replayed": 0, "captured": 0, "warm": 0, "eager": 0}
-        self.eager: Counter[str] = Counter()  # chunks run eagerly, by reason
+        self.eager: Counter[str] = Counter()  # chunks (and windows) run eagerly, by reason
+        self.window_steps = {"replayed": 0, "captured": 0, "warm": 0}
         self._failed = False
         self._buckets: dict[int, _Bucket] = {}
+        self._windows: dict[int, _Bucket] = {}  # by window size
+        self._window_logits: torch.Tensor | None = None  # float32 [W, V]: every size's rows
         self._pool = None
         pin = self.device.type == "cuda"
         top = max(self.buckets, default=0)
-        self._host = torch.zeros(top + 2, dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros(max(top, windows) + 2, dtype=torch.int64, pin_memory=pin)
         self._host_read: torch.cuda.Event | None = None
         log.info("prompt graphs: " + (
             f"off, {why}; prompt chunks run eagerly" if why else
             f"chunks of up to {top} tokens padded to the next of {len(self.buckets)} buckets "
             f"({', '.join(map(str, self.buckets))}), each captured once per KV storage; "
+            + (f", verify windows of up to {self.windows} tokens one graph per size"
+               if self.windows else "") + "; "
             + ("CUDA graphs" if self.graphs else "eager")))
 
     def _device_reason(self) -> str | None:
@@ -248,6 +292,9 @@ class ChunkGraphs:
             if not keep:
                 return "the grouped MoE path reads its group sizes on the host on this GPU"
             self.buckets = keep
+            self.windows = max((w for w in range(self.windows + 1)
+                                if not use_grouped(w, cfg.n_experts_used, cfg.n_experts)),
+                               default=0)
         return None
 
     # ---- one chunk ------------------------------------------------------------------------------
@@ -259,14 +306,15 @@ class ChunkGraphs:
         if len(segments) != 1:
             return "several sequences"
         kv, n = segments[0].kv, tokens.shape[0]
-        t = bucket_of(n, self.buckets)
+        t = n if all_logits else bucket_of(n, self.buckets)  # (a window is never padded)
         model = self.model
         if self._failed:
             return "capture failed"
         if n == 0:
             return "no tokens"
-        if all_logits:
-            return "every position's logits"
+        if all_logits and n > self.windows:
+            return (f"every position's logits of more than {self.windows} tokens"
+                    if self.windows else "every position's logits")
         if t is None:
             return f"longer than {self.buckets[-1]} tokens"
         if getattr(kv, "paged", False) or kv.state is not None or kv.dtype != model.kv_dtype:
@@ -291,8 +339,9 @@ class ChunkGraphs:
 
     def __call__(self, tokens: torch.Tensor, segments: Sequence, all_logits: bool = False,
                  marks: object | None = None) -> torch.Tensor | None:
-        """The chunk's last logits [1, V] (a new tensor), its KV rows appended; None where it
-        runs eagerly (the caller runs MoETransformer.forward)."""
+        """The chunk's last logits [1, V] (a window's, all_logits: every row's [n, V]; a new
+        tensor), its KV rows appended; None where it runs eagerly (the caller runs
+        MoETransformer.forward)."""
         why = self.eager_reason(tokens, segments, all_logits)
         if why:
             if self.why is None and len(segments) == 1:
@@ -300,7 +349,8 @@ class ChunkGraphs:
                 self.steps["eager"] += 1
             return None
         kv, n = segments[0].kv, tokens.shape[0]
-        b = self._bucket(bucket_of(n, self.buckets))
+        b = self._window(n) if all_logits else self._bucket(bucket_of(n, self.buckets))
+        steps = self.window_steps if all_logits else self.steps
         ex, start = self.ex, kv.length
         ex.before_pass(n)
         kv.reserve(start + b.size)  # (before any key: a growing cache moves its storage)
@@ -311,19 +361,25 @@ class ChunkGraphs:
         t0 = timer.start() if timer else None
         if b.key == key and b.graph is not None:
             b.graph.replay()
-            self.steps["replayed"] += 1
+            steps["replayed"] += 1
         else:
             self._pass(b, kv)  # the chunk itself; every kernel compiled and warmed
-            self.steps["warm"] += 1
+            steps["warm"] += 1
             if self.graphs and not self._failed:
-                self._capture(b, key, kv)
+                self._capture(b, key, kv, steps)
         if self.device.type == "cuda":  # (device_hits leaves the hits to the host)
             ex.account(self.routed, hits=n * self.cfg.n_experts_used)
             ex.slots_read(range(len(ex.cache.layers)), self._record())
         if timer:
             timer.stop(t0)
         kv.advance(n)
-        if marks is not None:  # (the graph ran every layer and the head)
+        if marks is not None:
+            # (the graph ran every layer and the head: each mark is recorded after all of them,
+            # so a replayed window that stalls is still reported as its verify window of n
+            # tokens, but the layer named is not the one the GPU was in: every mark is then
+            # unfinished (the first, layer 0, is named) and the progress line's layer is the
+            # last one, the head. `whole_pass` lets the report say so.)
+            marks.whole_pass = True
             for i in range(len(self.model.layers) + 1):
                 marks.after(i)
         return b.logits.clone()
@@ -336,6 +392,18 @@ class ChunkGraphs:
                                        torch.arange(t, device=dev),
                                        torch.zeros(1, self.cfg.n_vocab, device=dev))
         return self._buckets[t]
+
+    def _window(self, n: int) -> _Bucket:
+        """The window size's static buffers (its logits rows 0 .. n-1 of the buffer every
+        size shares), made outside any capture on its first window."""
+        if n not in self._windows:
+            dev = self.device
+            if self._window_logits is None:
+                self._window_logits = torch.zeros(self.windows, self.cfg.n_vocab, device=dev)
+            self._windows[n] = _Bucket(n, torch.zeros(n + 2, dtype=torch.int64, device=dev),
+                                       torch.arange(n, device=dev), self._window_logits[:n],
+                                       window=True)
+        return self._windows[n]
 
     def _fill(self, b: _Bucket, tokens: torch.Tensor, start: int, n: int) -> None:
         """The chunk's tokens (padded with token 0), its first position and last row into the
@@ -365,9 +433,9 @@ class ChunkGraphs:
         ctx = Segments([Segment(kv, t)], cos, sin, _Experts(self.ex, live), None, True,
                        pos=pos, inv_freq=model.rope_inv_freq())
         x, delta = model.trunk(tokens, ctx)
-        b.logits.copy_(model.head.forward(x, delta, ctx, rows=last))
+        b.logits.copy_(model.head.forward(x, delta, ctx, rows=None if b.window else last))
 
-    def _capture(self, b: _Bucket, key: tuple, kv) -> None:  # noqa: ANN001
+    def _capture(self, b: _Bucket, key: tuple, kv, steps: dict) -> None:  # noqa: ANN001
         try:
             torch.cuda.synchronize(self.device)
             if self._pool is None:
@@ -382,7 +450,7 @@ class ChunkGraphs:
             torch.cuda.synchronize(self.device)
             return
         b.graph, b.key = graph, key
-        self.steps["captured"] += 1
+        steps["captured"] += 1
 
     def _record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
@@ -394,6 +462,9 @@ class ChunkGraphs:
         if self.why is not None:
             return f"prompt graphs: off, {self.why}"
         eager = "; ".join(f"{n} {why}" for why, n in self.eager.most_common())
+        w = self.window_steps
+        windows = (f"; verify windows: {w['replayed']} replayed, {w['warm']} run to capture "
+                   f"({w['captured']} capture(s))" if self.windows else "")
         return (f"prompt graphs: {self.steps['replayed']} chunk(s) replayed, "
                 f"{self.steps['warm']} run to capture ({self.steps['captured']} capture(s)), "
-                f"{self.steps['eager']} eager" + (f" ({eager})" if eager else ""))
+                f"{self.steps['eager']} eager" + (f" ({eager})" if eager else "") + windows)

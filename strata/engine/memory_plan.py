@@ -83,6 +83,7 @@ class MemoryPlan:
     prompt_graphs: int = 0
     prompt_buckets: tuple[int, ...] = ()
     prompt_graphs_note: str = ""
+    window_graphs: int = 0  # the most tokens of a verify window they serve (--spec; 0: none)
 
     @property
     def left(self) -> int:
@@ -118,8 +119,10 @@ class MemoryPlan:
                            + f" while decoding, {fmt_bytes(self.lent)})"
                            if sum(self.lent_per_layer) else ")"),
             f"  prompt graphs  {f(self.prompt_graphs):>10} (" + (
-                f"chunks padded to {', '.join(map(str, self.prompt_buckets))} tokens: one pool, "
-                "the largest pass's" if self.prompt_buckets else
+                f"chunks padded to {', '.join(map(str, self.prompt_buckets))} tokens"
+                + (f", verify windows of 1-{self.window_graphs} tokens with every row's logits"
+                   if self.window_graphs else "")
+                + ": one pool, the largest pass's" if self.prompt_buckets else
                 f"none: {self.prompt_graphs_note}") + ")",
             f"  host arena     {f(self.arena):>10} of {f(self.host_available)} RAM available",
             f"  left           {f(self.left):>10}",
@@ -341,8 +344,9 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     borrow = max(0, min(budget - fixed - kv - cache, borrow_cap)) // 256 * 256
     # prompt chunks replayed from CUDA graphs: their pool from what is left (never from the
     # cache: a plan whose experts do not all fit takes none)
-    graphs, buckets, graphs_note = plan_buckets(cfg, ec, layouts, slots, chunk, prompt_weights,
-                                                budget - fixed - kv - cache - borrow)
+    # (and with --spec, the verify windows' graphs beside them: chunk_graph.window_tokens)
+    graphs, buckets, windows, graphs_note = plan_buckets(
+        cfg, ec, layouts, slots, chunk, prompt_weights, budget - fixed - kv - cache - borrow)
     lent, lent_ring = (), False
     if dev.type == "cuda" and ec.kernels == "fused" and ec.decode_step != "off" and \
             ec.expert_cache == "auto" and ec.sequences <= 1:
@@ -360,7 +364,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       chunk, prompt_weights, borrow, ec.kv_type,
                       tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,
                       ring_note, ctx_note, context, prompt_graphs=graphs,
-                      prompt_buckets=buckets, prompt_graphs_note=graphs_note)
+                      prompt_buckets=buckets, prompt_graphs_note=graphs_note,
+                      window_graphs=windows)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

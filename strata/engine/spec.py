@@ -152,6 +152,10 @@ class LayerMarks:
         self.tokens, self.position, self.n_layers = tokens, position, n_layers
         self.event = event or (torch.cuda.Event if device.type == "cuda" else None)
         self.events: list = []
+        # set by a pass that ran as one (a window replayed from a CUDA graph,
+        # strata.engine.chunk_graph): every mark was recorded after all its layers, so a stall
+        # cannot say in which layer the GPU stopped
+        self.whole_pass = False
 
     def never_finish(self) -> None:
         """Make every mark from now on one the GPU never reaches (STRATA_FAULT timeout@verify:
@@ -179,10 +183,12 @@ class LayerMarks:
         except StallError:
             stuck = next((i for i, ev in enumerate(self.events) if not ev.query()),
                          len(self.events) - 1)
+            part = "the output head" if stuck >= self.n_layers else f"layer {stuck}"
+            if self.whole_pass:
+                part += " (every layer and the head ran as one graph: its marks follow them all)"
             raise StallError(f"verify window of {self.tokens} tokens at position "
                              f"{self.position}: waited {timeout_s:.0f} s; the GPU never finished "
-                             f"{'the output head' if stuck >= self.n_layers else f'layer {stuck}'}"
-                             f" ({PROGRESS.describe()})") from None
+                             f"{part} ({PROGRESS.describe()})") from None
 
 
 class _NeverDone:

@@ -246,6 +246,11 @@ BF16_ATTENTION_MIN_T = 4
 # largest chunk, so padding at most doubles a chunk's rows; the memory plan keeps the buckets
 # whose graph pool fits what it leaves (a policy, not a timing: bench none)
 PROMPT_GRAPH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# verify windows (engine/spec.py) of up to this many tokens run from CUDA graphs too, one graph
+# per window size (engine/chunk_graph.py): the smallest bucket's size, so a window's pass never
+# outgrows the prompt graphs' pool; a longer window (--spec past 15) runs eagerly (a policy, not
+# a timing: bench none)
+WINDOW_GRAPH_MAX = 16
 
 # --prefetch auto on CUDA decode steps (where the cache is small: prefetch_pays):
 # at 2 GiB (30B-A3B, H200, LRU, before lent slots) 2 gave 42.8-45.1 tok/s against 40.6-40.9
