@@ -56,3 +56,7 @@ def test_warm_up_runs_a_prompt_of_each_prompt_graph_bucket(synth) -> None:
     warm_up(engine)
     # the 32-token prompt, one of 16, 32 and 64 tokens, the second sequence's 32: every bucket
     assert model.chunks.steps["warm"] == 5 and model.chunks.steps["eager"] == 0
+    # with --spec's verify windows planned: one window of each size too
+    model.chunks = ChunkGraphs(model, (16, 32, 64), mode="eager", windows=3)
+    warm_up(engine)
+    assert model.chunks.window_steps["warm"] == 3 and model.chunks.steps["eager"] == 0

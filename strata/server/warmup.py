@@ -2,9 +2,9 @@
 decode steps of one sequence (on CUDA: the first step compiles and warms every kernel, the
 second captures the step's graphs on the pooled KV storage every later request reuses, the third
 replays them), one prompt of each bucket the prompt graphs took (strata.engine.chunk_graph: its
-first chunk runs and captures it, so a request's chunk replays) and one batched decode pass of
-two sequences. Then the expert counters go back to
-zero, so /health and /metrics count requests only.
+first chunk runs and captures it, so a request's chunk replays) and, with --spec, one verify
+window of each size they took, and one batched decode pass of two sequences. Then the expert
+counters go back to zero, so /health and /metrics count requests only.
 
 The routing of the warm-up's tokens is seen by the cache policy like any other (a few dozen
 tokens; the policy's counts halve as requests come)."""
@@ -40,6 +40,11 @@ def warm_up(engine: Any) -> float:
             bucket_kv = model.new_cache(size + 1)
             engine.run_prompt((ids * (size // len(ids) + 1))[:size], bucket_kv)
             del bucket_kv
+        for n in range(1, chunks.windows + 1):  # --spec: a verify window of each size
+            window_kv = model.new_cache(n + 1)
+            with torch.inference_mode():
+                model.forward(torch.tensor(ids[:n]), [Segment(window_kv, n)], all_logits=True)
+            del window_kv
     other = model.new_cache(PROMPT_TOKENS + 2)
     engine.run_prompt(ids[::-1], other)
     with torch.inference_mode():
