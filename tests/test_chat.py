@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import signal
 import subprocess
 import sys
 import termios
@@ -95,6 +96,9 @@ class Terminal:
         def controlling_tty() -> None:
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # (a suite started in the background by a non-interactive shell inherits SIGINT
+            # ignored, and Python keeps an ignored SIGINT: the terminal's Ctrl-C would do nothing)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen([sys.executable, "-m", "strata", "chat", *args],
                                      stdin=slave, stdout=slave, stderr=slave, env=env,

@@ -208,8 +208,11 @@ def test_bad_output_paths(synth, capsys, tmp_path):
 
 def test_stopped_synth_leaves_no_file(tmp_path):
     out = tmp_path / "big.gguf"
+    # (SIGINT as by default: a suite started in the background by a non-interactive shell
+    # inherits it ignored, and Python keeps an ignored SIGINT)
     p = subprocess.Popen([sys.executable, "-m", "strata", "synth", str(out), "--layers", "400"],
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "writing" in p.stderr.readline()  # the size comes first
     time.sleep(1.0)
     p.send_signal(signal.SIGINT)
