@@ -26,8 +26,8 @@ def warm_up(engine: Any) -> float:
     """-> seconds taken. Leaves no state behind but the kernels built and the graphs captured."""
     t0 = time.perf_counter()
     model = engine.model
-    ids = engine.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
-    ids = (ids * (PROMPT_TOKENS // max(len(ids), 1) + 1))[:PROMPT_TOKENS]
+    text = engine.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
+    ids = _tokens(text, PROMPT_TOKENS)
     kv = model.new_cache(PROMPT_TOKENS + DECODE_STEPS + 1)
     engine.run_prompt(ids, kv)
     for t in ids[:DECODE_STEPS]:
@@ -38,7 +38,7 @@ def warm_up(engine: Any) -> float:
             if kv.limit is not None and size + 1 > kv.limit:
                 break
             bucket_kv = model.new_cache(size + 1)
-            engine.run_prompt((ids * (size // len(ids) + 1))[:size], bucket_kv)
+            engine.run_prompt(_tokens(text, size), bucket_kv)
             del bucket_kv
         for n in range(1, chunks.windows + 1):  # --spec: a verify window of each size
             window_kv = model.new_cache(n + 1)
@@ -56,3 +56,8 @@ def warm_up(engine: Any) -> float:
     if hasattr(stats, "reset"):
         stats.reset()
     return time.perf_counter() - t0
+
+
+def _tokens(text: list[int], n: int) -> list[int]:
+    """n tokens: the text's, repeated as often as it takes."""
+    return (text * (n // max(len(text), 1) + 1))[:n]
