@@ -353,9 +353,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         # (one sequence only: a server's passes mix prompt chunks with decode steps, and each
         # change of kind would shrink and grow every lending layer's slots, a device copy of
         # the cache and a refill over PCIe each time)
-        # one decoding sequence (and no --stream-min 1): no pass that lends streams, so the
-        # ring's VRAM is lent too
-        lent_ring = ec.sequences <= 1 and (ec.stream_min or 2) >= 2
+        # with no --stream-min 1 no pass that lends streams, so the ring's VRAM is lent too
+        lent_ring = (ec.stream_min or 2) >= 2
         lent = lend_slots(cfg, layouts, slots, workspace + (ring if lent_ring else 0))
         lent_ring = lent_ring and bool(lent)
     # (the plan's KV line: the --batch pool's bytes, blocks and scratch row included)
