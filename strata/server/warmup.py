@@ -42,8 +42,7 @@ def warm_up(engine: Any) -> float:
             del bucket_kv
         for n in range(1, chunks.windows + 1):  # --spec: a verify window of each size
             window_kv = model.new_cache(n + 1)
-            with torch.inference_mode():
-                model.forward(torch.tensor(ids[:n]), [Segment(window_kv, n)], all_logits=True)
+            model.forward(torch.tensor(ids[:n]), [Segment(window_kv, n)], all_logits=True)
             del window_kv
     other = model.new_cache(PROMPT_TOKENS + 2)
     engine.run_prompt(ids[::-1], other)
