@@ -346,7 +346,7 @@ def test_named_cuda_budget_holds_the_context(synth):
     it is a line of the plan and out of what is left; free VRAM (no budget) and the CPU have
     none."""
     from strata.config import ModelConfig
-    from strata.engine.memory_plan import make_plan
+    from strata.engine.memory_plan import activation_bytes, make_plan
     from strata.experts.layout import expert_layouts
     from strata.gguf import open_model
     from strata.kernels.tuning import CUDA_CONTEXT
@@ -359,10 +359,13 @@ def test_named_cuda_budget_holds_the_context(synth):
     cpu = make_plan(mf, cfg, EngineConfig(device="cpu", vram_budget_gib=2, ctx=256,
                                           expert_cache="0"), layouts)
     assert cuda.context == CUDA_CONTEXT and cpu.context == 0
+    # a chunk's own tensors (hidden states, q / k / v, router logits) count on CUDA, by its size
+    assert cuda.activations == activation_bytes(cfg, cuda.chunk) > 0 and cpu.activations == 0
     assert cuda.left == (cuda.budget - CUDA_CONTEXT - cuda.dense - cuda.kv - cuda.workspace
-                         - cuda.staging - cuda.ring - cuda.cache)
+                         - cuda.activations - cuda.staging - cuda.ring - cuda.cache)
     assert any(line.startswith("  CUDA context") for line in cuda.lines())
-    assert not any("CUDA context" in line for line in cpu.lines())
+    assert any(line.startswith("  activations") for line in cuda.lines())
+    assert not any("CUDA context" in line or "activations" in line for line in cpu.lines())
 
 
 @pytest.mark.cuda

@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     setup_logging(args.debug)
     set_thread_pools()
+    # torch's CUDA allocator maps its free blocks into one growing range instead of keeping
+    # fixed-size segments: under a --vram-budget cap, a prompt chunk's scratch of another size
+    # found 1.13 GiB reserved but split into pieces too small for it and failed at 10 GiB
+    # (bench/2026-12-02-h200-prompt-graphs.md). Read when CUDA starts; the user's setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
     except StrataError as e:

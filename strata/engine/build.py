@@ -60,6 +60,12 @@ def lends_workspace(dev: torch.device, layouts: list[ExpertLayout]) -> bool:
     return all(has_fused(q) for lay in layouts for q in lay.qtypes)
 
 
+
+def _index(dev: torch.device) -> int:
+    """The CUDA device's ordinal (torch's per-process memory fraction wants one: a plain "cuda"
+    is the current device)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
 def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 dev: torch.device) -> MoETransformer:
     if ec.kernels not in FUSED_MAX_T:
@@ -78,7 +84,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if not ec.use_offload:
         if dev.type == "cuda":  # (no plan, so no cap: a --draft model loads this way beside a
             # capped target, whose plan does not count it)
-            torch.cuda.set_per_process_memory_fraction(1.0, dev)
+            torch.cuda.set_per_process_memory_fraction(1.0, _index(dev))
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
         model.kv_dtype = kv_elem
         if dev.type == "cuda":  # (the CPU's reference layout has no other way to run them)
@@ -106,7 +112,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         torch.cuda.empty_cache()
         held = torch.cuda.memory_reserved(dev)
         cap = held + plan.budget - plan.context if plan.context else total
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), _index(dev))
         if plan.context:
             log.info(f"VRAM cap: torch's allocator holds at most {fmt_bytes(cap)} (the budget "
                      "less the CUDA context" + (f", beside the {fmt_bytes(held)} this process "

@@ -84,11 +84,12 @@ class MemoryPlan:
     prompt_buckets: tuple[int, ...] = ()
     prompt_graphs_note: str = ""
     window_graphs: int = 0  # the most tokens of a verify window they serve (--spec; 0: none)
+    activations: int = 0  # a prompt chunk's live tensors outside the MoE scratch (activation_bytes)
 
     @property
     def left(self) -> int:
         return (self.budget - self.context - self.dense - self.kv - self.workspace
-                - self.staging - self.ring - self.cache - self.prompt_graphs)
+                - self.activations - self.staging - self.ring - self.cache - self.prompt_graphs)
 
     @property
     def lent(self) -> int:
@@ -107,6 +108,8 @@ class MemoryPlan:
             f"{self.kv_type}" + (f": {self.ctx_note})" if self.ctx_note else ")"),
             f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
             "tokens)",
+            *([f"  activations    {f(self.activations):>10} (a chunk's hidden states, "
+               "attention and router tensors)"] if self.activations else []),
             f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
             f"  streaming ring {f(self.ring):>10}"
             + (f" ({self.ring_note})" if self.ring_note else "")
@@ -134,6 +137,22 @@ def auto_chunk(cfg: ModelConfig, workspace: int) -> int:
     token) fit the workspace: 16 .. 4096."""
     per_token = cfg.n_experts_used * (cfg.d_model + cfg.d_expert) * 4
     return max(16, min(4096, workspace // per_token))
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Device bytes a prompt chunk of `tokens` keeps live outside the MoE path's scratch, counted
+    in float32 as if all were live at once: the residual stream and its norm, the attention's
+    q / k / v (projected, then normed and rotated) and output, the router's logits, a shared
+    expert's or dense FFN's intermediates. Qwen3-30B-A3B: 141 KiB a token; the H200 showed
+    ~100 KiB a token more in torch's tensors' peak from pp128 to pp2048 at 10 GiB, and a
+    4096-token chunk at 16K of depth failed for want of about that much when this was not
+    counted (bench/2026-12-02-h200-prompt-graphs.md)."""
+    attn = cfg.q_dim + 2 * cfg.n_kv_heads * cfg.head_dim
+    if cfg.ssm_heads:  # a Gated DeltaNet layer's q / k / v and gates
+        attn = max(attn, 2 * cfg.ssm_groups * cfg.ssm_state + 2 * cfg.ssm_heads * cfg.ssm_state)
+    ffn = max(cfg.d_shared, cfg.d_ff if cfg.n_dense_lead else 0)
+    per_token = 6 * cfg.d_model + 3 * attn + 2 * cfg.q_dim + 2 * cfg.n_experts + 3 * ffn
+    return tokens * per_token * 4
 
 
 def prompt_scratch(cfg: ModelConfig, layouts: list[ExpertLayout], budget: int,
@@ -281,12 +300,15 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # blocks, and one scratch row (padded rows of a batched step write there)
     pool = ((POOL_BLOCK * ec.sequences + 1) * (kv_per_token // ec.sequences)
             if ec.sequences > 1 else 0)
-    fixed = context + dense + workspace + staging + ring + MARGIN + states + pool
+    # (on CUDA a chunk's own tensors beside the MoE scratch; the CPU's budget is host RAM)
+    activations = activation_bytes(cfg, chunk) if dev.type == "cuda" else 0
+    fixed = context + dense + workspace + activations + staging + ring + MARGIN + states + pool
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(
             f"--vram-budget {budget / GIB:.2f} GiB cannot hold the dense weights ({f(dense)}), "
-            f"workspace, staging and ring ({f(workspace + staging + ring)}), a margin of "
+            f"workspace, activations, staging and ring "
+            f"({f(workspace + activations + staging + ring)}), a margin of "
             f"{f(MARGIN)}" + (f", the CUDA context ({f(context)})" if context else "") + " and a "
             f"{MIN_KV_TOKENS}-token KV cache ({f(MIN_KV_TOKENS * kv_per_token)}): give at least "
             f"{(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
@@ -297,7 +319,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
             f"--ctx {ec.ctx}" + (f" (the model's context, {ctx})" if ctx < ec.ctx else "")
             + f": its KV cache ({f(ctx * kv_per_token)} at --kv-type {ec.kv_type}) does "
             f"not fit the {f(kv_room)} that --vram-budget {budget / GIB:.2f} GiB leaves after the "
-            f"dense weights, workspace, staging, ring and margin: give at most --ctx "
+            f"dense weights, workspace, activations, staging, ring and margin: give at most --ctx "
             f"{kv_room // kv_per_token}, a smaller --kv-type (f16, q8_0), or at least "
             f"--vram-budget {(fixed + ctx * kv_per_token) / GIB + 0.01:.2f}")
     ctx_note = "--ctx"
@@ -364,7 +386,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,
                       ring_note, ctx_note, context, prompt_graphs=graphs,
                       prompt_buckets=buckets, prompt_graphs_note=graphs_note,
-                      window_graphs=windows)
+                      window_graphs=windows, activations=activations)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

@@ -202,11 +202,12 @@ TORCH_BATCH_BYTES = 32 << 20
 # VRAM kept out of the plan: activations, allocator slack, kernels' own buffers; a bound, not
 # timed (bench: none; the plan on the GPU: bench/2026-11-29-h200-offload.md)
 PLAN_MARGIN = 256 << 20
-# a CUDA process's own VRAM, outside torch's allocator (the context, cuBLAS's and the kernels'
-# modules): counted in a --vram-budget so that nvidia-smi's figure stays inside it; the process
-# showed 531 MiB before its first model tensor, llama.cpp's 527 MiB
-# (bench/2026-12-02-h200-matrix-serve.md)
-CUDA_CONTEXT = 576 << 20
+# a CUDA process's own VRAM, outside torch's allocator (the context, cuBLAS's, cuDNN's and the
+# kernels' modules): counted in a --vram-budget so that nvidia-smi's figure stays inside it. The
+# process showed 531 MiB before its first model tensor (llama.cpp's 527 MiB), and nvidia-smi's
+# peak less torch's reserved peak was 789 MiB at 4 GiB and 915 MiB at 10 GiB once the kernels
+# had loaded (bench/2026-12-02-h200-matrix-serve.md, bench/2026-12-02-h200-prompt-graphs.md)
+CUDA_CONTEXT = 960 << 20
 # the smallest KV cache a plan accepts (tokens): a floor for a useful context (bench: none)
 MIN_KV_TOKENS = 256
 # without --ctx the plan takes the model's context where its KV cache fits in 1 / KV_SHARE of the
