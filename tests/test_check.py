@@ -99,6 +99,56 @@ def test_check_reports_layer_outputs_by_kind(model, synth, capsys, n_decode):
     assert all(m <= 1e-4 for _, m in errs.values())
 
 
+def test_layer_outputs_join_a_decode_steps_unsummed_pairs_with_prompt_rows(model):
+    """A decode step on CUDA's fused expert kernels hands a layer's output on as the K pairs'
+    rows [1, K, D] (unsummed: the next add_rms_norm adds them), a prompt pass as [T, D]: both
+    join as [tokens, D], the pairs summed in add_rms_norm's order."""
+    import torch
+
+    from strata.cli.check import LayerOutputs
+    from strata.kernels.gpu.decode_ops import add_rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    d = 16
+    prompt, pairs, summed = (torch.randn(*s, generator=g) for s in ((5, d), (1, 2, d), (1, d)))
+    out = LayerOutputs(Engine.load(model).model)
+    for delta in (prompt, pairs, summed):
+        out._keep(0, delta)
+    rows = out.outputs(0)
+    assert rows.shape == (7, d) and rows.dtype == np.float32
+    x = torch.zeros(1, d)  # (the residual step's own sum of the pairs: x += delta)
+    add_rms_norm(x, pairs, torch.ones(d), 1e-6)
+    assert np.array_equal(rows[:5], prompt.numpy()) and np.array_equal(rows[6:], summed.numpy())
+    assert np.array_equal(rows[5], x[0].numpy())
+
+
+def test_check_reports_layer_outputs_of_decode_steps_with_unsummed_pairs(model, capsys,
+                                                                         monkeypatch):
+    """strata check with decode steps whose experts hand on unsummed pairs (as CUDA's fused
+    kernels do; here each pair run alone and stacked [1, K, D]): the per-kind report joins
+    them with the prompt's rows, near zero on equal paths (an internal error before)."""
+    import torch
+
+    from strata.cli.main import main
+    from strata.experts.offload import OffloadExperts
+
+    real, calls = OffloadExperts.step_experts, []
+
+    def unsummed(self, path, layer, h, ids, wts, sum_pairs, aids):  # noqa: ANN001, ANN202
+        if sum_pairs:
+            return real(self, path, layer, h, ids, wts, sum_pairs, aids)
+        calls.append(layer)
+        return torch.stack([real(self, path, layer, h, ids[:, k:k + 1], wts[:, k:k + 1],
+                                 True, aids) for k in range(ids.shape[1])], 1)  # [1, K, D]
+
+    monkeypatch.setattr(OffloadExperts, "step_experts", unsummed)
+    # (every expert in a slot: the CPU's decode step runs each layer's experts in its piece)
+    assert main(["check", model, "--b", "--offload on --expert-cache 24 --cpu-kernels torch",
+                 "--prompt-len", "24", "--decode", "5"]) == 0
+    errs = layer_errors(capsys.readouterr().out)
+    assert calls and errs["gqa + routed"][0] == 3 and errs["gqa + routed"][1] <= 1e-5, errs
+
+
 @pytest.mark.parametrize("n_decode", [0, 8])
 def test_check_names_flipped_near_ties_and_pinning_removes_the_spike(model, capsys, n_decode):
     """ggml's 8-bit activations flip near-ties of this model's routers (against the float32

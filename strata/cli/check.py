@@ -128,12 +128,24 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def token_rows(delta: torch.Tensor) -> np.ndarray:
+    """A layer's output as the next residual step adds it -> float32 [T, D] on the host. A
+    decode step on CUDA's fused expert kernels hands on the K pairs' rows unsummed, [T, K, D]
+    (moe_forward's sum_pairs=False): summed here in the order add_rms_norm adds them."""
+    if delta.dim() == 3:  # [T, K, D] -> [T, D]
+        total = delta[:, 0].float().clone()
+        for r in range(1, delta.shape[1]):
+            total += delta[:, r]
+        delta = total
+    return delta.float().cpu().numpy().copy()
+
+
 class LayerOutputs:
-    """While entered: each layer's output ([T, D] per pass, float32 on the host) in the order
-    the passes ran, and each layer's kind. A layer's output is read where the next part takes
-    it (the next layer's begin, the head's forward): every path hands it on there, the decode
-    step's host layers too. (The routing hooks that run beside it keep the decode step and the
-    prompt chunks eager, so those calls happen.)"""
+    """While entered: each layer's output ([T, D] per pass, float32 on the host: token_rows) in
+    the order the passes ran, and each layer's kind. A layer's output is read where the next
+    part takes it (the next layer's begin, the head's forward): every path hands it on there,
+    the decode step's host layers too. (The routing hooks that run beside it keep the decode
+    step and the prompt chunks eager, so those calls happen.)"""
 
     def __init__(self, model) -> None:  # noqa: ANN001 (MoETransformer)
         self.model = model
@@ -142,7 +154,7 @@ class LayerOutputs:
 
     def _keep(self, i: int, delta: torch.Tensor | None) -> None:
         if i >= 0 and delta is not None:
-            self.rows[i].append(delta.float().cpu().numpy().copy())
+            self.rows[i].append(token_rows(delta))
 
     def __enter__(self) -> LayerOutputs:
         for layer in self.model.layers:
@@ -164,6 +176,7 @@ class LayerOutputs:
         del self.model.head.forward
 
     def outputs(self, i: int) -> np.ndarray:
+        """Layer i's outputs of every pass, joined: [tokens, D]."""
         return np.concatenate(self.rows[i]) if self.rows[i] else np.zeros((0, 0), np.float32)
 
 
