@@ -122,6 +122,9 @@ def _write_report(command: str, argv: list[str]) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(f"strata {__version__}: strata {' '.join(argv)}\n\n")
             f.write(traceback.format_exc())
+            torch = sys.modules.get("torch")  # (a GPU's out-of-memory: what the allocator held)
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                f.write("\n" + torch.cuda.memory_summary())
         return path
     except OSError:
         return "none written"
