@@ -12,8 +12,14 @@ tokens and ignore_eos (so every request decodes the same length), and stream_opt
 include_usage for the server's own token counts. Only the standard library: it runs against
 strata serve or llama-server from any machine, without torch.
 
-Legend: TTFT time to first token (request sent -> first text chunk), ITL inter-token latency
-(the gaps between text chunks), TPOT time per output token after the first ((end - TTFT) /
+A token chunk is a stream chunk with a choice that carries text or no finish_reason: strata
+serve streams one for each token, text or not, as vLLM does (a control token, an unfinished
+character and most of a synthetic vocabulary's ids, its unused [PAD] tokens, have none), so a
+random model's text-less tokens are timed too. Output tokens are the server's usage count (the
+token chunks where it gives none).
+
+Legend: TTFT time to first token (request sent -> first token chunk), ITL inter-token latency
+(the gaps between token chunks), TPOT time per output token after the first ((end - TTFT) /
 (tokens - 1)), E2E the whole request.
 """
 
@@ -71,10 +77,10 @@ class Result:
 
     ok: bool
     prompt_tokens: int = 0
-    tokens: int = 0  # output tokens (the server's usage count)
+    tokens: int = 0  # output tokens (the server's usage count, else token chunks)
     ttft: float = 0.0
     e2e: float = 0.0
-    gaps: list[float] = field(default_factory=list)  # between text chunks
+    gaps: list[float] = field(default_factory=list)  # between token chunks
     error: str = ""
 
 
@@ -94,9 +100,8 @@ def prompt_pool(server: Server, seed: int, words: int = 2000) -> list[int]:
 
 def one_request(server: Server, prompt: list[int], max_tokens: int, temperature: float = 1.0,
                 seed: int = 0) -> Result:
-    """A streamed completion; the clock starts as the request is sent. Sampled by default (with
-    its own seed): a random model's greedy output can settle on a token without text (a control
-    token), and then no chunk carries text to time."""
+    """A streamed completion; the clock starts as the request is sent. Sampled by default, with
+    its own seed."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": temperature,
             "seed": seed}
@@ -106,6 +111,8 @@ def one_request(server: Server, prompt: list[int], max_tokens: int, temperature:
     t0 = time.perf_counter()
     res = Result(ok=False, prompt_tokens=len(prompt))
     last = None
+    chunks = 0  # token chunks
+    usage = None
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), server._headers())
         r = conn.getresponse()
@@ -121,20 +128,30 @@ def one_request(server: Server, prompt: list[int], max_tokens: int, temperature:
                 break
             chunk = json.loads(data)
             now = time.perf_counter() - t0
+            if chunk.get("error"):  # a failure after the headers: an event in the stream
+                err = chunk["error"]
+                message = err.get("message", err) if isinstance(err, dict) else err
+                res.error = f"error mid-stream: {message}"[:240]
+                return res
             if chunk.get("usage"):
-                res.tokens = chunk["usage"].get("completion_tokens", res.tokens)
-                res.prompt_tokens = chunk["usage"].get("prompt_tokens", res.prompt_tokens)
-            if any(c.get("text") for c in chunk.get("choices", [])):
+                usage = chunk["usage"]
+            if any(c.get("text") or c.get("finish_reason") is None
+                   for c in chunk.get("choices", [])):
                 if last is None:
                     res.ttft = now
                 else:
                     res.gaps.append(now - last)
                 last = now
+                chunks += 1
         res.e2e = time.perf_counter() - t0
+        res.tokens = chunks
+        if usage:
+            res.tokens = usage.get("completion_tokens", chunks)
+            res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
         res.ok = last is not None
         if not res.ok:
-            res.error = (f"the stream ended without text ({res.tokens} tokens by the server's "
-                         "usage count)")
+            res.error = (f"the stream ended without a token chunk ({res.tokens} tokens by the "
+                         "server's usage count)")
     except (OSError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
     finally:

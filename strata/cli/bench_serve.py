@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests sent one at a time before the levels, not counted (1)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="each request's sampling temperature, with a seed of its own; 0: greedy "
-                   "(1: a random model's greedy output can settle on a token without text)")
+                   "(1)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the prompts, arrivals and requests' sampling (0)")
     p.add_argument("--json", default=None, help="write every level's figures to this JSON file")

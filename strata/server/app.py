@@ -284,8 +284,8 @@ class API:
 
         def chunks(text: str, last: bool = False) -> list[bytes]:
             nonlocal calls
-            if parser is None:
-                return [b.chunk(text)] if text else []
+            if parser is None:  # a Delta is a token: its chunk even without text (as vLLM's)
+                return [b.chunk(text)] if text or not last else []
             out = []
             for kind, value in parser.push(text) + (parser.flush() if last else []):
                 out += _event_chunks(b, kind, value, calls)

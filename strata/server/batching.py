@@ -279,9 +279,9 @@ class BatchRunner:
             return
         s.generated += 1
         s.context.append(token)
-        text = s.stops.push(s.stream.push(token))
-        if text:
-            self.send(Delta(s.rid, text, s.generated))
+        # a Delta for every token, text or not (a control token, an unfinished character, text
+        # a stop string holds back): a stream shows each token as it comes
+        self.send(Delta(s.rid, s.stops.push(s.stream.push(token)), s.generated))
         if s.stops.stopped:
             self._finish(s, "stop")
         elif s.generated >= s.max_tokens:
