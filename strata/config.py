@@ -400,6 +400,9 @@ class EngineConfig:
     debug: bool = False  # check cache invariants after every layer
     spec: int = 0  # --spec T: drafted tokens per verify window at most (0: off)
     draft: str = "auto"  # --draft auto | ngram | mtp | PATH.gguf (strata.engine.drafters)
+    # a --draft model loaded beside its target, whose memory plan counts it: the target's VRAM
+    # cap stays (memory_plan.draft_bytes)
+    beside_target: bool = False
 
     def prefetch_count(self, n_experts_used: int) -> int:
         """--prefetch as a count: auto is AUTO_PREFETCH for CUDA decode steps, else off."""

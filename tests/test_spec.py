@@ -468,6 +468,55 @@ def test_greedy_same_with_spec_cuda_offload(synth, decode_step):
     assert eng.stats.spec.windows > 0 and eng.stats.spec.accepted == eng.stats.spec.drafted
 
 
+def test_the_plan_counts_a_draft_model(synth):
+    """--spec with --draft PATH.gguf on CUDA: the draft's weights (dense matrices in float32, its
+    experts in their GGUF blocks, as --offload off loads them) are a line of the target's plan,
+    and its KV rows join the target's in the KV line, out of what is left; n-gram and no spec
+    count nothing, and neither does the CPU's plan (its budget is host RAM)."""
+    from strata.config import ModelConfig, kv_elem_bytes
+    from strata.engine.memory_plan import dense_bytes, draft_bytes, make_plan
+    from strata.experts.layout import expert_layouts
+
+    f, d = synth("qwen3moe", "Q4_K_M"), synth("qwen2moe", "Q8_0")
+    mf, dmf = open_model(f), open_model(d)
+    cfg, dcfg = ModelConfig.from_model(mf), ModelConfig.from_model(dmf)
+    layouts = expert_layouts(mf, cfg)
+    kw = dict(device="cuda", vram_budget_gib=2, ctx=512, kv_type="f16")
+    plain = make_plan(mf, cfg, EngineConfig(**kw), layouts)
+    ngram = make_plan(mf, cfg, EngineConfig(spec=3, draft="ngram", **kw), layouts)
+    drafted = make_plan(mf, cfg, EngineConfig(spec=3, draft=str(d), **kw), layouts)
+    weights = dense_bytes(dmf, dcfg, False) + sum(
+        ref.info.nbytes for name, ref in dmf.tensors.items() if "_exps." in name)
+    row = dcfg.n_kv_layers * dcfg.kv_row * kv_elem_bytes("f16")
+    assert draft_bytes(EngineConfig(spec=3, draft=str(d), **kw)) == (weights, row) and row > 0
+    assert plain.draft == ngram.draft == 0 and drafted.draft == weights
+    assert drafted.kv == ngram.kv + 512 * row and drafted.ctx == ngram.ctx == 512
+    # (against the n-gram plan: the same --spec windows' graphs, the rest of the plan alike)
+    assert drafted.left == ngram.left - weights - 512 * row
+    assert any(line.startswith("  draft model") and str(d) in line for line in drafted.lines())
+    cpu = make_plan(mf, cfg, EngineConfig(spec=3, draft=str(d), device="cpu", vram_budget_gib=2,
+                                          ctx=512), layouts)
+    assert cpu.draft == 0
+
+
+@pytest.mark.cuda
+def test_a_draft_model_keeps_the_targets_cap(synth):
+    """The draft loads with --offload off inside the target's plan: torch's allocator stays
+    capped at the target's budget less the CUDA context (it lifted the cap before)."""
+    from strata.kernels.tuning import CUDA_CONTEXT
+
+    f = synth("qwen3moe", "Q4_K_M")
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()
+    eng = Engine.load(f, config=EngineConfig(device="cuda", vram_budget_gib=2, spec=3,
+                                             draft=str(f), expert_cache="2"))
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = held + (2 << 30) - CUDA_CONTEXT
+    assert eng.spec is not None and cap < total
+    with pytest.raises(torch.OutOfMemoryError):  # a tensor past the cap is refused
+        torch.empty(cap + (64 << 20), dtype=torch.uint8, device="cuda")
+
+
 @pytest.mark.cuda
 def test_layer_marks_cuda_events():
     """Real CUDA events: a window's marks complete and the wait returns."""

@@ -82,8 +82,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         raise StrataError(f"--kv-type q8_0: {cfg.arch}'s latent cache keeps rows of f32, f16 or "
                           "bf16; pick one of those")
     if not ec.use_offload:
-        if dev.type == "cuda":  # (no plan, so no cap: a --draft model loads this way beside a
-            # capped target, whose plan does not count it)
+        if dev.type == "cuda" and not ec.beside_target:  # (no plan, so no cap; a --draft
+            # model loads this way inside its target's plan and keeps the target's cap)
             torch.cuda.set_per_process_memory_fraction(1.0, _index(dev))
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev), dev)
         model.kv_dtype = kv_elem

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,7 @@ from strata.engine.chunk_graph import plan_buckets
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
 from strata.experts.ring import ring_size
-from strata.gguf import ModelFile
+from strata.gguf import ModelFile, open_model
 from strata.kernels.tuning import (
     BORROW_RECORDS,
     CUDA_CONTEXT,
@@ -85,11 +86,14 @@ class MemoryPlan:
     prompt_graphs_note: str = ""
     window_graphs: int = 0  # the most tokens of a verify window they serve (--spec; 0: none)
     activations: int = 0  # a prompt chunk's live tensors outside the MoE scratch (activation_bytes)
+    draft: int = 0  # a --draft PATH.gguf model's weights on the device (its KV rows are in kv)
+    draft_path: str = ""
 
     @property
     def left(self) -> int:
         return (self.budget - self.context - self.dense - self.kv - self.workspace
-                - self.activations - self.staging - self.ring - self.cache - self.prompt_graphs)
+                - self.activations - self.staging - self.ring - self.cache - self.prompt_graphs
+                - self.draft)
 
     @property
     def lent(self) -> int:
@@ -104,6 +108,8 @@ class MemoryPlan:
                "outside torch's allocator)"] if self.context else []),
             f"  dense weights  {f(self.dense):>10} "
             f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
+            *([f"  draft model    {f(self.draft):>10} ({self.draft_path}: every weight on the "
+               "device; its KV rows in the KV line)"] if self.draft else []),
             f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences, "
             f"{self.kv_type}" + (f": {self.ctx_note})" if self.ctx_note else ")"),
             f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
@@ -137,6 +143,19 @@ def auto_chunk(cfg: ModelConfig, workspace: int) -> int:
     token) fit the workspace: 16 .. 4096."""
     per_token = cfg.n_experts_used * (cfg.d_model + cfg.d_expert) * 4
     return max(16, min(4096, workspace // per_token))
+
+
+def draft_bytes(ec: EngineConfig) -> tuple[int, int]:
+    """A --spec draft model given as --draft PATH.gguf, loaded whole on the target's device
+    (--offload off: dense matrices in float32, experts in their GGUF blocks, as ModelWeights.load
+    keeps them) -> (weight bytes, KV bytes a token at --kv-type); (0, 0) for any other drafter."""
+    if not ec.spec or not ec.draft.endswith(".gguf") or not Path(ec.draft).is_file():
+        return 0, 0  # (make_drafter refuses a missing file in its own words)
+    mf = open_model(ec.draft)
+    cfg = ModelConfig.from_model(mf)
+    experts = sum(ref.info.nbytes for name, ref in mf.tensors.items() if "_exps." in name)
+    kv = int(cfg.n_kv_layers * cfg.kv_row * kv_elem_bytes(ec.kv_type))
+    return dense_bytes(mf, cfg, False) + experts, kv
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int) -> int:
@@ -247,6 +266,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # together
     kv_size = kv_elem_bytes(ec.kv_type)
     kv_per_token = int(cfg.n_kv_layers * cfg.kv_row * kv_size * max(1, ec.sequences))
+    # a --draft PATH.gguf model beside it on the device: its weights, and its KV rows for the
+    # same context (it drafts for one sequence; on the CPU the budget is host RAM: not counted)
+    draft, draft_kv = draft_bytes(ec) if dev.type == "cuda" else (0, 0)
+    kv_per_token += draft_kv
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > (budget - context) // 4
                                           or fused_dense(mf, cfg, ec))
     dense = dense_bytes(mf, cfg, quant_dense) + mtp_head_bytes(mf, cfg, ec)
@@ -298,11 +321,12 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     states = state_bytes(cfg) * (max(1, ec.sequences) + (ec.spec + 1 if ec.spec else 0))
     # --batch's pool (strata.runtime.kv_slots): each sequence's rows rounded up to whole
     # blocks, and one scratch row (padded rows of a batched step write there)
-    pool = ((POOL_BLOCK * ec.sequences + 1) * (kv_per_token // ec.sequences)
+    pool = ((POOL_BLOCK * ec.sequences + 1) * ((kv_per_token - draft_kv) // ec.sequences)
             if ec.sequences > 1 else 0)
     # (on CUDA a chunk's own tensors beside the MoE scratch; the CPU's budget is host RAM)
     activations = activation_bytes(cfg, chunk) if dev.type == "cuda" else 0
-    fixed = context + dense + workspace + activations + staging + ring + MARGIN + states + pool
+    fixed = (context + dense + draft + workspace + activations + staging + ring + MARGIN + states
+             + pool)
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
         f = fmt_bytes
         raise StrataError(
@@ -386,7 +410,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       tuple(lay.stride for lay in layouts), prefetch, lent, lent_ring,
                       ring_note, ctx_note, context, prompt_graphs=graphs,
                       prompt_buckets=buckets, prompt_graphs_note=graphs_note,
-                      window_graphs=windows, activations=activations)
+                      window_graphs=windows, activations=activations, draft=draft,
+                      draft_path=ec.draft if draft else "")
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

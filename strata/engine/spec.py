@@ -313,14 +313,15 @@ def rollback(model: object, kv: KVCache, length: int) -> None:
 
 def make_spec(ec, mf, cfg, model, load_engine) -> SpecDecoder:  # noqa: ANN001 (EngineConfig, ...)
     """The SpecDecoder of --spec T --draft D for a loaded target model. A draft model loads on
-    the target's device with everything there (--offload off): it is small. load_engine(path,
-    config): Engine.load (passed in: the engine imports this module)."""
+    the target's device with everything there (--offload off: it is small), inside the target's
+    memory plan and VRAM cap (memory_plan.draft_bytes). load_engine(path, config): Engine.load
+    (passed in: the engine imports this module)."""
     from dataclasses import replace
 
     from strata.engine.drafters import make_drafter
 
     def load(path):  # noqa: ANN001, ANN202
-        draft = load_engine(path, replace(ec, offload="off", spec=0))
+        draft = load_engine(path, replace(ec, offload="off", spec=0, beside_target=True))
         if getattr(draft.config, "full_attn_interval", 0):
             raise StrataError(f"--draft {path}: a {draft.config.arch} draft keeps a recurrent "
                               "state that cannot yet be rolled back; pick a draft of another "
