@@ -210,3 +210,23 @@ def test_a_long_prompt_advances_between_the_others_tokens(synth, monkeypatch):
         sent_alone: list = []
         alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
         assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid]
+
+
+def test_each_steps_progress_has_the_requests_as_they_stand(synth):
+    """A step's Progress carries the requests fresh (a stall report's positions and steps) and
+    the costlier lines (the pool, the batch step) as last read, at most a second before."""
+    from strata.server.protocol import Progress
+
+    sent: list = []
+    runner = BatchRunner(_engine(synth("qwen3moe", "Q4_K_M"), 2), sent.append,
+                         FaultTrigger(None))
+    runner.submit(_submit("a", PROMPTS[0], 4))
+    while runner.active:
+        runner.step()
+    steps = [m for m in sent if isinstance(m, Progress)]
+    n = len(runner.engine.tokenizer.encode(PROMPTS[0]))  # the prompt's KV rows
+    # before the prompt's pass and each decode step: (decode steps done, tokens generated)
+    assert [m.state["requests"][0][2:] for m in steps] == [(0, 0), (0, 1), (1, 2), (2, 3)]
+    assert [m.state["requests"][0][1] for m in steps] == [0, n, n + 1, n + 2]
+    assert all(m.state["kv_pool"].startswith("1 of 2 slots") for m in steps)
+    assert runner.state()["kv_pool"].startswith("0 of 2 slots")  # (fresh: read again)

@@ -180,3 +180,64 @@ def test_server_process_does_not_import_torch():
             "strata.server.serve, strata.server.supervisor; "
             "strata.cli.main.build_parser('serve'); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self.writes: list = []
+
+    def send(self, msg: object) -> None:
+        self.writes.append(msg)
+
+
+def test_a_steps_messages_go_in_one_write():
+    """Inside a step the engine's messages wait for its end; a Progress goes at once, with what
+    waited before it; outside a step each goes alone."""
+    from strata.server.protocol import Delta, Progress, Stalled
+    from strata.server.worker import Outbox
+
+    pipe = _Pipe()
+    out = Outbox(pipe)
+    prog, d1, d2, done = Progress("decode", "1 sequence(s)"), Delta("a", "x", 1), \
+        Delta("b", "y", 1), StepDone(0, 2, 0.1, 2)
+    with out.step():
+        out.send(prog)
+        out.send(d1)
+        out.send(d2)
+        out.send(done)
+    assert pipe.writes == [prog, [d1, d2, done]]
+    pipe.writes.clear()
+    with out.step():
+        out.send(d1)
+        out.send(Stalled("stuck"))  # (the stall report needs it now, with the Delta first)
+    assert pipe.writes == [[d1, Stalled("stuck")]]
+    pipe.writes.clear()
+    with out.step():
+        out.send(d1)
+    out.send(d2)
+    assert pipe.writes == [d1, d2]
+
+
+def test_the_supervisor_reads_a_list_as_its_messages_in_order():
+    import asyncio
+
+    from strata.server.protocol import Delta, Finished, Submit
+    from strata.server.scheduler import Job
+    from strata.server.supervisor import Supervisor
+
+    metrics = Metrics()
+    sup = Supervisor(ServeConfig(), None, metrics)
+    sup.engine, sup.state = object(), "ready"  # (the engine the messages come from)
+
+    async def run() -> list:
+        job = Job(Submit("r", None, "hi", {}, 2, 2))
+        sup.scheduler.running["r"] = job
+        job.state = "running"
+        sup._on_message(sup.engine, [Delta("r", "a", 1), StepDone(0, 1, 0.1, 1),
+                                     Delta("r", "b", 2), Finished("r", "length", 1, 2)])
+        return [await job.next(1.0) for _ in range(3)]
+
+    got = asyncio.run(run())
+    assert [type(m).__name__ for m in got] == ["Delta", "Delta", "Finished"]
+    assert [m.text for m in got[:2]] == ["a", "b"] and "r" not in sup.scheduler.running
+    assert metrics.completion_tokens == 2 and metrics.forward_passes == 1

@@ -7,7 +7,8 @@ One step (`BatchRunner.step`):
              add at most PREFILL_WHILE_DECODING tokens to a step, oldest first (the others'
              next token waits for one such chunk, not a whole prompt)
     forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each  -> [B, V]
-    sample   each sequence with its own torch.Generator, so a seed gives the same text whether
+    sample   every row at once, one wait for the device (strata.engine.sampling.sample_rows),
+             each with its sequence's own torch.Generator, so a seed gives the same text whether
              the request ran alone or beside others
     finish   a stop token, max_tokens or a stop string ends a sequence: Finished, its KV rows
              kept in the prefix cache (prefix_cache.py) for a later prompt that starts alike
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from strata.engine.generator import Engine
-from strata.engine.sampling import SamplingParams, sample
+from strata.engine.sampling import SamplingParams, sample_rows
 from strata.errors import StrataError
 from strata.kernels.tuning import PREFILL_WHILE_DECODING
 from strata.model.transformer import Segment
@@ -65,6 +66,7 @@ from strata.server.stops import StopText
 from strata.tokenizer import StreamDecoder
 
 _KV_START = 256  # generated tokens a new KV cache has room for before its first doubling
+_STATE_S = 1.0  # the most often a step's Progress reads the pool, expert counters and GPU memory
 
 
 @dataclass
@@ -97,6 +99,8 @@ class BatchRunner:
         self.seqs: dict[str, Sequence] = {}
         self.stage = "idle"
         self.pool, self.batch_step = kv_batch.batched(engine)
+        self._slow: dict = {}  # state()'s costly part, read at _slow_at (time.monotonic)
+        self._slow_at = -_STATE_S
 
     @property
     def active(self) -> int:
@@ -141,7 +145,7 @@ class BatchRunner:
         batch = [s for s in batch if take[s.rid]]  # (a prompt past this step's budget waits)
         prompt = [s for s in batch if not s.prefilled]
         self.stage = "prompt" if prompt else "decode"
-        self.send(Progress(self.stage, self._detail(batch, take), state=self.state()))
+        self.send(Progress(self.stage, self._detail(batch, take), state=self.state(fresh=False)))
         PROGRESS.at(self.stage, position=batch[0].kv.length)
         t0 = time.perf_counter()
         spec, window = getattr(self.engine, "spec", None), None
@@ -180,20 +184,16 @@ class BatchRunner:
             for token in out:  # a stop ends the sequence (its KV cache with it) mid-window
                 if s.rid in self.seqs:
                     self._advance(s, token)
-        for s, row in zip(batch if window is None else [], logits, strict=True):
+        ready = []  # (sequence, its row in logits) for the sequences that take a token now
+        for i, s in enumerate(batch if window is None else []):
             s.pending = s.pending[len(take[s.rid]):]
             if s.pending:
                 continue  # more prompt chunks to come: this chunk's logits are not needed
             if s.prefilled:
                 s.decode_steps += 1
             s.prefilled = True
-            try:
-                token = self._sample(s, row)
-            except StrataError as e:  # the grammar failed: that request fails, the rest go on
-                self.seqs.pop(s.rid, None)
-                self._release(s)
-                self.send(Failed(s.rid, 500, f"constrained decoding failed: {e}"))
-                continue
+            ready.append((s, i))
+        for s, token in self._sample(logits, ready):
             self._advance(s, token)
         stats = getattr(self.engine.model.experts, "stats", None)
         decoded = len(batch) - len(prompt) if window is None else len(window[0])
@@ -216,13 +216,37 @@ class BatchRunner:
         out = spec.step(s.context, s.kv, s.params, s.gen, s.max_tokens - s.generated)
         return out, spec.stats.drafted - drafted, spec.stats.accepted - accepted
 
-    def _sample(self, s: Sequence, row: torch.Tensor) -> int:
-        """The next token from logits [V]; with a grammar, only one it allows (the rest at -inf)."""
-        c = s.constraint
-        token = sample(row if c is None else c.mask(row), s.params, s.gen)
-        if c is not None:
-            c.accept(token)
-        return token
+    def _sample(self, logits: torch.Tensor, ready: list[tuple[Sequence, int]]
+                ) -> list[tuple[Sequence, int]]:
+        """The next token of each ready sequence from its row of logits [B, V], all in one wait
+        for the device; with a grammar, only one it allows (the rest at -inf). A grammar that
+        fails fails its request; the others go on."""
+        rows, seqs = [], []
+        for s, i in ready:
+            try:
+                rows.append(logits[i] if s.constraint is None else s.constraint.mask(logits[i]))
+                seqs.append(s)
+            except StrataError as e:
+                self._fail_grammar(s, e)
+        if not seqs:
+            return []
+        whole = len(seqs) == len(logits) and all(s.constraint is None for s in seqs)
+        tokens = sample_rows(logits if whole else torch.stack(rows), [s.params for s in seqs],
+                             [s.gen for s in seqs])
+        out = []
+        for s, token in zip(seqs, tokens, strict=True):
+            try:
+                if s.constraint is not None:
+                    s.constraint.accept(token)
+                out.append((s, token))
+            except StrataError as e:
+                self._fail_grammar(s, e)
+        return out
+
+    def _fail_grammar(self, s: Sequence, e: StrataError) -> None:
+        self.seqs.pop(s.rid, None)
+        self._release(s)
+        self.send(Failed(s.rid, 500, f"constrained decoding failed: {e}"))
 
     def _takes(self, batch: list[Sequence]) -> dict[str, list[int]]:
         """Each sequence's tokens for the next pass. While some decode, the prompts' tokens
@@ -245,10 +269,21 @@ class BatchRunner:
         chunk = getattr(self.engine, "prefill_chunk", None)
         return s.pending[:chunk(s.prompt_len)] if chunk else s.pending
 
-    def state(self) -> dict:
-        """What a stall report shows about the batch (cheap: ints and strings)."""
+    def state(self, fresh: bool = True) -> dict:
+        """What a stall report shows about the batch (ints and strings). Not `fresh` (a step's
+        Progress): the pool, expert counters and GPU memory as read at most _STATE_S ago."""
         seqs = [(s.rid, s.kv.length, s.decode_steps, s.generated) for s in self.seqs.values()]
         state: dict = {"requests": seqs, "kv_bytes": sum(s.kv.nbytes for s in self.seqs.values())}
+        if PROGRESS.last_wait:
+            state["gpu_wait"] = f"{PROGRESS.last_wait} ({PROGRESS.describe()})"
+        now = time.monotonic()
+        if fresh or now - self._slow_at >= _STATE_S:
+            self._slow, self._slow_at = self._slow_state(), now
+        return state | self._slow
+
+    def _slow_state(self) -> dict:
+        """The part of state() that costs more: lines, expert counters (a settle), memory."""
+        state: dict = {}
         if self.pool is not None:  # the batch's KV pool and step
             p = self.pool
             state["kv_pool"] = (f"{p.used} of {p.n_slots} slots, {p.used_blocks} of "
@@ -258,8 +293,6 @@ class BatchRunner:
         stats = getattr(self.engine.model.experts, "stats", None)
         if hasattr(stats, "summary"):  # the offload runtime's counters: hits, CPU, streamed
             state["experts"] = stats.summary()
-        if PROGRESS.last_wait:
-            state["gpu_wait"] = f"{PROGRESS.last_wait} ({PROGRESS.describe()})"
         if self.engine.model.device.type == "cuda":
             state["gpu_allocated"] = torch.cuda.memory_allocated()
             state["gpu_reserved"] = torch.cuda.memory_reserved()

@@ -4,7 +4,8 @@ Server -> engine: Submit, Cancel, Shutdown.
 Engine -> server: Progress while loading and at every step (and every layer, at most once a
 second), then Loaded or LoadFailed; per request Accepted, Delta..., then Finished or Failed;
 StepDone after each forward pass; Stalled when a bounded wait inside the engine ran out. Every
-other message counts as progress for the watchdog.
+other message counts as progress for the watchdog. A step's messages after its Progress come in
+one list (worker.Outbox), in order.
 
 This module imports nothing heavy: the server process never imports torch.
 """

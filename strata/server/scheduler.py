@@ -36,6 +36,8 @@ class Job:
 
     async def next(self, timeout: float) -> object | None:
         """The next event, or None if none comes within `timeout` seconds."""
+        if not self.events.empty():  # (a step's events come together: no timed wait for them)
+            return self.events.get_nowait()
         try:
             return await asyncio.wait_for(self.events.get(), max(timeout, 0.0))
         except asyncio.TimeoutError:

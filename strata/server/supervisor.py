@@ -143,6 +143,10 @@ class Supervisor:
 
     # --- engine events (on the loop) -------------------------------------------------------
     def _on_message(self, eng: EngineProcess, msg: object) -> None:
+        if isinstance(msg, list):  # a step's messages, in one write (worker.Outbox)
+            for m in msg:
+                self._on_message(eng, m)
+            return
         if eng is not self.engine or self.state not in ("loading", "ready"):
             return  # a stopped (or stopping) engine's last words
         self.last_progress = time.monotonic()

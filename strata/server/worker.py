@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,6 +29,7 @@ from strata.server.protocol import (
     LoadFailed,
     Progress,
     Shutdown,
+    Stalled,
     Submit,
 )
 
@@ -35,12 +38,37 @@ _stack_file: Any = None  # kept open for faulthandler for the life of the proces
 
 
 class Outbox:
-    """Engine -> server messages; the engine ends when the server is gone."""
+    """Engine -> server messages; the engine ends when the server is gone.
+
+    Inside `step()` the messages wait and go in one write, as a list, when the step ends (its
+    Deltas, Finished and StepDone: one pickle, one pipe write and one wake of the server's
+    loop, not one per sequence). Progress and Stalled go at once (with what waited before
+    them): the watchdog and a stall report must see what the engine was doing when it stuck."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self.held: list[object] | None = None  # inside step(): the messages waiting
 
     def send(self, msg: object) -> None:
+        if self.held is None:
+            self._write(msg)
+        elif isinstance(msg, (Progress, Stalled)):
+            held, self.held = self.held, []
+            self._write([*held, msg] if held else msg)
+        else:
+            self.held.append(msg)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        self.held = []
+        try:
+            yield
+        finally:
+            held, self.held = self.held, None
+            if held:
+                self._write(held if len(held) > 1 else held[0])
+
+    def _write(self, msg: object) -> None:
         try:
             self.conn.send(msg)
         except (BrokenPipeError, EOFError, OSError):
@@ -163,6 +191,7 @@ def _serve(inbox: Connection, runner: Any, out: Outbox) -> None:
         except (EOFError, OSError):
             return  # the server is gone
         if runner.active:
-            runner.step()
+            with out.step():
+                runner.step()
             if not runner.active:
                 out.send(Progress("idle", "no requests", state=runner.state()))
