@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("STRATA_WAIT_TIMEOUT", "60"))
-_SPIN_S = 2e-3  # waits this short are polled without sleeping: a decode step waits ~50 per token
+# (kept here, not in kernels/tuning.py: the runtime sits below the kernels) a wait polls its
+# event this long before it sleeps (a decode step waits ~50 times a token, mostly for less),
+# then sleeps at most WAIT_SLEEP_MAX_US at a time: with a 1 ms cap a 2.8 ms wait (the H200's
+# all-resident decode step, which the server's one sampling wait a step spans) could end up to
+# 0.75 ms late (the back-off's arithmetic, not timed; bench: none)
+WAIT_SPIN_US = 2000
+WAIT_SLEEP_MAX_US = 250
 
 
 @dataclass
@@ -56,16 +62,16 @@ def wait_event(event: torch.cuda.Event, what: str, timeout_s: float = DEFAULT_TI
     """Wait for a CUDA event without blocking inside the driver, up to timeout_s."""
     PROGRESS.last_wait = what
     start = time.monotonic()
-    deadline, spin_until = start + timeout_s, start + _SPIN_S
+    deadline, spin_until = start + timeout_s, start + WAIT_SPIN_US * 1e-6
     delay = 50e-6
     while not event.query():
         now = time.monotonic()
         if now > deadline:
             raise StallError(f"waited {timeout_s:.0f} s for {what} ({PROGRESS.describe()}); "
                              "the GPU never signalled it")
-        if now > spin_until:  # spin first (a sleep costs ~60 us), then back off to 1 ms
+        if now > spin_until:  # spin first (a sleep costs ~60 us), then back off to the cap
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, WAIT_SLEEP_MAX_US * 1e-6)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
