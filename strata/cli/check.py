@@ -34,6 +34,7 @@ from strata.cli.logits import compute_logits, parse_tokens
 from strata.config import EngineConfig
 from strata.engine.generator import Engine
 from strata.errors import StrataError
+from strata.kernels.torch_ops import sum_rows
 from strata.model.parts.routing import RoutingPin, RoutingTrace, attach
 from strata.model.parts.spec import layer_spec
 
@@ -132,12 +133,7 @@ def token_rows(delta: torch.Tensor) -> np.ndarray:
     """A layer's output as the next residual step adds it -> float32 [T, D] on the host. A
     decode step on CUDA's fused expert kernels hands on the K pairs' rows unsummed, [T, K, D]
     (moe_forward's sum_pairs=False): summed here in the order add_rms_norm adds them."""
-    if delta.dim() == 3:  # [T, K, D] -> [T, D]
-        total = delta[:, 0].float().clone()
-        for r in range(1, delta.shape[1]):
-            total += delta[:, r]
-        delta = total
-    return delta.float().cpu().numpy().copy()
+    return sum_rows(delta.float()).cpu().numpy().copy()
 
 
 class LayerOutputs:

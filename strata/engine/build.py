@@ -60,11 +60,11 @@ def lends_workspace(dev: torch.device, layouts: list[ExpertLayout]) -> bool:
     return all(has_fused(q) for lay in layouts for q in lay.qtypes)
 
 
-
 def _index(dev: torch.device) -> int:
     """The CUDA device's ordinal (torch's per-process memory fraction wants one: a plain "cuda"
     is the current device)."""
     return dev.index if dev.index is not None else torch.cuda.current_device()
+
 
 def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 dev: torch.device) -> MoETransformer:

@@ -21,6 +21,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def sum_rows(delta: torch.Tensor) -> torch.Tensor:
+    """A residual step's delta as [T, D]: [T, R, D] (a token's K expert outputs unsummed,
+    moe_forward's sum_pairs=False) has its R rows added to each other in order, the fused
+    residual kernel's order (decode_ops.add_rms_norm); [T, D] comes back as it is."""
+    if delta.dim() != 3:
+        return delta
+    total = delta[:, 0].clone()
+    for r in range(1, delta.shape[1]):
+        total += delta[:, r]
+    return total
+
+
 def rope_tables(positions: torch.Tensor, dim: int, theta: float,
                 yarn: Yarn | None = None) -> tuple[torch.Tensor, ...]:
     """cos, sin [T, dim/2] for angle(p, i) = p * theta^(-2i/dim); with yarn (a config.Yarn) its

@@ -241,12 +241,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     if _use_kernels(x):
         _norm_launch(x, delta, weight, eps, out)
     else:
-        if delta.dim() == 3:  # the same order as the kernel's
-            total = delta[:, 0].clone()
-            for r in range(1, delta.shape[1]):
-                total += delta[:, r]
-            delta = total
-        x.add_(delta)
+        x.add_(layers.sum_rows(delta))  # (the pairs in the kernel's order)
         out.copy_(layers.rms_norm(x, weight, eps))
     return out
 
