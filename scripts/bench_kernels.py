@@ -11,10 +11,11 @@ weights (>= 256 MB) that the 60 MB L2 cannot hold them, and triton.testing.do_be
 replays (median); launch overhead is therefore not in the kernel times. The decode MoE layer of
 Qwen3-30B-A3B (128 experts, 8 routed, gate + up + down, one token) is timed the same way and also
 eagerly (host wall time per call, launches included). The prompt MoE layer of the same model
-(32 to 4096 tokens, --moe-prompt-tokens; Q4_K/Q4_K/Q6_K and IQ2_XS/IQ2_XS/IQ3_XXS,
---moe-prompt-types; every expert resident) is timed eagerly through both prompt paths: the
-grouped one (dequantize to bf16 -> torch._grouped_mm, moe_grouped.py) and the fused tl.dot
-kernels (moe._prompt); --moe-prompt-only runs just that.
+(8 to 4096 tokens, --moe-prompt-tokens; Q4_K/Q4_K/Q6_K and IQ2_XS/IQ2_XS/IQ3_XXS,
+--moe-prompt-types; every expert resident) is timed eagerly through each of moe_forward's paths:
+the per-pair kernels with 8-bit x (up to 64 tokens), the grouped one (dequantize to bf16 ->
+torch._grouped_mm, moe_grouped.py) and the fused tl.dot kernels (moe._prompt); a batched decode
+step of T sequences runs the same layer; --moe-prompt-only runs just that.
 
 quant_matmul runs the FMA GEMV up to 4 tokens, the fused tensor-core kernel up to 63 and
 dequantize -> cuBLAS from 64 (matmul.DEQUANT_MIN_M); the fused kernel is also timed alone at
@@ -215,12 +216,14 @@ def moe_decode(types: tuple[str, str, str], rep_ms: int, timed: bool = True) -> 
                 weight_bytes=topk * per_expert, gbs=topk * per_expert / sec / 1e9)
 
 
-def moe_prompt(types: tuple[str, str, str], tokens: int, grouped: bool, rep_ms: int,
+def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
                timed: bool = True) -> dict:
-    """Qwen3-30B-A3B prompt MoE layer: 128 experts all resident, top-8 (random, distinct),
-    D=2048, F=768, `tokens` tokens, through moe_forward with the grouped path (grouped) or the
-    fused tl.dot kernels. Timed eagerly (do_bench median: launches, allocations and the bf16
-    dequantize included). TFLOP/s counts the useful 2·3·T·K·D·F."""
+    """Qwen3-30B-A3B MoE layer of a prompt chunk or a batched step: 128 experts all resident,
+    top-8 (random, distinct), D=2048, F=768, `tokens` tokens, through moe_forward on `path`
+    (moe.MOE_PATHS: the per-pair kernels with x rounded to 8 bits, as the engine's decode
+    steps run them; the tl.dot kernels; the grouped bf16 GEMMs). Timed eagerly (do_bench
+    median: launches, allocations and the bf16 dequantize included). TFLOP/s counts the useful
+    2·3·T·K·D·F."""
     from strata.kernels.gpu import moe as moe_mod
 
     e, topk, d, f = 128, 8, 2048, 768
@@ -240,7 +243,7 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, grouped: bool, rep_ms: 
 
     def call() -> None:
         moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f, out=out,
-                            grouped=grouped)
+                            path=path, x8=path == "pairs")
 
     call()
     torch.cuda.synchronize()
@@ -249,25 +252,32 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, grouped: bool, rep_ms: 
     import triton.testing
 
     sec = triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median") / 1e3
-    return dict(types=list(types), tokens=tokens, path="grouped" if grouped else "tl.dot",
+    return dict(types=list(types), tokens=tokens, path=path,
                 us=sec * 1e6, tflops=2 * 3 * tokens * topk * d * f / sec / 1e12,
                 tok_s_48_layers=tokens / (48 * sec))
+
+
+def prompt_paths(tokens: int) -> tuple[str, ...]:
+    """The paths timed at a token count: the per-pair kernels up to 64 tokens (past that each
+    pair's own read of its expert is far from what the others cost)."""
+    return ("pairs", "tl.dot", "grouped") if tokens <= 64 else ("tl.dot", "grouped")
 
 
 def moe_prompt_rows(report: dict, rep_ms: int, packs: list[tuple[str, str, str]],
                     tokens: list[int]) -> None:
     for types in packs:
         for t in tokens:
-            pair = {}
-            for grouped in (True, False):
-                r = moe_prompt(types, t, grouped, rep_ms)
+            took = {}
+            for path in prompt_paths(t):
+                r = moe_prompt(types, t, path, rep_ms)
                 report["moe_prompt"].append(r)
-                pair[grouped] = r
-                print(f"MoE 30B-A3B prompt layer {'/'.join(types)} T={t:5d} "
-                      f"{r['path']:8s}: {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
+                took[path] = r["us"]
+                print(f"MoE 30B-A3B layer {'/'.join(types)} T={t:5d} {path:8s}: "
+                      f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
                       f"({r['tok_s_48_layers']:7.0f} tok/s for 48 layers, MoE only)", flush=True)
-            print(f"  grouped / tl.dot speed-up at T={t}: "
-                  f"{pair[False]['us'] / pair[True]['us']:.2f}x", flush=True)
+            best = min(took, key=took.get)
+            print(f"  fastest at T={t}: {best} (" + ", ".join(
+                f"{p} {took[p] / took[best]:.2f}x" for p in took) + " its time)", flush=True)
 
 
 # ---- parallel compile ---------------------------------------------------------------------------
@@ -314,7 +324,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--moe-prompt-only", action="store_true",
-                    help="only the 30B-A3B prompt MoE layer, grouped vs tl.dot")
+                    help="only the 30B-A3B MoE layer by tokens, on each of its paths")
     ap.add_argument("--moe-prompt-tokens", default=",".join(map(str, MOE_PROMPT_TOKENS)),
                     help="the prompt MoE layer's token counts")
     ap.add_argument("--moe-prompt-types", default=",".join("/".join(p) for p in MOE_PROMPT_TYPES),
@@ -334,8 +344,8 @@ def main() -> None:
 
     report: dict = dict(device=torch.cuda.get_device_name(), rows=[], cublas=[], tune=[],
                         moe=[], fused_gemm=[], moe_prompt=[])
-    prompt_jobs = [("moe_prompt", (t, g, p)) for p in packs for t in ptokens
-                   for g in (True, False)]
+    prompt_jobs = [("moe_prompt", (t, path, p)) for p in packs for t in ptokens
+                   for path in prompt_paths(t)]
     if args.moe_prompt_only:
         if args.workers > 1:
             precompile(prompt_jobs, args.workers)

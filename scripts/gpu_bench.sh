@@ -38,7 +38,8 @@
 # matrix (llama-bench's matrix, MATRIX_P prompts, MATRIX_N decode tokens at MATRIX_D depths, from
 # strata bench and from llama-bench -fa 1 at each of MATRIX_BUDGETS, -ncmoe fitted to the budget,
 # peaks from nvidia-smi: scripts/llama_side_by_side.py writes $OUT/matrix.md), serve (strata
-# serve at SERVE_BUDGETS loaded by strata bench-serve with SERVE_CLIENTS clients),
+# serve at SERVE_BUDGETS loaded by strata bench-serve with SERVE_CLIENTS clients; SPY=1 then
+# samples the engine process with py-spy, carried as a wheel in .whl/, under 1 and SPY_CLIENTS),
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check (the
 # logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
 # kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
@@ -74,7 +75,7 @@ pack() { (cd "$OUT" && ls | grep -vx -e machine.txt -e results.tgz >/tmp/packed 
 trap pack EXIT
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-  .whl/*.whl && export PYTHONPATH=/tmp/site
+  .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
   echo "commit ${STRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -338,6 +339,27 @@ if [[ $STAGES == *serve* ]]; then
     timeout 500 python3 -m strata bench-serve --url http://127.0.0.1:18080 \
       -c "${SERVE_CLIENTS:-1,4,8,16}" --prompt-len "${SERVE_PROMPT:-128}" \
       --output-len "${SERVE_OUTPUT:-64}" --json "$OUT/serve_$b.json" 2>&1 | tee "$OUT/serve_$b.txt"
+    if [[ -n ${SPY:-} ]] && command -v py-spy >/dev/null; then
+      # where the engine process's time goes while serving 1 and SPY_CLIENTS clients: py-spy's
+      # stacks (raw, one line a stack with its sample count; --gil: only what holds the GIL too)
+      ENG=$(pgrep -P $SRV -f spawn_main | head -1)  # (not the resource tracker)
+      for c in 1 ${SPY_CLIENTS:-8}; do
+        curl -s localhost:18080/metrics | grep -E "^strata_forward_(passes|seconds)_total" \
+          >"$OUT/spy_${b}_c${c}_metrics_before.txt"
+        py-spy record --pid "$ENG" --idle -r 250 -d "${SPY_S:-12}" -f raw --threads \
+          -o "$OUT/spy_${b}_c$c.txt" >"$OUT/spy_${b}_c$c.log" 2>&1 &
+        SP=$!
+        timeout 120 python3 -m strata bench-serve --url http://127.0.0.1:18080 -c $c \
+          --prompt-len "${SERVE_PROMPT:-128}" --output-len 256 --requests $(( c * 3 )) \
+          >"$OUT/spy_${b}_c${c}_serve.txt" 2>&1
+        wait $SP; tail -1 "$OUT/spy_${b}_c$c.log"
+        # the engine's own step time (sampling included) against the ITL the clients saw
+        curl -s localhost:18080/metrics | grep -E "^strata_forward_(passes|seconds)_total" \
+          | paste "$OUT/spy_${b}_c${c}_metrics_before.txt" - | awk '{d[NR]=$4-$2} END {
+          printf "engine steps %d, %.2f ms a step\n", d[1], 1000*d[2]/d[1]}'
+        grep -E "^\| [0-9]" "$OUT/spy_${b}_c${c}_serve.txt"
+      done
+    fi
     kill $SRV; wait $SRV 2>/dev/null
   done
 fi

@@ -209,7 +209,8 @@ MOE_CASES = {
     "decode": (1, 7, 2, 512, 256, (QType.Q4_K, QType.Q4_K, QType.Q6_K), 5),
     "decode-4tok-mixed": (4, 13, 3, 256, 512, (QType.IQ2_XS, QType.IQ3_XXS, QType.Q8_0), 11),
     "decode-legacy": (2, 5, 2, 160, 96, (QType.Q4_0, QType.Q5_1, QType.IQ4_NL), 5),
-    "prompt-7tok": (7, 7, 2, 512, 256, (QType.Q4_K, QType.Q5_K, QType.Q6_K), 6),
+    "batch-12tok": (12, 7, 2, 512, 256, (QType.Q4_K, QType.Q5_K, QType.Q6_K), 6),
+    "prompt-17tok": (17, 7, 2, 512, 256, (QType.Q4_K, QType.Q5_K, QType.Q6_K), 6),
     "prompt-prime": (61, 13, 4, 768, 256, (QType.Q6_K, QType.Q2_K, QType.IQ4_XS), 9),
     "prompt-iq1": (33, 11, 3, 256, 256, (QType.IQ1_S, QType.IQ1_M, QType.IQ2_S), 11),
     "prompt-misc": (19, 5, 2, 256, 256, (QType.MXFP4, QType.Q3_K, QType.IQ3_S), 4),
@@ -252,14 +253,14 @@ def test_moe_forward(name: str, xdtype: torch.dtype, monkeypatch: pytest.MonkeyP
         assert not added.any(), f"{name} seed={seed}"
         return
     t = layer["x"].shape[0]
-    tol = FMA_TOL if t <= moe_mod.DECODE_MAX_T else MOE_DOT_TOL
+    tol = FMA_TOL if t <= moe_mod.PAIRS_MAX_T else MOE_DOT_TOL
     # out = before + moe rounds to float32 once per element, whatever the kernel: half an ulp of
     # |out| (a small routing weight makes ref small beside `before`)
     rounding = float(torch.finfo(torch.float32).eps * out.double().norm() / ref.double().norm())
     err = rel_err(out.double() - before.double(), ref)
     assert err < tol + rounding, (f"{name} {xdtype} seed={seed}: rel err {err:.2e} (the sum's "
                                   f"own rounding {rounding:.1e})")
-    if t <= moe_mod.DECODE_MAX_T:  # each pair's row unsummed: [T, K, D], summing to ref
+    if t <= moe_mod.PAIRS_MAX_T:  # each pair's row unsummed: [T, K, D], summing to ref
         rows = moe_forward(**layer, sum_pairs=False)
         assert rows.shape == (t, layer["ids"].shape[1], layer["d_model"]), rows.shape
         assert torch.isfinite(rows).all(), f"{name} seed={seed}: unwritten rows"
@@ -338,9 +339,10 @@ def expert_biases(e: int, d: int, f: int, device: str = "cuda") -> tuple[torch.T
 @pytest.mark.cuda
 @pytest.mark.parametrize("types", list(BIAS_TYPES))
 @pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
-@pytest.mark.parametrize("t,grouped", [(1, None), (2, None), (4, None), (23, False),
-                                       (96, True)], ids=["1", "2", "4", "dot-23", "grouped-96"])
-def test_moe_forward_with_biases(types: str, act: str, t: int, grouped: bool | None,
+@pytest.mark.parametrize("t,path", [(1, None), (2, None), (4, None), (9, None), (23, "tl.dot"),
+                                    (96, "grouped")],
+                         ids=["1", "2", "4", "pairs-9", "dot-23", "grouped-96"])
+def test_moe_forward_with_biases(types: str, act: str, t: int, path: str | None,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Every path moe_forward picks (decode FMA kernels, the tl.dot grouped kernels, the bf16
     grouped GEMMs) adds the experts' biases and computes their activation as
@@ -354,12 +356,12 @@ def test_moe_forward_with_biases(types: str, act: str, t: int, grouped: bool | N
     layer = make_layer((t, e, 4, d, f, BIAS_TYPES[types], 8), rng)
     layer["x"] = 3 * layer["x"]
     bias = expert_biases(e, d, f)
-    out = moe_forward(**layer, bias=bias, act=act, grouped=grouped)
+    out = moe_forward(**layer, bias=bias, act=act, path=path)
     ref = moe_ref(**layer, bias=bias, act=act)
-    tol = FMA_TOL if t <= moe_mod.DECODE_MAX_T else MOE_DOT_TOL
+    tol = FMA_TOL if t <= moe_mod.PAIRS_MAX_T else MOE_DOT_TOL
     err = rel_err(out, ref)
     assert err < tol, f"{types} {act} t={t} seed={seed}: rel err {err:.2e}"
-    if t <= moe_mod.DECODE_MAX_T:
+    if t <= moe_mod.PAIRS_MAX_T and path is None:
         rows = moe_forward(**layer, bias=bias, act=act, sum_pairs=False)
         assert torch.isfinite(rows).all(), f"seed={seed}: unwritten rows"
         err = rel_err(rows.sum(1), ref)
@@ -528,10 +530,11 @@ _INTERPRETED_MOE = """
                  up_slots=rows(qt[1], 2 * f, d).view(2, f, -1),
                  down_slots=rows(qt[2], 2 * d, f).view(2, d, -1), qtypes=qt, d_model=d,
                  d_expert=f)
-    for t, tol in ((1, 2e-5), (6, 1.5e-2)):  # decode (per pair), prompt (grouped; h in bf16)
+    # decode and a batch of 6 (per pair), a prompt chunk (tl.dot; h in bf16)
+    for t, path, tol in ((1, None, 2e-5), (6, None, 2e-5), (6, "tl.dot", 1.5e-2)):
         ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
         x, wts = torch.randn(t, d), torch.rand(t, 2)
-        out = moe_forward(x, ids, wts, **layer)
+        out = moe_forward(x, ids, wts, **layer, path=path)
         assert rel(out, moe_ref(x, ids, wts, **layer)) < tol, t
         if t == 1:  # the pairs' rows unsummed (non-resident pairs' rows zero)
             parts = moe_forward(x, ids, wts, **layer, sum_pairs=False)
@@ -596,9 +599,9 @@ _INTERPRETED_BIAS = """
     ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(6)]))
     x, wts = 3 * torch.randn(6, d), torch.rand(6, 2)
     ref = moe_ref(x, ids, wts, *full, bias=bias, act="swiglu_oai")
-    for grouped, tol in ((False, 1.5e-2), (True, 2e-5)):  # (tl.dot: h in bf16)
-        out = moe_forward(x, ids, wts, *full, bias=bias, act="swiglu_oai", grouped=grouped)
-        assert rel(out, ref) < tol, ("prompt", grouped)
+    for path, tol in (("tl.dot", 1.5e-2), ("grouped", 2e-5)):  # (tl.dot: h in bf16)
+        out = moe_forward(x, ids, wts, *full, bias=bias, act="swiglu_oai", path=path)
+        assert rel(out, ref) < tol, ("prompt", path)
     if {HITS}:  # FusedHits (on for this check) passes a biased layer's biases: as run_records
         import strata.experts.gpu_hits as gpu_hits
         from strata.experts.compute import group_pairs, run_records

@@ -68,6 +68,12 @@ X8_MIN_ROWS = 8192
 # up to this many tokens each pair reads its expert itself (decode, short verify windows); past
 # it, pairs are grouped by expert onto tensor cores. bench/2026-11-29-h200-kernels.md
 DECODE_MAX_T = 4
+# calls without miss rows (every pair's expert resident: a batched decode step, a verify window,
+# a short prompt chunk) up to this many tokens take the per-pair kernels too: the pairs of one
+# expert run side by side in the grid and read its rows mostly from L2. Served on the H200 with
+# 8 clients the tl.dot group kernels took a batched step of 8 to 38 ms (4 clients, per pair: 11.5
+# ms a step). bench/2026-12-02-h200-serve-pairs.md
+PAIRS_MAX_T = 16
 # from this many tokens per expert on average (T·K / E) a prompt chunk takes the grouped bf16 path
 # (dequantize once, torch._grouped_mm): at 16 tokens on 14336 x 4096 the fused kernel took 95.7 us
 # (Q4_K; 464 IQ2_XS) against ~70 estimated for bf16 (33.7 cuBLAS + ~36 writing the copy); from

@@ -12,12 +12,13 @@ and gpt-oss's clamped SwiGLU (bias=, act="swiglu_oai") a pair adds
 weights[t, k] · (down_e(act(gate_e · x[t] + bg_e, up_e · x[t] + bu_e)) + bd_e) on every path
 (the kernels' BIAS / OAI constexprs; off, they compile as without).
 
-Decode (T <= 4): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F) with the FMA
-skeleton (gate and up share x and one K loop), writing h [P, F] already scaled by the routing
-weight (zero for pairs not resident); `_down_pairs_kernel` runs one CTA per (pair, BN rows of
-D) into partial rows [P, D], and each token's K partial rows are summed in a fixed order (no
-atomics). With `miss` rows (gather_misses), pairs whose expert has no slot read their record
-from their own row instead, so one call computes every pair.
+Decode (T <= DECODE_MAX_T, 4; calls without miss rows up to PAIRS_MAX_T, 16: a batched step,
+a verify window, a short chunk): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F)
+with the FMA skeleton (gate and up share x and one K loop), writing h [P, F] already scaled by
+the routing weight (zero for pairs not resident); `_down_pairs_kernel` runs one CTA per (pair,
+BN rows of D) into partial rows [P, D], and each token's K partial rows are summed in a fixed
+order (no atomics). With `miss` rows (gather_misses), pairs whose expert has no slot read their
+record from their own row instead, so one call computes every pair.
 
 Prompt chunks: pairs are sorted by expert (torch, on the device, no host sync); one CTA per
 (expert, BM tokens, BN rows) multiplies on tensor cores, h is kept in bf16, the down kernel
@@ -57,6 +58,7 @@ from strata.kernels.tuning import (
     GATE_UP_TILE,
     GATHER_BLOCK,
     GROUPED_MIN_TOKENS,
+    PAIRS_MAX_T,
 )
 from strata.quant import QType, dequantize
 
@@ -260,12 +262,22 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
     return slot_of_expert[ids.long()] >= 0
 
 
-def use_grouped(t: int, topk: int, n_experts: int, grouped: bool | None = None) -> bool:
-    """True when moe_forward hands a call to the grouped path (moe_grouped.py): past decode
-    sizes, from GROUPED_MIN_TOKENS tokens per expert on (grouped True / False: always / never)."""
-    if t <= DECODE_MAX_T:
-        return False
-    return t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1) if grouped is None else grouped
+MOE_PATHS = ("pairs", "tl.dot", "grouped")
+
+
+def moe_path(t: int, topk: int, n_experts: int, miss: bool = False) -> str:
+    """The path moe_forward takes for t tokens: "pairs" (each pair reads its expert: up to
+    DECODE_MAX_T tokens, up to PAIRS_MAX_T without miss rows), "grouped" (from GROUPED_MIN_TOKENS
+    tokens per expert on average: dequantize to bf16, then grouped GEMM), else "tl.dot" (pairs
+    grouped by expert onto tensor cores)."""
+    if t <= (DECODE_MAX_T if miss else max(PAIRS_MAX_T, DECODE_MAX_T)):
+        return "pairs"
+    return "grouped" if t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1) else "tl.dot"
+
+
+def use_grouped(t: int, topk: int, n_experts: int) -> bool:
+    """True when moe_forward hands a call of t tokens (no miss rows) to the grouped path."""
+    return moe_path(t, topk, n_experts) == "grouped"
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -276,7 +288,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 sum_pairs: bool = True, host_from: int | None = None,
                 x8: bool = False, tiles: Mapping[str, tuple[int, ...]] | None = None,
-                grouped: bool | None = None,
+                path: str | None = None,
                 bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 act: str = "swiglu") -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
@@ -297,8 +309,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     path), and with a Q4_K, Q6_K, IQ2_XS or IQ3_XXS down rounds each pair's h the same way for
     it; other types and calls keep float32 activations.
     tiles: decode tiles to use instead of strata.kernels.tuning's (TILE_KEYS; a benchmark's
-    variants); grouped: a prompt call on the grouped path (True) or the fused kernels (False)
-    whatever its size (None: use_grouped's threshold).
+    variants); path: one of MOE_PATHS whatever the call's size (None: moe_path's choice; with
+    miss rows only "pairs").
     bias: the experts' biases (gate [E, F], up [E, F], down [E, D], contiguous float32 on x's
     device, rows by expert id: gpt-oss), act: the activation, "swiglu" silu(g) · u or
     "swiglu_oai" (the clamped SwiGLU, strata.kernels.torch_ops.glu): a pair then adds
@@ -308,8 +320,14 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"moe_forward tiles: unknown {sorted(set(tiles) - set(TILE_KEYS))}, "
                          f"choose from {TILE_KEYS}")
     t = x.shape[0] if x.dim() == 2 else 0
-    # a decode call with no `out` writes the sums straight into a new one (no zero fill + add)
-    direct = (out is None and 0 < t <= DECODE_MAX_T and ids.dim() == 2 and ids.shape[1] > 0
+    if path is not None and path not in MOE_PATHS:
+        raise ValueError(f"moe_forward path {path!r}: choose from {MOE_PATHS}")
+    if path is None:
+        path = moe_path(t, ids.shape[-1] if ids.dim() == 2 else 1, slot_of_expert.shape[0],
+                        miss is not None)
+    # a call on the per-pair kernels with no `out` writes the sums straight into a new one (no
+    # zero fill + add)
+    direct = (out is None and t > 0 and path == "pairs" and ids.dim() == 2 and ids.shape[1] > 0
               and all(kernel_format(q) is not None for q in qtypes))
     (qg, qu, qd), out = check_moe_args(x, ids, weights, slot_of_expert, gate_slots, up_slots,
                                        down_slots, qtypes, d_model, d_expert, out,
@@ -318,7 +336,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if bias is not None or act != "swiglu":
         x8 = False  # (the int8-activation kernels compute plain SwiGLU without biases)
     if miss is not None:
-        if t > DECODE_MAX_T or any(kernel_format(q) is None for q in (qg, qu, qd)):
+        if t > DECODE_MAX_T or path != "pairs" or any(kernel_format(q) is None
+                                                      for q in (qg, qu, qd)):
             raise ValueError(f"miss rows are for up to {DECODE_MAX_T} tokens of fused types")
         if miss[0].shape[0] < t * ids.shape[1] or any(
                 m.shape[1:] != s.shape[1:] for m, s in zip(miss, (gate_slots, up_slots,
@@ -328,7 +347,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError("host_from is for calls with miss rows")
     if t == 0 or ids.shape[1] == 0:
         return out
-    if use_grouped(t, ids.shape[1], slot_of_expert.shape[0], grouped):
+    if path == "grouped":
         from strata.kernels.gpu.moe_grouped import moe_forward_grouped
 
         kw = {} if scratch_bytes is None else {"scratch_bytes": scratch_bytes}
@@ -344,7 +363,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                              (qg, qu, qd), d_model, d_expert, out, bias, act)
     ids = ids.contiguous()
     weights = weights.contiguous()
-    if t <= DECODE_MAX_T:
+    if path == "pairs":
         parts = _decode(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots, fmts,
                         None if direct and not sum_pairs else out, miss, accumulate=not direct,
                         host_from=host_from, x8=x8, tiles=tiles or {}, bias=bias, act=act)
