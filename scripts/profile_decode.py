@@ -2,13 +2,16 @@
 share (the offload executor's host layers), then the step time with CUDA graphs.
 
     python scripts/profile_decode.py MODEL --vram-budget 40 [--steps 16] [--json F]
-        [--prefetch N] [--cpu-share N] [--threads T] [--trace F] [--unfused-route]
+        [--prefetch N] [--cpu-share N] [--threads T] [--trace F] [--unfused-route] [--batch N]
 
 Prints the kernels of the decode steps by total GPU time per step, the host time per step spent
 in the executor's calls (`OffloadExperts.decode_misses`, the CPU pool, cache admissions...,
 prompt included), and the median step time with and without graphs (same engine, same tokens).
 --trace writes a Chrome trace of a few replayed (graph) steps, every stream's kernels on one time
 line: where PCIe idles between a layer's gathers, and what overlaps them.
+--batch N (2..16) then times what `strata serve --batch N` runs: the one-sequence step over a
+cache of the server's paged KV pool (its kernels too), and the batched step at each batch size
+(graphs replayed; the sequences after a 128-token prompt each).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from strata.engine.generator import Engine
 
 
 def timed_steps(engine: Engine, n: int, seed: int = 0,
-                around: contextlib.AbstractContextManager | None = None) -> list[float]:
+                around: contextlib.AbstractContextManager | None = None,
+                pool: object = None) -> list[float]:
     """n decode steps after a 128-token random prompt (as strata bench runs them); `around`
-    (a profiler) is entered for the decode steps only."""
+    (a profiler) is entered for the decode steps only; pool (a KVSlots): the cache one of its
+    slots, as the server's."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, engine.config.n_vocab, 128).tolist()
-    kv = engine.model.new_cache(len(prompt) + n)
+    kv = engine.model.new_cache(len(prompt) + n) if pool is None else pool.take()
     token = int(engine.run_prompt(prompt, kv)[0].argmax())
     out = []
     with around or contextlib.nullcontext():
@@ -45,6 +50,32 @@ def timed_steps(engine: Engine, n: int, seed: int = 0,
             logits = engine.model.decode(token, kv)
             token = int(logits[0].argmax())
             out.append(time.perf_counter() - t0)
+    if pool is not None:
+        pool.give(kv)
+    return out
+
+
+def batch_steps(engine: Engine, pool, batch, n: int) -> dict[int, float]:  # noqa: ANN001
+    """Median ms of a batched step (graphs: an eager step and a capture first) at each of its
+    sizes, each sequence after a 128-token random prompt."""
+    rng = np.random.default_rng(1)
+    out = {}
+    for size in batch.sizes:
+        caches = [pool.take() for _ in range(size)]
+        for kv in caches:
+            engine.run_prompt(rng.integers(0, engine.config.n_vocab, 128).tolist(), kv)
+        tokens = rng.integers(0, engine.config.n_vocab, size).tolist()
+        times = []
+        for _ in range(n + 2):
+            if engine.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = batch(tokens, caches)
+            tokens = logits.argmax(-1).tolist()
+            times.append(time.perf_counter() - t0)
+        out[size] = 1e3 * statistics.median(times[2:])
+        for kv in caches:
+            pool.give(kv)
     return out
 
 
@@ -93,6 +124,8 @@ def main() -> None:
     p.add_argument("--trace", default=None, help="Chrome trace of 8 steps here (6 replayed)")
     p.add_argument("--unfused-route", action="store_true",
                    help="a layer's residual step, router and top-k as three launches (timing)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="also the server's paged pool of N sequences and its batched step")
     a = p.parse_args()
     prefetch = None if a.prefetch == "auto" else int(a.prefetch)
     DecodeStep.fuse_route = not a.unfused_route
@@ -100,7 +133,8 @@ def main() -> None:
                                                       vram_budget_gib=a.vram_budget,
                                                       decode_step="eager", prefetch=prefetch,
                                                       cpu_share=a.cpu_share,
-                                                      threads=a.threads))
+                                                      threads=a.threads,
+                                                      sequences=a.batch))
     step: DecodeStep = engine.model.step
     timed_steps(engine, 4)  # warm up (compiles)
     eager = timed_steps(engine, a.steps)
@@ -125,6 +159,26 @@ def main() -> None:
           f"eager, {res['graphs_ms']:.2f} ms with graphs; GPU kernels {res['gpu_kernels_ms']:.2f} "
           "ms per step; per step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
     print_rows(every[:30], "step")
+    if a.batch > 1:
+        from strata.server import kv_batch
+
+        step.graphs = False
+        pool, batch = kv_batch.batched(engine)
+        prof = torch.profiler.profile(activities=[act.CUDA if a.device == "cuda" else act.CPU])
+        timed_steps(engine, a.steps, around=prof, pool=pool)
+        paged = kernel_rows(prof, a.device, a.steps, top=1 << 30)
+        step.graphs = a.device == "cuda"
+        replay = timed_steps(engine, a.steps + 2, pool=pool)[2:]
+        res["paged_graphs_ms"] = 1e3 * statistics.median(replay)
+        res["paged_gpu_kernels_ms"] = sum(r["us"] for r in paged) / 1e3
+        res["batched_ms"] = batch_steps(engine, pool, batch, a.steps)
+        print(f"one sequence over the server's paged pool ({pool.n_slots} x {pool.capacity} "
+              f"rows, blocks of {pool.block}): {res['paged_graphs_ms']:.2f} ms with graphs, "
+              f"GPU kernels {res['paged_gpu_kernels_ms']:.2f} ms eagerly")
+        print_rows(paged[:12], "step")
+        print("batched step, graphs: " + ", ".join(
+            f"{b} seq {ms:.2f} ms ({b / ms * 1e3:.0f} tok/s)"
+            for b, ms in res["batched_ms"].items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

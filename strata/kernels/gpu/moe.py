@@ -12,7 +12,7 @@ and gpt-oss's clamped SwiGLU (bias=, act="swiglu_oai") a pair adds
 weights[t, k] · (down_e(act(gate_e · x[t] + bg_e, up_e · x[t] + bu_e)) + bd_e) on every path
 (the kernels' BIAS / OAI constexprs; off, they compile as without).
 
-Decode (T <= DECODE_MAX_T, 4; calls without miss rows up to PAIRS_MAX_T, 16: a batched step,
+Decode (T <= DECODE_MAX_T, 4; calls without miss rows up to PAIRS_MAX_T, 64: a batched step,
 a verify window, a short chunk): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F)
 with the FMA skeleton (gate and up share x and one K loop), writing h [P, F] already scaled by
 the routing weight (zero for pairs not resident); `_down_pairs_kernel` runs one CTA per (pair,
