@@ -197,7 +197,7 @@ if [[ $STAGES == *profile* ]]; then
     echo "== decode profile at --vram-budget $b ${flags[*]}"
     timeout 240 python3 scripts/profile_decode.py $M --vram-budget $b "${flags[@]}" \
       --json "$OUT/profile_$name.json" ${PROFILE_TRACE:+--trace "$OUT/trace_$name.json"} \
-      2>&1 | grep -v "^strata:  " | head -40
+      2>&1 | grep -v "^strata:  " | head -60
   done
 fi
 if [[ $STAGES == *streaming* ]]; then

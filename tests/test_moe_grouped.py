@@ -176,9 +176,10 @@ def test_torch_mm_loop_when_grouped_mm_refuses(monkeypatch: pytest.MonkeyPatch) 
 
 def test_moe_forward_dispatches_by_tokens_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not moe_mod.use_grouped(moe_mod.DECODE_MAX_T, 8, 1)  # decode stays per pair
-    assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T, 8, 1) == "pairs"  # a batch, resident experts
-    assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T, 8, 1, miss=True) == "grouped"
-    assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T + 1, 8, 128) == "tl.dot"
+    assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T, 8, 1, step=True) == "pairs"  # a batched step
+    assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T, 8, 128, step=True, miss=True) == "tl.dot"
+    assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T, 8, 128) == "tl.dot"  # a prompt chunk
+    assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T + 1, 8, 128, step=True) == "tl.dot"
     assert not moe_mod.use_grouped(255, 8, 128)  # 15.9 tokens per expert: tl.dot kernels
     assert moe_mod.use_grouped(256, 8, 128)  # 16: grouped (Qwen3-30B-A3B from 256 tokens)
     rng, seed = fresh_rng()

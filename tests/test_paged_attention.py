@@ -84,6 +84,66 @@ def test_rows_rope_store_writes_each_row_where_told():
         assert not kp[untouched].float().abs().sum()
 
 
+_ROWS_STORE_INTERPRETED = """
+    import torch
+    from strata.kernels.gpu import decode_ops as ops
+    from strata.runtime.kv_cache import dequantize_q8_0
+    torch.manual_seed(seed)
+    b, h, hkv, hd = 3, 6, 2, 64
+    q, k, v = torch.randn(b, h, hd), torch.randn(b, hkv, hd), torch.randn(b, hkv, hd)
+    qn, kn = torch.rand(hd) + 0.5, torch.rand(hd) + 0.5
+    pos, write = torch.tensor([0, 7, 3]), torch.tensor([10, 2, 5])
+    inv = ops.rope_inv_freq(48, 10000.0, "cpu")  # (partial RoPE: 48 of 64 dims)
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        for style in ("neox", "normal"):
+            pools = []
+            for kernel in (True, False):  # the kernel's rows, then the torch form's
+                kp = torch.zeros(12, hkv, hd, dtype=dtype)
+                vp = torch.zeros(12, hkv, hd, dtype=dtype)
+                ks = vs = None
+                if dtype == torch.int8:
+                    ks, vs = (torch.zeros(12, hkv, 2, dtype=torch.float16),
+                              torch.zeros(12, hkv, 2, dtype=torch.float16))
+                use = ops._use_kernels
+                if not kernel:
+                    ops._use_kernels = lambda t: False
+                qo = ops.rows_rope_store(q, k, v, qn, kn, 1e-6, pos, inv, style, kp, vp, write,
+                                         ks, vs)
+                ops._use_kernels = use
+                pools.append((qo, kp, vp, ks, vs))
+            (qa, ka, va, ksa, vsa), (qb, kb, vb, ksb, vsb) = pools
+            assert float((qa - qb).abs().max()) < 1e-5, (dtype, style)
+            if dtype == torch.int8:
+                ka, kb = dequantize_q8_0(ka, ksa), dequantize_q8_0(kb, ksb)
+                va, vb = dequantize_q8_0(va, vsa), dequantize_q8_0(vb, vsb)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert float((ka.float() - kb.float()).abs().max()) < tol, (dtype, style)
+            assert float((va.float() - vb.float()).abs().max()) < tol, (dtype, style)
+            untouched = torch.ones(12, dtype=torch.bool)
+            untouched[write] = False
+            assert not ka[untouched].float().abs().sum(), (dtype, style)
+            for i in range(b):  # each row as the one-sequence kernel stores it at its position
+                kc, vc = torch.zeros(8, hkv, hd), torch.zeros(8, hkv, hd)
+                qr = ops.qk_rope_store(q[i:i + 1], k[i:i + 1], v[i:i + 1], qn, kn, 1e-6,
+                                       pos[i:i + 1], inv, style, kc, vc)
+                assert torch.equal(qa[i:i + 1], qr), (dtype, style, i)
+                if dtype == torch.float32:
+                    assert torch.equal(ka[write[i]], kc[pos[i]]), (style, i)
+    print("ok")
+"""
+
+
+def test_rows_rope_store_kernel_under_the_interpreter():
+    """The batched step's one launch for q/k norms, RoPE and the pool store (interpreted on CPU
+    tensors) writes what the torch form writes, where it is told, and each row's q as the
+    one-sequence kernel gives it, over f32, bf16 and q8_0 pools, both RoPE styles."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    run_interpreted(_ROWS_STORE_INTERPRETED, fresh_seed() % 2**31, timeout=300)
+
+
 _INTERPRETED = """
     import torch
     from strata.kernels.gpu import decode_ops as ops

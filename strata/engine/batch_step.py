@@ -384,7 +384,8 @@ class BatchStep:
         shared = self.model.layers[layer].ffn.shared
         carry = shared.forward(b.h) if shared is not None else torch.zeros_like(b.h)
         if b.plan.hits_in_piece[layer]:
-            carry = carry + self.ex.device_hits(layer, b.h, b.ids, b.wts, count=False)
+            carry = carry + self.ex.device_hits(layer, b.h, b.ids, b.wts, count=False,
+                                                step=True)
         b.carry.copy_(carry)
 
     def _host_layer(self, layer: int, routed: torch.cuda.Event | None, b: Rows) -> None:

@@ -62,11 +62,13 @@ class FusedHits:
     def run(self, layout: ExpertLayout, slots: torch.Tensor, table: torch.Tensor,
             h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             out: torch.Tensor | None, miss: tuple[torch.Tensor, ...] | None = None,
-            sum_pairs: bool = True, host_from: int | None = None) -> torch.Tensor:
+            sum_pairs: bool = True, host_from: int | None = None,
+            step: bool = False) -> torch.Tensor:
         """out += every resident pair's weighted expert output (out None: a new tensor).
         slots: uint8 [n, stride]. miss: views of rows holding each non-resident pair's record;
         sum_pairs=False: a decode call may return each pair's row unsummed; host_from: a
-        token's missed pairs from there on are left to the host (moe_forward)."""
+        token's missed pairs from there on are left to the host; step: a decode step's call (the
+        per-pair kernels for a batch's tokens: moe_forward)."""
         from strata.kernels.gpu import moe_forward
 
         bias, act = None, "swiglu"
@@ -79,4 +81,4 @@ class FusedHits:
         return moe_forward(h, ids, weights.float(), table, gate, up, down, layout.qtypes,
                            layout.d_model, layout.d_expert, out=out,
                            scratch_bytes=self.scratch_bytes, miss=miss, sum_pairs=sum_pairs,
-                           host_from=host_from, x8=self.x8, bias=bias, act=act)
+                           host_from=host_from, x8=self.x8, bias=bias, act=act, step=step)

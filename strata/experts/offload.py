@@ -314,14 +314,15 @@ class OffloadExperts:
         return None
 
     def device_hits(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    count: bool, sum_pairs: bool = True) -> torch.Tensor:
+                    count: bool, sum_pairs: bool = True, step: bool = False) -> torch.Tensor:
         """The pairs whose expert has a slot in the device table, with device work only (safe
         to capture in a CUDA graph; the caller counts hits on the host). count: also count the
         routing on the device (layers whose routing the host never reads). sum_pairs=False:
-        [T, K, D] rows may come back for the caller to sum (FusedHits.run)."""
+        [T, K, D] rows may come back for the caller to sum; step: a decode step's call
+        (FusedHits.run)."""
         ls = self.cache.layers[layer]
         out = self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, None,
-                             sum_pairs=sum_pairs)
+                             sum_pairs=sum_pairs, step=step)
         if count:
             self.stats.count_on_device(layer, ids)
         return out

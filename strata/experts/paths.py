@@ -67,7 +67,7 @@ class Resident(Path):
     def run(self, layer, h, ids, weights, host=None, sum_pairs=True, aids=None):  # noqa: ANN001, ANN201
         ex = self.ex
         ex.cache.before_compute(layer)
-        out = ex.device_hits(layer, h, ids, weights, count=True)
+        out = ex.device_hits(layer, h, ids, weights, count=True, step=aids is not None)
         ex.cache.after_compute(layer)
         ex.account(layer, hits=ids.numel())
         return out
@@ -200,7 +200,8 @@ class DeviceHits(Path):
     def run(self, layer, h, ids, weights, host=None, sum_pairs=True, aids=None):  # noqa: ANN001, ANN201
         ex = self.ex
         if ex.device.type == "cuda":
-            return ex.device_hits(layer, h, ids, weights, count=False, sum_pairs=sum_pairs)
+            return ex.device_hits(layer, h, ids, weights, count=False, sum_pairs=sum_pairs,
+                                  step=aids is not None)
         return ex.run(layer, None, h, ids, weights)
 
 

@@ -68,12 +68,14 @@ X8_MIN_ROWS = 8192
 # up to this many tokens each pair reads its expert itself (decode, short verify windows); past
 # it, pairs are grouped by expert onto tensor cores. bench/2026-11-29-h200-kernels.md
 DECODE_MAX_T = 4
-# calls without miss rows (every pair's expert resident: a batched decode step, a verify window,
-# a prompt chunk) up to this many tokens take the per-pair kernels too (8-bit x). The 30B-A3B
-# layer, all resident, eager: per pair / tl.dot / grouped at 8 tokens 191 / 575 / 1208 us, 16:
-# 212 / 649 / 803, 32: 393 / 770 / 1105, 64: 748 / 974 / 1162, 128: tl.dot 1044, grouped 1191
-# (Q4_K / Q4_K / Q6_K; IQ2_XS / IQ3_XXS per pair 209-752 us against 802-1635 grouped). Served,
-# a batched step of 8 took 38 ms on the tl.dot kernels. bench/2026-12-02-h200-serve-pairs.md
+# a decode step's calls without miss rows (every pair's expert resident: the batched step of up
+# to 16 sequences, its hits) up to this many tokens take the per-pair kernels too (8-bit x). The
+# 30B-A3B layer, all resident, eager: per pair / tl.dot / grouped at 8 tokens 191 / 575 / 1208
+# us, 16: 212 / 649 / 803, 32: 393 / 770 / 1105, 64: 748 / 974 / 1162, 128: tl.dot 1044,
+# grouped 1191 (Q4_K / Q4_K / Q6_K; IQ2_XS / IQ3_XXS per pair 209-752 us against 802-1635
+# grouped). Served, a batched step of 8 took 38 ms on the tl.dot kernels. Prompt chunks stay on
+# tl.dot: their 8-bit x is not yet checked against the graphs' bf16 bound (test_chunk_graph).
+# bench/2026-12-02-h200-serve-pairs.md
 PAIRS_MAX_T = 64
 # from this many tokens per expert on average (T·K / E) a prompt chunk takes the grouped bf16 path
 # (dequantize once, torch._grouped_mm): at 16 tokens on 14336 x 4096 the fused kernel took 95.7 us

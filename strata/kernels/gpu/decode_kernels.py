@@ -79,12 +79,18 @@ def _qk_rope_kernel(q, k, v, qn, kn, inv_freq, pos, qo, kc, vc, ks, vs, eps, H, 
                     stride_ksr, stride_ksh, stride_vsr, stride_vsh,
                     HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HD: tl.constexpr,
                     ROPE_DIM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
-                    Q8: tl.constexpr):
+                    Q8: tl.constexpr, write=None, ROWS: tl.constexpr = False):
     # program (t, j): j < H: query head j -> qo[t, j]; else kv head g = j - H -> cache row pos + t
+    # (ROWS: token t of its own sequence, at position pos[t], its row write[t] of a pool)
     t = tl.program_id(0)
     j = tl.program_id(1)
-    row = tl.load(pos).to(tl.int64) + t
-    pos_f = row.to(tl.float32)
+    if ROWS:
+        at = tl.load(pos + t).to(tl.int64)
+        row = tl.load(write + t).to(tl.int64)
+    else:
+        at = tl.load(pos).to(tl.int64) + t
+        row = at
+    pos_f = at.to(tl.float32)
     d = tl.arange(0, BLOCK_D)
     dm = d < HD
     if j < H:

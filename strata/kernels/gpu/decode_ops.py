@@ -533,8 +533,8 @@ def rows_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_scales: torch.Tensor | None = None,
                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """qk_rope_store for one token of each of B sequences: row b at position pos[b], its k and
-    v written to pool row write[b]; returns the rotated q. Torch ops (graph safe: no host sync,
-    shapes fixed by B).
+    v written to pool row write[b]; returns the rotated q. One launch on CUDA (or under the
+    interpreter), else torch ops (both graph safe: no host sync, shapes fixed by B).
 
     q [B, H, hd], k, v [B, Hkv, hd] f32; pos, write int64 [B] on the device; k_pool, v_pool
     [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales, v_scales f16 [R, Hkv, hd/32] (q8_0)
@@ -543,6 +543,33 @@ def rows_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            and write.shape == pos.shape, "q [B, H, hd], k [B, Hkv, hd], pos and write [B]")
     _q8_scales(k_pool, k_scales, "k_pool")
     _q8_scales(v_pool, v_scales, "v_pool")
+    if _use_kernels(q) and q.shape[0]:
+        b, h, hd = q.shape
+        hkv = k.shape[1]
+        for name, x, shape in (("q", q, (b, h, hd)), ("k", k, (b, hkv, hd)),
+                               ("v", v, (b, hkv, hd)),
+                               ("k_pool", k_pool, (k_pool.shape[0], hkv, hd)),
+                               ("v_pool", v_pool, (k_pool.shape[0], hkv, hd))):
+            _f32(x, name, shape, KV_DTYPES if name.endswith("pool") else None)
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if w is not None:
+                _f32(w, name, (hd,))
+        for name, t in (("pos", pos), ("write", write)):
+            _check(t.dtype in (torch.int32, torch.int64) and t.device == q.device,
+                   f"{name} must be int32/int64 [B] on {q.device}")
+        q8 = k_pool.dtype == torch.int8
+        ks, vs = (k_scales, v_scales) if q8 else (k_pool, v_pool)  # (unread without q8_0)
+        out = torch.empty((b, h, hd), dtype=torch.float32, device=q.device)
+        _kernels()._qk_rope_kernel[(b, h + hkv)](
+            q, k, v, q if q_norm is None else q_norm, q if k_norm is None else k_norm, inv_freq,
+            pos.contiguous(), out, k_pool, v_pool, ks, vs, eps, h, k_pool.shape[0], q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
+            v_pool.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HD=hd,
+            ROPE_DIM=2 * inv_freq.numel(), NEOX=style == "neox", BLOCK_D=_pow2(hd), Q8=q8,
+            write=write.contiguous(), ROWS=True, num_warps=1)
+        return out
     return _rope_store_torch(q, k, v, q_norm, k_norm, eps, pos.long(), inv_freq, style, k_pool,
                              v_pool, write, k_scales, v_scales).contiguous()
 

@@ -12,8 +12,8 @@ and gpt-oss's clamped SwiGLU (bias=, act="swiglu_oai") a pair adds
 weights[t, k] · (down_e(act(gate_e · x[t] + bg_e, up_e · x[t] + bu_e)) + bd_e) on every path
 (the kernels' BIAS / OAI constexprs; off, they compile as without).
 
-Decode (T <= DECODE_MAX_T, 4; calls without miss rows up to PAIRS_MAX_T, 64: a batched step,
-a verify window, a short chunk): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F)
+Decode (T <= DECODE_MAX_T, 4; a decode step's calls without miss rows up to PAIRS_MAX_T, 64:
+a batched step): `_gate_up_pairs_kernel` runs one CTA per (pair, BN rows of F)
 with the FMA skeleton (gate and up share x and one K loop), writing h [P, F] already scaled by
 the routing weight (zero for pairs not resident); `_down_pairs_kernel` runs one CTA per (pair,
 BN rows of D) into partial rows [P, D], and each token's K partial rows are summed in a fixed
@@ -265,12 +265,12 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
 MOE_PATHS = ("pairs", "tl.dot", "grouped")
 
 
-def moe_path(t: int, topk: int, n_experts: int, miss: bool = False) -> str:
+def moe_path(t: int, topk: int, n_experts: int, miss: bool = False, step: bool = False) -> str:
     """The path moe_forward takes for t tokens: "pairs" (each pair reads its expert: up to
-    DECODE_MAX_T tokens, up to PAIRS_MAX_T without miss rows), "grouped" (from GROUPED_MIN_TOKENS
-    tokens per expert on average: dequantize to bf16, then grouped GEMM), else "tl.dot" (pairs
-    grouped by expert onto tensor cores)."""
-    if t <= (DECODE_MAX_T if miss else max(PAIRS_MAX_T, DECODE_MAX_T)):
+    DECODE_MAX_T tokens; a decode step's call without miss rows up to PAIRS_MAX_T), "grouped"
+    (from GROUPED_MIN_TOKENS tokens per expert on average: dequantize to bf16, then grouped
+    GEMM), else "tl.dot" (pairs grouped by expert onto tensor cores)."""
+    if t <= DECODE_MAX_T or (step and not miss and t <= PAIRS_MAX_T):
         return "pairs"
     return "grouped" if t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1) else "tl.dot"
 
@@ -288,7 +288,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 miss: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 sum_pairs: bool = True, host_from: int | None = None,
                 x8: bool = False, tiles: Mapping[str, tuple[int, ...]] | None = None,
-                path: str | None = None,
+                path: str | None = None, step: bool = False,
                 bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 act: str = "swiglu") -> torch.Tensor:
     """out [T, D] float32 (+)= the resident experts' weighted outputs (see the module doc).
@@ -310,7 +310,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     it; other types and calls keep float32 activations.
     tiles: decode tiles to use instead of strata.kernels.tuning's (TILE_KEYS; a benchmark's
     variants); path: one of MOE_PATHS whatever the call's size (None: moe_path's choice; with
-    miss rows only "pairs").
+    miss rows only "pairs"); step: a decode step's call (a batched step's tokens: moe_path).
     bias: the experts' biases (gate [E, F], up [E, F], down [E, D], contiguous float32 on x's
     device, rows by expert id: gpt-oss), act: the activation, "swiglu" silu(g) · u or
     "swiglu_oai" (the clamped SwiGLU, strata.kernels.torch_ops.glu): a pair then adds
@@ -324,7 +324,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"moe_forward path {path!r}: choose from {MOE_PATHS}")
     if path is None:
         path = moe_path(t, ids.shape[-1] if ids.dim() == 2 else 1, slot_of_expert.shape[0],
-                        miss is not None)
+                        miss is not None, step)
     # a call on the per-pair kernels with no `out` writes the sums straight into a new one (no
     # zero fill + add)
     direct = (out is None and t > 0 and path == "pairs" and ids.dim() == 2 and ids.shape[1] > 0
