@@ -4,6 +4,8 @@ refuses with 429 and leaves the others' text as it was."""
 
 from __future__ import annotations
 
+import pytest
+
 from strata.config import EngineConfig
 from strata.engine.generator import Engine
 from strata.server.batching import BatchRunner
@@ -230,3 +232,98 @@ def test_each_steps_progress_has_the_requests_as_they_stand(synth):
     assert [m.state["requests"][0][1] for m in steps] == [0, n, n + 1, n + 2]
     assert all(m.state["kv_pool"].startswith("1 of 2 slots") for m in steps)
     assert runner.state()["kv_pool"].startswith("0 of 2 slots")  # (fresh: read again)
+
+
+def test_a_prompt_beside_decoding_runs_in_the_scratch_and_keeps_every_text(synth, monkeypatch):
+    """A prompt alone in a step with decoding sequences runs in the pool's plain scratch (on
+    CUDA: the prompt graphs; here the same split of the step, eagerly), its rows copied into
+    its blocks after each chunk: a shared prefix comes into the scratch first, and so do chunks
+    that ran beside another prompt in one plain forward. Every text is its text alone."""
+    import strata.server.batching as batching
+    from strata.runtime.kv_cache import KVCache
+    from strata.server import kv_batch
+
+    monkeypatch.setattr(batching, "PREFILL_WHILE_DECODING", 4)
+    eng = _engine(synth("qwen3moe", "Q4_K_M"), 3)
+    cfg = eng.model.cfg
+    copied = []
+    to_pool = kv_batch.to_pool
+    monkeypatch.setattr(kv_batch, "to_pool",
+                        lambda sc, kv, a, b: (copied.append((a, b)), to_pool(sc, kv, a, b)))
+    came = []
+    from_pool = kv_batch.from_pool
+    monkeypatch.setattr(kv_batch, "from_pool",
+                        lambda kv, sc: (came.append(kv.length), from_pool(kv, sc)))
+    long = "the quick brown fox jumps over the lazy dog " * 2
+    subs = [_submit("a", "hello world", 14), _submit("b", long, 5, seed=7),
+            _submit("c", "1 2 3 4 5 6 7 8 9", 4), _submit("d", long + "and more", 3)]
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=1 << 30)
+    runner.scratch = KVCache(cfg.n_kv_layers, cfg.n_kv_heads, cfg.head_dim, eng.model.device,
+                             64, dtype=eng.model.kv_dtype)
+    runner.submit(subs[0])
+    runner.step()  # a's prompt alone, in the scratch too
+    assert copied == [(0, runner.seqs["a"].prompt_len)]
+    runner.submit(subs[1])
+    runner.step()  # b's first 4 tokens in the scratch beside a's token
+    assert copied[-1] == (0, 4) and runner._scratch_for == "b"
+    runner.submit(subs[2])  # two prompts: one plain forward for both, then b alone again
+    while runner.active:
+        runner.step()
+        if "d" not in runner.seqs and not any(isinstance(m, Finished) and m.rid == "d"
+                                              for m in sent) and "b" not in runner.seqs:
+            runner.submit(subs[3])  # starts like b: its prefix from the pool into the scratch
+    # (b's rows after the plain forward beside c's prompt, d's shared prefix)
+    assert len(copied) > 3 and len([n for n in came if n]) >= 2 and runner.pool.used == 0
+    runner.pool.check_integrity()
+    (done_d,) = [m for m in sent if isinstance(m, Finished) and m.rid == "d"]
+    assert done_d.cached_tokens >= 16
+    together = {}
+    for m in sent:
+        if isinstance(m, (Delta, Finished)):
+            together[m.rid] = together.get(m.rid, "") + m.text
+    for sub in subs:
+        sent_alone: list = []
+        alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
+        assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid], sub.rid
+
+
+@pytest.mark.cuda
+def test_served_prompts_replay_the_prompt_graphs_in_the_scratch(synth):
+    """On CUDA the pool's scratch is the plan's prefill rows; a served prompt replays the
+    prompt graphs there, its rows land in the pool as the scratch holds them, and its logits
+    are the plain forward's over a pool cache within the graphs' bf16 bound (KL 1e-3)."""
+    import torch
+    from test_offload import offload
+
+    from strata.model.transformer import Segment
+    from strata.server import kv_batch
+
+    eng = offload(synth("qwen3moe", "Q4_K_M"), "cuda", kernels="fused", kv_type="f16",
+                  sequences=3)
+    model = eng.model
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    assert runner.scratch is not None and runner.scratch.capacity == model.prefill_rows > 0
+    runner.warm_up()
+    replayed = model.chunks.steps["replayed"]
+    texts = _texts(runner, sent, [_submit("a", PROMPTS[1] * 3, 6), _submit("b", PROMPTS[2], 6)])
+    assert model.chunks.steps["replayed"] > replayed and set(texts) == {"a", "b"}
+    assert runner.pool.used == 0
+    runner.pool.check_integrity()
+    ids = eng.tokenizer.encode(PROMPTS[0] * 5)
+    n = len(ids)
+    kv = runner.pool.take()
+    ref = model._forward(torch.tensor(ids), [Segment(kv, n)]).float().cpu()  # (eagerly, paged)
+    sc = runner.scratch
+    sc.length = 0
+    got = model.forward(torch.tensor(ids), [Segment(sc, n)]).float().cpu()
+    p, q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3
+    other = runner.pool.take()
+    kv_batch.to_pool(sc, other, 0, n)
+    other.advance(n)
+    rows = other.rows(0, n)
+    assert torch.equal(runner.pool.store[:, :, rows], sc.store[:, :, :n])
+    runner.pool.give(kv)
+    runner.pool.give(other)

@@ -175,3 +175,35 @@ def test_the_plan_counts_the_batch_pool_whole(synth, ctx):
     assert plan.ctx == ctx and pool.nbytes <= plan.kv
     one = make_plan(mf, cfg, EngineConfig(ctx=ctx, vram_budget_gib=4), expert_layouts(mf, cfg))
     assert plan.kv > 3 * one.kv  # (the rounding and the scratch row on top of 3 caches)
+
+
+def test_the_plan_counts_the_served_prompts_scratch(synth):
+    """--batch 3 planned for CUDA with the prompt graphs: the KV line holds the pool and the
+    plain scratch prompts run in (PREFILL_SCRATCH_ROWS rows, or the chunk where smaller) and
+    says so; one sequence, or --prompt-graphs off, plans none."""
+    from strata.config import EngineConfig, ModelConfig
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+    from strata.kernels.tuning import PREFILL_SCRATCH_ROWS
+    from strata.runtime.kv_cache import KVCache
+    from strata.runtime.kv_slots import POOL_BLOCK
+
+    mf = open_model(synth("qwen3moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+
+    def plan(**kw):  # noqa: ANN003, ANN202
+        ec = EngineConfig(device="cuda", vram_budget_gib=4, kv_type="f16", ctx=512, **kw)
+        return make_plan(mf, cfg, ec, expert_layouts(mf, cfg))
+
+    served = plan(sequences=3)
+    rows = min(served.chunk, PREFILL_SCRATCH_ROWS)
+    assert served.prefill_rows == rows and served.prompt_buckets
+    assert f"+ {rows} rows that prompts run in" in "\n".join(served.lines())
+    pool = KVSlots(cfg, torch.device("cpu"), 3, served.ctx, torch.float16, POOL_BLOCK)
+    scratch = KVCache(cfg.n_kv_layers, cfg.n_kv_heads, cfg.head_dim, torch.device("cpu"), rows,
+                      dtype=torch.float16)
+    assert pool.nbytes + scratch.nbytes <= served.kv
+    assert served.kv - plan(sequences=3, prompt_graphs="off").kv == scratch.nbytes
+    assert plan(sequences=1).prefill_rows == 0
+    assert plan(sequences=3, prompt_graphs="off").prefill_rows == 0

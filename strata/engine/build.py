@@ -188,6 +188,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"
     model.kv_dtype = kv_elem
     model.plan_ctx = plan.ctx  # (the context the plan holds: --ctx, or the model's capped)
+    model.prefill_rows = plan.prefill_rows  # (--batch: the served prompts' plain scratch)
     if dev.type == "cuda" and (ec.ctx is not None or ec.vram_budget_gib is not None):
         model.kv_limit = plan.ctx  # (the plan's KV rows: a cache past them would pass the budget)
     if ec.decode_step != "off":

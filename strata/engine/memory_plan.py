@@ -40,6 +40,7 @@ from strata.kernels.tuning import (
     DEFAULT_CTX,
     KV_SHARE,
     MIN_KV_TOKENS,
+    PREFILL_SCRATCH_ROWS,
 )
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
 from strata.quant import DEQUANT_CHUNK_BYTES
@@ -88,6 +89,8 @@ class MemoryPlan:
     activations: int = 0  # a prompt chunk's live tensors outside the MoE scratch (activation_bytes)
     draft: int = 0  # a --draft PATH.gguf model's weights on the device (its KV rows are in kv)
     draft_path: str = ""
+    # a --batch pool's scratch rows for prompts on the prompt graphs (PREFILL_SCRATCH_ROWS; in kv)
+    prefill_rows: int = 0
 
     @property
     def left(self) -> int:
@@ -111,7 +114,9 @@ class MemoryPlan:
             *([f"  draft model    {f(self.draft):>10} ({self.draft_path}: every weight on the "
                "device; its KV rows in the KV line)"] if self.draft else []),
             f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences, "
-            f"{self.kv_type}" + (f": {self.ctx_note})" if self.ctx_note else ")"),
+            f"{self.kv_type}" + (f": {self.ctx_note}" if self.ctx_note else "")
+            + (f"; + {self.prefill_rows} rows that prompts run in on the prompt graphs"
+               if self.prefill_rows else "") + ")",
             f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
             "tokens)",
             *([f"  activations    {f(self.activations):>10} (a chunk's hidden states, "
@@ -321,8 +326,13 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     states = state_bytes(cfg) * (max(1, ec.sequences) + (ec.spec + 1 if ec.spec else 0))
     # --batch's pool (strata.runtime.kv_slots): each sequence's rows rounded up to whole
     # blocks, and one scratch row (padded rows of a batched step write there)
-    pool = ((POOL_BLOCK * ec.sequences + 1) * ((kv_per_token - draft_kv) // ec.sequences)
-            if ec.sequences > 1 else 0)
+    # and, for the prompt graphs (which take a plain cache), a scratch of up to
+    # PREFILL_SCRATCH_ROWS rows that a prompt runs in before its rows are copied into the pool
+    prefill_rows = (min(chunk, PREFILL_SCRATCH_ROWS) if ec.sequences > 1 and dev.type == "cuda"
+                    and ec.kernels == "fused" and ec.prompt_graphs == "on"
+                    and not cfg.full_attn_interval and not cfg.kv_lora else 0)
+    pool = ((POOL_BLOCK * ec.sequences + 1 + prefill_rows)
+            * ((kv_per_token - draft_kv) // ec.sequences) if ec.sequences > 1 else 0)
     # (on CUDA a chunk's own tensors beside the MoE scratch; the CPU's budget is host RAM)
     activations = activation_bytes(cfg, chunk) if dev.type == "cuda" else 0
     fixed = (context + dense + draft + workspace + activations + staging + ring + MARGIN + states
@@ -393,6 +403,9 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # (and with --spec, the verify windows' graphs beside them: chunk_graph.window_tokens)
     graphs, buckets, windows, graphs_note = plan_buckets(
         cfg, ec, layouts, slots, chunk, prompt_weights, budget - fixed - kv - cache - borrow)
+    if prefill_rows and not buckets:  # (no prompt graphs: the scratch would serve nothing)
+        pool -= prefill_rows * ((kv_per_token - draft_kv) // ec.sequences)
+        prefill_rows = 0
     lent, lent_ring = (), False
     if dev.type == "cuda" and ec.kernels == "fused" and ec.decode_step != "off" and \
             ec.expert_cache == "auto" and ec.sequences <= 1:
@@ -411,7 +424,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       ring_note, ctx_note, context, prompt_graphs=graphs,
                       prompt_buckets=buckets, prompt_graphs_note=graphs_note,
                       window_graphs=windows, activations=activations, draft=draft,
-                      draft_path=ec.draft if draft else "")
+                      draft_path=ec.draft if draft else "", prefill_rows=prefill_rows)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

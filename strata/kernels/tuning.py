@@ -229,6 +229,12 @@ DEFAULT_CTX = 4096
 # the others' tokens, oldest first, as vLLM's chunked prefill bounds a step's tokens. A policy
 # (bench: none; the cost of a 512-token chunk on the H200: bench/2026-12-02-h200-kv-attention.md)
 PREFILL_WHILE_DECODING = 512
+# rows of the served prompts' scratch cache (strata serve --batch N on CUDA): a prompt up to this
+# long runs its chunks on the prompt graphs over a plain cache, its rows then copied into the
+# paged pool (the graphs refuse a paged cache; eagerly a 128-token prompt took ~100 ms against
+# ~40 for its graph). A policy: 2048 rows of Qwen3-30B-A3B at f16 are 192 MiB of the budget
+# (bench: none; the eager and graphed prompts: bench/2026-12-02-h200-serve-pairs.md)
+PREFILL_SCRATCH_ROWS = 2048
 # the ring with what it borrows: at most this many of the largest records.
 # bench/2026-11-30-h200-prompt-streaming.md
 BORROW_RECORDS = 512

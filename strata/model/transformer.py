@@ -53,6 +53,8 @@ class MoETransformer:
         self.kv_dtype = torch.float32  # the KV cache's elements (--kv-type)
         self.kv_limit: int | None = None  # rows a cache may hold (the memory plan's, on CUDA)
         self.plan_ctx: int | None = None  # the context the memory plan holds (offload runtime)
+        # rows of a plain cache the plan holds for a --batch pool's prompts (server.kv_batch)
+        self.prefill_rows = 0
         # called after the layers of each forward with (segments, hidden [T, D]): the last
         # hidden states before the output norm (an MTP drafter's input, engine/drafters.py)
         self.hidden_hook = None

@@ -20,7 +20,10 @@ decode).
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
 (kv_batch.py; strata.runtime.kv_slots: blocks of 16 rows, N sequences of the planned context,
 allocated once): a step whose sequences all decode runs the batched step (strata.engine.
-batch_step, CUDA graphs per batch size), a step with a prompt in it the plain forward. A finished
+batch_step, CUDA graphs per batch size), a step with a prompt in it the plain forward. On CUDA,
+a step whose one prompt fits the pool's scratch (kv_batch.prefill_scratch) splits instead: the
+decoding sequences on the batched step, the prompt's chunk on the prompt graphs in the scratch,
+its rows then copied into the pool; several prompts at once share one plain forward. A finished
 or cancelled sequence's blocks are free at once; a request that finds the pool full is refused
 with 429, and no other sequence is touched. With --prefix-cache, a finished sequence's blocks
 stay indexed in the pool (until the pool needs them) and a prompt that starts alike shares them,
@@ -99,6 +102,8 @@ class BatchRunner:
         self.seqs: dict[str, Sequence] = {}
         self.stage = "idle"
         self.pool, self.batch_step = kv_batch.batched(engine)
+        self.scratch = kv_batch.prefill_scratch(engine, self.pool)
+        self._scratch_for: str | None = None  # the sequence whose rows the scratch holds
         self._slow: dict = {}  # state()'s costly part, read at _slow_at (time.monotonic)
         self._slow_at = -_STATE_S
 
@@ -113,7 +118,7 @@ class BatchRunner:
             from strata.server.warmup import warm_up
 
             return warm_up(self.engine)
-        return kv_batch.warm_up(self.engine, self.pool, self.batch_step)
+        return kv_batch.warm_up(self.engine, self.pool, self.batch_step, self.scratch)
 
     def handle(self, msg: Submit | Cancel) -> None:
         if isinstance(msg, Cancel):
@@ -144,6 +149,9 @@ class BatchRunner:
         take = self._takes(batch)  # the tokens each adds to this pass
         batch = [s for s in batch if take[s.rid]]  # (a prompt past this step's budget waits)
         prompt = [s for s in batch if not s.prefilled]
+        scratch = self._scratch_prompt(prompt)  # the step splits: its rows come last
+        if scratch is not None:
+            batch = [s for s in batch if s.prefilled] + [scratch]
         self.stage = "prompt" if prompt else "decode"
         self.send(Progress(self.stage, self._detail(batch, take), state=self.state(fresh=False)))
         PROGRESS.at(self.stage, position=batch[0].kv.length)
@@ -163,6 +171,8 @@ class BatchRunner:
             elif not prompt and self.batch_step is not None and len(tokens) == len(batch):
                 # several sequences decoding: the batched step, one token each
                 logits = self.batch_step(tokens.tolist(), [s.kv for s in batch])
+            elif scratch is not None:
+                logits = self._split(batch[:-1], scratch, take)
             else:
                 logits = self.engine.model.forward(tokens, segments)  # [B, V]
         except StallError as e:  # a bounded wait ran out: the GPU or a worker is stuck
@@ -204,6 +214,38 @@ class BatchRunner:
         self.stage = "decode" if self.seqs else "idle"
         if not self.seqs and self.pool is not None:  # idle: the pool's accounting holds
             self.pool.check_integrity()
+
+    def _scratch_prompt(self, prompt: list[Sequence]) -> Sequence | None:
+        """The step's one prompt, where it runs in the scratch (on the prompt graphs): a step
+        with several prompts runs them in one plain forward instead (each graph replay is a
+        prompt of its own; one eager pass takes them all)."""
+        if self.scratch is None or len(prompt) != 1:
+            return None
+        s = prompt[0]
+        return s if kv_batch.fits_scratch(self.scratch, s.prompt_len) else None
+
+    def _split(self, decoding: list[Sequence], s: Sequence,
+               take: dict[str, list[int]]) -> torch.Tensor:
+        """A step of one prompt chunk beside decoding sequences: these on the batched step (or
+        the decode step), the chunk in the scratch on the prompt graphs, its rows then into the
+        pool. -> logits [len(decoding) + 1, V]: the decoding rows, then the chunk's last."""
+        model, parts = self.engine.model, []
+        if len(decoding) == 1:
+            parts.append(model.decode(take[decoding[0].rid][0], decoding[0].kv))
+        elif decoding:
+            parts.append(self.batch_step([take[d.rid][0] for d in decoding],
+                                         [d.kv for d in decoding]))
+        sc = self.scratch
+        if self._scratch_for != s.rid or sc.length != s.kv.length:
+            # (its rows so far: a shared prefix, or chunks that ran in a plain forward beside
+            # other prompts)
+            kv_batch.from_pool(s.kv, sc)
+            self._scratch_for = s.rid
+        start, n = s.kv.length, len(take[s.rid])
+        parts.append(model.forward(torch.tensor(take[s.rid]), [Segment(sc, n)]))
+        kv_batch.to_pool(sc, s.kv, start, start + n)
+        s.kv.advance(n)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _window(self, spec, s: Sequence) -> tuple[list[int], int, int]:  # noqa: ANN001
         """One decode step of `s` through spec (a SpecDecoder): (tokens, drafted, accepted).

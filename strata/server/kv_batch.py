@@ -4,6 +4,10 @@ engine has a decode step (the offload runtime) and --batch is 2..16, and warmed 
     pool   strata.runtime.kv_slots.KVSlots: blocks of KV_BLOCK rows, --batch sequences of the
            planned context (the memory plan counts --batch caches of --ctx rows)
     step   strata.engine.batch_step.BatchStep over it: CUDA graphs per batch size
+    scratch  a plain KVCache of the plan's prefill rows (CUDA, where the prompt graphs run): a
+           prompt that fits runs its chunks there on the prompt graphs (which take no paged
+           cache), and each chunk's rows are copied into its blocks of the pool (to_pool; a
+           prefix it shares comes in first, from_pool)
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import time
 import torch
 
 from strata.engine.batch_step import BATCH_SIZES, BatchStep
+from strata.model.transformer import Segment
+from strata.runtime.kv_cache import KVCache
 from strata.runtime.kv_slots import POOL_BLOCK, KVSlots
 
 KV_BLOCK = POOL_BLOCK  # rows a block of the batch's KV pool (the unit of prefix sharing)
 WARM_PROMPT = 32  # the warm-up's prompt tokens (over 4: the prompt path)
+WARM_BUCKETS = 512  # prompt graphs captured at load up to this bucket (the longer ones at use)
 
 
 def batched(engine) -> tuple[KVSlots | None, BatchStep | None]:  # noqa: ANN001 (an Engine)
@@ -34,11 +41,58 @@ def batched(engine) -> tuple[KVSlots | None, BatchStep | None]:  # noqa: ANN001 
     return pool, BatchStep(model, pool, mode)
 
 
-def warm_up(engine, pool: KVSlots, step: BatchStep) -> float:  # noqa: ANN001 (an Engine)
+def prefill_scratch(engine, pool: KVSlots | None) -> KVCache | None:  # noqa: ANN001 (an Engine)
+    """The plain cache a --batch pool's prompts run in on the prompt graphs, or None where
+    there are none (CPU, no prompt graphs, a hybrid or MLA model, a pool of whole slots, no
+    rows in the plan)."""
+    model = engine.model
+    chunks, rows = getattr(model, "chunks", None), getattr(model, "prefill_rows", 0)
+    if (pool is None or not pool.paged or pool.store is None or not rows or chunks is None
+            or chunks.why is not None or not chunks.buckets):
+        return None
+    cfg = model.cfg
+    kv = KVCache(cfg.n_kv_layers, cfg.n_kv_heads, cfg.head_dim, model.device, rows,
+                 dtype=model.kv_dtype)
+    kv.limit = rows  # (a chunk padded past it runs eagerly: the scratch never grows)
+    return kv
+
+
+def fits_scratch(scratch: KVCache, prompt_len: int) -> bool:
+    """A prompt of prompt_len tokens runs in the scratch: its rows fit, and its chunks have
+    buckets (a chunk past the largest would run eagerly anyway)."""
+    return prompt_len <= scratch.capacity
+
+
+def to_pool(scratch: KVCache, kv, start: int, end: int) -> None:  # noqa: ANN001 (PagedKVCache)
+    """Rows start .. end-1 of the scratch into the paged cache's rows (its blocks reserved,
+    shared ones copied first); every layer's keys and values in one copy each."""
+    kv.reserve(end)
+    kv.own(start, end)
+    rows, pool = kv.rows(start, end), kv.slots
+    pool.store[:, :, rows] = scratch.store[:, :, start:end]
+    if scratch.quantized:
+        pool.scales[:, :, rows] = scratch.scales[:, :, start:end]
+
+
+def from_pool(kv, scratch: KVCache) -> None:  # noqa: ANN001 (a PagedKVCache)
+    """The scratch holds the paged cache's rows so far (a prefix shared with an earlier
+    request): its length then that cache's."""
+    n, pool = kv.length, kv.slots
+    if n:
+        rows = kv.rows(0, n)
+        scratch.store[:, :, :n] = pool.store[:, :, rows]
+        if scratch.quantized:
+            scratch.scales[:, :, :n] = pool.scales[:, :, rows]
+    scratch.length = n
+
+
+def warm_up(engine, pool: KVSlots, step: BatchStep, scratch: KVCache | None = None,
+            ) -> float:  # noqa: ANN001 (an Engine)
     """A prompt, three decode steps of one sequence (eager, capture, replay: its graphs read
     the pool's blocks, so every later request replays them) and three batched steps at each
-    batch size, over the pool; then the pool empty again and the expert counters at zero.
-    -> seconds"""
+    batch size, over the pool; with a scratch, a prompt of each bucket up to WARM_BUCKETS tokens
+    there (each bucket's graph captured); then the pool empty again and the expert counters at
+    zero. -> seconds"""
     t0 = time.perf_counter()
     ids = engine.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
     ids = (ids * (WARM_PROMPT // max(len(ids), 1) + 1))[:WARM_PROMPT]
@@ -55,6 +109,15 @@ def warm_up(engine, pool: KVSlots, step: BatchStep) -> float:  # noqa: ANN001 (a
                 step([t] * n, caches[:n])
     for kv in caches:
         pool.give(kv)
+    if scratch is not None:  # (a bucket's first pass runs eagerly, its second is captured)
+        buckets = [b for b in engine.model.chunks.buckets if b <= min(WARM_BUCKETS,
+                                                                       scratch.capacity)]
+        for b in buckets:
+            for _ in range(2):
+                scratch.length = 0
+                engine.model.forward(torch.tensor((ids * (b // len(ids) + 1))[:b]),
+                                     [Segment(scratch, b)])
+        scratch.length = 0
     if engine.model.device.type == "cuda":
         torch.cuda.synchronize(engine.model.device)
     stats = getattr(engine.model.experts, "stats", None)
