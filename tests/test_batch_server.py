@@ -116,7 +116,14 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_pool_empty(synth):
     eng = _engine(path, 3)
     sent: list = []
     runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    passes = []  # (segments, tokens) of each forward of the warm-up
+    forward = eng.model.forward
+    eng.model.forward = lambda t, segs, *a, **k: (passes.append((len(segs), len(t))),
+                                                  forward(t, segs, *a, **k))[1]
     assert runner.warm_up() > 0
+    del eng.model.forward
+    # several prompts in one plain forward, at the tl.dot and grouped paths' sizes
+    assert (2, 128) in passes and (3, 384) in passes
     step, st = runner.batch_step, eng.model.experts.stats
     assert step.sizes == (1, 2, 3) and step.steps["eager"] + step.steps["replayed"] == 9
     assert runner.pool.used == 0 and runner.pool.used_blocks == 0
@@ -307,8 +314,14 @@ def test_served_prompts_replay_the_prompt_graphs_in_the_scratch(synth):
     assert runner.scratch is not None and runner.scratch.capacity == model.prefill_rows > 0
     runner.warm_up()
     replayed = model.chunks.steps["replayed"]
-    texts = _texts(runner, sent, [_submit("a", PROMPTS[1] * 3, 6), _submit("b", PROMPTS[2], 6)])
-    assert model.chunks.steps["replayed"] > replayed and set(texts) == {"a", "b"}
+    runner.submit(_submit("a", PROMPTS[1] * 3, 6))
+    runner.step()  # a's prompt alone: in the scratch
+    runner.submit(_submit("b", PROMPTS[2], 6))
+    runner.step()  # b's beside a's token: in the scratch too
+    # (each replays its bucket's graph, captured at the warm-up)
+    assert model.chunks.steps["replayed"] == replayed + 2
+    texts = _texts(runner, sent, [])
+    assert set(texts) == {"a", "b"}
     assert runner.pool.used == 0
     runner.pool.check_integrity()
     ids = eng.tokenizer.encode(PROMPTS[0] * 5)

@@ -24,6 +24,11 @@ from strata.runtime.kv_slots import POOL_BLOCK, KVSlots
 KV_BLOCK = POOL_BLOCK  # rows a block of the batch's KV pool (the unit of prefix sharing)
 WARM_PROMPT = 32  # the warm-up's prompt tokens (over 4: the prompt path)
 WARM_BUCKETS = 512  # prompt graphs captured at load up to this bucket (the longer ones at use)
+# (sequences, tokens each) of the plain forwards the warm-up runs over several prompts at once:
+# the eager prompt path's kernels at the tl.dot and the grouped MoE path's sizes (Qwen3-30B-A3B:
+# 128 and 512 tokens); on the H200 a server warmed without them took 0.85 s for the first
+# prompts that arrived together (bench/2026-12-02-h200-serve-pairs.md)
+WARM_TOGETHER = ((2, 64), (4, 128))
 
 
 def batched(engine) -> tuple[KVSlots | None, BatchStep | None]:  # noqa: ANN001 (an Engine)
@@ -90,9 +95,9 @@ def warm_up(engine, pool: KVSlots, step: BatchStep, scratch: KVCache | None = No
             ) -> float:  # noqa: ANN001 (an Engine)
     """A prompt, three decode steps of one sequence (eager, capture, replay: its graphs read
     the pool's blocks, so every later request replays them) and three batched steps at each
-    batch size, over the pool; with a scratch, a prompt of each bucket up to WARM_BUCKETS tokens
-    there (each bucket's graph captured); then the pool empty again and the expert counters at
-    zero. -> seconds"""
+    batch size, over the pool; plain forwards of several prompts at once (WARM_TOGETHER); with a
+    scratch, a prompt of each bucket up to WARM_BUCKETS tokens there (each bucket's graph
+    captured); then the pool empty again and the expert counters at zero. -> seconds"""
     t0 = time.perf_counter()
     ids = engine.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
     ids = (ids * (WARM_PROMPT // max(len(ids), 1) + 1))[:WARM_PROMPT]
@@ -109,6 +114,15 @@ def warm_up(engine, pool: KVSlots, step: BatchStep, scratch: KVCache | None = No
                 step([t] * n, caches[:n])
     for kv in caches:
         pool.give(kv)
+    for n, length in WARM_TOGETHER:
+        if pool.capacity < length + 1:
+            continue
+        group = [pool.take() for _ in range(min(n, pool.n_slots))]
+        part = (ids * (length // len(ids) + 1))[:length]
+        engine.model.forward(torch.tensor(part * len(group)),
+                             [Segment(kv, length) for kv in group])
+        for kv in group:
+            pool.give(kv)
     if scratch is not None:  # (a bucket's first pass runs eagerly, its second is captured)
         buckets = [b for b in engine.model.chunks.buckets if b <= min(WARM_BUCKETS,
                                                                        scratch.capacity)]
