@@ -14,8 +14,9 @@ eagerly (host wall time per call, launches included). The prompt MoE layer of th
 (8 to 4096 tokens, --moe-prompt-tokens; Q4_K/Q4_K/Q6_K and IQ2_XS/IQ2_XS/IQ3_XXS,
 --moe-prompt-types; every expert resident) is timed eagerly through each of moe_forward's paths:
 the per-pair kernels with 8-bit x (up to 64 tokens), the grouped one (dequantize to bf16 ->
-torch._grouped_mm, moe_grouped.py) and the fused tl.dot kernels (moe._prompt); a batched decode
-step of T sequences runs the same layer; --moe-prompt-only runs just that.
+torch._grouped_mm, moe_grouped.py), the fused tl.dot kernels (moe._prompt) and, for Q4_K
+gate/up packs, the integer tensor-core kernels (moe_mmq.py); a batched decode step of T
+sequences runs the same layer; --moe-prompt-only runs just that.
 
 quant_matmul runs the FMA GEMV up to 4 tokens, the fused tensor-core kernel up to 63 and
 dequantize -> cuBLAS from 64 (matmul.DEQUANT_MIN_M); the fused kernel is also timed alone at
@@ -221,7 +222,8 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
     """Qwen3-30B-A3B MoE layer of a prompt chunk or a batched step: 128 experts all resident,
     top-8 (random, distinct), D=2048, F=768, `tokens` tokens, through moe_forward on `path`
     (moe.MOE_PATHS: the per-pair kernels with x rounded to 8 bits, as the engine's decode
-    steps run them; the tl.dot kernels; the grouped bf16 GEMMs). Timed eagerly (do_bench
+    steps run them; the tl.dot kernels; the grouped bf16 GEMMs; the integer tensor-core
+    kernels, moe_mmq.py, 8-bit x too). Timed eagerly (do_bench
     median: launches, allocations and the bf16 dequantize included). TFLOP/s counts the useful
     2·3·T·K·D·F."""
     from strata.kernels.gpu import moe as moe_mod
@@ -257,10 +259,14 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
                 tok_s_48_layers=tokens / (48 * sec))
 
 
-def prompt_paths(tokens: int) -> tuple[str, ...]:
+def prompt_paths(tokens: int, types: tuple[str, str, str]) -> tuple[str, ...]:
     """The paths timed at a token count: the per-pair kernels up to 64 tokens (past that each
-    pair's own read of its expert is far from what the others cost)."""
-    return ("pairs", "tl.dot", "grouped") if tokens <= 64 else ("tl.dot", "grouped")
+    pair's own read of its expert is far from what the others cost); the integer tensor-core
+    kernels (moe_mmq.py) for the types they take."""
+    from strata.kernels.gpu.moe_mmq import mmq_types
+
+    paths = ("pairs", "tl.dot", "grouped") if tokens <= 64 else ("tl.dot", "grouped")
+    return paths + (("mmq",) if mmq_types(tuple(QType[q] for q in types), 2048, 768) else ())
 
 
 def moe_prompt_rows(report: dict, rep_ms: int, packs: list[tuple[str, str, str]],
@@ -268,7 +274,7 @@ def moe_prompt_rows(report: dict, rep_ms: int, packs: list[tuple[str, str, str]]
     for types in packs:
         for t in tokens:
             took = {}
-            for path in prompt_paths(t):
+            for path in prompt_paths(t, types):
                 r = moe_prompt(types, t, path, rep_ms)
                 report["moe_prompt"].append(r)
                 took[path] = r["us"]
@@ -345,7 +351,7 @@ def main() -> None:
     report: dict = dict(device=torch.cuda.get_device_name(), rows=[], cublas=[], tune=[],
                         moe=[], fused_gemm=[], moe_prompt=[])
     prompt_jobs = [("moe_prompt", (t, path, p)) for p in packs for t in ptokens
-                   for path in prompt_paths(t)]
+                   for path in prompt_paths(t, p)]
     if args.moe_prompt_only:
         if args.workers > 1:
             precompile(prompt_jobs, args.workers)

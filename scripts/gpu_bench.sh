@@ -134,6 +134,7 @@ if [[ $STAGES == *tests* ]]; then
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
     tests/test_cpu_share.py tests/test_prefetch.py tests/test_gemv_q8.py tests/test_lend.py \
     tests/test_kv_q8.py tests/test_spec.py tests/test_arch_qwen35.py tests/test_arch_gpt_oss.py \
+    tests/test_moe_mmq.py tests/test_batch_server.py \
     tests/test_arch_glm4moe.py tests/test_arch_deepseek2.py tests/test_reference.py \
     tests/test_batched_step.py tests/test_paged_attention.py tests/test_latent_ops.py \
     tests/test_constrain.py tests/test_cli.py::test_generate_on_a_named_cuda_device} \

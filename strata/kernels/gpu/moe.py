@@ -262,7 +262,7 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
     return slot_of_expert[ids.long()] >= 0
 
 
-MOE_PATHS = ("pairs", "tl.dot", "grouped")
+MOE_PATHS = ("pairs", "tl.dot", "grouped", "mmq")
 
 
 def moe_path(t: int, topk: int, n_experts: int, miss: bool = False, step: bool = False) -> str:
@@ -310,7 +310,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     it; other types and calls keep float32 activations.
     tiles: decode tiles to use instead of strata.kernels.tuning's (TILE_KEYS; a benchmark's
     variants); path: one of MOE_PATHS whatever the call's size (None: moe_path's choice; with
-    miss rows only "pairs"); step: a decode step's call (a batched step's tokens: moe_path).
+    miss rows only "pairs"; "mmq", moe_mmq.py's integer tensor-core kernels, only when asked,
+    for the types moe_mmq.mmq_types takes, else "tl.dot"); step: a decode step's call (a
+    batched step's tokens: moe_path).
     bias: the experts' biases (gate [E, F], up [E, F], down [E, D], contiguous float32 on x's
     device, rows by expert id: gpt-oss), act: the activation, "swiglu" silu(g) · u or
     "swiglu_oai" (the clamped SwiGLU, strata.kernels.torch_ops.glu): a pair then adds
@@ -347,6 +349,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError("host_from is for calls with miss rows")
     if t == 0 or ids.shape[1] == 0:
         return out
+    if path == "mmq":
+        from strata.kernels.gpu.moe_mmq import mmq_types, moe_forward_mmq
+
+        if mmq_types((qg, qu, qd), d_model, d_expert, bias, act) and miss is None:
+            return moe_forward_mmq(x, ids, weights.float(), slot_of_expert, gate_slots, up_slots,
+                                   down_slots, (qg, qu, qd), out)
+        path = "tl.dot"
     if path == "grouped":
         from strata.kernels.gpu.moe_grouped import moe_forward_grouped
 

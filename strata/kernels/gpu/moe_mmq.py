@@ -1,0 +1,217 @@
+"""A prompt chunk's (or a batch's) MoE layer on integer tensor cores: pairs grouped by expert, x
+rounded to 8 bits per 32 values, the weights' quants multiplied as int8 (llama.cpp's MMQ idea).
+
+    moe_forward_mmq(x, ids, weights, slot_of_expert, gate_slots, up_slots, down_slots,
+                    (QType.Q4_K, QType.Q4_K, QType.Q6_K), d_model, d_expert, out)
+
+Same contract as moe.moe_forward (out [T, D] float32 += the resident pairs' weighted outputs),
+for Q4_K gate and up and a Q4_K or Q6_K down (`mmq_types`), D and F multiples of 256, no biases.
+
+Why: the tl.dot group kernels (moe._prompt) turn every weight into a bf16 value before the dot,
+some fifteen operations a weight, for the ~8 tokens an expert gets in a 128-token chunk of
+Qwen3-30B-A3B: ALU-bound at ~14% of HBM speed (bench/2026-12-02-h200-prompt-graphs.md). Here
+a weight costs a shift, a mask and a convert, and its block's scales are applied to [BM, BN]
+integer sums once per 32 values:
+
+    a Q4_K sub-block j of row n (32 values, w = dl·q - ml, q the nibbles, dl = d·sc, ml =
+    dmin·mn) against token t's x ≈ dx·xq (quantize_x: xq int8, dx = max|x| / 127, sx = dx Σ xq):
+        Σ w x ≈ dl · dx · Σ q xq  -  ml · sx
+    a Q6_K pair of 16-value sub-blocks (w = d·sc·(q - 32), sc int8): the two halves' integer
+    sums taken apart (the other half's quants zeroed) and scaled each, d · dx · (sc_a I_a +
+    sc_b I_b)
+
+1. Pairs sorted by expert on the device (moe._prompt's counts, starts and order: no host sync).
+2. `_gate_up_mmq_kernel`, program (expert, BM of its pairs, BN rows of F): h = w · silu(g) · u
+   in float32 [P, F] (rows in sorted order); then quantize_x(h) per pair row, as the per-pair
+   kernels round each pair's h.
+3. `_down_mmq_kernel`, program (expert, BM pairs, BN rows of D): each pair's row at its pair id
+   in y [P, D] (zero for pairs whose expert has no slot); out += y.view(T, K, D).sum(1), a fixed
+   order.
+
+The integer sums are exact; the result differs from the per-pair kernels' (moe._decode with
+x8, which round x and h the same way) by the order of float32 additions only. Not yet timed
+on a GPU: moe_forward takes this path only when asked (path="mmq"), scripts/bench_kernels.py
+times it beside the others.
+
+Legend: T tokens, K experts a token, P = T·K pairs, E experts, D d_model, F d_expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels.gpu.bits import f16, u8
+from strata.kernels.gpu.tiles_kquants import scale_min
+from strata.quant import QType
+
+Q4K_BYTES, Q6K_BYTES = 144, 210  # a 256-value block of each
+MMQ_TILE = (16, 64, 4)  # (BM, BN, warps): an estimate, not timed (bench: none)
+
+
+def mmq_types(qtypes: tuple[int, int, int], d: int, f: int, bias: object = None,
+              act: str = "swiglu") -> bool:
+    """This path takes the layer: Q4_K gate and up, Q4_K or Q6_K down, D and F multiples of 256,
+    plain SwiGLU without biases."""
+    qg, qu, qd = (QType(q) for q in qtypes)
+    return (qg == qu == QType.Q4_K and qd in (QType.Q4_K, QType.Q6_K) and d % 256 == 0
+            and f % 256 == 0 and bias is None and act == "swiglu")
+
+
+@triton.jit
+def _q4k_part(rows, kb, I: tl.constexpr, s):
+    """Sub-block I of 256-value block kb of the Q4_K rows at `rows` (uint8 pointers [BN]):
+    (q int8 [BN, 32] in 0..15, dl [BN], ml [BN]) with w = dl · q - ml."""
+    b = rows + kb * 144
+    d = f16(b, None)
+    dmin = f16(b + 2, None)
+    j: tl.constexpr = I % 4
+    sc, mn = scale_min(u8(b + 4 + j, None), u8(b + 8 + j, None), u8(b + 12 + j, None), I)
+    qs = tl.load(b[:, None] + (16 + (I // 2) * 32) + s[None, :])  # uint8 [BN, 32]
+    q = (qs >> ((I % 2) * 4)) & 15
+    return q.to(tl.int8), d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+
+
+@triton.jit
+def _q4k_dot(acc, rows, xq, xd, xs, tok, rm, K: tl.constexpr, s):
+    """acc [BM, BN] += Σ over K of the Q4_K rows (pointers [BN]) times the BM tokens' 8-bit x
+    rows (xq int8 [*, K] at rows tok [BM]; dx [*, K/32]; xs4 [*, K/64, 4])."""
+    for kb in range(0, K // 256):
+        for i in tl.static_range(8):
+            blk = kb * 8 + i
+            xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
+                         other=0)  # int8 [BM, 32]
+            dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
+            sx = tl.load(xs + tok * (K // 16) + (blk // 2) * 4 + 2 + blk % 2, mask=rm, other=0.0)
+            q, dl, ml = _q4k_part(rows, kb, i, s)
+            isum = tl.dot(xv, tl.trans(q), out_dtype=tl.int32)  # [BM, BN]
+            acc += isum.to(tl.float32) * dx[:, None] * dl[None, :] - sx[:, None] * ml[None, :]
+    return acc
+
+
+@triton.jit
+def _q6k_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
+    """_q4k_dot for Q6_K rows: per 32 values two 16-value sub-blocks, each its own int8 scale."""
+    half = s < 16
+    for kb in range(0, K // 256):
+        b = rows + kb * 210
+        d = f16(b + 208, None)  # [BN]
+        for c in tl.static_range(8):  # 32 values: sub-blocks 2c, 2c + 1
+            blk = kb * 8 + c
+            xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
+                         other=0)
+            dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
+            ql = tl.load(b[:, None] + ((c // 4) * 64 + (c % 2) * 32) + s[None, :])
+            qh = tl.load(b[:, None] + (128 + (c // 4) * 32) + s[None, :])
+            q = (((ql >> (((c // 2) % 2) * 4)) & 15) | (((qh >> ((c % 4) * 2)) & 3) << 4))
+            q = q.to(tl.int32) - 32  # [BN, 32] in -32..31
+            sa = (u8(b + 192 + 2 * c, None) ^ 0x80).to(tl.float32) - 128.0  # (int8 scales)
+            sb = (u8(b + 193 + 2 * c, None) ^ 0x80).to(tl.float32) - 128.0
+            ia = tl.dot(xv, tl.trans(tl.where(half[None, :], q, 0).to(tl.int8)),
+                        out_dtype=tl.int32)
+            ib = tl.dot(xv, tl.trans(tl.where(half[None, :], 0, q).to(tl.int8)),
+                        out_dtype=tl.int32)
+            acc += dx[:, None] * (d[None, :] * (ia.to(tl.float32) * sa[None, :]
+                                                + ib.to(tl.float32) * sb[None, :]))
+    return acc
+
+
+@triton.jit
+def _group(pid, NC, counts, starts, order, BM: tl.constexpr):
+    """moe._group: the BM-pair chunk c of expert e handled by program pid."""
+    e = pid // NC
+    c = pid % NC
+    cnt = tl.load(counts + e)
+    start = tl.load(starts + e)
+    r = c * BM + tl.arange(0, BM)
+    rm = r < cnt
+    pair = tl.load(order + start + r, mask=rm, other=0)
+    return e, c * BM < cnt, start, r, rm, pair
+
+
+@triton.jit(do_not_specialize=["NC"])
+def _gate_up_mmq_kernel(xq, xd, xs, counts, starts, order, wts, slot_of, gate, up, h, NC,
+                        stride_gs, stride_us, row_bytes, D: tl.constexpr, F: tl.constexpr,
+                        TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    # h[start + r, n] = w · silu(x[tok] · G_e[n]) · (x[tok] · U_e[n]) for BM pairs of expert e
+    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    if live:
+        slot = tl.load(slot_of + e)
+        if slot >= 0:
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            nn = tl.minimum(n, F - 1).to(tl.int64) * row_bytes
+            s = tl.arange(0, 32)
+            tok = (pair // TOPK).to(tl.int64)
+            zero = tl.zeros((BM, BN), dtype=tl.float32)
+            g = _q4k_dot(zero, gate + slot.to(tl.int64) * stride_gs + nn, xq, xd, xs, tok, rm,
+                         D, s)
+            u = _q4k_dot(zero, up + slot.to(tl.int64) * stride_us + nn, xq, xd, xs, tok, rm,
+                         D, s)
+            w = tl.load(wts + pair, mask=rm, other=0.0).to(tl.float32)
+            hv = g / (1.0 + tl.exp(-g)) * u * w[:, None]
+            ptrs = h + (start + r).to(tl.int64)[:, None] * F + n[None, :]
+            tl.store(ptrs, hv, mask=rm[:, None] & (n < F)[None, :])
+
+
+@triton.jit(do_not_specialize=["NC"])
+def _down_mmq_kernel(hq, hd, hs, counts, starts, order, slot_of, down, y, NC, stride_ds,
+                     row_bytes, D: tl.constexpr, F: tl.constexpr, Q6: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr):
+    # y[pair, n] = h[start + r] · D_e[n] (h already weighted; zero for experts without a slot)
+    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    if live:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        slot = tl.load(slot_of + e)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if slot >= 0:
+            rows = down + slot.to(tl.int64) * stride_ds + tl.minimum(n, D - 1).to(tl.int64) \
+                * row_bytes
+            s = tl.arange(0, 32)
+            hrow = (start + r).to(tl.int64)
+            if Q6:
+                acc = _q6k_dot(acc, rows, hq, hd, hrow, rm, F, s)
+            else:
+                acc = _q4k_dot(acc, rows, hq, hd, hs, hrow, rm, F, s)
+        ptrs = y + pair.to(tl.int64)[:, None] * D + n[None, :]
+        tl.store(ptrs, acc, mask=rm[:, None] & (n < D)[None, :])
+
+
+def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    slot_of: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    down: torch.Tensor, qtypes: tuple[int, int, int], out: torch.Tensor,
+                    tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """out [T, D] float32 += the resident pairs' outputs (the module doc); x [T, D] f32/bf16,
+    ids [T, K], weights [T, K], slot_of int32 [E], gate/up uint8 [slots, F, row(D)], down
+    [slots, D, row(F)]. tile: (BM, BN, warps) instead of MMQ_TILE (benchmarks)."""
+    from strata.kernels.gpu.gemv_q8 import quantize_x
+    from strata.kernels.gpu.moe import scratch
+
+    t, d = x.shape
+    topk, f, e = ids.shape[1], gate.shape[1], slot_of.shape[0]
+    if not mmq_types(qtypes, d, f):
+        raise ValueError(f"moe_forward_mmq: types {[QType(q).name for q in qtypes]} with D {d}, "
+                         f"F {f}: give Q4_K gate/up, a Q4_K or Q6_K down, D and F multiples of 256")
+    if t == 0 or topk == 0:
+        return out
+    flat = ids.reshape(-1).long()  # [P]
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device)  # (no host sync)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    order = torch.argsort(flat, stable=True).to(torch.int32)  # pair ids sorted by expert
+    bm, bn, warps = tile or MMQ_TILE
+    nc = triton.cdiv(t, bm)  # (an expert takes at most one pair per token)
+    xq, xd, xs = quantize_x(x.contiguous())
+    h = scratch((t * topk, f), torch.float32, x.device)
+    _gate_up_mmq_kernel[(e * nc, triton.cdiv(f, bn))](
+        xq, xd, xs, counts, starts, order, weights.contiguous(), slot_of, gate, up, h, nc,
+        gate.stride(0), up.stride(0), gate.shape[2], D=d, F=f, TOPK=topk, BM=bm, BN=bn,
+        num_warps=warps)
+    hq, hd, hs = quantize_x(h)  # (rows of experts without a slot: never read)
+    y = scratch((t * topk, d), torch.float32, x.device)
+    _down_mmq_kernel[(e * nc, triton.cdiv(d, bn))](
+        hq, hd, hs, counts, starts, order, slot_of, down, y, nc, down.stride(0),
+        down.shape[2], D=d, F=f, Q6=QType(qtypes[2]) == QType.Q6_K, BM=bm, BN=bn,
+        num_warps=warps)
+    out += y.view(t, topk, d).sum(1)
+    return out

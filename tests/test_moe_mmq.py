@@ -1,0 +1,96 @@
+"""The MoE layer on integer tensor cores (kernels/gpu/moe_mmq.py): against the reference with x
+and each pair's h rounded to 8 bits as the kernels round them (moe_ref x8: the same sums but
+for the order of float additions) and against the float reference within that rounding's
+bound, under Triton's interpreter on the CPU and compiled on CUDA."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from interpreted import fresh_seed, run_interpreted
+
+from strata.quant import QType
+
+_BODY = """
+    import torch
+    import strata.kernels.gpu.moe as moe_mod
+    from strata.kernels.gpu import moe_forward
+    from strata.kernels.gpu.moe_mmq import mmq_types
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import QType, random_rows
+
+    rng = np.random.default_rng(seed)
+    # (rows the kernels do not write read as NaN: an unwritten one would show in the output)
+    moe_mod.scratch = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                              device=device)
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    def rows(q, n, k):
+        return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
+    e, d, f = 5, 256, 256
+    slot_of = torch.tensor([2, -1, 0, 3, 1], dtype=torch.int32)  # expert 1 has no slot
+    for down, tokens in ((QType.Q6_K, (1, 20)), (QType.Q4_K, (9,))):
+        qt = (QType.Q4_K, QType.Q4_K, down)
+        assert mmq_types(qt, d, f)
+        gate, up = rows(qt[0], 4 * f, d).view(4, f, -1), rows(qt[1], 4 * f, d).view(4, f, -1)
+        dn = rows(down, 4 * d, f).view(4, d, -1)
+        for t in tokens:
+            ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+            x, wts = torch.randn(t, d), torch.rand(t, 2)
+            before = torch.randn(t, d)
+            out = moe_forward(x, ids, wts, slot_of, gate, up, dn, qt, d, f, out=before.clone(),
+                              path="mmq")
+            added = out - before
+            assert torch.isfinite(added).all(), (down, t)
+            same = moe_ref(x, ids, wts, slot_of, gate, up, dn, qt, d, f, x8=True)
+            exact = moe_ref(x, ids, wts, slot_of, gate, up, dn, qt, d, f)
+            assert rel(added, same) < 1e-5, (down, t, rel(added, same))
+            assert rel(added, exact) < 3e-2, (down, t, rel(added, exact))
+    # types it does not take go to the tl.dot kernels
+    qt = (QType.Q8_0, QType.Q4_K, QType.Q4_K)
+    assert not mmq_types(qt, d, f)
+    gate = rows(qt[0], 4 * f, d).view(4, f, -1)
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(6)]))
+    x, wts = torch.randn(6, d), torch.rand(6, 2)
+    out = moe_forward(x, ids, wts, slot_of, gate, up, dn, qt, d, f, path="mmq")
+    assert rel(out, moe_ref(x, ids, wts, slot_of, gate, up, dn, qt, d, f)) < 1.5e-2
+    print("ok")
+"""
+
+
+def test_mmq_kernels_under_the_interpreter():
+    """Q4_K gate/up with a Q6_K down at 1 and 20 tokens, a Q4_K down at 9, one expert without a
+    slot; moe_forward's path="mmq" falls back to tl.dot for types it does not take."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    run_interpreted(_BODY, fresh_seed() % 2**31, timeout=600)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [8, 128, 512])
+@pytest.mark.parametrize("down", ["Q4_K", "Q6_K"])
+def test_mmq_kernels_on_cuda_at_the_30b_shape(t: int, down: str):
+    """Qwen3-30B-A3B's layer (128 experts, top-8, D 2048, F 768; 7 experts without a slot)."""
+    from strata.kernels.gpu import moe_forward
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import random_rows
+
+    rng = np.random.default_rng(fresh_seed() % 2**31)
+    e, k, d, f = 128, 8, 2048, 768
+    qt = (QType.Q4_K, QType.Q4_K, QType[down])
+    slot_of = torch.arange(e, dtype=torch.int32)
+    slot_of[rng.choice(e, 7, replace=False)] = -1
+
+    def slots(q: QType, n: int, cols: int) -> torch.Tensor:
+        return torch.from_numpy(random_rows(q, e * n, cols, rng, 0.02)).view(e, n, -1).cuda()
+
+    gate, up, dn = slots(qt[0], f, d), slots(qt[1], f, d), slots(qt[2], d, f)
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:k] for _ in range(t)])).cuda()
+    x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, k, device="cuda")
+    args = (x, ids, wts, slot_of.cuda(), gate, up, dn, qt, d, f)
+    out = moe_forward(*args, path="mmq")
+    same = moe_ref(*args, x8=True)
+    assert float((out - same).norm() / same.norm()) < 1e-5
