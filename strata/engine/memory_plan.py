@@ -326,13 +326,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     states = state_bytes(cfg) * (max(1, ec.sequences) + (ec.spec + 1 if ec.spec else 0))
     # --batch's pool (strata.runtime.kv_slots): each sequence's rows rounded up to whole
     # blocks, and one scratch row (padded rows of a batched step write there)
-    # and, for the prompt graphs (which take a plain cache), a scratch of up to
-    # PREFILL_SCRATCH_ROWS rows that a prompt runs in before its rows are copied into the pool
-    prefill_rows = (min(chunk, PREFILL_SCRATCH_ROWS) if ec.sequences > 1 and dev.type == "cuda"
-                    and ec.kernels == "fused" and ec.prompt_graphs == "on"
-                    and not cfg.full_attn_interval and not cfg.kv_lora else 0)
-    pool = ((POOL_BLOCK * ec.sequences + 1 + prefill_rows)
-            * ((kv_per_token - draft_kv) // ec.sequences) if ec.sequences > 1 else 0)
+    pool = ((POOL_BLOCK * ec.sequences + 1) * ((kv_per_token - draft_kv) // ec.sequences)
+            if ec.sequences > 1 else 0)
     # (on CUDA a chunk's own tensors beside the MoE scratch; the CPU's budget is host RAM)
     activations = activation_bytes(cfg, chunk) if dev.type == "cuda" else 0
     fixed = (context + dense + draft + workspace + activations + staging + ring + MARGIN + states
@@ -403,9 +398,16 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     # (and with --spec, the verify windows' graphs beside them: chunk_graph.window_tokens)
     graphs, buckets, windows, graphs_note = plan_buckets(
         cfg, ec, layouts, slots, chunk, prompt_weights, budget - fixed - kv - cache - borrow)
-    if prefill_rows and not buckets:  # (no prompt graphs: the scratch would serve nothing)
-        pool -= prefill_rows * ((kv_per_token - draft_kv) // ec.sequences)
-        prefill_rows = 0
+    # and, for the prompt graphs (which take a plain cache), a scratch of up to
+    # PREFILL_SCRATCH_ROWS rows that a served prompt runs in before its rows go into the pool:
+    # from what is left, where there are prompt graphs (else it would serve nothing)
+    prefill_rows = (min(chunk, PREFILL_SCRATCH_ROWS) if ec.sequences > 1 and dev.type == "cuda"
+                    and ec.kernels == "fused" and buckets and not cfg.full_attn_interval
+                    and not cfg.kv_lora else 0)
+    prefill = prefill_rows * ((kv_per_token - draft_kv) // max(1, ec.sequences))
+    if prefill > budget - fixed - kv - cache - borrow - graphs:
+        prefill_rows = prefill = 0
+    pool += prefill
     lent, lent_ring = (), False
     if dev.type == "cuda" and ec.kernels == "fused" and ec.decode_step != "off" and \
             ec.expert_cache == "auto" and ec.sequences <= 1:
