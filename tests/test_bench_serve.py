@@ -44,10 +44,14 @@ def test_bench_serve_against_strata_serve(synth, tmp_path) -> None:
         out = tmp_path / "serve.json"
         r = subprocess.run([sys.executable, "-m", "strata", "bench-serve", "--url", s.url,
                             "--api-key", KEY, "-c", "1,3", "--requests", "6", "--prompt-len",
-                            "12", "--output-len", "9", "--json", str(out)],
+                            "12", "--output-len", "9", "--warmup", "4", "--json", str(out)],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr + r.stdout
-        levels = json.loads(out.read_text())["levels"]
+        report = json.loads(out.read_text())
+        levels = report["levels"]
+        # 4 warm-up requests and the first level's 6, one at a time: the first and the tenth
+        assert report["first_ttft_ms"] > 0 and report["tenth_ttft_ms"] > 0
+        assert f"the tenth: {report['tenth_ttft_ms']:.0f} ms" in r.stdout
         assert [lv["concurrency"] for lv in levels] == [1, 3]
         for lv in levels:
             assert lv["failed"] == 0 and lv["requests"] == 6

@@ -1,7 +1,8 @@
 """The MoE layer on integer tensor cores (kernels/gpu/moe_mmq.py): against the reference with x
 and each pair's h rounded to 8 bits as the kernels round them (moe_ref x8: the same sums but
-for the order of float additions) and against the float reference within that rounding's
-bound, under Triton's interpreter on the CPU and compiled on CUDA."""
+for the order of float additions and the 8-bit steps of h that order moves) and against the
+float reference within that rounding's bound, under Triton's interpreter on the CPU and
+compiled on CUDA."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from strata.quant import QType
 
 _BODY = """
     import torch
-    import strata.kernels.gpu.moe as moe_mod
+    import strata.kernels.gpu.moe_mmq as mmq_mod
     from strata.kernels.gpu import moe_forward
     from strata.kernels.gpu.moe_mmq import mmq_types
     from strata.kernels.gpu.reference import moe_ref
@@ -24,7 +25,7 @@ _BODY = """
 
     rng = np.random.default_rng(seed)
     # (rows the kernels do not write read as NaN: an unwritten one would show in the output)
-    moe_mod.scratch = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+    mmq_mod.scratch = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                               device=device)
     def rel(a, b):
         return float((a - b).norm() / b.norm())
@@ -47,7 +48,9 @@ _BODY = """
             assert torch.isfinite(added).all(), (down, t)
             same = moe_ref(x, ids, wts, slot_of, gate, up, dn, qt, d, f, x8=True)
             exact = moe_ref(x, ids, wts, slot_of, gate, up, dn, qt, d, f)
-            assert rel(added, same) < 1e-5, (down, t, rel(added, same))
+            # (the same sums but for the float order, which can move an element of h across
+            # one of its 8-bit rounding steps: seen 3.6e-4; a lost term costs 1e-2 and more)
+            assert rel(added, same) < 2e-3, (down, t, rel(added, same))
             assert rel(added, exact) < 3e-2, (down, t, rel(added, exact))
     # types it does not take go to the tl.dot kernels
     qt = (QType.Q8_0, QType.Q4_K, QType.Q4_K)
@@ -93,4 +96,4 @@ def test_mmq_kernels_on_cuda_at_the_30b_shape(t: int, down: str):
     args = (x, ids, wts, slot_of.cuda(), gate, up, dn, qt, d, f)
     out = moe_forward(*args, path="mmq")
     same = moe_ref(*args, x8=True)
-    assert float((out - same).norm() / same.norm()) < 1e-5
+    assert float((out - same).norm() / same.norm()) < 2e-3

@@ -64,9 +64,10 @@ def run(args: argparse.Namespace) -> int:
         check_folder(args.json, "--json")
     server = Server(args.url.rstrip("/"), args.api_key, args.model)
     pool = prompt_pool(server, args.seed)
+    sent: list = []  # the requests sent one at a time, in order: warm-up, then a first level of 1
     if args.warmup:
-        run_level(server, 1, args.warmup, args.prompt_len, args.output_len, pool, args.seed + 1,
-                  temperature=args.temperature)
+        sent += run_level(server, 1, args.warmup, args.prompt_len, args.output_len, pool,
+                          args.seed + 1, temperature=args.temperature).results
     rows = []
     for i, c in enumerate(levels):
         n = args.requests or max(8, 4 * c)
@@ -74,12 +75,28 @@ def run(args: argparse.Namespace) -> int:
                           args.seed + 2 + i, args.request_rate, args.temperature)
         rows.append(level.summary())
         _print_row(rows[-1], rows[0], first=i == 0)
+        if i == 0 and c == 1 and args.request_rate is None:
+            sent += level.results
+    first = _first_and_tenth(sent)
     if args.json:
         with atomic_path(args.json, "--json") as tmp:
             tmp.write_text(json.dumps({"url": args.url, "prompt_len": args.prompt_len,
-                                       "output_len": args.output_len, "levels": rows},
-                                      indent=1))
+                                       "output_len": args.output_len, "levels": rows,
+                                       **first}, indent=1))
     return 1 if any(r["failed"] for r in rows) else 0
+
+
+def _first_and_tenth(sent: list) -> dict:
+    """The time to first token of the first request this run sent and of the tenth, where the
+    warm-up and a first level of one client sent ten one at a time (on a server started just
+    before: the first request after load against a warm one); printed, and returned for the
+    JSON."""
+    if len(sent) < 10 or not sent[0].ok or not sent[9].ok:
+        return {}
+    a, b = 1e3 * sent[0].ttft, 1e3 * sent[9].ttft
+    print(f"first request of this run: TTFT {a:.0f} ms; the tenth: {b:.0f} ms "
+          f"({a / b:.2f}x)" if b else f"first request of this run: TTFT {a:.0f} ms")
+    return {"first_ttft_ms": a, "tenth_ttft_ms": b}
 
 
 def _print_row(r: dict, base: dict, first: bool) -> None:

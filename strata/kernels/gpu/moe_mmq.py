@@ -29,7 +29,8 @@ integer sums once per 32 values:
    order.
 
 The integer sums are exact; the result differs from the per-pair kernels' (moe._decode with
-x8, which round x and h the same way) by the order of float32 additions only. Not yet timed
+x8, which round x and h the same way) by the order of float32 additions, and where that moves
+an element of h across a rounding boundary of its 8 bits, by one step of it. Not yet timed
 on a GPU: moe_forward takes this path only when asked (path="mmq"), scripts/bench_kernels.py
 times it beside the others.
 
@@ -48,6 +49,11 @@ from strata.quant import QType
 
 Q4K_BYTES, Q6K_BYTES = 144, 210  # a 256-value block of each
 MMQ_TILE = (16, 64, 4)  # (BM, BN, warps): an estimate, not timed (bench: none)
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """h and y: left uninitialized (tests swap in a NaN-filled version, as for moe.py's)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def mmq_types(qtypes: tuple[int, int, int], d: int, f: int, bias: object = None,
@@ -185,7 +191,6 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     ids [T, K], weights [T, K], slot_of int32 [E], gate/up uint8 [slots, F, row(D)], down
     [slots, D, row(F)]. tile: (BM, BN, warps) instead of MMQ_TILE (benchmarks)."""
     from strata.kernels.gpu.gemv_q8 import quantize_x
-    from strata.kernels.gpu.moe import scratch
 
     t, d = x.shape
     topk, f, e = ids.shape[1], gate.shape[1], slot_of.shape[0]
