@@ -81,3 +81,34 @@ def test_batched_segments_equal_separate_runs(synth):
     kva, kvb = engine.model.new_cache(), engine.model.new_cache()
     both = engine.model.forward(torch.tensor(a + b), [Segment(kva, len(a)), Segment(kvb, len(b))])
     np.testing.assert_allclose(both.numpy(), np.stack(sep), rtol=0, atol=2e-4)
+
+
+def test_the_reference_keeps_dequantized_experts_within_its_bytes(synth):
+    """The CPU's reference executor keeps the experts it dequantized (least recently used out,
+    at most cache_bytes): the same logits to the bit as with nothing kept, and a cap of two
+    experts' bytes holds the two last used."""
+    from strata.experts.reference import ReferenceExperts
+
+    engine = Engine.load(synth("qwen3moe", "Q4_K_M"), config=EngineConfig(device="cpu"))
+    model = engine.model
+    ids = torch.tensor([3, 17, 42, 5, 99, 7, 12, 64])
+
+    def logits(ex: ReferenceExperts) -> torch.Tensor:
+        model.experts = ex
+        kv = model.new_cache(16)
+        first = model.forward(ids[:5], [Segment(kv, 5)], all_logits=True)
+        return torch.cat([first, model.forward(ids[5:], [Segment(kv, 3)], all_logits=True)])
+
+    kept = ReferenceExperts()
+    ref = logits(ReferenceExperts(cache_bytes=0))
+    assert torch.equal(logits(kept), ref) and kept._kept
+    assert torch.equal(logits(kept), ref)  # (the second time from what it kept)
+    layer0 = model.layers[0].ffn.lw.experts
+    one = sum(t.numel() * t.element_size() for t in kept.expert(0, layer0, 0))
+    two = ReferenceExperts(cache_bytes=2 * one)
+    for e in (0, 1, 2, 1):
+        two.expert(0, layer0, e)
+    assert list(two._kept) == [(0, 2), (0, 1)] and two._kept_bytes == 2 * one
+    assert torch.equal(logits(two), ref) and two._kept_bytes <= 2 * one
+    assert ReferenceExperts(cache_bytes=0).expert(0, layer0, 0)[0].shape[-1] == \
+        model.cfg.d_model and not ReferenceExperts(cache_bytes=0)._kept

@@ -320,3 +320,11 @@ CHUNK_SCAN_BV = 32
 # dk 128, chunk 64 (qwen3.6's heads), over the H200's 227 KiB a block (the launch failed there:
 # bench/2026-12-01-h200-matrix.md); 2 stages take 136 KiB, 1 takes 56 KiB (sm_90 compiles)
 CHUNK_SCAN_STAGES = 2
+
+# ---- the reference path (experts/reference.py) ----------------------------------------------
+
+# bytes of dequantized float32 experts the CPU's reference executor keeps (least recently used
+# out): the demo model's (5 layers of 16 experts) all fit; its decode step on the 2-core CPU
+# machine spent 78% of 34 ms dequantizing the routed experts again. Sized, not tuned (bench:
+# bench/2026-12-02-cpu-reference-cache.md)
+REFERENCE_CACHE_BYTES = 1 << 30
