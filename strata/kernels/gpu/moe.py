@@ -41,9 +41,11 @@ from strata.kernels.gpu.pairs import (
     bias_row,
     check_bias,
     check_moe_args,
+    expert_chunk,
     glu,
     pair_computed,
     record_part,
+    sort_pairs,
     words_aligned,
 )
 from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
@@ -182,20 +184,6 @@ def _gather_item(ids, slot_of, src, dst, nwords, stride_src, stride_dst, pre_of,
 # ---- prompt chunks: grouped by expert, tensor cores ------------------------------------------
 
 
-@triton.jit
-def _group(pid, NC, counts, starts, order, BM: tl.constexpr):
-    """The BM-pair chunk c of expert e handled by program pid: (e, first sorted position,
-    row indices r [BM] inside the expert's pairs, their mask, pair ids)."""
-    e = pid // NC
-    c = pid % NC
-    cnt = tl.load(counts + e)
-    start = tl.load(starts + e)
-    r = c * BM + tl.arange(0, BM)
-    rm = r < cnt
-    pair = tl.load(order + start + r, mask=rm, other=0)
-    return e, c * BM < cnt, start, r, rm, pair
-
-
 @triton.jit(do_not_specialize=_SIZES)
 def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, tg2, tu, tu2,
                            bg, bu, D, F, NC, stride_x, stride_gs, stride_us, rb_g, rb_u,
@@ -206,7 +194,7 @@ def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, t
                            OAI: tl.constexpr = False):
     # h[start + r, n] = glu(x[tok] @ G_e[n].T + bg[e, n], x[tok] @ U_e[n].T + bu[e, n]) for BM
     # pairs of expert e (the biases with BIAS only; glu silu(g) · u, OAI the clamped SwiGLU)
-    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         slot = tl.load(slot_of + e)
         if slot >= 0:
@@ -232,7 +220,7 @@ def _down_groups_kernel(h, counts, starts, order, wts, slot_of, down, y, td, td2
                         DOT: tl.constexpr, BIAS: tl.constexpr = False):
     # y[pair, n] = wts[pair] · (h[start + r] @ D_e[n].T + bd[e, n])  (bd with BIAS only; zero
     # for experts that are not resident)
-    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         slot = tl.load(slot_of + e)
@@ -579,11 +567,7 @@ def _prompt(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     topk = ids.shape[1]
     f = gate.shape[1]
     e = slot_of.shape[0]
-    flat = ids.reshape(-1).long()  # [P]
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device)  # [E]; no host sync (bincount
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # would read max())
-    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    order = torch.argsort(flat, stable=True).to(torch.int32)  # pair ids sorted by expert
+    counts, starts, order = sort_pairs(ids, e)
     bm, bn, bk, warps = group_config(t, topk, e)
     nc = triton.cdiv(t, bm)  # an expert takes at most one pair per token
     h = scratch((t * topk, f), torch.bfloat16, x.device)

@@ -20,7 +20,7 @@ integer sums once per 32 values:
     sums taken apart (the other half's quants zeroed) and scaled each, d · dx · (sc_a I_a +
     sc_b I_b)
 
-1. Pairs sorted by expert on the device (moe._prompt's counts, starts and order: no host sync).
+1. Pairs sorted by expert on the device (pairs.sort_pairs, as moe._prompt: no host sync).
 2. `_gate_up_mmq_kernel`, program (expert, BM of its pairs, BN rows of F): h = w · silu(g) · u
    in float32 [P, F] (rows in sorted order); then quantize_x(h) per pair row, as the per-pair
    kernels round each pair's h.
@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import f16, u8
+from strata.kernels.gpu.pairs import expert_chunk, sort_pairs
 from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.quant import QType
 
@@ -123,25 +124,12 @@ def _q6k_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
     return acc
 
 
-@triton.jit
-def _group(pid, NC, counts, starts, order, BM: tl.constexpr):
-    """moe._group: the BM-pair chunk c of expert e handled by program pid."""
-    e = pid // NC
-    c = pid % NC
-    cnt = tl.load(counts + e)
-    start = tl.load(starts + e)
-    r = c * BM + tl.arange(0, BM)
-    rm = r < cnt
-    pair = tl.load(order + start + r, mask=rm, other=0)
-    return e, c * BM < cnt, start, r, rm, pair
-
-
 @triton.jit(do_not_specialize=["NC"])
 def _gate_up_mmq_kernel(xq, xd, xs, counts, starts, order, wts, slot_of, gate, up, h, NC,
                         stride_gs, stride_us, row_bytes, D: tl.constexpr, F: tl.constexpr,
                         TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     # h[start + r, n] = w · silu(x[tok] · G_e[n]) · (x[tok] · U_e[n]) for BM pairs of expert e
-    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         slot = tl.load(slot_of + e)
         if slot >= 0:
@@ -165,7 +153,7 @@ def _down_mmq_kernel(hq, hd, hs, counts, starts, order, slot_of, down, y, NC, st
                      row_bytes, D: tl.constexpr, F: tl.constexpr, Q6: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr):
     # y[pair, n] = h[start + r] · D_e[n] (h already weighted; zero for experts without a slot)
-    e, live, start, r, rm, pair = _group(tl.program_id(0), NC, counts, starts, order, BM)
+    e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         slot = tl.load(slot_of + e)
@@ -199,11 +187,7 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                          f"F {f}: give Q4_K gate/up, a Q4_K or Q6_K down, D and F multiples of 256")
     if t == 0 or topk == 0:
         return out
-    flat = ids.reshape(-1).long()  # [P]
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device)  # (no host sync)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    order = torch.argsort(flat, stable=True).to(torch.int32)  # pair ids sorted by expert
+    counts, starts, order = sort_pairs(ids, e)
     bm, bn, warps = tile or MMQ_TILE
     nc = triton.cdiv(t, bm)  # (an expert takes at most one pair per token)
     xq, xd, xs = quantize_x(x.contiguous())

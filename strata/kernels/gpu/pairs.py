@@ -1,6 +1,6 @@
-"""What the MoE kernel files (moe.py, gemv_q8.py, moe_grouped.py) share: which pairs a kernel
-computes, where a pair's expert record is, the experts' activation and biases, row alignment,
-and moe_forward's argument checks.
+"""What the MoE kernel files (moe.py, gemv_q8.py, moe_grouped.py, moe_mmq.py) share: which pairs
+a kernel computes, where a pair's expert record is, pairs sorted by expert and a program's share
+of them, the experts' activation and biases, row alignment, and moe_forward's argument checks.
 
 Legend: T tokens, K routed experts per token, E experts, D d_model, F d_expert, P = T·K pairs.
 """
@@ -18,6 +18,32 @@ from strata.quant import QType
 ACTS = ("swiglu", "swiglu_oai")  # the experts' activations the kernels compute (OAI: the second)
 _ALPHA = tl.constexpr(SWIGLU_ALPHA)
 _LIMIT = tl.constexpr(SWIGLU_LIMIT)
+
+
+def sort_pairs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, ...]:
+    """The pairs of ids [T, K] grouped by expert on the device, no host sync (bincount would
+    read the max): (counts int32 [E], starts int32 [E], order int32 [P]: pair ids sorted by
+    expert, stably)."""
+    flat = ids.reshape(-1).long()  # [P]
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    return counts, starts, torch.argsort(flat, stable=True).to(torch.int32)
+
+
+@triton.jit
+def expert_chunk(pid, NC, counts, starts, order, BM: tl.constexpr):
+    """The BM-pair chunk c of expert e that program pid handles (NC chunks an expert): (e, the
+    chunk holds pairs, its expert's first sorted position, row indices r [BM] among the
+    expert's pairs, their mask, pair ids)."""
+    e = pid // NC
+    c = pid % NC
+    cnt = tl.load(counts + e)
+    start = tl.load(starts + e)
+    r = c * BM + tl.arange(0, BM)
+    rm = r < cnt
+    pair = tl.load(order + start + r, mask=rm, other=0)
+    return e, c * BM < cnt, start, r, rm, pair
 
 
 @triton.jit
