@@ -105,7 +105,8 @@ def _run_in_pty(args: list[str], timeout: float = 240) -> str:
     return data.decode(errors="replace")
 
 
-PROMPT = "The kernel schedules processes and manages memory for every program. " * 12
+# (long enough that the prompt takes over the meters' 0.5 s on a fast CPU: ~400 tokens)
+PROMPT = "The kernel schedules processes and manages memory for every program. " * 32
 
 
 @pytest.mark.slow
