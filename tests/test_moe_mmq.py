@@ -97,3 +97,43 @@ def test_mmq_kernels_on_cuda_at_the_30b_shape(t: int, down: str):
     out = moe_forward(*args, path="mmq")
     same = moe_ref(*args, x8=True)
     assert float((out - same).norm() / same.norm()) < 2e-3
+
+
+def mmq_resources(kernel: str, down: str = "Q6_K") -> dict:
+    """One of the MMQ kernels as moe_forward_mmq launches it at Qwen3-30B-A3B's shape, built for
+    sm_90 (no GPU): shared bytes, registers, spills."""
+    from test_decode_ops import sm90_resources
+
+    from strata.kernels.gpu import moe_mmq
+
+    bm, bn, warps = moe_mmq.MMQ_TILE
+    d, f, p = 2048, 768, 128 * 8
+    if kernel == "gate_up":
+        pointers = {n: t for n, t in (("xq", "*i8"), ("xd", "*fp32"), ("xs", "*fp32"),
+                                       ("counts", "*i32"), ("starts", "*i32"), ("order", "*i32"),
+                                       ("wts", "*fp32"), ("slot_of", "*i32"), ("gate", "*u8"),
+                                       ("up", "*u8"), ("h", "*fp32"))}
+        ints = dict(NC=p // bm, stride_gs=f * 1152, stride_us=f * 1152, row_bytes=1152)
+        const = dict(D=d, F=f, TOPK=8, BM=bm, BN=bn)
+        fn = moe_mmq._gate_up_mmq_kernel
+    else:
+        rb = 3 * (210 if down == "Q6_K" else 144)
+        pointers = {n: t for n, t in (("hq", "*i8"), ("hd", "*fp32"), ("hs", "*fp32"),
+                                       ("counts", "*i32"), ("starts", "*i32"), ("order", "*i32"),
+                                       ("slot_of", "*i32"), ("down", "*u8"), ("y", "*fp32"))}
+        ints = dict(NC=p // bm, stride_ds=d * rb, row_bytes=rb)
+        const = dict(D=d, F=f, Q6=down == "Q6_K", BM=bm, BN=bn)
+        fn = moe_mmq._down_mmq_kernel
+    return sm90_resources(fn, pointers, {}, ints, const, warps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,down", [("gate_up", "Q4_K"), ("down", "Q4_K"),
+                                         ("down", "Q6_K")])
+def test_mmq_kernels_build_for_sm90(kernel: str, down: str):
+    """Without a GPU: the integer tensor-core kernels build for sm_90 at Qwen3-30B-A3B's shape
+    within its shared memory and registers, with no spills."""
+    pytest.importorskip("triton")
+    got = mmq_resources(kernel, down)
+    assert got["shared"] <= 232448 and got["regs"] <= 255, got
+    assert got["spills"] == 0 and got["stack"] == 0 and got["local"] == 0, got
