@@ -27,7 +27,6 @@ import torch
 
 from strata.bench.profiling import kernel_rows, print_rows
 from strata.config import EngineConfig
-from strata.engine.batch_step import BatchStep
 from strata.engine.decode_step import DecodeStep
 from strata.engine.generator import Engine
 
@@ -164,8 +163,7 @@ def main() -> None:
         from strata.server import kv_batch
 
         step.graphs = False
-        pool, _ = kv_batch.batched(engine)  # (its step eager: the engine's decode_step here)
-        batch = BatchStep(engine.model, pool, "graphs" if a.device == "cuda" else "eager")
+        pool, batch = kv_batch.batched(engine, "graphs" if a.device == "cuda" else "eager")
         prof = torch.profiler.profile(activities=[act.CUDA if a.device == "cuda" else act.CPU])
         timed_steps(engine, a.steps, around=prof, pool=pool)
         paged = kernel_rows(prof, a.device, a.steps, top=1 << 30)

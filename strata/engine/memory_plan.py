@@ -326,8 +326,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     states = state_bytes(cfg) * (max(1, ec.sequences) + (ec.spec + 1 if ec.spec else 0))
     # --batch's pool (strata.runtime.kv_slots): each sequence's rows rounded up to whole
     # blocks, and one scratch row (padded rows of a batched step write there)
-    pool = ((POOL_BLOCK * ec.sequences + 1) * ((kv_per_token - draft_kv) // ec.sequences)
-            if ec.sequences > 1 else 0)
+    seq_row = (kv_per_token - draft_kv) // max(1, ec.sequences)  # one sequence's row's bytes
+    pool = (POOL_BLOCK * ec.sequences + 1) * seq_row if ec.sequences > 1 else 0
     # (on CUDA a chunk's own tensors beside the MoE scratch; the CPU's budget is host RAM)
     activations = activation_bytes(cfg, chunk) if dev.type == "cuda" else 0
     fixed = (context + dense + draft + workspace + activations + staging + ring + MARGIN + states
@@ -404,7 +404,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     prefill_rows = (min(chunk, PREFILL_SCRATCH_ROWS) if ec.sequences > 1 and dev.type == "cuda"
                     and ec.kernels == "fused" and buckets and not cfg.full_attn_interval
                     and not cfg.kv_lora else 0)
-    prefill = prefill_rows * ((kv_per_token - draft_kv) // max(1, ec.sequences))
+    prefill = prefill_rows * seq_row
     if prefill > budget - fixed - kv - cache - borrow - graphs:
         prefill_rows = prefill = 0
     pool += prefill

@@ -62,12 +62,16 @@ class ReferenceExperts:
             self._kept.move_to_end(key)
             return kept
         w = (experts.gate.rows(e), experts.up.rows(e), experts.down.rows(e))
-        n = sum(t.numel() * t.element_size() for t in w)
+        n = _nbytes(w)
         if w[0].device.type != "cpu" or n > self.cache_bytes:
             return w
         while self._kept and self._kept_bytes + n > self.cache_bytes:
             _, old = self._kept.popitem(last=False)
-            self._kept_bytes -= sum(t.numel() * t.element_size() for t in old)
+            self._kept_bytes -= _nbytes(old)
         self._kept[key] = w
         self._kept_bytes += n
         return w
+
+
+def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -222,7 +222,7 @@ class BatchRunner:
         if self.scratch is None or len(prompt) != 1:
             return None
         s = prompt[0]
-        return s if kv_batch.fits_scratch(self.scratch, s.prompt_len) else None
+        return s if s.prompt_len <= self.scratch.capacity else None  # (its rows fit)
 
     def _split(self, decoding: list[Sequence], s: Sequence,
                take: dict[str, list[int]]) -> torch.Tensor:

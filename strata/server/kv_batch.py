@@ -31,10 +31,11 @@ WARM_BUCKETS = 512  # prompt graphs captured at load up to this bucket (the long
 WARM_TOGETHER = ((2, 64), (4, 128))
 
 
-def batched(engine) -> tuple[KVSlots | None, BatchStep | None]:  # noqa: ANN001 (an Engine)
+def batched(engine, mode: str | None = None,  # noqa: ANN001 (an Engine)
+            ) -> tuple[KVSlots | None, BatchStep | None]:
     """The KV pool and the batched decode step for --batch N (2..16) where the engine has a
     decode step, else (None, None): each sequence a cache of its own, the plain forward for
-    several at once."""
+    several at once. mode: the step's ("graphs" or "eager"; None: as the engine's decode step)."""
     model, ec = engine.model, getattr(engine, "engine_config", None)
     n = getattr(ec, "sequences", 1)
     if getattr(model, "step", None) is None or not 1 < n <= BATCH_SIZES[-1]:
@@ -42,7 +43,8 @@ def batched(engine) -> tuple[KVSlots | None, BatchStep | None]:  # noqa: ANN001 
     capacity = (model.kv_limit or model.step.kv_capacity or ec.ctx
                 or getattr(model, "plan_ctx", None) or min(engine.config.context_length, 4096))
     pool = KVSlots(model.cfg, model.device, n, capacity, model.kv_dtype, KV_BLOCK)
-    mode = "graphs" if ec.decode_step == "graphs" else "eager"
+    if mode is None:
+        mode = "graphs" if ec.decode_step == "graphs" else "eager"
     return pool, BatchStep(model, pool, mode)
 
 
@@ -60,12 +62,6 @@ def prefill_scratch(engine, pool: KVSlots | None) -> KVCache | None:  # noqa: AN
                  dtype=model.kv_dtype)
     kv.limit = rows  # (a chunk padded past it runs eagerly: the scratch never grows)
     return kv
-
-
-def fits_scratch(scratch: KVCache, prompt_len: int) -> bool:
-    """A prompt of prompt_len tokens runs in the scratch: its rows fit, and its chunks have
-    buckets (a chunk past the largest would run eagerly anyway)."""
-    return prompt_len <= scratch.capacity
 
 
 def to_pool(scratch: KVCache, kv, start: int, end: int) -> None:  # noqa: ANN001 (PagedKVCache)
@@ -91,16 +87,20 @@ def from_pool(kv, scratch: KVCache) -> None:  # noqa: ANN001 (a PagedKVCache)
     scratch.length = n
 
 
-def warm_up(engine, pool: KVSlots, step: BatchStep, scratch: KVCache | None = None,
-            ) -> float:  # noqa: ANN001 (an Engine)
+def warm_up(engine, pool: KVSlots, step: BatchStep,  # noqa: ANN001 (an Engine)
+            scratch: KVCache | None = None) -> float:
     """A prompt, three decode steps of one sequence (eager, capture, replay: its graphs read
     the pool's blocks, so every later request replays them) and three batched steps at each
     batch size, over the pool; plain forwards of several prompts at once (WARM_TOGETHER); with a
     scratch, a prompt of each bucket up to WARM_BUCKETS tokens there (each bucket's graph
     captured); then the pool empty again and the expert counters at zero. -> seconds"""
     t0 = time.perf_counter()
-    ids = engine.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
-    ids = (ids * (WARM_PROMPT // max(len(ids), 1) + 1))[:WARM_PROMPT]
+    text = engine.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
+
+    def tokens(n: int) -> list[int]:  # n tokens of the warm-up's text, repeated as needed
+        return (text * (n // max(len(text), 1) + 1))[:n]
+
+    ids = tokens(WARM_PROMPT)
     caches = [pool.take() for _ in range(pool.n_slots)]
     if pool.capacity >= len(ids) + 4 + 3 * len(step.sizes):
         engine.run_prompt(ids, caches[0])
@@ -118,8 +118,7 @@ def warm_up(engine, pool: KVSlots, step: BatchStep, scratch: KVCache | None = No
         if pool.capacity < length + 1:
             continue
         group = [pool.take() for _ in range(min(n, pool.n_slots))]
-        part = (ids * (length // len(ids) + 1))[:length]
-        engine.model.forward(torch.tensor(part * len(group)),
+        engine.model.forward(torch.tensor(tokens(length) * len(group)),
                              [Segment(kv, length) for kv in group])
         for kv in group:
             pool.give(kv)
@@ -129,8 +128,7 @@ def warm_up(engine, pool: KVSlots, step: BatchStep, scratch: KVCache | None = No
         for b in buckets:
             for _ in range(2):
                 scratch.length = 0
-                engine.model.forward(torch.tensor((ids * (b // len(ids) + 1))[:b]),
-                                     [Segment(scratch, b)])
+                engine.model.forward(torch.tensor(tokens(b)), [Segment(scratch, b)])
         scratch.length = 0
     if engine.model.device.type == "cuda":
         torch.cuda.synchronize(engine.model.device)

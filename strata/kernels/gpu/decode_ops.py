@@ -274,18 +274,42 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     quantized in blocks of 32, kv_cache.quantize_q8_0), last dim contiguous -> [T, H, hd] f32
     (new, or `out`). The caller keeps pos + T <= C."""
     _check(q.dim() == 3 and k.dim() == 3, "q must be [T, H, hd] and k [T, Hkv, hd]")
+    _rope_args(q, k, v, q_norm, k_norm, inv_freq, style, k_cache, v_cache, k_scales, v_scales,
+               "cache")
+    _device_int(pos, "pos", q.device)
+    t, h, hd = q.shape
+    if out is None:
+        out = torch.empty((t, h, hd), dtype=torch.float32, device=q.device)
+    _f32(out, "out", (t, h, hd))
+    if t == 0:
+        return out
+    if _use_kernels(q):
+        return _rope_launch(q, k, v, q_norm, k_norm, eps, pos, inv_freq, style, k_cache,
+                            v_cache, k_scales, v_scales, out)
+    positions = pos.reshape(1).long() + torch.arange(t, device=q.device)  # [T], on the device
+    out.copy_(_rope_store_torch(q, k, v, q_norm, k_norm, eps, positions, inv_freq, style,
+                                k_cache, v_cache, positions, k_scales, v_scales))
+    return out
+
+
+def _rope_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None, inv_freq: torch.Tensor, style: str,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+               v_scales: torch.Tensor | None, kind: str) -> None:
+    """The checks qk_rope_store and rows_rope_store share (kind: "cache" or "pool", the names
+    in their messages)."""
     t, h, hd = q.shape
     hkv = k.shape[1]
+    kn, vn = f"k_{kind}", f"v_{kind}"
     for name, x, shape in (("q", q, (t, h, hd)), ("k", k, (t, hkv, hd)), ("v", v, (t, hkv, hd)),
-                           ("k_cache", k_cache, (k_cache.shape[0], hkv, hd)),
-                           ("v_cache", v_cache, (k_cache.shape[0], hkv, hd))):
-        _f32(x, name, shape, KV_DTYPES if name.endswith("cache") else None)
+                           (kn, k_cache, (k_cache.shape[0], hkv, hd)),
+                           (vn, v_cache, (k_cache.shape[0], hkv, hd))):
+        _f32(x, name, shape, KV_DTYPES if name in (kn, vn) else None)
         _check(x.device == q.device, f"{name} must be on q's device")
-    _check(k_cache.dtype == v_cache.dtype, f"k_cache and v_cache must have one type, got "
+    _check(k_cache.dtype == v_cache.dtype, f"{kn} and {vn} must have one type, got "
            f"{k_cache.dtype} and {v_cache.dtype}")
-    _q8_scales(k_cache, k_scales, "k_cache")
-    _q8_scales(v_cache, v_scales, "v_cache")
-    q8 = k_cache.dtype == torch.int8
+    _q8_scales(k_cache, k_scales, kn)
+    _q8_scales(v_cache, v_scales, vn)
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None:
             _f32(w, name, (hd,))
@@ -296,26 +320,28 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            and inv_freq.device == q.device, f"inv_freq must be contiguous [rope_dim/2] with "
            f"rope_dim <= hd = {hd}, got {list(inv_freq.shape)}")
     _check(style in ROPE_STYLES, f"style must be one of {ROPE_STYLES}, got {style!r}")
-    _device_int(pos, "pos", q.device)
-    if out is None:
-        out = torch.empty((t, h, hd), dtype=torch.float32, device=q.device)
-    _f32(out, "out", (t, h, hd))
-    if t == 0:
-        return out
-    if _use_kernels(q):
-        ks, vs = (k_scales, v_scales) if q8 else (k_cache, v_cache)  # (unread without q8_0)
-        _kernels()._qk_rope_kernel[(t, h + hkv)](
-            q, k, v, q if q_norm is None else q_norm, q if k_norm is None else k_norm, inv_freq,
-            pos, out, k_cache, v_cache, ks, vs, eps, h, k_cache.shape[0], q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HD=hd, ROPE_DIM=rope_dim,
-            NEOX=style == "neox", BLOCK_D=_pow2(hd), Q8=q8, num_warps=1)
-        return out
-    positions = pos.reshape(1).long() + torch.arange(t, device=q.device)  # [T], on the device
-    out.copy_(_rope_store_torch(q, k, v, q_norm, k_norm, eps, positions, inv_freq, style,
-                                k_cache, v_cache, positions, k_scales, v_scales))
+
+
+def _rope_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
+                 k_norm: torch.Tensor | None, eps: float, pos: torch.Tensor,
+                 inv_freq: torch.Tensor, style: str, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+                 v_scales: torch.Tensor | None, out: torch.Tensor,
+                 write: torch.Tensor | None = None) -> torch.Tensor:
+    """`_qk_rope_kernel` over checked arguments (_rope_args): token t at position pos + t into
+    cache row pos + t, or with `write` (rows_rope_store) at pos[t] into row write[t]."""
+    t, h, hd = q.shape
+    hkv = k.shape[1]
+    q8 = k_cache.dtype == torch.int8
+    ks, vs = (k_scales, v_scales) if q8 else (k_cache, v_cache)  # (unread without q8_0)
+    _kernels()._qk_rope_kernel[(t, h + hkv)](
+        q, k, v, q if q_norm is None else q_norm, q if k_norm is None else k_norm, inv_freq,
+        pos, out, k_cache, v_cache, ks, vs, eps, h, k_cache.shape[0], q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), HAS_QN=q_norm is not None,
+        HAS_KN=k_norm is not None, HD=hd, ROPE_DIM=2 * inv_freq.numel(), NEOX=style == "neox",
+        BLOCK_D=_pow2(hd), Q8=q8, write=write, ROWS=write is not None, num_warps=1)
     return out
 
 
@@ -544,32 +570,14 @@ def rows_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _q8_scales(k_pool, k_scales, "k_pool")
     _q8_scales(v_pool, v_scales, "v_pool")
     if _use_kernels(q) and q.shape[0]:
-        b, h, hd = q.shape
-        hkv = k.shape[1]
-        for name, x, shape in (("q", q, (b, h, hd)), ("k", k, (b, hkv, hd)),
-                               ("v", v, (b, hkv, hd)),
-                               ("k_pool", k_pool, (k_pool.shape[0], hkv, hd)),
-                               ("v_pool", v_pool, (k_pool.shape[0], hkv, hd))):
-            _f32(x, name, shape, KV_DTYPES if name.endswith("pool") else None)
-        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-            if w is not None:
-                _f32(w, name, (hd,))
+        _rope_args(q, k, v, q_norm, k_norm, inv_freq, style, k_pool, v_pool, k_scales, v_scales,
+                   "pool")
         for name, t in (("pos", pos), ("write", write)):
             _check(t.dtype in (torch.int32, torch.int64) and t.device == q.device,
                    f"{name} must be int32/int64 [B] on {q.device}")
-        q8 = k_pool.dtype == torch.int8
-        ks, vs = (k_scales, v_scales) if q8 else (k_pool, v_pool)  # (unread without q8_0)
-        out = torch.empty((b, h, hd), dtype=torch.float32, device=q.device)
-        _kernels()._qk_rope_kernel[(b, h + hkv)](
-            q, k, v, q if q_norm is None else q_norm, q if k_norm is None else k_norm, inv_freq,
-            pos.contiguous(), out, k_pool, v_pool, ks, vs, eps, h, k_pool.shape[0], q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
-            v_pool.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-            HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HD=hd,
-            ROPE_DIM=2 * inv_freq.numel(), NEOX=style == "neox", BLOCK_D=_pow2(hd), Q8=q8,
-            write=write.contiguous(), ROWS=True, num_warps=1)
-        return out
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        return _rope_launch(q, k, v, q_norm, k_norm, eps, pos.contiguous(), inv_freq, style,
+                            k_pool, v_pool, k_scales, v_scales, out, write.contiguous())
     return _rope_store_torch(q, k, v, q_norm, k_norm, eps, pos.long(), inv_freq, style, k_pool,
                              v_pool, write, k_scales, v_scales).contiguous()
 

@@ -48,7 +48,6 @@ from strata.kernels.gpu.pairs import expert_chunk, sort_pairs
 from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.quant import QType
 
-Q4K_BYTES, Q6K_BYTES = 144, 210  # a 256-value block of each
 MMQ_TILE = (16, 64, 4)  # (BM, BN, warps): an estimate, not timed (bench: none)
 
 
