@@ -202,7 +202,7 @@ def test_bf16_chunk_attention_is_the_causal_attention_within_bf16_rounding(tq, t
 
 
 def test_one_token_batched_attention_equals_each_sequence_alone(synth):
-    """attention_last (batched decode on the float path: one padded pass over B caches) gives
+    """attention_last (batched decode on the float path: each cache in two batched matmuls) gives
     each sequence's attention() over its own keys, for caches of different lengths (1 included),
     with GQA; and the batched forward of three sequences gives each one's logits alone."""
     import numpy as np

@@ -15,6 +15,7 @@ from strata.engine.spec import LayerMarks, SpecDecoder, SpecStats, Window, accep
 from strata.errors import StrataError
 from strata.gguf import open_model
 from strata.kernels.tuning import SPEC_OFF_STEPS
+from strata.model.transformer import Segment
 from strata.runtime.waits import StallError
 
 CODE = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
@@ -369,6 +370,25 @@ def test_layer_marks_name_the_head():
     with pytest.raises(StallError, match="never finished the output head"):
         m.wait(0.01)
     StuckEvent.done = 1
+
+
+def test_batched_windows_stall_names_the_batch(synth):
+    """Several sequences' windows in one forward whose GPU work stops: the stall names the
+    windows' tokens, how many sequences and the layer."""
+    from strata.engine.spec import Decoding
+
+    eng = load(synth("qwen3moe", "Q4_K_M"))
+    StuckEvent.made = 0
+    spec = SpecDecoder(eng.model, NgramDrafter(), 3, timeout_s=0.05, event=StuckEvent)
+    spec.drafter.propose = lambda ctx, n: [1, 2, 3][:n]
+    seqs = []
+    for i, prompt in enumerate(([5, 6, 7], [8, 9])):
+        kv = eng.model.new_cache(16)
+        eng.model.forward(torch.tensor(prompt[:-1]), [Segment(kv, len(prompt) - 1)])
+        seqs.append(Decoding(i, prompt, kv, SamplingParams(temperature=0), None, 8))
+    with pytest.raises(StallError, match=r"verify windows of 8 tokens of 2 sequences \(the first "
+                       r"at position 2\): waited 0 s; the GPU never finished layer 1"):
+        spec.step_batch(seqs)
 
 
 # ---- the offload executor over a window ---------------------------------------------------------

@@ -85,3 +85,116 @@ def test_serve_spec_and_verify_window_stall(synth, tmp_path):
         windows = next(line for line in metrics.splitlines()
                        if line.startswith("strata_spec_windows_total"))
         assert int(windows.split()[1]) > 0
+
+
+def _run_many(engine: Engine, prompts: list[str], n: int, sampled: bool = False,
+              ids: dict | None = None) -> tuple[dict[str, str], list[StepDone]]:
+    """The prompts submitted together (greedy; with `sampled`, the second at temperature 0.8
+    with a seed), every one decoding n tokens -> (text by request id, the steps); `ids` gets
+    each request's prompt and tokens."""
+    sent: list = []
+    runner = BatchRunner(engine, sent.append, FaultTrigger(None))
+    finish = runner._finish
+
+    def keep(s, reason):  # noqa: ANN001, ANN202
+        if ids is not None:
+            ids[s.rid] = (s.context[:s.prompt_len], s.context[s.prompt_len:])
+        finish(s, reason)
+
+    runner._finish = keep
+    for i, p in enumerate(prompts):
+        sampling = ({"temperature": 0.8, "seed": 5} if sampled and i == 1
+                    else {"temperature": 0.0})
+        runner.submit(Submit(f"r{i}", None, p, sampling, n, n, ignore_eos=True))
+    while runner.active:
+        runner.step()
+    done = {m.rid: m for m in sent if isinstance(m, Finished)}
+    assert sorted(done) == [f"r{i}" for i in range(len(prompts))]
+    assert all(d.completion_tokens == n for d in done.values())
+    texts = {rid: "".join(m.text for m in sent if isinstance(m, Delta) and m.rid == rid)
+             + d.text for rid, d in done.items()}
+    return texts, [m for m in sent if isinstance(m, StepDone)]
+
+
+_REPEATS = ["one two three one two three one two three", "red green blue red green blue red",
+            "a b c d a b c d a b c d a b"]
+
+
+class _ReplayMany:
+    """Drafts each sequence's own greedy answer (found by its prompt), wrong at every third
+    position: windows that accept some drafts and reject the rest."""
+
+    name = "replay"
+    from_context = True
+
+    def __init__(self, runs: dict):
+        self.runs = list(runs.values())  # (prompt ids, answer ids)
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        for prompt, answer in self.runs:
+            if context[:len(prompt)] == prompt:
+                at = len(context) - len(prompt)
+                return [t if (at + i) % 3 else (t + 1) % 100
+                        for i, t in enumerate(answer[at:at + n])]
+        return []
+
+
+@pytest.mark.parametrize(("arch", "offload"), [("qwen3moe", "off"), ("qwen3moe", "on"),
+                                               ("qwen35moe", "off"), ("qwen35moe", "on")])
+def test_batched_windows_same_text_as_without_spec(synth, arch, offload):
+    """Several sequences decoding with --spec: their windows are checked in one forward (a
+    step's tokens outnumber one window's), each sequence's text as without --spec, with n-gram
+    drafts and with drafts that replay the answers with every third token wrong: over separate
+    caches (the reference path), over the batch's paged KV pool (the offload runtime, --batch
+    3), with recurrent states rolled back (qwen35moe)."""
+    from strata.engine.spec import SpecDecoder
+
+    f = synth(arch, "Q4_K_M")
+    ec = {"device": "cpu", "offload": offload, "sequences": 3}
+    runs: dict = {}
+    plain, _ = _run_many(Engine.load(f, config=EngineConfig(**ec)), _REPEATS, 24, ids=runs)
+    eng = Engine.load(f, config=EngineConfig(**ec, spec=3, draft="ngram"))
+    eng.spec.timed = False  # (the windows counted below: not by this machine's load)
+    texts, _ = _run_many(eng, _REPEATS, 24)
+    assert texts == plain
+    eng.spec = SpecDecoder(eng.model, _ReplayMany(runs), 3, timed=False)
+    texts, steps = _run_many(eng, _REPEATS, 24)
+    assert texts == plain
+    together = [s for s in steps if s.drafted and s.decode_tokens > s.accepted + 1]
+    assert together, "no step checked several sequences' windows in one forward"
+    st = eng.spec.stats
+    assert 0 < st.accepted < st.drafted
+    assert not eng.spec._windows  # (each finished sequence's window state dropped)
+    # /metrics counts each sequence's window of a batched step as one window, by position
+    m = Metrics()
+    for s in steps:
+        m.step(s)
+    out = m.render(running=0, queued=0, loaded=True, restarts=0)
+    assert f"strata_spec_windows_total {st.windows}" in out
+    assert f"strata_spec_drafted_tokens_total {st.drafted}" in out
+    assert f"strata_spec_accepted_tokens_total {st.accepted}" in out
+    assert f'strata_spec_acceptance{{position="0"}} {st.by_position()[0]:g}' in out
+    assert 'position="3"' not in out  # (windows of at most 3 drafts)
+
+
+def test_batched_windows_sampled_beside_greedy(synth):
+    """A sampled sequence without drafts beside greedy ones in batched windows (its token from
+    the pass's row, as a plain step's): the greedy texts as without --spec, the sampled one its
+    full length, and its text the same on a second run (its own generator: what the others
+    draft and accept does not move its draws)."""
+    from strata.engine.spec import SpecDecoder
+
+    f = synth("qwen3moe", "Q4_K_M")
+    runs: dict = {}
+    plain, _ = _run_many(Engine.load(f, config=EngineConfig(device="cpu")), _REPEATS, 20,
+                         sampled=True, ids=runs)
+    del runs["r1"]  # (the sampled one: no drafts)
+    texts = []
+    for _ in range(2):
+        eng = Engine.load(f, config=EngineConfig(device="cpu", spec=3, draft="ngram"))
+        eng.spec = SpecDecoder(eng.model, _ReplayMany(runs), 3, timed=False)
+        got, steps = _run_many(eng, _REPEATS, 20, sampled=True)
+        assert any(s.drafted and s.decode_tokens > s.accepted + 1 for s in steps)
+        texts.append(got)
+    assert texts[0]["r0"] == plain["r0"] and texts[0]["r2"] == plain["r2"]
+    assert texts[0] == texts[1]

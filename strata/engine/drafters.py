@@ -42,6 +42,7 @@ class NgramDrafter:
     """Prompt lookup over the context itself; no model, nothing to keep in sync."""
 
     name = "ngram"
+    from_context = True  # drafts from the context alone: a batch's sequences draft together
 
     def __init__(self, longest: int = NGRAM_MAX, shortest: int = NGRAM_MIN):
         if not 1 <= shortest <= longest:

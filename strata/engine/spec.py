@@ -148,8 +148,9 @@ class LayerMarks:
     events by default), so a wait that runs out can say which layer never finished."""
 
     def __init__(self, tokens: int, position: int, n_layers: int, device: torch.device,
-                 event: Callable[[], object] | None = None):
+                 event: Callable[[], object] | None = None, sequences: int = 1):
         self.tokens, self.position, self.n_layers = tokens, position, n_layers
+        self.sequences = sequences  # several: the windows of a batch in one forward
         self.event = event or (torch.cuda.Event if device.type == "cuda" else None)
         self.events: list = []
         # set by a pass that ran as one (a window replayed from a CUDA graph,
@@ -171,8 +172,13 @@ class LayerMarks:
 
     def what(self, layer: int) -> str:
         part = "the output head" if layer >= self.n_layers else f"layer {layer}"
-        return (f"the verify window of {self.tokens} tokens at position {self.position} "
-                f"({part})")
+        return f"the {self._window()} ({part})"
+
+    def _window(self) -> str:
+        if self.sequences > 1:
+            return (f"verify windows of {self.tokens} tokens of {self.sequences} sequences "
+                    f"(the first at position {self.position})")
+        return f"verify window of {self.tokens} tokens at position {self.position}"
 
     def wait(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Wait for the window's GPU work, at most timeout_s in all."""
@@ -186,9 +192,8 @@ class LayerMarks:
             part = "the output head" if stuck >= self.n_layers else f"layer {stuck}"
             if self.whole_pass:
                 part += " (every layer and the head ran as one graph: its marks follow them all)"
-            raise StallError(f"verify window of {self.tokens} tokens at position "
-                             f"{self.position}: waited {timeout_s:.0f} s; the GPU never finished "
-                             f"{part} ({PROGRESS.describe()})") from None
+            raise StallError(f"{self._window()}: waited {timeout_s:.0f} s; the GPU never "
+                             f"finished {part} ({PROGRESS.describe()})") from None
 
 
 class _NeverDone:
@@ -220,9 +225,24 @@ def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     return k, sample(logits[k], params, gen)
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """One sequence of a batch for SpecDecoder.step_batch: `context` ends with its last sampled
+    token, which `kv` does not hold yet; `room` tokens it may still take."""
+
+    key: object  # the sequence (the server's request id): whose Window
+    context: list[int]
+    kv: KVCache
+    params: SamplingParams
+    gen: torch.Generator | None
+    room: int
+
+
 @dataclass
 class SpecDecoder:
-    """Decode steps through verify windows for one sequence at a time."""
+    """Decode steps through verify windows: one sequence's (step), or a batch's in one forward
+    (step_batch, drafters that draft from the context alone). Each sequence keeps its own
+    adaptive Window."""
 
     model: object  # MoETransformer
     drafter: object  # strata.engine.drafters.Drafter
@@ -235,17 +255,39 @@ class SpecDecoder:
     timed: bool = True  # Window.timed
 
     def __post_init__(self) -> None:
+        self._windows: dict[object, Window] = {}  # each sequence's, by key
         self.window = Window(self.limit, self.timed)
         self.sequence: object = None  # whose window state this is (the server's request id)
+
+    @property
+    def batches(self) -> bool:
+        """Whether several sequences' windows can be drafted and checked together: the drafter
+        drafts from the context alone (n-gram; a draft model's or MTP head's cache follows one
+        sequence)."""
+        return bool(getattr(self.drafter, "from_context", False))
 
     def reset(self) -> None:
         """A new generation: fresh statistics and a full window."""
         self.stats = SpecStats()
+        self._windows.clear()
         self.new_sequence(None)
 
     def new_sequence(self, key: object) -> None:
-        """Another sequence decodes now: a full window (statistics carry on)."""
-        self.window, self.sequence = Window(self.limit, self.timed), key
+        """Another sequence decodes now: its window as it left it, or a full one (statistics
+        carry on)."""
+        self.window, self.sequence = self._window_of(key), key
+
+    def forget(self, key: object) -> None:
+        """A sequence ended: its window goes."""
+        self._windows.pop(key, None)
+        if self.sequence == key:
+            self.window, self.sequence = Window(self.limit, self.timed), None
+
+    def _window_of(self, key: object) -> Window:
+        w = self._windows.get(key)
+        if w is None:
+            w = self._windows[key] = Window(self.limit, self.timed)
+        return w
 
     def step(self, context: list[int], kv: KVCache, params: SamplingParams,
              gen: torch.Generator | None, room: int) -> list[int]:
@@ -275,28 +317,92 @@ class SpecDecoder:
         from strata.model.transformer import Segment
 
         tokens = torch.tensor([context[-1], *drafts])  # [k+1]
-        ex = self.model.experts
-        windowed = hasattr(ex, "window")  # the offload executor: planned misses
-        if windowed:
-            ex.window = True
-        open_window = getattr(kv, "open_window", None)  # (a recurrent state keeps each token's)
-        if open_window is not None:
-            open_window(n)
-        try:
-            logits = self.model.forward(tokens, [Segment(kv, n)], all_logits=True,
-                                        marks=marks)  # [k+1, V]
-        finally:
-            if windowed:
-                ex.window = False
-            if kv.state is not None:
-                kv.state.stop_recording()
-        marks.wait(self.timeout_s)
+        logits = self._verify(tokens, [Segment(kv, n)], marks)  # [k+1, V]
         accepted, nxt = accept(logits, drafts, params, gen)
         rollback(self.model, kv, start + 1 + accepted)
         spent = time.perf_counter() - t0
         self.window.update(len(drafts), accepted, spent)
         self.stats.add(len(drafts), accepted, spent)
         return [*drafts[:accepted], nxt]
+
+
+    def step_batch(self, seqs: list[Decoding]) -> list[tuple[list[int], int]] | None:
+        """The next tokens of several decoding sequences through one forward: each sequence's
+        [last, its drafts] a segment of its own (one without drafts: its last token alone, a
+        plain step inside the pass), all logits out, each window accepted and rolled back as
+        step() does. Every layer runs the batch's windows together, so a routed expert is read
+        once for all of their tokens. -> each sequence's (tokens (1 .. its room), drafted: 0
+        without a window; its accepted drafts are all of the tokens but the last), or None where
+        none drafted (the caller runs its plain batched step, then plain_batch). The windows are
+        timed by the pass's seconds per token given, against plain batched steps' (plain_batch):
+        a batch where windows cost more per token than plain steps turns them off as step()
+        does."""
+        from strata.model.transformer import Segment
+
+        t0 = time.perf_counter()
+        drafts = []
+        for d in seqs:
+            k = min(self._window_of(d.key).next_size(), d.room - 1)
+            drafts.append(self.drafter.propose(d.context, k)[:k] if k > 0 else [])
+        if not any(drafts):
+            return None
+        starts = [d.kv.length for d in seqs]
+        tokens = [t for d, dr in zip(seqs, drafts, strict=True) for t in (d.context[-1], *dr)]
+        segments = [Segment(d.kv, len(dr) + 1) for d, dr in zip(seqs, drafts, strict=True)]
+        PROGRESS.at("verify window", position=starts[0])
+        marks = LayerMarks(len(tokens), starts[0], self.model.cfg.n_layers, self.model.device,
+                           self.event, sequences=len(seqs))
+        if self.before_window is not None:
+            self.before_window(marks)
+        logits = self._verify(torch.tensor(tokens), segments, marks)  # [sum of windows, V]
+        out, row = [], 0
+        for d, dr, start in zip(seqs, drafts, starts, strict=True):
+            rows = logits[row:row + len(dr) + 1]
+            row += len(dr) + 1
+            if dr:
+                accepted, nxt = accept(rows, dr, d.params, d.gen)
+            else:
+                accepted, nxt = 0, sample(rows[0], d.params, d.gen)
+            rollback(self.model, d.kv, start + 1 + accepted)
+            out.append([*dr[:accepted], nxt])
+        per_token = (time.perf_counter() - t0) / sum(len(o) for o in out)
+        for d, dr, got in zip(seqs, drafts, out, strict=True):
+            if dr:
+                self._window_of(d.key).update(len(dr), len(got) - 1, per_token * len(got))
+                self.stats.add(len(dr), len(got) - 1, per_token * len(got))
+            else:
+                self.stats.plain_steps += 1
+                self.stats.plain_s += per_token
+        return [(got, len(dr)) for got, dr in zip(out, drafts, strict=True)]
+
+    def plain_batch(self, keys: list[object], seconds: float) -> None:
+        """A plain batched step of these sequences (one token each) took `seconds`."""
+        for key in keys:
+            self._window_of(key).plain(seconds / len(keys))
+        self.stats.plain_steps += len(keys)
+        self.stats.plain_s += seconds
+
+    def _verify(self, tokens: torch.Tensor, segments: list, marks: LayerMarks) -> torch.Tensor:
+        """One forward of windows (every logit out), each segment's recurrent state kept after
+        each of its tokens, then the bounded wait for its GPU work."""
+        ex = self.model.experts
+        windowed = hasattr(ex, "window")  # the offload executor: planned misses
+        if windowed:
+            ex.window = True
+        for s in segments:
+            open_window = getattr(s.kv, "open_window", None)  # (a recurrent state keeps each
+            if open_window is not None:  # token's)
+                open_window(s.length)
+        try:
+            logits = self.model.forward(tokens, segments, all_logits=True, marks=marks)
+        finally:
+            if windowed:
+                ex.window = False
+            for s in segments:
+                if getattr(s.kv, "state", None) is not None:
+                    s.kv.state.stop_recording()
+        marks.wait(self.timeout_s)
+        return logits
 
 
 def rollback(model: object, kv: KVCache, length: int) -> None:

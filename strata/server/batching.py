@@ -14,8 +14,10 @@ One step (`BatchRunner.step`):
              kept in the prefix cache (prefix_cache.py) for a later prompt that starts alike
 
 With --spec T (strata.engine.spec) a step of one decoding sequence is a verify window, which may
-give several tokens; a step of several sequences decodes one token each (no windows in batched
-decode).
+give several tokens; a step of several decoding sequences checks each one's window in one
+forward (SpecDecoder.step_batch) where the drafter drafts from the context alone (n-gram) and
+none is constrained by a grammar, else decodes one token each. Where no sequence drafted, the
+step is the plain one (the batched step).
 
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
 (kv_batch.py; strata.runtime.kv_slots: blocks of 16 rows, N sequences of the planned context,
@@ -156,13 +158,21 @@ class BatchRunner:
         self.send(Progress(self.stage, self._detail(batch, take), state=self.state(fresh=False)))
         PROGRESS.at(self.stage, position=batch[0].kv.length)
         t0 = time.perf_counter()
-        spec, window = getattr(self.engine, "spec", None), None
+        spec, window, windows = getattr(self.engine, "spec", None), None, None
         tokens = torch.tensor([t for s in batch for t in take[s.rid]])  # [sum of takes]
         segments = [Segment(s.kv, len(take[s.rid])) for s in batch]
+        # several sequences decoding, one token each: their verify windows in one forward
+        together = (spec is not None and len(batch) > 1 and not prompt
+                    and len(tokens) == len(batch) and spec.batches
+                    and all(s.constraint is None for s in batch))  # (a grammar: token by token)
         try:
             for s in batch:  # injected faults strike inside the step, as real ones would
                 self.faults.at(*(("decode", s.decode_steps + 1) if s.prefilled else ("prefill",)))
-            if (len(batch) == 1 and not prompt and len(tokens) == 1 and spec is not None
+            if together:
+                windows = self._windows(spec, batch)  # None: no sequence drafted
+            if windows is not None:
+                logits = []
+            elif (len(batch) == 1 and not prompt and len(tokens) == 1 and spec is not None
                     and batch[0].constraint is None):  # (a grammar masks one token at a time)
                 window = self._window(spec, batch[0])  # one sequence: a verify window
                 logits = []
@@ -188,14 +198,18 @@ class BatchRunner:
                                  f"{type(e).__name__}: {e}"))
             return
         PROGRESS.steps += 1
-        if window is not None:
-            s, out = batch[0], window[0]
-            s.pending, s.decode_steps = [], s.decode_steps + 1
-            for token in out:  # a stop ends the sequence (its KV cache with it) mid-window
-                if s.rid in self.seqs:
-                    self._advance(s, token)
+        if together and windows is None:  # (a plain step: the windows' measure against it)
+            spec.plain_batch([s.rid for s in batch], time.perf_counter() - t0)
+        if window is not None:  # (one sequence's window, or a plain step: none drafted)
+            windows = ([window[0]], [(window[1], window[2])] if window[1] else [])
+        if windows is not None:
+            for s, out in zip(batch, windows[0], strict=True):
+                s.pending, s.decode_steps = [], s.decode_steps + 1
+                for token in out:  # a stop ends the sequence (its KV cache with it) mid-window
+                    if s.rid in self.seqs:
+                        self._advance(s, token)
         ready = []  # (sequence, its row in logits) for the sequences that take a token now
-        for i, s in enumerate(batch if window is None else []):
+        for i, s in enumerate(batch if windows is None else []):
             s.pending = s.pending[len(take[s.rid]):]
             if s.pending:
                 continue  # more prompt chunks to come: this chunk's logits are not needed
@@ -206,11 +220,13 @@ class BatchRunner:
         for s, token in self._sample(logits, ready):
             self._advance(s, token)
         stats = getattr(self.engine.model.experts, "stats", None)
-        decoded = len(batch) - len(prompt) if window is None else len(window[0])
+        decoded = (len(batch) - len(prompt) if windows is None
+                   else sum(len(out) for out in windows[0]))
+        each = windows[1] if windows is not None else []
         self.send(StepDone(sum(len(take[s.rid]) for s in prompt), decoded,
                            time.perf_counter() - t0, self.active,
-                           getattr(stats, "hit_rate", None),
-                           *((window[1], window[2]) if window else ())))
+                           getattr(stats, "hit_rate", None), sum(d for d, _ in each),
+                           sum(a for _, a in each), tuple(each) if len(each) > 1 else ()))
         self.stage = "decode" if self.seqs else "idle"
         if not self.seqs and self.pool is not None:  # idle: the pool's accounting holds
             self.pool.check_integrity()
@@ -257,6 +273,22 @@ class BatchRunner:
         drafted, accepted = spec.stats.drafted, spec.stats.accepted
         out = spec.step(s.context, s.kv, s.params, s.gen, s.max_tokens - s.generated)
         return out, spec.stats.drafted - drafted, spec.stats.accepted - accepted
+
+    def _windows(self, spec, batch: list[Sequence],  # noqa: ANN001 (a SpecDecoder)
+                 ) -> tuple[list[list[int]], list[tuple[int, int]]] | None:
+        """One step of several decoding sequences through their verify windows in one forward
+        (spec.step_batch): (each one's tokens, each window's (drafted, accepted)), or None
+        where none drafted. Injected verify faults strike inside the pass, after its marks
+        exist."""
+        from strata.engine.spec import Decoding
+
+        n = spec.stats.windows
+        spec.before_window = lambda marks: self.faults.at("verify", n + 1, window=marks)
+        out = spec.step_batch([Decoding(s.rid, s.context, s.kv, s.params, s.gen,
+                                        s.max_tokens - s.generated) for s in batch])
+        if out is None:
+            return None
+        return [t for t, _ in out], [(d, len(t) - 1) for t, d in out if d]
 
     def _sample(self, logits: torch.Tensor, ready: list[tuple[Sequence, int]]
                 ) -> list[tuple[Sequence, int]]:
@@ -377,7 +409,10 @@ class BatchRunner:
 
     def _release(self, s: Sequence) -> None:
         """A sequence that left: its KV pool blocks are free at once (or, with --prefix-cache,
-        kept indexed for a later prompt that starts alike)."""
+        kept indexed for a later prompt that starts alike), its verify window state dropped."""
+        spec = getattr(self.engine, "spec", None)
+        if spec is not None:
+            spec.forget(s.rid)
         if self.pool is not None and getattr(s.kv, "slots", None) is self.pool:
             if self.prefix.max_bytes > 0:
                 self.pool.keep(s.context, s.kv)

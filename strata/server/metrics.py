@@ -1,7 +1,8 @@
 """`GET /metrics`: Prometheus text format, written by hand (a dozen series need no library).
 
 strata_spec_*: verify windows (--spec): drafted and accepted tokens, the acceptance by position in
-the window, and the decode rate of steps with a window and of plain ones.
+the window, and the decode rate of steps with windows and of plain ones (a batch's windows run
+in one step: each counts as a window).
 
 strata_expert_cache_hit_rate is 0 while the engine has no expert cache (the reference executor,
 --offload off, has none); with the offload runtime it is the executor's stats.hit_rate.
@@ -53,14 +54,14 @@ class Metrics:
                 self.decode_tok_s = _ema(self.decode_tok_s, s.decode_tokens / s.seconds)
                 kind = "window" if s.drafted else "plain"
                 self.spec_tok_s[kind] = _ema(self.spec_tok_s[kind], s.decode_tokens / s.seconds)
-        if s.drafted:
+        for drafted, accepted in s.each_window():
             self.spec_windows += 1
-            grow = s.drafted - len(self.spec_drafted_at)
-            self.spec_drafted_at += [0] * grow
-            self.spec_accepted_at += [0] * grow
-            for i in range(s.drafted):
+            grow = drafted - len(self.spec_drafted_at)
+            self.spec_drafted_at += [0] * max(grow, 0)
+            self.spec_accepted_at += [0] * max(grow, 0)
+            for i in range(drafted):
                 self.spec_drafted_at[i] += 1
-                self.spec_accepted_at[i] += i < s.accepted
+                self.spec_accepted_at[i] += i < accepted
         if s.cache_hit_rate is not None:
             self.cache_hit_rate = s.cache_hit_rate
 
@@ -111,7 +112,8 @@ class Metrics:
                [(f'{{position="{i}"}}', a / d) for i, (a, d) in
                 enumerate(zip(self.spec_accepted_at, self.spec_drafted_at, strict=True))])
         series("strata_spec_decode_tokens_per_second", "gauge",
-               "one sequence's decode rate, recent steps with a verify window and without",
+               "decode rate summed over the batch, recent steps with verify windows and "
+               "without",
                [(f'{{step="{k}"}}', v) for k, v in self.spec_tok_s.items()])
         series("strata_engine_loaded", "gauge", "1 when the engine has a model loaded",
                [("", int(loaded))])

@@ -119,8 +119,15 @@ class StepDone:
     seconds: float
     active: int
     cache_hit_rate: float | None = None  # None while the engine has no expert cache
-    drafted: int = 0  # a verify window's drafted tokens (--spec), 0 in a step without one
-    accepted: int = 0  # of them, accepted (the first `accepted` positions)
+    drafted: int = 0  # the step's verify windows' drafted tokens (--spec), 0 without one
+    accepted: int = 0  # of them, accepted
+    # each window's (drafted, accepted): several where a batch's windows ran in one forward;
+    # empty with one window (drafted, accepted) or none
+    windows: tuple[tuple[int, int], ...] = ()
+
+    def each_window(self) -> tuple[tuple[int, int], ...]:
+        """(drafted, accepted) of each of the step's verify windows."""
+        return self.windows or (((self.drafted, self.accepted),) if self.drafted else ())
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class GQAAttention:
                 apply_rope(k, ctx.cos, ctx.sin, self.rope_style))
         if (len(ctx.segments) > 1 and not ctx.fused_attention
                 and all(s.length == 1 for s in ctx.segments)):
-            # batched decode on the float path: one padded pass over the B caches
+            # batched decode on the float path: one call over the B caches
             rows = [s.kv.append(i, k[b:b + 1], v[b:b + 1]) for b, s in enumerate(ctx.segments)]
             return attention_last(q, [r[0].float() for r in rows], [r[1].float() for r in rows])
         out, start = [], 0
