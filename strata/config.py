@@ -18,7 +18,7 @@ from strata.config_hybrid import (
 from strata.errors import ModelFileError, UnsupportedError
 from strata.gguf import ModelFile
 from strata.kernels.tuning import AUTO_PREFETCH
-from strata.yarn import Yarn
+from strata.yarn import Yarn, rope_scaling
 
 # architecture -> (RoPE style, routing weights renormalized over the top-k by default)
 # llama.cpp's converter permutes llama's Q/K rows so that RoPE rotates adjacent pairs ("normal");
@@ -89,7 +89,9 @@ class ModelConfig:
     attn_sinks: bool = False  # a learned sink logit per head (blk.N.attn_sinks.weight)
     moe_bias: bool = False  # biases on the attention output, the router and the experts
     expert_act: str = "swiglu"  # swiglu | swiglu_oai (gpt-oss's clamped SwiGLU)
-    yarn: Yarn | None = None  # YaRN RoPE (gpt-oss, deepseek2), or None (plain RoPE)
+    # YaRN RoPE (gpt-oss, deepseek2, and any file whose rope.scaling says yarn or linear:
+    # strata.yarn.rope_scaling), or None (plain RoPE)
+    yarn: Yarn | None = None
 
     @property
     def q_dim(self) -> int:
@@ -169,6 +171,8 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
             tied_output="output.weight" not in mf.tensors,
         )
+        if arch not in ("gpt-oss", "deepseek2"):  # (theirs: their readers, below)
+            cfg = replace(cfg, yarn=rope_scaling(m, cfg.context_length))
         if arch == "gpt-oss":
             from strata.arch import gpt_oss
 

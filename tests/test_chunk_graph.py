@@ -31,6 +31,7 @@ from strata.kernels.gpu.chunk_attention import chunk_attention
 from strata.kernels.tuning import PROMPT_GRAPH_BUCKETS
 from strata.model.layers import attention as reference_attention
 from strata.model.parts import Segment
+from strata.yarn import Yarn
 
 LENGTHS = (1, 7, 16, 100, 128, 300, 513)  # below, at and past buckets; one past 512
 PREFIX = 37  # tokens before a chunk that starts later
@@ -132,7 +133,8 @@ def test_the_eager_cases_are_named_once(synth):
                           (dict(kv_type="f32"), "--kv-type f32"),
                           (dict(kv_type="q8_0"), "--kv-type q8_0")):
         assert words in blocked(cfg, dataclasses.replace(cuda, **change)), change
-    assert "YaRN" in blocked(dataclasses.replace(cfg, yarn=object()), cuda)
+    # (YaRN's chunks run on the fused kernels: its frequency table, its q/k scale in the norms)
+    assert blocked(dataclasses.replace(cfg, yarn=Yarn(4.0, 8)), cuda) is None
     for arch, words in (("deepseek2", "latent cache"), ("gpt-oss", "sinks"),
                         ("qwen35moe", "recurrent state")):
         other = ModelConfig.from_model(open_model(synth(arch, "Q8_0")))
@@ -298,6 +300,36 @@ def through(model, chunks: list[list[int]], graphs):  # noqa: ANN001, ANN201
     out, kv = run_chunks(model, chunks, graphs)
     rows = kv.store[:, :, : kv.length].float().cpu()
     return [o.float().cpu() for o in out], rows
+
+
+@pytest.mark.cuda
+def test_yarn_chunks_through_graphs_give_the_reference_logits(synth, tmp_path):
+    """A qwen3moe file with YaRN RoPE (factor 4 over 8 tokens: every position interpolated):
+    prompts of 37 and 200 tokens, eagerly, captured and replayed from the prompt graphs, give
+    the CPU reference path's logits within bf16 rounding."""
+    from dataclasses import replace
+
+    from strata.cli.logits import compute_logits
+    from strata.engine.generator import Engine
+    from strata.synth.presets import get_preset
+    from strata.synth.recipes import Recipe
+    from strata.synth.writer import write_model
+
+    path = tmp_path / "yarn.gguf"
+    write_model(path, replace(get_preset("tiny", "qwen3moe"), yarn_factor=4.0,
+                              yarn_orig_ctx=8), Recipe("Q4_K_M"), 0)
+    engine = offload(path, "cuda", expert_cache="24", kernels="fused", kv_type="f16")
+    graphs = engine.model.chunks
+    assert graphs.why is None and engine.config.yarn is not None
+    reference = Engine.load(path)
+    for n in (37, 200):
+        tokens = prompt(n, 2)
+        ref = torch.from_numpy(compute_logits(reference, tokens))[-1:]
+        for _ in range(3):  # (a bucket's first chunk runs eagerly, its second is captured)
+            out, _ = run_chunks(engine.model, [tokens], graphs)
+            p, q = torch.log_softmax(ref, -1), torch.log_softmax(out[0].float().cpu(), -1)
+            assert float((p.exp() * (p - q)).sum(-1).max()) < 2e-3, n
+    assert graphs.steps["captured"] == 2 and graphs.steps["replayed"] == 2
 
 
 @pytest.mark.cuda

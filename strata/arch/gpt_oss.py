@@ -33,16 +33,10 @@ def read_fields(m: _Meta, n_layers: int) -> dict[str, object]:
     kind = m.mf.meta(f"{ARCH}.rope.scaling.type", "none")
     yarn = None
     if kind == "yarn":  # ggml's own mscale on cos and sin (config.Yarn's rope_mscale)
-        from strata.yarn import Yarn
+        from strata.yarn import rope_scaling
 
-        yarn = Yarn(
-            factor=m.float("rope.scaling.factor", 1.0, 0.0, 1e6),
-            orig_ctx=m.int("rope.scaling.original_context_length", lo=1, hi=1 << 24),
-            beta_fast=m.float("rope.scaling.yarn_beta_fast", 32.0, 0.0, 1e6),
-            beta_slow=m.float("rope.scaling.yarn_beta_slow", 1.0, 0.0, 1e6),
-            ext_factor=m.float("rope.scaling.yarn_ext_factor", 1.0, -1e-9, 1e6),
-            attn_factor=m.float("rope.scaling.yarn_attn_factor", 1.0, 0.0, 1e6),
-        )
+        m.int("rope.scaling.original_context_length", lo=1, hi=1 << 24)  # (required here)
+        yarn = rope_scaling(m, 1)
     elif kind != "none":
         raise UnsupportedError(f"{mf.path}: metadata key {ARCH}.rope.scaling.type is {kind!r}; "
                                "Strata runs gpt-oss with yarn or no RoPE scaling")

@@ -98,8 +98,6 @@ def blocked(cfg: ModelConfig, ec: EngineConfig) -> str | None:
     mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - {"gqa"})
     if mixers:
         return f"{cfg.arch}'s layers hold " + ", ".join(MIXER_WHY.get(m, m) for m in mixers)
-    if cfg.yarn is not None:
-        return "YaRN RoPE: its chunks take the reference attention, sliced on the host"
     if ec.kv_type not in HALF_KV:
         return (f"--kv-type {ec.kv_type}: flash attention reads f16 or bf16 rows; this cache's "
                 "rows are copied up to a length the host knows")

@@ -21,6 +21,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.experts import ExpertExecutor, ReferenceExperts
+from strata.kernels.torch_ops import yarn_inv_freq
 from strata.model.layers import rope_tables
 from strata.model.parts import Head, Layer, Segment, Segments
 from strata.model.parts.attention import BF16_ATTENTION_MIN_T
@@ -129,7 +130,7 @@ class MoETransformer:
                                          for s in segments]), self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
         ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
-        if (self.fused_attention and len(segments) == 1 and cfg.yarn is None
+        if (self.fused_attention and len(segments) == 1
                 and not getattr(segments[0].kv, "paged", False)):
             # (one launch a layer for the q/k norms, RoPE and the cache store: GQAAttention;
             # a paged cache's rows go through its block table instead)
@@ -164,10 +165,15 @@ class MoETransformer:
         return x, delta
 
     def rope_inv_freq(self) -> torch.Tensor:
-        """RoPE's frequencies for the fused chunk kernels (decode_ops.rope_inv_freq), made once."""
+        """RoPE's frequencies for the fused chunk kernels (decode_ops.rope_inv_freq; YaRN's where
+        the model has it, its q/k scale applied by the attention), made once."""
         if self._inv_freq is None:
-            self._inv_freq = decode_ops().rope_inv_freq(self.cfg.rope_dim, self.cfg.rope_theta,
-                                                        self.device)
+            c = self.cfg
+            if c.yarn is not None:
+                self._inv_freq = yarn_inv_freq(c.rope_dim, c.rope_theta, c.yarn, self.device)
+            else:
+                self._inv_freq = decode_ops().rope_inv_freq(c.rope_dim, c.rope_theta,
+                                                            self.device)
         return self._inv_freq
 
     def gpu_timer(self):  # noqa: ANN201 (GpuTimer | None)

@@ -42,7 +42,8 @@ class Preset:
     d_v: int = 0
     n_groups: int = 1
     n_groups_used: int = 1
-    yarn_factor: float = 1.0  # (also gpt-oss's; 1: no YaRN)
+    yarn_factor: float = 1.0  # (also gpt-oss's and any other's; 1: no YaRN)
+    rope_scaling: str = "yarn"  # with a yarn_factor > 1 (not deepseek2): yarn | linear
     yarn_orig_ctx: int = 0
     yarn_mscale: float = 1.0
     yarn_beta: tuple[float, float] = (32.0, 1.0)  # fast, slow

@@ -69,11 +69,12 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
                       ssm_state=p.ssm_state, ssm_groups=p.ssm_groups,
                       ssm_heads=p.ssm_heads, attn_gate=True, n_nextn=p.n_nextn, qk_norm=True,
                       ssm_layout="qwen35" if p.arch == "qwen35moe" else "next")
+    if p.yarn_factor > 1:  # (as strata.yarn.rope_scaling reads what _add_yarn writes)
+        cfg = replace(cfg, yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx or p.context_length,
+                                     ext_factor=1.0 if p.rope_scaling == "yarn" else 0.0))
     if p.arch == "gpt-oss":
         cfg = replace(cfg, sliding_window=p.sliding_window, attn_sinks=True, moe_bias=True,
-                      expert_act="swiglu_oai", ffn_norm_name="post_attention_norm",
-                      yarn=Yarn(p.yarn_factor, p.yarn_orig_ctx)
-                      if p.yarn_factor > 1 else None)
+                      expert_act="swiglu_oai", ffn_norm_name="post_attention_norm")
     return cfg
 
 
@@ -181,7 +182,7 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
         w.add_expert_shared_feed_forward_length(p.d_shared)
     if p.sliding_window:
         w.add_sliding_window(p.sliding_window)
-    if p.arch == "gpt-oss" and p.yarn_factor > 1:  # as llama.cpp's converter writes its
+    if p.arch != "deepseek2" and p.yarn_factor > 1:  # as llama.cpp's converter writes its
         _add_yarn(w, p)  # rope_scaling
     if p.arch == "glm4moe":
         w.add_rope_dimension_count(p.rope_dim or p.head_dim)
@@ -232,10 +233,12 @@ def _add_sigmoid_routing(w: GGUFWriter, p: Preset) -> None:
 
 
 def _add_yarn(w: GGUFWriter, p: Preset) -> None:
-    """The rope.scaling keys gpt-oss and deepseek2 share: yarn, its factor, original context."""
-    w.add_rope_scaling_type(RopeScalingType.YARN)
+    """The rope.scaling keys every architecture shares: the type (yarn; linear where the preset
+    says, not for deepseek2), its factor, the original context."""
+    linear = p.rope_scaling == "linear" and p.arch != "deepseek2"
+    w.add_rope_scaling_type(RopeScalingType.LINEAR if linear else RopeScalingType.YARN)
     w.add_rope_scaling_factor(p.yarn_factor)
-    w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx)
+    w.add_rope_scaling_orig_ctx_len(p.yarn_orig_ctx or p.context_length)
 
 
 def file_type(recipe: Recipe) -> LlamaFileType | None:

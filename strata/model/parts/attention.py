@@ -16,6 +16,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.kernels.gpu.chunk_attention import chunk_attention, flash_reads
+from strata.kernels.torch_ops import yarn_attn_scale
 from strata.kernels.tuning import BF16_ATTENTION_MIN_T
 from strata.model.layers import apply_rope, attention, attention_bf16, attention_last, rms_norm
 from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
@@ -29,7 +30,10 @@ class GQAAttention:
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
         self.eps, self.rope_style = cfg.rms_eps, cfg.rope_style
-        self.scale = cfg.head_dim ** -0.5
+        # YaRN's q/k scale (the reference's cos and sin carry it; the fused kernels' frequency
+        # table does not: _rope_inputs) and its softmax scale
+        self.mscale, softmax = yarn_attn_scale(cfg.yarn)
+        self.scale = cfg.head_dim ** -0.5 * softmax
 
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h [T, D] -> attention output after wo [T, D]; the KV cache gets the new rows."""
@@ -50,12 +54,11 @@ class GQAAttention:
         then flash decoding over the rows up to ctx.length (two launches)."""
         if ctx.rows is not None:  # one token of each of B sequences (the batched step)
             return self._rows(q, k, v, ctx)
-        ops, lw, kv, i = decode_ops(), self.lw, ctx.kv, self.layer
+        ops, kv, i = decode_ops(), ctx.kv, self.layer
         ks, vs = (kv.ks[i], kv.vs[i]) if kv.quantized else (None, None)  # q8_0's scales
-        q = ops.qk_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
-                              lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
-                              ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i], k_scales=ks,
-                              v_scales=vs)
+        q, k, qn, kn = self._rope_inputs(q, k)
+        q = ops.qk_rope_store(q, k, v, qn, kn, self.eps, ctx.pos, ctx.inv_freq, self.rope_style,
+                              kv.k[i], kv.v[i], k_scales=ks, v_scales=vs)
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale, k_scales=ks,
                                     v_scales=vs, fused=ctx.fused_attention)  # [1, H*hd]
 
@@ -63,13 +66,26 @@ class GQAAttention:
               window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """B sequences of one KV pool, one token each: q/k norms, RoPE at each row's position
         and the pool store, then each row's attention over its own rows. -> [B, H*hd]"""
-        ops, lw, r = decode_ops(), self.lw, ctx.rows
+        ops, r = decode_ops(), ctx.rows
         kp, vp, ks, vs = r.pool.layer(self.layer)  # [R, Hkv, hd] (+ q8_0's scales)
-        q = ops.rows_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
-                                lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
-                                ctx.inv_freq, self.rope_style, kp, vp, r.write, ks, vs)
+        q, k, qn, kn = self._rope_inputs(q, k)
+        q = ops.rows_rope_store(q, k, v, qn, kn, self.eps, ctx.pos, ctx.inv_freq,
+                                self.rope_style, kp, vp, r.write, ks, vs)
         return ops.paged_attention(q, kp, vp, r.read, ctx.length, self.scale, window, sinks,
                                    ks, vs)
+
+    def _rope_inputs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, q norm, k norm) for the fused kernels that norm, rotate (by the frequency
+        table, YaRN's included) and store in one launch: YaRN's q/k scale goes into the norms'
+        weights where there are norms (a norm would undo a scaled input), else onto q and k (the
+        rotation is linear), so the stored keys are the reference's."""
+        lw, m = self.lw, self.mscale
+        qn, kn = (lw.q_norm, lw.k_norm) if self.qk_norm else (None, None)
+        if m == 1.0:
+            return q, k, qn, kn
+        if qn is not None:
+            return q, k, qn * m, kn * m
+        return q * m, k * m, None, None
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
@@ -120,15 +136,14 @@ class GQAAttention:
         decode kernel reading them as stored (a few tokens). Every position and length but
         that bf16 copy's comes from ctx.pos on the device: a captured chunk serves any start
         (strata.engine.chunk_graph)."""
-        ops, lw, i = decode_ops(), self.lw, self.layer
+        ops, i = decode_ops(), self.layer
         kv, t = ctx.segments[0].kv, q.shape[0]
         end = kv.length + t
         kv.reserve(end)
         ks, vs = (kv.ks[i], kv.vs[i]) if kv.quantized else (None, None)  # q8_0's scales
-        q = ops.qk_rope_store(q, k, v, lw.q_norm if self.qk_norm else None,
-                              lw.k_norm if self.qk_norm else None, self.eps, ctx.pos,
-                              ctx.inv_freq, self.rope_style, kv.k[i], kv.v[i], k_scales=ks,
-                              v_scales=vs)
+        q, k, qn, kn = self._rope_inputs(q, k)
+        q = ops.qk_rope_store(q, k, v, qn, kn, self.eps, ctx.pos, ctx.inv_freq, self.rope_style,
+                              kv.k[i], kv.v[i], k_scales=ks, v_scales=vs)
         if t > BF16_ATTENTION_MIN_T and flash_reads(kv.k[i]):
             return chunk_attention(q, kv.k[i], kv.v[i], ctx.pos + t, self.scale)
         if t > BF16_ATTENTION_MIN_T:

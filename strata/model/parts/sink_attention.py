@@ -19,7 +19,6 @@ import torch
 
 from strata.arch.gpt_oss import is_sliding
 from strata.config import ModelConfig
-from strata.kernels.torch_ops import yarn_attn_scale
 from strata.model.layers import apply_rope
 from strata.model.parts.attention import GQAAttention
 from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
@@ -60,11 +59,8 @@ class SinkAttention(GQAAttention):
     on the others."""
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
-        super().__init__(cfg, lw, layer)
+        super().__init__(cfg, lw, layer)  # (YaRN's scales: GQAAttention's)
         self.window = cfg.sliding_window if is_sliding(cfg, layer) else 0
-        # YaRN's q/k scale (the static step's RoPE table carries none) and softmax scale
-        self.mscale, softmax = yarn_attn_scale(cfg.yarn)
-        self.scale *= softmax
 
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         out = super().forward(h, ctx)  # [T, D]
@@ -75,10 +71,9 @@ class SinkAttention(GQAAttention):
         """RoPE and the cache store in one launch (q and k scaled by YaRN's mscale first: the
         rotation is linear), then decode attention over the window with the sinks."""
         ops, kv, i = decode_ops(), ctx.kv, self.layer
-        if self.mscale != 1.0:
-            q, k = q * self.mscale, k * self.mscale
         if ctx.rows is not None:  # one token of each of B sequences (the batched step)
             return self._rows(q, k, v, ctx, self.window, self.lw.sinks)
+        q, k, _, _ = self._rope_inputs(q, k)  # (no q/k norms: YaRN's scale on q and k)
         q = ops.qk_rope_store(q, k, v, None, None, self.eps, ctx.pos, ctx.inv_freq,
                               self.rope_style, kv.k[i], kv.v[i])
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale,
