@@ -135,10 +135,11 @@ def test_the_eager_cases_are_named_once(synth):
         assert words in blocked(cfg, dataclasses.replace(cuda, **change)), change
     # (YaRN's chunks run on the fused kernels: its frequency table, its q/k scale in the norms)
     assert blocked(dataclasses.replace(cfg, yarn=Yarn(4.0, 8)), cuda) is None
-    for arch, words in (("deepseek2", "latent cache"), ("gpt-oss", "sinks"),
-                        ("qwen35moe", "recurrent state")):
+    for arch, words in (("deepseek2", "latent cache"), ("qwen35moe", "recurrent state")):
         other = ModelConfig.from_model(open_model(synth(arch, "Q8_0")))
         assert words in blocked(other, cuda), arch
+    # (gpt-oss's sinks and windows run on the fused chunk path: its chunks are captured)
+    assert blocked(ModelConfig.from_model(open_model(synth("gpt-oss", "Q8_0"))), cuda) is None
 
 
 def test_each_chunk_that_needs_the_host_runs_eagerly(synth):
@@ -259,6 +260,13 @@ def test_chunk_attention_reads_the_length_from_the_device(dtype, t, start):
     out = chunk_attention(q, k, v, torch.tensor([n]), hd ** -0.5)
     ref = reference_attention(q.to(dtype).float(), k[:n].float(), v[:n].float(), start)
     assert out.shape == (t, h * hd) and torch.allclose(out, ref, atol=1e-5)
+    # gpt-oss's window and sinks: the reference's sink attention over the same rounded rows
+    from strata.model.parts.sink_attention import sink_attention
+
+    sinks = torch.randn(h, generator=g)
+    out = chunk_attention(q, k, v, torch.tensor([n]), hd ** -0.5, 6, sinks)
+    ref = sink_attention(q.to(dtype).float(), k[:n], v[:n], start, sinks, 6, hd ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-5)
 
 
 def test_grouped_path_dequantizes_only_the_routed_experts(monkeypatch):
@@ -303,10 +311,12 @@ def through(model, chunks: list[list[int]], graphs):  # noqa: ANN001, ANN201
 
 
 @pytest.mark.cuda
-def test_yarn_chunks_through_graphs_give_the_reference_logits(synth, tmp_path):
-    """A qwen3moe file with YaRN RoPE (factor 4 over 8 tokens: every position interpolated):
-    prompts of 37 and 200 tokens, eagerly, captured and replayed from the prompt graphs, give
-    the CPU reference path's logits within bf16 rounding."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_yarn_chunks_through_graphs_give_the_reference_logits(synth, tmp_path, arch):
+    """A qwen3moe file with YaRN RoPE (factor 4 over 8 tokens: every position interpolated),
+    and gpt-oss (YaRN, sinks, a window of 16 on every other layer, biased experts): prompts of
+    37 and 200 tokens, eagerly, captured and replayed from the prompt graphs, give the CPU
+    reference path's logits within bf16 rounding."""
     from dataclasses import replace
 
     from strata.cli.logits import compute_logits
@@ -316,9 +326,12 @@ def test_yarn_chunks_through_graphs_give_the_reference_logits(synth, tmp_path):
     from strata.synth.writer import write_model
 
     path = tmp_path / "yarn.gguf"
-    write_model(path, replace(get_preset("tiny", "qwen3moe"), yarn_factor=4.0,
-                              yarn_orig_ctx=8), Recipe("Q4_K_M"), 0)
-    engine = offload(path, "cuda", expert_cache="24", kernels="fused", kv_type="f16")
+    preset = get_preset("tiny", arch)
+    if arch == "qwen3moe":
+        preset = replace(preset, yarn_factor=4.0, yarn_orig_ctx=8)
+    write_model(path, preset, Recipe("Q4_K_M" if arch == "qwen3moe" else "MXFP4"), 0)
+    engine = offload(path, "cuda", expert_cache=str(preset.n_layers * preset.n_experts),
+                     kernels="fused", kv_type="f16")
     graphs = engine.model.chunks
     assert graphs.why is None and engine.config.yarn is not None
     reference = Engine.load(path)
@@ -420,20 +433,27 @@ def test_capture_failure_falls_back_to_eager(synth, monkeypatch, caplog):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("t,start", [(16, 0), (128, 300), (7, 1000)])
-def test_flash_chunk_attention_equals_its_torch_form(dtype, t, start):
+@pytest.mark.parametrize("window,sinks", [(0, False), (128, True), (0, True)])
+def test_flash_chunk_attention_equals_its_torch_form(dtype, t, start, window, sinks):
     """Flash attention over the storage (seqused_k on the device) against the torch form over
-    the same rounded values: fp32 sums in both, within the half type's rounding of p."""
+    the same rounded values: fp32 sums in both, within the half type's rounding of p; with
+    gpt-oss's left window (flash's) and sinks (folded in from flash's log-sum-exp), at gpt-oss's
+    head size."""
     g = torch.Generator().manual_seed(t)
-    cap, h, hkv, hd = 2048, 32, 4, 128
+    cap, h, hkv, hd = 2048, 32, 4, 64 if sinks else 128
     q = torch.randn(t, h, hd, generator=g).cuda()
     k = torch.randn(cap, hkv, hd, generator=g).to(dtype).cuda()
     v = torch.randn(cap, hkv, hd, generator=g).to(dtype).cuda()
     k[start + t:], v[start + t:] = float("nan"), float("nan")  # past the length: never read
+    s = 2 * torch.randn(h, generator=g) if sinks else None
     n = torch.tensor([start + t], device="cuda")
-    out = chunk_attention(q, k, v, n, hd ** -0.5)
-    ref = chunk_attention(q.cpu(), k.cpu(), v.cpu(), n.cpu(), hd ** -0.5)
+    out = chunk_attention(q, k, v, n, hd ** -0.5, window, None if s is None else s.cuda())
+    ref = chunk_attention(q.cpu(), k.cpu(), v.cpu(), n.cpu(), hd ** -0.5, window, s)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3  # (flash rounds p to the type for p.V)
     assert torch.isfinite(out).all() and float((out.cpu() - ref).abs().max()) < tol
+    if sinks:  # (the sinks move the output: the fold is not a no-op)
+        plain = chunk_attention(q.cpu(), k.cpu(), v.cpu(), n.cpu(), hd ** -0.5, window)
+        assert float((plain - ref).abs().max()) > 10 * tol
 
 
 def test_the_device_counters_count_the_real_rows_and_outlive_a_reset():

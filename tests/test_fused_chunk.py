@@ -42,6 +42,8 @@ _CHUNK_INTERPRETED = """
                 preset = get_preset("tiny", arch.removesuffix("-yarn"))
                 if arch.endswith("-yarn"):  # (YaRN's table; its scale in the q/k norms)
                     preset = replace(preset, yarn_factor=4.0, yarn_orig_ctx=8)
+                if arch == "gpt-oss":  # (sinks; a window of 4 that the 8-token chunk passes)
+                    preset = replace(preset, sliding_window=4)
                 write_model(path, preset, Recipe("Q8_0"), 0)
             engine = Engine.load(path)
             model = engine.model
@@ -79,7 +81,8 @@ _CHUNK_INTERPRETED = """
 
 def test_fused_chunk_path_stores_the_reference_rows():
     # (two processes side by side: the interpreter runs on one core each)
-    halves = ([("qwen3moe", "f32"), ("qwen35moe", "f32")], [("qwen3moe", "f16"),
+    halves = ([("qwen3moe", "f32"), ("qwen35moe", "f32"), ("gpt-oss", "f16")],
+              [("qwen3moe", "f16"),
                                                             ("qwen3moe", "q8_0"),
                                                             ("qwen3moe-yarn", "f32")])
     run_interpreted_side_by_side([f"\n    CASES = {h!r}" + _CHUNK_INTERPRETED for h in halves],

@@ -74,9 +74,9 @@ log = logging.getLogger("strata")
 
 PROMPT_GRAPH_MODES = ("on", "off")
 HALF_KV = ("f16", "bf16")  # the cache types chunk_attention reads on flash attention
-# layer parts other than full GQA attention, and why their chunks need the host
-MIXER_WHY = {"mla": "a latent cache", "sinks": "attention sinks and sliding windows",
-             "delta": "a recurrent state the padding would enter",
+# layer parts other than full GQA attention and gpt-oss's (sinks, sliding windows: its chunks
+# run GQAAttention._chunk with them), and why their chunks need the host
+MIXER_WHY = {"mla": "a latent cache", "delta": "a recurrent state the padding would enter",
              "gated": "a hybrid's recurrent layers beside it"}
 
 
@@ -95,7 +95,7 @@ def blocked(cfg: ModelConfig, ec: EngineConfig) -> str | None:
         return "--offload off: the reference layout groups each layer's experts on the host"
     if ec.kernels != "fused":
         return f"--kernels {ec.kernels}: prompt chunks attend over rows the host slices"
-    mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - {"gqa"})
+    mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - {"gqa", "sinks"})
     if mixers:
         return f"{cfg.arch}'s layers hold " + ", ".join(MIXER_WHY.get(m, m) for m in mixers)
     if ec.kv_type not in HALF_KV:

@@ -45,11 +45,15 @@ def _flash_available(device: torch.device) -> bool:
 
 
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    length: torch.Tensor, scale: float) -> torch.Tensor:
+                    length: torch.Tensor, scale: float, window: int = 0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, hd] float32 (last dim contiguous); k_cache, v_cache [C, Hkv, hd] of one type,
     contiguous (flash: float16 / bfloat16); length int32/int64 [1] on q's device with
     T <= length <= C -> [T, H*hd] float32. Rows >= length are never read (flash) or are masked
-    and zeroed first (torch)."""
+    and zeroed first (torch). gpt-oss: window > 0, each query sees its last `window` keys
+    (flash's left window); sinks f32 [H], a logit per head in each softmax's denominator: flash
+    gives each row's log-sum-exp L of its scores, and a sink s scales the row's output by
+    e^L / (e^L + e^s) = sigmoid(L - s), exactly the softmax with the sink."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be [T, H, hd] and the caches [C, Hkv, hd] alike, got "
                          f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
@@ -71,10 +75,11 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         cu_q = torch.arange(0, 2 * t, t, dtype=torch.int32, device=dev)
         cu_k = torch.arange(0, 2 * cap, cap, dtype=torch.int32, device=dev)
         used = length.reshape(1).to(torch.int32)
+        left = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
         try:
-            out = torch.ops.aten._flash_attention_forward(
+            out, lse = torch.ops.aten._flash_attention_forward(
                 q.to(k_cache.dtype), k_cache, v_cache, cu_q, cu_k, t, cap, 0.0, True, False,
-                scale=scale, seqused_k=used)[0]  # [T, H, hd]
+                scale=scale, seqused_k=used, **left)[:2]  # [T, H, hd], [H, T] (or [1, H, >= T])
         except RuntimeError as e:
             if torch.cuda.is_current_stream_capturing():
                 raise  # (a capture fails whole: its chunk runs eagerly, and lands below)
@@ -84,8 +89,12 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             log.warning("flash attention over the KV cache refused (%s): prompt chunks attend "
                         "over bf16 copies of their rows", _REFUSED[0])
         else:
-            return out.reshape(t, h * hd).float()
+            out = out.float()
+            if sinks is not None:
+                lse = lse.reshape(h, -1)[:, :t]  # [H, T]
+                out = out * torch.sigmoid(lse - sinks.float()[:, None]).T[:, :, None]
+            return out.reshape(t, h * hd)
     from strata.kernels.gpu.decode_ops import _attention_torch
 
     rounded = q.to(k_cache.dtype).float() if k_cache.dtype in HALF else q
-    return _attention_torch(rounded, k_cache, v_cache, length, scale)
+    return _attention_torch(rounded, k_cache, v_cache, length, scale, window, sinks)

@@ -127,15 +127,17 @@ class GQAAttention:
             start += s.length
         return torch.cat(out)  # [T, H*hd]
 
-    def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               ctx: Segments) -> torch.Tensor:
+    def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Segments,
+               window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One segment's T tokens on the fused kernels: q/k norms, RoPE and the cache store in
         one launch (as the decode step's), then flash attention over the cache's rows (T >
         BF16_ATTENTION_MIN_T: on a float16 / bfloat16 CUDA cache as stored, its length read on
         the device, chunk_attention; else over the rows up to the chunk's end in bf16) or the
         decode kernel reading them as stored (a few tokens). Every position and length but
         that bf16 copy's comes from ctx.pos on the device: a captured chunk serves any start
-        (strata.engine.chunk_graph)."""
+        (strata.engine.chunk_graph). With a window or sinks (gpt-oss): flash attention with its
+        left window and the sinks folded in from its log-sum-exp, else the decode kernel at
+        any T (both read the length on the device)."""
         ops, i = decode_ops(), self.layer
         kv, t = ctx.segments[0].kv, q.shape[0]
         end = kv.length + t
@@ -145,14 +147,15 @@ class GQAAttention:
         q = ops.qk_rope_store(q, k, v, qn, kn, self.eps, ctx.pos, ctx.inv_freq, self.rope_style,
                               kv.k[i], kv.v[i], k_scales=ks, v_scales=vs)
         if t > BF16_ATTENTION_MIN_T and flash_reads(kv.k[i]):
-            return chunk_attention(q, kv.k[i], kv.v[i], ctx.pos + t, self.scale)
-        if t > BF16_ATTENTION_MIN_T:
+            return chunk_attention(q, kv.k[i], kv.v[i], ctx.pos + t, self.scale, window, sinks)
+        if t > BF16_ATTENTION_MIN_T and not window and sinks is None:
             keys, values = kv.k[i][:end], kv.v[i][:end]  # [end, Hkv, hd]
             if kv.quantized:
                 keys, values = dequantize_q8_0(keys, ks[:end]), dequantize_q8_0(values, vs[:end])
             return attention_bf16(q, keys, values)
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.pos + t, self.scale, k_scales=ks,
-                                    v_scales=vs, fused=True)  # [T, H*hd]
+                                    v_scales=vs, fused=True, window=window,
+                                    sinks=sinks)  # [T, H*hd]
 
 
 class GatedAttention(GQAAttention):

@@ -82,7 +82,10 @@ class SinkAttention(GQAAttention):
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
-        """Each segment appends its keys and values to its own cache and attends over it."""
+        """Each segment appends its keys and values to its own cache and attends over it; one
+        segment under --kernels fused on CUDA: GQAAttention._chunk with the window and sinks."""
+        if ctx.inv_freq is not None:
+            return self._chunk(q, k, v, ctx, self.window, self.lw.sinks)
         q, k = (apply_rope(q, ctx.cos, ctx.sin, self.rope_style),
                 apply_rope(k, ctx.cos, ctx.sin, self.rope_style))
         out, start = [], 0
