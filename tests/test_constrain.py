@@ -143,3 +143,66 @@ def test_mask_on_the_gpu_is_the_cpu_mask(demo_tok):
     assert valid(json.loads(text), SCHEMA)
     c = Constraint(grammar, demo_tok, demo_tok.vocab_size)
     assert torch.equal(c.allowed("cuda").cpu(), c.allowed("cpu"))
+
+
+def test_window_masks_each_row_and_leaves_the_state(demo_tok):
+    """Constraint.window: the drafts cut before the first the grammar forbids; row i allows
+    what a grammar that took drafts[:i] allows; the grammar's state afterwards as before."""
+    c = Constraint(json_grammar(SCHEMA), demo_tok, demo_tok.vocab_size)
+    text = demo_tok.encode('{"name": "ab", "count": 7', False, False)
+    for t in text[:3]:
+        c.accept(t)
+    before = c.allowed()
+    good = text[3:]
+    drafts, rows = c.window(good + [demo_tok.encode("x", False, False)[0]] + good)
+    assert drafts == good and rows.shape == (len(good) + 1, demo_tok.vocab_size)
+    assert torch.equal(c.allowed(), before)
+    fresh = Constraint(json_grammar(SCHEMA), demo_tok, demo_tok.vocab_size)
+    for t in text[:3]:
+        fresh.accept(t)
+    for i, t in enumerate([*good, None]):
+        assert torch.equal(rows[i], fresh.allowed()), i
+        if t is not None:
+            fresh.accept(t)
+    assert c.window([])[0] == [] and torch.equal(c.window([])[1][0], before)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "replay"])
+def test_generate_with_windows_follows_the_grammar(synth, draft):
+    """--spec with a grammar: every window row masked, drafts the grammar forbids cut; greedy
+    output is the plain constrained output, and windows ran (n-gram drafts, and drafts that
+    replay the answer with every third token wrong)."""
+    from strata.config import EngineConfig
+    from strata.engine.generator import Engine
+    from strata.engine.spec import SpecDecoder
+
+    f = synth("qwen3moe", "Q4_K_M")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9},
+                                               "s": {"type": "array", "items": {"enum": [
+                                                   "a", "b"]}, "maxItems": 30}},
+              "required": ["n", "s"]}
+    base = Engine.load(f, config=EngineConfig(prefill="off"))
+    prompt = base.tokenizer.encode("a JSON object:", False)
+    params = SamplingParams(temperature=0, max_tokens=80)
+
+    def constraint():  # noqa: ANN202
+        return Constraint(json_grammar(schema, strict=True), base.tokenizer, base.config.n_vocab)
+
+    plain = list(base.generate(prompt, params, constraint=constraint()))
+    eng = Engine.load(f, config=EngineConfig(prefill="off", spec=3, draft="ngram"))
+    if draft == "replay":
+        class Replay:
+            name = "replay"
+
+            def propose(self, context, n):  # noqa: ANN001, ANN202
+                at = len(context) - len(prompt)
+                return [t if (at + i) % 3 else (t + 1) % 1000
+                        for i, t in enumerate(plain[at:at + n])]
+
+        eng.spec = SpecDecoder(eng.model, Replay(), 3, timed=False)
+    eng.spec.timed = False
+    ours = list(eng.generate(prompt, params, constraint=constraint()))
+    assert ours == plain
+    assert valid(json.loads(eng.tokenizer.decode(ours)), schema)
+    st = eng.stats.spec
+    assert st.windows > 0 and st.accepted > 0

@@ -88,10 +88,12 @@ def test_serve_spec_and_verify_window_stall(synth, tmp_path):
 
 
 def _run_many(engine: Engine, prompts: list[str], n: int, sampled: bool = False,
-              ids: dict | None = None) -> tuple[dict[str, str], list[StepDone]]:
+              ids: dict | None = None, grammar: str | None = None
+              ) -> tuple[dict[str, str], list[StepDone]]:
     """The prompts submitted together (greedy; with `sampled`, the second at temperature 0.8
-    with a seed), every one decoding n tokens -> (text by request id, the steps); `ids` gets
-    each request's prompt and tokens."""
+    with a seed; with a grammar, the first and last follow it), every one decoding n tokens
+    (or, with a grammar, up to n) -> (text by request id, the steps); `ids` gets each request's
+    prompt and tokens."""
     sent: list = []
     runner = BatchRunner(engine, sent.append, FaultTrigger(None))
     finish = runner._finish
@@ -105,12 +107,14 @@ def _run_many(engine: Engine, prompts: list[str], n: int, sampled: bool = False,
     for i, p in enumerate(prompts):
         sampling = ({"temperature": 0.8, "seed": 5} if sampled and i == 1
                     else {"temperature": 0.0})
-        runner.submit(Submit(f"r{i}", None, p, sampling, n, n, ignore_eos=True))
+        ruled = grammar is not None and i in (0, len(prompts) - 1)
+        runner.submit(Submit(f"r{i}", None, p, sampling, n, n, ignore_eos=not ruled,
+                             grammar=grammar if ruled else None))
     while runner.active:
         runner.step()
     done = {m.rid: m for m in sent if isinstance(m, Finished)}
     assert sorted(done) == [f"r{i}" for i in range(len(prompts))]
-    assert all(d.completion_tokens == n for d in done.values())
+    assert all(d.completion_tokens == n or grammar is not None for d in done.values())
     texts = {rid: "".join(m.text for m in sent if isinstance(m, Delta) and m.rid == rid)
              + d.text for rid, d in done.items()}
     return texts, [m for m in sent if isinstance(m, StepDone)]
@@ -198,3 +202,30 @@ def test_batched_windows_sampled_beside_greedy(synth):
         texts.append(got)
     assert texts[0]["r0"] == plain["r0"] and texts[0]["r2"] == plain["r2"]
     assert texts[0] == texts[1]
+
+
+def test_batched_windows_with_grammars(synth):
+    """Two sequences under a JSON grammar beside a free one, --spec 3 with drafts that replay
+    the answers with every third token wrong: each window row masked to what its grammar
+    allows, a forbidden draft cut; every text as without --spec, the constrained ones valid
+    JSON; windows of several sequences ran in one forward."""
+    import json
+
+    from strata.engine.constrain import json_grammar
+    from strata.engine.spec import SpecDecoder
+
+    pytest.importorskip("llguidance")
+    f = synth("qwen3moe", "Q4_K_M")
+    grammar = json_grammar({"type": "object", "properties": {"k": {"type": "array", "items": {
+        "enum": ["ab", "cd"]}, "maxItems": 40}}, "required": ["k"]}, strict=True)
+    runs: dict = {}
+    plain, _ = _run_many(Engine.load(f, config=EngineConfig(device="cpu")), _REPEATS, 40,
+                         ids=runs, grammar=grammar)
+    eng = Engine.load(f, config=EngineConfig(device="cpu", spec=3, draft="ngram"))
+    eng.spec = SpecDecoder(eng.model, _ReplayMany(runs), 3, timed=False)
+    texts, steps = _run_many(eng, _REPEATS, 40, grammar=grammar)
+    assert texts == plain
+    for rid in ("r0", "r2"):
+        assert isinstance(json.loads(texts[rid]), dict), texts[rid]
+    assert any(s.drafted and s.decode_tokens > s.accepted + 1 for s in steps)
+    assert 0 < eng.spec.stats.accepted < eng.spec.stats.drafted

@@ -11,6 +11,7 @@ EOS is. Median cost per token on one CPU thread (scripts/bench_constrain.py): th
     grammar = json_grammar({"type": "json_schema", "json_schema": {...}})  # checked, no tokenizer
     c = Constraint(grammar, tokenizer, n_vocab)
     token = sample(c.mask(logits), params, gen); c.accept(token)
+    drafts, allowed = c.window(drafts)   # a verify window's rows (--spec), the state unmoved
 
 Legend: V vocab (the model's rows; tokens past the tokenizer's are never allowed), W = ceil(V/32).
 """
@@ -162,6 +163,26 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise StrataError(f"token {token} is not allowed by the grammar: "
                               f"{self.matcher.get_error()}")
+
+    def window(self, drafts: list[int], device: Any = "cpu") -> tuple[list[int], torch.Tensor]:
+        """A verify window's grammar (strata.engine.spec): the drafts cut before the first one
+        the grammar forbids after the ones before it (it could never be accepted), and the
+        allowed tokens of each of the window's rows, [k+1, V] bool (row i: after drafts[:i]).
+        The grammar moves through the drafts and back (llguidance's rollback): its state is as
+        before."""
+        import torch
+
+        if self.matcher.is_error():
+            raise StrataError(f"the grammar failed: {self.matcher.get_error()}")
+        drafts = drafts[:self.matcher.validate_tokens(drafts)]
+        rows = [self.allowed(device)]
+        for d in drafts:
+            self.accept(d)
+            rows.append(self.allowed(device))
+        if drafts and not self.matcher.rollback(len(drafts)):
+            raise StrataError(f"the grammar could not step back {len(drafts)} drafted tokens: "
+                              f"{self.matcher.get_error()}")
+        return drafts, torch.stack(rows)
 
     @property
     def done(self) -> bool:

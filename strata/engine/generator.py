@@ -182,9 +182,8 @@ class Engine:
             kv = self.model.new_cache(len(prompt) + params.max_tokens)
         t0 = time.perf_counter()
         logits = self.run_prompt(prompt[done:], kv)[0]
-        if self.spec is not None and params.max_tokens and constraint is None:
-            # (a grammar masks one token at a time: a constrained answer decodes plainly)
-            yield from self._generate_spec(prompt, params, kv, gen, logits, t0)
+        if self.spec is not None and params.max_tokens:
+            yield from self._generate_spec(prompt, params, kv, gen, logits, t0, constraint)
             return
         token = -1
         for i in range(params.max_tokens):
@@ -211,16 +210,18 @@ class Engine:
 
     def _generate_spec(self, prompt: list[int], params: SamplingParams, kv: KVCache,
                        gen: torch.Generator | None, logits: torch.Tensor,
-                       t0: float) -> Iterator[int]:
+                       t0: float, constraint: Any = None) -> Iterator[int]:
         """generate's loop through verify windows (strata.engine.spec): each step gives one
-        token or several."""
+        token or several (with a grammar, every row masked: SpecDecoder.step)."""
         from strata.engine.spec import rollback
 
         st, spec = self.stats, self.spec
         spec.reset()
         st.spec = spec.stats
         context = list(prompt)
-        tokens = [sample(logits, params, gen)]
+        tokens = [sample(logits if constraint is None else constraint.mask(logits), params, gen)]
+        if constraint is not None:
+            constraint.accept(tokens[0])
         st.prompt_s = time.perf_counter() - t0
         while True:
             for token in tokens:
@@ -236,7 +237,8 @@ class Engine:
                     return
             t0 = time.perf_counter()
             PROGRESS.at("decode", position=kv.length)
-            tokens = spec.step(context, kv, params, gen, params.max_tokens - st.generated_tokens)
+            tokens = spec.step(context, kv, params, gen, params.max_tokens - st.generated_tokens,
+                               constraint)
             PROGRESS.steps += 1
             st.decode_s += time.perf_counter() - t0
             st.decode_steps += 1

@@ -236,6 +236,7 @@ class Decoding:
     params: SamplingParams
     gen: torch.Generator | None
     room: int
+    constraint: object = None  # strata.engine.constrain.Constraint: the grammar it follows
 
 
 @dataclass
@@ -290,12 +291,17 @@ class SpecDecoder:
         return w
 
     def step(self, context: list[int], kv: KVCache, params: SamplingParams,
-             gen: torch.Generator | None, room: int) -> list[int]:
+             gen: torch.Generator | None, room: int, constraint: object = None) -> list[int]:
         """The next 1 .. room tokens after `context` (its last token is not in kv yet); kv then
-        holds all of the context and every returned token but the last."""
+        holds all of the context and every returned token but the last. With a constraint (a
+        grammar: constrain.Constraint) every row is masked to what the grammar allows there,
+        the drafts cut before the first it forbids, and the grammar takes the tokens given."""
         t0 = time.perf_counter()  # (drafting counts: a draft model's steps cost too)
         k = min(self.window.next_size(), room - 1)
         drafts = self.drafter.propose(context, k)[:k] if k > 0 else []
+        allowed = None
+        if drafts and constraint is not None:
+            drafts, allowed = constraint.window(drafts, self.model.device)
         if not drafts:
             if getattr(self.drafter, "needs_hidden", False):  # (the forward hands them over)
                 from strata.model.transformer import Segment
@@ -303,7 +309,10 @@ class SpecDecoder:
                 logits = self.model.forward(torch.tensor(context[-1:]), [Segment(kv, 1)])
             else:
                 logits = self.model.decode(context[-1], kv)
-            out = [sample(logits[0], params, gen)]
+            row = logits[0] if constraint is None else constraint.mask(logits[0])
+            out = [sample(row, params, gen)]
+            if constraint is not None:
+                constraint.accept(out[0])
             spent = time.perf_counter() - t0
             self.window.plain(spent)
             self.stats.plain_steps += 1
@@ -318,34 +327,60 @@ class SpecDecoder:
 
         tokens = torch.tensor([context[-1], *drafts])  # [k+1]
         logits = self._verify(tokens, [Segment(kv, n)], marks)  # [k+1, V]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         accepted, nxt = accept(logits, drafts, params, gen)
         rollback(self.model, kv, start + 1 + accepted)
+        out = [*drafts[:accepted], nxt]
+        for t in out if constraint is not None else ():
+            constraint.accept(t)
         spent = time.perf_counter() - t0
         self.window.update(len(drafts), accepted, spent)
         self.stats.add(len(drafts), accepted, spent)
-        return [*drafts[:accepted], nxt]
+        return out
 
 
-    def step_batch(self, seqs: list[Decoding]) -> list[tuple[list[int], int]] | None:
+    def step_batch(self, seqs: list[Decoding]) -> list[tuple[list[int], int] | StrataError] | None:
         """The next tokens of several decoding sequences through one forward: each sequence's
         [last, its drafts] a segment of its own (one without drafts: its last token alone, a
         plain step inside the pass), all logits out, each window accepted and rolled back as
         step() does. Every layer runs the batch's windows together, so a routed expert is read
-        once for all of their tokens. -> each sequence's (tokens (1 .. its room), drafted: 0
+        once for all of their tokens; a sequence with a grammar has its rows masked as step()
+        masks them. -> each sequence's (tokens (1 .. its room), drafted: 0
         without a window; its accepted drafts are all of the tokens but the last), or None where
-        none drafted (the caller runs its plain batched step, then plain_batch). The windows are
+        none drafted (the caller runs its plain batched step, then plain_batch); a sequence
+        whose grammar fails gets its StrataError in its place, out of the pass. The windows are
         timed by the pass's seconds per token given, against plain batched steps' (plain_batch):
         a batch where windows cost more per token than plain steps turns them off as step()
         does."""
-        from strata.model.transformer import Segment
-
         t0 = time.perf_counter()
-        drafts = []
-        for d in seqs:
+        drafts, allowed, failed = [], [], {}
+        for i, d in enumerate(seqs):
             k = min(self._window_of(d.key).next_size(), d.room - 1)
-            drafts.append(self.drafter.propose(d.context, k)[:k] if k > 0 else [])
+            dr = self.drafter.propose(d.context, k)[:k] if k > 0 else []
+            rows = None
+            if d.constraint is not None:  # (with no draft: its one row's mask)
+                try:
+                    dr, rows = d.constraint.window(dr, self.model.device)
+                except StrataError as e:  # (that sequence fails; the others go on)
+                    failed[i], dr = e, []
+            drafts.append(dr)
+            allowed.append(rows)
         if not any(drafts):
             return None
+        if failed:  # the pass runs the others
+            live = [i for i in range(len(seqs)) if i not in failed]
+            out = self._pass([seqs[i] for i in live], [drafts[i] for i in live],
+                             [allowed[i] for i in live], t0)
+            got = dict(zip(live, out, strict=True)) | failed
+            return [got[i] for i in range(len(seqs))]
+        return self._pass(seqs, drafts, allowed, t0)
+
+    def _pass(self, seqs: list[Decoding], drafts: list[list[int]],
+              allowed: list[torch.Tensor | None], t0: float) -> list[tuple[list[int], int]]:
+        """step_batch's forward over the windows drafted (each grammar's rows made)."""
+        from strata.model.transformer import Segment
+
         starts = [d.kv.length for d in seqs]
         tokens = [t for d, dr in zip(seqs, drafts, strict=True) for t in (d.context[-1], *dr)]
         segments = [Segment(d.kv, len(dr) + 1) for d, dr in zip(seqs, drafts, strict=True)]
@@ -356,15 +391,19 @@ class SpecDecoder:
             self.before_window(marks)
         logits = self._verify(torch.tensor(tokens), segments, marks)  # [sum of windows, V]
         out, row = [], 0
-        for d, dr, start in zip(seqs, drafts, starts, strict=True):
+        for d, dr, start, ok in zip(seqs, drafts, starts, allowed, strict=True):
             rows = logits[row:row + len(dr) + 1]
             row += len(dr) + 1
+            if ok is not None:
+                rows = rows.masked_fill(~ok, float("-inf"))
             if dr:
                 accepted, nxt = accept(rows, dr, d.params, d.gen)
             else:
                 accepted, nxt = 0, sample(rows[0], d.params, d.gen)
             rollback(self.model, d.kv, start + 1 + accepted)
             out.append([*dr[:accepted], nxt])
+            for t in out[-1] if d.constraint is not None else ():
+                d.constraint.accept(t)
         per_token = (time.perf_counter() - t0) / sum(len(o) for o in out)
         for d, dr, got in zip(seqs, drafts, out, strict=True):
             if dr:

@@ -15,8 +15,10 @@ One step (`BatchRunner.step`):
 
 With --spec T (strata.engine.spec) a step of one decoding sequence is a verify window, which may
 give several tokens; a step of several decoding sequences checks each one's window in one
-forward (SpecDecoder.step_batch) where the drafter drafts from the context alone (n-gram) and
-none is constrained by a grammar, else decodes one token each. Where no sequence drafted, the
+forward (SpecDecoder.step_batch) where the drafter drafts from the context alone (n-gram), else
+decodes one token each. A sequence with a grammar (response_format, a forced tool call) has each
+window row masked to what the grammar allows after the drafts before it, its drafts cut before
+the first the grammar forbids (constrain.Constraint.window). Where no sequence drafted, the
 step is the plain one (the batched step).
 
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
@@ -163,8 +165,7 @@ class BatchRunner:
         segments = [Segment(s.kv, len(take[s.rid])) for s in batch]
         # several sequences decoding, one token each: their verify windows in one forward
         together = (spec is not None and len(batch) > 1 and not prompt
-                    and len(tokens) == len(batch) and spec.batches
-                    and all(s.constraint is None for s in batch))  # (a grammar: token by token)
+                    and len(tokens) == len(batch) and spec.batches)
         try:
             for s in batch:  # injected faults strike inside the step, as real ones would
                 self.faults.at(*(("decode", s.decode_steps + 1) if s.prefilled else ("prefill",)))
@@ -172,8 +173,7 @@ class BatchRunner:
                 windows = self._windows(spec, batch)  # None: no sequence drafted
             if windows is not None:
                 logits = []
-            elif (len(batch) == 1 and not prompt and len(tokens) == 1 and spec is not None
-                    and batch[0].constraint is None):  # (a grammar masks one token at a time)
+            elif len(batch) == 1 and not prompt and len(tokens) == 1 and spec is not None:
                 window = self._window(spec, batch[0])  # one sequence: a verify window
                 logits = []
             elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
@@ -204,6 +204,8 @@ class BatchRunner:
             windows = ([window[0]], [(window[1], window[2])] if window[1] else [])
         if windows is not None:
             for s, out in zip(batch, windows[0], strict=True):
+                if s.rid not in self.seqs:  # (failed in the window: its grammar)
+                    continue
                 s.pending, s.decode_steps = [], s.decode_steps + 1
                 for token in out:  # a stop ends the sequence (its KV cache with it) mid-window
                     if s.rid in self.seqs:
@@ -271,7 +273,8 @@ class BatchRunner:
         n = spec.stats.windows
         spec.before_window = lambda marks: self.faults.at("verify", n + 1, window=marks)
         drafted, accepted = spec.stats.drafted, spec.stats.accepted
-        out = spec.step(s.context, s.kv, s.params, s.gen, s.max_tokens - s.generated)
+        out = spec.step(s.context, s.kv, s.params, s.gen, s.max_tokens - s.generated,
+                        s.constraint)
         return out, spec.stats.drafted - drafted, spec.stats.accepted - accepted
 
     def _windows(self, spec, batch: list[Sequence],  # noqa: ANN001 (a SpecDecoder)
@@ -285,10 +288,15 @@ class BatchRunner:
         n = spec.stats.windows
         spec.before_window = lambda marks: self.faults.at("verify", n + 1, window=marks)
         out = spec.step_batch([Decoding(s.rid, s.context, s.kv, s.params, s.gen,
-                                        s.max_tokens - s.generated) for s in batch])
+                                        s.max_tokens - s.generated, s.constraint)
+                               for s in batch])
         if out is None:
             return None
-        return [t for t, _ in out], [(d, len(t) - 1) for t, d in out if d]
+        for s, got in zip(batch, out, strict=True):
+            if isinstance(got, StrataError):  # its grammar failed: it alone fails
+                self._fail_grammar(s, got)
+        out = [((), 0) if isinstance(got, StrataError) else got for got in out]
+        return [list(t) for t, _ in out], [(d, len(t) - 1) for t, d in out if d]
 
     def _sample(self, logits: torch.Tensor, ready: list[tuple[Sequence, int]]
                 ) -> list[tuple[Sequence, int]]:
