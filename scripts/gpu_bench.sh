@@ -42,7 +42,10 @@
 # samples the engine process with py-spy, carried as a wheel in .whl/, under 1 and SPY_CLIENTS),
 # prompt (PROMPT_BUDGETS x PROMPT_LEN, budget[:expert cache], PROMPT_FLAGS added), check (the
 # logits of the offload runtime at each of CHECK_BUDGETS against everything on the device, float32
-# kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side).
+# kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side), spec
+# (strata bench-spec at each of SPEC_BUDGETS, 4 by default: --spec SPEC_T (4) windows whose
+# drafts replay the greedy answer, SPEC_ACCEPT drafts accepted a window (3,0), against plain
+# decode; SPEC_FLAGS added; #29's target on PRESET=qwen3.6-35b-a3b).
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit); with
 # TCACHE=1 also $OUT/tcache.tgz, the kernels Triton built in this run (its cache entries), which a
 # later run reads when carried as .tcache/*.tgz (every one there; the i-quant run forms take
@@ -110,7 +113,7 @@ if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *pro
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
       $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ||
       $STAGES == *ttft* || $STAGES == *matrix* || $STAGES == *serve* ||
-      $STAGES == *compare* ]]; then
+      $STAGES == *compare* || $STAGES == *spec* ]]; then
   ( t0=$(date +%s); timeout ${SYNTH_TIMEOUT:-500} python3 -m strata synth $M --preset $PRESET ${LAYERS:+--layers $LAYERS} --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -216,6 +219,14 @@ if [[ $STAGES == *ttft* ]]; then  # where a short prompt's time goes, every expe
     echo "== a $n-token prompt at 40 GiB: wall time, kernels busy, the longest ops"
     timeout 200 python3 scripts/profile_prompt.py $M --vram-budget 40 --prompt-len $n --top 20 \
       --json "$OUT/ttft_$n.json" 2>&1 | grep -v "^strata:  " | tail -22
+  done
+fi
+if [[ $STAGES == *spec* ]]; then  # verify windows of a forced acceptance against plain decode
+  for b in ${SPEC_BUDGETS:-4}; do
+    echo "== bench-spec at $b GiB: --spec ${SPEC_T:-4}, accepted a window ${SPEC_ACCEPT:-3,0}"
+    timeout 400 python3 -m strata bench-spec $M --vram-budget $b --spec ${SPEC_T:-4} \
+      --accept ${SPEC_ACCEPT:-3,0} -n 64 -r 3 --json "$OUT/spec_$b.json" ${SPEC_FLAGS:-} 2>&1 \
+      | grep -v "^strata:  " | tail -8
   done
 fi
 if [[ $STAGES == *decode* ]]; then

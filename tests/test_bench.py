@@ -312,3 +312,37 @@ def test_the_plan_covers_the_deepest_test(synth, monkeypatch, capsys):
     assert main(["bench", m, "-p", "16,64", "-n", "4", "-d", "0,5000"]) == 2
     assert main(["bench", m, "-p", "16", "-n", "8000", "-d", "0,5000"]) == 2
     assert seen == [5064, 13000] and "stop after the plan" in capsys.readouterr().err
+
+
+def test_bench_spec_forces_the_acceptance_and_checks_the_answer(synth, tmp_path, capsys):
+    """strata bench-spec: windows whose drafts replay the greedy answer accept exactly the
+    forced count a full window (3 of 4; windows cut short by the answer's end accept all they
+    hold), 0 accepts none; both give plain greedy decode's tokens; the table and the JSON carry
+    each test."""
+    from strata.bench.spec_bench import ForcedDrafter
+
+    path = str(synth("qwen3moe", "Q4_K_M"))
+    out = tmp_path / "spec.json"
+    assert main(["bench-spec", path, "--spec", "4", "-p", "16", "-n", "40", "-r", "1",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| 4 | 3 |" in table and "| 4 | 0 |" in table
+    got = {r["accept"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(got) == [0, 3]
+    three, zero = got[3], got[0]
+    assert three["windows"] > 0 and 0.75 <= three["acceptance"] < 0.9
+    assert three["accepted"] >= 3 * (three["windows"] - 2)  # (the last windows: cut short)
+    assert zero["accepted"] == 0 and zero["windows"] > 0
+    for r in (three, zero):  # (the reference path: windows exact, the answers the same)
+        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and len(r["spec_tok_s_all"]) == 1
+        assert r["same_until"] == 40
+    d = ForcedDrafter(2, [10, 11, 12, 13], 2, 100)
+    assert d.propose([1, 2, 10], 3) == [11, 12, 14]  # (the third of a window wrong)
+
+
+def test_bench_spec_refuses_bad_flags(synth, capsys):
+    path = str(synth("qwen3moe", "Q4_K_M"))
+    assert main(["bench-spec", path, "-n", "8"]) == 2
+    assert "give --spec T" in capsys.readouterr().err
+    assert main(["bench-spec", path, "--spec", "2", "--accept", "3"]) == 2
+    assert "--accept 3: give 0 .. --spec 2" in capsys.readouterr().err

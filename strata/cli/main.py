@@ -29,6 +29,9 @@ COMMANDS = {
     "bench-serve": ("strata.cli.bench_serve",
                     "load a running OpenAI-compatible server with concurrent clients: TTFT, "
                     "inter-token latency, aggregate tok/s"),
+    "bench-spec": ("strata.cli.bench_spec",
+                   "time verify windows (--spec) against plain decode, with drafts of a fixed "
+                   "acceptance"),
     "check": ("strata.cli.check", "compare the logits of two engine configurations"),
     "profile": ("strata.cli.profile", "record routing frequency per (layer, expert) over prompts"),
     "perplexity": ("strata.cli.perplexity",
