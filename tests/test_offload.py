@@ -451,3 +451,31 @@ def test_ctx_defaults_to_the_models_context_capped_by_the_plan(synth):
     assert tiny.ctx == 4096 and "the default" in "\n".join(tiny.lines())
     asked = plan(vram_budget_gib=8, ctx=1000)
     assert asked.ctx == 1000 and "f32: --ctx)" in "\n".join(asked.lines())
+
+
+def test_cpu_auto_takes_the_offload_runtime_for_experts_past_the_reference_cache(
+        synth, monkeypatch, caplog):
+    """--offload auto on the CPU: the reference path while the experts in float32 fit what it
+    keeps; past that, the offload runtime on ggml's kernels (said in a log line), unless ggml is
+    missing or --cpu-kernels torch is asked for."""
+    import logging
+
+    import strata.engine.generator as generator
+    import strata.kernels.cpu as cpu_kernels
+
+    path = synth("qwen3moe", "Q4_K_M")
+    assert Engine.load(path).engine_config.offload == "auto"  # (a tiny model's experts fit)
+    monkeypatch.setattr(generator, "REFERENCE_CACHE_BYTES", 1 << 10)
+    if cpu_kernels.ggml_available():
+        with caplog.at_level(logging.INFO, logger="strata"):
+            eng = Engine.load(path)
+        assert eng.engine_config.offload == "on" and eng.model.step is not None
+        assert "offload: on (auto on the CPU" in caplog.text
+    assert Engine.load(path, config=EngineConfig(cpu_kernels="torch")).engine_config.offload \
+        == "auto"
+    assert Engine.load(path, config=EngineConfig(offload="off")).engine_config.offload == "off"
+    monkeypatch.setattr(cpu_kernels, "ggml_available", lambda: False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="strata"):
+        assert Engine.load(path).engine_config.offload == "auto"
+    assert "ggml-python is not installed" in caplog.text

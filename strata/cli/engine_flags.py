@@ -20,7 +20,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "visible one (auto: cuda when torch sees a GPU, else cpu; the first log line "
                    "says which)")
     g.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
-                   help="experts in a host arena with a device cache (auto: on for cuda)")
+                   help="experts in a host arena with a device cache (auto: on for cuda; on "
+                   "the CPU, on where ggml-python is installed and the experts in float32 pass "
+                   "the reference path's 1 GiB kept, else off)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
                    help="cap on every byte the engine takes on the device (default: free VRAM "
                    "minus a margin)")
