@@ -33,6 +33,10 @@ ARCHITECTURES = {
     "qwen3next": ("neox", True),
     "gpt-oss": ("neox", True),  # strata.arch.gpt_oss: sinks, sliding windows, YaRN, biases
 }
+# dense models (every layer a dense FFN): loaded only as a --draft beside a MoE target (a Qwen3
+# 0.6B drafting for Qwen3-30B-A3B / 235B-A22B); "llama" without experts is the dense Llama
+DENSE_ARCHITECTURES = {"qwen3": ("neox", False), "qwen2": ("neox", False),
+                       "llama": ("normal", False)}
 
 
 @dataclass(frozen=True)
@@ -116,20 +120,27 @@ class ModelConfig:
         return self.kv_lora + self.rope_dim if self.kv_lora else 2 * self.kv_dim
 
     @classmethod
-    def from_model(cls, mf: ModelFile) -> ModelConfig:
+    def from_model(cls, mf: ModelFile, dense: bool = False) -> ModelConfig:
         """The configuration, every value checked (type, range, finiteness) before anything is
-        sized from it; an error names the file and the key."""
+        sized from it; an error names the file and the key. dense: a dense model is taken too
+        (DENSE_ARCHITECTURES: a --draft), every layer a dense FFN."""
         arch = mf.meta("general.architecture")
-        if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        known = ARCHITECTURES | (DENSE_ARCHITECTURES if dense else {})
+        if not isinstance(arch, str) or arch not in known:
+            also = (f"; dense {', '.join(DENSE_ARCHITECTURES)} models run as a --draft only"
+                    if isinstance(arch, str) and arch in DENSE_ARCHITECTURES else "")
             raise UnsupportedError(f"{mf.path}: architecture {arch!r} is not supported "
-                                   f"(supported: {', '.join(ARCHITECTURES)})")
-        rope_style, norm_default = ARCHITECTURES[arch]
+                                   f"(supported: {', '.join(ARCHITECTURES)}){also}")
         m = _Meta(mf, arch)
-
         n_experts = m.int("expert_count", 0, 0, MAX_EXPERTS)
-        if n_experts == 0:
+        if n_experts == 0 and not (dense and arch in DENSE_ARCHITECTURES):
             raise UnsupportedError(f"{mf.path}: a dense {arch} model (no {arch}.expert_count); "
-                                   "Strata runs Mixture-of-Experts models only")
+                                   "Strata runs Mixture-of-Experts models (a dense model of "
+                                   "the same vocabulary runs as a --draft beside one)")
+        if n_experts and arch not in ARCHITECTURES:
+            raise UnsupportedError(f"{mf.path}: {arch}.expert_count is {n_experts}, but {arch} "
+                                   "is a dense architecture")
+        rope_style, norm_default = (ARCHITECTURES if n_experts else DENSE_ARCHITECTURES)[arch]
         if "blk.0.ffn_gate.0.weight" in mf.tensors:
             raise UnsupportedError(f"{mf.path}: experts stored as one tensor each (old Mixtral "
                                    "layout); convert it again with a recent llama.cpp to get "
@@ -163,14 +174,17 @@ class ModelConfig:
             rope_dim=m.int("rope.dimension_count", head_dim, 2, head_dim),
             rope_style=rope_style,
             n_experts=n_experts,
-            n_experts_used=m.int("expert_used_count", lo=1, hi=n_experts),
-            d_expert=m.int(d_expert_key, lo=1, hi=MAX_DIM),
+            n_experts_used=m.int("expert_used_count", lo=1, hi=n_experts) if n_experts else 0,
+            d_expert=m.int(d_expert_key, lo=1, hi=MAX_DIM) if n_experts else 0,
             d_shared=m.int("expert_shared_feed_forward_length", 0, 0, MAX_DIM),
             norm_topk=m.bool("expert_weights_norm", norm_default),
             qkv_bias="blk.0.attn_q.bias" in mf.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
             tied_output="output.weight" not in mf.tensors,
         )
+        if not n_experts:  # a dense model: every layer's FFN
+            cfg = replace(cfg, n_dense_lead=n_layers,
+                          d_ff=m.int("feed_forward_length", lo=1, hi=MAX_DIM))
         if arch not in ("gpt-oss", "deepseek2"):  # (theirs: their readers, below)
             cfg = replace(cfg, yarn=rope_scaling(m, cfg.context_length))
         if arch == "gpt-oss":

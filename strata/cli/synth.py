@@ -19,8 +19,9 @@ from strata.units import fmt_bytes, parse_size
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output .gguf path (split sets: OUT-0000i-of-0000n.gguf)")
     p.add_argument("--arch", choices=["qwen3moe", "qwen2moe", "llama", "qwen35moe", "qwen3next",
-                                      "glm4moe", "deepseek2", "gpt-oss"],
-                   help="architecture (tiny preset; the real presets fix it)")
+                                      "glm4moe", "deepseek2", "gpt-oss", "qwen3", "qwen2"],
+                   help="architecture (tiny preset; the real presets fix it; qwen3, qwen2: "
+                   "dense, a --draft beside a MoE model of the same vocabulary)")
     p.add_argument("--preset", default="tiny", help=f"shape: {', '.join(PRESETS)} (tiny)")
     p.add_argument("--quant", default="Q4_K_M", help="recipe, optionally with overrides "
                    "PATTERN=TYPE, e.g. 'IQ2_XS,blk.2.ffn_*_exps=IQ1_M' "
@@ -64,5 +65,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"strata: wrote {out} ({preset.arch} {args.preset}, {recipe.name}, "
           f"{fmt_bytes(total)})", file=sys.stderr)
     first = out if out.exists() else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
-    print(routing_balance(first, seed=args.seed), file=sys.stderr)
+    if preset.n_experts:  # (a dense draft routes nothing)
+        print(routing_balance(first, seed=args.seed), file=sys.stderr)
     return 0

@@ -118,7 +118,7 @@ class Engine:
         dev = resolve_device(ec.device)
         say("reading the model file", 0.0)
         mf = open_model(path)
-        cfg = ModelConfig.from_model(mf)
+        cfg = ModelConfig.from_model(mf, dense=ec.beside_target)  # (a dense model: a --draft)
         ec = cpu_offload(ec, mf, dev)
         say("tokenizer and chat template", 0.05)
         tok = Tokenizer.from_metadata(mf.metadata, source=str(mf.path))

@@ -145,8 +145,10 @@ class MemoryPlan:
 
 def auto_chunk(cfg: ModelConfig, workspace: int) -> int:
     """Prompt tokens per chunk whose float32 MoE intermediates (K experts x (D + F) floats per
-    token) fit the workspace: 16 .. 4096."""
+    token; a dense model, its FFN's D + 2 F) fit the workspace: 16 .. 4096."""
     per_token = cfg.n_experts_used * (cfg.d_model + cfg.d_expert) * 4
+    if not cfg.n_experts:  # (a dense --draft)
+        per_token = (cfg.d_model + 2 * cfg.d_ff) * 4
     return max(16, min(4096, workspace // per_token))
 
 
@@ -157,7 +159,7 @@ def draft_bytes(ec: EngineConfig) -> tuple[int, int]:
     if not ec.spec or not ec.draft.endswith(".gguf") or not Path(ec.draft).is_file():
         return 0, 0  # (make_drafter refuses a missing file in its own words)
     mf = open_model(ec.draft)
-    cfg = ModelConfig.from_model(mf)
+    cfg = ModelConfig.from_model(mf, dense=True)
     experts = sum(ref.info.nbytes for name, ref in mf.tensors.items() if "_exps." in name)
     kv = int(cfg.n_kv_layers * cfg.kv_row * kv_elem_bytes(ec.kv_type))
     return dense_bytes(mf, cfg, False) + experts, kv

@@ -83,6 +83,9 @@ _TINY = {
     "qwen3next": Preset("qwen3next", 4, 256, 4, 2, 64, 8, 2, 256, 1024, 512, d_shared=256,
                         full_attn_interval=2, ssm_conv=4, ssm_state=32, ssm_groups=4,
                         ssm_heads=8, rope_dim=16),
+    # dense (no experts: a --draft beside a MoE model of the same vocabulary)
+    "qwen3": Preset("qwen3", 2, 256, 4, 2, 64, 0, 0, 0, 1024, 512),
+    "qwen2": Preset("qwen2", 2, 256, 4, 2, 64, 0, 0, 0, 1024, 512),
 }
 
 _REAL = {
@@ -121,6 +124,14 @@ _REAL = {
                       n_dense_lead=1, n_shared=1, expert_scale=2.827, rope_dim=64, q_lora=1536,
                       kv_lora=512, d_v=128, yarn_factor=64.0, yarn_orig_ctx=4096,
                       yarn_beta=(1.0, 1.0), rope_theta=50000.0, context_length=262144),
+}
+
+# dense drafts for the Qwen3 MoE models (their config.json; the output head written apart)
+_REAL |= {
+    "qwen3-0.6b": Preset("qwen3", 28, 1024, 16, 8, 128, 0, 0, 0, 151936, 3072,
+                         context_length=40960),
+    "qwen3-1.7b": Preset("qwen3", 28, 2048, 16, 8, 128, 0, 0, 0, 151936, 6144,
+                         context_length=40960),
 }
 
 # hybrid linear attention, from the models' config.json as llama.cpp converts them

@@ -47,9 +47,9 @@ class PlannedTensor:
 def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
     """The ModelConfig a file written from preset `p` will load as (tied_output: the file has no
     output.weight; the embedding serves as the output head)."""
-    from strata.config import ARCHITECTURES
+    from strata.config import ARCHITECTURES, DENSE_ARCHITECTURES
 
-    style, norm = ARCHITECTURES[p.arch]
+    style, norm = (ARCHITECTURES if p.n_experts else DENSE_ARCHITECTURES)[p.arch]
     if p.arch == "glm4moe":
         return replace(config_of(replace(p, arch="qwen3moe"), tied_output), **_glm4moe_fields(p))
     if p.arch == "deepseek2":
@@ -61,8 +61,10 @@ def config_of(p: Preset, tied_output: bool = False) -> ModelConfig:
         context_length=p.context_length, rms_eps=p.rms_eps, rope_theta=p.rope_theta,
         rope_dim=p.head_dim, rope_style=style, n_experts=p.n_experts,
         n_experts_used=p.n_experts_used, d_expert=p.d_expert, d_shared=p.d_shared, norm_topk=norm,
-        qkv_bias=p.arch in ("qwen2moe", "gpt-oss"), qk_norm=p.arch == "qwen3moe",
-        tied_output=tied_output)
+        qkv_bias=p.arch in ("qwen2moe", "gpt-oss", "qwen2"),
+        qk_norm=p.arch in ("qwen3moe", "qwen3"), tied_output=tied_output)
+    if not p.n_experts:  # a dense model: every layer's FFN
+        cfg = replace(cfg, n_dense_lead=p.n_layers, d_ff=p.d_ff)
     if p.full_attn_interval:  # hybrid linear attention (config_hybrid)
         cfg = replace(cfg, rope_dim=p.rope_dim or p.head_dim,
                       full_attn_interval=p.full_attn_interval, ssm_conv=p.ssm_conv,
@@ -163,8 +165,9 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     w.add_head_count_kv(1 if p.arch == "deepseek2" else p.n_kv_heads)
     w.add_rope_freq_base(p.rope_theta)
     w.add_layer_norm_rms_eps(p.rms_eps)
-    w.add_expert_count(p.n_experts)
-    w.add_expert_used_count(p.n_experts_used)
+    if p.n_experts:
+        w.add_expert_count(p.n_experts)
+        w.add_expert_used_count(p.n_experts_used)
     if p.arch == "llama":
         w.add_rope_dimension_count(p.head_dim)
         w.add_vocab_size(p.n_vocab)
@@ -177,7 +180,8 @@ def add_metadata(w: GGUFWriter, p: Preset, name: str, description: str,
     else:
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
-        w.add_expert_feed_forward_length(p.d_expert)
+        if p.n_experts:
+            w.add_expert_feed_forward_length(p.d_expert)
     if p.d_shared:
         w.add_expert_shared_feed_forward_length(p.d_shared)
     if p.sliding_window:
