@@ -19,12 +19,23 @@ TOKENS = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777, 41, 8]
 DRAFT = EngineConfig(offload="off", beside_target=True)  # (as make_spec loads a draft)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-def test_dense_models_match_llama_cpp(synth, arch):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_dense_models_match_llama_cpp(synth, tmp_path, arch):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from dataclasses import replace
+
+    from strata.synth.presets import get_preset
+    from strata.synth.recipes import Recipe
+    from strata.synth.writer import write_model
+
     from llama_worker import llama_scores
 
-    path = synth(arch, "F32")
+    if arch == "llama":  # (a dense Llama: the Mixtral-style preset without experts)
+        path = tmp_path / "llama-dense.gguf"
+        write_model(path, replace(get_preset("tiny", "llama"), n_experts=0, n_experts_used=0,
+                                  d_expert=0), Recipe("F32"), 0)
+    else:
+        path = synth(arch, "F32")
     eng = Engine.load(path, config=DRAFT)
     assert eng.config.n_experts == 0 and eng.config.n_dense_lead == eng.config.n_layers
     ours = compute_logits(eng, TOKENS)
