@@ -72,3 +72,24 @@ def test_a_dense_draft_is_exact(synth, offload):
     assert eng.stats.spec.windows > 0
     weights, kv = draft_bytes(ec)
     assert weights > 0 and kv > 0
+
+
+@pytest.mark.cuda
+def test_a_dense_draft_on_cuda_keeps_its_blocks_and_is_exact(synth):
+    """On CUDA a draft's matrices stay in their GGUF blocks (the fused kernels read them); the
+    greedy text is still the target's own."""
+    from strata.model.weights import QuantTensor
+
+    target, draft = synth("qwen3moe", "Q4_K_M"), synth("qwen3", "Q4_K_M")
+    base = Engine.load(target, config=EngineConfig(device="cuda"))
+    prompt = base.tokenizer.encode("the dense draft", False)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = list(base.generate(prompt, params))
+    eng = Engine.load(target, config=EngineConfig(device="cuda", spec=3, draft=str(draft),
+                                                  kernels="exact"))
+    lw = eng.spec.drafter.engine.model.w.layers[0]
+    assert isinstance(lw.ffn_gate, QuantTensor) and isinstance(lw.wo, QuantTensor)
+    eng.spec.timed = False
+    exact = Engine.load(target, config=EngineConfig(device="cuda", kernels="exact"))
+    assert list(eng.generate(prompt, params)) == list(exact.generate(prompt, params))
+    assert eng.stats.spec.windows > 0 and len(plain) == 24

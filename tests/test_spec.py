@@ -489,8 +489,8 @@ def test_greedy_same_with_spec_cuda_offload(synth, decode_step):
 
 
 def test_the_plan_counts_a_draft_model(synth):
-    """--spec with --draft PATH.gguf on CUDA: the draft's weights (dense matrices in float32, its
-    experts in their GGUF blocks, as --offload off loads them) are a line of the target's plan,
+    """--spec with --draft PATH.gguf on CUDA: the draft's weights (in their GGUF blocks, as a
+    draft loads on CUDA: build.draft_quant_dense) are a line of the target's plan,
     and its KV rows join the target's in the KV line, out of what is left; n-gram and no spec
     count nothing, and neither does the CPU's plan (its budget is host RAM)."""
     from strata.config import ModelConfig, kv_elem_bytes
@@ -505,8 +505,9 @@ def test_the_plan_counts_a_draft_model(synth):
     plain = make_plan(mf, cfg, EngineConfig(**kw), layouts)
     ngram = make_plan(mf, cfg, EngineConfig(spec=3, draft="ngram", **kw), layouts)
     drafted = make_plan(mf, cfg, EngineConfig(spec=3, draft=str(d), **kw), layouts)
-    weights = dense_bytes(dmf, dcfg, False) + sum(
+    weights = dense_bytes(dmf, dcfg, True) + sum(
         ref.info.nbytes for name, ref in dmf.tensors.items() if "_exps." in name)
+    assert weights < dense_bytes(dmf, dcfg, False)  # (float32 would be more)
     row = dcfg.n_kv_layers * dcfg.kv_row * kv_elem_bytes("f16")
     assert draft_bytes(EngineConfig(spec=3, draft=str(d), **kw)) == (weights, row) and row > 0
     assert plain.draft == ngram.draft == 0 and drafted.draft == weights
