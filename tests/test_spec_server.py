@@ -229,3 +229,24 @@ def test_batched_windows_with_grammars(synth):
         assert isinstance(json.loads(texts[rid]), dict), texts[rid]
     assert any(s.drafted and s.decode_tokens > s.accepted + 1 for s in steps)
     assert 0 < eng.spec.stats.accepted < eng.spec.stats.drafted
+
+
+@pytest.mark.parametrize(("arch", "offload"), [("qwen35moe", "off"), ("qwen35moe", "on"),
+                                               ("glm4moe", "off")])
+def test_batched_windows_with_mtp_drafts(synth, arch, offload):
+    """--draft mtp in a batch: the MTP head keeps a state per sequence (its hidden states, its
+    own cache), the plain steps run the forward (the head needs their hidden states), and the
+    windows of several sequences run in one forward: each text as without --spec."""
+    f = synth(arch, "Q4_K_M")
+    ec = {"device": "cpu", "offload": offload, "sequences": 3}
+    plain, _ = _run_many(Engine.load(f, config=EngineConfig(**ec)), _REPEATS, 20)
+    eng = Engine.load(f, config=EngineConfig(**ec, spec=3, draft="mtp"))
+    eng.spec.timed = False
+    assert eng.spec.drafter.name == "mtp" and eng.spec.batches
+    texts, steps = _run_many(eng, _REPEATS, 20)
+    assert texts == plain
+    assert any(s.drafted and s.decode_tokens > s.accepted + 1 for s in steps)
+    import gc
+
+    gc.collect()
+    assert len(eng.spec.drafter._states) == 0  # (each sequence's state gone with its cache)

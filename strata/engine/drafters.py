@@ -16,6 +16,7 @@ a drafted token with the target's probability of it (spec.py).
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -98,25 +99,37 @@ class ModelDrafter:
         return out
 
 
+class _MTPState:
+    """One target sequence's drafting state: the target's last hidden states by position, the
+    head's own cache (one row per position i < done, made from (h_i, context[i + 1])) and the
+    context it was made from."""
+
+    def __init__(self, head, base: int):  # noqa: ANN001 (strata.model.mtp.MTPHead)
+        self.kv = head.new_cache()
+        self.hidden: torch.Tensor | None = None  # [capacity, D] by position
+        self.base = base  # the first position seen (a cache filled elsewhere: no drafts)
+        self.seen = base  # positions 0 .. seen-1 have their hidden state here
+        self.ids: list[int] = []
+        self.done = 0
+
+
 class MTPDrafter:
     """The file's MTP head as the drafter. The target's forward hands it each pass's last
-    hidden states (MoETransformer.hidden_hook), kept by position in `hidden`; the head's own
-    cache holds one row per position i < done, each made from (h_i, context[i + 1]). A
-    proposal runs the rows that changed or are new (a window's rejected drafts and the head's
+    hidden states (MoETransformer.hidden_hook), kept by position per target sequence (its KV
+    cache: a batch's sequences each have their own, _MTPState); a proposal for a sequence runs
+    the head over the rows that changed or are new (a window's rejected drafts and the head's
     own chained rows are dropped first: the head's cache is cut to the prefix it shares with
-    the context), then chains: draft j+1 from draft j and the head's hidden state."""
+    the context), then chains: draft j+1 from draft j and the head's hidden state. A sequence
+    whose hidden states have a gap (a pass that ran without the hook) drafts no more."""
 
     name = "mtp"
     needs_hidden = True  # the plain steps between windows must run the forward, not the step
+    per_sequence = True  # propose_for(kv, ...): a batch's sequences draft together
 
     def __init__(self, head, model):  # noqa: ANN001 (strata.model.mtp.MTPHead, MoETransformer)
         self.head = head
-        self.kv = head.new_cache()
-        self.target = None  # the target's KV cache the hidden states are of
-        self.hidden: torch.Tensor | None = None  # [capacity, D] by position
-        self.base = 0  # the first position seen (a cache filled elsewhere: no drafts)
-        self.ids: list[int] = []
-        self.done = 0
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target kv ->
+        self._target = None  # a weak reference to the target cache last seen (propose's)
         model.hidden_hook = self.see
 
     def see(self, segments, hidden: torch.Tensor) -> None:  # noqa: ANN001
@@ -124,37 +137,46 @@ class MTPDrafter:
         for s in segments:
             rows = hidden[start:start + s.length]
             start += s.length
-            if s.kv is not self.target:  # another sequence: start over
-                self.target, self.base, self.ids, self.done = s.kv, s.kv.length, [], 0
-                self.hidden = None
-                self.kv.truncate(0)
+            st = self._states.get(s.kv)
+            if st is None or s.kv.length > st.seen or (s.kv.length == 0 and st.seen):
+                # (a new sequence, a gap in what was seen, or a cache used again from 0)
+                st = self._states[s.kv] = _MTPState(self.head, s.kv.length)
+            self._target = weakref.ref(s.kv)
             end = s.kv.length + s.length
-            if self.hidden is None or self.hidden.shape[0] < end:
-                grown = torch.empty(max(end, 2 * (0 if self.hidden is None else
-                                                  self.hidden.shape[0]), 64),
+            if st.hidden is None or st.hidden.shape[0] < end:
+                grown = torch.empty(max(end, 2 * (0 if st.hidden is None else
+                                                  st.hidden.shape[0]), 64),
                                     rows.shape[1], device=rows.device)
-                if self.hidden is not None:
-                    grown[:self.hidden.shape[0]] = self.hidden
-                self.hidden = grown
-            self.hidden[s.kv.length:end] = rows
+                if st.hidden is not None:
+                    grown[:st.hidden.shape[0]] = st.hidden
+                st.hidden = grown
+            st.hidden[s.kv.length:end] = rows
+            st.seen = end
 
     def propose(self, context: list[int], n: int) -> list[int]:
+        """Drafts for the sequence the last forward ran (one sequence at a time)."""
+        return self.propose_for(self._target and self._target(), context, n)
+
+    def propose_for(self, kv, context: list[int], n: int) -> list[int]:  # noqa: ANN001
+        """Up to n drafts after `context` for the target sequence whose cache is `kv`."""
+        st = None if kv is None else self._states.get(kv)
         N = len(context) - 1  # the target's cache holds context[:N]: h_0 .. h_N-1
-        if n < 1 or N < 1 or self.hidden is None or self.base or self.target.length != N:
+        if (n < 1 or N < 1 or st is None or st.hidden is None or st.base or kv.length != N
+                or st.seen < N):
             return []
         same = 0
-        for a, b in zip(self.ids, context, strict=False):
+        for a, b in zip(st.ids, context, strict=False):
             if a != b:
                 break
             same += 1
-        keep = max(0, min(self.done, same - 1, N - 1))  # row i needs context[i + 1] unchanged
-        self.kv.truncate(keep)
+        keep = max(0, min(st.done, same - 1, N - 1))  # row i needs context[i + 1] unchanged
+        st.kv.truncate(keep)
         logits, h = self.head.forward(torch.tensor(context[keep + 1:N + 1]),
-                                      self.hidden[keep:N], self.kv)
-        self.ids, self.done = list(context), N
+                                      st.hidden[keep:N], st.kv)
+        st.ids, st.done = list(context), N
         out = [int(torch.argmax(logits[-1]))]
         while len(out) < n:
-            logits, h = self.head.forward(torch.tensor(out[-1:]), h[-1:], self.kv)
+            logits, h = self.head.forward(torch.tensor(out[-1:]), h[-1:], st.kv)
             out.append(int(torch.argmax(logits[-1])))
         return out
 

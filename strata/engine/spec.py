@@ -263,9 +263,10 @@ class SpecDecoder:
     @property
     def batches(self) -> bool:
         """Whether several sequences' windows can be drafted and checked together: the drafter
-        drafts from the context alone (n-gram; a draft model's or MTP head's cache follows one
-        sequence)."""
-        return bool(getattr(self.drafter, "from_context", False))
+        drafts from the context alone (n-gram) or keeps a state per sequence (the MTP head:
+        propose_for); a draft model's cache follows one sequence."""
+        d = self.drafter
+        return bool(getattr(d, "from_context", False) or getattr(d, "per_sequence", False))
 
     def reset(self) -> None:
         """A new generation: fresh statistics and a full window."""
@@ -357,7 +358,7 @@ class SpecDecoder:
         drafts, allowed, failed = [], [], {}
         for i, d in enumerate(seqs):
             k = min(self._window_of(d.key).next_size(), d.room - 1)
-            dr = self.drafter.propose(d.context, k)[:k] if k > 0 else []
+            dr = self._propose(d, k)
             rows = None
             if d.constraint is not None:  # (with no draft: its one row's mask)
                 try:
@@ -375,6 +376,14 @@ class SpecDecoder:
             got = dict(zip(live, out, strict=True)) | failed
             return [got[i] for i in range(len(seqs))]
         return self._pass(seqs, drafts, allowed, t0)
+
+    def _propose(self, d: Decoding, k: int) -> list[int]:
+        """Up to k drafts for one sequence of a batch."""
+        if k < 1:
+            return []
+        per = getattr(self.drafter, "propose_for", None)
+        return (per(d.kv, d.context, k) if per is not None
+                else self.drafter.propose(d.context, k))[:k]
 
     def _pass(self, seqs: list[Decoding], drafts: list[list[int]],
               allowed: list[torch.Tensor | None], t0: float) -> list[tuple[list[int], int]]:

@@ -15,11 +15,12 @@ One step (`BatchRunner.step`):
 
 With --spec T (strata.engine.spec) a step of one decoding sequence is a verify window, which may
 give several tokens; a step of several decoding sequences checks each one's window in one
-forward (SpecDecoder.step_batch) where the drafter drafts from the context alone (n-gram), else
-decodes one token each. A sequence with a grammar (response_format, a forced tool call) has each
-window row masked to what the grammar allows after the drafts before it, its drafts cut before
-the first the grammar forbids (constrain.Constraint.window). Where no sequence drafted, the
-step is the plain one (the batched step).
+forward (SpecDecoder.step_batch) where the drafter drafts from the context alone (n-gram) or
+keeps a state per sequence (the MTP head, whose plain steps then run the forward: it needs each
+pass's hidden states), else decodes one token each. A sequence with a grammar (response_format,
+a forced tool call) has each window row masked to what the grammar allows after the drafts
+before it, its drafts cut before the first the grammar forbids (constrain.Constraint.window).
+Where no sequence drafted, the step is the plain one (the batched step).
 
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
 (kv_batch.py; strata.runtime.kv_slots: blocks of 16 rows, N sequences of the planned context,
@@ -178,7 +179,8 @@ class BatchRunner:
                 logits = []
             elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
                 logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
-            elif not prompt and self.batch_step is not None and len(tokens) == len(batch):
+            elif (not prompt and self.batch_step is not None and len(tokens) == len(batch)
+                  and not getattr(getattr(spec, "drafter", None), "needs_hidden", False)):
                 # several sequences decoding: the batched step, one token each
                 logits = self.batch_step(tokens.tolist(), [s.kv for s in batch])
             elif scratch is not None:
@@ -239,6 +241,8 @@ class BatchRunner:
         prompt of its own; one eager pass takes them all)."""
         if self.scratch is None or len(prompt) != 1:
             return None
+        if getattr(getattr(self.engine.spec, "drafter", None), "needs_hidden", False):
+            return None  # (the decoders' hidden states go to an MTP drafter: one forward)
         s = prompt[0]
         return s if s.prompt_len <= self.scratch.capacity else None  # (its rows fit)
 
