@@ -296,10 +296,13 @@ def test_window_shrinks_and_turns_off():
     assert [w.next_size() for _ in range(SPEC_OFF_STEPS)] == [0] * SPEC_OFF_STEPS
     assert w.next_size() == 1  # a probe
     w.update(1, 0)
-    assert w.off == SPEC_OFF_STEPS  # failed: off again
+    assert w.off == 2 * SPEC_OFF_STEPS  # failed: off again, twice as long
     w.off = 0
-    w.update(1, 1)
-    assert w.off == 0 and w.size == 2
+    w.update(1, 0)
+    assert w.off == 4 * SPEC_OFF_STEPS
+    w.off = 0
+    w.update(1, 1)  # a probe that accepts: on, and the next pause is short again
+    assert w.off == 0 and w.size == 2 and w.accept_backoff == SPEC_OFF_STEPS
 
 
 def test_slow_windows_turn_off():

@@ -98,10 +98,11 @@ class SpecStats:
 class Window:
     """The adaptive window size: one more after a window accepted whole, one less after one
     that accepted nothing; off (size 0) for SPEC_OFF_STEPS steps while the running acceptance
-    is below SPEC_OFF_ACCEPT (then one window of 1 probes again), or while a window's seconds
-    per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are timed
-    while no draft comes and while the window is off): then twice as long each time in a row,
-    up to SPEC_OFF_MAX steps."""
+    is below SPEC_OFF_ACCEPT (then one window of 1 probes again; a probe that fails turns them
+    off twice as long, up to SPEC_OFF_MAX, until a window accepts a draft), or while a window's
+    seconds per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are
+    timed while no draft comes and while the window is off): then twice as long each time in a
+    row, up to SPEC_OFF_MAX steps."""
 
     def __init__(self, limit: int, timed: bool = True):
         self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
@@ -109,6 +110,7 @@ class Window:
         self.window_s: float | None = None  # seconds per token, running means
         self.plain_s: float | None = None
         self.backoff = SPEC_OFF_STEPS  # the next time-based pause
+        self.accept_backoff = SPEC_OFF_STEPS  # the next acceptance-based pause
 
     def next_size(self) -> int:
         if self.off:
@@ -134,8 +136,11 @@ class Window:
             self.size = min(self.limit, self.size + 1)
         elif accepted == 0:
             self.size = max(1, self.size - 1)
-        if self.mean < SPEC_OFF_ACCEPT:
-            self.off, self.size, self.mean = SPEC_OFF_STEPS, 1, SPEC_OFF_ACCEPT
+        if self.mean < SPEC_OFF_ACCEPT:  # (each pause in a row twice the last)
+            self.off, self.size, self.mean = self.accept_backoff, 1, SPEC_OFF_ACCEPT
+            self.accept_backoff = min(2 * self.accept_backoff, SPEC_OFF_MAX)
+        elif accepted:
+            self.accept_backoff = SPEC_OFF_STEPS
 
 
 def _mean(old: float | None, new: float) -> float:

@@ -286,6 +286,7 @@ NGRAM_MAX = 4
 NGRAM_MIN = 2
 # adaptive windows: the acceptance of drafted tokens, a running mean with this weight per window;
 # below SPEC_OFF_ACCEPT no windows run for SPEC_OFF_STEPS decode steps, then one probe window
+# (twice as long after each probe in a row that accepts nothing, up to SPEC_OFF_MAX)
 # (a drafted token accepted 1 time in 4 pays for itself only where a window of T+1 tokens costs
 # well under 1.25 decode steps: estimate)
 SPEC_ACCEPT_WEIGHT = 0.25
