@@ -308,3 +308,54 @@ def test_biased_experts(backend) -> None:
     check(backend, h, [biased(experts[2], [1]), biased(experts[0], [0, 1, 4]),
                        biased(experts[3], list(range(5)))], seed)
     check(backend, h, [biased(experts[1], [2, 3])], seed)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ2_XS,
+                                   QType.BF16, QType.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_ggml_dense_matmul(qtype: QType, tokens: int) -> None:
+    """A dense matrix in its GGUF blocks multiplied on ggml's kernels (the offload runtime's
+    dense matrices on the CPU under --kernels fused) against dequantize + matmul, within ggml's
+    rounding of x to its 8-bit (or half) dot partner; each call's output is a new tensor, and a
+    graph kept for a token count gives the same result again."""
+    pytest.importorskip("ggml", reason="ggml-python not installed")
+    from strata.kernels.cpu.ggml_dense import GgmlMatmul
+    from strata.quant import dequantize
+
+    rng, seed = fresh_rng()
+    n, k = 384, 512
+    raw = torch.from_numpy(random_rows(qtype, n, k, rng, 0.02))
+    x = torch.from_numpy(rng.normal(size=(tokens, k)).astype(np.float32))
+    ref = x @ dequantize(raw, qtype, k).T
+    mm = GgmlMatmul(raw, qtype, k)
+    out = mm(x)
+    err = ((out - ref).norm() / ref.norm()).item()
+    tol = tolerance("ggml", (qtype,))
+    assert out.shape == (tokens, n) and err < tol, f"{qtype.name}: {err:.2e} (seed {seed})"
+    again = mm(x[::1].clone())
+    assert again.data_ptr() != out.data_ptr() and torch.equal(again, out)
+
+
+def test_offload_on_the_cpu_multiplies_dense_matrices_on_ggml(synth) -> None:
+    """--offload on on the CPU under --kernels fused: the dense matrices (attention, the output
+    head) stay in their GGUF blocks on ggml's kernels, logits within the 8-bit activations' reach
+    of the reference's; --kernels exact keeps float32."""
+    pytest.importorskip("ggml", reason="ggml-python not installed")
+    from strata.cli.logits import compute_logits
+    from strata.config import EngineConfig
+    from strata.engine.generator import Engine
+    from strata.model.weights import QuantTensor
+
+    from hf_reference import kl_per_position
+
+    path = synth("qwen3moe", "Q4_K_M")
+    tokens = [5, 311, 17, 902, 64, 64, 1000, 3, 250, 777, 41, 8]
+    ref = compute_logits(Engine.load(path), tokens)
+    eng = Engine.load(path, config=EngineConfig(offload="on"))
+    w = eng.model.w
+    assert isinstance(w.output, QuantTensor) and w.output.cpu_matmul is not None
+    assert isinstance(w.layers[0].wq, QuantTensor) and w.layers[0].wq.cpu_matmul is not None
+    kl = kl_per_position(ref, compute_logits(eng, tokens))
+    assert kl.max() < 5e-2 and kl.mean() < 1e-2, kl
+    exact = Engine.load(path, config=EngineConfig(offload="on", kernels="exact"))
+    assert isinstance(exact.model.w.output, torch.Tensor)

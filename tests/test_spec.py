@@ -28,7 +28,9 @@ PROSE = "The Debian package manager installs"
 # flips a random model's near-ties.
 PATHS = {
     "reference": dict(offload="off"),
-    "offload": dict(offload="on", expert_cache="0", miss="cpu"),
+    # (--kernels exact: the dense matrices in float32; under fused, ggml's dense kernels round a
+    # window's rows otherwise than one token's, as CUDA's fused kernels do)
+    "offload": dict(offload="on", expert_cache="0", miss="cpu", kernels="exact"),
     "offload-torch": dict(offload="on", expert_cache="0", miss="cpu", cpu_kernels="torch"),
 }
 

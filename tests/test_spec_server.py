@@ -154,7 +154,9 @@ def test_batched_windows_same_text_as_without_spec(synth, arch, offload):
     from strata.engine.spec import SpecDecoder
 
     f = synth(arch, "Q4_K_M")
-    ec = {"device": "cpu", "offload": offload, "sequences": 3}
+    # (--kernels exact: under fused, ggml's dense kernels round a window's rows otherwise than
+    # one token's)
+    ec = {"device": "cpu", "offload": offload, "sequences": 3, "kernels": "exact"}
     runs: dict = {}
     plain, _ = _run_many(Engine.load(f, config=EngineConfig(**ec)), _REPEATS, 24, ids=runs)
     eng = Engine.load(f, config=EngineConfig(**ec, spec=3, draft="ngram"))
@@ -238,7 +240,9 @@ def test_batched_windows_with_mtp_drafts(synth, arch, offload):
     own cache), the plain steps run the forward (the head needs their hidden states), and the
     windows of several sequences run in one forward: each text as without --spec."""
     f = synth(arch, "Q4_K_M")
-    ec = {"device": "cpu", "offload": offload, "sequences": 3}
+    # (--kernels exact: under fused, ggml's dense kernels round a window's rows otherwise than
+    # one token's)
+    ec = {"device": "cpu", "offload": offload, "sequences": 3, "kernels": "exact"}
     plain, _ = _run_many(Engine.load(f, config=EngineConfig(**ec)), _REPEATS, 20)
     eng = Engine.load(f, config=EngineConfig(**ec, spec=3, draft="mtp"))
     eng.spec.timed = False

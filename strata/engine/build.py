@@ -141,7 +141,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     policies = [make_policy(ec.cache_policy, cfg.n_experts,
                             None if profile is None else profile[i]) for i in range(cfg.n_layers)]
     weights = ModelWeights.load(mf, cfg, dev, quant_dense=plan.quant_dense, experts=False,
-                                fused_max_t=fused_max_t, x8=ec.kernels == "fused")
+                                fused_max_t=fused_max_t, x8=ec.kernels == "fused",
+                                cpu_ggml=plan.quant_dense and dev.type == "cpu")
     arena = Arena(layouts, cfg.n_experts, pin=dev.type == "cuda")
     report = arena.fill(mf, progress=log.isEnabledFor(logging.INFO) and os.isatty(2))
     log.info(f"expert arena: {fmt_bytes(report.nbytes)} filled at {report.gib_s:.2f} GiB/s; "

@@ -237,6 +237,17 @@ def mtp_head_bytes(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> int:
                if _mtp_block(cfg, name) and "_exps." not in name)
 
 
+def cpu_ggml_dense(ec: EngineConfig, dev: torch.device) -> bool:
+    """The offload runtime on the CPU under --kernels fused keeps its dense matrices in their GGUF
+    blocks, multiplied on ggml's kernels (strata.kernels.cpu.ggml_dense), where ggml-python is
+    installed and --cpu-kernels allows it; --kernels exact keeps float32."""
+    if dev.type != "cpu" or ec.kernels != "fused" or ec.cpu_kernels == "torch":
+        return False
+    from strata.kernels.cpu import ggml_available
+
+    return ggml_available()
+
+
 def fused_dense(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> bool:
     """Every dense matrix has a fused kernel (and --kernels allows them): kept in its GGUF
     blocks, a decode GEMV reads 3-7x fewer bytes than the float32 copy and ran faster on the
@@ -280,7 +291,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     draft, draft_kv = draft_bytes(ec) if dev.type == "cuda" else (0, 0)
     kv_per_token += draft_kv
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > (budget - context) // 4
-                                          or fused_dense(mf, cfg, ec))
+                                          or fused_dense(mf, cfg, ec)) or cpu_ggml_dense(ec, dev)
     dense = dense_bytes(mf, cfg, quant_dense) + mtp_head_bytes(mf, cfg, ec)
     if dev.type == "cuda":  # (gpt-oss: the experts' biases, copied once for the fused kernels)
         dense += sum(lay.bias.gate.nbytes + lay.bias.up.nbytes + lay.bias.down.nbytes

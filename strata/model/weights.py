@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -31,6 +32,8 @@ class QuantTensor:
     fused_max_t: int = 1 << 30  # tokens up to which the fused kernels run (CUDA)
     x8: bool = False  # one token: x rounded to 8 bits for a large matrix of gemv_x8's types
     # (Q4_K, Q6_K, IQ2_XS, IQ3_XXS; --kernels fused)
+    # the CPU: a 2-D matrix multiplied on ggml's kernels (strata.kernels.cpu.ggml_dense)
+    cpu_matmul: Any = None
 
     @classmethod
     def load(cls, ref: TensorRef, device: torch.device) -> QuantTensor:
@@ -61,6 +64,8 @@ class QuantTensor:
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else
         dequantizing a chunk of rows at a time. x: [T, n_cols] -> [T, N]"""
+        if self.cpu_matmul is not None and not x.is_cuda:
+            return self.cpu_matmul(x)
         if self.fused_for(x):
             if self.x8 and self._x8_for(x):
                 from strata.kernels.gpu.gemv_q8 import gemv_x8
@@ -134,12 +139,12 @@ def fuse_qkv(lw: LayerWeights) -> None:
         fused: Weight = torch.cat(mats[:n])
         data = fused
     else:
-        fused = replace(mats[0], raw=torch.cat([m.raw for m in mats[:n]]))
+        fused = replace(mats[0], raw=torch.cat([m.raw for m in mats[:n]]), cpu_matmul=None)
         data = fused.raw
     start, views = 0, []
     for m in mats[:n]:
         rows = data[start:start + _rows(m)]
-        views.append(rows if isinstance(m, torch.Tensor) else replace(m, raw=rows))
+        views.append(rows if isinstance(m, torch.Tensor) else replace(m, raw=rows, cpu_matmul=None))
         start += _rows(m)
     lw.wq, lw.wk = views[0], views[1]
     if n == 3:
@@ -265,9 +270,10 @@ class ModelWeights:
     @classmethod
     def load(cls, mf: ModelFile, cfg: ModelConfig, device: torch.device, quant_dense: bool = False,
              experts: bool = True, fused_max_t: int = 1 << 30,
-             x8: bool = False) -> ModelWeights:
+             x8: bool = False, cpu_ggml: bool = False) -> ModelWeights:
         """quant_dense keeps matrices in their GGUF blocks (dequantized per use) to save memory;
-        experts=False leaves the routed experts to the offload runtime; x8: QuantTensor.x8."""
+        experts=False leaves the routed experts to the offload runtime; x8: QuantTensor.x8;
+        cpu_ggml: those matrices multiplied on ggml's CPU kernels (QuantTensor.cpu_matmul)."""
         from strata.config_hybrid import ffn_norm_name
         from strata.model.parts.spec import layer_spec  # (parts import this module)
 
@@ -281,6 +287,12 @@ class ModelWeights:
                 return d(name)
             qt = QuantTensor.load(t[name], device)
             qt.fused_max_t, qt.x8 = fused_max_t, x8
+            if cpu_ggml:
+                from strata.kernels.cpu.ggml_dense import GgmlMatmul
+                from strata.kernels.cpu.ggml_lib import supported
+
+                if qt.raw.dim() == 2 and supported(qt.qtype):
+                    qt.cpu_matmul = GgmlMatmul(qt.raw, qt.qtype, qt.n_cols)
             return qt
 
         def opt(name: str, matrix: bool = False) -> Weight | None:
