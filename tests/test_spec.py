@@ -495,7 +495,7 @@ def test_greedy_same_with_spec_cuda_offload(synth, decode_step):
 
 def test_the_plan_counts_a_draft_model(synth):
     """--spec with --draft PATH.gguf on CUDA: the draft's weights (in their GGUF blocks, as a
-    draft loads on CUDA: build.draft_quant_dense) are a line of the target's plan,
+    draft loads on CUDA: memory_plan.draft_in_blocks) are a line of the target's plan,
     and its KV rows join the target's in the KV line, out of what is left; n-gram and no spec
     count nothing, and neither does the CPU's plan (its budget is host RAM)."""
     from strata.config import ModelConfig, kv_elem_bytes

@@ -13,6 +13,7 @@ import torch
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.chunk_graph import PROMPT_GRAPH_MODES, ChunkGraphs, blocked
 from strata.engine.decode_step import DECODE_STEP_MODES, DecodeStep
+from strata.engine.memory_plan import draft_in_blocks
 from strata.errors import StrataError
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
@@ -66,12 +67,6 @@ def _index(dev: torch.device) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
-def draft_quant_dense(ec: EngineConfig, dev: torch.device) -> bool:
-    """A --draft model (--offload off beside its target) on CUDA keeps its matrices in GGUF
-    blocks (memory_plan.draft_bytes counts them so)."""
-    return ec.beside_target and dev.type == "cuda" and ec.kernels != "off"
-
-
 def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 dev: torch.device) -> MoETransformer:
     if ec.kernels not in FUSED_MAX_T:
@@ -91,10 +86,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         if dev.type == "cuda" and not ec.beside_target:  # (no plan, so no cap; a --draft
             # model loads this way inside its target's plan and keeps the target's cap)
             torch.cuda.set_per_process_memory_fraction(1.0, _index(dev))
-        # a --draft on CUDA keeps its matrices in their GGUF blocks, read by the fused kernels
-        # (its decode tokens on the GEMVs): a quarter of float32's VRAM, faster, and a draft's
-        # rounding moves no output (every token is the target's)
-        quant = draft_quant_dense(ec, dev)
+        quant = ec.beside_target and draft_in_blocks(dev.type, ec.kernels)  # (a --draft)
         model = MoETransformer(cfg, ModelWeights.load(mf, cfg, dev, quant_dense=quant), dev)
         model.kv_dtype = kv_elem
         if dev.type == "cuda":  # (the CPU's reference layout has no other way to run them)

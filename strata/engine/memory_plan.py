@@ -154,17 +154,23 @@ def auto_chunk(cfg: ModelConfig, workspace: int) -> int:
 
 def draft_bytes(ec: EngineConfig) -> tuple[int, int]:
     """A --spec draft model given as --draft PATH.gguf, loaded whole on the target's device
-    (--offload off: dense matrices in float32, on CUDA in their GGUF blocks, experts in their
-    blocks, as ModelWeights.load keeps them) -> (weight bytes, KV bytes a token at --kv-type);
-    (0, 0) for any other drafter."""
+    (--offload off: dense matrices in float32, on CUDA in their GGUF blocks (draft_in_blocks),
+    experts in their blocks, as ModelWeights.load keeps them) -> (weight bytes, KV bytes a
+    token at --kv-type); (0, 0) for any other drafter."""
     if not ec.spec or not ec.draft.endswith(".gguf") or not Path(ec.draft).is_file():
         return 0, 0  # (make_drafter refuses a missing file in its own words)
     mf = open_model(ec.draft)
     cfg = ModelConfig.from_model(mf, dense=True)
     experts = sum(ref.info.nbytes for name, ref in mf.tensors.items() if "_exps." in name)
     kv = int(cfg.n_kv_layers * cfg.kv_row * kv_elem_bytes(ec.kv_type))
-    quant = ec.device.startswith("cuda") and ec.kernels != "off"  # (build.draft_quant_dense)
-    return dense_bytes(mf, cfg, quant) + experts, kv
+    return dense_bytes(mf, cfg, draft_in_blocks(ec.device, ec.kernels)) + experts, kv
+
+
+def draft_in_blocks(device: str, kernels: str) -> bool:
+    """A --draft model on CUDA keeps its matrices in their GGUF blocks, read by the fused
+    kernels (its decode tokens on the GEMVs): a quarter of float32's VRAM, and a draft's
+    rounding moves no output (every token is the target's). --kernels off keeps float32."""
+    return device.startswith("cuda") and kernels != "off"
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int) -> int:
