@@ -266,6 +266,12 @@ class SpecDecoder:
         self.sequence: object = None  # whose window state this is (the server's request id)
 
     @property
+    def needs_hidden(self) -> bool:
+        """The drafter reads each pass's hidden states (the MTP head): plain steps run the
+        forward, not the decode steps, which do not hand them over."""
+        return bool(getattr(self.drafter, "needs_hidden", False))
+
+    @property
     def batches(self) -> bool:
         """Whether several sequences' windows can be drafted and checked together: the drafter
         drafts from the context alone (n-gram) or keeps a state per sequence (the MTP head:
@@ -309,7 +315,7 @@ class SpecDecoder:
         if drafts and constraint is not None:
             drafts, allowed = constraint.window(drafts, self.model.device)
         if not drafts:
-            if getattr(self.drafter, "needs_hidden", False):  # (the forward hands them over)
+            if self.needs_hidden:  # (the forward hands them over)
                 from strata.model.transformer import Segment
 
                 logits = self.model.forward(torch.tensor(context[-1:]), [Segment(kv, 1)])
@@ -333,18 +339,29 @@ class SpecDecoder:
 
         tokens = torch.tensor([context[-1], *drafts])  # [k+1]
         logits = self._verify(tokens, [Segment(kv, n)], marks)  # [k+1, V]
+        out = self._settle(logits, drafts, kv, start, params, gen, constraint, allowed)
+        spent = time.perf_counter() - t0
+        self.window.update(len(drafts), len(out) - 1, spent)
+        self.stats.add(len(drafts), len(out) - 1, spent)
+        return out
+
+    def _settle(self, logits: torch.Tensor, drafts: list[int], kv: KVCache, start: int,
+                params: SamplingParams, gen: torch.Generator | None, constraint: object,
+                allowed: torch.Tensor | None) -> list[int]:
+        """A window's rows [k+1, V] -> the tokens it gives: the rows masked to its grammar's
+        allowed tokens, the drafts accepted (none drafted: one token sampled from its row), the
+        cache rolled back to after the last accepted, the grammar fed the tokens."""
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
-        accepted, nxt = accept(logits, drafts, params, gen)
+        if drafts:
+            accepted, nxt = accept(logits, drafts, params, gen)
+        else:
+            accepted, nxt = 0, sample(logits[0], params, gen)
         rollback(self.model, kv, start + 1 + accepted)
         out = [*drafts[:accepted], nxt]
         for t in out if constraint is not None else ():
             constraint.accept(t)
-        spent = time.perf_counter() - t0
-        self.window.update(len(drafts), accepted, spent)
-        self.stats.add(len(drafts), accepted, spent)
         return out
-
 
     def step_batch(self, seqs: list[Decoding]) -> list[tuple[list[int], int] | StrataError] | None:
         """The next tokens of several decoding sequences through one forward: each sequence's
@@ -406,18 +423,9 @@ class SpecDecoder:
         logits = self._verify(torch.tensor(tokens), segments, marks)  # [sum of windows, V]
         out, row = [], 0
         for d, dr, start, ok in zip(seqs, drafts, starts, allowed, strict=True):
-            rows = logits[row:row + len(dr) + 1]
+            out.append(self._settle(logits[row:row + len(dr) + 1], dr, d.kv, start, d.params,
+                                    d.gen, d.constraint, ok))
             row += len(dr) + 1
-            if ok is not None:
-                rows = rows.masked_fill(~ok, float("-inf"))
-            if dr:
-                accepted, nxt = accept(rows, dr, d.params, d.gen)
-            else:
-                accepted, nxt = 0, sample(rows[0], d.params, d.gen)
-            rollback(self.model, d.kv, start + 1 + accepted)
-            out.append([*dr[:accepted], nxt])
-            for t in out[-1] if d.constraint is not None else ():
-                d.constraint.accept(t)
         per_token = (time.perf_counter() - t0) / sum(len(o) for o in out)
         for d, dr, got in zip(seqs, drafts, out, strict=True):
             if dr:

@@ -180,7 +180,7 @@ class BatchRunner:
             elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
                 logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
             elif (not prompt and self.batch_step is not None and len(tokens) == len(batch)
-                  and not getattr(getattr(spec, "drafter", None), "needs_hidden", False)):
+                  and not (spec is not None and spec.needs_hidden)):
                 # several sequences decoding: the batched step, one token each
                 logits = self.batch_step(tokens.tolist(), [s.kv for s in batch])
             elif scratch is not None:
@@ -241,7 +241,8 @@ class BatchRunner:
         prompt of its own; one eager pass takes them all)."""
         if self.scratch is None or len(prompt) != 1:
             return None
-        if getattr(getattr(self.engine.spec, "drafter", None), "needs_hidden", False):
+        spec = getattr(self.engine, "spec", None)
+        if spec is not None and spec.needs_hidden:
             return None  # (the decoders' hidden states go to an MTP drafter: one forward)
         s = prompt[0]
         return s if s.prompt_len <= self.scratch.capacity else None  # (its rows fit)
