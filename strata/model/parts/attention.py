@@ -34,6 +34,11 @@ class GQAAttention:
         # table does not: _rope_inputs) and its softmax scale
         self.mscale, softmax = yarn_attn_scale(cfg.yarn)
         self.scale = cfg.head_dim ** -0.5 * softmax
+        # the fused kernels' q/k norm weights, YaRN's scale in them where there is one (made
+        # once, not every step)
+        self.norms = (lw.q_norm, lw.k_norm) if self.qk_norm else (None, None)
+        if self.qk_norm and self.mscale != 1.0:
+            self.norms = (lw.q_norm * self.mscale, lw.k_norm * self.mscale)
 
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h [T, D] -> attention output after wo [T, D]; the KV cache gets the new rows."""
@@ -79,13 +84,9 @@ class GQAAttention:
         table, YaRN's included) and store in one launch: YaRN's q/k scale goes into the norms'
         weights where there are norms (a norm would undo a scaled input), else onto q and k (the
         rotation is linear), so the stored keys are the reference's."""
-        lw, m = self.lw, self.mscale
-        qn, kn = (lw.q_norm, lw.k_norm) if self.qk_norm else (None, None)
-        if m == 1.0:
-            return q, k, qn, kn
-        if qn is not None:
-            return q, k, qn * m, kn * m
-        return q * m, k * m, None, None
+        if self.mscale == 1.0 or self.qk_norm:
+            return q, k, *self.norms
+        return q * self.mscale, k * self.mscale, None, None
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
