@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 from interpreted import every_case
+from test_decode_step import forward_then_decode
 
 from strata.cli.logits import compute_logits
 from strata.config import ModelConfig
 from strata.engine.generator import Engine
 from strata.gguf import open_model
-from strata.model.parts import Segment
 from strata.quant import QType
 
 from hf_reference import hf_gpt_oss_logits, kl_per_position
@@ -65,12 +65,7 @@ def test_incremental_decode_equals_full_forward(synth):
     engine = Engine.load(synth("gpt-oss", "MXFP4"))
     tokens = prompt(1)
     full = compute_logits(engine, tokens)
-    model = engine.model
-    kv = model.new_cache(len(tokens))
-    steps = [model.forward(torch.tensor(tokens[:5]), [Segment(kv, 5)], all_logits=True)]
-    # one token at a time, past the window (the logits of a decode step are its own buffer)
-    steps += [model.decode(t, kv).clone() for t in tokens[5:]]
-    step = torch.cat(steps).numpy()
+    step = forward_then_decode(engine.model, tokens, 5)  # (one token at a time past the window)
     assert kl_per_position(full, step).max() < 1e-8
     assert (full.argmax(-1) == step.argmax(-1)).all()
 
@@ -212,12 +207,8 @@ def test_offload_prompt_ring_and_decode(mxfp4):
     path, tokens, ref = mxfp4
     engine = offload(path, expert_cache="3", stream_min=2, prefill="8")
     assert_same(compute_logits(engine, tokens), ref)
-    model = engine.model
-    assert model.step is not None  # the decode step, eager on the CPU: the parts' static paths
-    kv = model.new_cache(len(tokens))
-    steps = [model.forward(torch.tensor(tokens[:18]), [Segment(kv, 18)], all_logits=True)]
-    steps += [model.decode(t, kv).clone() for t in tokens[18:]]
-    assert_same(torch.cat(steps).numpy(), ref)
+    assert engine.model.step is not None  # the decode step, eager on the CPU: the parts' paths
+    assert_same(forward_then_decode(engine.model, tokens, 18), ref)
 
 
 def test_ggml_cpu_misses_with_biases(synth, monkeypatch):

@@ -15,6 +15,7 @@ from strata.config import EngineConfig
 from strata.engine.decode_step import cut_pieces
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams
+from strata.model.parts import Segment
 from strata.model.parts.routing import RoutingPin, RoutingTrace, attach
 from strata.runtime.kv_cache import KV_TYPES
 
@@ -30,6 +31,17 @@ def decoded_logits(engine: Engine, tokens: list[int]) -> np.ndarray:
     out = [engine.model.decode(t, kv).float().cpu().numpy().copy() for t in tokens[PROMPT:]]
     assert kv.length == len(tokens)
     return np.concatenate(out)
+
+
+def forward_then_decode(model, tokens: list[int], n_prompt: int) -> np.ndarray:  # noqa: ANN001
+    """Teacher-forced on a fresh cache: the first n_prompt tokens in one forward (every row's
+    logits), then one decode step per remaining token (a decode step's logits are its own
+    buffer: copied) -> [len(tokens), V]."""
+    kv = model.new_cache(len(tokens))
+    out = [model.forward(torch.tensor(tokens[:n_prompt]), [Segment(kv, n_prompt)],
+                         all_logits=True)]
+    out += [model.decode(t, kv).clone() for t in tokens[n_prompt:]]
+    return torch.cat(out).float().cpu().numpy()
 
 
 def test_pieces_are_cut_after_each_host_layer() -> None:

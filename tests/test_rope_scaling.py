@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 from test_batched_step import PROMPTS, STEPS, alone, assert_close, batched, pool_for
+from test_decode_step import forward_then_decode
 from test_offload import offload
 
 from strata.cli.logits import compute_logits
@@ -18,7 +18,6 @@ from strata.engine.batch_step import BatchStep
 from strata.engine.generator import Engine
 from strata.errors import UnsupportedError
 from strata.gguf import open_model
-from strata.model.parts import Segment
 from strata.synth.presets import get_preset
 from strata.synth.recipes import Recipe
 from strata.synth.writer import write_model
@@ -94,10 +93,7 @@ def test_decode_and_batched_steps_give_reference_logits(scaled, arch, kind):
     engine = offload(path, expert_cache="0", miss="cpu")
     model = engine.model
     assert model.step is not None and model.cfg.yarn is not None
-    kv = model.new_cache(len(TOKENS))
-    out = [model.forward(torch.tensor(TOKENS[:6]), [Segment(kv, 6)], all_logits=True)]
-    out += [model.decode(t, kv).clone() for t in TOKENS[6:]]
-    ours = torch.cat(out).numpy()
+    ours = forward_then_decode(model, TOKENS, 6)
     assert kl_per_position(ref, ours).max() < 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     step = BatchStep(model, pool_for(engine, 4, block=3), "eager")

@@ -29,6 +29,14 @@ def _run(engine: Engine, prompt: str, n: int) -> tuple[str, list[StepDone]]:
         [m for m in sent if isinstance(m, StepDone)]
 
 
+def _metrics(steps: list[StepDone]) -> str:
+    """/metrics' text after these steps."""
+    m = Metrics()
+    for s in steps:
+        m.step(s)
+    return m.render(running=0, queued=0, loaded=True, restarts=0)
+
+
 def test_batch_runner_windows_same_text_and_metrics(synth):
     f = synth("qwen3moe", "Q4_K_M")
     plain, _ = _run(Engine.load(f, config=EngineConfig(device="cpu")), "hello world", 30)
@@ -39,10 +47,7 @@ def test_batch_runner_windows_same_text_and_metrics(synth):
     assert text == plain
     windows = [s for s in steps if s.drafted]
     assert windows and all(s.decode_tokens == s.accepted + 1 for s in windows)
-    m = Metrics()
-    for s in steps:
-        m.step(s)
-    out = m.render(running=0, queued=0, loaded=True, restarts=0)
+    out = _metrics(steps)
     assert f"strata_spec_windows_total {len(windows)}" in out
     assert f"strata_spec_drafted_tokens_total {sum(s.drafted for s in windows)}" in out
     assert f"strata_spec_accepted_tokens_total {sum(s.accepted for s in windows)}" in out
@@ -172,10 +177,7 @@ def test_batched_windows_same_text_as_without_spec(synth, arch, offload):
     assert 0 < st.accepted < st.drafted
     assert not eng.spec._windows  # (each finished sequence's window state dropped)
     # /metrics counts each sequence's window of a batched step as one window, by position
-    m = Metrics()
-    for s in steps:
-        m.step(s)
-    out = m.render(running=0, queued=0, loaded=True, restarts=0)
+    out = _metrics(steps)
     assert f"strata_spec_windows_total {st.windows}" in out
     assert f"strata_spec_drafted_tokens_total {st.drafted}" in out
     assert f"strata_spec_accepted_tokens_total {st.accepted}" in out
