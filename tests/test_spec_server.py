@@ -256,3 +256,37 @@ def test_batched_windows_with_mtp_drafts(synth, arch, offload):
 
     gc.collect()
     assert len(eng.spec.drafter._states) == 0  # (each sequence's state gone with its cache)
+
+
+@pytest.mark.parametrize("offload", ["off", "on"])
+def test_batched_windows_with_a_draft_model(synth, offload):
+    """--draft PATH.gguf in a batch: the draft model keeps a cache per sequence, and the
+    sequences draft together (their new tokens in one forward of several segments, each greedy
+    step of them all in one more); the windows of several sequences run in one forward, each
+    text as without --spec. The file drafts for itself, so nearly every draft is accepted: a
+    draft made from another sequence's cache would not be."""
+    f = synth("qwen3moe", "Q4_K_M")
+    ec = {"device": "cpu", "offload": offload, "sequences": 3, "kernels": "exact"}
+    plain, _ = _run_many(Engine.load(f, config=EngineConfig(**ec)), _REPEATS, 20)
+    eng = Engine.load(f, config=EngineConfig(**ec, spec=3, draft=str(f)))
+    eng.spec.timed = False
+    drafter = eng.spec.drafter
+    assert drafter.name == "model" and eng.spec.batches
+    draft_model, widths = drafter.engine.model, []
+    forward = draft_model.forward
+
+    def counted(tokens, segments, *a, **k):  # noqa: ANN001, ANN202
+        widths.append(len(segments))
+        return forward(tokens, segments, *a, **k)
+
+    draft_model.forward = counted
+    texts, steps = _run_many(eng, _REPEATS, 20)
+    assert texts == plain
+    assert any(s.drafted and s.decode_tokens > s.accepted + 1 for s in steps)
+    assert max(widths) == 3  # (the three sequences drafted in one forward)
+    st = eng.spec.stats
+    assert st.accepted >= 0.9 * st.drafted > 0, (st.accepted, st.drafted)
+    import gc
+
+    gc.collect()
+    assert len(drafter._states) == 0  # (each sequence's draft cache gone with its own)

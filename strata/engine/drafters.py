@@ -64,38 +64,86 @@ class NgramDrafter:
         return []
 
 
-class ModelDrafter:
-    """A small model of the same vocabulary, run greedily. Its cache holds `ids`: a window's
-    rejected drafts are dropped by truncating it to the prefix it shares with the next context."""
+class _DraftCache:
+    """A draft model's cache for one target sequence and the tokens it holds."""
 
-    name = "model"
-
-    def __init__(self, engine, chunk: int = 512):  # noqa: ANN001 (strata.engine.generator.Engine)
-        self.engine, self.chunk = engine, chunk
+    def __init__(self) -> None:
         self.kv = None
         self.ids: list[int] = []
 
+
+class ModelDrafter:
+    """A small model of the same vocabulary, run greedily, with a cache of its own per target
+    sequence (keyed by the target's KV cache, so it goes when that sequence's cache goes). A
+    window's rejected drafts are dropped by cutting the draft's cache to the prefix it shares
+    with the next context. A batch's sequences draft together (propose_many): their new tokens
+    in one forward, then each greedy step of them all in one more."""
+
+    name = "model"
+    per_sequence = True  # propose_for / propose_many: a batch's sequences draft together
+
+    def __init__(self, engine, chunk: int = 512):  # noqa: ANN001 (strata.engine.generator.Engine)
+        self.engine, self.chunk = engine, chunk
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target kv ->
+        self._own = _DraftCache()  # propose()'s: a caller that names no target cache
+
     def propose(self, context: list[int], n: int) -> list[int]:
-        if n < 1:
-            return []
+        return self._draft([(self._own, context, n)])[0]
+
+    def propose_for(self, kv, context: list[int], n: int) -> list[int]:  # noqa: ANN001
+        return self.propose_many([(kv, context, n)])[0]
+
+    def propose_many(self, asks: list[tuple[object, list[int], int]]) -> list[list[int]]:
+        """Up to n drafts after each context, for each (target cache, context, n)."""
+        states = []
+        for kv, _, _ in asks:
+            st = self._own if kv is None else self._states.get(kv)
+            if st is None:
+                st = self._states[kv] = _DraftCache()
+            states.append(st)
+        return self._draft([(st, ctx, n) for st, (_, ctx, n) in zip(states, asks, strict=True)])
+
+    def _draft(self, asks: list[tuple[_DraftCache, list[int], int]]) -> list[list[int]]:
         model = self.engine.model
-        if self.kv is None:
-            self.kv = model.new_cache(len(context) + 256)
-        same = 0
-        for a, b in zip(self.ids, context, strict=False):
-            if a != b:
-                break
-            same += 1
-        same = min(same, len(context) - 1)  # the last token always runs: its logits are needed
-        self.kv.truncate(same)
-        todo = context[same:]
-        for start in range(0, len(todo), self.chunk):
-            part = todo[start:start + self.chunk]
-            logits = model.forward(torch.tensor(part), [_segment(self.kv, len(part))])[0]
-        out = [int(torch.argmax(logits))]
-        while len(out) < n:
-            out.append(int(torch.argmax(model.decode(out[-1], self.kv)[0])))
-        self.ids = context + out[:-1]  # what the cache holds now
+        out: list[list[int]] = [[] for _ in asks]
+        live = [i for i, (_, ctx, n) in enumerate(asks) if n >= 1 and ctx]
+        todo = {}
+        for i in live:  # each cache cut to what it shares with its context
+            st, ctx, _ = asks[i]
+            if st.kv is None:
+                st.kv = model.new_cache(len(ctx) + 256)
+            same = 0
+            for a, b in zip(st.ids, ctx, strict=False):
+                if a != b:
+                    break
+                same += 1
+            same = min(same, len(ctx) - 1)  # the last token always runs: its logits are needed
+            st.kv.truncate(same)
+            todo[i] = ctx[same:]
+        last = {}
+        while todo:  # the contexts' new tokens, a chunk of each sequence's a pass
+            order = list(todo)
+            parts = [todo[i][:self.chunk] for i in order]
+            logits = model.forward(torch.tensor([t for p in parts for t in p]),
+                                   [_segment(asks[i][0].kv, len(p))
+                                    for i, p in zip(order, parts, strict=True)])
+            for row, i in enumerate(order):
+                last[i] = logits[row]
+            todo = {i: todo[i][self.chunk:] for i in order if len(todo[i]) > self.chunk}
+        for i in live:
+            out[i].append(int(torch.argmax(last[i])))
+        while going := [i for i in live if len(out[i]) < asks[i][2]]:
+            if len(going) == 1:  # (one sequence: the draft's decode step, graphed where built)
+                i = going[0]
+                out[i].append(int(torch.argmax(model.decode(out[i][-1], asks[i][0].kv)[0])))
+                continue
+            logits = model.forward(torch.tensor([out[i][-1] for i in going]),
+                                   [_segment(asks[i][0].kv, 1) for i in going])
+            for row, i in enumerate(going):
+                out[i].append(int(torch.argmax(logits[row])))
+        for i in live:
+            st, ctx, _ = asks[i]
+            st.ids = ctx + out[i][:-1]  # what its cache holds now
         return out
 
 

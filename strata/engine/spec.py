@@ -274,8 +274,8 @@ class SpecDecoder:
     @property
     def batches(self) -> bool:
         """Whether several sequences' windows can be drafted and checked together: the drafter
-        drafts from the context alone (n-gram) or keeps a state per sequence (the MTP head:
-        propose_for); a draft model's cache follows one sequence."""
+        drafts from the context alone (n-gram) or keeps a state per sequence (the MTP head, a
+        draft model: propose_for)."""
         d = self.drafter
         return bool(getattr(d, "from_context", False) or getattr(d, "per_sequence", False))
 
@@ -310,7 +310,7 @@ class SpecDecoder:
         the drafts cut before the first it forbids, and the grammar takes the tokens given."""
         t0 = time.perf_counter()  # (drafting counts: a draft model's steps cost too)
         k = min(self.window.next_size(), room - 1)
-        drafts = self.drafter.propose(context, k)[:k] if k > 0 else []
+        drafts = self._drafts([(kv, context, k)])[0]
         allowed = None
         if drafts and constraint is not None:
             drafts, allowed = constraint.window(drafts, self.model.device)
@@ -378,9 +378,9 @@ class SpecDecoder:
         does."""
         t0 = time.perf_counter()
         drafts, allowed, failed = [], [], {}
-        for i, d in enumerate(seqs):
-            k = min(self._window_of(d.key).next_size(), d.room - 1)
-            dr = self._propose(d, k)
+        asks = [(d.kv, d.context, min(self._window_of(d.key).next_size(), d.room - 1))
+                for d in seqs]
+        for i, (d, dr) in enumerate(zip(seqs, self._drafts(asks), strict=True)):
             rows = None
             if d.constraint is not None:  # (with no draft: its one row's mask)
                 try:
@@ -399,13 +399,17 @@ class SpecDecoder:
             return [got[i] for i in range(len(seqs))]
         return self._pass(seqs, drafts, allowed, t0)
 
-    def _propose(self, d: Decoding, k: int) -> list[int]:
-        """Up to k drafts for one sequence of a batch."""
-        if k < 1:
-            return []
-        per = getattr(self.drafter, "propose_for", None)
-        return (per(d.kv, d.context, k) if per is not None
-                else self.drafter.propose(d.context, k))[:k]
+    def _drafts(self, asks: list[tuple[KVCache, list[int], int]]) -> list[list[int]]:
+        """Up to k drafts after each context, for each (the sequence's cache, context, k): a
+        drafter with a state per sequence is told whose cache; a draft model drafts them all
+        together (propose_many)."""
+        d = self.drafter
+        many = getattr(d, "propose_many", None)
+        if many is not None:
+            return [dr[:k] for dr, (_, _, k) in zip(many(asks), asks, strict=True)]
+        per = getattr(d, "propose_for", None)
+        return [((per(kv, ctx, k) if per is not None else d.propose(ctx, k))[:k] if k > 0
+                 else []) for kv, ctx, k in asks]
 
     def _pass(self, seqs: list[Decoding], drafts: list[list[int]],
               allowed: list[torch.Tensor | None], t0: float) -> list[tuple[list[int], int]]:

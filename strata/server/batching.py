@@ -15,9 +15,9 @@ One step (`BatchRunner.step`):
 
 With --spec T (strata.engine.spec) a step of one decoding sequence is a verify window, which may
 give several tokens; a step of several decoding sequences checks each one's window in one
-forward (SpecDecoder.step_batch) where the drafter drafts from the context alone (n-gram) or
-keeps a state per sequence (the MTP head, whose plain steps then run the forward: it needs each
-pass's hidden states), else decodes one token each. A sequence with a grammar (response_format,
+forward (SpecDecoder.step_batch): the drafter drafts from the context alone (n-gram) or keeps
+a state per sequence (a draft model, drafting for the batch together; the MTP head, whose plain
+steps then run the forward: it needs each pass's hidden states). A sequence with a grammar (response_format,
 a forced tool call) has each window row masked to what the grammar allows after the drafts
 before it, its drafts cut before the first the grammar forbids (constrain.Constraint.window).
 Where no sequence drafted, the step is the plain one (the batched step).
