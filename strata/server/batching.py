@@ -17,9 +17,10 @@ With --spec T (strata.engine.spec) a step of one decoding sequence is a verify w
 give several tokens; a step of several decoding sequences checks each one's window in one
 forward (SpecDecoder.step_batch): the drafter drafts from the context alone (n-gram) or keeps
 a state per sequence (a draft model, drafting for the batch together; the MTP head, whose plain
-steps then run the forward: it needs each pass's hidden states). A sequence with a grammar (response_format,
-a forced tool call) has each window row masked to what the grammar allows after the drafts
-before it, its drafts cut before the first the grammar forbids (constrain.Constraint.window).
+steps then run the forward: it needs each pass's hidden states). A sequence with a grammar
+(response_format, a forced tool call) has each window row masked to what the grammar allows
+after the drafts before it, its drafts cut before the first the grammar forbids
+(constrain.Constraint.window).
 Where no sequence drafted, the step is the plain one (the batched step).
 
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
