@@ -594,3 +594,57 @@ def test_greedy_hybrid_same_with_spec_cuda(synth, arch, decode_step):
     eng.spec = SpecDecoder(eng.model, ReplayDrafter(ids, plain), 3, timed=False)
     assert list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=32))) == plain
     assert 0 < eng.stats.spec.accepted < eng.stats.spec.drafted
+
+
+def test_window_copies_the_next_layers_guess_ahead(synth):
+    """Spec-aware prefetch: in a verify window each layer's residual after its attention goes
+    through the next layer's router, and that layer's likeliest uncached experts are admitted
+    into its slots before it routes (on CUDA their copies run beside this layer's compute).
+    The experts it then routes to are hits instead of copies, counted as prefetch used; the
+    window's logits are the same as without; greedy text with --spec as without it."""
+    from dataclasses import replace
+
+    f = synth("qwen3moe", "Q4_K_M")
+    kw = dict(offload="on", expert_cache="12", miss="dma", kernels="exact",  # (4 slots a layer)
+              cpu_kernels="torch")
+    got = {}
+    for n in (0, 4):
+        eng = load(f, spec=4, **kw)
+        ex = eng.model.experts
+        ex.options = replace(ex.options, window_prefetch=n)
+        found, settle = [], ex.settle_ahead
+
+        def seen(layer, routed, ex=ex, found=found, settle=settle):  # noqa: ANN001, ANN202
+            # (each guessed expert the layer routes to: in its slots when it routes)
+            found += [ex.cache.layers[layer].slot_of[e] >= 0
+                      for e in ex._ahead.get(layer, ()) if e in routed]
+            settle(layer, routed)
+
+        ex.settle_ahead = seen
+        kv = eng.model.new_cache(32)
+        eng.model.forward(torch.tensor([5, 6, 7]), [Segment(kv, 3)])
+        st = ex.stats
+        pairs = (st.hits + st.cpu + st.streamed).sum()
+        ex.window = True  # as SpecDecoder sets it around a window's forward
+        logits = eng.model.forward(torch.tensor([1, 2, 3, 4, 5]), [Segment(kv, 5)],
+                                   all_logits=True)
+        ex.window = False
+        K = eng.config.n_experts_used
+        assert (st.hits + st.cpu + st.streamed).sum() - pairs == 5 * K * eng.config.n_layers
+        got[n] = (logits, found, int(st.ahead_used.sum()), int(st.ahead_unused.sum()),
+                  ex.guessed)
+    (plain, found0, used0, unused0, _), (ahead, found4, used4, _, left) = got[0], got[4]
+    assert used0 == unused0 == 0 and not found0
+    assert used4 > 0 and len(found4) == used4 and all(found4)
+    assert left is None  # (the last guess was taken)
+    assert torch.allclose(ahead, plain, atol=1e-5, rtol=0)
+    # end to end: windows with the guess copied ahead, the greedy text as without --spec
+    # (drafts replaying the answer, every third wrong)
+    ids = [1, 2, 3, 4]
+    base = list(load(f, **kw).generate(ids, SamplingParams(temperature=0, max_tokens=24)))
+    eng = load(f, spec=3, **kw)
+    eng.spec = SpecDecoder(eng.model, ReplayDrafter(ids, base), 3, timed=False)
+    eng.model.experts.options = replace(eng.model.experts.options, window_prefetch=4)
+    assert list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=24))) == base
+    assert 0 < eng.stats.spec.accepted < eng.stats.spec.drafted
+    assert eng.model.experts.stats.ahead_used.sum() > 0

@@ -88,7 +88,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "layer computes, copy the N experts the next layer's router ranks best for "
                    "the current hidden state (less those in VRAM already), so its gather finds "
                    f"them in VRAM (auto: {AUTO_PREFETCH} where the cache holds fewer slots a layer "
-                   "than a token's experts, else off; 0: off; measurements: docs/offload.md)")
+                   "than a token's experts, else off; 0: off; measurements: docs/offload.md); "
+                   "with --spec, verify windows copy up to N of the next layer's guessed "
+                   "experts ahead (auto: a token's K; docs/spec.md)")
     g.add_argument("--spec", type=int, default=0, metavar="T",
                    help="speculative decoding: up to T drafted tokens checked in one verify "
                    "window (a forward of T+1 tokens); the window shrinks or turns off while "

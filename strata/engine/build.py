@@ -100,6 +100,10 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           f"{cfg.n_experts_used - 1} of the {cfg.n_experts_used} experts a "
                           "token is routed to")
     auto_prefetch = ec.prefetch is None
+    # verify windows (--spec) on CUDA copy the next layer's guessed experts ahead: --prefetch N
+    # of them, auto a token's K (OffloadExperts.copy_ahead)
+    window_prefetch = ((cfg.n_experts_used if auto_prefetch else ec.prefetch)
+                       if dev.type == "cuda" and ec.spec else 0)
     if not auto_prefetch and not 0 <= ec.prefetch <= cfg.n_experts_used:
         raise StrataError(f"--prefetch {ec.prefetch}: give auto, or 0 (off) to "
                           f"{cfg.n_experts_used} (the experts a token is routed to)")
@@ -180,6 +184,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         cpu_share_threads=ec.threads,
         prefetch=ec.prefetch if dev.type == "cuda" else 0,
         prefetch_auto=auto_prefetch,  # (then it is off without a word where it cannot run)
+        window_prefetch=window_prefetch,
         debug=ec.debug)
     # (the ring's grouped banks compute plain SwiGLU: experts with biases stream per buffer)
     grouped = ec.kernels == "fused" and not cfg.moe_bias

@@ -462,7 +462,7 @@ class SpecDecoder:
             logits = self.model.forward(tokens, segments, all_logits=True, marks=marks)
         finally:
             if windowed:
-                ex.window = False
+                ex.window, ex.guessed = False, None
             for s in segments:
                 if getattr(s.kv, "state", None) is not None:
                     s.kv.state.stop_recording()

@@ -23,7 +23,7 @@ One layer of a planned pass (`run`):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +75,8 @@ class OffloadOptions:
     cpu_share_threads: int | None = None  # its pool's threads (--threads, if given)
     prefetch: int = 0  # experts of the next gathered layer copied ahead (--prefetch)
     prefetch_auto: bool = False  # --prefetch auto: off without a warning where it cannot run
+    # a verify window's next layer: its likeliest uncached experts copied ahead (copy_ahead)
+    window_prefetch: int = 0
     debug: bool = False  # check the cache's integrity after each layer
 
 
@@ -103,6 +105,11 @@ class OffloadExperts:
         # a verify window's pass (strata.engine.spec sets it around the window's forward): its
         # misses are split per expert by the tokens each serves (planned), never all streamed
         self.window = False
+        # the window's guess of the next layer's experts: (layer, ids [T, K] on the device),
+        # set by the model's trunk (wants_ahead), copied ahead by copy_ahead; what was copied
+        # ahead for a layer, counted when that layer routes (settle_ahead)
+        self.guessed: tuple[int, torch.Tensor] | None = None
+        self._ahead: dict[int, list[int]] = {}
 
     # ---- the options, by name -----------------------------------------------------------------
 
@@ -161,6 +168,8 @@ class OffloadExperts:
         already copied to the host (the decode step's pinned buffers), saving the syncs of
         copying them here."""
         path = self.choose(layer, h.shape[0], ids.shape[1])
+        if path != "planned":  # (the planned path copies ahead after its own misses' copies)
+            self.copy_ahead()
         if path == "streamed_routed":
             return self._run_streamed_routed(layer, h, ids, weights)
         return self.paths[path].run(layer, h, ids, weights, host)
@@ -191,6 +200,48 @@ class OffloadExperts:
         if layer + 1 < len(self.arena.layouts) and self._streams_routed(layer + 1, tokens, topk):
             uncached = np.flatnonzero(self.cache.layers[layer + 1].slot_of < 0)
             self.ring.prefetch(self.arena, layer + 1, uncached.tolist())
+
+    def wants_ahead(self, layer: int, tokens: int) -> bool:
+        """A verify window's pass guesses this layer's experts ahead (--prefetch in windows):
+        the layer has experts outside VRAM."""
+        return (self.window and self.options.window_prefetch > 0
+                and 0 <= layer < len(self.arena.layouts) and not self.resident(layer, tokens))
+
+    def copy_ahead(self) -> None:
+        """A verify window's guess of the next layer's experts (`guessed`, from the residual
+        after this layer's attention): its likeliest experts without a slot, by the guessed
+        tokens each serves, up to options.window_prefetch, admitted into that layer's slots
+        now. Their copies queue on the copy stream behind this layer's own and run while this
+        layer computes; that layer's routing then finds them in VRAM (or the guess was wrong
+        and cost its bytes)."""
+        g, self.guessed = self.guessed, None
+        if g is None:
+            return
+        layer, ids = g
+        flat = to_host(ids, f"layer {layer} guessed experts").numpy().ravel()
+        experts, counts = np.unique(flat, return_counts=True)
+        ls = self.cache.layers[layer]
+        served = dict(zip(experts.tolist(), counts.tolist(), strict=True))
+        missing = sorted((-c, e) for e, c in served.items() if ls.slot_of[e] < 0)
+        done: list[int] = []
+        for c, e in missing[:self.options.window_prefetch]:
+            # (never evicting a guessed expert at least as likely, nor one just copied)
+            keep = {x for x, n in served.items() if n >= -c} | set(done)
+            if self.cache.admit(layer, e, self.arena.record(layer, e), keep, force=True) is None:
+                break  # (no slot to give)
+            done.append(e)
+        if done:
+            self._ahead[layer] = done
+            self.account(None, nbytes=len(done) * self.arena.layouts[layer].nbytes,
+                         admissions=len(done))
+
+    def settle_ahead(self, layer: int, routed: Collection[int]) -> None:
+        """The layer routed to `routed`: count the experts copied ahead for it as used or not."""
+        ahead = self._ahead.pop(layer, None)
+        if ahead:
+            used = sum(e in routed for e in ahead)
+            self.stats.ahead_used[layer] += used
+            self.stats.ahead_unused[layer] += len(ahead) - used
 
     # ---- accounting -----------------------------------------------------------------------------
 

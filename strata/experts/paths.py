@@ -160,6 +160,7 @@ class Planned(Path):
     def run(self, layer, h, ids, weights, host=None, sum_pairs=True, aids=None):  # noqa: ANN001, ANN201
         ex = self.ex
         host, by_expert = read_routing(ex, layer, ids, weights, host)
+        ex.settle_ahead(layer, by_expert)
         ls, lay = ex.cache.layers[layer], ex.arena.layouts[layer]
         hits = [e for e in by_expert if ls.slot_of[e] >= 0]
         misses = [(e, len(by_expert[e].tokens)) for e in by_expert if ls.slot_of[e] < 0]
@@ -169,6 +170,7 @@ class Planned(Path):
         for e in to_copy:
             slot = ex.cache.admit(layer, e, ex.arena.record(layer, e), keep, force=True)
             (hits if slot is not None else staged).append(e)
+        ex.copy_ahead()  # (a verify window's next layer: behind these copies, beside the compute)
         out = torch.zeros_like(h)
         h_host = h
         if to_cpu and ex.device.type != "cpu":

@@ -158,8 +158,17 @@ class MoETransformer:
         layer's output delta, which the head's norm adds). marks.after(i) after layer i."""
         x = self.w.embed.rows(tokens)  # [T, D]
         delta = None  # each layer's output, added by the next residual step
+        ex, L = self.experts, len(self.layers)
         for i, layer in enumerate(self.layers):
-            delta = layer.forward(x, delta, ctx)
+            if (i + 1 < L and layer.ffn.routed and self.layers[i + 1].ffn.routed
+                    and getattr(ex, "wants_ahead", None) and ex.wants_ahead(i + 1, len(x))):
+                # a verify window: the next layer's router on this layer's residual (after its
+                # attention) guesses that layer's experts, copied while this layer's run
+                r = layer.begin(x, delta, ctx)
+                ex.guessed = (i + 1, self.layers[i + 1].ffn.guess(x))
+                delta = layer.finish(r, ctx)
+            else:
+                delta = layer.forward(x, delta, ctx)
             if marks is not None:
                 marks.after(i)
         return x, delta

@@ -26,6 +26,9 @@ def route_biased(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
 
 
 class BiasedRoutedExperts(RoutedExperts):
+    def _route(self, h: torch.Tensor) -> torch.Tensor:
+        return route_biased(h, self.lw.router, self.lw.router_logit_bias, self.k)[0]
+
     def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
         lw = self.lw
         h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from strata.config import ModelConfig
-from strata.model.layers import route
+from strata.model.layers import rms_norm, route
 from strata.model.parts.context import Context, decode_ops
 from strata.model.parts.gating import biased_weights, route_biased
 from strata.model.parts.norm import add_norm
@@ -100,6 +100,18 @@ class RoutedExperts:
                                                        self.scale, self.gating))
             return r
         return Routing(h, ids, wts)
+
+    def guess(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts this layer's router would pick for the residual x [T, D] (normed here;
+        nothing counted, no hook): a prefetch's guess, ids int64 [T, K]."""
+        return self._route(rms_norm(x, self.lw.ffn_norm, self.eps))
+
+    def _route(self, h: torch.Tensor) -> torch.Tensor:
+        lw = self.lw
+        if self.biased:
+            return route_biased(h, lw.router, lw.router_bias, self.k, self.norm_topk,
+                                self.scale, *self.groups, gating=self.gating)[0]
+        return route(h, lw.router, self.k, self.norm_topk)[0]
 
     def finish(self, r: Routing, ctx: Context) -> torch.Tensor:
         """The routed experts' weighted sum, plus the shared expert: [T, D] (or, in a static
