@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -338,11 +339,12 @@ def test_yarn_chunks_through_graphs_give_the_reference_logits(synth, tmp_path, a
     for n in (37, 200):
         tokens = prompt(n, 2)
         ref = torch.from_numpy(compute_logits(reference, tokens))[-1:]
-        for _ in range(3):  # (a bucket's first chunk runs eagerly, its second is captured)
+        for _ in range(3):  # (a bucket's first chunk runs eagerly, then is captured)
             out, _ = run_chunks(engine.model, [tokens], graphs)
             p, q = torch.log_softmax(ref, -1), torch.log_softmax(out[0].float().cpu(), -1)
             assert float((p.exp() * (p - q)).sum(-1).max()) < 2e-3, n
-    assert graphs.steps["captured"] == 2 and graphs.steps["replayed"] == 2
+    assert graphs.steps["warm"] == graphs.steps["captured"] == 2
+    assert graphs.steps["replayed"] == 4
 
 
 @pytest.mark.cuda
@@ -445,15 +447,18 @@ def test_flash_chunk_attention_equals_its_torch_form(dtype, t, start, window, si
     k = torch.randn(cap, hkv, hd, generator=g).to(dtype).cuda()
     v = torch.randn(cap, hkv, hd, generator=g).to(dtype).cuda()
     k[start + t:], v[start + t:] = float("nan"), float("nan")  # past the length: never read
-    s = 2 * torch.randn(h, generator=g) if sinks else None
+    # (a sink near the log of the keys a row attends to takes a share of the weight like
+    # theirs: its fold moves the output by far more than the rounding bound below)
+    keys = min(window, start + t) if window else start + t
+    s = math.log(keys) + torch.randn(h, generator=g) if sinks else None
     n = torch.tensor([start + t], device="cuda")
     out = chunk_attention(q, k, v, n, hd ** -0.5, window, None if s is None else s.cuda())
     ref = chunk_attention(q.cpu(), k.cpu(), v.cpu(), n.cpu(), hd ** -0.5, window, s)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3  # (flash rounds p to the type for p.V)
     assert torch.isfinite(out).all() and float((out.cpu() - ref).abs().max()) < tol
-    if sinks:  # (the sinks move the output: the fold is not a no-op)
+    if sinks:  # (the sinks move the output past the bound: the fold is not a no-op)
         plain = chunk_attention(q.cpu(), k.cpu(), v.cpu(), n.cpu(), hd ** -0.5, window)
-        assert float((plain - ref).abs().max()) > 10 * tol
+        assert float((plain - ref).abs().max()) > 2 * tol
 
 
 def test_the_device_counters_count_the_real_rows_and_outlive_a_reset():

@@ -648,3 +648,35 @@ def test_window_copies_the_next_layers_guess_ahead(synth):
     assert list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=24))) == base
     assert 0 < eng.stats.spec.accepted < eng.stats.spec.drafted
     assert eng.model.experts.stats.ahead_used.sum() > 0
+
+
+def test_forced_acceptance_takes_the_drafts_asked_for(synth):
+    """SpecDecoder.forced (strata bench-spec): a window accepts exactly that many of its drafts,
+    wrong ones too (a replay a near-tie moved off the windows' answer), then the token of the row
+    after them; the cache holds the context and every token given but the last."""
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = load(f, spec=3)
+
+    class Wrong:  # drafts no greedy decode gives: 1000 - 1 - position
+        name = "wrong"
+
+        def propose(self, context: list[int], n: int) -> list[int]:
+            return [(999 - len(context) - i) % 1000 for i in range(n)]
+
+    spec = SpecDecoder(eng.model, Wrong(), 3, timed=False, forced=2)
+    kv = eng.model.new_cache(64)
+    context = [1, 2, 3, 4]
+    eng.model.forward(torch.tensor(context[:-1]), [Segment(kv, 3)])
+    greedy_params = SamplingParams(temperature=0, max_tokens=16)
+    for _ in range(4):
+        drafts = Wrong().propose(context, 3)
+        out = spec.step(context, kv, greedy_params, None, 16)
+        assert out[:2] == drafts[:2] and len(out) == 3
+        context += out
+        assert kv.length == len(context) - 1
+    assert spec.stats.windows == 4 and spec.stats.accepted == 8 and spec.stats.drafted == 12
+    # and the token after them is the model's own at that point
+    ref = eng.model.forward(torch.tensor(context[:-1]), [Segment(eng.model.new_cache(64),
+                                                                 len(context) - 1)],
+                            all_logits=True)
+    assert int(torch.argmax(ref[-1])) == context[-1]

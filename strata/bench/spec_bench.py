@@ -3,7 +3,10 @@ with drafts whose acceptance the run fixes.
 
 A random model's acceptance of any real drafter means nothing, so the drafts replay the
 model's own greedy answer (ForcedDrafter): each window's first `accept` drafts are the tokens
-plain greedy decode gave, the rest are wrong. One run of a test:
+plain greedy decode gave, the rest are wrong, and the verifier is told to accept exactly those
+(SpecDecoder.forced): a window's work is then a real acceptance's (the forward of its T+1
+tokens, the rollback of the rest), and the count holds even after a near-tie flipped by a
+window's rounding has moved the windows' answer off the replayed one. One run of a test:
 
     prompt   the same random tokens (seeded), run into a fresh KV cache (untimed)
     plain    gen_len greedy decode steps (the decode step, its CUDA graphs where built): the
@@ -14,10 +17,10 @@ plain greedy decode gave, the rest are wrong. One run of a test:
 
 The two answers are compared: greedy is exact under windows where a window's arithmetic agrees
 with a single token's (docs/spec.md); elsewhere (CUDA's fused kernels round a window's tokens
-otherwise than a decode step's) a random model's near-ties may flip, and from there on the
-replayed drafts are no longer the windows' own answer, so the acceptance falls: the result says
-from which token the answers differ. Decode is greedy in both, so both read the experts a random
-model's looping greedy output routes to (the cache flattered alike).
+otherwise than a decode step's) a random model's near-ties may flip: the result says from which
+token the answers differ (the forced acceptance keeps the timed count either way). Decode is
+greedy in both, so both read the experts a random model's looping greedy output routes to (the
+cache flattered alike).
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ def run_spec_bench(engine: Engine, prompt_len: int, gen_len: int, accepts: list[
     out = []
     for accept in accepts:
         spec.drafter = ForcedDrafter(prompt_len, answer, accept, vocab)
+        spec.forced = accept
         plain, windows, same = [], [], gen_len
         for r in range(runs + 1):  # (run 0: the warm-up, not counted)
             got, plain_s = _plain(engine, prompt, gen_len)
@@ -150,6 +154,7 @@ def run_spec_bench(engine: Engine, prompt_len: int, gen_len: int, accepts: list[
                               statistics.median(plain), statistics.median(windows), plain,
                               windows, st.windows, st.drafted, st.accepted, st.plain_steps,
                               same))
+    spec.forced = None
     return out
 
 

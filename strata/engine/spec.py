@@ -259,6 +259,10 @@ class SpecDecoder:
     # called with each window's LayerMarks before its forward (the server's injected faults)
     before_window: Callable[[LayerMarks], None] | None = None
     timed: bool = True  # Window.timed
+    # strata bench-spec only: every window accepts this many of its drafts whatever its rows
+    # say (then the next token from the row after them), so a timed run's acceptance is the
+    # one asked for even where a window's rounding flips a random model's near-tie
+    forced: int | None = None
 
     def __post_init__(self) -> None:
         self._windows: dict[object, Window] = {}  # each sequence's, by key
@@ -353,7 +357,10 @@ class SpecDecoder:
         cache rolled back to after the last accepted, the grammar fed the tokens."""
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
-        if drafts:
+        if drafts and self.forced is not None:
+            accepted = min(self.forced, len(drafts))
+            nxt = sample(logits[accepted], params, gen)
+        elif drafts:
             accepted, nxt = accept(logits, drafts, params, gen)
         else:
             accepted, nxt = 0, sample(logits[0], params, gen)
