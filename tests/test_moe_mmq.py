@@ -52,6 +52,14 @@ _BODY = """
             # one of its 8-bit rounding steps: seen 3.6e-4; a lost term costs 1e-2 and more)
             assert rel(added, same) < 2e-3, (down, t, rel(added, same))
             assert rel(added, exact) < 3e-2, (down, t, rel(added, exact))
+            if t > 4:  # (past DECODE_MAX_T: a prompt chunk's call, moe_forward's own pick)
+                args = (x, ids, wts, slot_of, gate, up, dn, qt, d, f)
+                # --kernels fused (x8): these kernels; exact: tl.dot's float x
+                mine = moe_forward(*args, path="mmq")
+                assert torch.equal(moe_forward(*args, x8=True), mine), (down, t)
+                dot = moe_forward(*args, path="tl.dot")
+                assert torch.equal(moe_forward(*args), dot), (down, t)
+                assert not torch.equal(dot, mine)
     # types it does not take go to the tl.dot kernels
     qt = (QType.Q8_0, QType.Q4_K, QType.Q4_K)
     assert not mmq_types(qt, d, f)
@@ -66,7 +74,8 @@ _BODY = """
 
 def test_mmq_kernels_under_the_interpreter():
     """Q4_K gate/up with a Q6_K down at 1 and 20 tokens, a Q4_K down at 9, one expert without a
-    slot; moe_forward's path="mmq" falls back to tl.dot for types it does not take."""
+    slot; moe_forward takes these kernels itself for a prompt-sized call under --kernels fused
+    (x8), not without it; path="mmq" falls back to tl.dot for types it does not take."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
     run_interpreted(_BODY, fresh_seed() % 2**31, timeout=600)

@@ -77,6 +77,13 @@ DECODE_MAX_T = 4
 # tl.dot: their 8-bit x is not yet checked against the graphs' bf16 bound (test_chunk_graph).
 # bench/2026-12-02-h200-serve-pairs.md
 PAIRS_MAX_T = 64
+# --kernels fused: calls that would take tl.dot (a prompt chunk, a verify window past DECODE_MAX_T,
+# below the grouped path) run on the integer tensor-core kernels (moe_mmq.py: x and h rounded to
+# 8 bits per 32 values, as llama.cpp's MMQ) where the types allow (Q4_K gate/up, Q4_K / Q6_K
+# down). The 30B-A3B layer, all resident, eager, on an H100: mmq / tl.dot / grouped at 8 tokens
+# 393 / 594 / 840 us, 32: 635 / 865 / 1191, 128: 700 / 996 / 1341, 512: 1712 / 1872 / 1419 (the
+# grouped path from 256 tokens here). End to end not yet timed. bench/2026-12-06-h100-session.md
+MMQ_PROMPT = True
 # from this many tokens per expert on average (T·K / E) a prompt chunk takes the grouped bf16 path
 # (dequantize once, torch._grouped_mm): at 16 tokens on 14336 x 4096 the fused kernel took 95.7 us
 # (Q4_K; 464 IQ2_XS) against ~70 estimated for bf16 (33.7 cuBLAS + ~36 writing the copy); from

@@ -60,6 +60,7 @@ from strata.kernels.tuning import (
     GATE_UP_TILE,
     GATHER_BLOCK,
     GROUPED_MIN_TOKENS,
+    MMQ_PROMPT,
     PAIRS_MAX_T,
 )
 from strata.quant import QType, dequantize
@@ -257,7 +258,8 @@ def moe_path(t: int, topk: int, n_experts: int, miss: bool = False, step: bool =
     """The path moe_forward takes for t tokens: "pairs" (each pair reads its expert: up to
     DECODE_MAX_T tokens; a decode step's call without miss rows up to PAIRS_MAX_T), "grouped"
     (from GROUPED_MIN_TOKENS tokens per expert on average: dequantize to bf16, then grouped
-    GEMM), else "tl.dot" (pairs grouped by expert onto tensor cores)."""
+    GEMM), else "tl.dot" (pairs grouped by expert onto tensor cores; moe_forward then takes
+    "mmq" for it under x8 where the types allow, tuning.MMQ_PROMPT)."""
     if t <= DECODE_MAX_T or (step and not miss and t <= PAIRS_MAX_T):
         return "pairs"
     return "grouped" if t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1) else "tl.dot"
@@ -298,8 +300,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     it; other types and calls keep float32 activations.
     tiles: decode tiles to use instead of strata.kernels.tuning's (TILE_KEYS; a benchmark's
     variants); path: one of MOE_PATHS whatever the call's size (None: moe_path's choice; with
-    miss rows only "pairs"; "mmq", moe_mmq.py's integer tensor-core kernels, only when asked,
-    for the types moe_mmq.mmq_types takes, else "tl.dot"); step: a decode step's call (a
+    miss rows only "pairs"; "mmq", moe_mmq.py's integer tensor-core kernels, for the types
+    moe_mmq.mmq_types takes, else "tl.dot"; with x8 and no path asked, moe_path's "tl.dot"
+    becomes "mmq" where the types allow: tuning.MMQ_PROMPT); step: a decode step's call (a
     batched step's tokens: moe_path).
     bias: the experts' biases (gate [E, F], up [E, F], down [E, D], contiguous float32 on x's
     device, rows by expert id: gpt-oss), act: the activation, "swiglu" silu(g) · u or
@@ -312,6 +315,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     t = x.shape[0] if x.dim() == 2 else 0
     if path is not None and path not in MOE_PATHS:
         raise ValueError(f"moe_forward path {path!r}: choose from {MOE_PATHS}")
+    chosen = path is None  # (moe_path's pick: may go to mmq below; an asked-for path stays)
     if path is None:
         path = moe_path(t, ids.shape[-1] if ids.dim() == 2 else 1, slot_of_expert.shape[0],
                         miss is not None, step)
@@ -325,6 +329,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     check_bias(bias, act, slot_of_expert.shape[0], d_model, d_expert, x.device)
     if bias is not None or act != "swiglu":
         x8 = False  # (the int8-activation kernels compute plain SwiGLU without biases)
+    if chosen and path == "tl.dot" and x8 and miss is None:
+        # (--kernels fused: the tl.dot sizes on integer tensor cores where the types allow,
+        # tuning.MMQ_PROMPT)
+        from strata.kernels.gpu.moe_mmq import mmq_types
+
+        if MMQ_PROMPT and mmq_types((qg, qu, qd), d_model, d_expert, bias, act):
+            path = "mmq"
     if miss is not None:
         if t > DECODE_MAX_T or path != "pairs" or any(kernel_format(q) is None
                                                       for q in (qg, qu, qd)):

@@ -30,9 +30,10 @@ integer sums once per 32 values:
 
 The integer sums are exact; the result differs from the per-pair kernels' (moe._decode with
 x8, which round x and h the same way) by the order of float32 additions, and where that moves
-an element of h across a rounding boundary of its 8 bits, by one step of it. Not yet timed
-on a GPU: moe_forward takes this path only when asked (path="mmq"), scripts/bench_kernels.py
-times it beside the others.
+an element of h across a rounding boundary of its 8 bits, by one step of it. moe_forward takes
+this path for the calls it would give tl.dot when x8 (--kernels fused) and mmq_types allow:
+1.4-1.5x tl.dot's speed from 8 to 128 tokens of the 30B-A3B layer on an H100
+(tuning.MMQ_PROMPT); scripts/bench_kernels.py --moe-prompt-only times it beside the others.
 
 Legend: T tokens, K experts a token, P = T·K pairs, E experts, D d_model, F d_expert.
 """
