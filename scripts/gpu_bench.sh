@@ -57,6 +57,8 @@
 # process, after the kernel files at PYTEST_N with TCACHE=1 on the same machine (run 115: 248
 # passed in 127 s with run 114's kernels built). TEST_TIMEOUT: the tests' limit in s (400).
 # WARM=N builds the kernels stage's kernels in N processes first (bench_moe_decode.py --warm).
+# BENCH_THREADS: the CPU pool's --threads in strata bench / bench-spec / serve (the cores less one:
+# the engine's own choice counts this script's background builds as busy cores).
 # Carried in .whl/: the gguf wheel, the uvicorn and starlette wheels (strata serve; the GPU
 # machine has neither), and ggml-python's sdist (built here for the CPU miss path, in the
 # background while the tests run).
@@ -147,9 +149,13 @@ fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }
 [[ -n ${GGML_PID:-} ]] && { wait $GGML_PID; tail -1 /tmp/ggml.log;
   python3 -c 'import ggml; print("ggml importable")' 2>&1 | tail -1; }
+# the CPU pool's threads in the timed runs: the engine's own choice leaves out the cores the load
+# average says are busy, and a llama.cpp build or a synth beside a run (this script starts both
+# in the background) once left it one thread (bench/2026-12-06-h100-session.md)
+THREADS=(--threads "${BENCH_THREADS:-$(( $(nproc) - 1 ))}")
 bench() {  # name, then strata bench arguments
   local name=$1; shift
-  timeout 300 python3 -m strata bench $M --device cuda "$@" --json "$OUT/$name.json" 2>&1 \
+  timeout 300 python3 -m strata bench $M --device cuda "${THREADS[@]}" "$@" --json "$OUT/$name.json" 2>&1 \
     | grep -vE "^strata:  +(dense|KV|workspace|staging|cache slots|host arena|left)" \
     | tee "$OUT/$name.txt"
 }
@@ -224,7 +230,7 @@ fi
 if [[ $STAGES == *spec* ]]; then  # verify windows of a forced acceptance against plain decode
   for b in ${SPEC_BUDGETS:-4}; do
     echo "== bench-spec at $b GiB: --spec ${SPEC_T:-4}, accepted a window ${SPEC_ACCEPT:-3,0}"
-    timeout 400 python3 -m strata bench-spec $M --vram-budget $b --spec ${SPEC_T:-4} \
+    timeout 400 python3 -m strata bench-spec $M --vram-budget $b --spec ${SPEC_T:-4} "${THREADS[@]}" \
       --accept ${SPEC_ACCEPT:-3,0} -n 64 -r 3 --json "$OUT/spec_$b.json" ${SPEC_FLAGS:-} 2>&1 \
       | grep -v "^strata:  " | tail -8
   done
@@ -310,7 +316,7 @@ if [[ $STAGES == *matrix* ]]; then
     flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
     echo "== matrix at ${b} GiB: strata bench -p $P -n $NG -d $D"
     smi "$OUT/smi_strata_$b.txt"; SMI=$!
-    timeout 540 python3 -m strata bench $M --device cuda -p "$P" -n "$NG" -d "$D" -r 3 \
+    timeout 540 python3 -m strata bench $M --device cuda "${THREADS[@]}" -p "$P" -n "$NG" -d "$D" -r 3 \
       --ctx "$ctx" "${flags[@]}" ${MATRIX_FLAGS:-} --json "$OUT/matrix_strata_$b.json" 2>&1 \
       | grep -E "^\|" | tee "$OUT/matrix_strata_$b.txt"
     kill $SMI; sp=$(python3 scripts/llama_side_by_side.py peak "$OUT/smi_strata_$b.txt")
@@ -340,7 +346,7 @@ if [[ $STAGES == *serve* ]]; then
   for b in ${SERVE_BUDGETS:-10 all}; do
     flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
     echo "== serve at ${b} GiB: bench-serve -c ${SERVE_CLIENTS:-1,4,8,16}"
-    python3 -m strata serve $M --device cuda --port 18080 --batch 16 --queue 256 "${flags[@]}" \
+    python3 -m strata serve $M --device cuda --port 18080 --batch 16 --queue 256 "${THREADS[@]}" "${flags[@]}" \
       ${SERVE_FLAGS:-} >"$OUT/serve_$b.log" 2>&1 &
     SRV=$!
     for _ in $(seq 240); do  # (a server that died at start is said at once, not waited for)
