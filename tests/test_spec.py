@@ -3,6 +3,8 @@ windows, bounded waits (strata.engine.spec, strata.engine.drafters)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,10 +13,17 @@ from strata.demo import demo_model
 from strata.engine.drafters import NgramDrafter, check_vocab, make_drafter
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams, probabilities
-from strata.engine.spec import LayerMarks, SpecDecoder, SpecStats, Window, accept
+from strata.engine.spec import (
+    LayerMarks,
+    PassCosts,
+    SpecDecoder,
+    SpecStats,
+    Window,
+    accept,
+)
 from strata.errors import StrataError
 from strata.gguf import open_model
-from strata.kernels.tuning import SPEC_OFF_STEPS
+from strata.kernels.tuning import SPEC_OFF_STEPS, SPEC_PROBE_SHARE
 from strata.model.transformer import Segment
 from strata.runtime.waits import StallError
 
@@ -311,8 +320,8 @@ def test_slow_windows_turn_off():
     """Windows whose seconds per token exceed a plain step's by SPEC_SLOWER turn off; a window
     that gains enough stays on."""
     w = Window(4)
-    w.update(4, 4, 0.5)  # no plain step timed yet: on
-    assert w.off == 0
+    w.update(4, 4, 0.5)  # no plain step timed yet: one plain step next, to measure against
+    assert w.off == 1 and w.next_size() == 0 and w.next_size() == 4
     w.plain(0.1)
     w.update(4, 3, 0.3)  # 0.075 s a token against 0.1: on
     assert w.off == 0
@@ -323,6 +332,41 @@ def test_slow_windows_turn_off():
     w.off = 0
     w.update(4, 4, 0.2)  # 0.04 s a token: on, and the next pause is short again
     assert w.off == 0 and w.backoff == SPEC_OFF_STEPS
+
+
+def test_slow_windows_pause_by_what_they_cost():
+    """A window that costs many plain steps pauses long enough to keep its loss to
+    SPEC_PROBE_SHARE of the pause (not the SPEC_OFF_STEPS a cheap one gets); the decoder's
+    costs make a new sequence's windows start off where no acceptance could pay, and on where
+    some window size can."""
+    costs = PassCosts()
+    w = Window(4, costs=costs)
+    w.plain(0.01)
+    w.update(4, 3, 0.2)  # 20 plain steps for 4 tokens: 0.05 s a token against 0.01
+    lost = (0.05 / 0.01 - 1) * 4  # plain steps this window lost
+    assert w.off == math.ceil(lost / SPEC_PROBE_SHARE) == 320
+    assert costs.steps == {4: pytest.approx(20.0)}
+    # another sequence: even 4 of 4 accepted cannot pay; its first window could lose 19 steps
+    fresh = Window(4, costs=costs)
+    assert fresh.off == math.ceil(19 / SPEC_PROBE_SHARE) and Window(4, timed=False,
+                                                                    costs=costs).off == 0
+    assert PassCosts().pause_for(4) == 0  # (nothing measured: on)
+    costs.add(1, 1.5)  # a window of 1 draft at 1.5 plain steps can pay for its 2 tokens
+    assert Window(4, costs=costs).off == 0
+    assert costs.pause_for(0) == 0  # (sizes past the limit do not count)
+    cheap = Window(4)
+    cheap.plain(0.01)
+    cheap.update(4, 0, 0.012)  # 1.2 plain steps for 1 token: off, SPEC_OFF_STEPS
+    assert cheap.off == SPEC_OFF_STEPS
+
+
+def test_the_decoders_sequences_share_their_costs(synth):
+    eng = load(synth("qwen3moe", "Q4_K_M"), spec=3)
+    spec = eng.spec
+    spec.new_sequence("a")
+    a = spec.window
+    spec.new_sequence("b")
+    assert spec.window is not a and spec.window.costs is a.costs is spec.costs
 
 
 def test_low_acceptance_turns_windows_off(synth):

@@ -24,6 +24,7 @@ Legend: k drafted tokens in the window, V vocab.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from strata.kernels.tuning import (
     SPEC_OFF_ACCEPT,
     SPEC_OFF_MAX,
     SPEC_OFF_STEPS,
+    SPEC_PROBE_SHARE,
     SPEC_SLOWER,
 )
 from strata.runtime.kv_cache import KVCache
@@ -101,16 +103,23 @@ class Window:
     is below SPEC_OFF_ACCEPT (then one window of 1 probes again; a probe that fails turns them
     off twice as long, up to SPEC_OFF_MAX, until a window accepts a draft), or while a window's
     seconds per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are
-    timed while no draft comes and while the window is off): then twice as long each time in a
-    row, up to SPEC_OFF_MAX steps."""
+    timed while no draft comes and while the window is off; a window with no plain step timed
+    yet is followed by one): then twice as long each time in a row, and at least as long as
+    keeps the windows' cost in the pause's plain steps to SPEC_PROBE_SHARE, up to SPEC_OFF_MAX.
+    `costs` (the decoder's, shared by its sequences) keeps what a window pass costs in plain
+    steps by its drafts: a new sequence's windows start off where even a window accepted whole
+    would be slower."""
 
-    def __init__(self, limit: int, timed: bool = True):
+    def __init__(self, limit: int, timed: bool = True, costs: PassCosts | None = None):
         self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
         self.timed = timed  # False: acceptance alone decides (tests that count windows)
         self.window_s: float | None = None  # seconds per token, running means
         self.plain_s: float | None = None
         self.backoff = SPEC_OFF_STEPS  # the next time-based pause
         self.accept_backoff = SPEC_OFF_STEPS  # the next acceptance-based pause
+        self.costs = costs if costs is not None else PassCosts()
+        if timed:
+            self.off = self.costs.pause_for(limit)
 
     def next_size(self) -> int:
         if self.off:
@@ -126,21 +135,52 @@ class Window:
         """A window of `drafted` drafts accepted `accepted` of them in `seconds`."""
         if seconds is not None and self.timed:
             self.window_s = _mean(self.window_s, seconds / (accepted + 1))
-            if self.plain_s is not None and self.window_s > SPEC_SLOWER * self.plain_s:
-                self.off, self.window_s = self.backoff, None  # (measured afresh after)
-                self.backoff = min(2 * self.backoff, SPEC_OFF_MAX)
+            if self.plain_s is None:
+                self.off = max(self.off, 1)  # (a plain step next: the windows' measure)
             else:
-                self.backoff = SPEC_OFF_STEPS
+                self.costs.add(drafted, seconds / self.plain_s)
+                if self.window_s > SPEC_SLOWER * self.plain_s:
+                    # (the plain steps one such window loses, kept to a share of the pause)
+                    lost = (self.window_s / self.plain_s - 1) * (accepted + 1)
+                    self.off = min(SPEC_OFF_MAX, max(self.backoff,
+                                                     math.ceil(lost / SPEC_PROBE_SHARE)))
+                    self.window_s = None  # (measured afresh after)
+                    self.backoff = min(2 * self.backoff, SPEC_OFF_MAX)
+                else:
+                    self.backoff = SPEC_OFF_STEPS
         self.mean += SPEC_ACCEPT_WEIGHT * (accepted / drafted - self.mean)
         if accepted == drafted:
             self.size = min(self.limit, self.size + 1)
         elif accepted == 0:
             self.size = max(1, self.size - 1)
         if self.mean < SPEC_OFF_ACCEPT:  # (each pause in a row twice the last)
-            self.off, self.size, self.mean = self.accept_backoff, 1, SPEC_OFF_ACCEPT
+            self.off = max(self.off, self.accept_backoff)
+            self.size, self.mean = 1, SPEC_OFF_ACCEPT
             self.accept_backoff = min(2 * self.accept_backoff, SPEC_OFF_MAX)
         elif accepted:
             self.accept_backoff = SPEC_OFF_STEPS
+
+
+class PassCosts:
+    """What a window pass of k drafts costs in plain decode steps (running means by k, over
+    every sequence of one decoder): the engine's, not the text's. A window of k drafts gives at
+    most k + 1 tokens, so where it costs more than (k + 1) / SPEC_SLOWER plain steps no
+    acceptance pays for it: a new sequence's windows then start off (pause_for)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, float] = {}
+
+    def add(self, drafted: int, steps: float) -> None:
+        self.steps[drafted] = _mean(self.steps.get(drafted), steps)
+
+    def pause_for(self, limit: int) -> int:
+        """Steps a new sequence's windows stay off: none while some window size up to `limit`
+        could pay, else as long as keeps the cheapest one's loss to SPEC_PROBE_SHARE."""
+        known = {k: c for k, c in self.steps.items() if k <= limit}
+        if not known or any(c * SPEC_SLOWER < k + 1 for k, c in known.items()):
+            return 0
+        lost = min(c - 1 for c in known.values())
+        return min(SPEC_OFF_MAX, max(SPEC_OFF_STEPS, math.ceil(lost / SPEC_PROBE_SHARE)))
 
 
 def _mean(old: float | None, new: float) -> float:
@@ -266,7 +306,8 @@ class SpecDecoder:
 
     def __post_init__(self) -> None:
         self._windows: dict[object, Window] = {}  # each sequence's, by key
-        self.window = Window(self.limit, self.timed)
+        self.costs = PassCosts()  # a window pass's cost in plain steps: the engine's
+        self.window = Window(self.limit, self.timed, self.costs)
         self.sequence: object = None  # whose window state this is (the server's request id)
 
     @property
@@ -298,12 +339,12 @@ class SpecDecoder:
         """A sequence ended: its window goes."""
         self._windows.pop(key, None)
         if self.sequence == key:
-            self.window, self.sequence = Window(self.limit, self.timed), None
+            self.window, self.sequence = Window(self.limit, self.timed, self.costs), None
 
     def _window_of(self, key: object) -> Window:
         w = self._windows.get(key)
         if w is None:
-            w = self._windows[key] = Window(self.limit, self.timed)
+            w = self._windows[key] = Window(self.limit, self.timed, self.costs)
         return w
 
     def step(self, context: list[int], kv: KVCache, params: SamplingParams,

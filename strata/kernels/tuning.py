@@ -309,6 +309,11 @@ SPEC_SLOWER = 1.1
 # runtime: one window of 5 tokens took as long as 16 plain steps, streamed and computed in
 # float32), so probes grow rare where windows never pay
 SPEC_OFF_MAX = 1024
+# ... and at least as long as keeps what the windows cost beyond plain steps to this share of the
+# pause: a window that costs 20 plain steps for 4 tokens (the 35B hybrid at 4 GiB on an H100 whose
+# CPU pool had one thread: bench/2026-12-06-h100-session.md) pauses 320 steps, not 16. The -5%
+# bound of #29 (policy)
+SPEC_PROBE_SHARE = 0.05
 
 # ---- hybrid linear attention (model/parts/delta_net.py) -----------------------------------------
 
