@@ -386,25 +386,33 @@ for spec in ${SYNTH_MORE:-}; do tail -1 /tmp/synth-${spec%%:*}.log 2>/dev/null; 
 if [[ $STAGES == *compare* ]]; then
   # an older tree beside this one on the same file, in turn (COMPARE_TREE: its strata/ and
   # pyproject.toml, e.g. `git archive 35815b5 strata pyproject.toml | tar -x -C .old`, carried);
-  # each of COMPARE_SPECS is budget:prompt:gen (budget "all": no --vram-budget);
+  # each of COMPARE_SPECS is budget:prompt:gen (budget "all": no --vram-budget; OLD/NEW, e.g.
+  # 10/10.6, gives each side its own: the old plan left the CUDA context out of its budget, so
+  # the same device memory needs a larger budget on this side);
   # COMPARE_NEW_FLAGS goes to this tree's side only (e.g. "--decode-input greedy": an older
   # tree without that flag decoded each step's argmax)
   for spec in ${COMPARE_SPECS:-2:512:64 10:512:64 all:512:64 all:8192:0 6:8192:0}; do
     IFS=: read -r b np ng <<<"$spec"
-    flags=(); [[ $b != all ]] && flags=(--vram-budget "$b")
+    b_old=${b%%/*}; b_new=${b##*/}
     # COMPARE_ORDER: the sides in turn, e.g. "old new new old" (drift on the machine between
     # runs then falls on both); each run writes its own JSON (…_<side>_<spec>_<i>.json)
     i=0
     for side in ${COMPARE_ORDER:-old new}; do
       i=$((i + 1))
       # (this tree's --kv-type auto keeps f16 on CUDA; the older tree's cache is f32)
-      dir=$PWD; extra=(--kv-type f32 ${COMPARE_NEW_FLAGS:-})
-      [[ $side == old ]] && { dir=$(cd "${COMPARE_TREE:-.old}" && pwd); extra=(); }
-      echo "== compare ($side tree): --vram-budget $b --prompt-len $np --gen-len $ng"
+      dir=$PWD; extra=(--kv-type f32 ${COMPARE_NEW_FLAGS:-}); bs=$b_new
+      [[ $side == old ]] && { dir=$(cd "${COMPARE_TREE:-.old}" && pwd); extra=(); bs=$b_old; }
+      flags=(); [[ $bs != all ]] && flags=(--vram-budget "$bs")
+      echo "== compare ($side tree): --vram-budget $bs --prompt-len $np --gen-len $ng"
+      run=compare_${side}_${bs}_${np}_${ng}_$i
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 \
+        >"$OUT/smi_$run.txt" &
+      SMI=$!
       (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 300 python3 -m strata bench $M \
         --device cuda "${flags[@]}" --prompt-len "$np" --gen-len "$ng" --runs 2 \
-        "${extra[@]}" --json "$OUT/compare_${side}_${b}_${np}_${ng}_$i.json" 2>&1 \
-        | grep -E "tok/s|VRAM|hit" | tail -4)
+        "${extra[@]}" --json "$OUT/$run.json" 2>&1 | grep -E "tok/s|VRAM|hit|^\| " | tail -6)
+      kill $SMI
+      echo "nvidia-smi peak: $(python3 scripts/llama_side_by_side.py peak "$OUT/smi_$run.txt") MiB"
     done
   done
 fi
