@@ -724,3 +724,36 @@ def test_forced_acceptance_takes_the_drafts_asked_for(synth):
                                                                  len(context) - 1)],
                             all_logits=True)
     assert int(torch.argmax(ref[-1])) == context[-1]
+
+
+@pytest.mark.cuda
+def test_a_windows_hits_take_the_per_pair_kernels(synth):
+    """Every expert in VRAM, --kernels fused: a verify window's 6 tokens run the decode step's
+    per-pair kernels (moe._decode, rounded as a decode step rounds), a prompt chunk of 6 the
+    grouped kernels."""
+    import strata.kernels.gpu.moe as moe_mod
+
+    f = synth("qwen3moe", "Q4_K_M")
+    eng = Engine.load(f, config=EngineConfig(device="cuda", offload="on", expert_cache="24",
+                                             kernels="fused", spec=5, prompt_graphs="off"))
+    ex = eng.model.experts
+    assert all(ex.resident(i, 6) for i in range(eng.config.n_layers))
+    calls = []
+    decode = moe_mod._decode
+
+    def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls.append(a[0].shape[0])
+        return decode(*a, **k)
+
+    moe_mod._decode = spy
+    try:
+        kv = eng.model.new_cache(64)
+        eng.model.forward(torch.tensor([1, 2, 3, 4, 5, 6]), [Segment(kv, 6)])
+        assert calls == []  # (a prompt chunk: not the per-pair kernels)
+        ex.window = True
+        eng.model.forward(torch.tensor([7, 8, 9, 10, 11, 12]), [Segment(kv, 6)],
+                          all_logits=True)
+        ex.window = False
+    finally:
+        moe_mod._decode = decode
+    assert calls == [6] * eng.config.n_layers

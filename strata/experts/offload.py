@@ -495,8 +495,8 @@ class OffloadExperts:
         if not hits:
             return
         ls = self.cache.layers[layer]
-        if self.fused.covers(layer, h.shape[0]):
-            self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, out)
+        if self.fused.covers(layer, h.shape[0]):  # (a window: as a decode step, Resident)
+            self.fused.run(ls.layout, ls.slots, ls.table, h, ids, weights, out, step=self.window)
             return
         groups = [by_expert[e] for e in hits]
         if self.device.type == "cpu":  # slots are host memory: the CPU kernel library runs them

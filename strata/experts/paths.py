@@ -67,7 +67,10 @@ class Resident(Path):
     def run(self, layer, h, ids, weights, host=None, sum_pairs=True, aids=None):  # noqa: ANN001, ANN201
         ex = self.ex
         ex.cache.before_compute(layer)
-        out = ex.device_hits(layer, h, ids, weights, count=True, step=aids is not None)
+        # (a verify window's tokens on the decode step's per-pair kernels too: up to
+        # PAIRS_MAX_T, faster than the grouped ones there and rounded as a decode step rounds)
+        out = ex.device_hits(layer, h, ids, weights, count=True,
+                             step=aids is not None or ex.window)
         ex.cache.after_compute(layer)
         ex.account(layer, hits=ids.numel())
         return out

@@ -69,12 +69,15 @@ X8_MIN_ROWS = 8192
 # it, pairs are grouped by expert onto tensor cores. bench/2026-11-29-h200-kernels.md
 DECODE_MAX_T = 4
 # a decode step's calls without miss rows (every pair's expert resident: the batched step of up
-# to 16 sequences, its hits) up to this many tokens take the per-pair kernels too (8-bit x). The
+# to 16 sequences, its hits), and a verify window's hits, up to this many tokens take the per-pair
+# kernels too (8-bit x, rounded as a decode step's; 213 us at 8 tokens on the H100 against MMQ's
+# 393, bench/2026-12-06-h100-session.md). The
 # 30B-A3B layer, all resident, eager: per pair / tl.dot / grouped at 8 tokens 191 / 575 / 1208
 # us, 16: 212 / 649 / 803, 32: 393 / 770 / 1105, 64: 748 / 974 / 1162, 128: tl.dot 1044,
 # grouped 1191 (Q4_K / Q4_K / Q6_K; IQ2_XS / IQ3_XXS per pair 209-752 us against 802-1635
-# grouped). Served, a batched step of 8 took 38 ms on the tl.dot kernels. Prompt chunks stay on
-# tl.dot: their 8-bit x is not yet checked against the graphs' bf16 bound (test_chunk_graph).
+# grouped). Served, a batched step of 8 took 38 ms on the tl.dot kernels. Prompt chunks do not
+# take them (on them a chunk padded to its graph's bucket moved the logits past test_chunk_graph's
+# bound against the same chunk run eagerly); they take MMQ_PROMPT's kernels.
 # bench/2026-12-02-h200-serve-pairs.md
 PAIRS_MAX_T = 64
 # --kernels fused: calls that would take tl.dot (a prompt chunk, a verify window past DECODE_MAX_T,
