@@ -45,7 +45,8 @@
 # kernels, the last 16 tokens as decode steps; CHECK_FLAGS added to the offload side), spec
 # (strata bench-spec at each of SPEC_BUDGETS, 4 by default: --spec SPEC_T (4) windows whose
 # drafts replay the greedy answer, SPEC_ACCEPT drafts accepted a window (3,0), against plain
-# decode; SPEC_FLAGS added; #29's target on PRESET=qwen3.6-35b-a3b).
+# decode; SPEC_FLAGS added; each of SPEC_VARIANTS (";"-separated flag sets) in turn; #29's
+# target on PRESET=qwen3.6-35b-a3b).
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit); with
 # TCACHE=1 also $OUT/tcache.tgz, the kernels Triton built in this run (its cache entries), which a
 # later run reads when carried as .tcache/*.tgz (every one there; the i-quant run forms take
@@ -228,11 +229,19 @@ if [[ $STAGES == *ttft* ]]; then  # where a short prompt's time goes, every expe
   done
 fi
 if [[ $STAGES == *spec* ]]; then  # verify windows of a forced acceptance against plain decode
+  # SPEC_VARIANTS: flag sets run in turn at each budget, separated by ";" (e.g. ";--prefetch 0":
+  # the default, then without the windows' prefetch)
+  IFS=';' read -ra variants <<<"${SPEC_VARIANTS:-}"; [[ ${#variants[@]} -eq 0 ]] && variants=("")
   for b in ${SPEC_BUDGETS:-4}; do
-    echo "== bench-spec at $b GiB: --spec ${SPEC_T:-4}, accepted a window ${SPEC_ACCEPT:-3,0}"
-    timeout 400 python3 -m strata bench-spec $M --vram-budget $b --spec ${SPEC_T:-4} "${THREADS[@]}" \
-      --accept ${SPEC_ACCEPT:-3,0} -n 64 -r 3 --json "$OUT/spec_$b.json" ${SPEC_FLAGS:-} 2>&1 \
-      | grep -v "^strata:  " | tail -8
+    v=0
+    for extra in "${variants[@]}"; do
+      v=$((v + 1))
+      echo "== bench-spec at $b GiB: --spec ${SPEC_T:-4}, accepted a window ${SPEC_ACCEPT:-3,0} $extra"
+      # shellcheck disable=SC2086  # (the variant's flags split into words)
+      timeout 400 python3 -m strata bench-spec $M --vram-budget $b --spec ${SPEC_T:-4} \
+        "${THREADS[@]}" --accept ${SPEC_ACCEPT:-3,0} -n 64 -r 3 --json "$OUT/spec_${b}_$v.json" \
+        ${SPEC_FLAGS:-} $extra 2>&1 | grep -v "^strata:  " | tail -8
+    done
   done
 fi
 if [[ $STAGES == *decode* ]]; then
