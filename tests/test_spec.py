@@ -23,7 +23,7 @@ from strata.engine.spec import (
 )
 from strata.errors import StrataError
 from strata.gguf import open_model
-from strata.kernels.tuning import SPEC_OFF_STEPS, SPEC_PROBE_SHARE
+from strata.kernels.tuning import SPEC_OFF_STEPS, SPEC_PROBE_SHARE, SPEC_START_STEPS
 from strata.model.transformer import Segment
 from strata.runtime.waits import StallError
 
@@ -336,24 +336,42 @@ def test_slow_windows_turn_off():
 
 def test_slow_windows_pause_by_what_they_cost():
     """A window that costs many plain steps pauses long enough to keep its loss to
-    SPEC_PROBE_SHARE of the pause (not the SPEC_OFF_STEPS a cheap one gets); the decoder's
-    costs make a new sequence's windows start off where no acceptance could pay, and on where
-    some window size can."""
+    SPEC_PROBE_SHARE of the pause (not the SPEC_OFF_STEPS a cheap one gets), at most 4x the
+    doubling pause a verdict (one slowed window does not stop them for long); the decoder's
+    costs, once two windows of a size are measured, start a new sequence's windows off where
+    no acceptance could pay and at one draft where a full window costs many plain steps."""
     costs = PassCosts()
     w = Window(4, costs=costs)
     w.plain(0.01)
     w.update(4, 3, 0.2)  # 20 plain steps for 4 tokens: 0.05 s a token against 0.01
-    lost = (0.05 / 0.01 - 1) * 4  # plain steps this window lost
-    assert w.off == math.ceil(lost / SPEC_PROBE_SHARE) == 320
-    assert costs.steps == {4: pytest.approx(20.0)}
-    # another sequence: even 4 of 4 accepted cannot pay; its first window could lose 19 steps
+    lost = (0.05 / 0.01 - 1) * 4  # 16 plain steps lost: 320 would keep them to 5%
+    assert math.ceil(lost / SPEC_PROBE_SHARE) == 320 and w.off == 4 * SPEC_OFF_STEPS
+    assert Window(4, costs=costs).off == 0  # (one window measured: not yet the engine's)
+    w.off = 0
+    w.update(4, 3, 0.2)  # again: the pause grows with the doubling (32 x 4), up to 320
+    assert w.off == 8 * SPEC_OFF_STEPS and costs.steps == {4: pytest.approx(20.0)}
+    w.off = 0
+    w.update(4, 3, 0.2)
+    assert w.off == 16 * SPEC_OFF_STEPS
+    w.off = 0
+    w.update(4, 3, 0.2)
+    assert w.off == 320  # (4 x 128 would pass it)
+    # another sequence: even 4 of 4 accepted cannot pay; a first window could lose 19 steps
     fresh = Window(4, costs=costs)
-    assert fresh.off == math.ceil(19 / SPEC_PROBE_SHARE) and Window(4, timed=False,
-                                                                    costs=costs).off == 0
+    assert fresh.off == math.ceil(19 / SPEC_PROBE_SHARE) and fresh.size == 1
+    assert Window(4, timed=False, costs=costs).off == 0
     assert PassCosts().pause_for(4) == 0  # (nothing measured: on)
-    costs.add(1, 1.5)  # a window of 1 draft at 1.5 plain steps can pay for its 2 tokens
+    costs.add(1, 1.5)  # a window of 1 draft at 1.5 plain steps could pay for its 2 tokens
+    costs.add(1, 1.5)
     assert Window(4, costs=costs).off == 0
     assert costs.pause_for(0) == 0  # (sizes past the limit do not count)
+    small = PassCosts()
+    small.add(4, 1.5)
+    small.add(4, 1.5)
+    assert Window(4, costs=small).size == 4 and Window(4, costs=PassCosts()).size == 4
+    small.add(4, 3.0)
+    small.add(4, 3.0)
+    assert small.steps[4] > SPEC_START_STEPS and Window(4, costs=small).size == 1
     cheap = Window(4)
     cheap.plain(0.01)
     cheap.update(4, 0, 0.012)  # 1.2 plain steps for 1 token: off, SPEC_OFF_STEPS

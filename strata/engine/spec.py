@@ -40,6 +40,7 @@ from strata.kernels.tuning import (
     SPEC_OFF_STEPS,
     SPEC_PROBE_SHARE,
     SPEC_SLOWER,
+    SPEC_START_STEPS,
 )
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, to_host, wait_event
@@ -108,7 +109,7 @@ class Window:
     keeps the windows' cost in the pause's plain steps to SPEC_PROBE_SHARE, up to SPEC_OFF_MAX.
     `costs` (the decoder's, shared by its sequences) keeps what a window pass costs in plain
     steps by its drafts: a new sequence's windows start off where even a window accepted whole
-    would be slower."""
+    would be slower, and start at 1 draft where a full window costs many plain steps."""
 
     def __init__(self, limit: int, timed: bool = True, costs: PassCosts | None = None):
         self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
@@ -120,6 +121,7 @@ class Window:
         self.costs = costs if costs is not None else PassCosts()
         if timed:
             self.off = self.costs.pause_for(limit)
+            self.size = self.costs.start_size(limit)
 
     def next_size(self) -> int:
         if self.off:
@@ -141,9 +143,11 @@ class Window:
                 self.costs.add(drafted, seconds / self.plain_s)
                 if self.window_s > SPEC_SLOWER * self.plain_s:
                     # (the plain steps one such window loses, kept to a share of the pause)
+                    # (at most 4x the doubling pause: one window slowed by something else, a
+                    # preempted thread say, does not turn them off for long)
                     lost = (self.window_s / self.plain_s - 1) * (accepted + 1)
-                    self.off = min(SPEC_OFF_MAX, max(self.backoff,
-                                                     math.ceil(lost / SPEC_PROBE_SHARE)))
+                    self.off = min(SPEC_OFF_MAX, 4 * self.backoff,
+                                   max(self.backoff, math.ceil(lost / SPEC_PROBE_SHARE)))
                     self.window_s = None  # (measured afresh after)
                     self.backoff = min(2 * self.backoff, SPEC_OFF_MAX)
                 else:
@@ -169,14 +173,28 @@ class PassCosts:
 
     def __init__(self) -> None:
         self.steps: dict[int, float] = {}
+        self.seen: dict[int, int] = {}  # windows measured, by drafts
 
     def add(self, drafted: int, steps: float) -> None:
         self.steps[drafted] = _mean(self.steps.get(drafted), steps)
+        self.seen[drafted] = self.seen.get(drafted, 0) + 1
+
+    def _known(self, limit: int) -> dict[int, float]:
+        """The costs of sizes up to `limit` measured in at least two windows (one alone may
+        have been slowed by something else)."""
+        return {k: c for k, c in self.steps.items() if k <= limit and self.seen[k] >= 2}
+
+    def start_size(self, limit: int) -> int:
+        """A new sequence's first window: `limit` drafts, or 1 where a full window is known to
+        cost more than SPEC_START_STEPS plain steps (a first window that finds no acceptance
+        then loses little; each window accepted whole adds one)."""
+        full = self._known(limit).get(limit)
+        return 1 if full is not None and full > SPEC_START_STEPS else limit
 
     def pause_for(self, limit: int) -> int:
         """Steps a new sequence's windows stay off: none while some window size up to `limit`
         could pay, else as long as keeps the cheapest one's loss to SPEC_PROBE_SHARE."""
-        known = {k: c for k, c in self.steps.items() if k <= limit}
+        known = self._known(limit)
         if not known or any(c * SPEC_SLOWER < k + 1 for k, c in known.items()):
             return 0
         lost = min(c - 1 for c in known.values())

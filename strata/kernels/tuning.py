@@ -313,10 +313,16 @@ SPEC_SLOWER = 1.1
 # float32), so probes grow rare where windows never pay
 SPEC_OFF_MAX = 1024
 # ... and at least as long as keeps what the windows cost beyond plain steps to this share of the
-# pause: a window that costs 20 plain steps for 4 tokens (the 35B hybrid at 4 GiB on an H100 whose
-# CPU pool had one thread: bench/2026-12-06-h100-session.md) pauses 320 steps, not 16. The -5%
+# pause (at most 4x the doubling pause a verdict): windows that cost 20 plain steps for 4 tokens
+# (the 35B hybrid at 4 GiB on an H100 whose CPU pool had one thread:
+# bench/2026-12-06-h100-session.md) pause 64, 128, 256, 320 steps, not 16, 32, 64, 128. The -5%
 # bound of #29 (policy)
 SPEC_PROBE_SHARE = 0.05
+# a new sequence's first window has 1 draft (then one more after each window accepted whole)
+# where a full window is known to cost more than this many plain decode steps: a first window
+# with nothing accepted then costs one window of 2 tokens, not one of T+1 (the CPU's tiny model:
+# a window of 5 tokens ~3 plain steps; policy)
+SPEC_START_STEPS = 2.0
 
 # ---- hybrid linear attention (model/parts/delta_net.py) -----------------------------------------
 
