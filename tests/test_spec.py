@@ -582,6 +582,10 @@ def test_the_plan_counts_a_draft_model(synth):
     # (against the n-gram plan: the same --spec windows' graphs, the rest of the plan alike)
     assert drafted.left == ngram.left - weights - 512 * row
     assert any(line.startswith("  draft model") and str(d) in line for line in drafted.lines())
+    # (--batch 3: each sequence's drafts keep a draft cache of their own)
+    batch = {k: make_plan(mf, cfg, EngineConfig(spec=3, draft=k, sequences=3, **kw), layouts)
+             for k in ("ngram", str(d))}
+    assert batch[str(d)].kv == batch["ngram"].kv + 3 * 512 * row
     cpu = make_plan(mf, cfg, EngineConfig(spec=3, draft=str(d), device="cpu", vram_budget_gib=2,
                                           ctx=512), layouts)
     assert cpu.draft == 0

@@ -293,8 +293,10 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     kv_size = kv_elem_bytes(ec.kv_type)
     kv_per_token = int(cfg.n_kv_layers * cfg.kv_row * kv_size * max(1, ec.sequences))
     # a --draft PATH.gguf model beside it on the device: its weights, and its KV rows for the
-    # same context (it drafts for one sequence; on the CPU the budget is host RAM: not counted)
+    # same context, a cache for each sequence decoded together (ModelDrafter keeps one per
+    # sequence; on the CPU the budget is host RAM: not counted)
     draft, draft_kv = draft_bytes(ec) if dev.type == "cuda" else (0, 0)
+    draft_kv *= max(1, ec.sequences)
     kv_per_token += draft_kv
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > (budget - context) // 4
                                           or fused_dense(mf, cfg, ec)) or cpu_ggml_dense(ec, dev)
