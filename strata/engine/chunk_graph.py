@@ -212,14 +212,16 @@ class _Experts:
     the real rows counted on the device, the host counts the hits per pass), elsewhere (eager
     tests on the CPU) its planned path, every pair a hit."""
 
-    def __init__(self, ex, live: torch.Tensor):  # noqa: ANN001 (OffloadExperts)
-        self.ex, self.live = ex, live
+    def __init__(self, ex, live: torch.Tensor, window: bool = False):  # noqa: ANN001
+        """ex: the OffloadExperts; live: 1 for the real rows; window: a verify window's pass
+        (its hits on the decode step's per-pair kernels, as an eager window's: Resident)."""
+        self.ex, self.live, self.window = ex, live, window
 
     def run(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,
             wts: torch.Tensor) -> torch.Tensor:
         if self.ex.device.type != "cuda":
             return self.ex.run(layer, weights, h, ids, wts)
-        out = self.ex.device_hits(layer, h, ids, wts, count=False)
+        out = self.ex.device_hits(layer, h, ids, wts, count=False, step=self.window)
         self.ex.stats.count_on_device(layer, ids, self.live)
         return out
 
@@ -428,7 +430,7 @@ class ChunkGraphs:
         # (the chunk kernels take positions from pos; the tables serve any part that reads
         # them, from the same device positions)
         cos, sin = rope_tables(pos + b.rows, cfg.rope_dim, cfg.rope_theta)
-        ctx = Segments([Segment(kv, t)], cos, sin, _Experts(self.ex, live), None, True,
+        ctx = Segments([Segment(kv, t)], cos, sin, _Experts(self.ex, live, b.window), None, True,
                        pos=pos, inv_freq=model.rope_inv_freq())
         x, delta = model.trunk(tokens, ctx)
         b.logits.copy_(model.head.forward(x, delta, ctx, rows=None if b.window else last))
