@@ -85,7 +85,8 @@ PAIRS_MAX_T = 64
 # 8 bits per 32 values, as llama.cpp's MMQ) where the types allow (Q4_K gate/up, Q4_K / Q6_K
 # down). The 30B-A3B layer, all resident, eager, on an H100: mmq / tl.dot / grouped at 8 tokens
 # 393 / 594 / 840 us, 32: 635 / 865 / 1191, 128: 700 / 996 / 1341, 512: 1712 / 1872 / 1419 (the
-# grouped path from 256 tokens here). End to end not yet timed. bench/2026-12-06-h100-session.md
+# grouped path from 256 tokens here). End to end, 8 of its layers, all resident, prompt graphs:
+# pp128 20,968 against 15,715 tok/s (1.33x). bench/2026-12-06-h100-session.md
 MMQ_PROMPT = True
 # from this many tokens per expert on average (T·K / E) a prompt chunk takes the grouped bf16 path
 # (dequantize once, torch._grouped_mm): at 16 tokens on 14336 x 4096 the fused kernel took 95.7 us
