@@ -153,7 +153,7 @@ fi
   python3 -c 'import ggml; print("ggml importable")' 2>&1 | tail -1; }
 # the CPU pool's threads in the timed runs: the engine's own choice leaves out the cores the load
 # average says are busy, and a llama.cpp build or a synth beside a run (this script starts both
-# in the background) once left it one thread (bench/2026-12-06-h100-session.md)
+# in the background) once left it one thread (bench/2026-12-06-h100-mmq-compare.md)
 THREADS=(--threads "${BENCH_THREADS:-$(( $(nproc) - 1 ))}")
 bench() {  # name, then strata bench arguments
   local name=$1; shift

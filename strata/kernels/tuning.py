@@ -71,7 +71,7 @@ DECODE_MAX_T = 4
 # a decode step's calls without miss rows (every pair's expert resident: the batched step of up
 # to 16 sequences, its hits), and a verify window's hits, up to this many tokens take the per-pair
 # kernels too (8-bit x, rounded as a decode step's; 213 us at 8 tokens on the H100 against MMQ's
-# 393, bench/2026-12-06-h100-session.md). The
+# 393, bench/2026-12-06-h100-mmq-compare.md). The
 # 30B-A3B layer, all resident, eager: per pair / tl.dot / grouped at 8 tokens 191 / 575 / 1208
 # us, 16: 212 / 649 / 803, 32: 393 / 770 / 1105, 64: 748 / 974 / 1162, 128: tl.dot 1044,
 # grouped 1191 (Q4_K / Q4_K / Q6_K; IQ2_XS / IQ3_XXS per pair 209-752 us against 802-1635
@@ -86,7 +86,7 @@ PAIRS_MAX_T = 64
 # down). The 30B-A3B layer, all resident, eager, on an H100: mmq / tl.dot / grouped at 8 tokens
 # 393 / 594 / 840 us, 32: 635 / 865 / 1191, 128: 700 / 996 / 1341, 512: 1712 / 1872 / 1419 (the
 # grouped path from 256 tokens here). End to end, 8 of its layers, all resident, prompt graphs:
-# pp128 20,968 against 15,715 tok/s (1.33x). bench/2026-12-06-h100-session.md
+# pp128 20,968 against 15,715 tok/s (1.33x). bench/2026-12-06-h100-mmq-compare.md
 MMQ_PROMPT = True
 # from this many tokens per expert on average (T·K / E) a prompt chunk takes the grouped bf16 path
 # (dequantize once, torch._grouped_mm): at 16 tokens on 14336 x 4096 the fused kernel took 95.7 us
@@ -316,7 +316,7 @@ SPEC_OFF_MAX = 1024
 # ... and at least as long as keeps what the windows cost beyond plain steps to this share of the
 # pause (at most 4x the doubling pause a verdict): windows that cost 20 plain steps for 4 tokens
 # (the 35B hybrid at 4 GiB on an H100 whose CPU pool had one thread:
-# bench/2026-12-06-h100-session.md) pause 64, 128, 256, 320 steps, not 16, 32, 64, 128. The -5%
+# bench/2026-12-06-h100-mmq-compare.md) pause 64, 128, 256, 320 steps, not 16, 32, 64, 128. The -5%
 # bound of #29 (policy)
 SPEC_PROBE_SHARE = 0.05
 # a new sequence's first window has 1 draft (then one more after each window accepted whole)
