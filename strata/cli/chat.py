@@ -18,6 +18,7 @@ from strata.cli.engine_flags import add_engine_arguments
 from strata.cli.generate import load_engine, sampling_params
 from strata.cli.limits import check_kv_memory
 from strata.errors import StrataError
+from strata.runtime.kv_cache import common_prefix
 
 PROMPT = ">>> "
 HELP = "strata: /reset forgets the conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer"
@@ -68,14 +69,6 @@ class Conversation:
                                   f"does not fit the context of {self.limit} tokens")
             self.turns.pop(0)
             dropped += 1
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Session:

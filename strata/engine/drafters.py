@@ -26,6 +26,7 @@ import torch
 from strata.errors import StrataError
 from strata.gguf import ModelFile
 from strata.kernels.tuning import NGRAM_MAX, NGRAM_MIN
+from strata.runtime.kv_cache import common_prefix
 
 log = logging.getLogger("strata")
 
@@ -112,12 +113,8 @@ class ModelDrafter:
             st, ctx, _ = asks[i]
             if st.kv is None:
                 st.kv = model.new_cache(len(ctx) + 256)
-            same = 0
-            for a, b in zip(st.ids, ctx, strict=False):
-                if a != b:
-                    break
-                same += 1
-            same = min(same, len(ctx) - 1)  # the last token always runs: its logits are needed
+            # (the last token always runs: its logits are needed)
+            same = min(common_prefix(st.ids, ctx), len(ctx) - 1)
             st.kv.truncate(same)
             todo[i] = ctx[same:]
         last = {}
@@ -212,11 +209,7 @@ class MTPDrafter:
         if (n < 1 or N < 1 or st is None or st.hidden is None or st.base or kv.length != N
                 or st.seen < N):
             return []
-        same = 0
-        for a, b in zip(st.ids, context, strict=False):
-            if a != b:
-                break
-            same += 1
+        same = common_prefix(st.ids, context)
         keep = max(0, min(st.done, same - 1, N - 1))  # row i needs context[i + 1] unchanged
         st.kv.truncate(keep)
         logits, h = self.head.forward(torch.tensor(context[keep + 1:N + 1]),

@@ -21,6 +21,15 @@ import torch
 
 from strata.errors import StrataError
 
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share (how far a cache that holds `a` serves `b`)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
 # --kv-type: the cache's element type. Keys and values are computed in float32 and rounded once,
 # when stored; attention reads them back as float32. q8_0's elements are int8 with a scale.
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
