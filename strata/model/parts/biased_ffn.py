@@ -26,8 +26,11 @@ def route_biased(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
 
 
 class BiasedRoutedExperts(RoutedExperts):
-    def _route(self, h: torch.Tensor) -> torch.Tensor:
-        return route_biased(h, self.lw.router, self.lw.router_logit_bias, self.k)[0]
+    def _route(self, h: torch.Tensor, counts: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, weights) of the biased router on h (counts: unused, a static step counts in
+        route_topk)."""
+        return route_biased(h, self.lw.router, self.lw.router_logit_bias, self.k)
 
     def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
         lw = self.lw
@@ -37,7 +40,7 @@ class BiasedRoutedExperts(RoutedExperts):
             logits = ops.router_logits(h, lw.router) + lw.router_logit_bias  # [1, E]
             ids, wts = ops.route_topk(logits, self.k, True, counts=ctx.counts(self.layer))
         else:
-            ids, wts = route_biased(h, lw.router, lw.router_logit_bias, self.k)
+            ids, wts = self._route(h)
         if self.hook is not None:  # (strata check) the bias as a router column over [h, 1]
             one = torch.ones(h.shape[0], 1, dtype=h.dtype, device=h.device)
             router = torch.cat([lw.router, lw.router_logit_bias[:, None]], dim=1)  # [E, D + 1]

@@ -79,9 +79,7 @@ class RoutedExperts:
         lw = self.lw
         if self.biased:  # torch ops on every path (gating.py; capturable in a static step)
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
-            ids, wts = route_biased(h, lw.router, lw.router_bias, self.k, self.norm_topk,
-                                    self.scale, *self.groups, gating=self.gating,
-                                    counts=ctx.counts(self.layer) if ctx.static else None)
+            ids, wts = self._route(h, ctx.counts(self.layer) if ctx.static else None)
         elif ctx.static:  # one launch on CUDA (decode_ops.norm_route)
             h, ids, wts = decode_ops().norm_route(
                 x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,
@@ -92,7 +90,7 @@ class RoutedExperts:
             ids, wts = ops.route_topk(ops.router_logits(h, lw.router), self.k, self.norm_topk)
         else:
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
-            ids, wts = route(h, lw.router, self.k, self.norm_topk)  # [T, K]
+            ids, wts = self._route(h)  # [T, K]
         if self.hook is not None:  # (never set in a captured step: see routing.attach)
             r = self.hook(self.layer, Routing(h, ids, wts), lw.router, self.k, self.norm_topk)
             if self.biased:  # (a pin's weights: this gating's, not the softmax's)
@@ -104,14 +102,17 @@ class RoutedExperts:
     def guess(self, x: torch.Tensor) -> torch.Tensor:
         """The experts this layer's router would pick for the residual x [T, D] (normed here;
         nothing counted, no hook): a prefetch's guess, ids int64 [T, K]."""
-        return self._route(rms_norm(x, self.lw.ffn_norm, self.eps))
+        return self._route(rms_norm(x, self.lw.ffn_norm, self.eps))[0]
 
-    def _route(self, h: torch.Tensor) -> torch.Tensor:
+    def _route(self, h: torch.Tensor, counts: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's torch form on the normed input h: (ids [T, K], weights [T, K]); counts
+        (biased gating in a static step): where the routed pairs are counted."""
         lw = self.lw
         if self.biased:
             return route_biased(h, lw.router, lw.router_bias, self.k, self.norm_topk,
-                                self.scale, *self.groups, gating=self.gating)[0]
-        return route(h, lw.router, self.k, self.norm_topk)[0]
+                                self.scale, *self.groups, gating=self.gating, counts=counts)
+        return route(h, lw.router, self.k, self.norm_topk)
 
     def finish(self, r: Routing, ctx: Context) -> torch.Tensor:
         """The routed experts' weighted sum, plus the shared expert: [T, D] (or, in a static
