@@ -139,12 +139,12 @@ def fuse_qkv(lw: LayerWeights) -> None:
         fused: Weight = torch.cat(mats[:n])
         data = fused
     else:
-        fused = replace(mats[0], raw=torch.cat([m.raw for m in mats[:n]]), cpu_matmul=None)
+        fused = replace(mats[0], raw=torch.cat([m.raw for m in mats[:n]]))
         data = fused.raw
     start, views = 0, []
     for m in mats[:n]:
         rows = data[start:start + _rows(m)]
-        views.append(rows if isinstance(m, torch.Tensor) else replace(m, raw=rows, cpu_matmul=None))
+        views.append(rows if isinstance(m, torch.Tensor) else replace(m, raw=rows))
         start += _rows(m)
     lw.wq, lw.wk = views[0], views[1]
     if n == 3:
