@@ -33,6 +33,7 @@
 # added), grouped (the 30B-A3B prompt MoE layer through the grouped and the tl.dot paths by
 # token count, scripts/bench_kernels.py --moe-prompt-only, GROUPED_ARGS added, e.g.
 # "--moe-prompt-tokens 64,128"),
+# route (scripts/bench_norm_route.py: the fused decode routing by BLOCK_J, 128 and 256 experts),
 # compare (an older tree's strata bench beside this one's: COMPARE_TREE, COMPARE_SPECS,
 # COMPARE_ORDER, COMPARE_NEW_FLAGS),
 # matrix (llama-bench's matrix, MATRIX_P prompts, MATRIX_N decode tokens at MATRIX_D depths, from
@@ -58,6 +59,9 @@
 # process, after the kernel files at PYTEST_N with TCACHE=1 on the same machine (run 115: 248
 # passed in 127 s with run 114's kernels built). TEST_TIMEOUT: the tests' limit in s (400).
 # WARM=N builds the kernels stage's kernels in N processes first (bench_moe_decode.py --warm).
+# LLAMA=0: no llama.cpp build (the matrix stage then runs Strata's side alone). LLAMA_PACK=1: the
+# built binaries come back as $OUT/llama-bin.txz.* (15 MB parts, with ggml-python's wheel in
+# results.tgz), for a later call to carry as .lbin/ (and .whl/) instead of building again.
 # BENCH_THREADS: the CPU pool's --threads in strata bench / bench-spec / serve (the cores less one:
 # the engine's own choice counts this script's background builds as busy cores).
 # Carried in .whl/: the gguf wheel, the uvicorn and starlette wheels (strata serve; the GPU
@@ -74,7 +78,7 @@ mkdir -p $TRITON_CACHE_DIR
 for c in .tcache/*.tgz; do [[ -f $c ]] && tar xzf "$c" -C $TRITON_CACHE_DIR; done
 touch /tmp/tcache.mark  # (what is newer than this was built here)
 # everything but machine.txt goes back in one archive (a run returns a few files at most)
-pack() { (cd "$OUT" && ls | grep -vx -e machine.txt -e results.tgz >/tmp/packed \
+pack() { (cd "$OUT" && ls | grep -vx -e machine.txt -e results.tgz -e 'llama-bin\.txz\..*' >/tmp/packed \
   && tar czf results.tgz -T /tmp/packed && xargs rm -f </tmp/packed)
   [[ -n ${TCACHE:-} ]] && (cd $TRITON_CACHE_DIR && find . -mindepth 1 -maxdepth 1 -newer \
     /tmp/tcache.mark | tar czf "$OUT/tcache.tgz" -T -); }
@@ -89,17 +93,27 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   lscpu | grep -E "^Model name|^CPU\(s\)"; free -g | head -2
 } 2>&1 | tee "$OUT/machine.txt"
-if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && which gcc g++ >/dev/null; then
+# (a wheel an earlier call built, LLAMA_PACK=1, carried in .whl/, was installed above)
+if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && ! ls .whl/ggml_python-*.whl >/dev/null 2>&1 \
+    && which gcc g++ >/dev/null; then
   ( t0=$(date +%s)
     ls /tmp/ggwhl/*.whl >/dev/null 2>&1 || CMAKE_BUILD_PARALLEL_LEVEL=16 nice -n 10 timeout 400 python3 -m pip wheel -q --no-deps \
       --no-build-isolation --no-index -w /tmp/ggwhl .whl/ggml_python-*.tar.gz >/tmp/ggml.log 2>&1 \
       && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/ggwhl/*.whl
-    echo "ggml-python built in $(( $(date +%s) - t0 )) s" >>/tmp/ggml.log ) &
+    echo "ggml-python built in $(( $(date +%s) - t0 )) s" >>/tmp/ggml.log
+    [[ -n ${LLAMA_PACK:-} ]] && cp /tmp/ggwhl/*.whl "$OUT/" 2>/dev/null ) &
   GGML_PID=$!
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 LB=$PWD/.llama-build  # llama.cpp's CUDA build (llamacpp stage), kept while the machine stays warm
-if [[ $STAGES =~ llamacpp|matrix|llamabuild && ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/llama-bench ) ]]; then
+# a build an earlier call packed (LLAMA_PACK=1: $OUT/llama-bin.txz.*, carried back as .lbin/)
+if ls .lbin/llama-bin.txz.* >/dev/null 2>&1 && [[ ! -x $LB/bin/llama-bench ]]; then
+  mkdir -p "$LB" && cat .lbin/llama-bin.txz.* | tar xJf - -C "$LB" \
+    && echo "llama.cpp: the carried build ($(cat "$LB/SOURCE.txt" 2>/dev/null))"
+  export LD_LIBRARY_PATH=$LB/bin:$LB/cublas-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+if [[ ${LLAMA:-1} != 0 && $STAGES =~ llamacpp|matrix|llamabuild &&
+      ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/llama-bench ) ]]; then
   if [[ -f .whl/llama.cpp-src.tgz ]]; then
     # (scripts/build_llama_cpp.sh: a build cut short goes on in the next call)
     nice -n 10 bash scripts/build_llama_cpp.sh .whl/llama.cpp-src.tgz "$LB" >/tmp/llama-build.log 2>&1 &
@@ -165,6 +179,10 @@ if [[ $STAGES == *kernels* ]]; then
   echo "== decode kernels: MoE layer and GEMV launch choices"
   timeout 420 python3 scripts/bench_moe_decode.py --json "$OUT/decode_kernels.json" \
     ${WARM:+--warm $WARM} ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.txt" | tail -120
+fi
+if [[ $STAGES == *route* ]]; then  # the fused norm + router + top-k by the rank step's width
+  echo "== decode routing: norm_route at 128 and 256 experts, by BLOCK_J"
+  timeout 200 python3 scripts/bench_norm_route.py --json "$OUT/norm_route.json" 2>&1 | tail -20
 fi
 if [[ $STAGES == *grouped* ]]; then  # the prompt MoE layer's two paths by token count
   echo "== prompt MoE layer, 30B-A3B: grouped (bf16 + grouped GEMM) against tl.dot, by tokens"
@@ -292,6 +310,15 @@ fi
 if [[ $STAGES =~ llamacpp|matrix|llamabuild && -n ${LLAMA_PID:-} ]]; then
   wait $LLAMA_PID; tail -1 /tmp/llama-build.log; cp /tmp/llama-build.log "$OUT/llamacpp_build.txt"
 fi
+if [[ -n ${LLAMA_PACK:-} && -x $LB/bin/llama-bench ]]; then
+  # the binaries and their libraries, in parts a call can bring back (16 MiB a file), for a
+  # later call to carry as .lbin/ instead of building again (~9 minutes)
+  cp "$LB/llama.cpp/SOURCE.txt" "$LB/SOURCE.txt" 2>/dev/null
+  (cd "$LB" && strip bin/llama-bench bin/test-backend-ops bin/*.so* 2>/dev/null;
+   tar cf - bin/llama-bench bin/test-backend-ops bin/*.so* SOURCE.txt $(ls -d cublas-lib 2>/dev/null) \
+     | xz -T0 -6 | split -b 15M -d - "$OUT/llama-bin.txz.")
+  ls -l "$OUT"/llama-bin.txz.*
+fi
 if [[ $STAGES == *llamacpp* && -x $LB/bin/test-backend-ops ]]; then
   # llama.cpp on the same GPU: test-backend-ops times each op over the same weights again and
   # again (so a matrix that fits the 60 MB L2 is read from there: an upper bound on its speed
@@ -330,6 +357,7 @@ if [[ $STAGES == *matrix* ]]; then
       --ctx "$ctx" "${flags[@]}" ${MATRIX_FLAGS:-} --json "$OUT/matrix_strata_$b.json" 2>&1 \
       | grep -E "^\|" | tee "$OUT/matrix_strata_$b.txt"
     kill $SMI; sp=$(python3 scripts/llama_side_by_side.py peak "$OUT/smi_strata_$b.txt")
+    echo "Strata's VRAM peak (nvidia-smi): $sp MiB"
     if [[ -x $LB/bin/llama-bench ]]; then
       n=0; over=0
       for try in 1 2; do

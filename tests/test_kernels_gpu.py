@@ -597,6 +597,12 @@ _INTERPRETED_BIAS = """
                           miss=lay.views(miss), bias=bias, act=act)
         ref = moe_ref(x, ids, wts, *full, bias=bias, act=act)
         assert rel(out, ref) < 2e-5, ("miss rows", act, t)
+        # steps whose BK does not divide the rows (the last one masked, as gpt-oss's 2880 takes
+        # k_step's 512): gate/up over d = 32 in steps of 64, the down over f in steps of 64
+        out = moe_forward(x, ids, wts, slot_of, *lay.views(slots), qt, d, f,
+                          miss=lay.views(miss), bias=bias, act=act,
+                          tiles={"gate_up": (1, 64, 1, 2), "down_pairs": (4, 64, 1, 4)})
+        assert rel(out, ref) < 2e-5, ("masked steps", act, t)
     # a prompt chunk on the tl.dot kernels (float32 operands here) and the grouped GEMMs
     ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(6)]))
     x, wts = 3 * torch.randn(6, d), torch.rand(6, 2)
@@ -644,3 +650,18 @@ def test_kernels_under_the_interpreter() -> None:
     _, seed = fresh_rng()
     run_interpreted_side_by_side([_INTERPRETED_HEAD + _INTERPRETED_MATMUL,
                                   _INTERPRETED_HEAD + _INTERPRETED_MOE], seed, timeout=600)
+
+
+def test_k_step_masks_a_short_tail_rather_than_taking_many_small_steps() -> None:
+    """BK stays large where the masked tail of the last step is at most an eighth of the row
+    (gpt-oss's 2880: 6 steps of 512, not 90 of 32), halves to a divisor otherwise, and never
+    goes below the type's group."""
+    from strata.kernels.gpu.matmul import k_step
+
+    assert k_step(512, 2880, 16) == 512  # 192 of 3072 masked
+    assert k_step(256, 2880, 16) == 256
+    assert k_step(512, 2048, 32) == 512  # divides
+    assert k_step(512, 96, 16) == 32  # a tail of 416, then 160, 32, 32: halved to 32
+    assert k_step(512, 720, 16) == 256  # 304 masked of 1024 is too many; 48 of 768 is not
+    assert k_step(32, 48, 32) == 32  # the group is the floor
+    assert k_step(512, 0, 16) == 512  # row length unknown

@@ -174,6 +174,31 @@ def test_torch_mm_loop_when_grouped_mm_refuses(monkeypatch: pytest.MonkeyPatch) 
     torch.testing.assert_close(y, torch.cat([a[:4] @ b[0].T, a[4:9] @ b[2].T]))
 
 
+def test_the_grouped_threshold_follows_the_expert_types() -> None:
+    """MMQ-able layers (Q4_K gate/up, Q6_K down, under x8) take the grouped path from 32
+    tokens per expert, i-quants from 8, the rest from 16; biased layers never take MMQ; the
+    layouts' least threshold is what the graphs' scratch is counted from."""
+    from strata.experts.layout import ExpertLayout
+    from strata.kernels.tuning import (GROUPED_MIN_TOKENS, IQ_GROUPED_MIN_TOKENS,
+                                       MMQ_GROUPED_MIN_TOKENS)
+
+    q4 = (int(QType.Q4_K), int(QType.Q4_K), int(QType.Q6_K))
+    iq = (int(QType.IQ2_XS), int(QType.IQ2_XS), int(QType.IQ3_XXS))
+    q8 = (int(QType.Q8_0),) * 3
+    assert moe_mod.grouped_min_tokens(q4, 2048, 768, True) == MMQ_GROUPED_MIN_TOKENS == 32
+    assert moe_mod.grouped_min_tokens(q4, 2048, 768, False) == GROUPED_MIN_TOKENS == 16
+    assert moe_mod.grouped_min_tokens(q4, 2048, 768, True, bias=object()) == GROUPED_MIN_TOKENS
+    assert moe_mod.grouped_min_tokens(iq, 2048, 768, True) == IQ_GROUPED_MIN_TOKENS == 8
+    assert moe_mod.grouped_min_tokens(q8, 2048, 768, True) == GROUPED_MIN_TOKENS
+    # Qwen3.6-35B-A3B's 512-token chunk (256 experts, top 8: 16 a expert) now runs MMQ
+    assert moe_mod.moe_path(512, 8, 256, min_tokens=32) == "tl.dot"
+    assert moe_mod.moe_path(1024, 8, 256, min_tokens=32) == "grouped"
+    assert moe_mod.moe_path(128, 8, 128, min_tokens=8) == "grouped"  # IQ2_XS pp128 on 30B
+    lays = [ExpertLayout(0, q4, 2048, 768), ExpertLayout(1, iq, 2048, 768)]
+    assert moe_mod.layouts_min_tokens(lays) == 8
+    assert moe_mod.layouts_min_tokens(lays[:1]) == 32
+
+
 def test_moe_forward_dispatches_by_tokens_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not moe_mod.use_grouped(moe_mod.DECODE_MAX_T, 8, 1)  # decode stays per pair
     assert moe_mod.moe_path(moe_mod.PAIRS_MAX_T, 8, 1, step=True) == "pairs"  # a batched step

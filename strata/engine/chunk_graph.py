@@ -133,16 +133,18 @@ def graph_pool_bytes(cfg: ModelConfig, layouts: list, t: int,
     activations live across a layer, a dense matrix's bf16 copy (cuBLAS, from DEQUANT_MIN_M
     tokens) and the head's `logit_rows` rows (a chunk's last one, a window's every row).
     Derived from the buffers the parts allocate, not measured."""
-    from strata.kernels.gpu.moe import use_grouped
+    from strata.kernels.gpu.moe import layouts_min_tokens, use_grouped
     from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, grouped_scratch_bytes
 
     lay = max(layouts, key=lambda la: la.d_model * la.d_expert)
     d, e, k = cfg.d_model, cfg.n_experts, cfg.n_experts_used
     p = t * k
-    if use_grouped(t, k, e):
-        moe = grouped_scratch_bytes(lay, e, t, k, prompt_weights or GROUPED_SCRATCH_BYTES)
-    else:  # _prompt: h bf16 [P, F], y float32 [P, D], the sum [T, D], sort keys and order
-        moe = p * (2 * lay.d_expert + 4 * d + 24) + 4 * t * d + 12 * e
+    # _prompt: h bf16 [P, F], y float32 [P, D], the sum [T, D], sort keys and order; the
+    # grouped path's where some layer takes it at t (layers of other types may not: the larger)
+    moe = p * (2 * lay.d_expert + 4 * d + 24) + 4 * t * d + 12 * e
+    if use_grouped(t, k, e, layouts_min_tokens(layouts)):
+        moe = max(moe, grouped_scratch_bytes(lay, e, t, k,
+                                             prompt_weights or GROUPED_SCRATCH_BYTES))
     qkv = cfg.q_dim + 2 * cfg.kv_dim
     hidden = max(cfg.d_ff, cfg.d_shared, lay.d_expert)
     # x, h, attention out, wo out, norms (6 D); qkv, its split copies, q rotated and its half
@@ -273,7 +275,7 @@ class ChunkGraphs:
     def _device_reason(self) -> str | None:
         """What the built engine on this GPU keeps from the graphs (None: nothing); may drop
         the buckets whose MoE layers take a path with a host sync here."""
-        from strata.kernels.gpu.moe import use_grouped
+        from strata.kernels.gpu.moe import layouts_min_tokens, use_grouped
 
         cfg = self.cfg
         top = max(self.buckets)
@@ -287,14 +289,15 @@ class ChunkGraphs:
             return "no flash attention for this GPU, torch build or head dim"
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] \
                 not in (9, 10):  # torch._grouped_mm elsewhere loops on the host (moe_grouped)
+            least = layouts_min_tokens(self.ex.arena.layouts)
             keep = tuple(b for b in self.buckets
-                         if not use_grouped(b, cfg.n_experts_used, cfg.n_experts))
+                         if not use_grouped(b, cfg.n_experts_used, cfg.n_experts, least))
             if not keep:
                 return "the grouped MoE path reads its group sizes on the host on this GPU"
             self.buckets = keep
             self.windows = max((w for w in range(self.windows + 1)
-                                if not use_grouped(w, cfg.n_experts_used, cfg.n_experts)),
-                               default=0)
+                                if not use_grouped(w, cfg.n_experts_used, cfg.n_experts,
+                                                   least)), default=0)
         return None
 
     # ---- one chunk ------------------------------------------------------------------------------

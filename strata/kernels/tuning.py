@@ -95,6 +95,14 @@ MMQ_PROMPT = True
 # An estimate, not a measured crossover (scripts/bench_kernels.py --moe-prompt-only times both).
 # bench/2026-11-30-h200-offload.md
 GROUPED_MIN_TOKENS = 16
+# where MMQ_PROMPT's kernels take the layer, from 32: the 30B-A3B layer (128 experts, top 8) on
+# an H100, mmq / grouped at 8, 16, 24, 32 tokens per expert (128, 256, 384, 512 tokens): 703 /
+# 1340, 1035 / 1386, 1373 / 1413, 1686 / 1428 us. bench/2026-12-06-h100-matrix.md
+MMQ_GROUPED_MIN_TOKENS = 32
+# i-quant experts, from 8: IQ2_XS / IQ3_XXS's tl.dot tiles took 6273 us at 8 tokens per expert
+# against the grouped path's 1741 (3.6x; 5.2x at 16). Not timed below 8.
+# bench/2026-12-06-h100-matrix.md
+IQ_GROUPED_MIN_TOKENS = 8
 # bf16 expert weights the grouped path dequantizes at a time: one whole Qwen3-30B-A3B layer (128 x
 # 3 x 768 x 2048 x 2 bytes = 1.125 GiB) in one batch; larger layers in batches of experts (4 for
 # Qwen3-235B-A22B's 4.5 GiB). Sized, not timed (bench: none; memory_plan caps it at an eighth of
@@ -118,6 +126,12 @@ DOWN_IQ_TILE = (8, 1, 1)
 # gather_misses: int32 words a program, 16 KB in flight each; not timed against others (bench:
 # none; the copy's program count was: PREFETCH_PROGRAMS)
 GATHER_BLOCK = 4096
+
+# the fused residual add + RMS norm + router + top-k (decode_ops.norm_route) for routers of up to
+# this many experts; past it the three launches: on an H100, 4.95 against 6.57 us at 128 experts
+# (Qwen3-30B-A3B), 17.2 against 9.5 at 256 (Qwen3.5/3.6-MoE: the last program's [256, 256] rank
+# comparison, whatever its BLOCK_J of 8-64). bench/2026-12-06-h100-matrix.md
+NORM_ROUTE_MAX_EXPERTS = 128
 
 # ---- decode attention (kernels/gpu/decode_ops.py) -----------------------------------------------
 
@@ -331,6 +345,11 @@ SPEC_START_STEPS = 2.0
 # while the sequential steps over a prompt drop C-fold; 64 is the chunk of fla's
 # chunk_gated_delta_rule and of transformers' torch reference (estimate: not timed here)
 DELTA_CHUNK = 64
+# prompts through flash-linear-attention's chunked gated delta rule where fla-core is installed
+# (delta_ops.fla_rule), else the torch solve and chunk_scan below: the scan took 82 of 196 ms of
+# Qwen3.6-35B-A3B's 512-token prompt on the H100 (2.7 ms a layer: its float32 "ieee" dots run
+# on FMA units, one program per head and 32 value columns). bench/2026-12-06-h100-matrix.md
+DELTA_FLA = True
 # one decode token's Gated DeltaNet step (kernels/gpu/delta_ops.py): value columns of S a program
 # (each program holds S[:, BV] of one head: dk x BV floats) and its warps; channels a program of
 # the conv step. Estimates: not timed yet.

@@ -91,6 +91,7 @@ from strata.kernels.tuning import (
     ATTN_TARGET_CTAS,
     ATTN_TF32_TILE,
     ATTN_VARIANT,
+    NORM_ROUTE_MAX_EXPERTS,
 )
 from strata.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
 
@@ -721,7 +722,8 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     h = rms_norm(x, weight, eps), logits = h @ router.T, then route_topk(logits, k, norm_topk,
     counts, skip, ids) -> (h or None with store_h=False, ids, weights). As add_rms_norm (or
     rms_norm without delta), router_logits and route_topk called in turn, which is what runs
-    for T > 1, off CUDA, for a router that is not float32 and with fuse=False (timing).
+    for T > 1, off CUDA, for a router that is not float32, of over NORM_ROUTE_MAX_EXPERTS
+    experts, and with fuse=False (timing).
 
     x [1, D] f32 (the residual; rows contiguous), delta [1, D] or [1, R, D] f32 or None,
     weight [D] f32, router [E, D] (rows contiguous). sync: int32 [1] on the device, zero,
@@ -729,7 +731,8 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     may run at once, as on two streams, need one each)."""
     t = x.shape[0] if x.dim() == 2 else 0
     fused = (fuse and t == 1 and _use_kernels(x) and router.dtype == torch.float32
-             and router.dim() == 2 and router.shape[1] == x.shape[1] and router.stride(1) == 1)
+             and router.dim() == 2 and router.shape[1] == x.shape[1] and router.stride(1) == 1
+             and router.shape[0] <= NORM_ROUTE_MAX_EXPERTS)
     if not fused:
         h = rms_norm(x, weight, eps) if delta is None else add_rms_norm(x, delta, weight, eps)
         got_ids, wts = route_topk(router_logits(h, router), k, norm_topk, counts, skip, ids)

@@ -14,6 +14,10 @@ rest with batched matmuls and a triangular solve):
                                     o = qg S + inner u; S = dend S + kg^T u. One launch,
                                     grid (H, dv / CHUNK_SCAN_BV), S[:, BV] in registers
 
+or, where flash-linear-attention (`fla-core`, an optional GPU package) is installed, the whole
+chunked rule through its kernels (fla_rule: its chunk_gated_delta_rule, the kernels HF
+transformers' Qwen3.5/3.6 and Qwen3-Next use on CUDA).
+
 Legend: C conv channels 2*Hk*dk + Hv*dv, K kernel, Hk / Hv key / value heads, dk = dv.
 """
 
@@ -112,3 +116,19 @@ def chunk_scan(u0: torch.Tensor, w: torch.Tensor, inner: torch.Tensor, qg: torch
                                                       DK=dk, DV=dv, L=L, BV=CHUNK_SCAN_BV,
                                                       num_stages=CHUNK_SCAN_STAGES)
     return out, S
+
+
+_FLA: list = []
+
+
+def fla_rule():  # noqa: ANN201 (fla's chunk_gated_delta_rule, or None)
+    """fla's chunk_gated_delta_rule where `fla` imports (pip install fla-core), else None:
+    o, S = rule(q, k, v, g, beta, scale=, initial_state=, output_final_state=True) with
+    q, k [1, T, H, dk], v [1, T, Hv, dv], g (log decay), beta [1, T, Hv], S [1, Hv, dk, dv]."""
+    if not _FLA:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except Exception:  # noqa: BLE001 (not installed, or built for another triton/torch)
+            chunk_gated_delta_rule = None
+        _FLA.append(chunk_gated_delta_rule)
+    return _FLA[0]

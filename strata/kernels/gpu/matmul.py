@@ -199,7 +199,7 @@ def gemv_config(fmt: KernelFormat, m: int, n: int, k: int = 0, ctas: int = 1,
     """(BN rows per CTA, BK values per step, pipeline stages, warps) for the FMA kernel: the
     type's tile (formats.py), BN divided by the tokens (each keeps its own accumulator) and by
     what it takes to give every SM four CTAs when N (times `ctas` independent problems) is
-    short; BK halves until it divides K. tile: one token's tile as is (else GEMV_TUNE's for the
+    short; BK from k_step. tile: one token's tile as is (else GEMV_TUNE's for the
     shape); base_tile: instead of the type's, adjusted as it is."""
     tuned = (tile or GEMV_TUNE.get((int(fmt.qtype), n, k))) if m == 1 else None
     if tuned is not None:
@@ -208,9 +208,17 @@ def gemv_config(fmt: KernelFormat, m: int, n: int, k: int = 0, ctas: int = 1,
     bn = max(1, bn // triton.next_power_of_2(m))
     while bn > 1 and triton.cdiv(n, bn) * ctas < 4 * sm_count():
         bn //= 2
-    while k and k % bk and bk > fmt.group:
+    return bn, k_step(bk, k, fmt.group), stages, warps
+
+
+def k_step(bk: int, k: int, group: int) -> int:
+    """BK of a GEMV-like kernel over rows of k values (k 0: unknown, BK as given): halved while
+    it leaves over an eighth of k masked in the last step (such a kernel's steps run one after
+    another, each waiting one memory latency: gpt-oss's 2880 took 90 steps of 32 when BK
+    halved down to a divisor, 6 of 512 with 192 masked now), never below the type's group."""
+    while k and k % bk and bk > group and (-k % bk) * 8 > k:
         bk //= 2
-    return bn, bk, stages, warps
+    return max(bk, group)
 
 
 _SMS: list[int] = []

@@ -23,7 +23,7 @@ record from their own row instead, so one call computes every pair.
 Prompt chunks: pairs are sorted by expert (torch, on the device, no host sync); one CTA per
 (expert, BM tokens, BN rows) multiplies on tensor cores, h is kept in bf16, the down kernel
 writes each pair's weighted row into y [P, D] and `out += y.sum(K)`: a fixed-order
-(deterministic) reduction. Chunks with GROUPED_MIN_TOKENS tokens per expert or more on average
+(deterministic) reduction. Chunks with grouped_min_tokens tokens per expert or more on average
 go to moe_grouped.py instead: the experts dequantized to bf16, then torch._grouped_mm.
 """
 
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.formats import KernelFormat, kernel_format
-from strata.kernels.gpu.matmul import dot_dtype, log_fallback
+from strata.kernels.gpu.matmul import dot_dtype, k_step, log_fallback
 from strata.kernels.gpu.pairs import (
     bias_row,
     check_bias,
@@ -60,6 +60,8 @@ from strata.kernels.tuning import (
     GATE_UP_TILE,
     GATHER_BLOCK,
     GROUPED_MIN_TOKENS,
+    IQ_GROUPED_MIN_TOKENS,
+    MMQ_GROUPED_MIN_TOKENS,
     MMQ_PROMPT,
     PAIRS_MAX_T,
 )
@@ -254,20 +256,44 @@ def resident_pairs(ids: torch.Tensor, slot_of_expert: torch.Tensor) -> torch.Ten
 MOE_PATHS = ("pairs", "tl.dot", "grouped", "mmq")
 
 
-def moe_path(t: int, topk: int, n_experts: int, miss: bool = False, step: bool = False) -> str:
+def moe_path(t: int, topk: int, n_experts: int, miss: bool = False, step: bool = False,
+             min_tokens: int = GROUPED_MIN_TOKENS) -> str:
     """The path moe_forward takes for t tokens: "pairs" (each pair reads its expert: up to
     DECODE_MAX_T tokens; a decode step's call without miss rows up to PAIRS_MAX_T), "grouped"
-    (from GROUPED_MIN_TOKENS tokens per expert on average: dequantize to bf16, then grouped
-    GEMM), else "tl.dot" (pairs grouped by expert onto tensor cores; moe_forward then takes
-    "mmq" for it under x8 where the types allow, tuning.MMQ_PROMPT)."""
+    (from min_tokens tokens per expert on average, grouped_min_tokens: dequantize to bf16, then
+    grouped GEMM), else "tl.dot" (pairs grouped by expert onto tensor cores; moe_forward then
+    takes "mmq" for it under x8 where the types allow, tuning.MMQ_PROMPT)."""
     if t <= DECODE_MAX_T or (step and not miss and t <= PAIRS_MAX_T):
         return "pairs"
-    return "grouped" if t * topk >= GROUPED_MIN_TOKENS * max(n_experts, 1) else "tl.dot"
+    return "grouped" if t * topk >= min_tokens * max(n_experts, 1) else "tl.dot"
 
 
-def use_grouped(t: int, topk: int, n_experts: int) -> bool:
+def grouped_min_tokens(qtypes: tuple[int, int, int], d: int, f: int, x8: bool,
+                       bias: object = None, act: str = "swiglu") -> int:
+    """Tokens per expert on average from which a prompt chunk of these experts takes the
+    grouped path: later where the MMQ kernels take the layer (MMQ_GROUPED_MIN_TOKENS), sooner
+    for i-quants (IQ_GROUPED_MIN_TOKENS: their tl.dot tiles are slow), else GROUPED_MIN_TOKENS."""
+    from strata.kernels.gpu.moe_mmq import mmq_types
+
+    if x8 and MMQ_PROMPT and mmq_types(qtypes, d, f, bias, act):
+        return MMQ_GROUPED_MIN_TOKENS
+    if any(QType(q).name.startswith("IQ") for q in qtypes):
+        return IQ_GROUPED_MIN_TOKENS
+    return GROUPED_MIN_TOKENS
+
+
+def layouts_min_tokens(layouts: list, x8: bool = True) -> int:
+    """grouped_min_tokens of the layers' expert layouts (experts.layout.ExpertLayout), the least:
+    from there some layer takes the grouped path (its scratch counted from there)."""
+    return min((grouped_min_tokens(la.qtypes, la.d_model, la.d_expert, x8, la.bias,
+                                   getattr(la.bias, "act", "swiglu")) for la in layouts),
+               default=GROUPED_MIN_TOKENS)
+
+
+def use_grouped(t: int, topk: int, n_experts: int,
+                min_tokens: int = GROUPED_MIN_TOKENS) -> bool:
     """True when moe_forward hands a call of t tokens (no miss rows) to the grouped path."""
-    return moe_path(t, topk, n_experts) == "grouped"
+    return moe_path(t, topk, n_experts, min_tokens=min_tokens) == "grouped"
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -318,7 +344,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     chosen = path is None  # (moe_path's pick: may go to mmq below; an asked-for path stays)
     if path is None:
         path = moe_path(t, ids.shape[-1] if ids.dim() == 2 else 1, slot_of_expert.shape[0],
-                        miss is not None, step)
+                        miss is not None, step,
+                        grouped_min_tokens(qtypes, d_model, d_expert, x8, bias, act))
     # a call on the per-pair kernels with no `out` writes the sums straight into a new one (no
     # zero fill + add)
     direct = (out is None and t > 0 and path == "pairs" and ids.dim() == 2 and ids.shape[1] > 0
@@ -553,13 +580,10 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
                 k: int) -> tuple[int, int, int, int]:
-    """(BN, BK, stages, warps) of a decode kernel: BK no smaller than the types' groups and
-    halved until it divides the row length k (the last step is masked otherwise)."""
+    """(BN, BK, stages, warps) of a decode kernel: BK from matmul.k_step for the row length k
+    and the types' largest group."""
     bn, bk, stages, warps = tile
-    group = max(f.group for f in fmts)
-    while k % bk and bk > group:
-        bk //= 2
-    return bn, max(bk, group), stages, warps
+    return bn, k_step(bk, k, max(f.group for f in fmts)), stages, warps
 
 
 def group_config(t: int, topk: int, n_experts: int) -> tuple[int, int, int, int]:

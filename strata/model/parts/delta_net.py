@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from strata.config import ModelConfig
 from strata.kernels.torch_ops import delta_rule_step
-from strata.kernels.tuning import DELTA_CHUNK
+from strata.kernels.tuning import DELTA_CHUNK, DELTA_FLA
 from strata.model.layers import rms_norm
 from strata.model.parts.context import Context, Segments, StaticStep
 from strata.model.weights import DeltaWeights, linear
@@ -50,7 +50,8 @@ def delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, state: torch.Tensor, chunk: int = DELTA_CHUNK,
-                  kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  kernel: bool = False,
+                  fla: bool = DELTA_FLA) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule over chunks of `chunk` tokens. Within a chunk, with G the cumulative log
     decay and S0 the state before it, the new values U solve (I + A) U = beta V - beta e^G K S0,
     A[i, j] = beta_i e^(G_i - G_j) k_i.k_j (j < i); then
@@ -58,8 +59,18 @@ def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         S_L = e^G_L S0 + (e^(G_L - G) K)^T U
     Arguments as delta_recurrent's; T need not be a multiple of `chunk` (the tail is padded
     with tokens that neither decay nor write the state). kernel: the scan over the chunks in
-    one Triton launch (delta_ops.chunk_scan: CUDA, --kernels fused) where it applies."""
+    one Triton launch (delta_ops.chunk_scan: CUDA, --kernels fused) where it applies; with fla
+    too, the whole rule through flash-linear-attention's kernels where it is installed
+    (delta_ops.fla_rule; q arrives scaled, so its scale is 1)."""
     T, H, dk = k.shape
+    if kernel and fla and q.is_cuda:
+        from strata.kernels.gpu import delta_ops
+
+        rule = delta_ops.fla_rule()
+        if rule is not None:
+            o, S = rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                        initial_state=state[None].contiguous(), output_final_state=True)
+            return o[0], S[0]
     pad = -T % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
@@ -178,7 +189,13 @@ class GatedDeltaNet:
         silu; the window moves to the last K-1 inputs (in place)."""
         t = x.shape[0]
         full = torch.cat([window, x])  # [K-1+t, C]
-        y = F.conv1d(full.T[None], self.w.conv[:, None, :], groups=full.shape[1])[0].T  # [t, C]
+        # one multiply-add per tap (K = 4) rather than F.conv1d, whose CUDA setup (cuDNN) takes
+        # device memory outside the allocator and the plan: with this and fla's prompt kernels
+        # (no torch.linalg solve) Qwen3.6-35B-A3B at a 4 GiB budget peaked at 3.5 GiB of device
+        # memory on an H100, 5.3 before (bench/2026-12-06-h100-matrix.md)
+        y = full[:t] * self.w.conv[:, 0]
+        for j in range(1, self.w.conv.shape[1]):
+            y += full[j:j + t] * self.w.conv[:, j]
         window.copy_(full[t:])
         return F.silu(y)
 

@@ -1,0 +1,65 @@
+"""Time a decode token's fused residual add, RMS norm, router and top-k (decode_ops.norm_route)
+by the rank comparison's BLOCK_J, for the routers of Qwen3-30B-A3B (128 experts, top 8) and
+Qwen3.5/3.6-MoE (256, top 8), D 2048, against the three launches it replaces (fuse=False).
+
+    python scripts/bench_norm_route.py [--json F]
+
+Medians over CUDA-graph replays of 16 calls (strata.bench.graph_timing), each call on its own
+router copy (so the L2 does not hold them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata.bench.graph_timing import graph_seconds  # noqa: E402
+from strata.kernels.gpu import decode_ops  # noqa: E402
+
+
+def layer_seconds(e: int, d: int, k: int, fuse: bool) -> float:
+    """One call's median seconds for a router of e experts over d, top k."""
+    dev = torch.device("cuda")
+    x = torch.randn(1, d, device=dev)
+    delta = torch.randn(1, d, device=dev) * 0.01
+    w = torch.rand(d, device=dev) + 0.5
+    routers = [torch.randn(e, d, device=dev) * 0.02 for _ in range(16)]
+    sync = torch.zeros(1, dtype=torch.int32, device=dev)
+    return graph_seconds(lambda i: decode_ops.norm_route(x, delta, w, 1e-6, routers[i], k, True,
+                                                         sync, fuse=fuse))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    d, k, rows = 2048, 8, []
+    blocks = decode_ops._route_blocks
+    for e in (128, 256):
+        for bj in (None, 8, 16, 32, 64):
+            if bj is not None and bj > e:
+                continue
+            decode_ops._route_blocks = (blocks if bj is None else
+                                        lambda n, bj=bj: dict(BLOCK_E=blocks(n)["BLOCK_E"],
+                                                              BLOCK_J=bj))
+            us = 1e6 * layer_seconds(e, d, k, True)
+            label = (f"BLOCK_J {blocks(e)['BLOCK_J']} (default)" if bj is None
+                     else f"BLOCK_J {bj}")
+            rows.append(dict(experts=e, variant=label, us=us))
+            print(f"E {e}: fused, {label}: {us:.2f} us")
+        decode_ops._route_blocks = blocks
+        us = 1e6 * layer_seconds(e, d, k, False)
+        rows.append(dict(experts=e, variant="three launches", us=us))
+        print(f"E {e}: three launches: {us:.2f} us")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
