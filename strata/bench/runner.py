@@ -336,7 +336,7 @@ def _decode_bound(engine: Engine, st: _Counters, ceilings: dict, tokens: int) ->
     for i, lay in enumerate(ex.arena.layouts):
         lw = w.layers[i]
         mats = (lw.wq, lw.wk, lw.wv, lw.wo) if lw.delta is None else (  # (a Gated DeltaNet's)
-            lw.delta.qkv, lw.delta.z, lw.delta.beta, lw.delta.alpha, lw.delta.out)
+            lw.delta.qkv, lw.delta.z, lw.delta.ba, lw.delta.out)
         dense = sum(x.nbytes for x in mats)
         eb = lay.nbytes
         t += max((dense + st.hits[i] / tokens * eb) / hbm, st.cpu[i] / tokens * eb / host,

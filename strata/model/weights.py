@@ -400,8 +400,7 @@ class DeltaWeights:
 
     qkv: Weight  # [C, D]: q [Hk*dk], k [Hk*dk], v [Hv*dv]
     z: Weight  # [Hv*dv, D] the output gate
-    beta: Weight  # [Hv, D]
-    alpha: Weight  # [Hv, D]
+    ba: torch.Tensor  # [2 Hv, D] float32: beta's Hv rows, then alpha's (one launch for both)
     conv: torch.Tensor  # [C, K]
     dt_bias: torch.Tensor  # [Hv]
     a: torch.Tensor  # [Hv] = -exp(A_log)
@@ -439,6 +438,7 @@ def load_delta(cfg: ModelConfig, p: str, d, m) -> DeltaWeights:  # noqa: ANN001 
         block = torch.arange(hk)[:, None] * (2 * r)
         beta = take_rows(ba, (block + torch.arange(r)).flatten())
         alpha = take_rows(ba, (block + r + torch.arange(r)).flatten())
-    return DeltaWeights(qkv, z, beta, alpha, d(p + "ssm_conv1d.weight"), d(p + "ssm_dt.bias"),
+    return DeltaWeights(qkv, z, torch.cat([beta, alpha]), d(p + "ssm_conv1d.weight"),
+                        d(p + "ssm_dt.bias"),
                         d(p + "ssm_a"), d(p + "ssm_norm.weight"), m(p + "ssm_out.weight"),
                         tiled=cfg.ssm_layout == "qwen35")

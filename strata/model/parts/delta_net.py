@@ -25,7 +25,7 @@ from strata.config import ModelConfig
 from strata.kernels.torch_ops import delta_rule_step
 from strata.kernels.tuning import DELTA_CHUNK, DELTA_FLA
 from strata.model.layers import rms_norm
-from strata.model.parts.context import Context, Segments, StaticStep
+from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
 from strata.model.weights import DeltaWeights, linear
 
 
@@ -120,13 +120,21 @@ class GatedDeltaNet:
         w, T = self.w, h.shape[0]
         qkv = linear(h, w.qkv)  # [T, C]
         z = linear(h, w.z).view(T, self.hv, self.dk)
-        beta = torch.sigmoid(linear(h, w.beta))  # [T, Hv]
-        g = w.a * F.softplus(linear(h, w.alpha) + w.dt_bias)  # [T, Hv]
+        # beta and alpha's rows in one product (one launch for a decode token on CUDA)
+        ba = decode_ops().router_logits(h, w.ba) if ctx.static or ctx.fused_attention \
+            else h @ w.ba.T
+        beta = torch.sigmoid(ba[:, :self.hv])  # [T, Hv]
+        g = w.a * F.softplus(ba[:, self.hv:] + w.dt_bias)  # [T, Hv]
         if ctx.static:
             o = self._step(qkv, g, beta, ctx)
         else:
             o = self._segments(qkv, g, beta, ctx)
-        o = rms_norm(o, w.norm, self.eps) * F.silu(z)  # [T, Hv, dv]
+        if ctx.static or ctx.fused_attention:  # each head's norm as a row: one launch on CUDA
+            o = decode_ops().rms_norm(o.reshape(-1, self.dk).contiguous(), w.norm,
+                                      self.eps).view(T, self.hv, self.dk)
+        else:
+            o = rms_norm(o, w.norm, self.eps)
+        o = o * F.silu(z)  # [T, Hv, dv]
         return linear(o.reshape(T, -1), w.out)
 
     def _segments(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -55,7 +55,9 @@ class SharedExpert:
         act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
         if lw.shared_gate is None:
             return linear(act, lw.shared_w2)
-        gate = torch.sigmoid(h @ lw.shared_gate)[:, None]  # [T, 1]
+        # (the gate's one row through the rows-dot kernel for a decode token on CUDA: cuBLAS's
+        # split-K GEMV took two launches, ~15 us a layer, on Qwen3.6's)
+        gate = torch.sigmoid(decode_ops().router_logits(h, lw.shared_gate[None]))  # [T, 1]
         return gate * linear(act, lw.shared_w2)
 
 
