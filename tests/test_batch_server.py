@@ -340,3 +340,24 @@ def test_served_prompts_replay_the_prompt_graphs_in_the_scratch(synth):
     assert torch.equal(runner.pool.store[:, :, rows], sc.store[:, :, :n])
     runner.pool.give(kv)
     runner.pool.give(other)
+
+
+def test_the_reference_path_batch_gives_each_text_alone(synth):
+    """The CPU's default path for a small model (the reference executor, no KV pool): 8
+    sequences decoding together run each layer's stacked experts at once (ReferenceExperts'
+    dense form), one alone runs them one at a time; each text, greedy and sampled, is its text
+    alone."""
+    eng = Engine.load(synth("qwen3moe", "Q4_K_M"), config=EngineConfig(device="cpu",
+                                                                        sequences=8))
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    assert runner.pool is None and runner.batch_step is None
+    prompts = PROMPTS + ["x y z", "one two three four", "fox", "7 7 7"]
+    subs = [_submit(f"r{i}", p, 8, seed=None if i % 2 else 200 + i)
+            for i, p in enumerate(prompts)]
+    together = _texts(runner, sent, subs)
+    assert eng.model.experts._stacks  # (the batch ran the stacked form)
+    for sub in subs:
+        sent_alone: list = []
+        alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
+        assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid], sub.rid

@@ -99,7 +99,7 @@ def test_the_reference_keeps_dequantized_experts_within_its_bytes(synth):
         first = model.forward(ids[:5], [Segment(kv, 5)], all_logits=True)
         return torch.cat([first, model.forward(ids[5:], [Segment(kv, 3)], all_logits=True)])
 
-    kept = ReferenceExperts()
+    kept = ReferenceExperts(dense_tokens=0)  # (one expert at a time: the stacks' test below)
     ref = logits(ReferenceExperts(cache_bytes=0))
     assert torch.equal(logits(kept), ref) and kept._kept
     assert torch.equal(logits(kept), ref)  # (the second time from what it kept)
@@ -112,3 +112,66 @@ def test_the_reference_keeps_dequantized_experts_within_its_bytes(synth):
     assert torch.equal(logits(two), ref) and two._kept_bytes <= 2 * one
     assert ReferenceExperts(cache_bytes=0).expert(0, layer0, 0)[0].shape[-1] == \
         model.cfg.d_model and not ReferenceExperts(cache_bytes=0)._kept
+
+
+# (tokens, experts, used a token, hidden, expert hidden): the tiny preset's decode batch, a
+# prime expert count, fewer tokens than experts, one row past a power of two
+@pytest.mark.parametrize("shape", [(8, 8, 2, 256, 256), (5, 7, 3, 64, 96), (2, 3, 2, 32, 48),
+                                   (17, 8, 2, 64, 64)])
+def test_dense_experts_equal_one_expert_at_a_time(shape):
+    """dense_experts (every token through every stacked expert, unrouted pairs weighted zero)
+    gives the per-expert sum of the reference loop."""
+    from strata.experts.reference import dense_experts
+    from strata.model.layers import swiglu
+
+    t, e, k, d, f = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    gate_up, down = torch.randn(e, 2 * f, d, generator=g) / d ** 0.5, \
+        torch.randn(e, d, f, generator=g) / f ** 0.5
+    h = torch.randn(t, d, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, K]
+    wts = torch.softmax(torch.randn(t, k, generator=g), -1)
+    ref = torch.zeros(t, d)
+    for i in range(t):
+        for j in range(k):
+            x = int(ids[i, j])
+            ref[i] += wts[i, j] * swiglu(h[i:i + 1], gate_up[x, :f], gate_up[x, f:], down[x])[0]
+    torch.testing.assert_close(dense_experts(gate_up, down, h, ids, wts), ref, rtol=0,
+                               atol=2e-5)
+
+
+def test_a_batch_runs_the_stacked_layer_and_one_token_reads_it_as_before(synth):
+    """A few tokens that route to most of a layer's experts (the batched decode of several
+    sequences) run its stacked experts: logits within float rounding of one expert at a time;
+    the stacks take the layer's kept experts' place in the byte count; one token after it reads
+    the stack's views and gets the logits of nothing kept, to the bit. A stack past half the
+    bytes is not made (one expert at a time)."""
+    from strata.experts.reference import ReferenceExperts
+
+    engine = Engine.load(synth("qwen3moe", "Q4_K_M"), config=EngineConfig(device="cpu"))
+    model = engine.model
+    prompt, batch = torch.tensor([3, 17, 42, 5, 99]), torch.tensor([7, 12, 64, 1, 900, 33, 8, 2])
+
+    def logits(ex: ReferenceExperts) -> torch.Tensor:
+        model.experts = ex
+        kvs = [model.new_cache(16) for _ in batch]
+        for kv in kvs:
+            model.forward(prompt, [Segment(kv, len(prompt))])
+        together = model.forward(batch, [Segment(kv, 1) for kv in kvs])  # [8, V]
+        return torch.cat([together, model.decode(11, model.new_cache(4))])  # one token alone
+
+    ex = ReferenceExperts()
+    ref = logits(ReferenceExperts(cache_bytes=0))
+    ours = logits(ex)
+    assert sorted(ex._stacks) == list(range(model.cfg.n_layers))  # (8 tokens: every layer)
+    assert not ex._kept and ex._stack_bytes == sum(
+        4 * sum(t.numel() for t in ex._stacks[i]) for i in ex._stacks)
+    torch.testing.assert_close(ours[:-1], ref[:-1], rtol=0, atol=1e-4)
+    assert (ours[:-1].argmax(-1) == ref[:-1].argmax(-1)).all()
+    assert torch.equal(ours[-1], ref[-1])  # one token: one expert at a time, from the stack
+
+    layer0 = model.layers[0].ffn.lw.experts
+    small = ReferenceExperts(cache_bytes=ex._stack_bytes // model.cfg.n_layers)  # one layer
+    assert small.stacked(0, layer0) is None and not small._stacks
+    assert torch.equal(logits(small)[:-1], logits(ReferenceExperts(dense_tokens=0))[:-1])
+    assert small._kept_bytes <= small.cache_bytes

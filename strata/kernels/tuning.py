@@ -370,3 +370,12 @@ CHUNK_SCAN_STAGES = 2
 # machine spent 78% of 34 ms dequantizing the routed experts again. Sized, not tuned (bench:
 # bench/2026-12-02-cpu-reference-cache.md)
 REFERENCE_CACHE_BYTES = 1 << 30
+# a batch of 2 .. this many tokens (the batched decode of --batch) runs a layer's experts as two
+# matmuls over all of them (ReferenceExperts' stacked layers) where the tokens route to more than
+# half the layer's experts: on the 2-core CPU machine, 8 tokens over the tiny preset's 8 experts
+# (7 routed on average) took 0.79 ms a layer against 1.24 one routed expert at a time, 4 tokens
+# 0.50 against 0.64, 2 tokens (4 routed) 0.36 against 0.32 (minimum of 40 interleaved trials,
+# 2 threads; on 1 thread the two forms cost the same).
+# Past it the matmuls over unrouted pairs cost more than the reads they save; a prompt's tokens
+# keep one expert at a time. bench/2026-12-06-cpu-serve.md
+REFERENCE_DENSE_TOKENS = 16
