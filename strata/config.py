@@ -410,6 +410,8 @@ class EngineConfig:
     workspace_mib: int = 256  # float32 scratch of the dequantizing paths
     cpu_kernels: str = "auto"  # auto | ggml | torch
     prefill: str = "auto"  # prompt chunk: auto | auto:N | N | off (the whole prompt at once)
+    # a prompt of several chunks: auto (layer by layer where experts stream) | layers | chunks
+    prefill_order: str = "auto"
     ring_bytes: int | None = None  # streaming ring budget (None: auto from the memory plan)
     stream_min: int | None = None  # chunk tokens from which misses stream (None: auto)
     kernels: str = "fused"  # fused | exact (fused only for <= 4 tokens, float32-exact) | off

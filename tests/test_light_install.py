@@ -1,7 +1,7 @@
 """`make demo` installs only what the demo runs: the base install (torch and pyproject's
 dependencies, no extras). Its target depends on the base step alone, that step installs no extra,
 and the demo, the chat and the server (its chat page and API) run with every module of every
-extra ([cpu], [serve], [test]) made to fail on import.
+extra ([cpu], [serve], [cuda], [test]) made to fail on import.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ MODULES = {"pytest": "pytest", "ruff": "ruff", "transformers": "transformers",
            "matplotlib": "matplotlib", "openai": "openai", "httpx": "httpx",
            "prometheus-client": "prometheus_client", "selenium": "selenium",
            "ggml-python": "ggml", "llama-cpp-python": "llama_cpp", "triton": "triton",
-           "llguidance": "llguidance"}
+           "llguidance": "llguidance", "fla-core": "fla"}
 
 
 def _extras() -> dict[str, list[str]]:
@@ -39,8 +39,9 @@ def _extras() -> dict[str, list[str]]:
 
 def test_extras_are_named_for_what_they_bring():
     extras = _extras()
-    assert set(extras) == {"cpu", "serve", "test"}
+    assert set(extras) == {"cpu", "serve", "cuda", "test"}
     assert extras["cpu"] == ["ggml-python"] and extras["serve"] == ["llguidance"]
+    assert extras["cuda"] == ["fla-core"]  # (GPU only: make test's CPU machine goes without)
     assert set(extras["cpu"] + extras["serve"]) <= set(extras["test"])  # make test has them all
     unknown = {d for ds in extras.values() for d in ds} - set(MODULES)
     assert not unknown, f"name the module of {sorted(unknown)} in MODULES"

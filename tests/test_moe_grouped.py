@@ -179,8 +179,11 @@ def test_the_grouped_threshold_follows_the_expert_types() -> None:
     tokens per expert, i-quants from 8, the rest from 16; biased layers never take MMQ; the
     layouts' least threshold is what the graphs' scratch is counted from."""
     from strata.experts.layout import ExpertLayout
-    from strata.kernels.tuning import (GROUPED_MIN_TOKENS, IQ_GROUPED_MIN_TOKENS,
-                                       MMQ_GROUPED_MIN_TOKENS)
+    from strata.kernels.tuning import (
+        GROUPED_MIN_TOKENS,
+        IQ_GROUPED_MIN_TOKENS,
+        MMQ_GROUPED_MIN_TOKENS,
+    )
 
     q4 = (int(QType.Q4_K), int(QType.Q4_K), int(QType.Q6_K))
     iq = (int(QType.IQ2_XS), int(QType.IQ2_XS), int(QType.IQ3_XXS))

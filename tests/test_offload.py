@@ -346,7 +346,7 @@ def test_named_cuda_budget_holds_the_context(synth):
     it is a line of the plan and out of what is left; free VRAM (no budget) and the CPU have
     none."""
     from strata.config import ModelConfig
-    from strata.engine.memory_plan import activation_bytes, make_plan
+    from strata.engine.memory_plan import activation_bytes, layer_span_bytes, make_plan
     from strata.experts.layout import expert_layouts
     from strata.gguf import open_model
     from strata.kernels.tuning import CUDA_CONTEXT
@@ -359,8 +359,11 @@ def test_named_cuda_budget_holds_the_context(synth):
     cpu = make_plan(mf, cfg, EngineConfig(device="cpu", vram_budget_gib=2, ctx=256,
                                           expert_cache="0"), layouts)
     assert cuda.context == CUDA_CONTEXT and cpu.context == 0
-    # a chunk's own tensors (hidden states, q / k / v, router logits) count on CUDA, by its size
-    assert cuda.activations == activation_bytes(cfg, cuda.chunk) > 0 and cpu.activations == 0
+    # a chunk's own tensors (hidden states, q / k / v, router logits) count on CUDA, by its size,
+    # and a layer-major span's hidden states (at most the context)
+    assert cuda.activations == activation_bytes(cfg, cuda.chunk) + layer_span_bytes(
+        cfg, cuda.layer_tokens) > 0 and cpu.activations == 0
+    assert 0 < cuda.layer_tokens <= 256
     assert cuda.left == (cuda.budget - CUDA_CONTEXT - cuda.dense - cuda.kv - cuda.workspace
                          - cuda.activations - cuda.staging - cuda.ring - cuda.cache)
     assert any(line.startswith("  CUDA context") for line in cuda.lines())

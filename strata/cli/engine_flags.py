@@ -56,6 +56,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU kernel library for missed experts (auto)")
     g.add_argument("--prefill", default="auto", metavar="auto|auto:N|N|off",
                    help="prompt chunk size (auto: from the workspace)")
+    g.add_argument("--prefill-order", default="auto", choices=["auto", "layers", "chunks"],
+                   help="a prompt of several chunks: layer by layer, every chunk through a "
+                   "layer before the next, so each streamed expert is copied once a prompt "
+                   "(layers), or chunk by chunk through every layer (chunks) (auto: layers "
+                   "where the prompt's experts stream through the ring)")
     g.add_argument("--ring-bytes", default="auto", metavar="auto|BYTES",
                    help="byte budget of the ring that prompt chunks stream experts through "
                    "(auto: from the plan, and it borrows the VRAM the plan leaves unused while a "
@@ -184,7 +189,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=device, offload=args.offload, vram_budget_gib=args.vram_budget,
         expert_cache=args.expert_cache, cache_policy=args.cache_policy,
         expert_profile=args.expert_profile, miss=args.miss, threads=threads, ctx=args.ctx,
-        kv_type=kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill, ring_bytes=ring,
+        kv_type=kv_type, cpu_kernels=args.cpu_kernels, prefill=args.prefill,
+        prefill_order=args.prefill_order, ring_bytes=ring,
         stream_min=stream_min, kernels=args.kernels, decode_step=args.decode_step,
         prompt_graphs=getattr(args, "prompt_graphs", "on"),
         cpu_share=args.cpu_share, prefetch=prefetch, debug=getattr(args, "debug", False),

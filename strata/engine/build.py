@@ -185,6 +185,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         prefetch=ec.prefetch if dev.type == "cuda" else 0,
         prefetch_auto=auto_prefetch,  # (then it is off without a word where it cannot run)
         window_prefetch=window_prefetch,
+        pass_rows=plan.chunk,  # (a layer-major prompt's layer: in windows of a chunk)
         debug=ec.debug)
     # (the ring's grouped banks compute plain SwiGLU: experts with biases stream per buffer)
     grouped = ec.kernels == "fused" and not cfg.moe_bias
@@ -193,6 +194,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                               ring, options)
     model = MoETransformer(cfg, weights, dev, executor)
     model.max_chunk = plan.chunk
+    model.layer_tokens = plan.layer_tokens
     model.fused_attention = dev.type == "cuda" and ec.kernels == "fused"
     model.kv_dtype = kv_elem
     model.plan_ctx = plan.ctx  # (the context the plan holds: --ctx, or the model's capped)

@@ -27,6 +27,8 @@ from strata.tokenizer import ChatTemplate, Tokenizer
 
 log = logging.getLogger("strata")
 
+PREFILL_ORDERS = ("auto", "layers", "chunks")  # --prefill-order (Engine.layer_major)
+
 
 @dataclass
 class GenerationStats:
@@ -172,22 +174,54 @@ class Engine:
                               "or off")
         return n
 
+    def layer_major(self, n_prompt: int, chunk: int, kv: KVCache) -> bool:
+        """Whether a prompt of n_prompt tokens runs layer by layer (strata.model.layer_major):
+        --prefill-order layers, or auto where some layer's experts stream through the ring for
+        it (each streamed expert is then copied once a prompt, not once a chunk); only a
+        prompt of several chunks, on a cache that is not paged."""
+        order = self.engine_config.prefill_order
+        if order not in PREFILL_ORDERS:
+            raise StrataError(f"--prefill-order {order}: choose {', '.join(PREFILL_ORDERS)}")
+        span = self.model.layer_tokens  # (None: unbounded; spans of whole chunks, two at least)
+        if (n_prompt <= chunk or order == "chunks" or getattr(kv, "paged", False)
+                or (span is not None and span < 2 * chunk)):
+            return False
+        streams = getattr(self.model.experts, "streams", None)
+        return order == "layers" or (streams is not None and streams(n_prompt))
+
     def run_prompt(self, ids: list[int], kv: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """The prompt in chunks through the model, appending to kv. Returns the last position's
-        logits [1, V], or every position's [n, V] with all_logits."""
+        """The prompt in chunks through the model, appending to kv: each chunk through every
+        layer, or every chunk through each layer in turn (layer_major). Returns the last
+        position's logits [1, V], or every position's [n, V] with all_logits."""
         chunk = self.prefill_chunk(len(ids))
         meter = Meter("prompt", len(ids), "tokens") if self.show_progress else None
         out = []
         try:
-            for c, start in enumerate(range(0, len(ids), chunk)):
-                part = ids[start:start + chunk]
-                PROGRESS.at("prompt", chunk=c, position=kv.length)
-                marks = meter.layers(start, len(part), len(self.model.layers)) if meter else None
-                out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
-                                              all_logits=all_logits, marks=marks))
-                PROGRESS.steps += 1
-                if meter is not None:
-                    meter.update(start + len(part))
+            if self.layer_major(len(ids), chunk, kv):
+                # in spans of what the memory plan holds layer by layer (model.layer_tokens)
+                span = (self.model.layer_tokens // chunk * chunk
+                        if self.model.layer_tokens is not None else len(ids))
+                for c, start in enumerate(range(0, len(ids), span)):
+                    part = ids[start:start + span]
+                    PROGRESS.at("prompt", chunk=c, position=kv.length)
+                    marks = (meter.layers(start, len(part), len(self.model.layers)) if meter
+                             else None)
+                    out.append(self.model.forward_layers(torch.tensor(part), kv, chunk,
+                                                         all_logits=all_logits, marks=marks))
+                    PROGRESS.steps += 1
+                    if meter is not None:
+                        meter.update(start + len(part))
+            else:
+                for c, start in enumerate(range(0, len(ids), chunk)):
+                    part = ids[start:start + chunk]
+                    PROGRESS.at("prompt", chunk=c, position=kv.length)
+                    marks = (meter.layers(start, len(part), len(self.model.layers)) if meter
+                             else None)
+                    out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
+                                                  all_logits=all_logits, marks=marks))
+                    PROGRESS.steps += 1
+                    if meter is not None:
+                        meter.update(start + len(part))
         except BaseException:  # (Ctrl-C in `strata chat`: the bar goes, the chat goes on)
             if meter is not None:
                 meter.erase()

@@ -87,6 +87,9 @@ class MemoryPlan:
     prompt_graphs_note: str = ""
     window_graphs: int = 0  # the most tokens of a verify window they serve (--spec; 0: none)
     activations: int = 0  # a prompt chunk's live tensors outside the MoE scratch (activation_bytes)
+    # and a layer-major span's hidden states (layer_span): tokens a layer-major pass holds (0:
+    # chunk by chunk only)
+    layer_tokens: int = 0
     draft: int = 0  # a --draft PATH.gguf model's weights on the device (its KV rows are in kv)
     draft_path: str = ""
     # a --batch pool's scratch rows for prompts on the prompt graphs (PREFILL_SCRATCH_ROWS; in kv)
@@ -120,7 +123,10 @@ class MemoryPlan:
             f"  workspace      {f(self.workspace):>10} (prompt chunks of up to {self.chunk} "
             "tokens)",
             *([f"  activations    {f(self.activations):>10} (a chunk's hidden states, "
-               "attention and router tensors)"] if self.activations else []),
+               "attention and router tensors" + (f"; a layer-major prompt's, {self.layer_tokens}"
+                                                  " tokens at a time" if self.layer_tokens
+                                                  else "") + ")"]
+              if self.activations else []),
             f"  staging        {f(self.staging):>10} ({self.staging_slots} experts)",
             f"  streaming ring {f(self.ring):>10}"
             + (f" ({self.ring_note})" if self.ring_note else "")
@@ -187,6 +193,22 @@ def activation_bytes(cfg: ModelConfig, tokens: int) -> int:
     ffn = max(cfg.d_shared, cfg.d_ff if cfg.n_dense_lead else 0)
     per_token = 6 * cfg.d_model + 3 * attn + 2 * cfg.q_dim + 2 * cfg.n_experts + 3 * ffn
     return tokens * per_token * 4
+
+
+def layer_span(cfg: ModelConfig, ec: EngineConfig, share: int, ring: int) -> int:
+    """Prompt tokens one layer-major pass may hold (strata.model.layer_major: every chunk of the
+    span through a layer, then the next layer) in `share` bytes: it keeps the span's x, a
+    layer's output, the experts' input and output (float32 [T, D] each) and the routing (ids
+    int64, weights float32 [T, K]) between layers. 0 where it would not run: no ring (nothing
+    streams) unless --prefill-order layers, or --prefill-order chunks. (The generator runs
+    spans of whole chunks, and layer by layer only where a span holds two.)"""
+    if ec.prefill_order == "chunks" or (not ring and ec.prefill_order != "layers"):
+        return 0
+    return share // layer_span_bytes(cfg, 1)
+
+
+def layer_span_bytes(cfg: ModelConfig, span: int) -> int:
+    return span * (4 * cfg.d_model * 4 + cfg.n_experts_used * 12)
 
 
 def prompt_scratch(cfg: ModelConfig, layouts: list[ExpertLayout], budget: int,
@@ -353,6 +375,13 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     pool = (POOL_BLOCK * ec.sequences + 1) * seq_row if ec.sequences > 1 else 0
     # (on CUDA a chunk's own tensors beside the MoE scratch; the CPU's budget is host RAM)
     activations = activation_bytes(cfg, chunk) if dev.type == "cuda" else 0
+    # a layer-major prompt's span (--prefill-order): its hidden states from a sixteenth of the
+    # room (on the CPU the budget is host RAM: spans of up to 64 chunks, not counted)
+    # (no prompt the context holds is longer than the context)
+    span = min(layer_span(cfg, ec, room // 16 if dev.type == "cuda" else
+                          64 * chunk * layer_span_bytes(cfg, 1), ring), ctx)
+    if dev.type == "cuda":
+        activations += layer_span_bytes(cfg, span)
     fixed = (context + dense + draft + workspace + activations + staging + ring + MARGIN + states
              + pool)
     if fixed + MIN_KV_TOKENS * kv_per_token > budget:
@@ -449,7 +478,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       ring_note, ctx_note, context, prompt_graphs=graphs,
                       prompt_buckets=buckets, prompt_graphs_note=graphs_note,
                       window_graphs=windows, activations=activations, draft=draft,
-                      draft_path=ec.draft if draft else "", prefill_rows=prefill_rows)
+                      draft_path=ec.draft if draft else "", prefill_rows=prefill_rows,
+                      layer_tokens=span)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

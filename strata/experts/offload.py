@@ -31,7 +31,7 @@ import torch
 
 from strata.experts.arena import Arena
 from strata.experts.cache import ExpertCache
-from strata.experts.compute import Group, group_pairs, run_records
+from strata.experts.compute import Group, group_pairs, run_records, windows
 from strata.experts.gpu_hits import FusedHits
 from strata.experts.paths import (
     DeviceHits,
@@ -77,6 +77,10 @@ class OffloadOptions:
     prefetch_auto: bool = False  # --prefetch auto: off without a warning where it cannot run
     # a verify window's next layer: its likeliest uncached experts copied ahead (copy_ahead)
     window_prefetch: int = 0
+    # the most tokens one computation takes (the memory plan's prompt chunk; None: any): a
+    # longer pass (a layer-major prompt's layer, strata.model.layer_major) runs in windows of
+    # this many, its streamed experts copied once for all of them
+    pass_rows: int | None = None
     debug: bool = False  # check the cache's integrity after each layer
 
 
@@ -121,6 +125,7 @@ class OffloadExperts:
     cpu_share_threads = property(lambda self: self.options.cpu_share_threads)
     prefetch = property(lambda self: self.options.prefetch)
     prefetch_auto = property(lambda self: self.options.prefetch_auto)
+    pass_rows = property(lambda self: self.options.pass_rows)
 
     @property
     def lend_ring(self) -> bool:
@@ -172,12 +177,25 @@ class OffloadExperts:
             self.copy_ahead()
         if path == "streamed_routed":
             return self._run_streamed_routed(layer, h, ids, weights)
-        return self.paths[path].run(layer, h, ids, weights, host)
+        cuts = windows(h.shape[0], self.pass_rows)
+        if path == "streamed" or len(cuts) == 1:  # (streamed: its experts once, in windows)
+            return self.paths[path].run(layer, h, ids, weights, host)
+        # a layer-major prompt's layer on a path that streams nothing: window by window
+        return torch.cat([self.paths[path].run(layer, h[a:b], ids[a:b], weights[a:b])
+                          for a, b in cuts])
 
     def _run_streamed_routed(self, layer: int, h: torch.Tensor, ids: torch.Tensor,
                              weights: torch.Tensor) -> torch.Tensor:
         """(The streamed_routed path, by a name of its own: tests count the layers it runs.)"""
         return self.paths["streamed_routed"].run(layer, h, ids, weights)
+
+    def streams(self, tokens: int) -> bool:
+        """A pass of `tokens` tokens streams some layer's experts through the ring (`choose`:
+        streamed or streamed_routed): a prompt that then runs layer by layer copies each
+        streamed expert once, not once per chunk (Generator.layer_major)."""
+        return (self.ring is not None and tokens >= self.stream_min and not self.window
+                and any(not lay.empty and not self.resident(i, tokens)
+                        for i, lay in enumerate(self.arena.layouts)))
 
     def resident(self, layer: int, tokens: int) -> bool:
         """Every expert of the layer has a slot (for good: a full layer never evicts) and the

@@ -20,7 +20,10 @@ them in one place each: `choose` per layer and pass, `decode_paths` per layer of
                        the step's aids, the CPU pool takes the last missed pairs (cpu_share)
                        and the next layer's likely experts are copied ahead (prefetch)
 
-Every path counts its pairs and bytes through OffloadExperts.account.
+Every path counts its pairs and bytes through OffloadExperts.account. A pass longer than one
+computation holds (a layer-major prompt's layer: OffloadExperts.pass_rows) runs the streamed
+paths once, each streamed expert copied once and computed window by window; any other path
+window by window (OffloadExperts.run).
 
 Legend: T tokens, D hidden, K experts per token, E experts.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.experts.compute import Group
+from strata.experts.compute import Group, windows, within
 from strata.runtime.waits import to_device, to_host
 
 
@@ -95,12 +98,14 @@ class StreamedRouted(Path):
         out = torch.zeros_like(h)
         scratch = ex.fused.scratch_bytes
         kw = {} if scratch is None else {"scratch_bytes": scratch}
+        rows, wts = ex.pass_rows, weights.float()
         ex.cache.before_compute(layer)
         if ls.capacity:
-            moe_forward_grouped(h, ids, weights.float(), ls.table, *lay.views(ls.slots),
-                                lay.qtypes, lay.d_model, lay.d_expert, out=out, **kw)
-        ex.ring.stream_routed(ex.arena, layer, h, ids, weights.float(), out,
-                              scratch if scratch is not None else GROUPED_SCRATCH_BYTES)
+            for a, b in windows(h.shape[0], rows):
+                moe_forward_grouped(h[a:b], ids[a:b], wts[a:b], ls.table, *lay.views(ls.slots),
+                                    lay.qtypes, lay.d_model, lay.d_expert, out=out[a:b], **kw)
+        ex.ring.stream_routed(ex.arena, layer, h, ids, wts, out,
+                              scratch if scratch is not None else GROUPED_SCRATCH_BYTES, rows)
         ex.cache.after_compute(layer)
         ex.count_routed(layer, ids, ls.table)
         ex.account(None, nbytes=ex.ring.streamed_bytes - copied)
@@ -139,9 +144,13 @@ class Streamed(Path):
         ex.prefetch_next(layer, h.shape[0], ids.shape[1])
         out = torch.zeros_like(h)
         ex.cache.before_compute(layer)
-        ex._run_hits(layer, hits, by_expert, h, ids, weights, out)
+        rows = ex.pass_rows
+        for a, b in windows(h.shape[0], rows):  # (one window but in a layer-major prompt)
+            part = {g.expert: Group(g.expert, g.tokens - a if a else g.tokens, g.weights)
+                    for g in within([by_expert[e] for e in hits], a, b) if len(g.tokens)}
+            ex._run_hits(layer, list(part), part, h[a:b], ids[a:b], weights[a:b], out[a:b])
         ex.ring.stream(ex.arena, layer, [by_expert[e] for e in misses], h, out,
-                       ex.options.workspace_bytes)
+                       ex.options.workspace_bytes, rows)
         ex.cache.after_compute(layer)
         ex.account(layer, hits=sum(len(by_expert[e].tokens) for e in hits),
                    streamed=sum(len(by_expert[e].tokens) for e in misses),

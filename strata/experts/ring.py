@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.experts.arena import Arena
-from strata.experts.compute import Group, run_records
+from strata.experts.compute import Group, run_records, windows, within
 from strata.experts.layout import ExpertLayout
 from strata.runtime.waits import to_device
 
@@ -144,7 +144,8 @@ class Bank:
         return self.start >= 0
 
 
-_Plan = tuple[Bank, list[Group], int, int]  # bank, groups it computes, first row, first slot
+_Call = tuple[list[Group], int, int]  # groups one compute call takes, their first row and slot
+_Plan = tuple[Bank, list[_Call]]  # a bank and its calls (one per window of tokens)
 
 
 class Ring:
@@ -250,10 +251,12 @@ class Ring:
     # ---- streaming -----------------------------------------------------------------------------
 
     def stream(self, arena: Arena, layer: int, groups: list[Group], h: torch.Tensor,
-               out: torch.Tensor, workspace_bytes: int) -> None:
-        """out += Σ over the groups' experts, each copied into the ring and computed there."""
+               out: torch.Tensor, workspace_bytes: int, rows: int | None = None) -> None:
+        """out += Σ over the groups' experts, each copied into the ring and computed there.
+        rows: the tokens computed at once (a layer-major prompt's whole layer: in windows of
+        at most this many, each expert copied once for all of them)."""
         if self.grouped:
-            self._stream_banks(arena, layer, groups, h, out)
+            self._stream_banks(arena, layer, groups, h, out, rows)
             return
         lay = arena.layouts[layer]
         bufs = self.buffers(lay)
@@ -263,7 +266,7 @@ class Ring:
                 chunk = groups[i:i + n]
                 for j, g in enumerate(chunk):
                     bufs[j].copy_(arena.record(layer, g.expert))
-                run_records(lay, bufs[: len(chunk)], chunk, h, out, workspace_bytes)
+                run_records(lay, bufs[: len(chunk)], chunk, h, out, workspace_bytes, rows)
                 self.streamed_bytes += len(chunk) * lay.nbytes
             return
         compute = torch.cuda.current_stream(self.device)
@@ -278,21 +281,22 @@ class Ring:
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
             compute.wait_event(ready)
-            run_records(lay, bufs[b:b + 1], [g], h, out, workspace_bytes)
+            run_records(lay, bufs[b:b + 1], [g], h, out, workspace_bytes, rows)
             free[b] = torch.cuda.Event()
             free[b].record(compute)
             self.streamed_bytes += lay.nbytes
 
     def _stream_banks(self, arena: Arena, layer: int, groups: list[Group], h: torch.Tensor,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, rows: int | None = None) -> None:
         """The bank path of `stream`: this layer's banks in FIFO order (prefetched ones first,
-        then banks for the routed misses they do not cover), each computed as one group."""
+        then banks for the routed misses they do not cover), each computed as one group per
+        window of `rows` tokens."""
         covered = self._covered(layer)
         self._queue(arena.layouts[layer], [g.expert for g in groups if g.expert not in covered])
-        plans = self._plan(layer, {g.expert: g for g in groups})
+        plans = self._plan(layer, {g.expert: g for g in groups}, h.shape[0], rows)
         # the layer's small copies go first: the copy engine takes host-to-device copies in
         # issue order across streams, so behind a bank's copy they would hold up the compute
-        rows = self._upload(plans)
+        upload = self._upload(plans)
         while plans:
             bank = self.banks[0]
             if bank.layer != layer:  # stale, or ahead of this layer's banks: dropped
@@ -300,19 +304,22 @@ class Ring:
                 continue
             self._issue(arena)  # every bank before it is consumed: it finds a place
             assert bank.issued and plans[0][0] is bank
-            _, todo, r, s = plans.pop(0)
-            if todo:  # prefetched experts nobody routed to are not computed
-                self._compute(bank, todo, rows, r, s, h, out)
+            _, calls = plans.pop(0)
+            for todo, r, s in calls:
+                if todo:  # prefetched experts nobody routed to are not computed
+                    self._compute(bank, todo, upload, r, s, h, out)
             self._consume(bank)
         self._issue(arena)
 
     def stream_routed(self, arena: Arena, layer: int, h: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor, out: torch.Tensor, scratch_bytes: int) -> None:
+                      weights: torch.Tensor, out: torch.Tensor, scratch_bytes: int,
+                      rows: int | None = None) -> None:
         """out += every pair whose expert is in one of this layer's queued banks, with the
         routing read on the device (no host sync): each bank runs moe_forward_grouped over its
         records, with ids mapped to positions in the bank (the bank's slot table; any other
-        expert maps to a last entry that has no slot). The caller queued the layer's uncached
-        experts (`prefetch`), each in one bank. Bank path only."""
+        expert maps to a last entry that has no slot), once per window of `rows` tokens. The
+        caller queued the layer's uncached experts (`prefetch`), each in one bank. Bank path
+        only."""
         from strata.kernels.gpu.moe_grouped import moe_forward_grouped
 
         lay = arena.layouts[layer]
@@ -326,8 +333,11 @@ class Ring:
                 torch.cuda.current_stream(self.device).wait_event(bank.ready)
             position, table = self._bank_tables(bank, arena.n_experts)
             gate, up, down = lay.views(self._view(bank))
-            moe_forward_grouped(h, position[ids], weights, table, gate, up, down, lay.qtypes,
-                                lay.d_model, lay.d_expert, out=out, scratch_bytes=scratch_bytes)
+            at = position[ids]  # [T, K]
+            for a, b in windows(h.shape[0], rows):
+                moe_forward_grouped(h[a:b], at[a:b], weights[a:b], table, gate, up, down,
+                                    lay.qtypes, lay.d_model, lay.d_expert, out=out[a:b],
+                                    scratch_bytes=scratch_bytes)
             self._consume(bank)
         self._issue(arena)
 
@@ -347,29 +357,37 @@ class Ring:
                                        to_device(table, self.device))
         return got
 
-    def _plan(self, layer: int, routed: dict[int, Group]) -> list[_Plan]:
+    def _plan(self, layer: int, routed: dict[int, Group], tokens: int,
+              rows: int | None = None) -> list[_Plan]:
         """Per bank of the layer, in FIFO order: the routed experts it computes (each expert
-        once) and where their rows and slots start in the layer's upload."""
+        once), split into one call per window of `rows` of the `tokens` tokens (the groups'
+        pairs in that window; one call for all where rows is None), and where each call's rows
+        and slots start in the layer's upload."""
         plans, done, r, s = [], set(), 0, 0
         for bank in self.banks:
             if bank.layer != layer:
                 continue
             todo = [routed[e] for e in bank.experts if e in routed and e not in done]
             done.update(g.expert for g in todo)
-            plans.append((bank, todo, r, s))
-            r += sum(len(g.tokens) for g in todo)
-            s += len(todo)
+            calls = []
+            for a, b in windows(tokens, rows):
+                part = [g for g in within(todo, a, b) if len(g.tokens)]
+                calls.append((part, r, s))
+                r += sum(len(g.tokens) for g in part)
+                s += len(part)
+            plans.append((bank, calls))
         return plans
 
     def _upload(self, plans: list[_Plan]) -> tuple[torch.Tensor, ...] | None:
-        """tokens (int64), weights (float32) of every computed group's rows, and per group its
-        record in the bank's view (int32) and the end of its rows within the bank (int32), on
+        """tokens (int64), weights (float32) of every call's groups' rows, and per group its
+        record in the bank's view (int32) and the end of its rows within the call (int32), on
         the device in one go."""
-        groups = [g for _, todo, _, _ in plans for g in todo]
+        calls = [(bank, todo) for bank, cs in plans for todo, _, _ in cs]
+        groups = [g for _, todo in calls for g in todo]
         if not groups:
             return None
         slots, ends = [], []
-        for bank, todo, _, _ in plans:
+        for bank, todo in calls:
             slots += [bank.experts.index(g.expert) for g in todo]
             end = 0
             for g in todo:

@@ -8,7 +8,8 @@ buffers.
 
 One forward runs a batch of segments: each segment is some new tokens of one sequence, appended to
 that sequence's KV cache. Attention runs per segment; every other matmul (and so every expert read)
-runs over all tokens of the batch at once.
+runs over all tokens of the batch at once. A long prompt may instead run layer by layer, every
+chunk through a layer before the next layer (forward_layers: strata.model.layer_major).
 
 Legend: T tokens in the batch, D hidden, H heads, Hkv kv heads, hd head dim, V vocab.
 """
@@ -47,6 +48,9 @@ class MoETransformer:
         # ChunkGraphs (strata.engine.chunk_graph): prompt chunks replayed from CUDA graphs
         self.chunks = None
         self.max_chunk: int | None = None  # prompt tokens per forward the memory plan allows
+        # prompt tokens a layer-major pass holds (memory_plan.layer_span; None: unbounded, 0:
+        # none)
+        self.layer_tokens: int | None = None
         # CUDA with --kernels fused: prompt chunks attend on bf16 tensor cores, a few tokens
         # over a float16 / bfloat16 KV cache through the decode kernel
         self.fused_attention = False
@@ -129,13 +133,7 @@ class MoETransformer:
         positions = to_device(torch.cat([torch.arange(s.kv.length, s.kv.length + s.length)
                                          for s in segments]), self.device)
         cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.yarn)
-        ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
-        if (self.fused_attention and len(segments) == 1
-                and not getattr(segments[0].kv, "paged", False)):
-            # (one launch a layer for the q/k norms, RoPE and the cache store: GQAAttention;
-            # a paged cache's rows go through its block table instead)
-            ctx.inv_freq = self.rope_inv_freq()
-            ctx.pos = to_device(torch.tensor([segments[0].kv.length]), self.device)
+        ctx = self.context(segments, cos, sin, timer)
         x, delta = self.trunk(tokens.to(self.device), ctx, marks)
         if self.hidden_hook is not None:  # (before advance: each segment's kv.length is its start)
             self.hidden_hook(segments, x if delta is None else x + delta)
@@ -151,6 +149,31 @@ class MoETransformer:
         if timer:
             timer.stop(t0)
         return logits
+
+    def context(self, segments: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor,
+                timer: object | None, start: int | None = None) -> Segments:
+        """The layers' context for these segments (cos, sin: RoPE at their tokens' positions);
+        start: where one segment's tokens begin (default: its cache's length)."""
+        ctx = Segments(segments, cos, sin, self.experts, timer, self.fused_attention)
+        if (self.fused_attention and len(segments) == 1
+                and not getattr(segments[0].kv, "paged", False)):
+            # (one launch a layer for the q/k norms, RoPE and the cache store: GQAAttention;
+            # a paged cache's rows go through its block table instead)
+            ctx.inv_freq = self.rope_inv_freq()
+            first = segments[0].kv.length if start is None else start
+            ctx.pos = to_device(torch.tensor([first]), self.device)
+        return ctx
+
+    @torch.inference_mode()
+    def forward_layers(self, tokens: torch.Tensor, kv: KVCache, chunk: int,
+                       all_logits: bool = False, marks: object | None = None) -> torch.Tensor:
+        """One sequence's tokens [T] in chunks of `chunk`, layer by layer (layer-major: each
+        layer's experts run once over the whole prompt, strata.model.layer_major) -> logits
+        float32 as forward's for one segment: [T, V] when all_logits, else [1, V]. kv grows by
+        T; marks.after(i) after layer i and after the head."""
+        from strata.model.layer_major import forward_layers
+
+        return forward_layers(self, tokens, kv, chunk, all_logits, marks)
 
     def trunk(self, tokens: torch.Tensor, ctx: Segments,
               marks: object | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

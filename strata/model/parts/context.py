@@ -50,12 +50,17 @@ class Segments:
     # RoPE frequencies (decode_ops.rope_inv_freq; None with YaRN), for the fused chunk kernels
     pos: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
+    # a layer-major prompt's chunk (strata.model.layer_major): its rows of the routed experts'
+    # sum, computed once over every chunk's tokens of the layer; run_experts returns them
+    ready: torch.Tensor | None = None
     static = False
 
     def run_experts(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,
                     wts: torch.Tensor, sum_pairs: bool = True) -> torch.Tensor:
         """Σ_k wts[t, k] * expert_{ids[t, k]}(h[t]) -> [T, D] (summed: sum_pairs is the decode
-        step's)."""
+        step's); `ready` where it was computed already."""
+        if self.ready is not None:
+            return self.ready
         t0 = self.timer.start() if self.timer else None
         out = self.experts.run(layer, weights, h, ids, wts)
         if self.timer:
