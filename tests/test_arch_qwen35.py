@@ -323,6 +323,36 @@ _DELTA_STEP = """
 """
 
 
+_DELTA_GLUE = """
+    import torch
+    import torch.nn.functional as F
+    from strata.kernels.gpu import delta_ops
+    from strata.kernels.torch_ops import rms_norm
+    g = torch.Generator().manual_seed(seed % 2**31)
+    for t, hv, dv in [(1, 32, 128), (5, 6, 24), (3, 1, 40)]:  # qwen3.6's heads; odd sizes
+        ba = 12 * torch.randn(t, 2 * hv, generator=g)  # (past softplus's threshold of 20 too)
+        a, dt = -torch.rand(hv, generator=g) * 8, torch.randn(hv, generator=g)
+        beta, lg = delta_ops.delta_gates(ba, a, dt)
+        assert torch.allclose(beta, torch.sigmoid(ba[:, :hv]), atol=1e-6), (t, hv, "beta")
+        want = a * F.softplus(ba[:, hv:] + dt)
+        assert torch.allclose(lg, want, rtol=1e-5, atol=1e-5), (t, hv, "g")
+        o, z = torch.randn(t * hv, dv, generator=g), torch.randn(t * hv, dv, generator=g)
+        w = torch.rand(dv, generator=g) + 0.5
+        out = delta_ops.gated_norm(o, z, w, 1e-6)
+        want = rms_norm(o, w, 1e-6) * F.silu(z)
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-5), (t, hv, dv, "gated norm")
+    print("ok")
+"""
+
+
+def test_delta_glue_kernels_under_the_interpreter():
+    """The gates (beta, the log decay) and the gated output norm in a launch each equal their
+    torch forms, on the CPU under Triton's interpreter."""
+    from interpreted import fresh_seed, run_interpreted
+
+    run_interpreted(_DELTA_GLUE, fresh_seed(), timeout=300)
+
+
 def test_delta_step_kernels_under_the_interpreter():
     """The decode step's conv and delta-rule Triton kernels (kernels/gpu/delta_ops.py) equal the
     reference rule, run on the CPU by Triton's interpreter."""
@@ -452,7 +482,16 @@ def test_delta_kernels_compile_for_sm90_within_its_shared_memory(preset):
            "K": "constexpr", "BLOCK": "constexpr"}
     conv = triton.compile(ASTSource(dk._conv_step_kernel, sig, constexprs=dict(
         K=p.ssm_conv, BLOCK=tuning.CONV_STEP_BLOCK)), target=target)
-    for name, k in (("chunk scan", scan), ("delta step", step), ("conv step", conv)):
+    sig = {"ba": "*fp32", "a": "*fp32", "dt_bias": "*fp32", "beta": "*fp32", "g": "*fp32",
+           "HV": "i32", "BLOCK": "constexpr"}
+    gates = triton.compile(ASTSource(dk._gates_kernel, sig, constexprs=dict(
+        BLOCK=triton.next_power_of_2(p.ssm_heads))), target=target)
+    sig = {"o": "*fp32", "z": "*fp32", "w": "*fp32", "out": "*fp32", "DV": "i32", "eps": "fp32",
+           "BLOCK": "constexpr"}
+    norm = triton.compile(ASTSource(dk._gated_norm_kernel, sig, constexprs=dict(
+        BLOCK=triton.next_power_of_2(d))), target=target)
+    for name, k in (("chunk scan", scan), ("delta step", step), ("conv step", conv),
+                    ("gates", gates), ("gated norm", norm)):
         assert k.asm["cubin"], name
         assert k.metadata.shared <= SM90_SHARED, (name, k.metadata.shared)
 

@@ -83,3 +83,31 @@ def _chunk_scan_kernel(u0, w, inner, qg, kg, dend, state, out, n, DK: tl.constex
         K = tl.load(kg + rows_k)
         S = S * tl.load(dend + base) + tl.dot(tl.trans(K), u, input_precision="ieee")
     tl.store(state + h * DK * DV + dk[:, None] * DV + dv[None, :], S, mask=mv[None, :])
+
+
+@triton.jit
+def _gates_kernel(ba, a, dt_bias, beta, g, HV, BLOCK: tl.constexpr):
+    # row t: beta = sigmoid(ba[t, :Hv]); g = a * softplus(ba[t, Hv:] + dt_bias) (softplus as
+    # torch's: the input itself past 20)
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    m = j < HV
+    b = tl.load(ba + t * 2 * HV + j, mask=m, other=0.0)
+    x = tl.load(ba + t * 2 * HV + HV + j, mask=m, other=0.0) + tl.load(dt_bias + j, mask=m,
+                                                                        other=0.0)
+    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    tl.store(beta + t * HV + j, tl.sigmoid(b), mask=m)
+    tl.store(g + t * HV + j, tl.load(a + j, mask=m, other=0.0) * sp, mask=m)
+
+
+@triton.jit
+def _gated_norm_kernel(o, z, w, out, DV, eps, BLOCK: tl.constexpr):
+    # row r (a token's head): out = o * rsqrt(mean(o^2) + eps) * w * silu(z)
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    m = d < DV
+    wv = tl.load(w + d, mask=m, other=0.0)
+    zv = tl.load(z + r * DV + d, mask=m, other=0.0)
+    ov = tl.load(o + r * DV + d, mask=m, other=0.0)
+    y = ov * tl.math.rsqrt(tl.sum(ov * ov, axis=0) / DV + eps) * wv
+    tl.store(out + r * DV + d, y * (zv * tl.sigmoid(zv)), mask=m)

@@ -18,6 +18,10 @@ or, where flash-linear-attention (`fla-core`, an optional GPU package) is instal
 chunked rule through its kernels (fla_rule: its chunk_gated_delta_rule, the kernels HF
 transformers' Qwen3.5/3.6 and Qwen3-Next use on CUDA).
 
+and the glue around the rule, a launch each on CUDA: delta_gates (beta and the log decay g
+from the [T, 2 Hv] product of the gates' rows), gated_norm (each head's RMS norm times silu of
+its output gate).
+
 Legend: C conv channels 2*Hk*dk + Hv*dv, K kernel, Hk / Hv key / value heads, dk = dv.
 """
 
@@ -26,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.gpu.decode_ops import _check, _f32, _use_kernels
-from strata.kernels.torch_ops import delta_rule_step
+from strata.kernels.gpu.decode_ops import _check, _f32, _pow2, _use_kernels
+from strata.kernels.torch_ops import delta_rule_step, rms_norm
 from strata.kernels.tuning import (
     CHUNK_SCAN_BV,
     CHUNK_SCAN_STAGES,
@@ -116,6 +120,44 @@ def chunk_scan(u0: torch.Tensor, w: torch.Tensor, inner: torch.Tensor, qg: torch
                                                       DK=dk, DV=dv, L=L, BV=CHUNK_SCAN_BV,
                                                       num_stages=CHUNK_SCAN_STAGES)
     return out, S
+
+
+def delta_gates(ba: torch.Tensor, a: torch.Tensor,
+                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ba [T, 2 Hv] (beta's logits, then alpha's), a, dt_bias [Hv], f32 contiguous -> beta =
+    sigmoid(ba[:, :Hv]), g = a * softplus(ba[:, Hv:] + dt_bias), each [T, Hv]: one launch on
+    CUDA (four elementwise ones in torch)."""
+    t, hv2 = ba.shape
+    hv = hv2 // 2
+    for name, x, shape in (("ba", ba, (t, 2 * hv)), ("a", a, (hv,)), ("dt_bias", dt_bias, (hv,))):
+        _f32(x, name, shape)
+        _check(x.is_contiguous() and x.device == ba.device, f"{name} must be contiguous")
+    if not _use_kernels(ba):
+        return torch.sigmoid(ba[:, :hv]), a * F.softplus(ba[:, hv:] + dt_bias)
+    from strata.kernels.gpu.delta_kernels import _gates_kernel
+
+    beta = torch.empty((t, hv), dtype=torch.float32, device=ba.device)
+    g = torch.empty_like(beta)
+    if t:
+        _gates_kernel[(t,)](ba, a, dt_bias, beta, g, hv, BLOCK=_pow2(hv))
+    return beta, g
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """o, z [N, dv] (each token's heads as rows), w [dv], f32 contiguous -> rms_norm(o, w, eps)
+    * silu(z) [N, dv]: the Gated DeltaNet's output gate, one launch on CUDA."""
+    n, dv = o.shape
+    for name, x, shape in (("o", o, (n, dv)), ("z", z, (n, dv)), ("w", w, (dv,))):
+        _f32(x, name, shape)
+        _check(x.is_contiguous() and x.device == o.device, f"{name} must be contiguous")
+    if not _use_kernels(o):
+        return rms_norm(o, w, eps) * F.silu(z)
+    from strata.kernels.gpu.delta_kernels import _gated_norm_kernel
+
+    out = torch.empty_like(o)
+    if n:
+        _gated_norm_kernel[(n,)](o, z, w, out, dv, eps, BLOCK=_pow2(dv))
+    return out
 
 
 _FLA: list = []

@@ -120,21 +120,25 @@ class GatedDeltaNet:
         w, T = self.w, h.shape[0]
         qkv = linear(h, w.qkv)  # [T, C]
         z = linear(h, w.z).view(T, self.hv, self.dk)
-        # beta and alpha's rows in one product (one launch for a decode token on CUDA)
-        ba = decode_ops().router_logits(h, w.ba) if ctx.static or ctx.fused_attention \
-            else h @ w.ba.T
-        beta = torch.sigmoid(ba[:, :self.hv])  # [T, Hv]
-        g = w.a * F.softplus(ba[:, self.hv:] + w.dt_bias)  # [T, Hv]
+        fast = ctx.static or ctx.fused_attention  # (a launch each on CUDA: delta_ops)
+        if fast:  # beta and alpha's rows in one product, then both gates
+            from strata.kernels.gpu import delta_ops
+
+            beta, g = delta_ops.delta_gates(decode_ops().router_logits(h, w.ba), w.a,
+                                            w.dt_bias)  # [T, Hv] each
+        else:
+            ba = h @ w.ba.T
+            beta = torch.sigmoid(ba[:, :self.hv])  # [T, Hv]
+            g = w.a * F.softplus(ba[:, self.hv:] + w.dt_bias)  # [T, Hv]
         if ctx.static:
             o = self._step(qkv, g, beta, ctx)
         else:
             o = self._segments(qkv, g, beta, ctx)
-        if ctx.static or ctx.fused_attention:  # each head's norm as a row: one launch on CUDA
-            o = decode_ops().rms_norm(o.reshape(-1, self.dk).contiguous(), w.norm,
-                                      self.eps).view(T, self.hv, self.dk)
+        if fast:  # each token's heads as rows: norm and output gate together
+            o = delta_ops.gated_norm(o.reshape(-1, self.dk).contiguous(),
+                                     z.reshape(-1, self.dk).contiguous(), w.norm, self.eps)
         else:
-            o = rms_norm(o, w.norm, self.eps)
-        o = o * F.silu(z)  # [T, Hv, dv]
+            o = rms_norm(o, w.norm, self.eps) * F.silu(z)  # [T, Hv, dv]
         return linear(o.reshape(T, -1), w.out)
 
     def _segments(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
