@@ -52,3 +52,23 @@ def test_float_matrices_fuse_too() -> None:
     assert lw.qkv is not None and lw.qkv[1] == 3 and lw.qkv[0].shape == (HQ + 2 * HKV, D)
     for g, m in zip(qkv_linear(x, lw), mats, strict=True):
         torch.testing.assert_close(g, x @ m.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("types", [(QType.Q8_0,) * 3, (QType.Q8_0, QType.Q8_0, QType.Q6_K)])
+def test_fused_qkv_adds_the_biases(types) -> None:
+    """With q, k and v fused their biases are one vector (bq, bk, bv its views) added once;
+    fused two of three, or not at all, each is added to its own product: the same sums."""
+    rng = np.random.default_rng(3)
+    gen = torch.Generator().manual_seed(3)
+    mats = [quant(q, n, rng) for q, n in zip(types, (HQ, HKV, HKV), strict=True)]
+    lw = layer(*mats)
+    lw.bq, lw.bk, lw.bv = (torch.randn(n, generator=gen) for n in (HQ, HKV, HKV))
+    x = torch.randn(2, D, generator=gen)
+    want = [linear(x, m) + b for m, b in zip(mats, (lw.bq, lw.bk, lw.bv), strict=True)]
+    fuse_qkv(lw)
+    three = lw.qkv[1] == 3
+    assert (lw.bqkv is not None) == three
+    if three:
+        assert lw.bk.data_ptr() == lw.bqkv.data_ptr() + HQ * 4  # a view, not a copy
+    for g, w in zip(qkv_linear(x, lw, bias=True), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -90,21 +90,30 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return x @ w.T if isinstance(w, torch.Tensor) else w.matmul_t(x)
 
 
-def qkv_linear(x: torch.Tensor, lw: LayerWeights) -> tuple[torch.Tensor, ...]:
-    """x @ wq.T, x @ wk.T, x @ wv.T, with one matmul for those fused into lw.qkv."""
+def qkv_linear(x: torch.Tensor, lw: LayerWeights,
+               bias: bool = False) -> tuple[torch.Tensor, ...]:
+    """x @ wq.T, x @ wk.T, x @ wv.T, with one matmul for those fused into lw.qkv; with bias,
+    + bq, bk, bv (one add where the three are fused: lw.bqkv)."""
     if lw.qkv is None:
-        return linear(x, lw.wq), linear(x, lw.wk), linear(x, lw.wv)
-    w, n = lw.qkv
-    mats = (lw.wq, lw.wk, lw.wv)
-    if n == 2 and _pair_launch(x, w, lw.wv):  # q, k and a v of another type: one launch
-        from strata.kernels.gpu.matmul import gemv_pair
+        out = (linear(x, lw.wq), linear(x, lw.wk), linear(x, lw.wv))
+    else:
+        w, n = lw.qkv
+        mats = (lw.wq, lw.wk, lw.wv)
+        if n == 2 and _pair_launch(x, w, lw.wv):  # q, k and a v of another type: one launch
+            from strata.kernels.gpu.matmul import gemv_pair
 
-        qk, v = gemv_pair(x.contiguous(), (w.raw, w.qtype), (lw.wv.raw, lw.wv.qtype))
-        q, k = qk.split([_rows(lw.wq), _rows(lw.wk)], dim=1)
-        return q, k, v
-    # contiguous: a no-op for one token (its row is), a copy for longer inputs
-    out = [y.contiguous() for y in linear(x, w).split([_rows(m) for m in mats[:n]], dim=1)]
-    return (*out, *(linear(x, m) for m in mats[n:]))
+            qk, v = gemv_pair(x.contiguous(), (w.raw, w.qtype), (lw.wv.raw, lw.wv.qtype))
+            out = (*qk.split([_rows(lw.wq), _rows(lw.wk)], dim=1), v)
+        else:
+            y = linear(x, w)
+            if bias and lw.bqkv is not None:
+                y, bias = y + lw.bqkv, False
+            # contiguous: a no-op for one token (its row is), a copy for longer inputs
+            out = (*(y.contiguous() for y in y.split([_rows(m) for m in mats[:n]], dim=1)),
+                   *(linear(x, m) for m in mats[n:]))
+    if bias:
+        out = (out[0] + lw.bq, out[1] + lw.bk, out[2] + lw.bv)
+    return out
 
 
 def _pair_launch(x: torch.Tensor, a: Weight, b: Weight) -> bool:
@@ -149,6 +158,10 @@ def fuse_qkv(lw: LayerWeights) -> None:
     lw.wq, lw.wk = views[0], views[1]
     if n == 3:
         lw.wv = views[2]
+        if lw.bq is not None and lw.bk is not None and lw.bv is not None:
+            b = torch.cat([lw.bq, lw.bk, lw.bv])
+            lw.bq, lw.bk, lw.bv = b.split([len(lw.bq), len(lw.bk), len(lw.bv)])
+            lw.bqkv = b
     lw.qkv = (fused, n)
 
 
@@ -217,6 +230,8 @@ class LayerWeights:
     # the leading n of q, k, v in one matrix (n = 2 or 3) when they share a format, so a decode
     # token runs one GEMV for them; wq/wk/wv are then row views of it (fuse_qkv)
     qkv: tuple[Weight, int] | None = None
+    # q, k and v's biases in one vector where all three are fused (bq, bk, bv its views): one add
+    bqkv: torch.Tensor | None = None
     # a dense feed-forward (parts.spec.layer_spec's "dense" layers): gate, up [F, D], down [D, F]
     ffn_gate: Weight | None = None
     ffn_up: Weight | None = None
