@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 
 from strata.config_hybrid import (
@@ -356,6 +357,9 @@ def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
                                    "which Strata does not support")
 
 
+BUSY_SAMPLE_S = 0.1  # busy_now's window: 10 ticks a core of /proc/stat's 100 a second
+
+
 def usable_cores() -> int:
     """The CPUs this process may run on (its affinity mask: a container's cpuset, taskset)."""
     try:
@@ -365,19 +369,61 @@ def usable_cores() -> int:
 
 
 def cpu_threads(usable: int | None = None, load: float | None = None) -> int:
-    """Threads for CPU work: the usable cores less those other processes keep busy (the
-    1-minute load average), at least 1. On 2 cores with one busy process, 1 thread decoded at
-    ~100 tok/s where 2 fell to 20-28 (each step waits for its preempted thread)."""
+    """Threads for CPU work: the usable cores less those other processes keep busy (other_load),
+    at least 1. On 2 cores with one busy process, 1 thread decoded at ~100 tok/s where 2 fell
+    to 20-28 (each step waits for its preempted thread)."""
     usable = usable or usable_cores()
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):
-            load = 0.0
+        load = other_load()
     busy = min(usable - 1, int(load + 0.5)) if math.isfinite(load) and load > 0 else 0
     return max(1, usable - busy)
 
 
+def other_load(sample_s: float = BUSY_SAMPLE_S) -> float:
+    """Cores other processes keep busy: the 1-minute load average, or where that says a core is
+    busy, the smaller of it and the cores busy now (busy_now over sample_s; this process
+    sleeps meanwhile, so its own work is not counted). The load average remembers a minute:
+    a `strata serve` started just after a benchmark's previous server (or its clients) ended
+    saw 0.8-1.1 on 2 cores and ran on 1 thread, where its batched step gains nothing
+    (bench/2026-12-06-cpu-serve.md)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+    if not (math.isfinite(load) and load >= 0.5):
+        return load
+    now = busy_now(sample_s)
+    return load if now is None else min(load, now)
+
+
+def busy_now(sample_s: float = BUSY_SAMPLE_S) -> float | None:
+    """Cores busy over the next sample_s seconds among those this process may use, from two
+    reads of /proc/stat (user, nice, system, irq, softirq time; a VM's steal and idle, iowait
+    not), or None where there is no /proc/stat."""
+    def read() -> dict[str, tuple[int, int]]:
+        times = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    t = [int(x) for x in fields[:8]]
+                    times[name] = (t[0] + t[1] + t[2] + t[5] + t[6], sum(t))
+        return times
+    try:
+        cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    except AttributeError:
+        cpus = None
+    try:
+        before = read()
+        time.sleep(sample_s)
+        after = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = 0.0
+    for name, (work, total) in after.items():
+        if (cpus is None or name in cpus) and name in before and total > before[name][1]:
+            busy += (work - before[name][0]) / (total - before[name][1])
+    return busy
 
 
 def prefetch_pays(slots: list[int], k: int) -> bool:

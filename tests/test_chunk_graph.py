@@ -59,7 +59,9 @@ def cpu_graphs(synth, buckets=(16, 32, 64)):  # noqa: ANN001, ANN201
     """A CPU offload engine with every expert in a slot, its prompt chunks on the fused chunk
     path's torch forms (as on CUDA with --kernels fused), and ChunkGraphs running its padded
     passes uncaptured."""
-    engine = offload(synth("qwen3moe", "Q4_K_M"), "cpu", expert_cache="24")
+    # (one thread: the padded and plain passes' matmuls then sum in the same order, which the
+    # exact first-layer check below relies on; on two, torch splits 16 and 7 rows differently)
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cpu", expert_cache="24", threads=1)
     model = engine.model
     model.fused_attention = True
     return engine, ChunkGraphs(model, buckets, mode="eager")

@@ -279,6 +279,7 @@ def test_pool_threads_follow_the_affinity_mask_and_the_load(monkeypatch) -> None
     cpuset), not the machine's, less those other processes keep busy, less the driving thread."""
     import os
 
+    from strata import config
     from strata.experts import cpu_pool
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
@@ -286,10 +287,38 @@ def test_pool_threads_follow_the_affinity_mask_and_the_load(monkeypatch) -> None
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert cpu_pool.default_threads() == 2
     monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))  # one core kept busy
+    monkeypatch.setattr(config, "busy_now", lambda s: 1.3)  # (and busy now)
+    assert cpu_pool.default_threads() == 1
+    assert cpu_pool.default_threads(drives_gpu=False) == torch.get_num_threads()  # (CPU)
+    # the load average remembers a process that has ended: the cores busy now count
+    monkeypatch.setattr(config, "busy_now", lambda s: 0.1)
+    assert cpu_pool.default_threads() == 2
+    monkeypatch.setattr(config, "busy_now", lambda s: None)  # (no /proc/stat: the average)
     assert cpu_pool.default_threads() == 1
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
+    monkeypatch.setattr(config, "busy_now", lambda s: 9.0)
     assert cpu_pool.default_threads() == 55
+
+
+def test_busy_now_counts_a_busy_process() -> None:
+    """busy_now reads /proc/stat twice: a thread spinning in another process shows as about one
+    busy core (at most the usable cores); nothing else checked, the machine is shared."""
+    import subprocess
+    import sys
+
+    from strata.config import busy_now, usable_cores
+
+    if busy_now(0.01) is None:
+        pytest.skip("no /proc/stat")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        busy = busy_now(0.3)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0.7 <= busy <= usable_cores() + 0.01
 
 
 def test_biased_experts(backend) -> None:

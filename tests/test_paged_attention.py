@@ -53,6 +53,64 @@ def test_torch_path_is_each_rows_attention(case):
         assert rel_err(out[i:i + 1], ref) < 1e-5
 
 
+def _gathered(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales, v_scales):
+    """paged_attention's former torch form: every row's Tk keys and values gathered by
+    pool[read] as [B, Tk, Hkv, hd], masked scores over the permuted keys."""
+    b, h, hd = q.shape
+    tk, hkv = read.shape[1], k_pool.shape[1]
+    k, v = k_pool[read], v_pool[read]  # [B, Tk, Hkv, hd]
+    if k_pool.dtype == torch.int8:
+        k, v = dequantize_q8_0(k, k_scales[read]), dequantize_q8_0(v, v_scales[read])
+    keys = torch.arange(tk)[None, :]
+    n = length.long()[:, None]
+    mask = keys < n
+    if window:
+        mask &= keys > n - 1 - window
+    g = h // hkv
+    sc = (q.view(b, hkv, g, hd) @ k.float().permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, Tk]
+    sc = sc.masked_fill(~mask[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, 1)
+        p = torch.softmax(torch.cat([sc, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(sc, dim=-1)
+    return (p @ v.float().transpose(1, 2)).reshape(b, h * hd)
+
+
+# (B, H, Hkv, hd, lengths, window, sinks): odd lengths over blocks of 16 (one row of 1, rows
+# ending inside and on a block's edge), a group of 3, hd 96 (q8_0: 3 blocks), a window with
+# sinks, 8 rows of the tiny model's shape
+GATHER_CASES = [(3, 6, 2, 96, [1, 17, 33], 0, False), (5, 4, 4, 32, [16, 31, 2, 47, 9], 0, False),
+                (2, 9, 3, 64, [45, 13], 11, True),
+                (8, 4, 2, 64, [130, 137, 144, 151, 158, 165, 172, 179], 0, False)]
+
+
+@pytest.mark.parametrize("case", GATHER_CASES)
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_torch_path_equals_the_former_gather(case, kind):
+    """The CPU form (one head-major index_select a pool, two bmm) against the former one
+    (pool[read] gathered, permuted products) over a paged pool's block tables, every KV type."""
+    b, h, hkv, hd, lengths, window, sinks = case
+    g = torch.Generator().manual_seed(fresh_seed() % 2**31)
+    block, nb = 16, (max(lengths) + 1 + 15) // 16
+    blocks = torch.randperm(b * nb + 5, generator=g)  # (5 blocks no row reads)
+    rows = (b * nb + 5) * block
+    read = ops.block_rows(blocks[: b * nb].view(b, nb), block, max(lengths) + 1)
+    q = torch.randn(b, h, hd, generator=g)
+    k, v = torch.randn(rows, hkv, hd, generator=g), torch.randn(rows, hkv, hd, generator=g)
+    s = torch.randn(h, generator=g) if sinks else None
+    kp, vp, ks, vs = k, v, None, None
+    if kind == "q8_0":
+        (kp, ks), (vp, vs) = quantize_q8_0(k), quantize_q8_0(v)
+    elif kind != "f32":
+        dt = torch.float16 if kind == "f16" else torch.bfloat16
+        kp, vp = k.to(dt), v.to(dt)
+    length = torch.tensor(lengths)
+    got = ops.paged_attention(q, kp, vp, read, length, hd ** -0.5, window, s, ks, vs)
+    want = _gathered(q, kp, vp, read, length, hd ** -0.5, window, s, ks, vs)
+    assert rel_err(got, want) < 1e-6
+
+
 def test_rows_rope_store_writes_each_row_where_told():
     q, k, v = torch.randn(3, 4, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32)
     pos, write = torch.tensor([0, 7, 3]), torch.tensor([10, 2, 5])

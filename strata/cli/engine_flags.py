@@ -41,7 +41,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "in a CUDA decode step gathered from the pinned arena by the GPU inside the "
                    "step's graph), or split between the two by measured cost (auto)")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU pool threads (the cores this process may use, less one)")
+                   help="CPU threads: the CPU pool's and torch's (OpenMP's) pool (default: the "
+                   "cores this process may use less those other processes keep busy now, less "
+                   "one on a GPU, and `serve` one less for its HTTP process and clients; "
+                   "OMP_NUM_THREADS, where set, still sizes torch's)")
     g.add_argument("--ctx", type=int, default=None,
                    help="KV cache tokens to plan for (the model's context, capped so that its "
                    "cache takes at most a quarter of the memory the plan leaves, and at least "

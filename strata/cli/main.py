@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
     setup_logging(args.debug)
-    set_thread_pools()
+    set_thread_pools(getattr(args, "threads", None), spare=int(args.command == "serve"))
     # torch's CUDA allocator maps its free blocks into one growing range instead of keeping
     # fixed-size segments: under a --vram-budget cap, a prompt chunk's scratch of another size
     # found 1.13 GiB reserved but split into pieces too small for it and failed at 10 GiB
@@ -107,11 +107,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def set_thread_pools() -> None:
-    """OpenMP's pool (torch's and ggml's CPU kernels) sized from the usable cores and the load,
-    unless OMP_NUM_THREADS is set: on a busy machine fewer threads degrade gently where a
-    thread per core stalls on every preempted one."""
-    if "OMP_NUM_THREADS" not in os.environ and (n := cpu_threads()) < usable_cores():
+def set_thread_pools(threads: int | None = None, spare: int = 0) -> None:
+    """OpenMP's pool (torch's and ggml's CPU kernels) sized to --threads where given, else to the
+    usable cores less those other processes keep busy (config.cpu_threads) less `spare`, unless
+    OMP_NUM_THREADS is set: on a busy machine fewer threads degrade gently where a thread per
+    core stalls on every preempted one. `strata serve` spares one core for its HTTP process and
+    the clients beside it: on 2 vCPUs its engine on 2 threads served one local client at
+    221-244 tok/s against 278-317 on 1, and 8 clients no faster (bench/2026-12-06-cpu-serve.md)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    usable = usable_cores()
+    given = isinstance(threads, int) and threads > 0  # (serve's flags: a sentinel when unset)
+    n = min(threads, usable) if given else max(1, cpu_threads(usable) - spare)
+    if n < usable or given:
         os.environ["OMP_NUM_THREADS"] = str(n)
 
 

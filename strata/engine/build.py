@@ -82,6 +82,8 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     if cfg.kv_lora and ec.kv_type == "q8_0":
         raise StrataError(f"--kv-type q8_0: {cfg.arch}'s latent cache keeps rows of f32, f16 or "
                           "bf16; pick one of those")
+    if ec.threads and dev.type == "cpu" and not ec.use_offload:  # (the offload runtime's
+        torch.set_num_threads(ec.threads)  # CPU pool sets them: cpu_pool.CpuPool)
     if not ec.use_offload:
         if dev.type == "cuda" and not ec.beside_target:  # (no plan, so no cap; a --draft
             # model loads this way inside its target's plan and keeps the target's cap)
@@ -152,7 +154,7 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                 if lent else "")
              + f"; policy {ec.cache_policy}"
              + (", seeded from the profile" if profile is not None else ""))
-    threads = ec.threads or default_threads()
+    threads = ec.threads or default_threads(dev.type == "cuda")
     pool = CpuPool(ec.cpu_kernels, threads, plan.workspace)
     max_stride = max(lay.stride for lay in layouts)
     staging = torch.empty(plan.staging_slots, max_stride, dtype=torch.uint8, device=dev)

@@ -18,10 +18,14 @@ from strata.experts.layout import ExpertLayout
 log = logging.getLogger("strata.cpu_pool")
 
 
-def default_threads() -> int:
-    """The CPU pool's threads when --threads is not given: the cores this process may use (its
-    affinity mask) less those other processes keep busy (strata.config.cpu_threads), less one
-    for the thread that drives the GPU, at least 1."""
+def default_threads(drives_gpu: bool = True) -> int:
+    """The CPU pool's threads when --threads is not given. Beside a GPU: the cores this process
+    may use (its affinity mask) less those other processes keep busy (strata.config.cpu_threads),
+    less one for the thread that drives the GPU, at least 1. On the CPU device the calling
+    thread is one of the pool's, and torch's count (OMP_NUM_THREADS, which `strata` sets from
+    the same measure) is the process's one choice: ggml shares torch's OpenMP threads."""
+    if not drives_gpu:
+        return torch.get_num_threads()
     return max(1, cpu_threads() - 1)
 
 

@@ -605,7 +605,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     -> [B, H·hd] f32. On CUDA (or under the interpreter) flash decoding in two launches:
     `_paged_split_kernel`, program (b, kv head, key split), each row reading its own keys only,
     up to its length; `_paged_reduce_kernel`, program (b, h), combining the splits. Elsewhere
-    torch ops, every row reading Tk rows masked past its length. Both graph safe."""
+    torch ops (_paged_torch), every row reading Tk rows masked past its length. Both graph safe."""
     _check(q.dim() == 3 and k_pool.dim() == 3 and read.dim() == 2 and read.shape[0] == q.shape[0]
            and length.shape == (q.shape[0],), "q [B, H, hd], pools [R, Hkv, hd], read [B, Tk], "
            "length [B]")
@@ -615,29 +615,47 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if _use_kernels(q):
         return _paged_launch(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales,
                              v_scales)
+    return _paged_torch(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales, v_scales)
+
+
+def _paged_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 read: torch.Tensor, length: torch.Tensor, scale: float, window: int,
+                 sinks: torch.Tensor | None, k_scales: torch.Tensor | None,
+                 v_scales: torch.Tensor | None) -> torch.Tensor:
+    """paged_attention in torch ops (the CPU's): each row's Tk pool rows gathered head-major by
+    one index_select a pool, so both products are plain bmm over B·Hkv contiguous matrices
+    with no copy between; rows past a length are masked out of the scores (the pool's rows are
+    zeros until written, so their zero weights never meet a NaN). Graph safe (no host sync).
+    On the tiny model's batched step (B 8, Tk ~190, Hkv 2, hd 64) 180 us a layer against 550
+    for pool[read] as [B, Tk, Hkv, hd] (torch's advanced indexing, then a copy for each
+    product's permuted operand), one thread (bench/2026-12-06-cpu-serve.md)."""
+    b, h, hd = q.shape
     tk, hkv = read.shape[1], k_pool.shape[1]
-    k, v = k_pool[read], v_pool[read]  # [B, Tk, Hkv, hd]
-    if k_pool.dtype == torch.int8:
-        k, v = dequantize_q8_0(k, k_scales[read]), dequantize_q8_0(v, v_scales[read])
-    # (rows past a length are masked out of the scores; the pool's rows are zeros until
-    # written, so their zero weights never meet a NaN)
+    g = h // hkv
+    # pool row read[b, j], kv head i: row read[b, j] * Hkv + i of the pool seen as [R·Hkv, hd]
+    heads = torch.arange(hkv, device=q.device)[None, :, None]
+    idx = (read.long()[:, None, :] * hkv + heads).reshape(-1)  # [B·Hkv·Tk]
+    kv = []
+    for pool, scales in ((k_pool, k_scales), (v_pool, v_scales)):
+        x = pool.reshape(-1, hd).index_select(0, idx)  # [B·Hkv·Tk, hd]
+        if pool.dtype == torch.int8:
+            x = dequantize_q8_0(x, scales.reshape(-1, scales.shape[-1]).index_select(0, idx))
+        kv.append(x.float().view(b * hkv, tk, hd))
+    k, v = kv
     keys = torch.arange(tk, device=q.device)[None, :]  # [1, Tk]
     n = length.long()[:, None]  # [B, 1]
-    mask = keys < n  # [B, Tk]
+    masked = keys >= n  # [B, Tk]
     if window:
-        mask &= keys > n - 1 - window
-    g = h // hkv
-    qg = q.view(b, hkv, g, hd)
-    kt = k.float().permute(0, 2, 3, 1)  # [B, Hkv, hd, Tk]
-    sc = (qg @ kt) * scale  # [B, Hkv, G, Tk]
-    sc = sc.masked_fill(~mask[:, None, None, :], float("-inf"))
+        masked |= keys <= n - 1 - window
+    sc = torch.bmm(q.reshape(b * hkv, g, hd), k.transpose(1, 2)).view(b, hkv, g, tk)
+    sc = sc.mul_(scale).masked_fill_(masked[:, None, None, :], float("-inf"))
     if sinks is not None:
         sink = sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, 1)
         p = torch.softmax(torch.cat([sc, sink], dim=-1), dim=-1)[..., :-1]
     else:
         p = torch.softmax(sc, dim=-1)
-    o = p @ v.float().transpose(1, 2)  # [B, Hkv, G, hd]
-    return o.reshape(b, h * hd)
+    o = torch.bmm(p.reshape(b * hkv, g, tk), v)  # [B·Hkv, G, hd]
+    return o.view(b, h * hd)
 
 
 def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
