@@ -197,31 +197,23 @@ class Engine:
         meter = Meter("prompt", len(ids), "tokens") if self.show_progress else None
         out = []
         try:
-            if self.layer_major(len(ids), chunk, kv):
-                # in spans of what the memory plan holds layer by layer (model.layer_tokens)
-                span = (self.model.layer_tokens // chunk * chunk
-                        if self.model.layer_tokens is not None else len(ids))
-                for c, start in enumerate(range(0, len(ids), span)):
-                    part = ids[start:start + span]
-                    PROGRESS.at("prompt", chunk=c, position=kv.length)
-                    marks = (meter.layers(start, len(part), len(self.model.layers)) if meter
-                             else None)
-                    out.append(self.model.forward_layers(torch.tensor(part), kv, chunk,
-                                                         all_logits=all_logits, marks=marks))
-                    PROGRESS.steps += 1
-                    if meter is not None:
-                        meter.update(start + len(part))
-            else:
-                for c, start in enumerate(range(0, len(ids), chunk)):
-                    part = ids[start:start + chunk]
-                    PROGRESS.at("prompt", chunk=c, position=kv.length)
-                    marks = (meter.layers(start, len(part), len(self.model.layers)) if meter
-                             else None)
-                    out.append(self.model.forward(torch.tensor(part), [Segment(kv, len(part))],
-                                                  all_logits=all_logits, marks=marks))
-                    PROGRESS.steps += 1
-                    if meter is not None:
-                        meter.update(start + len(part))
+            # layer by layer: in spans of what the memory plan holds so (model.layer_tokens)
+            layered = self.layer_major(len(ids), chunk, kv)
+            span = self.model.layer_tokens
+            step = (chunk if not layered else len(ids) if span is None
+                    else span // chunk * chunk)
+            for c, start in enumerate(range(0, len(ids), step)):
+                part = ids[start:start + step]
+                PROGRESS.at("prompt", chunk=c, position=kv.length)
+                marks = meter.layers(start, len(part), len(self.model.layers)) if meter else None
+                tokens = torch.tensor(part)
+                out.append(self.model.forward_layers(tokens, kv, chunk, all_logits, marks)
+                           if layered else
+                           self.model.forward(tokens, [Segment(kv, len(part))],
+                                              all_logits=all_logits, marks=marks))
+                PROGRESS.steps += 1
+                if meter is not None:
+                    meter.update(start + len(part))
         except BaseException:  # (Ctrl-C in `strata chat`: the bar goes, the chat goes on)
             if meter is not None:
                 meter.erase()

@@ -30,14 +30,10 @@ from dataclasses import replace
 
 import torch
 
+from strata.experts.compute import windows
 from strata.model.layers import rope_tables
 from strata.model.parts import Layer, Segment, Segments
 from strata.runtime.waits import PROGRESS, to_device
-
-
-def spans(tokens: int, chunk: int) -> list[tuple[int, int]]:
-    """(first, end) of each chunk of `chunk` tokens (the last one shorter)."""
-    return [(a, min(a + chunk, tokens)) for a in range(0, tokens, chunk)]
 
 
 def forward_layers(model, tokens: torch.Tensor, kv, chunk: int,  # noqa: ANN001
@@ -46,7 +42,7 @@ def forward_layers(model, tokens: torch.Tensor, kv, chunk: int,  # noqa: ANN001
     LatentCache, not paged) -> logits float32: [T, V] when all_logits, else the last
     position's [1, V]. marks.after(i) after layer i and after the head."""
     T, base = tokens.shape[0], kv.length
-    cuts = spans(T, chunk)
+    cuts = windows(T, chunk)  # the chunks (the last one shorter)
     kv.reserve(base + T)  # (the storage grows before any layer writes past base)
     model.experts.before_pass(T)
     timer = model.gpu_timer()
