@@ -29,6 +29,7 @@ go to moe_grouped.py instead: the experts dequantized to bf16, then torch._group
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -272,10 +273,17 @@ def grouped_min_tokens(qtypes: tuple[int, int, int], d: int, f: int, x8: bool,
                        bias: object = None, act: str = "swiglu") -> int:
     """Tokens per expert on average from which a prompt chunk of these experts takes the
     grouped path: later where the MMQ kernels take the layer (MMQ_GROUPED_MIN_TOKENS), sooner
-    for i-quants (IQ_GROUPED_MIN_TOKENS: their tl.dot tiles are slow), else GROUPED_MIN_TOKENS."""
+    for i-quants (IQ_GROUPED_MIN_TOKENS: their tl.dot tiles are slow), else GROUPED_MIN_TOKENS.
+    (Worked out once per layer shape: moe_forward asks on every call.)"""
+    return _min_tokens(tuple(int(q) for q in qtypes), d, f, x8, bias is not None, act)
+
+
+@functools.cache
+def _min_tokens(qtypes: tuple[int, ...], d: int, f: int, x8: bool, biased: bool,
+                act: str) -> int:
     from strata.kernels.gpu.moe_mmq import mmq_types
 
-    if x8 and MMQ_PROMPT and mmq_types(qtypes, d, f, bias, act):
+    if x8 and MMQ_PROMPT and mmq_types(qtypes, d, f, object() if biased else None, act):
         return MMQ_GROUPED_MIN_TOKENS
     if any(QType(q).name.startswith("IQ") for q in qtypes):
         return IQ_GROUPED_MIN_TOKENS
