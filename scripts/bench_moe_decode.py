@@ -18,7 +18,9 @@ every N-th case, through Triton's cache on disk), then times them all in this on
 i-quant run forms take 10-100 s each to build, one after another otherwise.
 
 --layer 235b times the MoE layers at Qwen3-235B-A22B's expert shape (D 4096, F 1536) instead of
-30B-A3B's (D 2048, F 768); both route 8 of 128 experts.
+30B-A3B's (D 2048, F 768); both route 8 of 128 experts. --layer gptoss: gpt-oss-20b's (D = F =
+2880, 4 of 32 experts, MXFP4 with biases and the clamped SwiGLU), its float32-activation pairs
+kernels by tile (rows of 2880 values: 1530-byte rows of 17-byte blocks, k_step's steps).
 
 Every figure is the median over CUDA-graph replays of 16 calls, each call on its own copy of the
 weights (rotated so that the L2 cannot hold them; the MoE layer's 8 experts change every call).
@@ -47,7 +49,8 @@ from strata.kernels.gpu import moe as moe_mod  # noqa: E402
 from strata.quant import QType, random_rows, row_nbytes  # noqa: E402
 
 E, K, D, F = 128, 8, 2048, 768  # the MoE layer's shape (--layer 235b: D 4096, F 1536)
-LAYERS = {"30b": (2048, 768), "235b": (4096, 1536)}
+LAYERS = {"30b": (2048, 768), "235b": (4096, 1536), "gptoss": (2880, 2880)}
+EXPERTS = {"gptoss": (32, 4)}  # (E, K) where not 128 / 8
 CALLS = 16
 SAME_WEIGHTS = False  # (--same-weights)
 
@@ -62,10 +65,13 @@ def moe_layer(qdown: QType, rng: np.random.Generator, dev: torch.device,
     slots = rec.to(dev)
     perm = np.concatenate([rng.permutation(E) for _ in range(2)])
     ids = [torch.tensor(perm[i * K:(i + 1) * K][None], device=dev) for i in range(CALLS)]
+    bias = None
+    if qgu == QType.MXFP4:  # gpt-oss: every expert's biases (the kernels' BIAS, OAI)
+        bias = tuple(0.02 * torch.randn(E, n, device=dev) for n in (F, F, D))
     return dict(lay=lay, slots=slots, ids=ids, x=torch.randn(1, D, device=dev),
                 wts=torch.full((1, K), 1.0 / K, device=dev),
                 table=torch.arange(E, dtype=torch.int32, device=dev),
-                out=torch.zeros(1, D, device=dev))
+                out=torch.zeros(1, D, device=dev), bias=bias)
 
 
 def time_moe(layer: dict, tune: dict) -> float:
@@ -73,9 +79,10 @@ def time_moe(layer: dict, tune: dict) -> float:
     lay = layer["lay"]
     tiles = {k: v for k, v in tune.items() if k != "x8"}
     g, u, d = lay.views(layer["slots"])
+    oai = {} if layer["bias"] is None else {"bias": layer["bias"], "act": "swiglu_oai"}
     return graph_seconds(lambda i: moe_mod.moe_forward(
         layer["x"], layer["ids"][i], layer["wts"], layer["table"], g, u, d, lay.qtypes, D,
-        F, out=layer["out"], x8=tune.get("x8", False), tiles=tiles))
+        F, out=layer["out"], x8=tune.get("x8", False), tiles=tiles, **oai))
 
 
 def weight_copies(q: QType, n: int, k: int, rng: np.random.Generator,
@@ -210,8 +217,9 @@ def main() -> None:
 
     def mine() -> bool:  # the next case is this process's to time (all of them but in --warm)
         return next(cases) % shards == shard
-    global D, F, SAME_WEIGHTS  # noqa: PLW0603 (the helpers read these from here)
+    global D, F, E, K, SAME_WEIGHTS  # noqa: PLW0603 (the helpers read these from here)
     D, F = LAYERS[a.layer]
+    E, K = EXPERTS.get(a.layer, (E, K))
     SAME_WEIGHTS = a.same_weights
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
@@ -257,6 +265,15 @@ def main() -> None:
     packs = [(QType.Q4_K, QType.Q6_K, variants), (QType.Q4_K, QType.Q4_K, variants),
              (QType.IQ2_XS, QType.IQ3_XXS, iq_variants),
              (QType.IQ3_XXS, QType.IQ3_XXS, iq_variants)]
+    if a.layer == "gptoss":  # MXFP4 on the FMA pairs kernels: (BN, BK, stages, warps)
+        mx_variants = {"default tiles": {}}
+        for gu in [(1, 1024, 1, 4), (2, 1024, 1, 4), (1, 256, 1, 1), (2, 512, 1, 2),
+                   (4, 512, 1, 4), (2, 256, 1, 2), (1, 512, 1, 4), (4, 256, 1, 4)]:
+            mx_variants[f"gate_up {gu}"] = {"gate_up": gu}
+        for dn in [(2, 512, 1, 4), (4, 512, 1, 4), (8, 512, 1, 8), (1, 1024, 1, 4),
+                   (2, 1024, 1, 4), (8, 256, 1, 4), (2, 256, 1, 2), (1, 512, 1, 2)]:
+            mx_variants[f"down_pairs {dn}"] = {"down_pairs": dn}
+        packs = [(QType.MXFP4, QType.MXFP4, mx_variants)]
     moe = a.gemv_only is None or "moe" in a.gemv_only.split(",")
     for qgu, qdown, tunes in packs if moe else ():
         # (a Q4_K gate/up layer keeps the key earlier runs recorded: its down's type)
@@ -312,6 +329,10 @@ def main() -> None:
     # row a step, the next two 8 (fewer registers), the last is the second one pipelined
     rows_tiles = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (4, 2048, 1, 4),
                   (4, 512, 1, 1), (8, 512, 1, 2), (4, 1024, 1, 4), (4, 1024, 2, 2)]
+    if a.layer == "gptoss":  # its dense matrices (the synthetic MXFP4 pack's Q8_0): q/k/v
+        # fused, o, the output head (201,088 rows: ~615 MB a token, the step's largest read)
+        shapes = [(QType.Q8_0, 5120, 2880, "gptoss qkv"), (QType.Q8_0, 2880, 4096, "gptoss o"),
+                  (QType.Q8_0, 201088, 2880, "gptoss output")]
     runs = [(t, False, torch.float32) for t in tiles] + [(None, False, torch.bfloat16)]
     runs += [(t, True, xd) for t in rows_tiles for xd in (torch.float32, torch.bfloat16)]
     picks = [g for g in (a.gemv_only or "").split(",") if g]  # shape names and type names

@@ -358,6 +358,8 @@ def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
 
 
 BUSY_SAMPLE_S = 0.1  # busy_now's window: 10 ticks a core of /proc/stat's 100 a second
+BUSY_REUSE_S = 5.0  # other_load's reading serves the calls this soon after it (start-up asks twice)
+_busy_read: list[float] = []  # [monotonic time, cores busy] of other_load's last sample
 
 
 def usable_cores() -> int:
@@ -392,7 +394,12 @@ def other_load(sample_s: float = BUSY_SAMPLE_S) -> float:
         return 0.0
     if not (math.isfinite(load) and load >= 0.5):
         return load
-    now = busy_now(sample_s)
+    if _busy_read and time.monotonic() - _busy_read[0] < BUSY_REUSE_S:
+        now: float | None = _busy_read[1]  # (the thread pools and the CPU pool, at start-up)
+    else:
+        now = busy_now(sample_s)
+        if now is not None:
+            _busy_read[:] = [time.monotonic(), now]
     return load if now is None else min(load, now)
 
 

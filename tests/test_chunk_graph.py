@@ -355,7 +355,10 @@ def test_graphs_give_the_eager_logits_and_rows(synth):
     graphs and eagerly: where the chunk fills its bucket (the same kernels over the same
     shapes) the logits and KV rows are bit-equal; elsewhere the padded rows change the
     matmuls' row counts (and so their bf16 kernels' tiles): within bf16 rounding (KL 1e-3, the
-    rows 2e-2 of their scale). Each bucket is captured once, every later chunk replayed."""
+    rows 2e-2 of their scale); a chunk of one token runs eagerly on the decode GEMVs, which
+    round its activations to 8 bits (--kernels fused) where the padded bucket's matmuls do not:
+    within that rounding's bound (KL 2e-3, as the decode step's test; 1.6e-3 seen on an H100).
+    Each bucket is captured once, every later chunk replayed."""
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("torch._grouped_mm reads its groups on the host here: the buckets stop "
                     "below the grouped MoE path")
@@ -377,9 +380,10 @@ def test_graphs_give_the_eager_logits_and_rows(synth):
             assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True)), lens
             assert torch.equal(rows, ref_rows), lens
             continue
+        bound = 2e-3 if 1 in lens and model.experts.fused.x8 else 1e-3
         for a, b in zip(ours, ref, strict=True):
             p, q = torch.log_softmax(b, -1), torch.log_softmax(a, -1)
-            assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3, lens
+            assert float((p.exp() * (p - q)).sum(-1).max()) < bound, lens
         assert float((rows - ref_rows).abs().max()) < 2e-2 * float(ref_rows.abs().max()), lens
     n_chunks = sum(len(c) for c in cases)
     assert graphs.steps["captured"] == graphs.steps["warm"] == len(used)

@@ -282,6 +282,7 @@ def test_pool_threads_follow_the_affinity_mask_and_the_load(monkeypatch) -> None
     from strata import config
     from strata.experts import cpu_pool
 
+    monkeypatch.setattr(config, "BUSY_REUSE_S", 0.0)  # (each call samples afresh here)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
@@ -299,6 +300,25 @@ def test_pool_threads_follow_the_affinity_mask_and_the_load(monkeypatch) -> None
     monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
     monkeypatch.setattr(config, "busy_now", lambda s: 9.0)
     assert cpu_pool.default_threads() == 55
+
+
+def test_other_load_samples_once_at_start_up(monkeypatch) -> None:  # noqa: ANN001
+    """The thread pools and the CPU pool both ask at start-up: one 0.1 s sample serves both,
+    and a call after BUSY_REUSE_S samples again."""
+    import os
+
+    from strata import config
+
+    samples = []
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+    monkeypatch.setattr(config, "busy_now", lambda s: samples.append(s) or 2.0)
+    monkeypatch.setattr(config, "_busy_read", [])
+    clock = [100.0]
+    monkeypatch.setattr(config.time, "monotonic", lambda: clock[0])
+    assert config.other_load() == 2.0 and config.other_load() == 2.0
+    assert len(samples) == 1
+    clock[0] += config.BUSY_REUSE_S + 0.1
+    assert config.other_load() == 2.0 and len(samples) == 2
 
 
 def test_busy_now_counts_a_busy_process() -> None:
