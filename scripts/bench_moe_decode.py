@@ -20,7 +20,8 @@ i-quant run forms take 10-100 s each to build, one after another otherwise.
 --layer 235b times the MoE layers at Qwen3-235B-A22B's expert shape (D 4096, F 1536) instead of
 30B-A3B's (D 2048, F 768); both route 8 of 128 experts. --layer gptoss: gpt-oss-20b's (D = F =
 2880, 4 of 32 experts, MXFP4 with biases and the clamped SwiGLU), its float32-activation pairs
-kernels by tile (rows of 2880 values: 1530-byte rows of 17-byte blocks, k_step's steps).
+kernels by tile (rows of 2880 values: 1530-byte rows of 17-byte blocks, k_step's steps) and its
+8-bit-activation kernels (moe_forward x8 with the "gate_up_mx8" / "down_mx8" tiles) by tile.
 
 Every figure is the median over CUDA-graph replays of 16 calls, each call on its own copy of the
 weights (rotated so that the L2 cannot hold them; the MoE layer's 8 experts change every call).
@@ -273,6 +274,13 @@ def main() -> None:
         for dn in [(2, 512, 1, 4), (4, 512, 1, 4), (8, 512, 1, 8), (1, 1024, 1, 4),
                    (2, 1024, 1, 4), (8, 256, 1, 4), (2, 256, 1, 2), (1, 512, 1, 2)]:
             mx_variants[f"down_pairs {dn}"] = {"down_pairs": dn}
+        # x and h rounded to 8 bits (gemv_q8.mxfp4_spread_dot, dp4a; off in the engine until
+        # timed: tuning.MXFP4_X8), by (R rows, BB blocks a step, warps)
+        for gq, dq in [((2, 8, 2), (2, 8, 2)), ((1, 8, 1), (1, 8, 1)), ((4, 8, 4), (4, 8, 4)),
+                       ((2, 16, 4), (2, 16, 4)), ((4, 4, 2), (4, 4, 2)), ((8, 4, 4), (8, 4, 4)),
+                       ((1, 32, 4), (1, 32, 4)), ((2, 8, 2), (4, 8, 4))]:
+            mx_variants[f"x8, gate_up_mx8 {gq} down_mx8 {dq}"] = {
+                "x8": True, "gate_up_mx8": gq, "down_mx8": dq}
         packs = [(QType.MXFP4, QType.MXFP4, mx_variants)]
     moe = a.gemv_only is None or "moe" in a.gemv_only.split(",")
     for qgu, qdown, tunes in packs if moe else ():

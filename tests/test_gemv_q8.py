@@ -288,6 +288,89 @@ def test_iq_moe_kernels_compile_for_sm90() -> None:
             assert "dp4a.s32.s32" in ptx and ("popc.b32" if iq3 else "prmt.b32") in ptx
 
 
+def test_mxfp4_moe_kernels_compile_for_sm90() -> None:
+    """Without a GPU: the MXFP4 x8 MoE kernels (gpt-oss's gate/up with biases and the clamped
+    SwiGLU, and the down) compile for sm_90 with their signed dp4a and PRMTs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import gemv_q8
+
+    types = {"xq": "*i8", "hq": "*i8", "dx": "*fp32", "hdx": "*fp32", "ids": "*i64",
+             "wts": "*fp32", "slot_of": "*i32", "gate": "*u8", "up": "*u8", "down": "*u8",
+             "h": "*fp32", "part": "*fp32", "mg": "*u8", "mu": "*u8", "md": "*u8",
+             "bg": "*fp32", "bu": "*fp32", "bd": "*fp32"}
+    for fn, extra in ((gemv_q8._gate_up_mx8_kernel, {"OAI": True}), (gemv_q8._down_mx8_kernel, {})):
+        consts = {"TOPK": 4, "R": 2, "BB": 8, "MISS": True, "HOST_FROM": 4, "BIAS": True,
+                  "EVEN": False, **extra}
+        sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 2}).asm["ptx"]
+        assert "dp4a.s32.s32" in ptx and "prmt.b32" in ptx, fn.__name__
+
+
+def test_moe_mxfp4_x8_under_the_interpreter() -> None:
+    """gpt-oss's decode MoE layer on MXFP4's 8-bit-activation kernels (moe_forward x8 with
+    their tiles given: tuning.MXFP4_X8 is off), without and with biases and the clamped
+    SwiGLU, 1 and 3 tokens: equal to the reference with x and h rounded (moe_ref x8) within
+    X8_TOL, and within the rounding of the reference without it; rows of 17-byte blocks at
+    every alignment (d 192: 102-byte rows, six blocks in steps of 4, the last masked), slots
+    and miss rows (every pair computed), the pairs' rows unsummed; without their tiles the same
+    call keeps the float32 kernels (the reference to float rounding)."""
+    run_interpreted(f"""
+    import torch
+    torch.manual_seed(seed)
+    from strata.experts.layout import ExpertLayout
+    from strata.kernels.gpu import gather_misses, moe_forward
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import QType, random_rows
+    rng = np.random.default_rng(seed)
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    e, d, f = 3, 192, 128
+    qt = (QType.MXFP4,) * 3
+    lay = ExpertLayout(0, tuple(int(q) for q in qt), d, f)
+    records = torch.zeros(e, lay.stride, dtype=torch.uint8)
+    for part, (n, k) in zip(lay.views(records), ((f, d), (f, d), (d, f))):
+        part[:] = torch.from_numpy(random_rows(QType.MXFP4, e * n, k, rng, 0.05)).view(e, n, -1)
+    slot_of = torch.tensor([1, -1, 0], dtype=torch.int32)  # expert 1 only in the records
+    slots = lay.views(records[[2, 0]])
+    full = (torch.arange(e, dtype=torch.int32), *lay.views(records), qt, d, f)
+    # (32 and 64 rows a program: few programs to interpret; d's six blocks in steps of 4, the
+    # second masked, f's four in one step of 8)
+    tiles = {{"gate_up_mx8": (32, 4, 1), "down_mx8": (64, 8, 1)}}
+    fma = {{"gate_up": (64, 256, 1, 4), "down_pairs": (64, 256, 1, 4)}}
+    for bias, act in ((None, "swiglu"), (tuple(torch.randn(e, n) for n in (f, f, d)),
+                                         "swiglu_oai")):
+        kw = dict(bias=bias, act=act)
+        for t in (1, 3):  # (one token: slots alone, its pairs unsummed; three: miss rows)
+            ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+            x, wts = 3 * torch.randn(t, d), torch.rand(t, 2)
+            if t == 1:
+                out = moe_forward(x, ids, wts, slot_of, *slots, qt, d, f, x8=True, tiles=tiles,
+                                  **kw)
+                ref8 = moe_ref(x, ids, wts, slot_of, *slots, qt, d, f, x8=True, **kw)
+                ref = moe_ref(x, ids, wts, slot_of, *slots, qt, d, f, **kw)
+                assert rel(out, ref8) < {X8_TOL}, ("slots", act, rel(out, ref8))
+                assert 1e-4 < rel(out, ref) < 3e-2, ("rounding", act, rel(out, ref))
+                parts = moe_forward(x, ids, wts, slot_of, *slots, qt, d, f, x8=True,
+                                    tiles=tiles, sum_pairs=False, **kw)
+                assert rel(parts.sum(1), ref8) < {X8_TOL}, ("unsummed", act)
+                continue
+            miss = torch.full((2 * t, lay.stride), 255, dtype=torch.uint8)
+            gather_misses(ids, slot_of, records, miss, lay.nbytes)
+            out = moe_forward(x, ids, wts, slot_of, *slots, qt, d, f, miss=lay.views(miss),
+                              x8=True, tiles=tiles, **kw)
+            ref8 = moe_ref(x, ids, wts, *full, x8=True, **kw)
+            assert rel(out, ref8) < {X8_TOL}, ("miss rows", act, rel(out, ref8))
+            plain = moe_forward(x, ids, wts, slot_of, *slots, qt, d, f, miss=lay.views(miss),
+                                x8=True, tiles=fma, **kw)
+            assert rel(plain, moe_ref(x, ids, wts, *full, **kw)) < 2e-5, ("float", act)
+    print("ok")
+    """, fresh_seed(), timeout=600)
+
+
 @pytest.mark.cuda
 def test_gemv_on_cuda() -> None:
     rng = np.random.default_rng(fresh_seed())
@@ -470,6 +553,46 @@ def test_moe_x8_on_cuda_235b_shape(tune: dict, pack: str) -> None:
     """The same at Qwen3-235B-A22B's expert shape (D 4096, F 1536: 6 blocks a down row; the
     run form's threads walk two runs)."""
     _moe_x8_layer(4096, 1536, pack, tune)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tune", [{"gate_up_mx8": (2, 8, 2), "down_mx8": (2, 8, 2)},
+                                  {"gate_up_mx8": (1, 32, 4), "down_mx8": (4, 4, 2)}])
+def test_moe_mxfp4_x8_on_cuda(tune: dict) -> None:
+    """gpt-oss-20b's decode layer (D = F = 2880: 90 blocks of 17 bytes a row, 4 of 32 experts
+    routed, 24 resident, biases and the clamped SwiGLU) on MXFP4's 8-bit-activation kernels,
+    one token and four: against the reference with x and h rounded, and within the rounding
+    of the reference without it."""
+    from strata.kernels.gpu import moe_forward
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import QType, random_rows
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    e, slots, k, d = 32, 24, 4, 2880
+    slot_of = np.full(e, -1)
+    slot_of[rng.permutation(e)[:slots]] = np.arange(slots)
+    mx = QType.MXFP4
+
+    def rows(n: int, cols: int) -> torch.Tensor:
+        return torch.from_numpy(random_rows(mx, n, cols, rng, 0.05)).cuda()
+
+    layer = dict(slot_of_expert=torch.tensor(slot_of, dtype=torch.int32).cuda(),
+                 gate_slots=rows(slots * d, d).view(slots, d, -1),
+                 up_slots=rows(slots * d, d).view(slots, d, -1),
+                 down_slots=rows(slots * d, d).view(slots, d, -1), qtypes=(mx, mx, mx),
+                 d_model=d, d_expert=d, act="swiglu_oai",
+                 bias=tuple(torch.randn(e, d, device="cuda") for _ in range(3)))
+    for t in (1, 4):
+        ids = torch.from_numpy(np.stack([rng.permutation(e)[:k] for _ in range(t)])).cuda()
+        x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, k, device="cuda")
+        out = moe_forward(x, ids, wts, **layer, x8=True, tiles=tune)
+        ref = moe_ref(x, ids, wts, **layer, x8=True)
+        err = float((out - ref).norm() / ref.norm())
+        assert err < X8_TOL, f"{tune} t={t} seed={seed}: rel err {err:.2e} with rounding"
+        ref = moe_ref(x, ids, wts, **layer)
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 3e-2, f"{tune} t={t} seed={seed}: rel err {err:.2e} without"
 
 
 def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:

@@ -123,6 +123,14 @@ DOWN_Q6K_Q8_TILE = (4, 4, 1)
 # form of the gate/up timed slower (33-37 us against 28-31), so off. bench/2026-12-01-h200-iq-run.md
 GATE_UP_IQ_TILE = (4, 4, 1)
 DOWN_IQ_TILE = (8, 1, 1)
+# x8 decode, MXFP4 gate/up and down with biases (gpt-oss) on dp4a (gemv_q8.mxfp4_spread_dot),
+# (R, BB, warps): tested under Triton's interpreter and compiled for sm_90, never timed, so off:
+# gpt-oss decodes on the float32 kernels (132 us a layer, 400 GB/s, whatever their tile:
+# bench/2026-12-06-h100-glue.md) until bench_moe_decode.py --layer gptoss (its "mx8" variants)
+# times these beside them.
+MXFP4_X8 = False
+GATE_UP_MX8_TILE = (2, 8, 2)
+DOWN_MX8_TILE = (2, 8, 2)
 # gather_misses: int32 words a program, 16 KB in flight each; not timed against others (bench:
 # none; the copy's program count was: PREFETCH_PROGRAMS)
 GATHER_BLOCK = 4096

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import ASM, f16_bits, i2f
-from strata.kernels.gpu.pairs import pair_computed, record_part, words_aligned
+from strata.kernels.gpu.pairs import bias_row, glu, pair_computed, record_part, words_aligned
 from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.kernels.tuning import GEMV_X8_RUN, GEMV_X8_TILE
 from strata.quant import QType, grids, row_nbytes
@@ -852,6 +852,119 @@ def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, 
         total = q6k_spread_dot(base.to(tl.pointer_type(tl.int32)), ro,
                                (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
                                hdx + p.to(tl.int64) * (F // 32), F // 256, BB)
+    tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
+
+
+# MXFP4's values doubled (ggml's kvalues_mxfp4) as bytes for PRMT: 0..7 and, negated, 8..15
+MX_POS_LO = tl.constexpr(0x3020100)
+MX_POS_HI = tl.constexpr(0xc080604)
+MX_NEG_LO = tl.constexpr(-33620224)  # 0xFDFEFF00: 0, -1, -2, -3
+MX_NEG_HI = tl.constexpr(-185009412)  # 0xF4F8FAFC: -4, -6, -8, -12
+
+
+@triton.jit
+def _word_any(wbase, o, m):
+    """The little-endian u32 at byte offset o (int64, any alignment) from wbase (int32 words,
+    4-aligned): one aligned word, or the bytes of two joined by one PRMT (the second word is
+    read only where o is not 4-aligned, so no byte past the last field is read)."""
+    sh = (o & 3).to(tl.int32)
+    w0 = tl.load(wbase + (o >> 2), mask=m, other=0)
+    w1 = tl.load(wbase + (o >> 2) + 1, mask=m & (sh != 0), other=0)
+    return _prmt(w0, w1, 0x3210 + 0x1111 * sh)
+
+
+@triton.jit
+def _mx_values(q):
+    """The signed value bytes (ggml's doubled E2M1: 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12) of the four
+    nibbles in q's low 16 bits, in their order: PRMT from the positive and the negative table
+    by each nibble's low 3 bits, then a third PRMT picks by its bit 3 (the sign)."""
+    sel = q & 0x7777
+    pos = _prmt(MX_POS_LO + sel * 0, MX_POS_HI, sel)
+    neg = _prmt(MX_NEG_LO + sel * 0, MX_NEG_HI, sel)
+    return _prmt(pos, neg, 0x3210 | ((q & 0x8888) >> 1))
+
+
+@triton.jit
+def mxfp4_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr, EVEN: tl.constexpr = False):
+    """Σ_k x̂[k] · W[r, k] [R] for MXFP4 rows at byte offsets ro ([1, 1, R], int64) from wbase
+    (int32 words, 4-aligned) of nb blocks, x̂ as quantize_x gives it (xw: its int8 values as
+    int32 words, dx: its per-32 scales: one a block).
+
+    17-byte blocks, e (E8M0) then 16 bytes whose low nibbles are values 0-15 and high nibbles
+    16-31: a row's words have any alignment (_word_any). The threads spread over BB blocks x 4
+    words; a thread's word holds values 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high), as
+    nibble pairs byte by byte, so its low and high 16 bits give, by _mx_values, two value words
+    in that interleaved order; x's two words are interleaved to match (two PRMTs, shared by the
+    R rows), then two signed dp4a. Each block's int32 sum (|Σ| <= 32 · 12 · 127) times
+    2^(e-128) dx in float."""
+    R: tl.constexpr = ro.shape[2]
+    bb = tl.arange(0, BB)[:, None, None]  # [BB, 1, 1]
+    c = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
+    zero = tl.zeros((BB, 4, R), tl.int32)
+    acc = tl.zeros((BB, 4, R), tl.float32)
+    b8 = (wbase.to(tl.pointer_type(tl.int8))).to(tl.pointer_type(tl.uint8))
+    for b0 in range(0, nb, BB):
+        b = b0 + bb
+        m = _in_row(b, nb, EVEN)
+        o = ro + b * 17  # [BB, 1, R]: the block's first byte (e) in each row
+        q = _word_any(wbase, o + 1 + 4 * c, m)  # [BB, 4, R]
+        xa = tl.load(xw + b * 8 + c, mask=m, other=0)  # [BB, 4, 1]: values 4c .. 4c + 3
+        xb = tl.load(xw + b * 8 + 4 + c, mask=m, other=0)  # 16 + 4c .. 16 + 4c + 3
+        dot = _dp4a(_mx_values(q), _prmt(xa, xb, 0x5140) + zero, zero, True)
+        dot = _dp4a(_mx_values(q >> 16), _prmt(xa, xb, 0x7362) + zero, dot, True)
+        e = tl.load(b8 + o, mask=m, other=0).to(tl.int32)  # [BB, 1, R]
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        dxb = tl.load(dx + b, mask=m, other=0.0)  # [BB, 1, 1]
+        acc += (d * dxb) * dot.to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
+
+
+@triton.jit(do_not_specialize=["D", "F"])
+def _gate_up_mx8_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, bg, bu, D, F,
+                        stride_gs, stride_us, stride_ms, row_bytes, TOPK: tl.constexpr,
+                        R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
+                        HOST_FROM: tl.constexpr, BIAS: tl.constexpr, OAI: tl.constexpr,
+                        EVEN: tl.constexpr):
+    # as moe._gate_up_pairs_kernel, for MXFP4 gate and up and x rounded to 8 bits (quantize_x):
+    # R rows of each a program (mxfp4_spread_dot); the biases and gpt-oss's clamped SwiGLU as
+    # there (BIAS, OAI); EVEN: D a multiple of 32 BB (every step's blocks in the row)
+    p, n, slot = _pair(ids, slot_of, R)
+    hv = tl.zeros((R,), tl.float32)
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        t = (p // TOPK).to(tl.int64)
+        xw = (xq + t * D).to(tl.pointer_type(tl.int32))
+        ro = _row_offsets(n, F, row_bytes)[None, None, :]
+        gb = record_part(gate, slot, stride_gs, mg, p, stride_ms, MISS)
+        ub = record_part(up, slot, stride_us, mu, p, stride_ms, MISS)
+        g = mxfp4_spread_dot(gb.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32),
+                             D // 32, BB, EVEN)
+        u = mxfp4_spread_dot(ub.to(tl.pointer_type(tl.int32)), ro, xw, dx + t * (D // 32),
+                             D // 32, BB, EVEN)
+        if BIAS:
+            e = tl.load(ids + p)
+            g += bias_row(bg, e, n, F)
+            u += bias_row(bu, e, n, F)
+        hv = glu(g, u, OAI) * tl.load(wts + p).to(tl.float32)
+    tl.store(h + p.to(tl.int64) * F + n, hv, mask=n < F)
+
+
+@triton.jit(do_not_specialize=["D", "F"])
+def _down_mx8_kernel(hq, hdx, ids, slot_of, down, part, md, wts, bd, D, F, stride_ds, stride_ms,
+                     row_bytes, TOPK: tl.constexpr, R: tl.constexpr, BB: tl.constexpr,
+                     MISS: tl.constexpr, HOST_FROM: tl.constexpr, BIAS: tl.constexpr,
+                     EVEN: tl.constexpr):
+    # as moe._down_pairs_kernel, for an MXFP4 down and each pair's h (already weighted) rounded
+    # to 8 bits: R rows a program (mxfp4_spread_dot), + wts[p] · bd[e] with BIAS
+    p, n, slot = _pair(ids, slot_of, R)
+    total = tl.zeros((R,), tl.float32)
+    if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
+        base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
+        ro = _row_offsets(n, D, row_bytes)[None, None, :]
+        total = mxfp4_spread_dot(base.to(tl.pointer_type(tl.int32)), ro,
+                                 (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32)),
+                                 hdx + p.to(tl.int64) * (F // 32), F // 32, BB, EVEN)
+        if BIAS:
+            total += tl.load(wts + p).to(tl.float32) * bias_row(bd, tl.load(ids + p), n, D)
     tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
 
 

@@ -53,10 +53,12 @@ from strata.kernels.gpu.skeletons import dot_tile, gemv_tile, gemv_tile2, rows
 from strata.kernels.tuning import (
     DECODE_MAX_T,
     DOWN_IQ_TILE,
+    DOWN_MX8_TILE,
     DOWN_Q6K_Q8_TILE,
     DOWN_Q8_TILE,
     DOWN_TILE,
     GATE_UP_IQ_TILE,
+    GATE_UP_MX8_TILE,
     GATE_UP_Q8_TILE,
     GATE_UP_TILE,
     GATHER_BLOCK,
@@ -64,6 +66,7 @@ from strata.kernels.tuning import (
     IQ_GROUPED_MIN_TOKENS,
     MMQ_GROUPED_MIN_TOKENS,
     MMQ_PROMPT,
+    MXFP4_X8,
     PAIRS_MAX_T,
 )
 from strata.quant import QType, dequantize
@@ -75,9 +78,20 @@ IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)  # the i-quant types with int8-activation 
 # -> (R, BB, warps) instead of GATE_UP_Q8_TILE / DOWN_Q8_TILE / DOWN_Q6K_Q8_TILE /
 # GATE_UP_IQ_TILE / DOWN_IQ_TILE; "gate_up_iq_run" -> (rows, split, warps): the i-quant gate/up
 # in the run form (gemv_q8.iq_run_dot) where d_model is a multiple of 2048 and the parts 16-byte
-# aligned (off unless given: strata.kernels.tuning says why)
+# aligned (off unless given: strata.kernels.tuning says why); "gate_up_mx8" / "down_mx8" ->
+# (R, BB, warps): MXFP4 gate/up and down on 8-bit activations (gemv_q8.mxfp4_spread_dot; off
+# unless given or tuning.MXFP4_X8)
 TILE_KEYS = ("gate_up", "down_pairs", "gate_up_q8", "down_q8", "down_q6k_q8", "gate_up_iq",
-             "down_iq", "gate_up_iq_run")
+             "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8")
+
+
+def _mx8(qtypes: tuple[int, ...], d: int, f: int,
+         tiles: Mapping[str, tuple[int, ...]] | None) -> bool:
+    """Whether an x8 decode call of these expert types takes the MXFP4 8-bit-activation kernels
+    (biases and the clamped SwiGLU included): every part MXFP4, rows of whole 64-value pairs of
+    blocks (quantize_x), and tuning.MXFP4_X8 or a tile of theirs given."""
+    return (all(int(q) == QType.MXFP4 for q in qtypes) and d % 64 == 0 and f % 64 == 0
+            and (MXFP4_X8 or bool(tiles and ("gate_up_mx8" in tiles or "down_mx8" in tiles))))
 
 
 # ---- decode: per pair, FMA -------------------------------------------------------------------
@@ -362,8 +376,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                                        down_slots, qtypes, d_model, d_expert, out,
                                        zero=not direct)
     check_bias(bias, act, slot_of_expert.shape[0], d_model, d_expert, x.device)
-    if bias is not None or act != "swiglu":
-        x8 = False  # (the int8-activation kernels compute plain SwiGLU without biases)
+    if (bias is not None or act != "swiglu") and not _mx8((qg, qu, qd), d_model, d_expert,
+                                                          tiles):
+        x8 = False  # (the int8-activation kernels but MXFP4's compute plain SwiGLU, no biases)
     if chosen and path == "tl.dot" and x8 and miss is None:
         # (--kernels fused: the tl.dot sizes on integer tensor cores where the types allow,
         # tuning.MMQ_PROMPT)
@@ -477,7 +492,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
             bias: tuple[torch.Tensor, ...] | None = None, act: str = "swiglu",
             ) -> torch.Tensor | None:
     """Into out (accumulate: +=), or with out None the pairs' rows [T, K, D], returned.
-    x8 calls have no bias and act "swiglu" (moe_forward sees to it)."""
+    x8 calls have no bias and act "swiglu" (moe_forward sees to it), but MXFP4 ones (_mx8)."""
     tiles = tiles or {}
     fg, fu, fd = fmts
     t, d = x.shape
@@ -490,6 +505,21 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
     host = topk if host_from is None else host_from
+    if (x8 and _mx8((fg.qtype, fu.qtype, fd.qtype), d, f, tiles)
+            and words_aligned(gate, up, mg, mu, rows=False)):
+        from strata.kernels.gpu.gemv_q8 import _gate_up_mx8_kernel, quantize_x
+
+        xq, dx, _ = quantize_x(x.contiguous())
+        r, bb, warps = tiles.get("gate_up_mx8") or GATE_UP_MX8_TILE
+        bg, bu, bd = bias if bias is not None else (dx, dx, dx)  # (unread without BIAS)
+        _gate_up_mx8_kernel[(triton.cdiv(f, r), p)](
+            xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, bg, bu, d, f, gate.stride(0),
+            up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
+            MISS=miss is not None, HOST_FROM=host, BIAS=bias is not None,
+            OAI=act == "swiglu_oai", EVEN=(d // 32) % bb == 0, num_warps=warps)
+        return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
+                            accumulate, host, x8, tiles, weights=weights,
+                            bias_down=bd if bias is not None else None)
     if (x8 and fg.qtype == fu.qtype and fg.qtype in IQ_X8 and d % 256 == 0
             and words_aligned(gate, up, mg, mu, rows=False)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_iq_kernel, iq_tables, quantize_x
@@ -544,8 +574,21 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
     # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
+    mx8 = (x8 and fd.qtype == QType.MXFP4 and _mx8((fd.qtype,), d, f, tiles)
+           and words_aligned(down, md, rows=False))
     x8 = x8 and bias_down is None
-    if x8 and fd.qtype in IQ_X8 and f % 256 == 0 and words_aligned(down, md, rows=False):
+    if mx8:
+        from strata.kernels.gpu.gemv_q8 import _down_mx8_kernel, quantize_x
+
+        hq, hdx, _ = quantize_x(h)
+        r, bb, warps = tiles.get("down_mx8") or DOWN_MX8_TILE
+        bd = bias_down if bias_down is not None else hdx  # (unread without BIAS)
+        _down_mx8_kernel[(triton.cdiv(d, r), p)](
+            hq, hdx, ids, slot_of, down, part, md, hdx if weights is None else weights, bd,
+            d, f, down.stride(0), md.stride(0), down.shape[2], TOPK=topk, R=r, BB=bb,
+            MISS=miss is not None, HOST_FROM=host_from, BIAS=bias_down is not None,
+            EVEN=(f // 32) % bb == 0, num_warps=warps)
+    elif x8 and fd.qtype in IQ_X8 and f % 256 == 0 and words_aligned(down, md, rows=False):
         from strata.kernels.gpu.gemv_q8 import _down_iq_kernel, iq_tables, quantize_x
 
         hq, hdx, _ = quantize_x(h)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.torch_ops import expert_mlp
+from strata.kernels.torch_ops import expert_mlp, glu
 from strata.quant import QType, dequantize
 
 
@@ -24,11 +24,14 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     one pair at a time (the slow, obvious order); with bias (gate, up [E, F], down [E, D]) and
     act, torch_ops.expert_mlp of the pair's expert instead. x8: as moe_forward's x8, x rounded
     to 8 bits (round8) for a gate and up both Q4_K, IQ2_XS or IQ3_XXS, and h for a Q4_K, Q6_K,
-    IQ2_XS or IQ3_XXS down (calls without bias only)."""
+    IQ2_XS or IQ3_XXS down (calls without bias only); for an all-MXFP4 expert (with or without
+    bias) x and h both (the MXFP4 kernels take the routing weight into h before its rounding,
+    this reference after: they differ by that rounding's order)."""
     qg, qu, qd = qtypes
     out = torch.zeros(x.shape[0], d_model, dtype=torch.float32, device=x.device)
     xf = x.float()
-    if x8 and qg == qu and qg in (QType.Q4_K, QType.IQ2_XS, QType.IQ3_XXS):
+    mx8 = x8 and qg == qu == qd == QType.MXFP4
+    if mx8 or x8 and qg == qu and qg in (QType.Q4_K, QType.IQ2_XS, QType.IQ3_XXS):
         xf = round8(xf)
     for t in range(ids.shape[0]):
         for k in range(ids.shape[1]):
@@ -36,6 +39,13 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             if s < 0:
                 continue
             e = int(ids[t, k])
+            if bias is not None and mx8:
+                bg, bu, bd = (b[e].float() for b in bias)
+                h = glu(dequantize(gate_slots[s], qg, d_model) @ xf[t] + bg,
+                        dequantize(up_slots[s], qu, d_model) @ xf[t] + bu, act)
+                y = dequantize(down_slots[s], qd, d_expert) @ round8(h) + bd
+                out[t] += float(weights[t, k]) * y
+                continue
             if bias is not None:
                 w = (dequantize(gate_slots[s], qg, d_model), dequantize(up_slots[s], qu, d_model),
                      dequantize(down_slots[s], qd, d_expert))
@@ -45,7 +55,7 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             g = dequantize(gate_slots[s], qg, d_model) @ xf[t]  # [F]
             u = dequantize(up_slots[s], qu, d_model) @ xf[t]
             h = torch.nn.functional.silu(g) * u
-            if x8 and qd in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS):
+            if mx8 or x8 and qd in (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS):
                 h = round8(h)
             out[t] += float(weights[t, k]) * (dequantize(down_slots[s], qd, d_expert) @ h)
     return out
