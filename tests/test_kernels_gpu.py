@@ -644,6 +644,38 @@ def test_biased_moe_kernels_under_the_interpreter() -> None:
     run_interpreted_side_by_side(bodies, seed, timeout=300)
 
 
+def test_shared_expert_as_one_expert_under_the_interpreter() -> None:
+    """A decode token's shared expert through the MoE decode kernels (SharedExpert._as_expert:
+    expert 0 of a one-expert layer, its sigmoid gate as the routing weight) against the torch
+    form of the same weights: gated (qwen35moe) and not (glm4moe), gate, up and down of three
+    types; matrices not all in fused types are left to the torch form."""
+    _, seed = fresh_rng()
+    run_interpreted_side_by_side([_INTERPRETED_HEAD + """
+    from types import SimpleNamespace
+    from strata.model.parts.ffn import SharedExpert
+    from strata.model.weights import QuantTensor
+    d, s = 256, 256
+    w1, w3, w2 = rows(QType.Q4_K, s, d), rows(QType.Q8_0, s, d), rows(QType.Q6_K, d, s)
+    g1, g3, g2 = dequantize(w1, QType.Q4_K, d), dequantize(w3, QType.Q8_0, d), \
+        dequantize(w2, QType.Q6_K, s)
+    for gate in (0.1 * torch.randn(d), None):
+        lw = SimpleNamespace(shared_w1=QuantTensor(w1, QType.Q4_K, d),
+                             shared_w3=QuantTensor(w3, QType.Q8_0, d),
+                             shared_w2=QuantTensor(w2, QType.Q6_K, s), shared_gate=gate)
+        se = SharedExpert(lw)
+        assert se._one_token(torch.device("cpu")) is not None
+        h = torch.randn(1, d)
+        ref = (torch.nn.functional.silu(h @ g1.T) * (h @ g3.T)) @ g2.T
+        if gate is not None:
+            ref = torch.sigmoid(h @ gate[:, None]) * ref
+        out = se._as_expert(h)
+        assert out.shape == (1, d) and rel(out, ref) < 2e-5, rel(out, ref)
+    lw.shared_w3 = g3  # a float matrix: the torch form
+    assert SharedExpert(lw)._one_token(torch.device("cpu")) is None
+    print("ok")
+    """], seed, timeout=300)
+
+
 def test_kernels_under_the_interpreter() -> None:
     """Q4_K, Q6_K, IQ2_XS, Q8_0 tiles, both matmul skeletons, the two-matrix GEMV and both MoE
     paths on the CPU (the matmuls beside the MoE paths, each in a process of its own)."""

@@ -43,15 +43,22 @@ def swiglu(h: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Ten
 
 
 class SharedExpert:
-    """The gated shared expert (qwen2moe): sigmoid(h . g) * swiglu(h); without a gate
-    (glm4moe, deepseek2) swiglu(h)."""
+    """The gated shared expert (qwen2moe, qwen35moe): sigmoid(h . g) * swiglu(h); without a gate
+    (glm4moe, deepseek2) swiglu(h). One token on CUDA with the three matrices in GGUF blocks of
+    fused types runs as one expert through the MoE decode kernels (moe_forward, float32
+    activations), its gate as the pair's routing weight: two launches for gate/up/silu/down and
+    the gate's product, where the GEMVs and torch ops took seven (Qwen3.6's profile: 160 torch
+    launches a step, bench/2026-12-06-h100-glue.md)."""
 
     def __init__(self, lw: LayerWeights):
         self.lw = lw
+        self._one: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None | bool = False
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, D] -> [T, D]"""
         lw = self.lw
+        if h.shape[0] == 1 and h.is_cuda and self._one_token(h.device) is not None:
+            return self._as_expert(h)
         act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
         if lw.shared_gate is None:
             return linear(act, lw.shared_w2)
@@ -59,6 +66,36 @@ class SharedExpert:
         # split-K GEMV took two launches, ~15 us a layer, on Qwen3.6's)
         gate = torch.sigmoid(decode_ops().router_logits(h, lw.shared_gate[None]))  # [T, 1]
         return gate * linear(act, lw.shared_w2)
+
+    def _one_token(self, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(ids [1, 1], slot_of [1], ones [1, 1]) on the device for _as_expert, or None where
+        the matrices are not all in GGUF blocks of types the decode kernels read (worked out
+        once)."""
+        if self._one is False:
+            from strata.kernels.gpu.formats import kernel_format
+
+            ws = (self.lw.shared_w1, self.lw.shared_w3, self.lw.shared_w2)
+            ok = all(hasattr(w, "raw") and w.raw.dim() == 2 and w.raw.is_contiguous()
+                     and w.raw.device == device and kernel_format(w.qtype) is not None
+                     for w in ws) and ws[0].raw.shape[0] == ws[1].raw.shape[0]
+            self._one = (torch.zeros(1, 1, dtype=torch.int32, device=device),
+                         torch.zeros(1, dtype=torch.int32, device=device),
+                         torch.ones(1, 1, dtype=torch.float32, device=device)) if ok else None
+        return self._one
+
+    def _as_expert(self, h: torch.Tensor) -> torch.Tensor:
+        """One token's shared expert as expert 0 of a one-expert layer: [1, D]."""
+        from strata.kernels.gpu import moe_forward
+
+        lw = self.lw
+        ids, slot_of, ones = self._one
+        w1, w3, w2 = lw.shared_w1, lw.shared_w3, lw.shared_w2
+        wts = ones if lw.shared_gate is None else torch.sigmoid(
+            decode_ops().router_logits(h, lw.shared_gate[None]))  # [1, 1]
+        return moe_forward(h.contiguous(), ids, wts, slot_of, w1.raw[None], w3.raw[None],
+                           w2.raw[None], (w1.qtype, w3.qtype, w2.qtype), h.shape[1],
+                           w1.raw.shape[0])
 
 
 class RoutedExperts:
