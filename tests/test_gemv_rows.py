@@ -116,10 +116,11 @@ def test_gemv_rows_refuses_bad_tiles() -> None:
 
 def test_quant_matmul_takes_rows_for_listed_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """quant_matmul sends one token to the rows kernel only for the shapes in GEMV_ROWS_TUNE
-    (empty by default: the engine's choice is the FMA kernel's)."""
+    (gpt-oss's 2880-wide Q8_0 ones by default; others take the FMA kernel)."""
     from strata.kernels.gpu import matmul as mm
 
-    assert mm.GEMV_ROWS_TUNE == {}
+    assert set(mm.GEMV_ROWS_TUNE) == {(int(QType.Q8_0), 201088, 2880),
+                                      (int(QType.Q8_0), 5120, 2880)}
     launched = []
     monkeypatch.setattr(mm, "_launch_rows", lambda *a: launched.append(a[-1]))
     monkeypatch.setattr(mm, "GEMV_ROWS_TUNE", {(int(QType.Q4_K), 3, 256): (2, 256, 1, 1)})

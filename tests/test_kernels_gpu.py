@@ -644,6 +644,22 @@ def test_biased_moe_kernels_under_the_interpreter() -> None:
     run_interpreted_side_by_side(bodies, seed, timeout=300)
 
 
+def test_rows_tiles_of_the_tuning_table_under_the_interpreter() -> None:
+    """Each one-token shape tuning.GEMV_ROWS_TUNE sends to the rows kernel (gpt-oss's 2880-wide
+    Q8_0: BK not dividing the row, the last step masked), on 9 rows of its type and width with
+    its tile: the reference product."""
+    _, seed = fresh_rng()
+    run_interpreted_side_by_side([_INTERPRETED_HEAD + """
+    from strata.kernels.tuning import GEMV_ROWS_TUNE
+    assert GEMV_ROWS_TUNE
+    for (q, n, k), tile in GEMV_ROWS_TUNE.items():
+        w, x = rows(QType(q), 9, k), torch.randn(1, k)
+        y = quant_matmul(x, w, QType(q), rows_tile=tile)
+        assert rel(y, matmul_ref(x, w, QType(q))) < 2e-5, (q, n, k, tile)
+    print("ok")
+    """], seed, timeout=300)
+
+
 def test_shared_expert_as_one_expert_under_the_interpreter() -> None:
     """A decode token's shared expert through the MoE decode kernels (SharedExpert._as_expert:
     expert 0 of a one-expert layer, its sigmoid gate as the routing weight) against the torch

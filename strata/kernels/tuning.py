@@ -43,9 +43,13 @@ GEMV_TYPE_TILES = MappingProxyType({
 # bench/2026-11-30-h200-gathered-decode.md
 GEMV_TUNE: MappingProxyType[tuple[int, int, int], tuple[int, int, int, int]] = MappingProxyType({})
 # (GGML type, N, K) -> (R, BK, stages, warps): one-token shapes on the rows kernel (R rows share
-# each x tile); none: it was not faster where timed. bench/2026-11-30-h200-prefetch2.md
+# each x tile); not faster on the 30B-A3B's shapes (bench/2026-11-30-h200-prefetch2.md); faster on
+# gpt-oss's 2880-wide Q8_0 (H100, float32 x, graph replays over rotated copies): the 201,088-row
+# output head 336.3 us against 405.4 with the type's FMA tile, q/k/v fused 13.0 against 14.3.
+# bench/2026-12-06-h100-glue.md
 GEMV_ROWS_TUNE: MappingProxyType[tuple[int, int, int], tuple[int, int, int, int]] = \
-    MappingProxyType({})
+    MappingProxyType({(int(QType.Q8_0), 201088, 2880): (8, 512, 1, 2),
+                      (int(QType.Q8_0), 5120, 2880): (2, 1024, 1, 2)})
 
 # ---- one-token GEMVs on int8 activations (kernels/gpu/gemv_q8.py) -------------------------------
 

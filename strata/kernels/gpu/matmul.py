@@ -11,7 +11,8 @@ torch.matmul; anything else: dequantize -> matmul) go through `fallback_matmul`,
 once per type.
 
 One token can also take the rows kernel (`gemv_rows`: R rows per program share each x tile
-instead of each reading it through L1), for the shapes listed in GEMV_ROWS_TUNE (none yet).
+instead of each reading it through L1), for the shapes listed in GEMV_ROWS_TUNE (gpt-oss's
+2880-wide Q8_0 head and q/k/v).
 Thresholds and tiles: strata.kernels.tuning; a benchmark passes others to quant_matmul.
 """
 
