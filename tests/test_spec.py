@@ -320,18 +320,44 @@ def test_slow_windows_turn_off():
     """Windows whose seconds per token exceed a plain step's by SPEC_SLOWER turn off; a window
     that gains enough stays on."""
     w = Window(4)
-    w.update(4, 4, 0.5)  # no plain step timed yet: one plain step next, to measure against
-    assert w.off == 1 and w.next_size() == 0 and w.next_size() == 4
+    w.update(4, 4, 0.5)  # no plain step timed yet: not judged, two plain steps next
+    assert w.off == 2 and [w.next_size() for _ in range(3)] == [0, 0, 4]
+    w.plain(0.9)  # (right after the window: not taken)
+    assert w.plain_s is None
     w.plain(0.1)
+    assert w.plain_s == 0.1 and w.off == 0 and w.costs.steps == {}
     w.update(4, 3, 0.3)  # 0.075 s a token against 0.1: on
     assert w.off == 0
-    for _ in range(3):
-        w.update(4, 1, 0.4)  # 0.2 s a token: the running mean crosses 0.11
+    for _ in range(4):
+        w.update(4, 1, 0.4)  # 0.2 s a token: the running mean crosses 0.11 at the second
     assert w.window_s is None and w.off == 4 * SPEC_OFF_STEPS  # turned off 3 times in a row
     assert w.backoff == 8 * SPEC_OFF_STEPS
     w.off = 0
     w.update(4, 4, 0.2)  # 0.04 s a token: on, and the next pause is short again
     assert w.off == 0 and w.backoff == SPEC_OFF_STEPS
+
+
+def test_the_plain_step_after_a_window_does_not_set_the_measure():
+    """The plain step right after a window may pay for it (on an H100 at 4 GiB it took over 7
+    plain steps' time, and windows of ~30 plain steps then passed for cheap): it is not timed,
+    so such windows are judged slow against the steps after it; a first window, before any
+    plain step is timed, is not judged."""
+    costs = PassCosts()
+    w = Window(4, costs=costs)
+    w.update(4, 3, 0.45)  # a first window (not judged), ~30 plain steps of 0.015
+    w.next_size(), w.next_size()
+    w.plain(0.12)  # its aftermath: not the measure
+    w.plain(0.015)
+    assert w.off == 0 and costs.steps == {}
+    w.update(4, 3, 0.45)  # judged against 0.015, not 0.12: off
+    assert w.off >= SPEC_OFF_STEPS and costs.steps == {4: pytest.approx(30.0)}
+    w.plain(0.12)  # (after a window again: not taken, the mean stays at 0.015)
+    assert w.plain_s == pytest.approx(0.015)
+    w.off = 0
+    w.update(4, 3, 0.45)
+    assert costs.seen == {4: 2}
+    fresh = Window(4, costs=costs)  # the decoder knows: a new sequence starts with them off
+    assert fresh.off > 64 and fresh.size == 1
 
 
 def test_slow_windows_pause_by_what_they_cost():

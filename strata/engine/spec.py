@@ -104,12 +104,17 @@ class Window:
     is below SPEC_OFF_ACCEPT (then one window of 1 probes again; a probe that fails turns them
     off twice as long, up to SPEC_OFF_MAX, until a window accepts a draft), or while a window's
     seconds per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are
-    timed while no draft comes and while the window is off; a window with no plain step timed
-    yet is followed by one): then twice as long each time in a row, and at least as long as
-    keeps the windows' cost in the pause's plain steps to SPEC_PROBE_SHARE, up to SPEC_OFF_MAX.
-    `costs` (the decoder's, shared by its sequences) keeps what a window pass costs in plain
-    steps by its drafts: a new sequence's windows start off where even a window accepted whole
-    would be slower, and start at 1 draft where a full window costs many plain steps."""
+    timed while no draft comes and while the window is off, but not the one right after a
+    window, which may pay for it: on an H100 at a 4 GiB budget such a step took over 7 plain
+    steps' time, and windows costing ~30 plain steps passed for cheap against it,
+    bench/2026-12-06-h100-glue.md; a window with no plain step timed yet, a first one that may
+    pay one-time costs, is not judged, and two plain steps follow it): then twice as long each
+    time in a row, and at least as long
+    as keeps the windows' cost in the pause's plain steps to SPEC_PROBE_SHARE, up to
+    SPEC_OFF_MAX. `costs` (the decoder's, shared by its sequences) keeps what a window pass
+    costs in plain steps by its drafts: a new sequence's windows start off where even a window
+    accepted whole would be slower, and start at 1 draft where a full window costs many plain
+    steps."""
 
     def __init__(self, limit: int, timed: bool = True, costs: PassCosts | None = None):
         self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
@@ -119,6 +124,7 @@ class Window:
         self.backoff = SPEC_OFF_STEPS  # the next time-based pause
         self.accept_backoff = SPEC_OFF_STEPS  # the next acceptance-based pause
         self.costs = costs if costs is not None else PassCosts()
+        self.after_window = False  # the next plain step follows a window: not timed
         if timed:
             self.off = self.costs.pause_for(limit)
             self.size = self.costs.start_size(limit)
@@ -130,28 +136,20 @@ class Window:
         return self.size
 
     def plain(self, seconds: float) -> None:
-        """A plain decode step took `seconds`."""
+        """A plain decode step took `seconds` (the first after a window is not taken)."""
+        if self.after_window:
+            self.after_window = False
+            return
         self.plain_s = _mean(self.plain_s, seconds)
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """A window of `drafted` drafts accepted `accepted` of them in `seconds`."""
         if seconds is not None and self.timed:
-            self.window_s = _mean(self.window_s, seconds / (accepted + 1))
+            self.after_window = True
             if self.plain_s is None:
-                self.off = max(self.off, 1)  # (a plain step next: the windows' measure)
+                self.off = max(self.off, 2)  # (two plain steps next: the second is timed)
             else:
-                self.costs.add(drafted, seconds / self.plain_s)
-                if self.window_s > SPEC_SLOWER * self.plain_s:
-                    # (the plain steps one such window loses, kept to a share of the pause)
-                    # (at most 4x the doubling pause: one window slowed by something else, a
-                    # preempted thread say, does not turn them off for long)
-                    lost = (self.window_s / self.plain_s - 1) * (accepted + 1)
-                    self.off = min(SPEC_OFF_MAX, 4 * self.backoff,
-                                   max(self.backoff, math.ceil(lost / SPEC_PROBE_SHARE)))
-                    self.window_s = None  # (measured afresh after)
-                    self.backoff = min(2 * self.backoff, SPEC_OFF_MAX)
-                else:
-                    self.backoff = SPEC_OFF_STEPS
+                self._judge(drafted, accepted, seconds)
         self.mean += SPEC_ACCEPT_WEIGHT * (accepted / drafted - self.mean)
         if accepted == drafted:
             self.size = min(self.limit, self.size + 1)
@@ -163,6 +161,23 @@ class Window:
             self.accept_backoff = min(2 * self.accept_backoff, SPEC_OFF_MAX)
         elif accepted:
             self.accept_backoff = SPEC_OFF_STEPS
+
+    def _judge(self, drafted: int, accepted: int, seconds: float) -> None:
+        """A timed window against plain steps: its cost into the decoder's, and a pause where
+        its seconds per token exceed a plain step's by SPEC_SLOWER."""
+        self.window_s = _mean(self.window_s, seconds / (accepted + 1))
+        self.costs.add(drafted, seconds / self.plain_s)
+        if self.window_s > SPEC_SLOWER * self.plain_s:
+            # (the plain steps one such window loses, kept to a share of the pause)
+            # (at most 4x the doubling pause: one window slowed by something else, a
+            # preempted thread say, does not turn them off for long)
+            lost = (self.window_s / self.plain_s - 1) * (accepted + 1)
+            self.off = max(self.off, min(SPEC_OFF_MAX, 4 * self.backoff,
+                                         max(self.backoff, math.ceil(lost / SPEC_PROBE_SHARE))))
+            self.window_s = None  # (measured afresh after)
+            self.backoff = min(2 * self.backoff, SPEC_OFF_MAX)
+        else:
+            self.backoff = SPEC_OFF_STEPS
 
 
 class PassCosts:
