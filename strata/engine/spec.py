@@ -105,9 +105,9 @@ class Window:
     off twice as long, up to SPEC_OFF_MAX, until a window accepts a draft), or while a window's
     seconds per token exceed a plain step's by SPEC_SLOWER (both running means; plain steps are
     timed while no draft comes and while the window is off, but not the one right after a
-    window, which may pay for it: on an H100 at a 4 GiB budget such a step took over 7 plain
-    steps' time, and windows costing ~30 plain steps passed for cheap against it,
-    bench/2026-12-06-h100-glue.md; a window with no plain step timed yet, a first one that may
+    window, which may pay for it: on an H100 at a 4 GiB budget windows costing ~30 plain steps
+    were never judged slower than it, so it took over 7 (inferred, not profiled:
+    bench/2026-12-06-h100-glue.md); a window with no plain step timed yet, a first one that may
     pay one-time costs, is not judged, and two plain steps follow it): then twice as long each
     time in a row, and at least as long
     as keeps the windows' cost in the pause's plain steps to SPEC_PROBE_SHARE, up to
