@@ -272,3 +272,74 @@ def test_spec_greedy_text_through_window_graphs_is_the_plain_text(synth):
     w = graphs.window_steps
     assert w["replayed"] > 0 and w["captured"] == w["warm"] <= 5
     assert set(graphs.eager) == {"every position's logits"}  # (the eager run's windows only)
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_a_hybrids_windows_through_the_graphs(synth, arch):
+    """A hybrid (Gated DeltaNet layers beside gated full attention): its prompt chunks stay
+    eager (their padding would enter the recurrent state), its verify windows take the graphs'
+    static buffers (never padded; the recurrent layers token by token, each token's state kept):
+    every position's logits, the KV rows, the recurrent state after the window and the state
+    kept after each of its tokens equal the eager window's, and a rollback after either gives
+    the same state."""
+    from strata.config import ModelConfig
+    from strata.engine.chunk_graph import blocked
+    from strata.engine.spec import rollback
+    from strata.gguf import open_model
+
+    path = synth(arch, "Q4_K_M")
+    cfg = ModelConfig.from_model(open_model(path))
+    ec = EngineConfig(device="cuda", offload="on", kernels="fused", spec=4, kv_type="f16")
+    assert "recurrent state" in blocked(cfg, ec) and blocked(cfg, ec, windows=True) is None
+    engine = offload(path, "cpu", expert_cache=str(cfg.n_layers * cfg.n_experts))
+    model = engine.model
+    graphs = ChunkGraphs(model, (), why=blocked(cfg, ec), mode="eager", windows=5)
+    assert graphs.why is None and graphs.prompt_why == blocked(cfg, ec)
+    head = prompt(7, 3)
+    for n in (1, 3, 5):
+        tokens = prompt(n, n)
+        runs = []
+        for g in (None, graphs):
+            model.chunks = None
+            kv = model.new_cache(64)
+            model.chunks, model.fused_attention = g, False  # (the prompt: eager either way,
+            # on the plain forms, the chunked rule's kernel being CUDA's)
+            model.forward(torch.tensor(head), [Segment(kv, len(head))])
+            model.fused_attention = True  # (the window's fused forms, torch's here, as a graph's)
+            kv.open_window(n)
+            logits = model.forward(torch.tensor(tokens), [Segment(kv, n)], all_logits=True)
+            kv.state.stop_recording()
+            st = kv.state
+            runs.append((logits.clone(), kv, st.conv.clone(), st.ssm.clone(),
+                         st.window.conv.clone(), st.window.ssm.clone()))
+        (ref, ref_kv, *ref_state), (ours, kv, *state) = runs
+        assert ours.shape == ref.shape == (n, cfg.n_vocab)
+        assert float((ours - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), n
+        assert kv.length == ref_kv.length == len(head) + n
+        rows = slice(0, len(head) + n)
+        mine, theirs = kv.store[:, :, rows], ref_kv.store[:, :, rows]
+        assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max()), n
+        for a, b in zip(state, ref_state, strict=True):
+            assert float((a - b).abs().max()) <= 1e-5 * max(float(b.abs().max()), 1e-6), n
+        rollback(model, kv, len(head) + 1)
+        rollback(model, ref_kv, len(head) + 1)
+        assert torch.allclose(kv.state.ssm, ref_kv.state.ssm, rtol=1e-5, atol=1e-6)
+    # the memory plan: the windows' pool alone (no bucket), the prompt reason kept for its line
+    from strata.engine.memory_plan import make_plan
+    from strata.experts.layout import expert_layouts
+
+    mf = open_model(path)
+    layouts = expert_layouts(mf, cfg)
+    whole = make_plan(mf, cfg, dataclasses.replace(ec, ctx=256, vram_budget_gib=2.0), layouts)
+    assert whole.slots_per_layer == [cfg.n_experts] * cfg.n_layers
+    assert whole.prompt_buckets == () and whole.window_graphs == window_tokens(4) == 5
+    assert whole.prompt_graphs >= graph_pool_bytes(cfg, layouts, 5, whole.prompt_weights,
+                                                   logit_rows=5) + window_static_bytes(cfg, 5)
+    assert "recurrent state" in whole.prompt_graphs_note
+    assert "verify windows of 1-5 tokens" in "\n".join(whole.lines())
+    no_spec = make_plan(mf, cfg, dataclasses.replace(ec, spec=0, ctx=256, vram_budget_gib=2.0),
+                        layouts)
+    assert no_spec.window_graphs == 0 and no_spec.prompt_graphs == 0
+    assert graphs.window_steps["warm"] == 3 and graphs.steps["eager"] == 3  # (the 3 prompts)
+    assert graphs.eager[blocked(cfg, ec)] == 3
+    assert "chunks off" in graphs.line() and "verify windows: 0 replayed, 3 run" in graphs.line()

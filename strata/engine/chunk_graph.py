@@ -83,10 +83,12 @@ MIXER_WHY = {"mla": "a latent cache", "delta": "a recurrent state the padding wo
 # ---- the choice, at load ------------------------------------------------------------------------
 
 
-def blocked(cfg: ModelConfig, ec: EngineConfig) -> str | None:
-    """Why no prompt chunk of this model under this configuration can be captured, or None
-    (then ChunkGraphs checks what the built engine adds: the executor, resident experts, flash
-    attention on this GPU)."""
+def blocked(cfg: ModelConfig, ec: EngineConfig, windows: bool = False) -> str | None:
+    """Why no prompt chunk (windows: no verify window) of this model under this configuration
+    can be captured, or None (then ChunkGraphs checks what the built engine adds: the executor,
+    resident experts, flash attention on this GPU). A hybrid's recurrent layers block the
+    padded prompt chunks only: a window is never padded, and its recurrent layers run token by
+    token into static state buffers (DeltaState and its WindowStates)."""
     if ec.prompt_graphs == "off":
         return "--prompt-graphs off"
     if not ec.device.startswith("cuda"):
@@ -95,7 +97,8 @@ def blocked(cfg: ModelConfig, ec: EngineConfig) -> str | None:
         return "--offload off: the reference layout groups each layer's experts on the host"
     if ec.kernels != "fused":
         return f"--kernels {ec.kernels}: prompt chunks attend over rows the host slices"
-    mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - {"gqa", "sinks"})
+    mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - {"gqa", "sinks"}
+                    - ({"delta", "gated"} if windows else set()))
     if mixers:
         return f"{cfg.arch}'s layers hold " + ", ".join(MIXER_WHY.get(m, m) for m in mixers)
     if ec.kv_type not in HALF_KV:
@@ -171,9 +174,16 @@ def plan_buckets(cfg: ModelConfig, ec: EngineConfig, layouts: list, slots: list[
     with every row's logits) and the static buffers of; where no bucket fits beside the
     windows, the buckets are planned without them."""
     why = blocked(cfg, ec)
-    if why is None and any(n < cfg.n_experts and not lay.empty
-                           for n, lay in zip(slots, layouts, strict=True)):
+    outside = any(n < cfg.n_experts and not lay.empty for n, lay in zip(slots, layouts,
+                                                                          strict=True))
+    if why is None and outside:
         why = "experts outside VRAM: their misses are planned on the host"
+    w = window_tokens(ec.spec)
+    if why is not None and w and not outside and blocked(cfg, ec, windows=True) is None:
+        # (a hybrid: its verify windows alone, one graph per size; `why` says why no chunk)
+        need = (graph_pool_bytes(cfg, layouts, w, prompt_weights, logit_rows=w)
+                + window_static_bytes(cfg, w))
+        return (need, (), w, why) if need <= room else (0, (), 0, why)
     if why is not None:
         return 0, (), 0, why
     for w in dict.fromkeys((window_tokens(ec.spec), 0)):
@@ -206,6 +216,17 @@ class _Bucket:
     graph: object | None = None  # torch.cuda.CUDAGraph
     key: tuple | None = None
     window: bool = False  # a verify window's: every row's logits, no padding
+
+
+def _state_key(kv) -> tuple:  # noqa: ANN001 (a KVCache)
+    """The addresses a window's graph writes a hybrid's recurrent state through: the state's
+    and its window's per-token buffers (DeltaState, WindowStates); () without one."""
+    st = kv.state
+    if st is None:
+        return ()
+    w = st.window
+    return (st.conv.data_ptr(), st.ssm.data_ptr(), w.conv.data_ptr() if w else 0,
+            w.ssm.data_ptr() if w else 0)
 
 
 class _Experts:
@@ -245,13 +266,20 @@ class ChunkGraphs:
                                dtype=np.int64)
         self.buckets = tuple(buckets)
         self.windows = windows
+        # why no prompt chunk is captured (a hybrid's recurrent layers: `why` with windows
+        # planned; or no bucket), where windows still are
+        self.prompt_why = why or (None if self.buckets else "no bucket")
+        if windows and not self.buckets:
+            why = None
         if why is None and not isinstance(self.ex, OffloadExperts):
             why = "the reference layout groups each layer's experts on the host"
-        if why is None and not self.buckets:
+        if why is None and not self.buckets and not windows:
             why = "no bucket"
         if why is None:
             why = self._device_reason()
-        self.why = why
+        self.why = why  # why nothing is captured
+        if why is not None:
+            self.prompt_why = why
         self.steps = {"replayed": 0, "captured": 0, "warm": 0, "eager": 0}
         self.eager: Counter[str] = Counter()  # chunks (and windows) run eagerly, by reason
         self.window_steps = {"replayed": 0, "captured": 0, "warm": 0}
@@ -266,11 +294,13 @@ class ChunkGraphs:
         self._host_read: torch.cuda.Event | None = None
         log.info("prompt graphs: " + (
             f"off, {why}; prompt chunks run eagerly" if why else
-            f"chunks of up to {top} tokens padded to the next of {len(self.buckets)} buckets "
-            f"({', '.join(map(str, self.buckets))}), each captured once per KV storage; "
-            + (f", verify windows of up to {self.windows} tokens one graph per size"
-               if self.windows else "") + "; "
-            + ("CUDA graphs" if self.graphs else "eager")))
+            (f"chunks off, {self.prompt_why}; verify windows of up to {self.windows} tokens "
+             "one graph per size" if self.prompt_why else
+             f"chunks of up to {top} tokens padded to the next of {len(self.buckets)} buckets "
+             f"({', '.join(map(str, self.buckets))}), each captured once per KV storage"
+             + (f", verify windows of up to {self.windows} tokens one graph per size"
+                if self.windows else ""))
+            + "; " + ("CUDA graphs" if self.graphs else "eager")))
 
     def _device_reason(self) -> str | None:
         """What the built engine on this GPU keeps from the graphs (None: nothing); may drop
@@ -278,7 +308,7 @@ class ChunkGraphs:
         from strata.kernels.gpu.moe import layouts_min_tokens, use_grouped
 
         cfg = self.cfg
-        top = max(self.buckets)
+        top = max(self.buckets, default=self.windows)
         outside = [int(i) for i in self.routed if not self._resident(int(i), top)]
         if outside:
             return (f"{len(outside)} of {len(self.routed)} routed layers keep experts outside "
@@ -292,7 +322,7 @@ class ChunkGraphs:
             least = layouts_min_tokens(self.ex.arena.layouts)
             keep = tuple(b for b in self.buckets
                          if not use_grouped(b, cfg.n_experts_used, cfg.n_experts, least))
-            if not keep:
+            if not keep and self.buckets:
                 return "the grouped MoE path reads its group sizes on the host on this GPU"
             self.buckets = keep
             self.windows = max((w for w in range(self.windows + 1)
@@ -306,6 +336,8 @@ class ChunkGraphs:
         """Why this forward runs eagerly ("" where a graph takes it)."""
         if self.why is not None:
             return self.why
+        if not all_logits and self.prompt_why is not None:
+            return self.prompt_why
         if len(segments) != 1:
             return "several sequences"
         kv, n = segments[0].kv, tokens.shape[0]
@@ -320,7 +352,9 @@ class ChunkGraphs:
                     if self.windows else "every position's logits")
         if t is None:
             return f"longer than {self.buckets[-1]} tokens"
-        if getattr(kv, "paged", False) or kv.state is not None or kv.dtype != model.kv_dtype:
+        # (a hybrid's recurrent state: a window's, recording each token's state, only)
+        state_ok = kv.state is None or all_logits and getattr(kv.state, "recording", False)
+        if getattr(kv, "paged", False) or not state_ok or kv.dtype != model.kv_dtype:
             return "a paged, hybrid or other-typed cache"
         if self.graphs and not flash_reads(kv.k[0]):  # (a pass without it slices on the host)
             return "no flash attention over the cache"
@@ -359,7 +393,7 @@ class ChunkGraphs:
         kv.reserve(start + b.size)  # (before any key: a growing cache moves its storage)
         _, slots = ex.begin_step([])  # the cache's pending changes land: its tables hold
         self._fill(b, tokens, start, n)
-        key = (kv.store.data_ptr(), kv.capacity, slots)
+        key = (kv.store.data_ptr(), kv.capacity, slots, _state_key(kv))
         timer = self.model.gpu_timer()
         t0 = timer.start() if timer else None
         if b.key == key and b.graph is not None:
@@ -464,6 +498,11 @@ class ChunkGraphs:
         """One line for --stats."""
         if self.why is not None:
             return f"prompt graphs: off, {self.why}"
+        if self.prompt_why is not None:
+            w = self.window_steps
+            return (f"prompt graphs: chunks off, {self.prompt_why}; verify windows: "
+                    f"{w['replayed']} replayed, {w['warm']} run to capture ({w['captured']} "
+                    f"capture(s)), {self.steps['eager']} eager")
         eager = "; ".join(f"{n} {why}" for why, n in self.eager.most_common())
         w = self.window_steps
         windows = (f"; verify windows: {w['replayed']} replayed, {w['warm']} run to capture "

@@ -143,6 +143,8 @@ class MemoryPlan:
                 + (f", verify windows of 1-{self.window_graphs} tokens with every row's logits"
                    if self.window_graphs else "")
                 + ": one pool, the largest pass's" if self.prompt_buckets else
+                f"verify windows of 1-{self.window_graphs} tokens with every row's logits; "
+                f"no chunks: {self.prompt_graphs_note}" if self.window_graphs else
                 f"none: {self.prompt_graphs_note}") + ")",
             f"  host arena     {f(self.arena):>10} of {f(self.host_available)} RAM available",
             f"  left           {f(self.left):>10}",
