@@ -343,3 +343,50 @@ def test_a_hybrids_windows_through_the_graphs(synth, arch):
     assert graphs.window_steps["warm"] == 3 and graphs.steps["eager"] == 3  # (the 3 prompts)
     assert graphs.eager[blocked(cfg, ec)] == 3
     assert "chunks off" in graphs.line() and "verify windows: 0 replayed, 3 run" in graphs.line()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_a_hybrids_window_graphs_on_cuda(synth, arch):
+    """On CUDA with --spec 4: a hybrid's windows of 1 .. 5 tokens, twice each (captured, then
+    replayed), against the same windows run eagerly: every row's logits within the paths' own
+    rounding (KL below 1e-3 a row), the recurrent state after the window and each token's kept
+    state within 1e-3 of their scale; then greedy text through --spec with drafts right and
+    wrong by turns is the text without --spec."""
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("torch._grouped_mm reads its groups on the host here")
+    path = synth(arch, "Q4_K_M")
+    engine = offload(path, "cuda", expert_cache="auto", kernels="fused", kv_type="f16", spec=4,
+                     draft="ngram")
+    model, graphs = engine.model, engine.model.chunks
+    assert graphs.why is None and graphs.prompt_why and graphs.windows == 5 and graphs.graphs
+    head = prompt(9, 3)
+
+    def run(tokens, chunks):  # noqa: ANN001, ANN202
+        model.chunks = None
+        kv = model.new_cache(64)
+        model.forward(torch.tensor(head), [Segment(kv, len(head))])
+        model.chunks = chunks
+        kv.open_window(len(tokens))
+        logits = model.forward(torch.tensor(tokens), [Segment(kv, len(tokens))], all_logits=True)
+        kv.state.stop_recording()
+        st = kv.state
+        return [t.float().cpu() for t in (logits, st.ssm, st.window.ssm, st.conv)]
+
+    for _ in range(2):
+        for n in range(1, 6):
+            tokens = prompt(n, n)
+            ref, *ref_state = run(tokens, None)
+            ours, *state = run(tokens, graphs)
+            p, q = torch.log_softmax(ref, -1), torch.log_softmax(ours, -1)
+            assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3, n
+            for a, b in zip(state, ref_state, strict=True):
+                assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()), n
+    w = graphs.window_steps
+    assert w["captured"] == w["warm"] == 5 and w["replayed"] == 5
+    params = SamplingParams(temperature=0, max_tokens=24)
+    ids = prompt(16, 6)
+    model.chunks, engine.spec = graphs, None
+    plain = list(engine.generate(ids, params))
+    engine.spec = SpecDecoder(model, ReplayDrafter(ids, plain), 4, timed=False)
+    assert list(engine.generate(ids, params)) == plain and engine.spec.stats.windows > 0
