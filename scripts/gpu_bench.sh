@@ -158,6 +158,7 @@ if [[ $STAGES == *tests* ]]; then
     tests/test_arch_glm4moe.py tests/test_arch_deepseek2.py tests/test_reference.py \
     tests/test_batched_step.py tests/test_paged_attention.py tests/test_latent_ops.py \
     tests/test_constrain.py tests/test_chunk_graph.py tests/test_dense_draft.py \
+    tests/test_window_graph.py \
     tests/test_cli.py::test_generate_on_a_named_cuda_device} \
     2>&1 \
     | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
