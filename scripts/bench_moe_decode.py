@@ -276,9 +276,9 @@ def main() -> None:
             mx_variants[f"down_pairs {dn}"] = {"down_pairs": dn}
         # x and h rounded to 8 bits (gemv_q8.mxfp4_spread_dot, dp4a; off in the engine until
         # timed: tuning.MXFP4_X8), by (R rows, BB blocks a step, warps)
-        for gq, dq in [((2, 8, 2), (2, 8, 2)), ((1, 8, 1), (1, 8, 1)), ((4, 8, 4), (4, 8, 4)),
-                       ((2, 16, 4), (2, 16, 4)), ((4, 4, 2), (4, 4, 2)), ((8, 4, 4), (8, 4, 4)),
-                       ((1, 32, 4), (1, 32, 4)), ((2, 8, 2), (4, 8, 4))]:
+        for gq, dq in [((8, 4, 1), (8, 4, 1)), ((8, 8, 2), (8, 8, 2)), ((16, 4, 2), (16, 4, 2)),
+                       ((4, 8, 1), (4, 8, 1)), ((2, 8, 2), (2, 8, 2)), ((16, 8, 4), (16, 8, 4)),
+                       ((4, 16, 2), (4, 16, 2)), ((8, 4, 1), (16, 4, 2))]:
             mx_variants[f"x8, gate_up_mx8 {gq} down_mx8 {dq}"] = {
                 "x8": True, "gate_up_mx8": gq, "down_mx8": dq}
         packs = [(QType.MXFP4, QType.MXFP4, mx_variants)]

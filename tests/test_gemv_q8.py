@@ -556,7 +556,8 @@ def test_moe_x8_on_cuda_235b_shape(tune: dict, pack: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tune", [{"gate_up_mx8": (2, 8, 2), "down_mx8": (2, 8, 2)},
+@pytest.mark.parametrize("tune", [{"gate_up_mx8": (8, 4, 1), "down_mx8": (8, 4, 1)},
+                                  {"gate_up_mx8": (2, 8, 2), "down_mx8": (16, 4, 2)},
                                   {"gate_up_mx8": (1, 32, 4), "down_mx8": (4, 4, 2)}])
 def test_moe_mxfp4_x8_on_cuda(tune: dict) -> None:
     """gpt-oss-20b's decode layer (D = F = 2880: 90 blocks of 17 bytes a row, 4 of 32 experts

@@ -131,10 +131,12 @@ DOWN_IQ_TILE = (8, 1, 1)
 # (R, BB, warps): tested under Triton's interpreter and compiled for sm_90, never timed, so off:
 # gpt-oss decodes on the float32 kernels (132 us a layer, 400 GB/s, whatever their tile:
 # bench/2026-12-06-h100-glue.md) until bench_moe_decode.py --layer gptoss (its "mx8" variants)
-# times these beside them.
+# times these beside them. The tile: the fewest sm_90 SASS instructions a weight counted at
+# gpt-oss's shape (4 words of a thread a step: 6.3 gate/up, 5.7 down; one word: 10.1; the
+# float32 kernel's 26.1), counted, not timed (docs/kernels.md).
 MXFP4_X8 = False
-GATE_UP_MX8_TILE = (2, 8, 2)
-DOWN_MX8_TILE = (2, 8, 2)
+GATE_UP_MX8_TILE = (8, 4, 1)
+DOWN_MX8_TILE = (8, 4, 1)
 # gather_misses: int32 words a program, 16 KB in flight each; not timed against others (bench:
 # none; the copy's program count was: PREFETCH_PROGRAMS)
 GATHER_BLOCK = 4096
