@@ -269,12 +269,9 @@ class ChunkGraphs:
         # why no prompt chunk is captured (a hybrid's recurrent layers: `why` with windows
         # planned; or no bucket), where windows still are
         self.prompt_why = why or (None if self.buckets else "no bucket")
-        if windows and not self.buckets:
-            why = None
+        why = None if windows and not self.buckets else self.prompt_why
         if why is None and not isinstance(self.ex, OffloadExperts):
             why = "the reference layout groups each layer's experts on the host"
-        if why is None and not self.buckets and not windows:
-            why = "no bucket"
         if why is None:
             why = self._device_reason()
         self.why = why  # why nothing is captured
@@ -498,15 +495,14 @@ class ChunkGraphs:
         """One line for --stats."""
         if self.why is not None:
             return f"prompt graphs: off, {self.why}"
-        if self.prompt_why is not None:
-            w = self.window_steps
-            return (f"prompt graphs: chunks off, {self.prompt_why}; verify windows: "
-                    f"{w['replayed']} replayed, {w['warm']} run to capture ({w['captured']} "
-                    f"capture(s)), {self.steps['eager']} eager")
-        eager = "; ".join(f"{n} {why}" for why, n in self.eager.most_common())
         w = self.window_steps
-        windows = (f"; verify windows: {w['replayed']} replayed, {w['warm']} run to capture "
-                   f"({w['captured']} capture(s))" if self.windows else "")
+        windows = (f"verify windows: {w['replayed']} replayed, {w['warm']} run to capture "
+                   f"({w['captured']} capture(s))")
+        if self.prompt_why is not None:
+            return (f"prompt graphs: chunks off, {self.prompt_why}; {windows}, "
+                    f"{self.steps['eager']} eager")
+        eager = "; ".join(f"{n} {why}" for why, n in self.eager.most_common())
         return (f"prompt graphs: {self.steps['replayed']} chunk(s) replayed, "
                 f"{self.steps['warm']} run to capture ({self.steps['captured']} capture(s)), "
-                f"{self.steps['eager']} eager" + (f" ({eager})" if eager else "") + windows)
+                f"{self.steps['eager']} eager" + (f" ({eager})" if eager else "")
+                + (f"; {windows}" if self.windows else ""))

@@ -574,8 +574,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     p = t * topk
     part = scratch((p, d), torch.float32, h.device)
     # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
-    mx8 = (x8 and fd.qtype == QType.MXFP4 and _mx8((fd.qtype,), d, f, tiles)
-           and words_aligned(down, md, rows=False))
+    mx8 = x8 and _mx8((fd.qtype,), d, f, tiles) and words_aligned(down, md, rows=False)
     x8 = x8 and bias_down is None
     if mx8:
         from strata.kernels.gpu.gemv_q8 import _down_mx8_kernel, quantize_x
