@@ -110,8 +110,9 @@ LB=$PWD/.llama-build  # llama.cpp's CUDA build (llamacpp stage), kept while the 
 if ls .lbin/llama-bin.txz.* >/dev/null 2>&1 && [[ ! -x $LB/bin/llama-bench ]]; then
   mkdir -p "$LB" && cat .lbin/llama-bin.txz.* | tar xJf - -C "$LB" \
     && echo "llama.cpp: the carried build ($(cat "$LB/SOURCE.txt" 2>/dev/null))"
-  export LD_LIBRARY_PATH=$LB/bin:$LB/cublas-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
+# (for llama.cpp's programs alone: ggml-python loading this build's libggml-cpu.so aborts)
+LLENV=(env "LD_LIBRARY_PATH=$LB/bin:$LB/cublas-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
 if [[ ${LLAMA:-1} != 0 && $STAGES =~ llamacpp|matrix|llamabuild &&
       ! ( -x $LB/bin/test-backend-ops && -x $LB/bin/llama-bench ) ]]; then
   if [[ -f .whl/llama.cpp-src.tgz ]]; then
@@ -148,7 +149,7 @@ if [[ $STAGES == *tests* ]]; then
   # the timeout's SIGINT makes pytest print what ended, so a cut run still says what passed)
   tenv=(); [[ -n ${PYTEST_N:-} ]] && tenv=(OMP_NUM_THREADS=$(( ($(nproc) + PYTEST_N - 1) / PYTEST_N )))
   env "${tenv[@]}" timeout -s INT -k 30 ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m cuda \
-    ${PYTEST_N:+-n $PYTEST_N -v} --durations=15 ${TESTS:-tests/test_decode_ops.py \
+    ${PYTEST_N:+-n $PYTEST_N} -rfE --junitxml="$OUT/junit.xml" --durations=15 ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
@@ -329,17 +330,17 @@ if [[ $STAGES == *llamacpp* && -x $LB/bin/test-backend-ops ]]; then
   # than the GPU)
   echo "== llama.cpp: $(cat "$LB/llama.cpp/SOURCE.txt")"
   types=${LLAMA_TYPES:-"iq2_xs|iq3_xxs|q4_K|q6_K|q8_0"}
-  "$LB/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT \
+  "${LLENV[@]}" "$LB/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT \
     -p "type_a=($types),type_b=f32,m=4096,n=1,k=14336," 2>&1 | tee "$OUT/llamacpp_mul_mat.txt" \
     | grep -E "MUL_MAT|us/run" | tail -12
-  "$LB/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT_ID \
+  "${LLENV[@]}" "$LB/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT_ID \
     -p "type_a=($types),type_b=f32,n_mats=128,n_used=8,b=[^,]*,m=768,n=1,k=2048," 2>&1 \
     | tee "$OUT/llamacpp_mul_mat_id.txt" | grep -E "MUL_MAT|us/run" | tail -12
 fi
 if [[ $STAGES == *llamacpp* && -x $LB/bin/llama-bench ]]; then
   for ot in "" "exps=CPU"; do
     echo "== llama-bench $QUANT ${ot:+-ot $ot}"
-    timeout 300 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 1 -p "${LLAMA_PROMPTS:-512}" -n 128 -r 3 \
+    timeout 300 "${LLENV[@]}" "$LB/bin/llama-bench" -m $M -ngl 99 -fa 1 -p "${LLAMA_PROMPTS:-512}" -n 128 -r 3 \
       ${ot:+-ot "$ot"} ${LLAMA_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/llama_bench.txt" | grep -E "^\|" | tail -8
   done
 fi
@@ -355,8 +356,10 @@ if [[ $STAGES == *matrix* ]]; then
     echo "== matrix at ${b} GiB: strata bench -p $P -n $NG -d $D"
     smi "$OUT/smi_strata_$b.txt"; SMI=$!
     timeout 540 python3 -m strata bench $M --device cuda "${THREADS[@]}" -p "$P" -n "$NG" -d "$D" -r 3 \
-      --ctx "$ctx" "${flags[@]}" ${MATRIX_FLAGS:-} --json "$OUT/matrix_strata_$b.json" 2>&1 \
-      | grep -E "^\|" | tee "$OUT/matrix_strata_$b.txt"
+      --ctx "$ctx" "${flags[@]}" ${MATRIX_FLAGS:-} --json "$OUT/matrix_strata_$b.json" \
+      >"$OUT/matrix_strata_$b.log" 2>&1
+    grep -E "^\|" "$OUT/matrix_strata_$b.log" | tee "$OUT/matrix_strata_$b.txt"
+    [[ -f $OUT/matrix_strata_$b.json ]] || { echo "strata bench failed:"; tail -25 "$OUT/matrix_strata_$b.log"; }
     kill $SMI; sp=$(python3 scripts/llama_side_by_side.py peak "$OUT/smi_strata_$b.txt")
     echo "Strata's VRAM peak (nvidia-smi): $sp MiB"
     if [[ -x $LB/bin/llama-bench ]]; then
@@ -366,7 +369,7 @@ if [[ $STAGES == *matrix* ]]; then
           --ctx "$ctx" --over "$over")
         echo "== matrix at ${b} GiB: llama-bench -fa 1 -ncmoe $n"
         smi "$OUT/smi_llama_$b.txt"; SMI=$!
-        timeout 540 "$LB/bin/llama-bench" -m $M -ngl 99 -fa 1 -ncmoe "$n" -p "$P" -n "$NG" \
+        timeout 540 "${LLENV[@]}" "$LB/bin/llama-bench" -m $M -ngl 99 -fa 1 -ncmoe "$n" -p "$P" -n "$NG" \
           -d "$D" -r 3 -o json >"$OUT/matrix_llama_$b.json" 2>"$OUT/matrix_llama_$b.err"
         kill $SMI; lp=$(python3 scripts/llama_side_by_side.py peak "$OUT/smi_llama_$b.txt")
         [[ $b == all ]] && break
@@ -374,7 +377,7 @@ if [[ $STAGES == *matrix* ]]; then
         python3 -c "import sys; sys.exit($lp <= $b * 1024)" || break
         echo "llama.cpp peaked at $lp MiB, over $b GiB: again with more experts on the CPU"
       done
-      python3 scripts/llama_side_by_side.py table "$OUT/matrix_strata_$b.json" \
+      [[ -f $OUT/matrix_strata_$b.json ]] && python3 scripts/llama_side_by_side.py table "$OUT/matrix_strata_$b.json" \
         "$OUT/matrix_llama_$b.json" --label "$QUANT at $b GiB" --strata-peak "$sp" \
         --llama-peak "$lp" ${n:+--ncmoe $n} | tee -a "$OUT/matrix.md"
     fi

@@ -352,7 +352,11 @@ def test_cuda_fused_kernels_and_graphs_within_rounding(mxfp4, kv_type, cache):
     """--kernels fused on CUDA: the dense weights' fused kernels, the experts on the fused MoE
     kernels with their biases and the clamped SwiGLU (every layer covered: none on the torch
     paths), decode steps captured as CUDA graphs over the static cache (f16: rounded keys and
-    values): the logits move by rounding, not more."""
+    values): the logits move by rounding, not more. The experts' MXFP4 kernels take 8-bit
+    activations (tuning.MXFP4_X8), as llama.cpp's MXFP4 GEMVs do: on an H100 a position's KL
+    to the float32 reference was 1e-3 typically and 0.116 at most (bench/2026-12-06-h100-mx8.md),
+    where llama.cpp's own is 2e-2 on average and up to 1e-1 (test_llama_cpp.py); a wrong
+    scale or nibble order moves every position by orders more."""
     path, tokens, ref = mxfp4
     engine = offload(path, "cuda", expert_cache=cache, kv_type=kv_type, kernels="fused")
     ex = engine.model.experts
@@ -366,7 +370,7 @@ def test_cuda_fused_kernels_and_graphs_within_rounding(mxfp4, kv_type, cache):
     out = np.concatenate([engine.model.decode(t, kv).float().cpu().numpy().copy()
                           for t in tokens[4:]])
     kl = kl_per_position(ref[4:], out)
-    assert kl.max() < 2e-3, kl
+    assert np.median(kl) < 2e-3 and kl.mean() < 1e-2 and kl.max() < 0.25, kl
     assert (out.argmax(-1) == ref[4:].argmax(-1)).mean() >= 0.9
     assert not step._failed and step.steps["replayed"] >= len(tokens) - 5
 

@@ -312,12 +312,12 @@ def test_mxfp4_moe_kernels_compile_for_sm90() -> None:
 
 def test_moe_mxfp4_x8_under_the_interpreter() -> None:
     """gpt-oss's decode MoE layer on MXFP4's 8-bit-activation kernels (moe_forward x8 with
-    their tiles given: tuning.MXFP4_X8 is off), without and with biases and the clamped
+    their tiles given), without and with biases and the clamped
     SwiGLU, 1 and 3 tokens: equal to the reference with x and h rounded (moe_ref x8) within
     X8_TOL, and within the rounding of the reference without it; rows of 17-byte blocks at
     every alignment (d 192: 102-byte rows, six blocks in steps of 4, the last masked), slots
-    and miss rows (every pair computed), the pairs' rows unsummed; without their tiles the same
-    call keeps the float32 kernels (the reference to float rounding)."""
+    and miss rows (every pair computed), the pairs' rows unsummed; the same call with x8 off
+    takes the float32 kernels (the reference to float rounding)."""
     run_interpreted(f"""
     import torch
     torch.manual_seed(seed)
@@ -365,7 +365,7 @@ def test_moe_mxfp4_x8_under_the_interpreter() -> None:
             ref8 = moe_ref(x, ids, wts, *full, x8=True, **kw)
             assert rel(out, ref8) < {X8_TOL}, ("miss rows", act, rel(out, ref8))
             plain = moe_forward(x, ids, wts, slot_of, *slots, qt, d, f, miss=lay.views(miss),
-                                x8=True, tiles=fma, **kw)
+                                x8=False, tiles=fma, **kw)
             assert rel(plain, moe_ref(x, ids, wts, *full, **kw)) < 2e-5, ("float", act)
     print("ok")
     """, fresh_seed(), timeout=600)
@@ -556,7 +556,7 @@ def test_moe_x8_on_cuda_235b_shape(tune: dict, pack: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tune", [{"gate_up_mx8": (8, 4, 1), "down_mx8": (8, 4, 1)},
+@pytest.mark.parametrize("tune", [{}, {"gate_up_mx8": (8, 4, 1), "down_mx8": (8, 4, 1)},
                                   {"gate_up_mx8": (2, 8, 2), "down_mx8": (16, 4, 2)},
                                   {"gate_up_mx8": (1, 32, 4), "down_mx8": (4, 4, 2)}])
 def test_moe_mxfp4_x8_on_cuda(tune: dict) -> None:

@@ -352,7 +352,10 @@ def test_a_hybrids_window_graphs_on_cuda(synth, arch):
     replayed), against the same windows run eagerly: every row's logits within the paths' own
     rounding (KL below 1e-3 a row), the recurrent state after the window and each token's kept
     state within 1e-3 of their scale; then greedy text through --spec with drafts right and
-    wrong by turns is the text without --spec."""
+    wrong by turns is the text without --spec up to a near-tie: plain steps run the decode
+    step's 8-bit-activation GEMVs (--kernels fused) and windows the prompt path's float
+    activations, so the two may part only where the eager forward's two tokens lie within
+    TIE of each other and of its top log-probability."""
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("torch._grouped_mm reads its groups on the host here")
     path = synth(arch, "Q4_K_M")
@@ -382,11 +385,31 @@ def test_a_hybrids_window_graphs_on_cuda(synth, arch):
             assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3, n
             for a, b in zip(state, ref_state, strict=True):
                 assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()), n
+    # (every size captured, then replayed; a window whose recurrent state's per-token buffers
+    # moved (each run's new cache grows them anew: DeltaState.open_window) is captured again
+    # under its new addresses, so a size may be captured twice)
     w = graphs.window_steps
-    assert w["captured"] == w["warm"] == 5 and w["replayed"] == 5
+    assert w["captured"] == w["warm"] >= 5 and w["replayed"] >= 1
+    assert w["captured"] + w["replayed"] == 10
     params = SamplingParams(temperature=0, max_tokens=24)
     ids = prompt(16, 6)
     model.chunks, engine.spec = graphs, None
     plain = list(engine.generate(ids, params))
     engine.spec = SpecDecoder(model, ReplayDrafter(ids, plain), 4, timed=False)
-    assert list(engine.generate(ids, params)) == plain and engine.spec.stats.windows > 0
+    drafted = list(engine.generate(ids, params))
+    assert engine.spec.stats.windows > 0
+    k = next((i for i, (a, b) in enumerate(zip(plain, drafted, strict=True)) if a != b), None)
+    if k is not None:  # (a flip between near-tied tokens, or a fault)
+        model.chunks = None
+        kv = model.new_cache(64)
+        seq = ids + plain[:k]
+        lp = torch.log_softmax(model.forward(torch.tensor(seq), [Segment(kv, len(seq))],
+                                             all_logits=True)[-1].float(), -1)
+        a, b, top = float(lp[plain[k]]), float(lp[drafted[k]]), float(lp.max())
+        assert abs(a - b) < TIE and min(a, b) > top - TIE, (k, a, b, top)
+
+
+# log-probability units: on an H100 qwen3next's random weights parted where the eager forward
+# held the two tokens 0.16 apart at its top (bench/2026-12-06-h100-mx8.md); a fault in a window
+# or its rollback parts texts at tokens far from the top
+TIE = 0.25

@@ -128,15 +128,12 @@ DOWN_Q6K_Q8_TILE = (4, 4, 1)
 GATE_UP_IQ_TILE = (4, 4, 1)
 DOWN_IQ_TILE = (8, 1, 1)
 # x8 decode, MXFP4 gate/up and down with biases (gpt-oss) on dp4a (gemv_q8.mxfp4_spread_dot),
-# (R, BB, warps): tested under Triton's interpreter and compiled for sm_90, never timed, so off:
-# gpt-oss decodes on the float32 kernels (132 us a layer, 400 GB/s, whatever their tile:
-# bench/2026-12-06-h100-glue.md) until bench_moe_decode.py --layer gptoss (its "mx8" variants)
-# times these beside them. The tile: the fewest sm_90 SASS instructions a weight counted at
-# gpt-oss's shape (4 words of a thread a step: 6.3 gate/up, 5.7 down; one word: 10.1; the
-# float32 kernel's 26.1), counted, not timed (docs/kernels.md).
-MXFP4_X8 = False
-GATE_UP_MX8_TILE = (8, 4, 1)
-DOWN_MX8_TILE = (8, 4, 1)
+# (R, BB, warps): gpt-oss-20b's MoE decode layer on an H100 51.5 us (1,027 GB/s) against the
+# float32 kernels' 131.9 us at their best tiles (8 same-tile pairs tried: 51.5-67.9 us; (8, 8, 2)
+# 51.7, the SASS-count pick (8, 4, 1) 61.6). bench/2026-12-06-h100-mx8.md
+MXFP4_X8 = True
+GATE_UP_MX8_TILE = (4, 16, 2)
+DOWN_MX8_TILE = (4, 16, 2)
 # gather_misses: int32 words a program, 16 KB in flight each; not timed against others (bench:
 # none; the copy's program count was: PREFETCH_PROGRAMS)
 GATHER_BLOCK = 4096
