@@ -12,10 +12,11 @@ replays (median); launch overhead is therefore not in the kernel times. The deco
 Qwen3-30B-A3B (128 experts, 8 routed, gate + up + down, one token) is timed the same way and also
 eagerly (host wall time per call, launches included). The prompt MoE layer of the same model
 (8 to 4096 tokens, --moe-prompt-tokens; Q4_K/Q4_K/Q6_K and IQ2_XS/IQ2_XS/IQ3_XXS,
---moe-prompt-types; every expert resident) is timed eagerly through each of moe_forward's paths:
+--moe-prompt-types, MXFP4/MXFP4/MXFP4 at gpt-oss-20b's layer instead; every expert resident) is
+timed eagerly through each of moe_forward's paths:
 the per-pair kernels with 8-bit x (up to 64 tokens), the grouped one (dequantize to bf16 ->
 torch._grouped_mm, moe_grouped.py), the fused tl.dot kernels (moe._prompt) and, for Q4_K
-gate/up packs, the integer tensor-core kernels (moe_mmq.py); a batched decode step of T
+gate/up and MXFP4 packs, the integer tensor-core kernels (moe_mmq.py); a batched decode step of T
 sequences runs the same layer; --moe-prompt-only runs just that.
 
 quant_matmul runs the FMA GEMV up to 4 tokens, the fused tensor-core kernel up to 63 and
@@ -217,18 +218,27 @@ def moe_decode(types: tuple[str, str, str], rep_ms: int, timed: bool = True) -> 
                 weight_bytes=topk * per_expert, gbs=topk * per_expert / sec / 1e9)
 
 
+def prompt_layer(types: tuple[str, str, str]) -> tuple[str, int, int, int, int, int, bool]:
+    """The prompt MoE layer a pack is timed at: (model, experts, top-k, D, F, layers, biased):
+    gpt-oss-20b's (32 experts, top-4, D = F = 2880, biases and the clamped SwiGLU) for an
+    all-MXFP4 pack, else Qwen3-30B-A3B's (128, top-8, 2048, 768)."""
+    if all(t == "MXFP4" for t in types):
+        return "gpt-oss-20b", 32, 4, 2880, 2880, 24, True
+    return "30B-A3B", 128, 8, 2048, 768, 48, False
+
+
 def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
                timed: bool = True) -> dict:
-    """Qwen3-30B-A3B MoE layer of a prompt chunk or a batched step: 128 experts all resident,
-    top-8 (random, distinct), D=2048, F=768, `tokens` tokens, through moe_forward on `path`
-    (moe.MOE_PATHS: the per-pair kernels with x rounded to 8 bits, as the engine's decode
-    steps run them; the tl.dot kernels; the grouped bf16 GEMMs; the integer tensor-core
-    kernels, moe_mmq.py, 8-bit x too). Timed eagerly (do_bench
+    """The MoE layer of a prompt chunk or a batched step (prompt_layer: Qwen3-30B-A3B's, or
+    gpt-oss-20b's for MXFP4), every expert resident, random distinct top-k, `tokens` tokens,
+    through moe_forward on `path` (moe.MOE_PATHS: the per-pair kernels with x rounded to 8 bits,
+    as the engine's decode steps run them; the tl.dot kernels; the grouped bf16 GEMMs; the
+    integer tensor-core kernels, moe_mmq.py, 8-bit x too). Timed eagerly (do_bench
     median: launches, allocations and the bf16 dequantize included). TFLOP/s counts the useful
     2·3·T·K·D·F."""
     from strata.kernels.gpu import moe as moe_mod
 
-    e, topk, d, f = 128, 8, 2048, 768
+    model, e, topk, d, f, layers, biased = prompt_layer(types)
     qg, qu, qd = (QType[t] for t in types)
     rng = np.random.default_rng(2)
 
@@ -242,10 +252,12 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
     wts = torch.softmax(torch.randn(tokens, topk, device="cuda"), -1)
     x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(tokens, d, device="cuda")
+    kw = dict(bias=tuple(torch.randn(e, n, device="cuda") for n in (f, f, d)),
+              act="swiglu_oai") if biased else {}
 
     def call() -> None:
         moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f, out=out,
-                            path=path, x8=path == "pairs")
+                            path=path, x8=path == "pairs", **kw)
 
     call()
     torch.cuda.synchronize()
@@ -254,33 +266,39 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
     import triton.testing
 
     sec = triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median") / 1e3
-    return dict(types=list(types), tokens=tokens, path=path,
+    return dict(types=list(types), model=model, tokens=tokens, path=path,
                 us=sec * 1e6, tflops=2 * 3 * tokens * topk * d * f / sec / 1e12,
-                tok_s_48_layers=tokens / (48 * sec))
+                tok_s_all_layers=tokens / (layers * sec))
 
 
 def prompt_paths(tokens: int, types: tuple[str, str, str]) -> tuple[str, ...]:
     """The paths timed at a token count: the per-pair kernels up to 64 tokens (past that each
     pair's own read of its expert is far from what the others cost); the integer tensor-core
-    kernels (moe_mmq.py) for the types they take."""
-    from strata.kernels.gpu.moe_mmq import mmq_types
+    kernels (moe_mmq.py) for the types they compute (MXFP4 too, whatever tuning.MMQ_MXFP4)."""
+    from strata.kernels.gpu.moe_mmq import mmq_kernel_types
 
+    _, _, _, d, f, _, biased = prompt_layer(types)
     paths = ("pairs", "tl.dot", "grouped") if tokens <= 64 else ("tl.dot", "grouped")
-    return paths + (("mmq",) if mmq_types(tuple(QType[q] for q in types), 2048, 768) else ())
+    qt = tuple(QType[q] for q in types)
+    act = "swiglu_oai" if biased else "swiglu"
+    return paths + (("mmq",) if mmq_kernel_types(qt, d, f, object() if biased else None, act)
+                    else ())
 
 
 def moe_prompt_rows(report: dict, rep_ms: int, packs: list[tuple[str, str, str]],
                     tokens: list[int]) -> None:
     for types in packs:
+        model, *_, layers, _ = prompt_layer(types)
         for t in tokens:
             took = {}
             for path in prompt_paths(t, types):
                 r = moe_prompt(types, t, path, rep_ms)
                 report["moe_prompt"].append(r)
                 took[path] = r["us"]
-                print(f"MoE 30B-A3B layer {'/'.join(types)} T={t:5d} {path:8s}: "
+                print(f"MoE {model} layer {'/'.join(types)} T={t:5d} {path:8s}: "
                       f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
-                      f"({r['tok_s_48_layers']:7.0f} tok/s for 48 layers, MoE only)", flush=True)
+                      f"({r['tok_s_all_layers']:7.0f} tok/s for {layers} layers, MoE only)",
+                      flush=True)
             best = min(took, key=took.get)
             print(f"  fastest at T={t}: {best} (" + ", ".join(
                 f"{p} {took[p] / took[best]:.2f}x" for p in took) + " its time)", flush=True)

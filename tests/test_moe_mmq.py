@@ -15,12 +15,13 @@ from interpreted import fresh_seed, run_interpreted
 
 from strata.quant import QType
 
-_BODY = """
+_HEAD = """
     import torch
     import strata.kernels.gpu.moe_mmq as mmq_mod
     from strata.kernels.gpu import moe_forward
-    from strata.kernels.gpu.moe_mmq import mmq_types
+    from strata.kernels.gpu.moe_mmq import mmq_kernel_types, mmq_types
     from strata.kernels.gpu.reference import moe_ref
+    from strata.kernels.tuning import MMQ_MXFP4
     from strata.quant import QType, random_rows
 
     rng = np.random.default_rng(seed)
@@ -29,6 +30,9 @@ _BODY = """
                                                               device=device)
     def rel(a, b):
         return float((a - b).norm() / b.norm())
+"""
+
+_BODY = _HEAD + """
     def rows(q, n, k):
         return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
     e, d, f = 5, 256, 256
@@ -81,6 +85,45 @@ def test_mmq_kernels_under_the_interpreter():
     run_interpreted(_BODY, fresh_seed() % 2**31, timeout=600)
 
 
+_MX_BODY = _HEAD + """
+    e, d, f = 5, 192, 128  # (6 and 4 blocks of 17 bytes a row: rows at many byte alignments)
+    qt = (QType.MXFP4,) * 3
+    assert mmq_kernel_types(qt, d, f, object(), "swiglu_oai") and not mmq_kernel_types(qt, 96, f)
+    assert mmq_types(qt, d, f) == MMQ_MXFP4
+    slot_of = torch.tensor([2, -1, 0, 3, 1], dtype=torch.int32)  # expert 1 has no slot
+    gate = torch.from_numpy(random_rows(QType.MXFP4, 4 * f, d, rng, 0.05)).view(4, f, -1)
+    up = torch.from_numpy(random_rows(QType.MXFP4, 4 * f, d, rng, 0.05)).view(4, f, -1)
+    dn = torch.from_numpy(random_rows(QType.MXFP4, 4 * d, f, rng, 0.05)).view(4, d, -1)
+    biases = tuple(torch.randn(e, n) for n in (f, f, d))
+    for bias, act in ((None, "swiglu"), (biases, "swiglu_oai")):
+        for t in (1, 9):
+            ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(t)]))
+            x, wts = 3 * torch.randn(t, d), torch.rand(t, 2)
+            before = torch.randn(t, d)
+            args = (x, ids, wts, slot_of, gate, up, dn, qt, d, f)
+            out = moe_forward(*args, out=before.clone(), path="mmq", bias=bias, act=act)
+            added = out - before
+            assert torch.isfinite(added).all(), (act, t)
+            same = moe_ref(*args, x8=True, bias=bias, act=act)
+            exact = moe_ref(*args, bias=bias, act=act)
+            # (the float order can move an element of h across an 8-bit step; seen 2e-7)
+            assert rel(added, same) < 2e-3, (act, t, rel(added, same))
+            assert 1e-4 < rel(added, exact) < 3e-2, (act, t, rel(added, exact))
+    print("ok")
+"""
+
+
+def test_mmq_mxfp4_kernels_under_the_interpreter():
+    """MXFP4 gate, up and down (gpt-oss's experts) on the integer tensor-core kernels, without
+    and with biases and the clamped SwiGLU, 1 and 9 tokens, one expert without a slot, rows of
+    6 and 4 blocks (102- and 68-byte rows): against the reference with x and h rounded to 8
+    bits, and within that rounding of the float reference; the kernels take D and F multiples
+    of 64, and moe_forward's own pick takes them as tuning.MMQ_MXFP4 says."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    run_interpreted(_MX_BODY, fresh_seed() % 2**31, timeout=600)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("t", [8, 128, 512])
 @pytest.mark.parametrize("down", ["Q4_K", "Q6_K"])
@@ -108,40 +151,77 @@ def test_mmq_kernels_on_cuda_at_the_30b_shape(t: int, down: str):
     assert float((out - same).norm() / same.norm()) < 2e-3
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [16, 128, 512])
+def test_mmq_mxfp4_kernels_on_cuda_at_the_gpt_oss_shape(t: int):
+    """gpt-oss-20b's layer (32 experts, top-4, D = F = 2880, biases, the clamped SwiGLU; 3
+    experts without a slot) on the MXFP4 integer tensor-core kernels."""
+    from strata.kernels.gpu import moe_forward
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import random_rows
+
+    rng = np.random.default_rng(fresh_seed() % 2**31)
+    e, k, d = 32, 4, 2880
+    qt = (QType.MXFP4,) * 3
+    slot_of = torch.arange(e, dtype=torch.int32)
+    slot_of[rng.choice(e, 3, replace=False)] = -1
+
+    def slots(n: int, cols: int) -> torch.Tensor:
+        return torch.from_numpy(random_rows(QType.MXFP4, e * n, cols, rng, 0.02)).view(
+            e, n, -1).cuda()
+
+    gate, up, dn = slots(d, d), slots(d, d), slots(d, d)
+    bias = tuple(torch.randn(e, d, device="cuda") for _ in range(3))
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:k] for _ in range(t)])).cuda()
+    x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, k, device="cuda")
+    args = (x, ids, wts, slot_of.cuda(), gate, up, dn, qt, d, d)
+    out = moe_forward(*args, path="mmq", bias=bias, act="swiglu_oai")
+    same = moe_ref(*args, x8=True, bias=bias, act="swiglu_oai")
+    assert float((out - same).norm() / same.norm()) < 2e-3
+
+
 def mmq_resources(kernel: str, down: str = "Q6_K") -> dict:
-    """One of the MMQ kernels as moe_forward_mmq launches it at Qwen3-30B-A3B's shape, built for
+    """One of the MMQ kernels as moe_forward_mmq launches it at Qwen3-30B-A3B's shape (down
+    "MXFP4": gpt-oss-20b's, every part MXFP4 with biases and the clamped SwiGLU), built for
     sm_90 (no GPU): shared bytes, registers, spills."""
     from test_decode_ops import sm90_resources
 
     from strata.kernels.gpu import moe_mmq
 
     bm, bn, warps = moe_mmq.MMQ_TILE
-    d, f, p = 2048, 768, 128 * 8
+    mx = down == "MXFP4"
+    d, f, topk, e = (2880, 2880, 4, 32) if mx else (2048, 768, 8, 128)
+    p = e * topk
+    extra = dict(MX=True, BIAS=True) if mx else {}
     if kernel == "gate_up":
+        rb = 90 * 17 if mx else 1152
         pointers = {n: t for n, t in (("xq", "*i8"), ("xd", "*fp32"), ("xs", "*fp32"),
                                        ("counts", "*i32"), ("starts", "*i32"), ("order", "*i32"),
                                        ("wts", "*fp32"), ("slot_of", "*i32"), ("gate", "*u8"),
-                                       ("up", "*u8"), ("h", "*fp32"))}
-        ints = dict(NC=p // bm, stride_gs=f * 1152, stride_us=f * 1152, row_bytes=1152)
-        const = dict(D=d, F=f, TOPK=8, BM=bm, BN=bn)
+                                       ("up", "*u8"), ("h", "*fp32"), ("bg", "*fp32"),
+                                       ("bu", "*fp32"))}
+        ints = dict(NC=p // bm, stride_gs=f * rb, stride_us=f * rb, row_bytes=rb)
+        const = dict(D=d, F=f, TOPK=topk, BM=bm, BN=bn, **extra, **({"OAI": True} if mx else {}))
         fn = moe_mmq._gate_up_mmq_kernel
     else:
-        rb = 3 * (210 if down == "Q6_K" else 144)
+        rb = 90 * 17 if mx else 3 * (210 if down == "Q6_K" else 144)
         pointers = {n: t for n, t in (("hq", "*i8"), ("hd", "*fp32"), ("hs", "*fp32"),
                                        ("counts", "*i32"), ("starts", "*i32"), ("order", "*i32"),
-                                       ("slot_of", "*i32"), ("down", "*u8"), ("y", "*fp32"))}
+                                       ("slot_of", "*i32"), ("down", "*u8"), ("y", "*fp32"),
+                                       ("wts", "*fp32"), ("bd", "*fp32"))}
         ints = dict(NC=p // bm, stride_ds=d * rb, row_bytes=rb)
-        const = dict(D=d, F=f, Q6=down == "Q6_K", BM=bm, BN=bn)
+        const = dict(D=d, F=f, Q6=down == "Q6_K", BM=bm, BN=bn, **extra)
         fn = moe_mmq._down_mmq_kernel
     return sm90_resources(fn, pointers, {}, ints, const, warps)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel,down", [("gate_up", "Q4_K"), ("down", "Q4_K"),
-                                         ("down", "Q6_K")])
+                                         ("down", "Q6_K"), ("gate_up", "MXFP4"),
+                                         ("down", "MXFP4")])
 def test_mmq_kernels_build_for_sm90(kernel: str, down: str):
     """Without a GPU: the integer tensor-core kernels build for sm_90 at Qwen3-30B-A3B's shape
-    within its shared memory and registers, with no spills."""
+    (MXFP4: gpt-oss-20b's) within its shared memory and registers, with no spills."""
     pytest.importorskip("triton")
     got = mmq_resources(kernel, down)
     assert got["shared"] <= 232448 and got["regs"] <= 255, got

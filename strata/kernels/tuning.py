@@ -103,6 +103,13 @@ GROUPED_MIN_TOKENS = 16
 # an H100, mmq / grouped at 8, 16, 24, 32 tokens per expert (128, 256, 384, 512 tokens): 703 /
 # 1340, 1035 / 1386, 1373 / 1413, 1686 / 1428 us. bench/2026-12-06-h100-matrix.md
 MMQ_GROUPED_MIN_TOKENS = 32
+# the same kernels for MXFP4 experts (gpt-oss, biases and the clamped SwiGLU: moe_mmq._mxfp4_dot,
+# an int8 dot of x with twice the E2M1 values a 32-value block, times 2^(e-128) dx). Off until
+# timed: the grouped path they would replace dequantizes every expert of a chunk to bf16 (gpt-oss's
+# 32 a layer at 16+ tokens each: ~1.6 GB of bf16 written and read again a layer, an estimate of
+# ~25 ms of a 128-token chunk's ~58 ms on an H100, not profiled); scripts/bench_kernels.py
+# --moe-prompt-only --layer gptoss times both. bench: none
+MMQ_MXFP4 = False
 # i-quant experts, from 8: IQ2_XS / IQ3_XXS's tl.dot tiles took 6273 us at 8 tokens per expert
 # against the grouped path's 1741 (3.6x; 5.2x at 16). Not timed below 8.
 # bench/2026-12-06-h100-matrix.md

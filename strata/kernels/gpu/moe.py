@@ -399,11 +399,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if t == 0 or ids.shape[1] == 0:
         return out
     if path == "mmq":
-        from strata.kernels.gpu.moe_mmq import mmq_types, moe_forward_mmq
+        from strata.kernels.gpu.moe_mmq import mmq_kernel_types, moe_forward_mmq
 
-        if mmq_types((qg, qu, qd), d_model, d_expert, bias, act) and miss is None:
+        # (moe_path's pick came through mmq_types above; an asked-for path takes whatever the
+        # kernels compute)
+        if mmq_kernel_types((qg, qu, qd), d_model, d_expert, bias, act) and miss is None:
             return moe_forward_mmq(x, ids, weights.float(), slot_of_expert, gate_slots, up_slots,
-                                   down_slots, (qg, qu, qd), out)
+                                   down_slots, (qg, qu, qd), out, bias=bias, act=act)
         path = "tl.dot"
     if path == "grouped":
         from strata.kernels.gpu.moe_grouped import moe_forward_grouped

@@ -5,7 +5,10 @@ rounded to 8 bits per 32 values, the weights' quants multiplied as int8 (llama.c
                     (QType.Q4_K, QType.Q4_K, QType.Q6_K), d_model, d_expert, out)
 
 Same contract as moe.moe_forward (out [T, D] float32 += the resident pairs' weighted outputs),
-for Q4_K gate and up and a Q4_K or Q6_K down (`mmq_types`), D and F multiples of 256, no biases.
+for Q4_K gate and up and a Q4_K or Q6_K down, D and F multiples of 256, no biases; or MXFP4
+gate, up and down (gpt-oss), D and F multiples of 64, with its biases and clamped SwiGLU
+(`mmq_kernel_types`; moe_forward picks these for MXFP4 only where tuning.MMQ_MXFP4 says:
+`mmq_types`).
 
 Why: the tl.dot group kernels (moe._prompt) turn every weight into a bf16 value before the dot,
 some fifteen operations a weight, for the ~8 tokens an expert gets in a 128-token chunk of
@@ -19,6 +22,9 @@ integer sums once per 32 values:
     a Q6_K pair of 16-value sub-blocks (w = d·sc·(q - 32), sc int8): the two halves' integer
     sums taken apart (the other half's quants zeroed) and scaled each, d · dx · (sc_a I_a +
     sc_b I_b)
+    an MXFP4 block (32 values, w = 2^(e-127) · v, v an E2M1 value in ±{0, .5, 1, 1.5, 2, 3, 4,
+    6}): the doubled values are int8, so Σ w x ≈ 2^(e-128) · dx · Σ (2v) xq; biases added to g,
+    u before the activation and w · b_down to each pair's row
 
 1. Pairs sorted by expert on the device (pairs.sort_pairs, as moe._prompt: no host sync).
 2. `_gate_up_mmq_kernel`, program (expert, BM of its pairs, BN rows of F): h = w · silu(g) · u
@@ -45,8 +51,9 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.bits import f16, u8
-from strata.kernels.gpu.pairs import expert_chunk, sort_pairs
+from strata.kernels.gpu.pairs import bias_row, check_bias, expert_chunk, glu, sort_pairs
 from strata.kernels.gpu.tiles_kquants import scale_min
+from strata.kernels.tuning import MMQ_MXFP4
 from strata.quant import QType
 
 MMQ_TILE = (16, 64, 4)  # (BM, BN, warps): an estimate, not timed (bench: none)
@@ -59,9 +66,21 @@ def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 
 def mmq_types(qtypes: tuple[int, int, int], d: int, f: int, bias: object = None,
               act: str = "swiglu") -> bool:
-    """This path takes the layer: Q4_K gate and up, Q4_K or Q6_K down, D and F multiples of 256,
-    plain SwiGLU without biases."""
+    """moe_forward's own pick takes this path for the layer: Q4_K gate and up, a Q4_K or Q6_K
+    down, D and F multiples of 256, plain SwiGLU without biases; MXFP4 everywhere (gpt-oss:
+    biases and the clamped SwiGLU too) where tuning.MMQ_MXFP4 says (mmq_kernel_types: what the
+    kernels compute when asked by path="mmq")."""
+    mx = all(QType(q) == QType.MXFP4 for q in qtypes)
+    return mmq_kernel_types(qtypes, d, f, bias, act) and (MMQ_MXFP4 or not mx)
+
+
+def mmq_kernel_types(qtypes: tuple[int, int, int], d: int, f: int, bias: object = None,
+                     act: str = "swiglu") -> bool:
+    """The kernels compute the layer: as mmq_types, and MXFP4 gate, up and down with D and F
+    multiples of 64 (quantize_x's rows), with or without biases, either activation."""
     qg, qu, qd = (QType(q) for q in qtypes)
+    if qg == qu == qd == QType.MXFP4:
+        return d % 64 == 0 and f % 64 == 0
     return (qg == qu == QType.Q4_K and qd in (QType.Q4_K, QType.Q6_K) and d % 256 == 0
             and f % 256 == 0 and bias is None and act == "swiglu")
 
@@ -124,11 +143,44 @@ def _q6k_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
     return acc
 
 
+@triton.jit
+def _mx_levels(nib):
+    """Twice the E2M1 value of 4-bit codes nib (int32 0..15): 0, 1, 2, 3, 4, 6, 8, 12 by the low
+    3 bits, negative where bit 3 is set."""
+    m = nib & 7
+    hi = tl.maximum(m >> 1, 1)
+    v = tl.where(m < 4, m, (1 << hi) + (m & 1) * (1 << (hi - 1)))
+    return tl.where(nib >= 8, -v, v)
+
+
+@triton.jit
+def _mxfp4_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
+    """_q4k_dot for MXFP4 rows (17-byte blocks: E8M0 e, then 16 bytes whose low nibbles are
+    values 0-15 and high nibbles 16-31; any byte alignment): per block an int8 dot of x with
+    twice the values, times 2^(e-128) dx (the doubled values' half folded into the scale)."""
+    lo = (s < 16)[None, :]
+    for blk in range(0, K // 32):
+        b = rows + blk * 17  # [BN]
+        qs = tl.load(b[:, None] + 1 + (s % 16)[None, :]).to(tl.int32)  # [BN, 32]
+        q = _mx_levels(tl.where(lo, qs & 15, qs >> 4)).to(tl.int8)
+        xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
+                     other=0)  # int8 [BM, 32]
+        dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
+        e = u8(b, None)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        isum = tl.dot(xv, tl.trans(q), out_dtype=tl.int32)  # [BM, BN]
+        acc += isum.to(tl.float32) * dx[:, None] * d[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["NC"])
-def _gate_up_mmq_kernel(xq, xd, xs, counts, starts, order, wts, slot_of, gate, up, h, NC,
-                        stride_gs, stride_us, row_bytes, D: tl.constexpr, F: tl.constexpr,
-                        TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _gate_up_mmq_kernel(xq, xd, xs, counts, starts, order, wts, slot_of, gate, up, h, bg, bu,
+                        NC, stride_gs, stride_us, row_bytes, D: tl.constexpr, F: tl.constexpr,
+                        TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        MX: tl.constexpr = False, BIAS: tl.constexpr = False,
+                        OAI: tl.constexpr = False):
     # h[start + r, n] = w · silu(x[tok] · G_e[n]) · (x[tok] · U_e[n]) for BM pairs of expert e
+    # (MX: MXFP4 rows; BIAS: + bg[e, n], bu[e, n] before the activation; OAI: the clamped SwiGLU)
     e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         slot = tl.load(slot_of + e)
@@ -138,21 +190,30 @@ def _gate_up_mmq_kernel(xq, xd, xs, counts, starts, order, wts, slot_of, gate, u
             s = tl.arange(0, 32)
             tok = (pair // TOPK).to(tl.int64)
             zero = tl.zeros((BM, BN), dtype=tl.float32)
-            g = _q4k_dot(zero, gate + slot.to(tl.int64) * stride_gs + nn, xq, xd, xs, tok, rm,
-                         D, s)
-            u = _q4k_dot(zero, up + slot.to(tl.int64) * stride_us + nn, xq, xd, xs, tok, rm,
-                         D, s)
+            gr = gate + slot.to(tl.int64) * stride_gs + nn
+            ur = up + slot.to(tl.int64) * stride_us + nn
+            if MX:
+                g = _mxfp4_dot(zero, gr, xq, xd, tok, rm, D, s)
+                u = _mxfp4_dot(zero, ur, xq, xd, tok, rm, D, s)
+            else:
+                g = _q4k_dot(zero, gr, xq, xd, xs, tok, rm, D, s)
+                u = _q4k_dot(zero, ur, xq, xd, xs, tok, rm, D, s)
+            if BIAS:
+                g += bias_row(bg, e, n, F)[None, :]
+                u += bias_row(bu, e, n, F)[None, :]
             w = tl.load(wts + pair, mask=rm, other=0.0).to(tl.float32)
-            hv = g / (1.0 + tl.exp(-g)) * u * w[:, None]
+            hv = glu(g, u, OAI) * w[:, None]
             ptrs = h + (start + r).to(tl.int64)[:, None] * F + n[None, :]
             tl.store(ptrs, hv, mask=rm[:, None] & (n < F)[None, :])
 
 
 @triton.jit(do_not_specialize=["NC"])
-def _down_mmq_kernel(hq, hd, hs, counts, starts, order, slot_of, down, y, NC, stride_ds,
-                     row_bytes, D: tl.constexpr, F: tl.constexpr, Q6: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr):
-    # y[pair, n] = h[start + r] · D_e[n] (h already weighted; zero for experts without a slot)
+def _down_mmq_kernel(hq, hd, hs, counts, starts, order, slot_of, down, y, wts, bd, NC,
+                     stride_ds, row_bytes, D: tl.constexpr, F: tl.constexpr, Q6: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, MX: tl.constexpr = False,
+                     BIAS: tl.constexpr = False):
+    # y[pair, n] = h[start + r] · D_e[n] (h already weighted; zero for experts without a slot;
+    # MX: MXFP4 rows; BIAS: + w · bd[e, n])
     e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
     if live:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -163,10 +224,15 @@ def _down_mmq_kernel(hq, hd, hs, counts, starts, order, slot_of, down, y, NC, st
                 * row_bytes
             s = tl.arange(0, 32)
             hrow = (start + r).to(tl.int64)
-            if Q6:
+            if MX:
+                acc = _mxfp4_dot(acc, rows, hq, hd, hrow, rm, F, s)
+            elif Q6:
                 acc = _q6k_dot(acc, rows, hq, hd, hrow, rm, F, s)
             else:
                 acc = _q4k_dot(acc, rows, hq, hd, hs, hrow, rm, F, s)
+            if BIAS:
+                w = tl.load(wts + pair, mask=rm, other=0.0).to(tl.float32)
+                acc += w[:, None] * bias_row(bd, e, n, D)[None, :]
         ptrs = y + pair.to(tl.int64)[:, None] * D + n[None, :]
         tl.store(ptrs, acc, mask=rm[:, None] & (n < D)[None, :])
 
@@ -174,33 +240,41 @@ def _down_mmq_kernel(hq, hd, hs, counts, starts, order, slot_of, down, y, NC, st
 def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     slot_of: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     down: torch.Tensor, qtypes: tuple[int, int, int], out: torch.Tensor,
-                    tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                    tile: tuple[int, int, int] | None = None,
+                    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    act: str = "swiglu") -> torch.Tensor:
     """out [T, D] float32 += the resident pairs' outputs (the module doc); x [T, D] f32/bf16,
     ids [T, K], weights [T, K], slot_of int32 [E], gate/up uint8 [slots, F, row(D)], down
-    [slots, D, row(F)]. tile: (BM, BN, warps) instead of MMQ_TILE (benchmarks)."""
+    [slots, D, row(F)]. tile: (BM, BN, warps) instead of MMQ_TILE (benchmarks). bias, act: as
+    moe.moe_forward's (MXFP4 layers only: mmq_kernel_types)."""
     from strata.kernels.gpu.gemv_q8 import quantize_x
 
     t, d = x.shape
     topk, f, e = ids.shape[1], gate.shape[1], slot_of.shape[0]
-    if not mmq_types(qtypes, d, f):
+    if not mmq_kernel_types(qtypes, d, f, bias, act):
         raise ValueError(f"moe_forward_mmq: types {[QType(q).name for q in qtypes]} with D {d}, "
-                         f"F {f}: give Q4_K gate/up, a Q4_K or Q6_K down, D and F multiples of 256")
+                         f"F {f}: give Q4_K gate/up, a Q4_K or Q6_K down, D and F multiples of "
+                         "256, or MXFP4 everywhere with D and F multiples of 64")
+    check_bias(bias, act, e, d, f, x.device)
     if t == 0 or topk == 0:
         return out
+    mx = QType(qtypes[0]) == QType.MXFP4
+    bg, bu, bd = bias if bias is not None else (out, out, out)  # (unread without BIAS)
     counts, starts, order = sort_pairs(ids, e)
     bm, bn, warps = tile or MMQ_TILE
     nc = triton.cdiv(t, bm)  # (an expert takes at most one pair per token)
     xq, xd, xs = quantize_x(x.contiguous())
     h = scratch((t * topk, f), torch.float32, x.device)
+    w = weights.contiguous()
     _gate_up_mmq_kernel[(e * nc, triton.cdiv(f, bn))](
-        xq, xd, xs, counts, starts, order, weights.contiguous(), slot_of, gate, up, h, nc,
-        gate.stride(0), up.stride(0), gate.shape[2], D=d, F=f, TOPK=topk, BM=bm, BN=bn,
-        num_warps=warps)
+        xq, xd, xs, counts, starts, order, w, slot_of, gate, up, h, bg, bu, nc,
+        gate.stride(0), up.stride(0), gate.shape[2], D=d, F=f, TOPK=topk, BM=bm, BN=bn, MX=mx,
+        BIAS=bias is not None, OAI=act == "swiglu_oai", num_warps=warps)
     hq, hd, hs = quantize_x(h)  # (rows of experts without a slot: never read)
     y = scratch((t * topk, d), torch.float32, x.device)
     _down_mmq_kernel[(e * nc, triton.cdiv(d, bn))](
-        hq, hd, hs, counts, starts, order, slot_of, down, y, nc, down.stride(0),
-        down.shape[2], D=d, F=f, Q6=QType(qtypes[2]) == QType.Q6_K, BM=bm, BN=bn,
-        num_warps=warps)
+        hq, hd, hs, counts, starts, order, slot_of, down, y, w, bd, nc, down.stride(0),
+        down.shape[2], D=d, F=f, Q6=QType(qtypes[2]) == QType.Q6_K, BM=bm, BN=bn, MX=mx,
+        BIAS=bias is not None, num_warps=warps)
     out += y.view(t, topk, d).sum(1)
     return out
