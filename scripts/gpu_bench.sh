@@ -47,7 +47,9 @@
 # (strata bench-spec at each of SPEC_BUDGETS, 4 by default: --spec SPEC_T (4) windows whose
 # drafts replay the greedy answer, SPEC_ACCEPT drafts accepted a window (3,0), against plain
 # decode; SPEC_FLAGS added; each of SPEC_VARIANTS (";"-separated flag sets) in turn; #29's
-# target on PRESET=qwen3.6-35b-a3b).
+# target on PRESET=qwen3.6-35b-a3b), demospec (the trained demo model through strata generate
+# on CUDA, a code and a prose prompt, greedy and sampled, without and with --spec 4 --draft
+# ngram: acceptance and tok/s).
 # Results: $OUT/machine.txt and $OUT/results.tgz (every other file, packed at exit); with
 # TCACHE=1 also $OUT/tcache.tgz, the kernels Triton built in this run (its cache entries), which a
 # later run reads when carried as .tcache/*.tgz (every one there; the i-quant run forms take
@@ -455,6 +457,21 @@ if [[ $STAGES == *compare* ]]; then
         "${extra[@]}" --json "$OUT/$run.json" 2>&1 | grep -E "tok/s|VRAM|hit|^\| " | tail -6)
       kill $SMI
       echo "nvidia-smi peak: $(python3 scripts/llama_side_by_side.py peak "$OUT/smi_$run.txt") MiB"
+    done
+  done
+fi
+if [[ $STAGES == *demospec* ]]; then
+  # #29 on the trained demo model (strata/demo): n-gram windows on a code and a prose prompt,
+  # greedy and sampled (T 0.7, seeds 1-3), each without then with --spec 4, DEMOSPEC_N tokens
+  for p in code prose; do
+    text="def fibonacci(n):"; [[ $p == prose ]] && text="The old lighthouse keeper climbed"
+    for ts in 0:1 0.7:1 0.7:2 0.7:3; do
+      for flags in "" "--spec 4 --draft ngram"; do
+        echo "== demo model, $p prompt, temperature ${ts%%:*} seed ${ts##*:}, ${flags:-no spec}"
+        timeout 120 python3 -m strata generate --device cuda --prompt "$text" \
+          -n "${DEMOSPEC_N:-256}" --temperature "${ts%%:*}" --seed "${ts##*:}" $flags 2>&1 \
+          | grep -E "^strata: (loaded|spec:)" | tee -a "$OUT/demospec.txt"
+      done
     done
   done
 fi

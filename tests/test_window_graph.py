@@ -345,6 +345,42 @@ def test_a_hybrids_windows_through_the_graphs(synth, arch):
     assert "chunks off" in graphs.line() and "verify windows: 0 replayed, 3 run" in graphs.line()
 
 
+def test_a_windows_state_storage_stays_put(synth):
+    """The per-token recurrent states of a verify window (the addresses a window's graph writes
+    through, _state_key) keep their storage: with window_tokens (ChunkGraphs.windows) a state
+    sized for the largest window at its first window, of whatever size, so a later larger one
+    does not move it; from a model's cache pool a new request's state takes the storage of the
+    one before it. Without either, a window grows it as before."""
+    from strata.config import ModelConfig
+    from strata.gguf import open_model
+    from strata.runtime.delta_state import DeltaState
+    from strata.runtime.kv_cache import KVPool
+
+    cfg = ModelConfig.from_model(open_model(synth("qwen35moe", "Q4_K_M")))
+    cpu, pool = torch.device("cpu"), KVPool()
+
+    def ptrs(st):  # noqa: ANN001, ANN202
+        return st._spare[0].data_ptr(), st._spare[1].data_ptr()
+
+    st = DeltaState(cfg, cpu, pool, window_tokens=5)
+    st.open_window(0, 2)
+    first = ptrs(st)
+    assert st.window.conv.shape[0] == 2 and st._spare[0].shape[0] == 5
+    for n in (5, 1, 3):
+        st.open_window(0, n)
+        assert ptrs(st) == first and st.window.ssm.shape[0] == n
+    del st  # (its storages back in the pool, not freed)
+    assert {first[0], first[1]} <= {t.data_ptr() for t in pool.free}
+    again = DeltaState(cfg, cpu, pool, window_tokens=5)
+    again.open_window(0, 4)
+    assert ptrs(again) == first
+    plain = DeltaState(cfg, cpu)
+    plain.open_window(0, 2)
+    assert plain._spare[0].shape[0] == 2
+    plain.open_window(0, 3)
+    assert plain._spare[0].shape[0] == 3
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
 def test_a_hybrids_window_graphs_on_cuda(synth, arch):
@@ -386,8 +422,9 @@ def test_a_hybrids_window_graphs_on_cuda(synth, arch):
             for a, b in zip(state, ref_state, strict=True):
                 assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()), n
     # (every size captured, then replayed; a window whose recurrent state's per-token buffers
-    # moved (each run's new cache grows them anew: DeltaState.open_window) is captured again
-    # under its new addresses, so a size may be captured twice)
+    # moved would be captured again under the new addresses: each run's cache takes them from
+    # the model's pool, test_a_windows_state_storage_stays_put, but the pool can hand a run
+    # another free one of that size)
     w = graphs.window_steps
     assert w["captured"] == w["warm"] >= 5 and w["replayed"] >= 1
     assert w["captured"] + w["replayed"] == 10

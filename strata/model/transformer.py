@@ -98,7 +98,8 @@ class MoETransformer:
             kv = KVCache(c.n_kv_layers, c.n_kv_heads, c.head_dim, self.device,
                          max(capacity, self.step.kv_capacity), self.step.kv_pool, self.kv_dtype)
         if c.full_attn_interval:  # hybrid: the linear layers' recurrent state beside it
-            kv.state = DeltaState(c, self.device, self.step.kv_pool if self.step else None)
+            kv.state = DeltaState(c, self.device, self.step.kv_pool if self.step else None,
+                                  window_tokens=getattr(self.chunks, "windows", 0))
         return kv
 
     @torch.inference_mode()

@@ -43,8 +43,13 @@ class WindowStates:
 
 class DeltaState:
     def __init__(self, cfg: ModelConfig, device: torch.device, pool=None,  # noqa: ANN001
-                 storage: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """storage: (conv, ssm) to hold the state in (a slot of a KVSlots pool), reset."""
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 window_tokens: int = 0):
+        """storage: (conv, ssm) to hold the state in (a slot of a KVSlots pool), reset.
+        window_tokens: the most tokens of a verify window whose forward may replay a CUDA graph
+        (ChunkGraphs.windows; 0: none): the per-token states of every window are kept in
+        storage of that many tokens, taken from `pool` where there is one, so that no window
+        size's graph sees them move, within this state or from one request's to the next's."""
         n = cfg.n_layers - cfg.n_kv_layers
         channels = (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state
         shapes = ((n, cfg.ssm_conv - 1, channels),
@@ -65,6 +70,7 @@ class DeltaState:
         self.window: WindowStates | None = None  # the last verify window's per-token states
         self.recording = False  # True during that window's forward: the layers write them
         self._spare: tuple[torch.Tensor, torch.Tensor] | None = None  # (reused storage)
+        self._pool, self.window_tokens = pool, window_tokens
 
     def reset(self) -> None:
         """Back to the state before any token."""
@@ -76,8 +82,14 @@ class DeltaState:
         """The next forward is a verify window of `tokens` tokens from position `start`: keep
         the state after each of them (until stop_recording)."""
         if self._spare is None or self._spare[0].shape[0] < tokens:
-            self._spare = (torch.empty((tokens, *self.conv.shape), device=self.conv.device),
-                           torch.empty((tokens, *self.ssm.shape), device=self.ssm.device))
+            n, pool = max(tokens, self.window_tokens), self._pool
+            shapes = ((n, *self.conv.shape), (n, *self.ssm.shape))
+            if pool is None:
+                self._spare = tuple(torch.empty(s, device=self.conv.device) for s in shapes)
+            else:  # (a storage this state outgrew goes back to the pool with the state)
+                self._spare = tuple(pool.take(s, self.conv.device) for s in shapes)
+                for t in self._spare:
+                    weakref.finalize(self, pool.give, t)
         self.window = WindowStates(start, self._spare[0][:tokens], self._spare[1][:tokens])
         self.recording = True
 
