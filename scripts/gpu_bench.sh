@@ -18,9 +18,10 @@
 # Chrome traces), streaming (profile_prompt.py; HOST_ROUTING=1 also with --host-routing), ttft
 # (profile_prompt.py on prompts of TTFT_LEN tokens, "128 512", every expert resident: wall time,
 # kernels busy, the longest ops),
-# decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at 2 GiB with --cpu-share N
-# for each N of SHARES; N:T also --threads T; for each pool of SHARE_POOLS, default graph, as
-# STRATA_CPU_SHARE_POOL; SHARE_ENV="VAR=value ..." in their environment, SHARE_FLAGS added;
+# decode (sweep over BUDGETS, DECODE_FLAGS added), share (decode at SHARE_BUDGET GiB, 2 by
+# default, with --cpu-share N for each N of SHARES, 0 the baseline; N:T also --threads T; for
+# each pool of SHARE_POOLS, default graph, as STRATA_CPU_SHARE_POOL; SHARE_ENV="VAR=value ..."
+# in their environment, SHARE_FLAGS added;
 # --prefetch is the engine's default, auto, unless SHARE_FLAGS gives it),
 # cpu (the CPU share's one-token call by thread count, CPU_THREADS, under each
 # OMP_WAIT_POLICY of CPU_POLICIES, CPU_ARGS added), prefetch (decode at 2 GiB with --prefetch N
@@ -280,14 +281,14 @@ if [[ $STAGES == *cpu* ]]; then  # the CPU share's one-token call, by threads an
         ${CPU_ARGS:-} --json "$OUT/cpu_share_call_$pol.json" 2>&1 | grep "^share call" )
   done
 fi
-if [[ $STAGES == *share* ]]; then  # both links at 2 GiB: the CPU takes a token's last N misses
+if [[ $STAGES == *share* ]]; then  # both links at SHARE_BUDGET (2) GiB: the CPU takes a token's last N misses
   for pool in ${SHARE_POOLS:-graph}; do  # STRATA_CPU_SHARE_POOL: graph, token
-   for spec in ${SHARES:-1 2 3}; do  # N, or N:T for T threads in the CPU pool
+   for spec in ${SHARES:-1 2 3}; do  # N (0: off, the baseline), or N:T for T threads in the CPU pool
     n=${spec%%:*}; thr=(); [[ $spec == *:* ]] && thr=(--threads "${spec##*:}")
-    echo "== decode at --vram-budget 2 with --cpu-share $n ${thr[*]} ($pool pool)"
+    echo "== decode at --vram-budget ${SHARE_BUDGET:-2} with --cpu-share $n ${thr[*]} ($pool pool)"
     ( [[ -n ${SHARE_ENV:-} ]] && export ${SHARE_ENV}
       export STRATA_CPU_SHARE_POOL=$pool
-      bench "share_${pool}_${spec/:/_t}" --vram-budget 2 --prompt-len 128 --gen-len 64 \
+      bench "share_${pool}_${spec/:/_t}" --vram-budget "${SHARE_BUDGET:-2}" --prompt-len 128 --gen-len 64 \
         --runs 2 --cpu-share "$n" "${thr[@]}" ${SHARE_FLAGS:-} )
    done
   done
