@@ -256,8 +256,15 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
               act="swiglu_oai") if biased else {}
 
     def call() -> None:
-        moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f, out=out,
-                            path=path, x8=path == "pairs", **kw)
+        if path.startswith("mmq:"):  # the MMQ kernels at a tile of their own (BMxBNxWARPS)
+            from strata.kernels.gpu.moe_mmq import moe_forward_mmq
+
+            tile = tuple(int(v) for v in path[4:].split("x"))
+            moe_forward_mmq(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), out, tile=tile,
+                            **kw)
+        else:
+            moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
+                                out=out, path=path, x8=path == "pairs", **kw)
 
     call()
     torch.cuda.synchronize()
@@ -271,31 +278,34 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
                 tok_s_all_layers=tokens / (layers * sec))
 
 
-def prompt_paths(tokens: int, types: tuple[str, str, str]) -> tuple[str, ...]:
+def prompt_paths(tokens: int, types: tuple[str, str, str],
+                 mmq_tiles: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The paths timed at a token count: the per-pair kernels up to 64 tokens (past that each
     pair's own read of its expert is far from what the others cost); the integer tensor-core
-    kernels (moe_mmq.py) for the types they compute (MXFP4 too, whatever tuning.MMQ_MXFP4)."""
+    kernels (moe_mmq.py) for the types they compute (MXFP4 too, whatever tuning.MMQ_MXFP4),
+    at their default tile and at each of mmq_tiles ("mmq:BMxBNxWARPS")."""
     from strata.kernels.gpu.moe_mmq import mmq_kernel_types
 
     _, _, _, d, f, _, biased = prompt_layer(types)
     paths = ("pairs", "tl.dot", "grouped") if tokens <= 64 else ("tl.dot", "grouped")
     qt = tuple(QType[q] for q in types)
     act = "swiglu_oai" if biased else "swiglu"
-    return paths + (("mmq",) if mmq_kernel_types(qt, d, f, object() if biased else None, act)
-                    else ())
+    if not mmq_kernel_types(qt, d, f, object() if biased else None, act):
+        return paths
+    return paths + ("mmq",) + tuple(f"mmq:{t}" for t in mmq_tiles)
 
 
 def moe_prompt_rows(report: dict, rep_ms: int, packs: list[tuple[str, str, str]],
-                    tokens: list[int]) -> None:
+                    tokens: list[int], mmq_tiles: tuple[str, ...] = ()) -> None:
     for types in packs:
         model, *_, layers, _ = prompt_layer(types)
         for t in tokens:
             took = {}
-            for path in prompt_paths(t, types):
+            for path in prompt_paths(t, types, mmq_tiles):
                 r = moe_prompt(types, t, path, rep_ms)
                 report["moe_prompt"].append(r)
                 took[path] = r["us"]
-                print(f"MoE {model} layer {'/'.join(types)} T={t:5d} {path:8s}: "
+                print(f"MoE {model} layer {'/'.join(types)} T={t:5d} {path:12s}: "
                       f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
                       f"({r['tok_s_all_layers']:7.0f} tok/s for {layers} layers, MoE only)",
                       flush=True)
@@ -353,7 +363,10 @@ def main() -> None:
                     help="the prompt MoE layer's token counts")
     ap.add_argument("--moe-prompt-types", default=",".join("/".join(p) for p in MOE_PROMPT_TYPES),
                     help="its packs, gate/up/down each, e.g. Q4_K/Q4_K/Q6_K")
+    ap.add_argument("--mmq-tiles", default="", metavar="TILES",
+                    help="the MMQ kernels also at these tiles, e.g. 32x64x4,64x64x8 (BMxBNxWARPS)")
     args = ap.parse_args()
+    mmq_tiles = tuple(t for t in args.mmq_tiles.split(",") if t)
     ptokens = [int(t) for t in args.moe_prompt_tokens.split(",")]
     packs = [tuple(p.split("/")) for p in args.moe_prompt_types.split(",")]
     for pack in packs:
@@ -369,11 +382,11 @@ def main() -> None:
     report: dict = dict(device=torch.cuda.get_device_name(), rows=[], cublas=[], tune=[],
                         moe=[], fused_gemm=[], moe_prompt=[])
     prompt_jobs = [("moe_prompt", (t, path, p)) for p in packs for t in ptokens
-                   for path in prompt_paths(t, p)]
+                   for path in prompt_paths(t, p, mmq_tiles)]
     if args.moe_prompt_only:
         if args.workers > 1:
             precompile(prompt_jobs, args.workers)
-        moe_prompt_rows(report, args.rep_ms, packs, ptokens)
+        moe_prompt_rows(report, args.rep_ms, packs, ptokens, mmq_tiles)
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
         return
     table = {t: formats.FORMATS[QType[t]].gemv for t in types}
@@ -434,7 +447,7 @@ def main() -> None:
         report["moe"].append(r)
         print(f"MoE 30B-A3B decode layer {'/'.join(mt)}: {r['us_graph']:.1f} us (graph), "
               f"{r['us_eager']:.1f} us eager, {r['gbs']:.0f} GB/s of expert weights", flush=True)
-    moe_prompt_rows(report, args.rep_ms, packs, ptokens)
+    moe_prompt_rows(report, args.rep_ms, packs, ptokens, mmq_tiles)
     report["targets"] = targets(report)
     for k, v in report["targets"].items():
         print(f"target {k}: {v}")
