@@ -589,6 +589,7 @@ def test_the_plan_counts_a_draft_model(synth):
     from strata.config import ModelConfig, kv_elem_bytes
     from strata.engine.memory_plan import dense_bytes, draft_bytes, make_plan
     from strata.experts.layout import expert_layouts
+    from strata.model.weights import embed_on_host
 
     f, d = synth("qwen3moe", "Q4_K_M"), synth("qwen2moe", "Q8_0")
     mf, dmf = open_model(f), open_model(d)
@@ -598,7 +599,7 @@ def test_the_plan_counts_a_draft_model(synth):
     plain = make_plan(mf, cfg, EngineConfig(**kw), layouts)
     ngram = make_plan(mf, cfg, EngineConfig(spec=3, draft="ngram", **kw), layouts)
     drafted = make_plan(mf, cfg, EngineConfig(spec=3, draft=str(d), **kw), layouts)
-    weights = dense_bytes(dmf, dcfg, True) + sum(
+    weights = dense_bytes(dmf, dcfg, True, host_embed=embed_on_host(dcfg, "cuda")) + sum(
         ref.info.nbytes for name, ref in dmf.tensors.items() if "_exps." in name)
     assert weights < dense_bytes(dmf, dcfg, False)  # (float32 would be more)
     row = dcfg.n_kv_layers * dcfg.kv_row * kv_elem_bytes("f16")

@@ -72,3 +72,75 @@ def test_fused_qkv_adds_the_biases(types) -> None:
         assert lw.bk.data_ptr() == lw.bqkv.data_ptr() + HQ * 4  # a view, not a copy
     for g, w in zip(qkv_linear(x, lw, bias=True), want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+_HOST_ROWS = """
+    import torch
+    from strata.kernels.gpu.host_rows import HOST_ROWS_BLOCK, host_rows
+    rng = np.random.default_rng(seed)
+    for n, row in ((50, 37), (9, HOST_ROWS_BLOCK + 300)):  # (odd bytes; two programs a row)
+        table = torch.from_numpy(rng.integers(0, 256, (n, row), dtype=np.uint8))
+        ids = torch.from_numpy(rng.integers(0, n, (3, 2)))
+        got = host_rows(table, ids)
+        assert got.shape == (3, 2, row) and torch.equal(got, table[ids]), (n, row)
+    assert host_rows(table, torch.zeros(0, dtype=torch.int64)).shape == (0, row)
+    print("ok")
+"""
+
+
+def test_host_rows_under_the_interpreter() -> None:
+    """kernels/gpu/host_rows.py: a table's rows gathered by ids of any shape (the token
+    embedding's rows from pinned host memory on CUDA), odd row lengths, rows past one program's
+    block, no ids."""
+    pytest.importorskip("triton")
+    from interpreted import fresh_seed, run_interpreted
+
+    run_interpreted(_HOST_ROWS, fresh_seed() % 2**31, timeout=300)
+
+
+def test_the_plan_leaves_the_token_embedding_on_the_host(synth) -> None:  # noqa: ANN001
+    """On CUDA an untied token embedding stays in host RAM (tuning.EMBED_ON_HOST): the plan's
+    dense line leaves its bytes out, for slots; a tied one (the output head) stays, and the
+    CPU's plan (its budget is host RAM) counts it as before."""
+    from strata.config import EngineConfig, ModelConfig
+    from strata.engine.memory_plan import dense_bytes, make_plan
+    from strata.experts.layout import expert_layouts
+    from strata.gguf import open_model
+    from strata.kernels.tuning import EMBED_ON_HOST
+    from strata.model.weights import embed_on_host
+
+    mf = open_model(synth("qwen3moe", "Q4_K_M"))
+    cfg = ModelConfig.from_model(mf)
+    assert not cfg.tied_output and embed_on_host(cfg, "cuda") == EMBED_ON_HOST
+    assert not embed_on_host(cfg, "cpu")
+    embd = mf.tensors["token_embd.weight"].info.nbytes
+    assert dense_bytes(mf, cfg, True, host_embed=True) == dense_bytes(mf, cfg, True) - embd
+    kw = dict(vram_budget_gib=2, ctx=256, kv_type="f16")
+    cuda = make_plan(mf, cfg, EngineConfig(device="cuda", **kw), expert_layouts(mf, cfg))
+    cpu = make_plan(mf, cfg, EngineConfig(device="cpu", **kw), expert_layouts(mf, cfg))
+    assert cuda.host_embed == EMBED_ON_HOST and not cpu.host_embed
+    assert cuda.dense == dense_bytes(mf, cfg, cuda.quant_dense, host_embed=cuda.host_embed)
+    assert ("token embedding in host RAM" in cuda.lines()[2]) == EMBED_ON_HOST
+    from dataclasses import replace
+
+    assert not embed_on_host(replace(cfg, tied_output=True), "cuda")
+
+
+@pytest.mark.cuda
+def test_a_host_embedding_gives_the_device_tables_rows() -> None:
+    """QuantTensor.rows of a table in pinned host memory, indexed on the device (as the token
+    embedding on CUDA), equals the same table's rows on the device, also inside a CUDA graph."""
+    rng = np.random.default_rng(0)
+    raw = torch.from_numpy(random_rows(QType.Q4_K, 300, 512, rng, 0.05))
+    host = QuantTensor(raw.pin_memory(), QType.Q4_K, 512)
+    dev = QuantTensor(raw.cuda(), QType.Q4_K, 512)
+    ids = torch.tensor([[5, 299, 0]], device="cuda")
+    assert torch.equal(host.rows(ids), dev.rows(ids))
+    out = torch.empty(1, 3, 512, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    host.rows(ids)  # (built before the capture)
+    with torch.cuda.graph(graph):
+        out.copy_(host.rows(ids))
+    ids.copy_(torch.tensor([[7, 8, 9]]))
+    graph.replay()
+    assert torch.equal(out, dev.rows(ids))

@@ -43,6 +43,7 @@ from strata.kernels.tuning import (
     PREFILL_SCRATCH_ROWS,
 )
 from strata.kernels.tuning import PLAN_MARGIN as MARGIN
+from strata.model.weights import embed_on_host
 from strata.quant import DEQUANT_CHUNK_BYTES
 from strata.runtime.kv_slots import POOL_BLOCK
 from strata.units import fmt_bytes, proc_kib
@@ -94,6 +95,7 @@ class MemoryPlan:
     draft_path: str = ""
     # a --batch pool's scratch rows for prompts on the prompt graphs (PREFILL_SCRATCH_ROWS; in kv)
     prefill_rows: int = 0
+    host_embed: bool = False  # the token embedding in host RAM, not in `dense` (embed_on_host)
 
     @property
     def left(self) -> int:
@@ -113,7 +115,9 @@ class MemoryPlan:
             *([f"  CUDA context   {f(self.context):>10} (the driver's and the libraries' own, "
                "outside torch's allocator)"] if self.context else []),
             f"  dense weights  {f(self.dense):>10} "
-            f"({'in GGUF blocks' if self.quant_dense else 'float32'})",
+            f"({'in GGUF blocks' if self.quant_dense else 'float32'}"
+            + ("; the token embedding in host RAM, a row read a token" if self.host_embed
+               else "") + ")",
             *([f"  draft model    {f(self.draft):>10} ({self.draft_path}: every weight on the "
                "device; its KV rows in the KV line)"] if self.draft else []),
             f"  KV cache       {f(self.kv):>10} ({self.ctx} tokens x {self.sequences} sequences, "
@@ -171,7 +175,8 @@ def draft_bytes(ec: EngineConfig) -> tuple[int, int]:
     cfg = ModelConfig.from_model(mf, dense=True)
     experts = sum(ref.info.nbytes for name, ref in mf.tensors.items() if "_exps." in name)
     kv = int(cfg.n_kv_layers * cfg.kv_row * kv_elem_bytes(ec.kv_type))
-    return dense_bytes(mf, cfg, draft_in_blocks(ec.device, ec.kernels)) + experts, kv
+    host_embed = embed_on_host(cfg, "cuda" if ec.device.startswith("cuda") else "cpu")
+    return dense_bytes(mf, cfg, draft_in_blocks(ec.device, ec.kernels), host_embed) + experts, kv
 
 
 def draft_in_blocks(device: str, kernels: str) -> bool:
@@ -239,10 +244,12 @@ def host_available() -> int:
         "SC_AVPHYS_PAGES")
 
 
-def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool) -> int:
+def dense_bytes(mf: ModelFile, cfg: ModelConfig, quant: bool, host_embed: bool = False) -> int:
+    """The device bytes of the dense tensors (quant: matrices in their GGUF blocks; host_embed:
+    the token embedding in host RAM, weights.embed_on_host)."""
     total = 0
     for name, shape in expected_tensors(cfg).items():
-        if "_exps." in name or _mtp_block(cfg, name):
+        if "_exps." in name or _mtp_block(cfg, name) or host_embed and name == "token_embd.weight":
             continue
         ref = mf.tensors[name]
         numel = 1
@@ -324,7 +331,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     kv_per_token += draft_kv
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > (budget - context) // 4
                                           or fused_dense(mf, cfg, ec)) or cpu_ggml_dense(ec, dev)
-    dense = dense_bytes(mf, cfg, quant_dense) + mtp_head_bytes(mf, cfg, ec)
+    dense = dense_bytes(mf, cfg, quant_dense, embed_on_host(cfg, dev.type)) + mtp_head_bytes(
+        mf, cfg, ec)
     if dev.type == "cuda":  # (gpt-oss: the experts' biases, copied once for the fused kernels)
         dense += sum(lay.bias.gate.nbytes + lay.bias.up.nbytes + lay.bias.down.nbytes
                      for lay in layouts if lay.bias is not None)
@@ -481,7 +489,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       prompt_buckets=buckets, prompt_graphs_note=graphs_note,
                       window_graphs=windows, activations=activations, draft=draft,
                       draft_path=ec.draft if draft else "", prefill_rows=prefill_rows,
-                      layer_tokens=span)
+                      layer_tokens=span, host_embed=embed_on_host(cfg, dev.type))
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

@@ -67,6 +67,14 @@ GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 # only from 14336 rows. bench/2026-11-30-h200-iquants.md
 X8_MIN_ROWS = 8192
 
+# ---- the token embedding (model/weights.py, kernels/gpu/host_rows.py) --------------------------
+
+# on CUDA, an untied token embedding stays in pinned host memory and the device reads a token's
+# row over PCIe (one 0.3-8 KB row a token, inside the graphs): its VRAM (Qwen3.6-35B-A3B 286 MB,
+# gpt-oss-20b 326 MB at their packs' types) goes to expert cache slots, as llama.cpp keeps it on
+# the CPU. The row's read over PCIe is not timed (bench: none)
+EMBED_ON_HOST = True
+
 # ---- MoE layer (kernels/gpu/moe.py, moe_grouped.py) ---------------------------------------------
 
 # up to this many tokens each pair reads its expert itself (decode, short verify windows); past

@@ -16,7 +16,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
-from strata.kernels.tuning import X8_MIN_ROWS
+from strata.kernels.tuning import EMBED_ON_HOST, X8_MIN_ROWS
 from strata.quant import QType, dequant_rows, dequantize, dequantize_into
 
 X8_TYPES = (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS)  # gemv_q8.gemv_x8's
@@ -40,7 +40,13 @@ class QuantTensor:
         return cls(torch.from_numpy(ref.data()).to(device), ref.qtype, ref.shape[-1])
 
     def rows(self, index: torch.Tensor | int) -> torch.Tensor:
-        """Dequantized rows (or whole experts when raw is 3-D): float32 [..., n_cols]."""
+        """Dequantized rows (or whole experts when raw is 3-D): float32 [..., n_cols]. A table
+        in pinned host memory indexed from the device (the token embedding on CUDA,
+        embed_on_host) is read by the device over PCIe, into rows on the index's device."""
+        if isinstance(index, torch.Tensor) and index.is_cuda and not self.raw.is_cuda:
+            from strata.kernels.gpu.host_rows import host_rows
+
+            return dequantize(host_rows(self.raw, index), self.qtype, self.n_cols)
         return dequantize(self.raw[index], self.qtype, self.n_cols)
 
     @property
@@ -83,6 +89,13 @@ class QuantTensor:
 
 
 Weight = torch.Tensor | QuantTensor  # float32 [N, K], or kept in GGUF blocks
+
+
+def embed_on_host(cfg: ModelConfig, device_type: str) -> bool:
+    """The token embedding stays in pinned host memory, its rows read by the device
+    (tuning.EMBED_ON_HOST): on CUDA, where the output head is a matrix of its own (a tied
+    embedding is the head, multiplied every token)."""
+    return device_type == "cuda" and EMBED_ON_HOST and not cfg.tied_output
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -366,7 +379,9 @@ class ModelWeights:
                 opt(p + "shared_head_norm.weight"), opt(p + "shared_head_head.weight", True),
                 QuantTensor.load(t[p + "embed_tokens.weight"], device)
                 if p + "embed_tokens.weight" in t else None))
-        embed = QuantTensor.load(t["token_embd.weight"], device)
+        ref = t["token_embd.weight"]
+        embed = (QuantTensor(torch.from_numpy(ref.data()).pin_memory(), ref.qtype, ref.shape[-1])
+                 if embed_on_host(cfg, device.type) else QuantTensor.load(ref, device))
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
         # a hybrid model's MTP blocks (cfg.n_nextn) kept as they are in the file (views of its
         # pages), unused by the forward: speculative decoding reads them
