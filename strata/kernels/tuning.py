@@ -72,7 +72,8 @@ X8_MIN_ROWS = 8192
 # on CUDA, an untied token embedding stays in pinned host memory and the device reads a token's
 # row over PCIe (one 0.3-8 KB row a token, inside the graphs): its VRAM (Qwen3.6-35B-A3B 286 MB,
 # gpt-oss-20b 326 MB at their packs' types) goes to expert cache slots, as llama.cpp keeps it on
-# the CPU. The row's read over PCIe is not timed (bench: none)
+# the CPU. Planned at 4 GiB: Qwen3.6's decode slots 541 -> 700, gpt-oss-20b's 56 -> 93 (its
+# prompt chunks 512 -> 1024 tokens). The row's read over PCIe is not timed (bench: none)
 EMBED_ON_HOST = True
 
 # ---- MoE layer (kernels/gpu/moe.py, moe_grouped.py) ---------------------------------------------
