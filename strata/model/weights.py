@@ -9,6 +9,7 @@ dequantized on demand, one routed expert or a handful of embedding rows at a tim
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,6 +19,8 @@ from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
 from strata.kernels.tuning import EMBED_ON_HOST, X8_MIN_ROWS
 from strata.quant import QType, dequant_rows, dequantize, dequantize_into
+
+log = logging.getLogger("strata")
 
 X8_TYPES = (QType.Q4_K, QType.Q6_K, QType.IQ2_XS, QType.IQ3_XXS)  # gemv_q8.gemv_x8's
 
@@ -89,6 +92,19 @@ class QuantTensor:
 
 
 Weight = torch.Tensor | QuantTensor  # float32 [N, K], or kept in GGUF blocks
+
+
+def host_table(ref: TensorRef) -> QuantTensor | None:
+    """The tensor in pinned host memory (embed_on_host), or None where none could be pinned (it
+    then loads on the device, past the plan by its bytes: said once)."""
+    try:
+        raw = torch.from_numpy(ref.data()).pin_memory()
+    except RuntimeError as e:
+        log.warning("the token embedding (%s) could not be pinned in host memory (%s): it goes "
+                    "on the device, %d MiB past the memory plan", ref.name, e,
+                    ref.info.nbytes >> 20)
+        return None
+    return QuantTensor(raw, ref.qtype, ref.shape[-1])
 
 
 def embed_on_host(cfg: ModelConfig, device_type: str) -> bool:
@@ -380,8 +396,9 @@ class ModelWeights:
                 QuantTensor.load(t[p + "embed_tokens.weight"], device)
                 if p + "embed_tokens.weight" in t else None))
         ref = t["token_embd.weight"]
-        embed = (QuantTensor(torch.from_numpy(ref.data()).pin_memory(), ref.qtype, ref.shape[-1])
-                 if embed_on_host(cfg, device.type) else QuantTensor.load(ref, device))
+        embed = host_table(ref) if embed_on_host(cfg, device.type) else None
+        if embed is None:
+            embed = QuantTensor.load(ref, device)
         output = m("token_embd.weight" if cfg.tied_output else "output.weight")
         # a hybrid model's MTP blocks (cfg.n_nextn) kept as they are in the file (views of its
         # pages), unused by the forward: speculative decoding reads them
