@@ -13,7 +13,10 @@ window's rounding has moved the windows' answer off the replayed one. One run of
              answer, and the baseline's seconds
     windows  the same answer again through SpecDecoder.step (--spec T windows, adaptive as in
              use: a window that accepts nothing shrinks, low acceptance turns windows off for a
-             while), drafts from ForcedDrafter; timed from the first decode step to the last token
+             while), drafts from ForcedDrafter; timed from the first decode step to the last token.
+             Each run starts as a fresh decoder (SpecDecoder.reset(costs=True)): what an earlier
+             run learnt of the windows' cost would start this one's windows off (as a server's
+             later requests do), and the runs would time plain decode
 
 The two answers are compared: greedy is exact under windows where a window's arithmetic agrees
 with a single token's (docs/spec.md); elsewhere (CUDA's fused kernels round a window's tokens
@@ -105,7 +108,7 @@ def _plain(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], float]
 def _windows(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], float]:
     """The same answer through the engine's SpecDecoder -> (the answer, decode seconds)."""
     model, spec = engine.model, engine.spec
-    spec.reset()
+    spec.reset(costs=True)  # (each run as a fresh decoder's: not the windows an earlier run paused)
     kv = model.new_cache(len(prompt) + n + 1)
     logits = engine.run_prompt(prompt, kv)[0]
     _sync(engine)

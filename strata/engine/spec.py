@@ -357,10 +357,14 @@ class SpecDecoder:
         d = self.drafter
         return bool(getattr(d, "from_context", False) or getattr(d, "per_sequence", False))
 
-    def reset(self) -> None:
-        """A new generation: fresh statistics and a full window."""
+    def reset(self, costs: bool = False) -> None:
+        """A new generation: fresh statistics and a full window; costs: also forget what the
+        windows' passes cost (PassCosts: otherwise kept, so a new sequence's windows start off
+        where they could not pay)."""
         self.stats = SpecStats()
         self._windows.clear()
+        if costs:
+            self.costs = PassCosts()
         self.new_sequence(None)
 
     def new_sequence(self, key: object) -> None:
