@@ -144,3 +144,17 @@ def test_a_host_embedding_gives_the_device_tables_rows() -> None:
     ids.copy_(torch.tensor([[7, 8, 9]]))
     graph.replay()
     assert torch.equal(out, dev.rows(ids))
+
+
+@pytest.mark.slow
+def test_host_rows_builds_for_sm90() -> None:
+    """Without a GPU: the host-rows gather (the token embedding's read on CUDA) builds for sm_90
+    with no spills."""
+    pytest.importorskip("triton")
+    from test_decode_ops import sm90_resources
+
+    from strata.kernels.gpu.host_rows import HOST_ROWS_BLOCK, _host_rows_kernel
+
+    got = sm90_resources(_host_rows_kernel, {"table": "*u8", "ids": "*i64", "out": "*u8"}, {},
+                         {"row_bytes": 1152, "stride_t": 1152}, {"BLOCK": HOST_ROWS_BLOCK}, 4)
+    assert got["spills"] == 0 and got["local"] == 0, got
