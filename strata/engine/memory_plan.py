@@ -331,8 +331,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
     kv_per_token += draft_kv
     quant_dense = dev.type == "cuda" and (dense_bytes(mf, cfg, False) > (budget - context) // 4
                                           or fused_dense(mf, cfg, ec)) or cpu_ggml_dense(ec, dev)
-    dense = dense_bytes(mf, cfg, quant_dense, embed_on_host(cfg, dev.type)) + mtp_head_bytes(
-        mf, cfg, ec)
+    host_embed = embed_on_host(cfg, dev.type)
+    dense = dense_bytes(mf, cfg, quant_dense, host_embed) + mtp_head_bytes(mf, cfg, ec)
     if dev.type == "cuda":  # (gpt-oss: the experts' biases, copied once for the fused kernels)
         dense += sum(lay.bias.gate.nbytes + lay.bias.up.nbytes + lay.bias.down.nbytes
                      for lay in layouts if lay.bias is not None)
@@ -489,7 +489,7 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       prompt_buckets=buckets, prompt_graphs_note=graphs_note,
                       window_graphs=windows, activations=activations, draft=draft,
                       draft_path=ec.draft if draft else "", prefill_rows=prefill_rows,
-                      layer_tokens=span, host_embed=embed_on_host(cfg, dev.type))
+                      layer_tokens=span, host_embed=host_embed)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

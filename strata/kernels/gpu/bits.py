@@ -61,6 +61,14 @@ def f16_bits(v):
 
 
 @triton.jit
+def e8m0_half(e):
+    """2^(e-128) in float32 for an E8M0 exponent e (int32 0..255): an MXFP4 block's scale with
+    its values doubled to integers (strata.quant.mxfp4). bits = e >= 2 ? (e - 1) << 23 :
+    0x00200000 << e (e < 2: subnormal)."""
+    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def i2f(q, bias: tl.constexpr):
     """Exact float32 of (q - bias) for int32 0 <= q < 2**23.
 

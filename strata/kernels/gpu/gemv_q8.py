@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import ASM, f16_bits, i2f
+from strata.kernels.gpu.bits import ASM, e8m0_half, f16_bits, i2f
 from strata.kernels.gpu.pairs import bias_row, glu, pair_computed, record_part, words_aligned
 from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.kernels.tuning import GEMV_X8_RUN, GEMV_X8_TILE
@@ -913,7 +913,7 @@ def mxfp4_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr, EVEN: tl.constexpr
         dot = _dp4a(_mx_values(q), _prmt(xa, xb, 0x5140) + zero, zero, True)
         dot = _dp4a(_mx_values(q >> 16), _prmt(xa, xb, 0x7362) + zero, dot, True)
         e = tl.load(b8 + o, mask=m, other=0).to(tl.int32)  # [BB, 1, R]
-        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        d = e8m0_half(e)
         dxb = tl.load(dx + b, mask=m, other=0.0)  # [BB, 1, 1]
         acc += (d * dxb) * dot.to(tl.float32)
     return tl.sum(tl.sum(acc, axis=1), axis=0)

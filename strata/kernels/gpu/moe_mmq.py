@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import f16, u8
+from strata.kernels.gpu.bits import e8m0_half, f16, u8
 from strata.kernels.gpu.pairs import bias_row, check_bias, expert_chunk, glu, sort_pairs
 from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.kernels.tuning import MMQ_MXFP4
@@ -167,7 +167,7 @@ def _mxfp4_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
                      other=0)  # int8 [BM, 32]
         dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
         e = u8(b, None)
-        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        d = e8m0_half(e)
         isum = tl.dot(xv, tl.trans(q), out_dtype=tl.int32)  # [BM, BN]
         acc += isum.to(tl.float32) * dx[:, None] * d[None, :]
     return acc
