@@ -14,9 +14,11 @@ from test_chunk_graph import PREFIX, cuda_engine, plan, prompt
 from test_offload import offload
 from test_spec import ReplayDrafter, StuckEvent
 
+import strata.model.parts.attention as attention_part
 from strata.config import EngineConfig
 from strata.engine.chunk_graph import (
     ChunkGraphs,
+    bucket_of,
     graph_pool_bytes,
     plan_buckets,
     window_static_bytes,
@@ -25,6 +27,7 @@ from strata.engine.chunk_graph import (
 from strata.engine.sampling import SamplingParams
 from strata.engine.spec import SpecDecoder
 from strata.kernels.tuning import WINDOW_GRAPH_MAX
+from strata.model.layers import attention as reference_attention
 from strata.model.parts import Segment
 from strata.runtime.waits import StallError
 
@@ -275,56 +278,73 @@ def test_spec_greedy_text_through_window_graphs_is_the_plain_text(synth):
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
-def test_a_hybrids_windows_through_the_graphs(synth, arch):
-    """A hybrid (Gated DeltaNet layers beside gated full attention): its prompt chunks stay
-    eager (their padding would enter the recurrent state), its verify windows take the graphs'
-    static buffers (never padded; the recurrent layers token by token, each token's state kept):
-    every position's logits, the KV rows, the recurrent state after the window and the state
-    kept after each of its tokens equal the eager window's, and a rollback after either gives
-    the same state."""
+def test_a_hybrids_chunks_and_windows_through_the_graphs(synth, monkeypatch, arch):
+    """A hybrid (Gated DeltaNet layers beside gated full attention): its prompt chunks take the
+    padded buckets (the padding kept out of the recurrent state: it neither decays nor writes
+    S, and the conv window stops at the last real row), its verify windows the graphs' static
+    buffers (never padded; the recurrent layers token by token, each token's state kept). Each
+    chunk's last logits, a window's every position's, the KV rows, the recurrent state after
+    each chunk and window and the state kept after each of a window's tokens equal the plain
+    forward's, and a rollback after either gives the same state."""
     from strata.config import ModelConfig
     from strata.engine.chunk_graph import blocked
     from strata.engine.spec import rollback
     from strata.gguf import open_model
 
+    # (the attention in float32: bf16's rounding would differ with the padded row count)
+    monkeypatch.setattr(attention_part, "attention_bf16", lambda q, k, v: reference_attention(
+        q, k.float(), v.float(), k.shape[0] - q.shape[0]))
     path = synth(arch, "Q4_K_M")
     cfg = ModelConfig.from_model(open_model(path))
     ec = EngineConfig(device="cuda", offload="on", kernels="fused", spec=4, kv_type="f16")
-    assert "recurrent state" in blocked(cfg, ec) and blocked(cfg, ec, windows=True) is None
-    engine = offload(path, "cpu", expert_cache=str(cfg.n_layers * cfg.n_experts))
+    assert blocked(cfg, ec) is None
+    # (one thread: the padded and plain passes' matmuls sum in the same order)
+    engine = offload(path, "cpu", expert_cache=str(cfg.n_layers * cfg.n_experts), threads=1)
     model = engine.model
-    graphs = ChunkGraphs(model, (), why=blocked(cfg, ec), mode="eager", windows=5)
-    assert graphs.why is None and graphs.prompt_why == blocked(cfg, ec)
-    head = prompt(7, 3)
-    for n in (1, 3, 5):
+    model.fused_attention = True  # (the fused forms, torch's here, as a graph's)
+    graphs = ChunkGraphs(model, (16, 32, 64), mode="eager", windows=5)
+    assert graphs.why is None and graphs.prompt_why is None
+    # chunks of 13 (bucket 16) then 2 (a window of K-1 = 3 reaching into the last chunk's rows,
+    # bucket 16), 33 then 1 (64, 16), 16 then 20 (a full bucket, then 32)
+    for n, heads in ((1, (13, 2)), (3, (33, 1)), (5, (16, 20))):
         tokens = prompt(n, n)
         runs = []
         for g in (None, graphs):
-            model.chunks = None
-            kv = model.new_cache(64)
-            model.chunks, model.fused_attention = g, False  # (the prompt: eager either way,
-            # on the plain forms, the chunked rule's kernel being CUDA's)
-            model.forward(torch.tensor(head), [Segment(kv, len(head))])
-            model.fused_attention = True  # (the window's fused forms, torch's here, as a graph's)
+            model.chunks = g
+            kv = model.new_cache(128)
+            last, states, at = [], [], 0
+            for i, m in enumerate(heads):
+                chunk = prompt(sum(heads), 3)[at:at + m]
+                at += m
+                last.append(model.forward(torch.tensor(chunk), [Segment(kv, m)]).clone())
+                states.append((kv.state.conv.clone(), kv.state.ssm.clone()))
+                assert kv.length == at, (g, i)
             kv.open_window(n)
             logits = model.forward(torch.tensor(tokens), [Segment(kv, n)], all_logits=True)
             kv.state.stop_recording()
             st = kv.state
-            runs.append((logits.clone(), kv, st.conv.clone(), st.ssm.clone(),
+            runs.append((last, states, logits.clone(), kv, st.conv.clone(), st.ssm.clone(),
                          st.window.conv.clone(), st.window.ssm.clone()))
-        (ref, ref_kv, *ref_state), (ours, kv, *state) = runs
+        (ref_last, ref_states, ref, ref_kv, *ref_state), (last, states, ours, kv, *state) = runs
+        for a, b in zip(last, ref_last, strict=True):
+            assert a.shape == b.shape == (1, cfg.n_vocab)
+            assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), n
+        for mine, theirs in zip(states, ref_states, strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                assert float((a - b).abs().max()) <= 1e-5 * max(float(b.abs().max()), 1e-6), n
         assert ours.shape == ref.shape == (n, cfg.n_vocab)
         assert float((ours - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), n
-        assert kv.length == ref_kv.length == len(head) + n
-        rows = slice(0, len(head) + n)
+        assert kv.length == ref_kv.length == sum(heads) + n
+        rows = slice(0, sum(heads) + n)
         mine, theirs = kv.store[:, :, rows], ref_kv.store[:, :, rows]
         assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max()), n
         for a, b in zip(state, ref_state, strict=True):
             assert float((a - b).abs().max()) <= 1e-5 * max(float(b.abs().max()), 1e-6), n
-        rollback(model, kv, len(head) + 1)
-        rollback(model, ref_kv, len(head) + 1)
+        rollback(model, kv, sum(heads) + 1)
+        rollback(model, ref_kv, sum(heads) + 1)
         assert torch.allclose(kv.state.ssm, ref_kv.state.ssm, rtol=1e-5, atol=1e-6)
-    # the memory plan: the windows' pool alone (no bucket), the prompt reason kept for its line
+    # the memory plan: the chunks' buckets and the windows, one pool (a Gated DeltaNet
+    # layer's activations and states counted where they are the larger)
     from strata.engine.memory_plan import make_plan
     from strata.experts.layout import expert_layouts
 
@@ -332,17 +352,17 @@ def test_a_hybrids_windows_through_the_graphs(synth, arch):
     layouts = expert_layouts(mf, cfg)
     whole = make_plan(mf, cfg, dataclasses.replace(ec, ctx=256, vram_budget_gib=2.0), layouts)
     assert whole.slots_per_layer == [cfg.n_experts] * cfg.n_layers
-    assert whole.prompt_buckets == () and whole.window_graphs == window_tokens(4) == 5
-    assert whole.prompt_graphs >= graph_pool_bytes(cfg, layouts, 5, whole.prompt_weights,
-                                                   logit_rows=5) + window_static_bytes(cfg, 5)
-    assert "recurrent state" in whole.prompt_graphs_note
+    assert whole.prompt_buckets and whole.window_graphs == window_tokens(4) == 5
+    top = max(whole.prompt_buckets)
+    assert whole.prompt_graphs >= graph_pool_bytes(cfg, layouts, top, whole.prompt_weights)
+    plain = dataclasses.replace(cfg, ssm_heads=0)  # (the same shapes without the delta term)
+    assert graph_pool_bytes(cfg, layouts, top, whole.prompt_weights) > graph_pool_bytes(
+        plain, layouts, top, whole.prompt_weights)
     assert "verify windows of 1-5 tokens" in "\n".join(whole.lines())
-    no_spec = make_plan(mf, cfg, dataclasses.replace(ec, spec=0, ctx=256, vram_budget_gib=2.0),
-                        layouts)
-    assert no_spec.window_graphs == 0 and no_spec.prompt_graphs == 0
-    assert graphs.window_steps["warm"] == 3 and graphs.steps["eager"] == 3  # (the 3 prompts)
-    assert graphs.eager[blocked(cfg, ec)] == 3
-    assert "chunks off" in graphs.line() and "verify windows: 0 replayed, 3 run" in graphs.line()
+    assert graphs.window_steps["warm"] == 3 and graphs.steps["warm"] == 6
+    assert graphs.steps["eager"] == 0 and not graphs.eager
+    assert "6 run to capture" in graphs.line() and "verify windows: 0 replayed, 3 run" in \
+        graphs.line()
 
 
 def test_a_windows_state_storage_stays_put(synth):
@@ -383,8 +403,11 @@ def test_a_windows_state_storage_stays_put(synth):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
-def test_a_hybrids_window_graphs_on_cuda(synth, arch):
-    """On CUDA with --spec 4: a hybrid's windows of 1 .. 5 tokens, twice each (captured, then
+def test_a_hybrids_graphs_on_cuda(synth, arch):
+    """On CUDA with --spec 4: a hybrid's prompts of 9 .. 300 tokens padded into their buckets,
+    twice each (captured, then replayed), against the eager forward: the last logits within
+    bf16 rounding (KL below 1e-3) and the recurrent state after the prompt within 1e-3 of its
+    scale; its windows of 1 .. 5 tokens, twice each (captured, then
     replayed), against the same windows run eagerly: every row's logits within the paths' own
     rounding (KL below 1e-3 a row), the recurrent state after the window and each token's kept
     state within 1e-3 of their scale; then greedy text through --spec with drafts right and
@@ -398,7 +421,24 @@ def test_a_hybrids_window_graphs_on_cuda(synth, arch):
     engine = offload(path, "cuda", expert_cache="auto", kernels="fused", kv_type="f16", spec=4,
                      draft="ngram")
     model, graphs = engine.model, engine.model.chunks
-    assert graphs.why is None and graphs.prompt_why and graphs.windows == 5 and graphs.graphs
+    assert graphs.why is None and graphs.prompt_why is None and graphs.buckets
+    assert graphs.windows == 5 and graphs.graphs
+    for _ in range(2):
+        for n in (9, 37, 100, 300):
+            tokens, runs = prompt(n, 5), []
+            for chunks in (None, graphs):
+                model.chunks = chunks
+                kv = model.new_cache(512)
+                out = model.forward(torch.tensor(tokens), [Segment(kv, n)])
+                runs.append([t.float().cpu() for t in (out, kv.state.ssm, kv.state.conv)])
+            (ref, *ref_state), (ours, *state) = runs
+            p, q = torch.log_softmax(ref, -1), torch.log_softmax(ours, -1)
+            assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3, n
+            for a, b in zip(state, ref_state, strict=True):
+                assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()), n
+    used = {bucket_of(n, graphs.buckets) for n in (9, 37, 100, 300)}
+    assert graphs.steps["captured"] == graphs.steps["warm"] == len(used)
+    assert graphs.steps["replayed"] == 8 - len(used) and graphs.steps["eager"] == 0
     head = prompt(9, 3)
 
     def run(tokens, chunks):  # noqa: ANN001, ANN202

@@ -74,21 +74,23 @@ log = logging.getLogger("strata")
 
 PROMPT_GRAPH_MODES = ("on", "off")
 HALF_KV = ("f16", "bf16")  # the cache types chunk_attention reads on flash attention
-# layer parts other than full GQA attention and gpt-oss's (sinks, sliding windows: its chunks
-# run GQAAttention._chunk with them), and why their chunks need the host
-MIXER_WHY = {"mla": "a latent cache", "delta": "a recurrent state the padding would enter",
-             "gated": "a hybrid's recurrent layers beside it"}
+# layer parts other than full GQA attention, gpt-oss's (sinks, sliding windows: its chunks run
+# GQAAttention._chunk with them) and a hybrid's (gated attention; Gated DeltaNet, whose padded
+# rows neither decay nor write the recurrent state: Segments.last), and why their chunks need
+# the host
+CAPTURED_MIXERS = {"gqa", "sinks", "gated", "delta"}
+MIXER_WHY = {"mla": "a latent cache"}
 
 
 # ---- the choice, at load ------------------------------------------------------------------------
 
 
-def blocked(cfg: ModelConfig, ec: EngineConfig, windows: bool = False) -> str | None:
-    """Why no prompt chunk (windows: no verify window) of this model under this configuration
-    can be captured, or None (then ChunkGraphs checks what the built engine adds: the executor,
-    resident experts, flash attention on this GPU). A hybrid's recurrent layers block the
-    padded prompt chunks only: a window is never padded, and its recurrent layers run token by
-    token into static state buffers (DeltaState and its WindowStates)."""
+def blocked(cfg: ModelConfig, ec: EngineConfig) -> str | None:
+    """Why no prompt chunk or verify window of this model under this configuration can be
+    captured, or None (then ChunkGraphs checks what the built engine adds: the executor,
+    resident experts, flash attention on this GPU). A hybrid's recurrent layers take both: a
+    padded chunk through the chunked rule with its padding masked out of the state, a window
+    (never padded) token by token into static state buffers (DeltaState, WindowStates)."""
     if ec.prompt_graphs == "off":
         return "--prompt-graphs off"
     if not ec.device.startswith("cuda"):
@@ -97,8 +99,7 @@ def blocked(cfg: ModelConfig, ec: EngineConfig, windows: bool = False) -> str | 
         return "--offload off: the reference layout groups each layer's experts on the host"
     if ec.kernels != "fused":
         return f"--kernels {ec.kernels}: prompt chunks attend over rows the host slices"
-    mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - {"gqa", "sinks"}
-                    - ({"delta", "gated"} if windows else set()))
+    mixers = sorted({layer_spec(cfg, i).mixer for i in range(cfg.n_layers)} - CAPTURED_MIXERS)
     if mixers:
         return f"{cfg.arch}'s layers hold " + ", ".join(MIXER_WHY.get(m, m) for m in mixers)
     if ec.kv_type not in HALF_KV:
@@ -133,9 +134,10 @@ def graph_pool_bytes(cfg: ModelConfig, layouts: list, t: int,
     """A bound on the device bytes one captured pass of t tokens allocates inside its graph
     (its pool holds them for good): the MoE layer's scratch at t tokens (the grouped path's,
     moe_grouped.grouped_scratch_bytes, or the tl.dot path's h and y), the dense parts' float32
-    activations live across a layer, a dense matrix's bf16 copy (cuBLAS, from DEQUANT_MIN_M
-    tokens) and the head's `logit_rows` rows (a chunk's last one, a window's every row).
-    Derived from the buffers the parts allocate, not measured."""
+    activations live across a layer (an attention layer's or a Gated DeltaNet's), a dense
+    matrix's bf16 copy (cuBLAS, from DEQUANT_MIN_M tokens) and the head's `logit_rows` rows (a
+    chunk's last one, a window's every row). Derived from the buffers the parts allocate, not
+    measured."""
     from strata.kernels.gpu.moe import layouts_min_tokens, use_grouped
     from strata.kernels.gpu.moe_grouped import GROUPED_SCRATCH_BYTES, grouped_scratch_bytes
 
@@ -153,7 +155,15 @@ def graph_pool_bytes(cfg: ModelConfig, layouts: list, t: int,
     # x, h, attention out, wo out, norms (6 D); qkv, its split copies, q rotated and its half
     # copy, flash's out (4 qkv); router logits and probabilities (2 E); a dense or shared FFN
     rows = 4 * t * (6 * d + 4 * qkv + 2 * e + 3 * hidden)
-    dequant = 2 * max(qkv * d, cfg.q_dim * d, 3 * hidden * d) if t >= DEQUANT_MIN_M else 0
+    if cfg.ssm_heads:  # a hybrid's Gated DeltaNet layer, where it is the larger: its conv input
+        # and output, q, k, v at the value heads, the chunked rule's per-token work and output,
+        # the output gate (4 C + 8 Hv dk + 64 Hv a token), and the rule's state per chunk of 64
+        hv, dk = cfg.ssm_heads, cfg.ssm_state
+        c = (2 * cfg.ssm_groups + hv) * dk
+        rows = max(rows, 4 * t * (6 * d + 4 * c + 8 * hv * dk + 64 * hv + 2 * e + 3 * hidden)
+                   + 4 * (-(-t // 64) + 1) * hv * dk * dk)
+    widest = max(qkv, cfg.q_dim, 3 * hidden, (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state)
+    dequant = 2 * widest * d if t >= DEQUANT_MIN_M else 0
     return moe + rows + dequant + 4 * logit_rows * cfg.n_vocab
 
 
@@ -178,12 +188,6 @@ def plan_buckets(cfg: ModelConfig, ec: EngineConfig, layouts: list, slots: list[
                                                                           strict=True))
     if why is None and outside:
         why = "experts outside VRAM: their misses are planned on the host"
-    w = window_tokens(ec.spec)
-    if why is not None and w and not outside and blocked(cfg, ec, windows=True) is None:
-        # (a hybrid: its verify windows alone, one graph per size; `why` says why no chunk)
-        need = (graph_pool_bytes(cfg, layouts, w, prompt_weights, logit_rows=w)
-                + window_static_bytes(cfg, w))
-        return (need, (), w, why) if need <= room else (0, (), 0, why)
     if why is not None:
         return 0, (), 0, why
     for w in dict.fromkeys((window_tokens(ec.spec), 0)):
@@ -266,8 +270,7 @@ class ChunkGraphs:
                                dtype=np.int64)
         self.buckets = tuple(buckets)
         self.windows = windows
-        # why no prompt chunk is captured (a hybrid's recurrent layers: `why` with windows
-        # planned; or no bucket), where windows still are
+        # why no prompt chunk is captured (no bucket: windows alone), where windows still are
         self.prompt_why = why or (None if self.buckets else "no bucket")
         why = None if windows and not self.buckets else self.prompt_why
         if why is None and not isinstance(self.ex, OffloadExperts):
@@ -349,8 +352,8 @@ class ChunkGraphs:
                     if self.windows else "every position's logits")
         if t is None:
             return f"longer than {self.buckets[-1]} tokens"
-        # (a hybrid's recurrent state: a window's, recording each token's state, only)
-        state_ok = kv.state is None or all_logits and getattr(kv.state, "recording", False)
+        # (a hybrid's recurrent state: a window's records each token's state, a chunk's not)
+        state_ok = kv.state is None or all_logits == getattr(kv.state, "recording", False)
         if getattr(kv, "paged", False) or not state_ok or kv.dtype != model.kv_dtype:
             return "a paged, hybrid or other-typed cache"
         if self.graphs and not flash_reads(kv.k[0]):  # (a pass without it slices on the host)
@@ -465,7 +468,7 @@ class ChunkGraphs:
         # them, from the same device positions)
         cos, sin = rope_tables(pos + b.rows, cfg.rope_dim, cfg.rope_theta)
         ctx = Segments([Segment(kv, t)], cos, sin, _Experts(self.ex, live, b.window), None, True,
-                       pos=pos, inv_freq=model.rope_inv_freq())
+                       pos=pos, inv_freq=model.rope_inv_freq(), last=None if b.window else last)
         x, delta = model.trunk(tokens, ctx)
         b.logits.copy_(model.head.forward(x, delta, ctx, rows=None if b.window else last))
 

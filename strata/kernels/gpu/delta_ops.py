@@ -91,6 +91,12 @@ def delta_step(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torc
     return out
 
 
+def runs_kernels(t: torch.Tensor) -> bool:
+    """The kernels here run for `t` (CUDA, or Triton's interpreter); elsewhere their torch
+    forms do."""
+    return _use_kernels(t)
+
+
 def chunk_scan_fits(chunk: int, dk: int) -> bool:
     """The kernel's tiles: tl.dot wants powers of two of at least 16."""
     return all(n >= 16 and n & (n - 1) == 0 for n in (chunk, dk))

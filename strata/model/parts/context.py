@@ -50,6 +50,9 @@ class Segments:
     # RoPE frequencies (decode_ops.rope_inv_freq; None with YaRN), for the fused chunk kernels
     pos: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
+    # a padded prompt chunk's (strata.engine.chunk_graph): its last real row, int64 [1] on the
+    # device; the rows after it are padding, which a recurrent layer keeps out of its state
+    last: torch.Tensor | None = None
     # a layer-major prompt's chunk (strata.model.layer_major): its rows of the routed experts'
     # sum, computed once over every chunk's tokens of the layer; run_experts returns them
     ready: torch.Tensor | None = None

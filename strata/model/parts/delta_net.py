@@ -94,7 +94,7 @@ def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     if kernel:
         from strata.kernels.gpu import delta_ops
 
-        if delta_ops.chunk_scan_fits(chunk, dk):
+        if delta_ops.chunk_scan_fits(chunk, dk) and delta_ops.runs_kernels(u0):
             o, S = delta_ops.chunk_scan(u0, w, inner, qg, kg, G[..., -1].exp(), state)
             return o.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1), S
     S, out = state, []
@@ -143,6 +143,9 @@ class GatedDeltaNet:
 
     def _segments(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
+        if ctx.last is not None:  # a padded chunk: its padding neither decays nor writes S
+            real = (torch.arange(qkv.shape[0], device=qkv.device) <= ctx.last).to(g.dtype)
+            g, beta = g * real[:, None], beta * real[:, None]
         out, start = [], 0
         for s in ctx.segments:
             sl, st = slice(start, start + s.length), s.kv.state
@@ -154,7 +157,7 @@ class GatedDeltaNet:
                 k1 = st.conv.shape[1]
                 for t in range(s.length):  # the conv window after token t
                     rec.conv[t, self.slot] = full[t + 1:t + 1 + k1]
-            x = self._conv(qkv[sl], st.conv[self.slot])  # [t, C]
+            x = self._conv(qkv[sl], st.conv[self.slot], ctx.last)  # [t, C]
             q, k, v = self._heads(x)
             if s.length == 1 or rec is not None:  # (a window: token by token, as decode)
                 o, S = delta_recurrent(q, k, v, g[sl], beta[sl], st.ssm[self.slot],
@@ -196,9 +199,11 @@ class GatedDeltaNet:
         ssm.index_copy_(0, r.state, S)
         return o
 
-    def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, window: torch.Tensor,
+              last: torch.Tensor | None = None) -> torch.Tensor:
         """The causal depthwise conv of x [t, C] after the window's K-1 inputs [K-1, C], then
-        silu; the window moves to the last K-1 inputs (in place)."""
+        silu; the window moves to the last K-1 inputs (in place): those up to row `last` (int64
+        [1] on the device) of a padded chunk."""
         t = x.shape[0]
         full = torch.cat([window, x])  # [K-1+t, C]
         # one multiply-add per tap (K = 4) rather than F.conv1d, whose CUDA setup (cuDNN) takes
@@ -208,7 +213,11 @@ class GatedDeltaNet:
         y = full[:t] * self.w.conv[:, 0]
         for j in range(1, self.w.conv.shape[1]):
             y += full[j:j + t] * self.w.conv[:, j]
-        window.copy_(full[t:])
+        if last is None:
+            window.copy_(full[t:])
+        else:  # rows last+1 .. last+K-1 of full: the K-1 inputs before row last+1
+            k1 = window.shape[0]
+            window.copy_(full.index_select(0, last + 1 + torch.arange(k1, device=x.device)))
         return F.silu(y)
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
