@@ -127,6 +127,10 @@ def main() -> None:
           f"{res['copy_busy_s']:.3f} s, kernels {res['kernel_busy_s']:.3f} s, both at once "
           f"{res['overlap_s']:.3f} s")
     print_rows(res["kernels"], "prompt")
+    chunks = getattr(engine.model, "chunks", None)
+    if chunks is not None:  # (whether the timed prompt replayed the prompt graphs, and if not why)
+        res["prompt_graphs"] = chunks.line()
+        print(res["prompt_graphs"])
     if a.trace:
         prof.export_chrome_trace(a.trace)
     if a.json:
