@@ -102,6 +102,12 @@ class ModelConfig:
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
+    @property
+    def conv_channels(self) -> int:
+        """A Gated DeltaNet layer's conv channels C = 2*Hk*dk + Hv*dv: its q, k and v (hybrids;
+        0 elsewhere)."""
+        return (2 * self.ssm_groups + self.ssm_heads) * self.ssm_state
+
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` is a Gated DeltaNet mixer (hybrid models), not full attention."""
         return bool(self.full_attn_interval) and (layer + 1) % self.full_attn_interval != 0

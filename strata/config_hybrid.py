@@ -49,6 +49,7 @@ class HybridShape(Protocol):
     ssm_state: int
     ssm_groups: int
     ssm_heads: int
+    conv_channels: int
     ssm_layout: str
 
 
@@ -118,8 +119,7 @@ def attention_tensors(cfg: HybridShape, p: str) -> dict[str, tuple[int, ...]]:
 def linear_tensors(cfg: HybridShape, p: str) -> dict[str, tuple[int, ...]]:
     """A Gated DeltaNet layer's tensors."""
     D, hv = cfg.d_model, cfg.ssm_heads
-    key, value = cfg.ssm_groups * cfg.ssm_state, hv * cfg.ssm_state
-    conv = 2 * key + value
+    value, conv = hv * cfg.ssm_state, cfg.conv_channels
     t = {p + "ssm_conv1d.weight": (conv, cfg.ssm_conv), p + "ssm_dt.bias": (hv,),
          p + "ssm_a": (hv,), p + "ssm_norm.weight": (cfg.ssm_state,),
          p + "ssm_out.weight": (D, value)}
@@ -148,7 +148,7 @@ def state_bytes(cfg: HybridShape) -> int:
     if not cfg.full_attn_interval:
         return 0
     n = cfg.n_layers - cfg.n_kv_layers
-    conv = (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state * (cfg.ssm_conv - 1)
+    conv = cfg.conv_channels * (cfg.ssm_conv - 1)
     delta = cfg.ssm_heads * cfg.ssm_state * cfg.ssm_state
     return 4 * n * (conv + delta)
 

@@ -158,11 +158,10 @@ def graph_pool_bytes(cfg: ModelConfig, layouts: list, t: int,
     if cfg.ssm_heads:  # a hybrid's Gated DeltaNet layer, where it is the larger: its conv input
         # and output, q, k, v at the value heads, the chunked rule's per-token work and output,
         # the output gate (4 C + 8 Hv dk + 64 Hv a token), and the rule's state per chunk of 64
-        hv, dk = cfg.ssm_heads, cfg.ssm_state
-        c = (2 * cfg.ssm_groups + hv) * dk
+        hv, dk, c = cfg.ssm_heads, cfg.ssm_state, cfg.conv_channels
         rows = max(rows, 4 * t * (6 * d + 4 * c + 8 * hv * dk + 64 * hv + 2 * e + 3 * hidden)
                    + 4 * (-(-t // 64) + 1) * hv * dk * dk)
-    widest = max(qkv, cfg.q_dim, 3 * hidden, (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state)
+    widest = max(qkv, cfg.q_dim, 3 * hidden, cfg.conv_channels)
     dequant = 2 * widest * d if t >= DEQUANT_MIN_M else 0
     return moe + rows + dequant + 4 * logit_rows * cfg.n_vocab
 
@@ -467,8 +466,9 @@ class ChunkGraphs:
         # (the chunk kernels take positions from pos; the tables serve any part that reads
         # them, from the same device positions)
         cos, sin = rope_tables(pos + b.rows, cfg.rope_dim, cfg.rope_theta)
+        pad = {} if b.window else dict(last=last, real=live.to(torch.float32))  # (a chunk's)
         ctx = Segments([Segment(kv, t)], cos, sin, _Experts(self.ex, live, b.window), None, True,
-                       pos=pos, inv_freq=model.rope_inv_freq(), last=None if b.window else last)
+                       pos=pos, inv_freq=model.rope_inv_freq(), **pad)
         x, delta = model.trunk(tokens, ctx)
         b.logits.copy_(model.head.forward(x, delta, ctx, rows=None if b.window else last))
 

@@ -50,9 +50,9 @@ class DeltaState:
         (ChunkGraphs.windows; 0: none): the per-token states of every window are kept in
         storage of that many tokens, taken from `pool` where there is one, so that no window
         size's graph sees them move, within this state or from one request's to the next's."""
+        self._pool, self.window_tokens = pool, window_tokens
         n = cfg.n_layers - cfg.n_kv_layers
-        channels = (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state
-        shapes = ((n, cfg.ssm_conv - 1, channels),
+        shapes = ((n, cfg.ssm_conv - 1, cfg.conv_channels),
                   (n, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_state))
         if storage is not None:
             self.conv, self.ssm = storage
@@ -63,14 +63,19 @@ class DeltaState:
         elif pool is None:
             self.conv, self.ssm = (torch.zeros(s, device=device) for s in shapes)
         else:
-            self.conv, self.ssm = (pool.take(s, device) for s in shapes)
-            for t in (self.conv, self.ssm):
-                weakref.finalize(self, pool.give, t)
+            self.conv, self.ssm = self._taken(shapes, device)
             self.reset()
         self.window: WindowStates | None = None  # the last verify window's per-token states
         self.recording = False  # True during that window's forward: the layers write them
         self._spare: tuple[torch.Tensor, torch.Tensor] | None = None  # (reused storage)
-        self._pool, self.window_tokens = pool, window_tokens
+
+    def _taken(self, shapes: tuple[tuple[int, ...], ...],
+               device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Storage of these shapes from the pool, each given back when this state goes."""
+        out = tuple(self._pool.take(s, device) for s in shapes)
+        for t in out:
+            weakref.finalize(self, self._pool.give, t)
+        return out
 
     def reset(self) -> None:
         """Back to the state before any token."""
@@ -82,14 +87,12 @@ class DeltaState:
         """The next forward is a verify window of `tokens` tokens from position `start`: keep
         the state after each of them (until stop_recording)."""
         if self._spare is None or self._spare[0].shape[0] < tokens:
-            n, pool = max(tokens, self.window_tokens), self._pool
+            n = max(tokens, self.window_tokens)
             shapes = ((n, *self.conv.shape), (n, *self.ssm.shape))
-            if pool is None:
+            if self._pool is None:
                 self._spare = tuple(torch.empty(s, device=self.conv.device) for s in shapes)
             else:  # (a storage this state outgrew goes back to the pool with the state)
-                self._spare = tuple(pool.take(s, self.conv.device) for s in shapes)
-                for t in self._spare:
-                    weakref.finalize(self, pool.give, t)
+                self._spare = self._taken(shapes, self.conv.device)
         self.window = WindowStates(start, self._spare[0][:tokens], self._spare[1][:tokens])
         self.recording = True
 

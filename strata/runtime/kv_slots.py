@@ -85,8 +85,7 @@ class KVSlots:
                                           dtype=torch.float16, **z)
         if cfg.full_attn_interval:  # hybrid: one recurrent state a slot
             n = cfg.n_layers - cfg.n_kv_layers
-            channels = (2 * cfg.ssm_groups + cfg.ssm_heads) * cfg.ssm_state
-            self.conv = torch.zeros(n, slots, cfg.ssm_conv - 1, channels, **z)
+            self.conv = torch.zeros(n, slots, cfg.ssm_conv - 1, cfg.conv_channels, **z)
             self.ssm = torch.zeros(n, slots, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_state, **z)
         self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._release: dict[int, weakref.finalize] = {}

@@ -91,15 +91,15 @@ def delta_step(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torc
     return out
 
 
-def runs_kernels(t: torch.Tensor) -> bool:
-    """The kernels here run for `t` (CUDA, or Triton's interpreter); elsewhere their torch
-    forms do."""
-    return _use_kernels(t)
-
-
-def chunk_scan_fits(chunk: int, dk: int) -> bool:
-    """The kernel's tiles: tl.dot wants powers of two of at least 16."""
+def _tiles_fit(chunk: int, dk: int) -> bool:
+    """The scan kernel's tiles: tl.dot wants powers of two of at least 16."""
     return all(n >= 16 and n & (n - 1) == 0 for n in (chunk, dk))
+
+
+def chunk_scan_applies(t: torch.Tensor, chunk: int, dk: int) -> bool:
+    """chunk_scan runs for tensors like `t` (CUDA, or Triton's interpreter) at this chunk and
+    head dim; elsewhere the caller's torch loop does its work."""
+    return _use_kernels(t) and _tiles_fit(chunk, dk)
 
 
 def chunk_scan(u0: torch.Tensor, w: torch.Tensor, inner: torch.Tensor, qg: torch.Tensor,
@@ -110,7 +110,7 @@ def chunk_scan(u0: torch.Tensor, w: torch.Tensor, inner: torch.Tensor, qg: torch
     (tl.dot in "ieee": no tf32 rounding)."""
     H, n, L, dv = u0.shape
     dk = w.shape[-1]
-    _check(chunk_scan_fits(L, dk), f"chunk {L} and head dim {dk} must be powers of two >= 16")
+    _check(_tiles_fit(L, dk), f"chunk {L} and head dim {dk} must be powers of two >= 16")
     _check(_use_kernels(u0), "chunk_scan runs on CUDA (or under Triton's interpreter)")
     u0, w, inner, qg, kg, dend = (t.contiguous() for t in (u0, w, inner, qg, kg, dend))
     for name, t, shape in (("u0", u0, (H, n, L, dv)), ("w", w, (H, n, L, dk)),

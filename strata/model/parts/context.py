@@ -50,9 +50,11 @@ class Segments:
     # RoPE frequencies (decode_ops.rope_inv_freq; None with YaRN), for the fused chunk kernels
     pos: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
-    # a padded prompt chunk's (strata.engine.chunk_graph): its last real row, int64 [1] on the
-    # device; the rows after it are padding, which a recurrent layer keeps out of its state
+    # a padded prompt chunk's (strata.engine.chunk_graph), on the device: its last real row
+    # (int64 [1]) and its real rows (float32 [T], 1 for each, 0 for padding), which a recurrent
+    # layer keeps its state to
     last: torch.Tensor | None = None
+    real: torch.Tensor | None = None
     # a layer-major prompt's chunk (strata.model.layer_major): its rows of the routed experts'
     # sum, computed once over every chunk's tokens of the layer; run_experts returns them
     ready: torch.Tensor | None = None

@@ -94,7 +94,7 @@ def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     if kernel:
         from strata.kernels.gpu import delta_ops
 
-        if delta_ops.chunk_scan_fits(chunk, dk) and delta_ops.runs_kernels(u0):
+        if delta_ops.chunk_scan_applies(u0, chunk, dk):
             o, S = delta_ops.chunk_scan(u0, w, inner, qg, kg, G[..., -1].exp(), state)
             return o.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1), S
     S, out = state, []
@@ -143,9 +143,8 @@ class GatedDeltaNet:
 
     def _segments(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   ctx: Segments) -> torch.Tensor:
-        if ctx.last is not None:  # a padded chunk: its padding neither decays nor writes S
-            real = (torch.arange(qkv.shape[0], device=qkv.device) <= ctx.last).to(g.dtype)
-            g, beta = g * real[:, None], beta * real[:, None]
+        if ctx.real is not None:  # a padded chunk: its padding neither decays nor writes S
+            g, beta = g * ctx.real[:, None], beta * ctx.real[:, None]
         out, start = [], 0
         for s in ctx.segments:
             sl, st = slice(start, start + s.length), s.kv.state
