@@ -76,7 +76,7 @@ PROMPT_GRAPH_MODES = ("on", "off")
 HALF_KV = ("f16", "bf16")  # the cache types chunk_attention reads on flash attention
 # layer parts other than full GQA attention, gpt-oss's (sinks, sliding windows: its chunks run
 # GQAAttention._chunk with them) and a hybrid's (gated attention; Gated DeltaNet, whose padded
-# rows neither decay nor write the recurrent state: Segments.last), and why their chunks need
+# rows neither decay nor write the recurrent state: Segments.real, .last), and why their chunks need
 # the host
 CAPTURED_MIXERS = {"gqa", "sinks", "gated", "delta"}
 MIXER_WHY = {"mla": "a latent cache"}
