@@ -262,9 +262,13 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
             tile = tuple(int(v) for v in path[4:].split("x"))
             moe_forward_mmq(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), out, tile=tile,
                             **kw)
+        elif path.startswith("pairs"):  # "pairs-pm": the pair-major grid (moe.pair_major)
+            moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
+                                out=out, path="pairs", x8=True,
+                                tiles={"pair_major": (int(path == "pairs-pm"),)}, **kw)
         else:
             moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
-                                out=out, path=path, x8=path == "pairs", **kw)
+                                out=out, path=path, **kw)
 
     call()
     torch.cuda.synchronize()
@@ -287,7 +291,8 @@ def prompt_paths(tokens: int, types: tuple[str, str, str],
     from strata.kernels.gpu.moe_mmq import mmq_kernel_types
 
     _, _, _, d, f, _, biased = prompt_layer(types)
-    paths = ("pairs", "tl.dot", "grouped") if tokens <= 64 else ("tl.dot", "grouped")
+    paths = (("pairs", "pairs-pm", "tl.dot", "grouped") if tokens <= 64
+             else ("tl.dot", "grouped"))
     qt = tuple(QType[q] for q in types)
     act = "swiglu_oai" if biased else "swiglu"
     if not mmq_kernel_types(qt, d, f, object() if biased else None, act):

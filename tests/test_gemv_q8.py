@@ -364,6 +364,9 @@ def test_moe_mxfp4_x8_under_the_interpreter() -> None:
                               x8=True, tiles=tiles, **kw)
             ref8 = moe_ref(x, ids, wts, *full, x8=True, **kw)
             assert rel(out, ref8) < {X8_TOL}, ("miss rows", act, rel(out, ref8))
+            pm = moe_forward(x, ids, wts, slot_of, *slots, qt, d, f, miss=lay.views(miss),
+                             x8=True, tiles=dict(tiles, pair_major=(1,)), **kw)
+            assert torch.equal(pm, out), ("pair-major", act)
             plain = moe_forward(x, ids, wts, slot_of, *slots, qt, d, f, miss=lay.views(miss),
                                 x8=False, tiles=fma, **kw)
             assert rel(plain, moe_ref(x, ids, wts, *full, **kw)) < 2e-5, ("float", act)
@@ -522,6 +525,10 @@ def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
             out = moe_forward(x, ids, wts, slot_of, *lay.views(records[[2, 0]]), qt, d, f,
                               miss=lay.views(rows_), x8=True, tiles=tiles)
             assert rel(out, moe_ref(x, ids, wts, **full, x8=True)) < tol, ("miss rows", qt, t)
+            # the pair-major grid: the same programs in another order, so the same bits
+            pm = moe_forward(x, ids, wts, slot_of, *lay.views(records[[2, 0]]), qt, d, f,
+                             miss=lay.views(rows_), x8=True, tiles=dict(tiles, pair_major=(1,)))
+            assert torch.equal(pm, out), ("pair-major", qt, t)
     print("ok")
 """
 
@@ -534,7 +541,8 @@ def _moe_x8_script(d: int, f: int, packs: str, tune: dict) -> str:
                                    "down_iq": (4, 2, 1)},
                                   {"gate_up_q8": (8, 8, 2), "down_q8": (8, 4, 2),
                                    "gate_up_iq": (8, 8, 2), "down_iq": (8, 4, 2)},
-                                  {"gate_up_iq_run": (8, 1, 1), "down_iq": (8, 1, 1)}])
+                                  {"gate_up_iq_run": (8, 1, 1), "down_iq": (8, 1, 1)},
+                                  {"pair_major": (1,)}])
 @pytest.mark.parametrize("pack", ["Q4_K/Q6_K", "Q4_K/Q4_K", "IQ2_XS/IQ3_XXS", "IQ3_XXS/IQ2_XS",
                                   "IQ2_XS/Q6_K", "Q4_K/IQ3_XXS"])
 def test_moe_x8_on_cuda(tune: dict, pack: str) -> None:
@@ -558,7 +566,8 @@ def test_moe_x8_on_cuda_235b_shape(tune: dict, pack: str) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("tune", [{}, {"gate_up_mx8": (8, 4, 1), "down_mx8": (8, 4, 1)},
                                   {"gate_up_mx8": (2, 8, 2), "down_mx8": (16, 4, 2)},
-                                  {"gate_up_mx8": (1, 32, 4), "down_mx8": (4, 4, 2)}])
+                                  {"gate_up_mx8": (1, 32, 4), "down_mx8": (4, 4, 2)},
+                                  {"pair_major": (1,)}])
 def test_moe_mxfp4_x8_on_cuda(tune: dict) -> None:
     """gpt-oss-20b's decode layer (D = F = 2880: 90 blocks of 17 bytes a row, 4 of 32 experts
     routed, 24 resident, biases and the clamped SwiGLU) on MXFP4's 8-bit-activation kernels,

@@ -794,20 +794,24 @@ def run_fits(w: torch.Tensor, k: int) -> bool:
 
 
 @triton.jit
-def _pair(ids, slot_of, R: tl.constexpr):
+def _pair(ids, slot_of, R: tl.constexpr, PM: tl.constexpr):
     """(p, n, slot) of a per-pair decode kernel's program: its pair, its R rows, the pair's slot
-    (-1: none)."""
-    p = tl.program_id(1)
-    return p, tl.program_id(0) * R + tl.arange(0, R), tl.load(slot_of + tl.load(ids + p))
+    (-1: none). The grid is (row tiles, pairs), or with PM (pairs, row tiles): pair-major, so
+    the programs that run together take one row tile of every pair, and pairs of one expert
+    read its rows at about the same time (from L2 after the first)."""
+    p = tl.program_id(0) if PM else tl.program_id(1)
+    tile = tl.program_id(1) if PM else tl.program_id(0)
+    return p, tile * R + tl.arange(0, R), tl.load(slot_of + tl.load(ids + p))
 
 
 @triton.jit(do_not_specialize=["D", "F"])
 def _gate_up_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, mg, mu, D, F, stride_gs,
                        stride_us, stride_ms, row_bytes, TOPK: tl.constexpr, R: tl.constexpr,
-                       BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr):
+                       BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr,
+                       PM: tl.constexpr = False):
     # as moe._gate_up_pairs_kernel, for Q4_K gate and up and x rounded to 8 bits (quantize_x):
     # R rows of both a program, their blocks in flight together (spread_dot)
-    p, n, slot = _pair(ids, slot_of, R)
+    p, n, slot = _pair(ids, slot_of, R, PM)
     hv = tl.zeros((R,), tl.float32)
     if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
@@ -825,10 +829,10 @@ def _gate_up_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, mg, mu, D, F, st
 @triton.jit(do_not_specialize=["D", "F"])
 def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stride_ms, row_bytes,
                     TOPK: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
-                    HOST_FROM: tl.constexpr):
+                    HOST_FROM: tl.constexpr, PM: tl.constexpr = False):
     # as moe._down_pairs_kernel, for a Q4_K down and h rounded to 8 bits (quantize_x of each
     # pair's row): R rows a program (spread_dot)
-    p, n, slot = _pair(ids, slot_of, R)
+    p, n, slot = _pair(ids, slot_of, R, PM)
     total = tl.zeros((R,), tl.float32)
     if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         rows = spread_rows(record_part(down, slot, stride_ds, md, p, stride_ms, MISS), n, D,
@@ -841,10 +845,11 @@ def _down_q8_kernel(hq, hs4, ids, slot_of, down, part, md, D, F, stride_ds, stri
 @triton.jit(do_not_specialize=["D", "F"])
 def _down_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, md, D, F, stride_ds, stride_ms,
                         row_bytes, TOPK: tl.constexpr, R: tl.constexpr, BB: tl.constexpr,
-                        MISS: tl.constexpr, HOST_FROM: tl.constexpr):
+                        MISS: tl.constexpr, HOST_FROM: tl.constexpr,
+                        PM: tl.constexpr = False):
     # as moe._down_pairs_kernel, for a Q6_K down and h rounded to 8 bits: R rows a program
     # (q6k_spread_dot)
-    p, n, slot = _pair(ids, slot_of, R)
+    p, n, slot = _pair(ids, slot_of, R, PM)
     total = tl.zeros((R,), tl.float32)
     if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
@@ -924,11 +929,11 @@ def _gate_up_mx8_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, bg, bu, 
                         stride_gs, stride_us, stride_ms, row_bytes, TOPK: tl.constexpr,
                         R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
                         HOST_FROM: tl.constexpr, BIAS: tl.constexpr, OAI: tl.constexpr,
-                        EVEN: tl.constexpr):
+                        EVEN: tl.constexpr, PM: tl.constexpr = False):
     # as moe._gate_up_pairs_kernel, for MXFP4 gate and up and x rounded to 8 bits (quantize_x):
     # R rows of each a program (mxfp4_spread_dot); the biases and gpt-oss's clamped SwiGLU as
     # there (BIAS, OAI); EVEN: D a multiple of 32 BB (every step's blocks in the row)
-    p, n, slot = _pair(ids, slot_of, R)
+    p, n, slot = _pair(ids, slot_of, R, PM)
     hv = tl.zeros((R,), tl.float32)
     if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
@@ -952,10 +957,10 @@ def _gate_up_mx8_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, bg, bu, 
 def _down_mx8_kernel(hq, hdx, ids, slot_of, down, part, md, wts, bd, D, F, stride_ds, stride_ms,
                      row_bytes, TOPK: tl.constexpr, R: tl.constexpr, BB: tl.constexpr,
                      MISS: tl.constexpr, HOST_FROM: tl.constexpr, BIAS: tl.constexpr,
-                     EVEN: tl.constexpr):
+                     EVEN: tl.constexpr, PM: tl.constexpr = False):
     # as moe._down_pairs_kernel, for an MXFP4 down and each pair's h (already weighted) rounded
     # to 8 bits: R rows a program (mxfp4_spread_dot), + wts[p] · bd[e] with BIAS
-    p, n, slot = _pair(ids, slot_of, R)
+    p, n, slot = _pair(ids, slot_of, R, PM)
     total = tl.zeros((R,), tl.float32)
     if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)
@@ -973,12 +978,12 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
                        stride_us, stride_ms, row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr,
                        R: tl.constexpr, BB: tl.constexpr, MISS: tl.constexpr,
                        HOST_FROM: tl.constexpr, RUN: tl.constexpr = False,
-                       EVEN: tl.constexpr = False):
+                       EVEN: tl.constexpr = False, PM: tl.constexpr = False):
     # as _gate_up_q8_kernel, for IQ2_XS or (IQ3) IQ3_XXS gate and up: R rows of each a program
     # (iq_spread_dot, once for each; RUN: iq_run_dot with BB its split, rows and records
     # 16-byte aligned and D a multiple of 2048; EVEN: D a multiple of 2048 BB for RUN, else of
     # 256 BB, the loads unmasked)
-    p, n, slot = _pair(ids, slot_of, R)
+    p, n, slot = _pair(ids, slot_of, R, PM)
     hv = tl.zeros((R,), tl.float32)
     if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         t = (p // TOPK).to(tl.int64)
@@ -1005,10 +1010,10 @@ def _gate_up_iq_kernel(xq, dx, ids, wts, slot_of, gate, up, h, mg, mu, t0, t1, D
 def _down_iq_kernel(hq, hdx, ids, slot_of, down, part, md, t0, t1, D, F, stride_ds, stride_ms,
                     row_bytes, IQ3: tl.constexpr, TOPK: tl.constexpr, R: tl.constexpr,
                     BB: tl.constexpr, MISS: tl.constexpr, HOST_FROM: tl.constexpr,
-                    EVEN: tl.constexpr = False):
+                    EVEN: tl.constexpr = False, PM: tl.constexpr = False):
     # as _down_q6k_q8_kernel, for an IQ2_XS or (IQ3) IQ3_XXS down (iq_spread_dot; EVEN: F a
     # multiple of 256 BB)
-    p, n, slot = _pair(ids, slot_of, R)
+    p, n, slot = _pair(ids, slot_of, R, PM)
     total = tl.zeros((R,), tl.float32)
     if pair_computed(slot, p, MISS, TOPK, HOST_FROM):
         base = record_part(down, slot, stride_ds, md, p, stride_ms, MISS)

@@ -67,6 +67,7 @@ from strata.kernels.tuning import (
     MMQ_GROUPED_MIN_TOKENS,
     MMQ_PROMPT,
     MXFP4_X8,
+    PAIR_MAJOR_MIN_PAIRS,
     PAIRS_MAX_T,
 )
 from strata.quant import QType, dequantize
@@ -82,7 +83,7 @@ IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)  # the i-quant types with int8-activation 
 # (R, BB, warps): MXFP4 gate/up and down on 8-bit activations (gemv_q8.mxfp4_spread_dot; off
 # unless given or tuning.MXFP4_X8)
 TILE_KEYS = ("gate_up", "down_pairs", "gate_up_q8", "down_q8", "down_q6k_q8", "gate_up_iq",
-             "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8")
+             "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8", "pair_major")
 
 
 def _mx8(qtypes: tuple[int, ...], d: int, f: int,
@@ -507,6 +508,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
     td, td2 = fd.tables(x.device)
     mg, mu, md = miss if miss is not None else (gate, up, down)
     host = topk if host_from is None else host_from
+    pm = pair_major(p, tiles)
     if (x8 and _mx8((fg.qtype, fu.qtype, fd.qtype), d, f, tiles)
             and words_aligned(gate, up, mg, mu, rows=False)):
         from strata.kernels.gpu.gemv_q8 import _gate_up_mx8_kernel, quantize_x
@@ -514,11 +516,11 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         xq, dx, _ = quantize_x(x.contiguous())
         r, bb, warps = tiles.get("gate_up_mx8") or GATE_UP_MX8_TILE
         bg, bu, bd = bias if bias is not None else (dx, dx, dx)  # (unread without BIAS)
-        _gate_up_mx8_kernel[(triton.cdiv(f, r), p)](
+        _gate_up_mx8_kernel[_x8_grid(f, r, p, pm)](
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, bg, bu, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
             MISS=miss is not None, HOST_FROM=host, BIAS=bias is not None,
-            OAI=act == "swiglu_oai", EVEN=(d // 32) % bb == 0, num_warps=warps)
+            OAI=act == "swiglu_oai", EVEN=(d // 32) % bb == 0, PM=pm, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8, tiles, weights=weights,
                             bias_down=bd if bias is not None else None)
@@ -531,11 +533,11 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         run = (tiles.get("gate_up_iq_run") if d % 2048 == 0
                and words_aligned(gate, up, mg, mu, align=16) else None)
         r, bb, warps = run or tiles.get("gate_up_iq") or GATE_UP_IQ_TILE
-        _gate_up_iq_kernel[(triton.cdiv(f, r), p)](
+        _gate_up_iq_kernel[_x8_grid(f, r, p, pm)](
             xq, dx, ids, weights, slot_of, gate, up, h, mg, mu, t0, t1, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], IQ3=fg.qtype == QType.IQ3_XXS,
             TOPK=topk, R=r, BB=bb, MISS=miss is not None, HOST_FROM=host, RUN=run is not None,
-            EVEN=d % ((2048 if run else 256) * bb) == 0, num_warps=warps)
+            EVEN=d % ((2048 if run else 256) * bb) == 0, PM=pm, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8, tiles)
     if (x8 and fg.qtype == fu.qtype == QType.Q4_K and d % 256 == 0
@@ -544,10 +546,10 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
 
         xq, _, xs4 = quantize_x(x.contiguous())
         r, bb, warps = tiles.get("gate_up_q8") or GATE_UP_Q8_TILE
-        _gate_up_q8_kernel[(triton.cdiv(f, r), p)](
+        _gate_up_q8_kernel[_x8_grid(f, r, p, pm)](
             xq, xs4, ids, weights, slot_of, gate, up, h, mg, mu, d, f, gate.stride(0),
             up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
-            MISS=miss is not None, HOST_FROM=host, num_warps=warps)
+            MISS=miss is not None, HOST_FROM=host, PM=pm, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8, tiles)
     bg, bu, bd = bias if bias is not None else (tg, tg, tg)  # (unread without BIAS)
@@ -574,6 +576,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     weights [T, K]): each pair's row adds w · bd[e] (FMA kernel only)."""
     tiles = tiles or {}
     p = t * topk
+    pm = pair_major(p, tiles)
     part = scratch((p, d), torch.float32, h.device)
     # (Q6_K rows may start 2 mod 4: its kernel reads them so; their records must not)
     mx8 = x8 and _mx8((fd.qtype,), d, f, tiles) and words_aligned(down, md, rows=False)
@@ -584,22 +587,22 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         hq, hdx, _ = quantize_x(h)
         r, bb, warps = tiles.get("down_mx8") or DOWN_MX8_TILE
         bd = bias_down if bias_down is not None else hdx  # (unread without BIAS)
-        _down_mx8_kernel[(triton.cdiv(d, r), p)](
+        _down_mx8_kernel[_x8_grid(d, r, p, pm)](
             hq, hdx, ids, slot_of, down, part, md, hdx if weights is None else weights, bd,
             d, f, down.stride(0), md.stride(0), down.shape[2], TOPK=topk, R=r, BB=bb,
             MISS=miss is not None, HOST_FROM=host_from, BIAS=bias_down is not None,
-            EVEN=(f // 32) % bb == 0, num_warps=warps)
+            EVEN=(f // 32) % bb == 0, PM=pm, num_warps=warps)
     elif x8 and fd.qtype in IQ_X8 and f % 256 == 0 and words_aligned(down, md, rows=False):
         from strata.kernels.gpu.gemv_q8 import _down_iq_kernel, iq_tables, quantize_x
 
         hq, hdx, _ = quantize_x(h)
         t0, t1 = iq_tables(fd.qtype, h.device)
         r, bb, warps = tiles.get("down_iq") or DOWN_IQ_TILE
-        _down_iq_kernel[(triton.cdiv(d, r), p)](
+        _down_iq_kernel[_x8_grid(d, r, p, pm)](
             hq, hdx, ids, slot_of, down, part, md, t0, t1, d, f, down.stride(0), md.stride(0),
             down.shape[2], IQ3=fd.qtype == QType.IQ3_XXS, TOPK=topk, R=r, BB=bb,
             MISS=miss is not None, HOST_FROM=host_from, EVEN=f % (256 * bb) == 0,
-            num_warps=warps)
+            PM=pm, num_warps=warps)
     elif (x8 and fd.qtype in (QType.Q4_K, QType.Q6_K) and f % 256 == 0
             and words_aligned(down, md, rows=fd.qtype == QType.Q4_K)):
         from strata.kernels.gpu.gemv_q8 import _down_q6k_q8_kernel, _down_q8_kernel, quantize_x
@@ -608,10 +611,10 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         q4 = fd.qtype == QType.Q4_K
         r, bb, warps = ((tiles.get("down_q8") or DOWN_Q8_TILE) if q4
                         else (tiles.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
-        (_down_q8_kernel if q4 else _down_q6k_q8_kernel)[(triton.cdiv(d, r), p)](
+        (_down_q8_kernel if q4 else _down_q6k_q8_kernel)[_x8_grid(d, r, p, pm)](
             hq, hs4 if q4 else hdx, ids, slot_of, down, part, md, d, f, down.stride(0),
             md.stride(0), down.shape[2], TOPK=topk, R=r, BB=bb, MISS=miss is not None,
-            HOST_FROM=host_from, num_warps=warps)
+            HOST_FROM=host_from, PM=pm, num_warps=warps)
     else:
         bn, bk, stages, warps = (tiles.get("down_pairs")
                                  or decode_tile(DOWN_TILE, (fd,), f))
@@ -628,6 +631,20 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
     else:
         torch.sum(part.view(t, topk, d), dim=1, out=out)
     return None
+
+
+def pair_major(p: int, tiles: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether the x8 per-pair kernels of a call with p pairs take the pair-major grid (gemv_q8.
+    _pair): from PAIR_MAJOR_MIN_PAIRS pairs, or as tiles["pair_major"] = (1,) / (0,) says."""
+    if "pair_major" in tiles:
+        return bool(tiles["pair_major"][0])
+    return p >= PAIR_MAJOR_MIN_PAIRS
+
+
+def _x8_grid(n: int, r: int, p: int, pm: bool) -> tuple[int, int]:
+    """An x8 per-pair kernel's grid for n rows, r a program, p pairs: (row tiles, pairs), or
+    pair-major (pairs, row tiles)."""
+    return (p, triton.cdiv(n, r)) if pm else (triton.cdiv(n, r), p)
 
 
 def decode_tile(tile: tuple[int, int, int, int], fmts: tuple[KernelFormat, ...],
