@@ -4,7 +4,11 @@ Compute: `scripts/gpu_bench.sh`'s `ncu` stage). No timing here: the kernel bench
 (memory throughput, stall reasons, occupancy).
 
     python scripts/gemv_once.py [--shape 14336x4096] [--types Q4_K,Q6_K] [--q8]
-        [--rows R,BK,STAGES,WARPS]
+        [--rows R,BK,STAGES,WARPS] [--moe 1,8,16]
+
+--moe: instead, the Qwen3-30B-A3B MoE layer (128 experts Q4_K / Q4_K / Q6_K, top-8, D 2048, F
+768, every expert resident) on the x8 per-pair kernels at each token count, row-tile-major and
+pair-major grids (moe.pair_major) in turn: for ncu -k regex:_q8_kernel.
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ def main() -> None:
                    "IQ3_XXS, and the latter three's run forms)")
     p.add_argument("--rows", default=None, metavar="R,BK,STAGES,WARPS",
                    help="also the rows kernel (matmul.gemv_rows) with this tile, x f32 and bf16")
+    p.add_argument("--moe", default=None, metavar="T,T,...")
     p.add_argument("--launches", type=int, default=3)
     a = p.parse_args()
+    if a.moe:
+        moe_layer([int(t) for t in a.moe.split(",")], a.launches)
+        return
     n, k = (int(v) for v in a.shape.split("x"))
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
@@ -80,6 +88,32 @@ def main() -> None:
                     mm.gemv_rows(xr, w, q, tile, out=out)
         torch.cuda.synchronize()
         print(f"{name} {n}x{k}: launched", flush=True)
+
+
+def moe_layer(tokens: list[int], launches: int) -> None:
+    from strata.kernels.gpu.moe import moe_forward
+
+    e, topk, d, f = 128, 8, 2048, 768
+    rng = np.random.default_rng(0)
+    qg, qd = QType.Q4_K, QType.Q6_K
+
+    def slots(q: QType, rows: int, cols: int) -> torch.Tensor:
+        one = torch.from_numpy(random_rows(q, rows, cols, rng, 0.02)).cuda()
+        return one.unsqueeze(0).repeat(e, 1, 1)  # (e copies: every expert its own bytes)
+
+    gate, up, down = slots(qg, f, d), slots(qg, f, d), slots(qd, d, f)
+    slot_of = torch.arange(e, dtype=torch.int32, device="cuda")
+    for t in tokens:
+        ids = torch.rand(t, e, device="cuda").argsort(1)[:, :topk]
+        wts = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.zeros(t, d, device="cuda")
+        for pm in (0, 1):
+            for _ in range(launches):
+                moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qg, qd), d, f, out=out,
+                            path="pairs", x8=True, tiles={"pair_major": (pm,)})
+            torch.cuda.synchronize()
+            print(f"MoE layer {t} tokens, pair_major {pm}: launched", flush=True)
 
 
 if __name__ == "__main__":

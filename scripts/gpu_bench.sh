@@ -8,7 +8,8 @@
 # Stages: tests (CUDA tests of the fast paths; TESTS= picks files), kernels
 # (bench_moe_decode.py; KERNEL_ARGS added, e.g. "--gemv-only 14336x4096"), ncu (Nsight Compute
 # on the GEMVs: gemv_once.py with GEMV_ONCE_ARGS, by default the dp4a and rows kernels too;
-# NCU_EXTRA added to ncu's arguments, e.g. --metrics), mapped
+# NCU_EXTRA added to ncu's arguments, e.g. --metrics; NCU_KERNELS the -k filter, regex:gemv, e.g.
+# regex:_q8_kernel with GEMV_ONCE_ARGS="--moe 1,8,16 --launches 1"), mapped
 # (bench_mapped.py), overlap (bench_gather_overlap.py), attention (bench_attention.py: decode
 # attention's split kernel variants at the 30B-A3B, gpt-oss-20b and qwen3.6-35b-a3b shapes by
 # cache type, tokens and length; ATTN_ARGS added, e.g. "--caches f32 --tokens 1", or
@@ -198,7 +199,7 @@ if [[ $STAGES == *ncu* ]]; then  # hardware counters of the one-token GEMVs (whe
   echo "== Nsight Compute: the one-token GEMVs, 14336 x 4096 Q4_K and Q6_K, FMA and dp4a"
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
   if [[ -n $NCU ]]; then
-    timeout 300 "$NCU" --clock-control none -k regex:gemv -c 24 --section SpeedOfLight \
+    timeout 300 "$NCU" --clock-control none -k ${NCU_KERNELS:-regex:gemv} -c 24 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
       --section LaunchStats --section SchedulerStats ${NCU_EXTRA:-} python3 scripts/gemv_once.py \
       ${GEMV_ONCE_ARGS:---q8 --rows 2,1024,1,2} \
