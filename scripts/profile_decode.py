@@ -11,6 +11,7 @@ prompt included), and the median step time with and without graphs (same engine,
 line: where PCIe idles between a layer's gathers, and what overlaps them.
 --batch N (2..16) then times what `strata serve --batch N` runs: the one-sequence step over a
 cache of the server's paged KV pool (its kernels too), and the batched step at each batch size
+(its kernels a step, replayed, in the json; 8 and 16 sequences printed)
 (graphs replayed; the sequences after a 128-token prompt each).
 """
 
@@ -55,11 +56,14 @@ def timed_steps(engine: Engine, n: int, seed: int = 0,
     return out
 
 
-def batch_steps(engine: Engine, pool, batch, n: int) -> dict[int, float]:  # noqa: ANN001
+def batch_steps(engine: Engine, pool, batch, n: int,  # noqa: ANN001
+                kernels: dict | None = None) -> dict[int, float]:
     """Median ms of a batched step (graphs: an eager step and a capture first) at each of its
-    sizes, each sequence after a 128-token random prompt."""
+    sizes, each sequence after a 128-token random prompt; with `kernels` (a dict), each size's
+    kernels a step (kernel_rows over n more steps, replayed) go into kernels[size]."""
     rng = np.random.default_rng(1)
     out = {}
+    act = torch.profiler.ProfilerActivity
     for size in batch.sizes:
         caches = [pool.take() for _ in range(size)]
         for kv in caches:
@@ -74,6 +78,13 @@ def batch_steps(engine: Engine, pool, batch, n: int) -> dict[int, float]:  # noq
             tokens = logits.argmax(-1).tolist()
             times.append(time.perf_counter() - t0)
         out[size] = 1e3 * statistics.median(times[2:])
+        if kernels is not None:
+            dev = engine.model.device.type
+            prof = torch.profiler.profile(activities=[act.CUDA if dev == "cuda" else act.CPU])
+            with prof:
+                for _ in range(n):
+                    tokens = batch(tokens, caches).argmax(-1).tolist()
+            kernels[size] = kernel_rows(prof, dev, n, top=1 << 30)
         for kv in caches:
             pool.give(kv)
     return out
@@ -124,6 +135,7 @@ def main() -> None:
     p.add_argument("--trace", default=None, help="Chrome trace of 8 steps here (6 replayed)")
     p.add_argument("--unfused-route", action="store_true",
                    help="a layer's residual step, router and top-k as three launches (timing)")
+    p.add_argument("--kv-type", default="f16", help="KV cache elements (strata's CUDA default)")
     p.add_argument("--batch", type=int, default=1,
                    help="also the server's paged pool of N sequences and its batched step")
     a = p.parse_args()
@@ -133,7 +145,7 @@ def main() -> None:
                                                       vram_budget_gib=a.vram_budget,
                                                       decode_step="eager", prefetch=prefetch,
                                                       cpu_share=a.cpu_share,
-                                                      threads=a.threads,
+                                                      threads=a.threads, kv_type=a.kv_type,
                                                       sequences=a.batch))
     step: DecodeStep = engine.model.step
     timed_steps(engine, 4)  # warm up (compiles)
@@ -171,14 +183,22 @@ def main() -> None:
         replay = timed_steps(engine, a.steps + 2, pool=pool)[2:]
         res["paged_graphs_ms"] = 1e3 * statistics.median(replay)
         res["paged_gpu_kernels_ms"] = sum(r["us"] for r in paged) / 1e3
-        res["batched_ms"] = batch_steps(engine, pool, batch, a.steps)
+        kernels: dict[int, list[dict]] = {}
+        res["batched_ms"] = batch_steps(engine, pool, batch, a.steps, kernels)
+        res["batched_gpu_kernels_ms"] = {b: sum(r["us"] for r in rows) / 1e3
+                                         for b, rows in kernels.items()}
+        res["batched_kernels"] = {b: rows[:30] for b, rows in kernels.items()}
         print(f"one sequence over the server's paged pool ({pool.n_slots} x {pool.capacity} "
               f"rows, blocks of {pool.block}): {res['paged_graphs_ms']:.2f} ms with graphs, "
               f"GPU kernels {res['paged_gpu_kernels_ms']:.2f} ms eagerly")
         print_rows(paged[:12], "step")
         print("batched step, graphs: " + ", ".join(
-            f"{b} seq {ms:.2f} ms ({b / ms * 1e3:.0f} tok/s)"
-            for b, ms in res["batched_ms"].items()))
+            f"{b} seq {ms:.2f} ms ({b / ms * 1e3:.0f} tok/s; kernels "
+            f"{res['batched_gpu_kernels_ms'][b]:.2f} ms)" for b, ms in res["batched_ms"].items()))
+        for b in (8, 16):
+            if b in kernels:
+                print(f"the batched step of {b} sequences, replayed:")
+                print_rows(kernels[b][:14], "step")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

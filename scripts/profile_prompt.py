@@ -85,9 +85,11 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15, help="the longest ops by device time listed")
     p.add_argument("--trace", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--kv-type", default="f16", help="KV cache elements (strata's CUDA default)")
     a = p.parse_args()
     ec = EngineConfig(device=a.device, offload="on", vram_budget_gib=a.vram_budget,
-                      expert_cache=a.expert_cache, ring_bytes=a.ring_bytes, ctx=a.prompt_len)
+                      expert_cache=a.expert_cache, ring_bytes=a.ring_bytes, ctx=a.prompt_len,
+                      kv_type=a.kv_type)
     engine = Engine.load(a.model, config=ec)
     if a.host_routing:
         from strata.experts.offload import OffloadExperts

@@ -403,11 +403,15 @@ def test_a_windows_state_storage_stays_put(synth):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
-def test_a_hybrids_graphs_on_cuda(synth, arch):
+def test_a_hybrids_graphs_on_cuda(synth, arch, monkeypatch):
     """On CUDA with --spec 4: a hybrid's prompts of 9 .. 300 tokens padded into their buckets,
     twice each (captured, then replayed), against the eager forward: the last logits within
-    bf16 rounding (KL below 1e-3) and the recurrent state after the prompt within 1e-3 of its
-    scale; its windows of 1 .. 5 tokens, twice each (captured, then
+    bf16 rounding (KL below 1e-3); the recurrent state after the prompt as near the state of
+    the engine's own float32 chunked rule (fla off: delta_ops.chunk_scan, "ieee" dots) as the
+    eager forward's is (fla's kernels take TF32 dots, and the padded chunk's shape picks other
+    tiles: up to ~1.5% of the state's scale apart on an H100 past one chunk of 64), so padding
+    that wrote or decayed the state would fail it; its windows of 1 .. 5 tokens, twice each
+    (captured, then
     replayed), against the same windows run eagerly: every row's logits within the paths' own
     rounding (KL below 1e-3 a row), the recurrent state after the window and each token's kept
     state within 1e-3 of their scale; then greedy text through --spec with drafts right and
@@ -423,19 +427,31 @@ def test_a_hybrids_graphs_on_cuda(synth, arch):
     model, graphs = engine.model, engine.model.chunks
     assert graphs.why is None and graphs.prompt_why is None and graphs.buckets
     assert graphs.windows == 5 and graphs.graphs
+    from strata.kernels.gpu import delta_ops
+
+    def forward(tokens, chunks):  # noqa: ANN001, ANN202
+        model.chunks = chunks
+        kv = model.new_cache(512)
+        out = model.forward(torch.tensor(tokens), [Segment(kv, len(tokens))])
+        return [t.float().cpu() for t in (out, kv.state.ssm, kv.state.conv)]
+
+    fla = delta_ops.fla_rule
     for _ in range(2):
         for n in (9, 37, 100, 300):
-            tokens, runs = prompt(n, 5), []
-            for chunks in (None, graphs):
-                model.chunks = chunks
-                kv = model.new_cache(512)
-                out = model.forward(torch.tensor(tokens), [Segment(kv, n)])
-                runs.append([t.float().cpu() for t in (out, kv.state.ssm, kv.state.conv)])
-            (ref, *ref_state), (ours, *state) = runs
+            tokens = prompt(n, 5)
+            with monkeypatch.context() as m:
+                m.setattr(delta_ops, "fla_rule", lambda: None)
+                _, *exact = forward(tokens, None)
+            ref, *ref_state = forward(tokens, None)
+            ours, *state = forward(tokens, graphs)
             p, q = torch.log_softmax(ref, -1), torch.log_softmax(ours, -1)
             assert float((p.exp() * (p - q)).sum(-1).max()) < 1e-3, n
-            for a, b in zip(state, ref_state, strict=True):
-                assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()), n
+            for a, b, x in zip(state, ref_state, exact, strict=True):
+                scale = float(x.abs().max())
+                if fla() is None:  # (the same kernels on both paths: rounding apart)
+                    assert float((a - b).abs().max()) <= 1e-3 * scale, n
+                ours_err, eager_err = (float((y - x).abs().max()) for y in (a, b))
+                assert ours_err <= 2 * eager_err + 1e-3 * scale, (n, ours_err, eager_err, scale)
     used = {bucket_of(n, graphs.buckets) for n in (9, 37, 100, 300)}
     assert graphs.steps["captured"] == graphs.steps["warm"] == len(used)
     assert graphs.steps["replayed"] == 8 - len(used) and graphs.steps["eager"] == 0
