@@ -94,9 +94,10 @@ DECODE_MAX_T = 4
 # bench/2026-12-02-h200-serve-pairs.md
 PAIRS_MAX_T = 64
 # the x8 per-pair kernels' grid goes pair-major (one row tile of every pair in flight together,
-# so a batch's pairs of one expert share its rows' reads in L2) from this many pairs: off until
-# timed (scripts/bench_kernels.py --moe-prompt-only times "pairs" and "pairs-pm" by tokens).
-PAIR_MAJOR_MIN_PAIRS = 1 << 30
+# so a batch's pairs of one expert share its rows' reads in L2) from this many pairs: 3.7-8.5%
+# less kernel time at 64 and 128 pairs of the 30B-A3B layer under ncu, 2-3% more at 8.
+# bench/2026-12-06-h100-compare.md
+PAIR_MAJOR_MIN_PAIRS = 64
 # --kernels fused: calls that would take tl.dot (a prompt chunk, a verify window past DECODE_MAX_T,
 # below the grouped path) run on the integer tensor-core kernels (moe_mmq.py: x and h rounded to
 # 8 bits per 32 values, as llama.cpp's MMQ) where the types allow (Q4_K gate/up, Q4_K / Q6_K
