@@ -218,13 +218,23 @@ def moe_decode(types: tuple[str, str, str], rep_ms: int, timed: bool = True) -> 
                 weight_bytes=topk * per_expert, gbs=topk * per_expert / sec / 1e9)
 
 
-def prompt_layer(types: tuple[str, str, str]) -> tuple[str, int, int, int, int, int, bool]:
+# the routed-expert layers a pack can be timed at ("G/U/D@NAME"): (model, experts, top-k, D, F,
+# layers, biased)
+PROMPT_LAYERS = {"30b-a3b": ("30B-A3B", 128, 8, 2048, 768, 48, False),
+                 "qwen3.6": ("Qwen3.6-35B-A3B", 256, 8, 2048, 512, 40, False),
+                 "gpt-oss-20b": ("gpt-oss-20b", 32, 4, 2880, 2880, 24, True)}
+
+
+def prompt_layer(types: tuple[str, ...]) -> tuple[str, int, int, int, int, int, bool]:
     """The prompt MoE layer a pack is timed at: (model, experts, top-k, D, F, layers, biased):
+    the layer named by the pack's 4th element (PROMPT_LAYERS) where it has one, else
     gpt-oss-20b's (32 experts, top-4, D = F = 2880, biases and the clamped SwiGLU) for an
-    all-MXFP4 pack, else Qwen3-30B-A3B's (128, top-8, 2048, 768)."""
+    all-MXFP4 pack and Qwen3-30B-A3B's (128, top-8, 2048, 768) for the others."""
+    if len(types) > 3:
+        return PROMPT_LAYERS[types[3]]
     if all(t == "MXFP4" for t in types):
-        return "gpt-oss-20b", 32, 4, 2880, 2880, 24, True
-    return "30B-A3B", 128, 8, 2048, 768, 48, False
+        return PROMPT_LAYERS["gpt-oss-20b"]
+    return PROMPT_LAYERS["30b-a3b"]
 
 
 def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
@@ -239,7 +249,7 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
     from strata.kernels.gpu import moe as moe_mod
 
     model, e, topk, d, f, layers, biased = prompt_layer(types)
-    qg, qu, qd = (QType[t] for t in types)
+    qg, qu, qd = (QType[t] for t in types[:3])
     rng = np.random.default_rng(2)
 
     def slots(q: QType, rows: int, cols: int) -> torch.Tensor:
@@ -293,7 +303,7 @@ def prompt_paths(tokens: int, types: tuple[str, str, str],
     _, _, _, d, f, _, biased = prompt_layer(types)
     paths = (("pairs", "pairs-pm", "tl.dot", "grouped") if tokens <= 64
              else ("tl.dot", "grouped"))
-    qt = tuple(QType[q] for q in types)
+    qt = tuple(QType[q] for q in types[:3])
     act = "swiglu_oai" if biased else "swiglu"
     if not mmq_kernel_types(qt, d, f, object() if biased else None, act):
         return paths
@@ -310,7 +320,7 @@ def moe_prompt_rows(report: dict, rep_ms: int, packs: list[tuple[str, str, str]]
                 r = moe_prompt(types, t, path, rep_ms)
                 report["moe_prompt"].append(r)
                 took[path] = r["us"]
-                print(f"MoE {model} layer {'/'.join(types)} T={t:5d} {path:12s}: "
+                print(f"MoE {model} layer {'/'.join(types[:3])} T={t:5d} {path:12s}: "
                       f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
                       f"({r['tok_s_all_layers']:7.0f} tok/s for {layers} layers, MoE only)",
                       flush=True)
@@ -367,16 +377,20 @@ def main() -> None:
     ap.add_argument("--moe-prompt-tokens", default=",".join(map(str, MOE_PROMPT_TOKENS)),
                     help="the prompt MoE layer's token counts")
     ap.add_argument("--moe-prompt-types", default=",".join("/".join(p) for p in MOE_PROMPT_TYPES),
-                    help="its packs, gate/up/down each, e.g. Q4_K/Q4_K/Q6_K")
+                    help="its packs, gate/up/down each, e.g. Q4_K/Q4_K/Q6_K, and the layer's shape "
+                    "after @ where not the type's own: Q4_K/Q4_K/Q6_K@qwen3.6")
     ap.add_argument("--mmq-tiles", default="", metavar="TILES",
                     help="the MMQ kernels also at these tiles, e.g. 32x64x4,64x64x8 (BMxBNxWARPS)")
     args = ap.parse_args()
     mmq_tiles = tuple(t for t in args.mmq_tiles.split(",") if t)
     ptokens = [int(t) for t in args.moe_prompt_tokens.split(",")]
-    packs = [tuple(p.split("/")) for p in args.moe_prompt_types.split(",")]
+    packs = [tuple(p.split("@")[0].split("/")) + tuple(p.split("@")[1:2])
+             for p in args.moe_prompt_types.split(",")]
     for pack in packs:
-        if len(pack) != 3 or any(t not in QType.__members__ for t in pack):
-            ap.error(f"--moe-prompt-types: {'/'.join(pack)!r} is not GATE/UP/DOWN of GGUF types")
+        if len(pack) < 3 or any(t not in QType.__members__ for t in pack[:3]) or (
+                len(pack) > 3 and pack[3] not in PROMPT_LAYERS):
+            ap.error(f"--moe-prompt-types: {'/'.join(pack)!r} is not GATE/UP/DOWN of GGUF types "
+                     f"with an optional @LAYER of {sorted(PROMPT_LAYERS)}")
     types = args.types.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
     full = set(args.full.split(","))
