@@ -400,11 +400,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if t == 0 or ids.shape[1] == 0:
         return out
     if path == "mmq":
-        from strata.kernels.gpu.moe_mmq import mmq_kernel_types, moe_forward_mmq
+        from strata.kernels.gpu.moe_mmq import mmq_aligned, mmq_kernel_types, moe_forward_mmq
 
         # (moe_path's pick came through mmq_types above; an asked-for path takes whatever the
         # kernels compute)
-        if mmq_kernel_types((qg, qu, qd), d_model, d_expert, bias, act) and miss is None:
+        if (mmq_kernel_types((qg, qu, qd), d_model, d_expert, bias, act) and miss is None
+                and mmq_aligned(gate_slots, up_slots, down_slots, (qg, qu, qd))):
             return moe_forward_mmq(x, ids, weights.float(), slot_of_expert, gate_slots, up_slots,
                                    down_slots, (qg, qu, qd), out, bias=bias, act=act)
         path = "tl.dot"

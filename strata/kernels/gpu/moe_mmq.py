@@ -50,8 +50,15 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import e8m0_half, f16, u8
-from strata.kernels.gpu.pairs import bias_row, check_bias, expert_chunk, glu, sort_pairs
+from strata.kernels.gpu.bits import e8m0_half, f16, f16_bits, u8
+from strata.kernels.gpu.pairs import (
+    bias_row,
+    check_bias,
+    expert_chunk,
+    glu,
+    sort_pairs,
+    words_aligned,
+)
 from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.kernels.tuning import MMQ_MXFP4
 from strata.quant import QType
@@ -85,18 +92,34 @@ def mmq_kernel_types(qtypes: tuple[int, int, int], d: int, f: int, bias: object 
             and f % 256 == 0 and bias is None and act == "swiglu")
 
 
+def mmq_aligned(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                qtypes: tuple[int, int, int]) -> bool:
+    """Whether the kernels can read these slots: every Q4_K part's rows 4-byte aligned (their
+    block headers are read as int32 words, _q4k_head)."""
+    return all(QType(q) != QType.Q4_K or words_aligned(t)
+               for t, q in zip((gate, up, down), qtypes, strict=True))
+
+
 @triton.jit
-def _q4k_part(rows, kb, I: tl.constexpr, s):
-    """Sub-block I of 256-value block kb of the Q4_K rows at `rows` (uint8 pointers [BN]):
-    (q int8 [BN, 32] in 0..15, dl [BN], ml [BN]) with w = dl · q - ml."""
-    b = rows + kb * 144
-    d = f16(b, None)
-    dmin = f16(b + 2, None)
-    j: tl.constexpr = I % 4
-    sc, mn = scale_min(u8(b + 4 + j, None), u8(b + 8 + j, None), u8(b + 12 + j, None), I)
-    qs = tl.load(b[:, None] + (16 + (I // 2) * 32) + s[None, :])  # uint8 [BN, 32]
+def _q4k_head(rows, kb):
+    """The header of 256-value block kb of the Q4_K rows at `rows` (uint8 pointers [BN], every
+    row 4-byte aligned: moe_forward_mmq checks) as four int32 words [BN] each: d and dmin, then
+    the 12 scale bytes (one load each, where a byte at a time took three a sub-block)."""
+    w = (rows + kb * 144).to(tl.pointer_type(tl.int32))
+    return tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3)
+
+
+@triton.jit
+def _q4k_part(rows, kb, I: tl.constexpr, s, h0, h1, h2, h3):
+    """Sub-block I of 256-value block kb of the Q4_K rows at `rows` (uint8 pointers [BN]), its
+    header's words h0..h3 (_q4k_head): (q int8 [BN, 32] in 0..15, dl [BN], ml [BN]) with
+    w = dl · q - ml."""
+    sh: tl.constexpr = 8 * (I % 4)  # byte 4 + j, 8 + j, 12 + j of the header: byte j of h1..h3
+    sc, mn = scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, I)
+    qs = tl.load(rows[:, None] + (kb * 144 + 16 + (I // 2) * 32) + s[None, :])  # uint8 [BN, 32]
     q = (qs >> ((I % 2) * 4)) & 15
-    return q.to(tl.int8), d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+    return (q.to(tl.int8), f16_bits(h0) * sc.to(tl.float32),
+            f16_bits(h0 >> 16) * mn.to(tl.float32))
 
 
 @triton.jit
@@ -104,13 +127,14 @@ def _q4k_dot(acc, rows, xq, xd, xs, tok, rm, K: tl.constexpr, s):
     """acc [BM, BN] += Σ over K of the Q4_K rows (pointers [BN]) times the BM tokens' 8-bit x
     rows (xq int8 [*, K] at rows tok [BM]; dx [*, K/32]; xs4 [*, K/64, 4])."""
     for kb in range(0, K // 256):
+        h0, h1, h2, h3 = _q4k_head(rows, kb)
         for i in tl.static_range(8):
             blk = kb * 8 + i
             xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
                          other=0)  # int8 [BM, 32]
             dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
             sx = tl.load(xs + tok * (K // 16) + (blk // 2) * 4 + 2 + blk % 2, mask=rm, other=0.0)
-            q, dl, ml = _q4k_part(rows, kb, i, s)
+            q, dl, ml = _q4k_part(rows, kb, i, s, h0, h1, h2, h3)
             isum = tl.dot(xv, tl.trans(q), out_dtype=tl.int32)  # [BM, BN]
             acc += isum.to(tl.float32) * dx[:, None] * dl[None, :] - sx[:, None] * ml[None, :]
     return acc
@@ -256,6 +280,9 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                          f"F {f}: give Q4_K gate/up, a Q4_K or Q6_K down, D and F multiples of "
                          "256, or MXFP4 everywhere with D and F multiples of 64")
     check_bias(bias, act, e, d, f, x.device)
+    if not mmq_aligned(gate, up, down, qtypes):
+        raise ValueError("moe_forward_mmq: Q4_K rows must start 4-byte aligned (its headers are "
+                         "read as int32 words)")
     if t == 0 or topk == 0:
         return out
     mx = QType(qtypes[0]) == QType.MXFP4
