@@ -110,33 +110,41 @@ def _q4k_head(rows, kb):
 
 
 @triton.jit
-def _q4k_part(rows, kb, I: tl.constexpr, s, h0, h1, h2, h3):
-    """Sub-block I of 256-value block kb of the Q4_K rows at `rows` (uint8 pointers [BN]), its
-    header's words h0..h3 (_q4k_head): (q int8 [BN, 32] in 0..15, dl [BN], ml [BN]) with
-    w = dl · q - ml."""
-    sh: tl.constexpr = 8 * (I % 4)  # byte 4 + j, 8 + j, 12 + j of the header: byte j of h1..h3
-    sc, mn = scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, I)
-    qs = tl.load(rows[:, None] + (kb * 144 + 16 + (I // 2) * 32) + s[None, :])  # uint8 [BN, 32]
-    q = (qs >> ((I % 2) * 4)) & 15
-    return (q.to(tl.int8), f16_bits(h0) * sc.to(tl.float32),
-            f16_bits(h0 >> 16) * mn.to(tl.float32))
+def _q4k_scales(I: tl.constexpr, h1, h2, h3):
+    """The 6-bit (scale, min) [BN] of sub-block I from a Q4_K header's words h1..h3
+    (_q4k_head): bytes 4 + j, 8 + j, 12 + j of the header are byte j of h1..h3 (j = I % 4)."""
+    sh: tl.constexpr = 8 * (I % 4)
+    return scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, I)
 
 
 @triton.jit
 def _q4k_dot(acc, rows, xq, xd, xs, tok, rm, K: tl.constexpr, s):
     """acc [BM, BN] += Σ over K of the Q4_K rows (pointers [BN]) times the BM tokens' 8-bit x
-    rows (xq int8 [*, K] at rows tok [BM]; dx [*, K/32]; xs4 [*, K/64, 4])."""
+    rows (xq int8 [*, K] at rows tok [BM]; dx [*, K/32]; xs4 [*, K/64, 4]). A block's 32 quant
+    bytes c hold sub-block 2c in their low nibbles and 2c + 1 in their high ones: loaded once
+    for both. Per 256-value block, Σ_i d·sc_i·dx_i·I_i - dmin·mn_i·sx_i with the block's d and
+    dmin taken out of the sum over its eight sub-blocks i (w = d·sc·q - dmin·mn): a sub-block
+    costs an integer multiply (I_i · sc_i, exact) and two FMAs an element, the block's scales
+    one multiply-add each at its end."""
     for kb in range(0, K // 256):
         h0, h1, h2, h3 = _q4k_head(rows, kb)
-        for i in tl.static_range(8):
-            blk = kb * 8 + i
-            xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
-                         other=0)  # int8 [BM, 32]
-            dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
-            sx = tl.load(xs + tok * (K // 16) + (blk // 2) * 4 + 2 + blk % 2, mask=rm, other=0.0)
-            q, dl, ml = _q4k_part(rows, kb, i, s, h0, h1, h2, h3)
-            isum = tl.dot(xv, tl.trans(q), out_dtype=tl.int32)  # [BM, BN]
-            acc += isum.to(tl.float32) * dx[:, None] * dl[None, :] - sx[:, None] * ml[None, :]
+        main = tl.zeros(acc.shape, tl.float32)
+        mins = tl.zeros(acc.shape, tl.float32)
+        for c in tl.static_range(4):
+            qs = tl.load(rows[:, None] + (kb * 144 + 16 + c * 32) + s[None, :])  # uint8 [BN, 32]
+            for half in tl.static_range(2):
+                blk = kb * 8 + 2 * c + half
+                xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
+                             other=0)  # int8 [BM, 32]
+                dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
+                sx = tl.load(xs + tok * (K // 16) + (blk // 2) * 4 + 2 + half, mask=rm,
+                             other=0.0)
+                sc, mn = _q4k_scales(2 * c + half, h1, h2, h3)
+                q = ((qs >> (half * 4)) & 15).to(tl.int8)
+                isum = tl.dot(xv, tl.trans(q), out_dtype=tl.int32)  # [BM, BN], |I| <= 32·127·15
+                main += (isum * sc[None, :]).to(tl.float32) * dx[:, None]  # (|I·sc| < 2^22)
+                mins += sx[:, None] * mn.to(tl.float32)[None, :]
+        acc += main * f16_bits(h0)[None, :] - mins * f16_bits(h0 >> 16)[None, :]
     return acc
 
 
