@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import e8m0_half, f16, f16_bits, u8
+from strata.kernels.gpu.bits import e8m0_half, f16, f16_bits, u8, u16
 from strata.kernels.gpu.pairs import (
     bias_row,
     check_bias,
@@ -95,8 +95,10 @@ def mmq_kernel_types(qtypes: tuple[int, int, int], d: int, f: int, bias: object 
 def mmq_aligned(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                 qtypes: tuple[int, int, int]) -> bool:
     """Whether the kernels can read these slots: every Q4_K part's rows 4-byte aligned (their
-    block headers are read as int32 words, _q4k_head)."""
-    return all(QType(q) != QType.Q4_K or words_aligned(t)
+    block headers are read as int32 words, _q4k_head), every Q6_K part's 2-byte aligned (read
+    as int16 words, _bytes32)."""
+    need = {QType.Q4_K: 4, QType.Q6_K: 2}
+    return all(words_aligned(t, align=need.get(QType(q), 1))
                for t, q in zip((gate, up, down), qtypes, strict=True))
 
 
@@ -149,29 +151,43 @@ def _q4k_dot(acc, rows, xq, xd, xs, tok, rm, K: tl.constexpr, s):
 
 
 @triton.jit
+def _bytes32(p, s16):
+    """The 32 bytes at 2-aligned byte pointers p [BN], in order, as int32 [BN, 32] 0..255:
+    sixteen int16 loads a row, each split into its two bytes (a Q6_K block is 210 bytes, so
+    half its rows' blocks are 2 mod 4: no wider load is known aligned, and byte loads took 32
+    a row)."""
+    w = tl.load(p.to(tl.pointer_type(tl.int16))[:, None] + s16[None, :]).to(tl.int32)
+    return tl.reshape(tl.join(w & 255, (w >> 8) & 255), (w.shape[0], 32))
+
+
+@triton.jit
 def _q6k_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
-    """_q4k_dot for Q6_K rows: per 32 values two 16-value sub-blocks, each its own int8 scale."""
+    """_q4k_dot for Q6_K rows: per 32 values two 16-value sub-blocks, each its own int8 scale
+    (both in one int16 load), their integer sums scaled and added in int32 (|I_a sc_a + I_b
+    sc_b| <= 2 · 16·127·32 · 128 < 2^24: exact in float32), then one FMA an element for the
+    32 values' dx, and the block's d once at its end."""
     half = s < 16
+    s16 = tl.arange(0, 16)
     for kb in range(0, K // 256):
         b = rows + kb * 210
-        d = f16(b + 208, None)  # [BN]
+        main = tl.zeros(acc.shape, tl.float32)
         for c in tl.static_range(8):  # 32 values: sub-blocks 2c, 2c + 1
             blk = kb * 8 + c
             xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
                          other=0)
             dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
-            ql = tl.load(b[:, None] + ((c // 4) * 64 + (c % 2) * 32) + s[None, :])
-            qh = tl.load(b[:, None] + (128 + (c // 4) * 32) + s[None, :])
-            q = (((ql >> (((c // 2) % 2) * 4)) & 15) | (((qh >> ((c % 4) * 2)) & 3) << 4))
-            q = q.to(tl.int32) - 32  # [BN, 32] in -32..31
-            sa = (u8(b + 192 + 2 * c, None) ^ 0x80).to(tl.float32) - 128.0  # (int8 scales)
-            sb = (u8(b + 193 + 2 * c, None) ^ 0x80).to(tl.float32) - 128.0
+            ql = _bytes32(b + ((c // 4) * 64 + (c % 2) * 32), s16)
+            qh = _bytes32(b + (128 + (c // 4) * 32), s16)
+            q = (((ql >> (((c // 2) % 2) * 4)) & 15) | (((qh >> ((c % 4) * 2)) & 3) << 4)) - 32
+            sab = u16(b + 192 + 2 * c, None)  # [BN]: the two int8 scales
+            sa = ((sab & 255) ^ 0x80) - 128
+            sb = ((sab >> 8) ^ 0x80) - 128
             ia = tl.dot(xv, tl.trans(tl.where(half[None, :], q, 0).to(tl.int8)),
                         out_dtype=tl.int32)
             ib = tl.dot(xv, tl.trans(tl.where(half[None, :], 0, q).to(tl.int8)),
                         out_dtype=tl.int32)
-            acc += dx[:, None] * (d[None, :] * (ia.to(tl.float32) * sa[None, :]
-                                                + ib.to(tl.float32) * sb[None, :]))
+            main += (ia * sa[None, :] + ib * sb[None, :]).to(tl.float32) * dx[:, None]
+        acc += main * f16(b + 208, None)[None, :]
     return acc
 
 
@@ -289,8 +305,8 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                          "256, or MXFP4 everywhere with D and F multiples of 64")
     check_bias(bias, act, e, d, f, x.device)
     if not mmq_aligned(gate, up, down, qtypes):
-        raise ValueError("moe_forward_mmq: Q4_K rows must start 4-byte aligned (its headers are "
-                         "read as int32 words)")
+        raise ValueError("moe_forward_mmq: Q4_K rows must start 4-byte aligned, Q6_K rows 2-byte "
+                         "aligned (read as int32 and int16 words)")
     if t == 0 or topk == 0:
         return out
     mx = QType(qtypes[0]) == QType.MXFP4
