@@ -237,18 +237,12 @@ def prompt_layer(types: tuple[str, ...]) -> tuple[str, int, int, int, int, int, 
     return PROMPT_LAYERS["30b-a3b"]
 
 
-def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
-               timed: bool = True) -> dict:
-    """The MoE layer of a prompt chunk or a batched step (prompt_layer: Qwen3-30B-A3B's, or
-    gpt-oss-20b's for MXFP4), every expert resident, random distinct top-k, `tokens` tokens,
-    through moe_forward on `path` (moe.MOE_PATHS: the per-pair kernels with x rounded to 8 bits,
-    as the engine's decode steps run them; the tl.dot kernels; the grouped bf16 GEMMs; the
-    integer tensor-core kernels, moe_mmq.py, 8-bit x too). Timed eagerly (do_bench
-    median: launches, allocations and the bf16 dequantize included). TFLOP/s counts the useful
-    2·3·T·K·D·F."""
-    from strata.kernels.gpu import moe as moe_mod
-
-    model, e, topk, d, f, layers, biased = prompt_layer(types)
+def moe_layer_args(types: tuple[str, ...], tokens: int) -> tuple:
+    """A pack's MoE layer (prompt_layer) on the GPU with every expert resident, each its own
+    copy of one random expert's bytes, and `tokens` tokens routed to random distinct top-k:
+    (x, ids, wts, slot_of, gate, up, down, out, kw), kw the biases and clamped SwiGLU of a
+    biased layer for moe_forward."""
+    _, e, topk, d, f, _, biased = prompt_layer(types)
     qg, qu, qd = (QType[t] for t in types[:3])
     rng = np.random.default_rng(2)
 
@@ -264,6 +258,23 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
     out = torch.zeros(tokens, d, device="cuda")
     kw = dict(bias=tuple(torch.randn(e, n, device="cuda") for n in (f, f, d)),
               act="swiglu_oai") if biased else {}
+    return x, ids, wts, slot_of, gate, up, down, out, kw
+
+
+def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
+               timed: bool = True) -> dict:
+    """The MoE layer of a prompt chunk or a batched step (prompt_layer: Qwen3-30B-A3B's, or
+    gpt-oss-20b's for MXFP4), every expert resident, random distinct top-k, `tokens` tokens,
+    through moe_forward on `path` (moe.MOE_PATHS: the per-pair kernels with x rounded to 8 bits,
+    as the engine's decode steps run them; the tl.dot kernels; the grouped bf16 GEMMs; the
+    integer tensor-core kernels, moe_mmq.py, 8-bit x too). Timed eagerly (do_bench
+    median: launches, allocations and the bf16 dequantize included). TFLOP/s counts the useful
+    2·3·T·K·D·F."""
+    from strata.kernels.gpu import moe as moe_mod
+
+    model, e, topk, d, f, layers, biased = prompt_layer(types)
+    qg, qu, qd = (QType[t] for t in types[:3])
+    x, ids, wts, slot_of, gate, up, down, out, kw = moe_layer_args(types, tokens)
 
     def call() -> None:
         if path.startswith("mmq:"):  # the MMQ kernels at a tile of their own (BMxBNxWARPS)

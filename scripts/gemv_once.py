@@ -91,26 +91,18 @@ def main() -> None:
 
 
 def moe_layer(tokens: list[int], launches: int) -> None:
+    from bench_kernels import moe_layer_args, prompt_layer  # (this folder: its layer)
+
     from strata.kernels.gpu.moe import moe_forward
 
-    e, topk, d, f = 128, 8, 2048, 768
-    rng = np.random.default_rng(0)
-    qg, qd = QType.Q4_K, QType.Q6_K
-
-    def slots(q: QType, rows: int, cols: int) -> torch.Tensor:
-        one = torch.from_numpy(random_rows(q, rows, cols, rng, 0.02)).cuda()
-        return one.unsqueeze(0).repeat(e, 1, 1)  # (e copies: every expert its own bytes)
-
-    gate, up, down = slots(qg, f, d), slots(qg, f, d), slots(qd, d, f)
-    slot_of = torch.arange(e, dtype=torch.int32, device="cuda")
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    qt = tuple(QType[t] for t in types)
+    d, f = prompt_layer(types)[3:5]
     for t in tokens:
-        ids = torch.rand(t, e, device="cuda").argsort(1)[:, :topk]
-        wts = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
-        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-        out = torch.zeros(t, d, device="cuda")
+        x, ids, wts, slot_of, gate, up, down, out, _ = moe_layer_args(types, t)
         for pm in (0, 1):
             for _ in range(launches):
-                moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qg, qd), d, f, out=out,
+                moe_forward(x, ids, wts, slot_of, gate, up, down, qt, d, f, out=out,
                             path="pairs", x8=True, tiles={"pair_major": (pm,)})
             torch.cuda.synchronize()
             print(f"MoE layer {t} tokens, pair_major {pm}: launched", flush=True)

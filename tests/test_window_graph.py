@@ -411,14 +411,13 @@ def test_a_hybrids_graphs_on_cuda(synth, arch, monkeypatch):
     eager forward's is (fla's kernels take TF32 dots, and the padded chunk's shape picks other
     tiles: up to ~1.5% of the state's scale apart on an H100 past one chunk of 64), so padding
     that wrote or decayed the state would fail it; its windows of 1 .. 5 tokens, twice each
-    (captured, then
-    replayed), against the same windows run eagerly: every row's logits within the paths' own
-    rounding (KL below 1e-3 a row), the recurrent state after the window and each token's kept
-    state within 1e-3 of their scale; then greedy text through --spec with drafts right and
-    wrong by turns is the text without --spec up to a near-tie: plain steps run the decode
-    step's 8-bit-activation GEMVs (--kernels fused) and windows the prompt path's float
-    activations, so the two may part only where the eager forward's two tokens lie within
-    TIE of each other and of its top log-probability."""
+    (captured, then replayed), against the same windows run eagerly: every row's logits within
+    the paths' own rounding (KL below 1e-3 a row), the recurrent state after the window and each
+    token's kept state within 1e-3 of their scale; then greedy text through --spec with drafts
+    right and wrong by turns is the text without --spec up to a near-tie: plain steps run the
+    decode step's 8-bit-activation GEMVs (--kernels fused) and windows the prompt path's float
+    activations, so the two may part only where the eager forward's two tokens lie within TIE
+    of each other and of its top log-probability."""
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("torch._grouped_mm reads its groups on the host here")
     path = synth(arch, "Q4_K_M")
