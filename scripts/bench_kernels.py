@@ -56,6 +56,15 @@ MODEL_SHAPES = {  # name: (N rows, K columns) of one matrix
     "Mixtral down": (4096, 14336),
 }
 BIG = "Mixtral gate/up 14336x4096"
+# the 30B-A3B's attention projections and output head, which a batched decode step of B
+# sequences multiplies by B rows (--dense-batch)
+DENSE_SHAPES = {
+    "30B-A3B q": (4096, 2048),
+    "30B-A3B k/v": (512, 2048),
+    "30B-A3B o": (2048, 4096),
+    "30B-A3B head": (151936, 2048),
+}
+DENSE_TOKENS = [1, 2, 4, 8, 16]
 PRIORITY = ["Q4_K", "Q6_K", "Q8_0", "IQ2_XS", "IQ3_XXS", "Q5_K", "IQ4_XS"]
 ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
@@ -134,19 +143,21 @@ def _graph_time(calls: list, rep_ms: int) -> float:
 
 
 def run_case(case: tuple, rep_ms: int, timed: bool = True,
-             dequant_min_m: int | None = None) -> dict:
-    """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m: quant_matmul's
-    (None: its default)."""
+             dequant_min_m: int | None = None, gemv_max_m: int | None = None) -> dict:
+    """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m, gemv_max_m:
+    quant_matmul's (None: its default)."""
     from strata.kernels.gpu import quant_matmul
 
     name, shape, m, cfg = case
     qt = QType[name]
-    n, k = MODEL_SHAPES[shape]
+    n, k = (MODEL_SHAPES | DENSE_SHAPES)[shape]
     nbytes = n * row_nbytes(qt, k)
     ws = _weights(qt, n, k, _copies(nbytes) if timed else 1, valid=timed)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.float32)
     kw = {} if dequant_min_m is None else {"dequant_min_m": dequant_min_m}
+    if gemv_max_m is not None:
+        kw["gemv_max_m"] = gemv_max_m
     calls = [lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw) for w in ws]
     if not timed:
         calls[0]()
@@ -154,7 +165,8 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True,
         return {}
     sec = _graph_time(calls, rep_ms)
     moved = nbytes + x.numel() * 2 + y.numel() * 4
-    return dict(type=name, shape=shape, n=n, k=k, tokens=m, gemv=cfg, us=sec * 1e6,
+    return dict(type=name, shape=shape, n=n, k=k, tokens=m, gemv=cfg, gemv_max_m=gemv_max_m,
+                us=sec * 1e6,
                 gbs=moved / sec / 1e9, tflops=2 * m * n * k / sec / 1e12)
 
 
@@ -370,6 +382,26 @@ def precompile(jobs: list[tuple], workers: int) -> None:
           flush=True)
 
 
+def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
+    """The batched decode step's dense matmuls: each shape and type at B tokens on the FMA
+    GEMV (token groups of four) and on the tensor-core kernel, graph replays."""
+    given = "--types" in sys.argv
+    types = args.types.split(",") if given else ["Q4_K", "Q6_K"]
+    tokens = ([int(t) for t in args.tokens.split(",")] if "--tokens" in sys.argv
+              else DENSE_TOKENS)
+    report["dense_batch"] = []
+    print(f"{'type':6s} {'shape':14s} {'B':>3s} {'FMA us':>8s} {'tl.dot us':>9s} {'FMA GB/s':>8s}",
+          flush=True)
+    for t in types:
+        for shape in DENSE_SHAPES:
+            for m in tokens:
+                fma = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=1 << 30)
+                dot = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=0)
+                report["dense_batch"].append(dict(fma=fma, dot=dot))
+                print(f"{t:6s} {shape:14s} {m:3d} {fma['us']:8.1f} {dot['us']:9.1f} "
+                      f"{fma['gbs']:8.0f}", flush=True)
+
+
 # ---- report -------------------------------------------------------------------------------------
 
 
@@ -390,6 +422,9 @@ def main() -> None:
     ap.add_argument("--moe-prompt-types", default=",".join("/".join(p) for p in MOE_PROMPT_TYPES),
                     help="its packs, gate/up/down each, e.g. Q4_K/Q4_K/Q6_K, and the layer's shape "
                     "after @ where not the type's own: Q4_K/Q4_K/Q6_K@qwen3.6")
+    ap.add_argument("--dense-batch", action="store_true",
+                    help="only the 30B-A3B attention and head shapes at 1-16 tokens (--tokens), "
+                    "Q4_K and Q6_K (--types), on the FMA GEMV against the tensor-core kernel")
     ap.add_argument("--mmq-tiles", default="", metavar="TILES",
                     help="the MMQ kernels also at these tiles, e.g. 32x64x4,64x64x8 (BMxBNxWARPS)")
     args = ap.parse_args()
@@ -413,6 +448,10 @@ def main() -> None:
                         moe=[], fused_gemm=[], moe_prompt=[])
     prompt_jobs = [("moe_prompt", (t, path, p)) for p in packs for t in ptokens
                    for path in prompt_paths(t, p, mmq_tiles)]
+    if args.dense_batch:
+        dense_batch_rows(report, args)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        return
     if args.moe_prompt_only:
         if args.workers > 1:
             precompile(prompt_jobs, args.workers)

@@ -18,9 +18,12 @@ from gguf import GGMLQuantizationType as QType  # (strata.quant would import tor
 
 # ---- dense matmul (kernels/gpu/matmul.py, formats.py) -------------------------------------------
 
-# up to this many tokens the FMA GEMV streams the weights once; past it, it is compute-bound
-# (2 FLOP per weight per token). bench/2026-11-29-h200-kernels.md
-GEMV_MAX_M = 4
+# up to this many tokens the FMA GEMV takes a dense matmul (groups of 4 tokens a program, a row
+# tile's groups side by side so W comes from HBM once); past it the tensor-core kernel. 16: a
+# batched decode step's rows. The tensor-core kernel took the batched step of 8 sequences' 121
+# dense matmuls in 4,955 us (30B-A3B on an H100, bench/2026-12-06-h100-serve-glue.md) against
+# 692 us for one sequence's on the GEMVs; was 4 (bench/2026-11-29-h200-kernels.md)
+GEMV_MAX_M = 16
 # from this many tokens on, dequantize to bf16 then cuBLAS beats the fused tl.dot kernel (14336 x
 # 4096: 2.8x at 512 tokens for Q4_K, 4.8x at 4096); needs an N x K bf16 scratch.
 # bench/2026-11-29-h200-kernels.md
@@ -117,6 +120,14 @@ GROUPED_MIN_TOKENS = 16
 # an H100, mmq / grouped at 8, 16, 24, 32 tokens per expert (128, 256, 384, 512 tokens): 703 /
 # 1340, 1035 / 1386, 1373 / 1413, 1686 / 1428 us. bench/2026-12-06-h100-matrix.md
 MMQ_GROUPED_MIN_TOKENS = 32
+# the MMQ kernels' tile (BM tokens, BN rows, warps), and the wider one from MMQ_WIDE_MIN tokens
+# per expert on average (T·K / E). Layers on an H100, eager, 16x64x4 / 32x64x4 us: Qwen3.6-35B-A3B
+# (256 experts, top 8) at 128 tokens (4 an expert) 783 / 857, 512 (16) 1383 / 1126; 30B-A3B (128,
+# top 8) at 128 (8) 556 / 691, 512 (32) 1257 / 1130. 16x128x4 and 32x64x8 lost everywhere.
+# bench/2026-12-06-h100-serve-glue.md
+MMQ_TILE = (16, 64, 4)
+MMQ_TILE_WIDE = (32, 64, 4)
+MMQ_WIDE_MIN = 16
 # the same kernels for MXFP4 experts (gpt-oss, biases and the clamped SwiGLU: moe_mmq._mxfp4_dot,
 # an int8 dot of x with twice the E2M1 values a 32-value block, times 2^(e-128) dx). Off until
 # timed: the grouped path they would replace dequantizes every expert of a chunk to bf16 (gpt-oss's

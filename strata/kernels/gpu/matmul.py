@@ -3,8 +3,9 @@
     y = quant_matmul(x, w, QType.Q4_K)     # x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32
     w16 = dequantize_gpu(w, QType.Q4_K, K)  # -> bf16 [N, K] (or dtype=torch.float32)
 
-M <= 4 tokens (decode, short verify windows) run the FMA kernel, which streams every weight row
-once; 5..63 tokens the tensor-core kernel (skeletons.py); from 64 tokens the weights are
+M <= 16 tokens (decode, a batched step's rows, short verify windows) run the FMA kernel, which
+streams every weight row from HBM once (programs of 4 tokens, a row tile's side by side); 17..63
+tokens the tensor-core kernel (skeletons.py); from 64 tokens the weights are
 dequantized to bf16 by the same tiles and multiplied by cuBLAS, measured 3x (512 tokens) to 5x
 (4096) faster than the fused tensor-core kernel. Types without a tile (F32/F16/BF16:
 torch.matmul; anything else: dequantize -> matmul) go through `fallback_matmul`, which logs
@@ -43,6 +44,8 @@ log = logging.getLogger("strata.kernels")
 # Sizes are not specialized (one compile serves every shape); row_bytes and strides are, so the
 # compiler knows when row starts are 16-byte aligned and can vectorize the byte reads.
 _SIZES = ["M", "N", "K"]
+# tokens one FMA GEMV program takes (gemv_tile4's accumulators); more run in groups of this many
+GEMV_GROUP = 4
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -69,13 +72,20 @@ def _store_row(y, t, M, n, N, acc):
     tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1), mask=(n < N) & (t < M))
 
 
-@triton.jit(do_not_specialize=_SIZES)
-def _gemv_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
+@triton.jit(do_not_specialize=_SIZES + ["G"])
+def _gemv_kernel(x, w, y, tab, tab2, M, N, K, G, row_bytes, stride_xm, stride_ym,
                  QT: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                  STAGES: tl.constexpr):
-    # y[t, n] = Σ_k x[t, k] · W[n, k] for t < M <= BM <= 4: W read once, float32 FMA
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    # y[t, n] = Σ_k x[t, k] · W[n, k], float32 FMA, the tokens in G groups of BM <= 4: program
+    # p takes group p % G of the rows p // G, so a row tile's groups run side by side and all
+    # but the first read W from L2 (every weight from HBM once)
+    pid = tl.program_id(0)
+    t0 = (pid % G) * BM
+    x += t0.to(tl.int64) * stride_xm
+    y += t0.to(tl.int64) * stride_ym
+    M -= t0
+    n = (pid // G) * BN + tl.arange(0, BN)
     wr = rows(w, n, N, row_bytes)
     zero = tl.zeros((BN, BK // S, S), dtype=tl.float32)
     if BM == 1:
@@ -282,12 +292,14 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
                  tile: tuple[int, int, int, int] | None = None,
                  base_tile: tuple[int, int, int, int] | None = None,
                  rows_tile: tuple[int, int, int, int] | None = None,
-                 dequant_min_m: int = DEQUANT_MIN_M) -> torch.Tensor:
+                 dequant_min_m: int = DEQUANT_MIN_M,
+                 gemv_max_m: int = GEMV_MAX_M) -> torch.Tensor:
     """y[t, n] = Σ_k x[t, k] · W[n, k]. x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32.
     For benchmarks (defaults: strata.kernels.tuning's): tile, one token's FMA tile (BN, BK,
     stages, warps) as is; base_tile, the FMA tile instead of the type's (still fitted to M, N
     and K); rows_tile, one token on the rows kernel with (R, BK, stages, warps); dequant_min_m,
-    the tokens from which the weights are dequantized for cuBLAS."""
+    the tokens from which the weights are dequantized for cuBLAS; gemv_max_m, the most tokens
+    the FMA GEMV takes (past it the tensor-core kernel)."""
     qtype = QType(qtype)
     k = x.shape[-1]
     fmt = kernel_format(qtype)
@@ -303,7 +315,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
     if m > 0 and n > 0:
-        _launch(x, w, out, fmt, nbytes, tile, base_tile, rows_tile, dequant_min_m)
+        _launch(x, w, out, fmt, nbytes, tile, base_tile, rows_tile, dequant_min_m, gemv_max_m)
     return out
 
 
@@ -311,7 +323,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
             nbytes: int, tile: tuple[int, int, int, int] | None = None,
             base_tile: tuple[int, int, int, int] | None = None,
             rows_tile: tuple[int, int, int, int] | None = None,
-            dequant_min_m: int = DEQUANT_MIN_M) -> None:
+            dequant_min_m: int = DEQUANT_MIN_M, gemv_max_m: int = GEMV_MAX_M) -> None:
     m, k = x.shape
     n = w.shape[0]
     tab, tab2 = fmt.tables(x.device)
@@ -319,11 +331,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
     rows_tile = (rows_tile or GEMV_ROWS_TUNE.get((int(fmt.qtype), n, k))) if m == 1 else None
     if rows_tile is not None:
         _launch_rows(x, w, out, fmt, nbytes, rows_tile)
-    elif m <= GEMV_MAX_M:
-        bn, bk, stages, warps = gemv_config(fmt, m, n, k, tile=tile, base_tile=base_tile)
-        _gemv_kernel[(triton.cdiv(n, bn),)](*args, QT=int(fmt.qtype), S=fmt.group,
-                                            BM=triton.next_power_of_2(m), BN=bn, BK=bk,
-                                            EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps)
+    elif m <= gemv_max_m:
+        bm = triton.next_power_of_2(min(m, GEMV_GROUP))
+        groups = triton.cdiv(m, bm)
+        bn, bk, stages, warps = gemv_config(fmt, bm, n, k, ctas=groups, tile=tile,
+                                            base_tile=base_tile)
+        _gemv_kernel[(triton.cdiv(n, bn) * groups,)](
+            x, w, out, tab, tab2, m, n, k, groups, nbytes, x.stride(0), out.stride(0),
+            QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+            STAGES=stages, num_warps=warps)
     elif m >= dequant_min_m and not knobs.runtime.interpret:
         w16 = dequantize_gpu(w, fmt.qtype, k, torch.bfloat16)  # [N, K]
         mm_f32(x.to(torch.bfloat16), w16.T, out)

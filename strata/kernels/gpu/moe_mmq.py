@@ -60,10 +60,8 @@ from strata.kernels.gpu.pairs import (
     words_aligned,
 )
 from strata.kernels.gpu.tiles_kquants import scale_min
-from strata.kernels.tuning import MMQ_MXFP4
+from strata.kernels.tuning import MMQ_MXFP4, MMQ_TILE, MMQ_TILE_WIDE, MMQ_WIDE_MIN
 from strata.quant import QType
-
-MMQ_TILE = (16, 64, 4)  # (BM, BN, warps): an estimate, not timed (bench: none)
 
 
 def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -285,6 +283,12 @@ def _down_mmq_kernel(hq, hd, hs, counts, starts, order, slot_of, down, y, wts, b
         tl.store(ptrs, acc, mask=rm[:, None] & (n < D)[None, :])
 
 
+def mmq_tile(t: int, topk: int, experts: int) -> tuple[int, int, int]:
+    """(BM, BN, warps) for t tokens of top-`topk` routing over `experts`: the wider tile where
+    an expert serves MMQ_WIDE_MIN tokens or more on average (strata.kernels.tuning)."""
+    return MMQ_TILE_WIDE if t * topk >= MMQ_WIDE_MIN * experts else MMQ_TILE
+
+
 def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     slot_of: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     down: torch.Tensor, qtypes: tuple[int, int, int], out: torch.Tensor,
@@ -293,7 +297,7 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     act: str = "swiglu") -> torch.Tensor:
     """out [T, D] float32 += the resident pairs' outputs (the module doc); x [T, D] f32/bf16,
     ids [T, K], weights [T, K], slot_of int32 [E], gate/up uint8 [slots, F, row(D)], down
-    [slots, D, row(F)]. tile: (BM, BN, warps) instead of MMQ_TILE (benchmarks). bias, act: as
+    [slots, D, row(F)]. tile: (BM, BN, warps) instead of mmq_tile's (benchmarks). bias, act: as
     moe.moe_forward's (MXFP4 layers only: mmq_kernel_types)."""
     from strata.kernels.gpu.gemv_q8 import quantize_x
 
@@ -312,7 +316,7 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     mx = QType(qtypes[0]) == QType.MXFP4
     bg, bu, bd = bias if bias is not None else (out, out, out)  # (unread without BIAS)
     counts, starts, order = sort_pairs(ids, e)
-    bm, bn, warps = tile or MMQ_TILE
+    bm, bn, warps = tile or mmq_tile(t, topk, e)
     nc = triton.cdiv(t, bm)  # (an expert takes at most one pair per token)
     xq, xd, xs = quantize_x(x.contiguous())
     h = scratch((t * topk, f), torch.float32, x.device)

@@ -1,0 +1,57 @@
+"""quant_matmul's FMA GEMV past four tokens (a batched decode step's B rows): programs of four
+tokens, a row tile's groups side by side, against the reference (strata.quant.dequantize then a
+float32 matmul) under Triton's interpreter; the CUDA side is tests/test_kernels_gpu.py's
+test_quant_matmul.
+
+Every run draws fresh random blocks and x (the seed is in each failure message); y starts as
+NaN, so a token or row the kernel does not write shows up. Token counts: 5 (a group of one
+after a full one), 8, 13, 16 (four groups); N not a multiple of the row tile; K with a partial
+last step. FMA_TOL as in tests/test_kernels_gpu.py (exact weights, float32 sums in another
+order). The launches are counted: one FMA GEMV launch a product, no tensor-core one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from interpreted import fresh_seed, run_interpreted  # noqa: E402
+
+_BODY = """
+    import torch
+    import strata.kernels.gpu.matmul as mm
+    from strata.kernels.gpu import quant_matmul
+    from strata.kernels.gpu.reference import matmul_ref
+    from strata.quant import QType, random_rows
+
+    launches = []
+    class Spy:  # records each launch of a kernel, then runs it
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+    mm._gemv_kernel = Spy("fma", mm._gemv_kernel)
+    mm._gemm_kernel = Spy("dot", mm._gemm_kernel)
+    rng = np.random.default_rng(seed)
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+    for qtype, n, k in (("Q4_K", 37, 768), ("Q6_K", 21, 512), ("Q8_0", 11, 416)):
+        qt = QType[qtype]
+        w = torch.from_numpy(random_rows(qt, n, k, rng, 0.05))
+        for m in (5, 8, 13, 16):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32) * 3)
+            y = torch.full((m, n), float("nan"))
+            launches.clear()
+            quant_matmul(x, w, qt, out=y)
+            assert launches == ["fma"], (qtype, m, launches)
+            assert torch.isfinite(y).all(), (qtype, m, "not every token and row written")
+            err = rel(y, matmul_ref(x, w, qt))
+            assert err < 2e-5, (qtype, m, err)
+    print("ok")
+"""
+
+
+def test_fma_gemv_in_token_groups_under_the_interpreter() -> None:
+    run_interpreted(_BODY, fresh_seed() % 2**31, timeout=600)
