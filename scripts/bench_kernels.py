@@ -142,10 +142,10 @@ def _graph_time(calls: list, rep_ms: int) -> float:
     return ms / 1e3 / len(calls)
 
 
-def run_case(case: tuple, rep_ms: int, timed: bool = True,
-             dequant_min_m: int | None = None, gemv_max_m: int | None = None) -> dict:
-    """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m, gemv_max_m:
-    quant_matmul's (None: its default)."""
+def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | None = None,
+             gemv_max_m: int | None = None, split_k: int | None = None) -> dict:
+    """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m, gemv_max_m,
+    split_k: quant_matmul's (None: its default)."""
     from strata.kernels.gpu import quant_matmul
 
     name, shape, m, cfg = case
@@ -158,6 +158,8 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True,
     kw = {} if dequant_min_m is None else {"dequant_min_m": dequant_min_m}
     if gemv_max_m is not None:
         kw["gemv_max_m"] = gemv_max_m
+    if split_k is not None:
+        kw["split_k"] = split_k
     calls = [lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw) for w in ws]
     if not timed:
         calls[0]()
@@ -166,7 +168,7 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True,
     sec = _graph_time(calls, rep_ms)
     moved = nbytes + x.numel() * 2 + y.numel() * 4
     return dict(type=name, shape=shape, n=n, k=k, tokens=m, gemv=cfg, gemv_max_m=gemv_max_m,
-                us=sec * 1e6,
+                split_k=split_k, us=sec * 1e6,
                 gbs=moved / sec / 1e9, tflops=2 * m * n * k / sec / 1e12)
 
 
@@ -384,22 +386,24 @@ def precompile(jobs: list[tuple], workers: int) -> None:
 
 def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
     """The batched decode step's dense matmuls: each shape and type at B tokens on the FMA
-    GEMV (token groups of four) and on the tensor-core kernel, graph replays."""
+    GEMV (token groups of four) and on the tensor-core kernel, with K split as gemm_split says
+    and unsplit, graph replays."""
     given = "--types" in sys.argv
     types = args.types.split(",") if given else ["Q4_K", "Q6_K"]
     tokens = ([int(t) for t in args.tokens.split(",")] if "--tokens" in sys.argv
               else DENSE_TOKENS)
     report["dense_batch"] = []
-    print(f"{'type':6s} {'shape':14s} {'B':>3s} {'FMA us':>8s} {'tl.dot us':>9s} {'FMA GB/s':>8s}",
-          flush=True)
+    print(f"{'type':6s} {'shape':14s} {'B':>3s} {'FMA us':>8s} {'tl.dot us':>9s} "
+          f"{'unsplit':>8s} {'FMA GB/s':>8s}", flush=True)
     for t in types:
         for shape in DENSE_SHAPES:
             for m in tokens:
                 fma = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=1 << 30)
                 dot = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=0)
-                report["dense_batch"].append(dict(fma=fma, dot=dot))
+                one = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=0, split_k=1)
+                report["dense_batch"].append(dict(fma=fma, dot=dot, unsplit=one))
                 print(f"{t:6s} {shape:14s} {m:3d} {fma['us']:8.1f} {dot['us']:9.1f} "
-                      f"{fma['gbs']:8.0f}", flush=True)
+                      f"{one['us']:8.1f} {fma['gbs']:8.0f}", flush=True)
 
 
 # ---- report -------------------------------------------------------------------------------------

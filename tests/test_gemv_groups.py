@@ -1,13 +1,17 @@
-"""quant_matmul's FMA GEMV past four tokens (a batched decode step's B rows): programs of four
-tokens, a row tile's groups side by side, against the reference (strata.quant.dequantize then a
-float32 matmul) under Triton's interpreter; the CUDA side is tests/test_kernels_gpu.py's
-test_quant_matmul.
+"""quant_matmul for a batched decode step's B rows, under Triton's interpreter against the
+reference (strata.quant.dequantize then a float32 matmul): the FMA GEMV past four tokens
+(gemv_max_m: programs of four tokens, a row tile's groups side by side) and the tensor-core
+kernel with K split across programs (split_k: partial sums added after). The CUDA side is
+tests/test_kernels_gpu.py's test_quant_matmul.
 
 Every run draws fresh random blocks and x (the seed is in each failure message); y starts as
 NaN, so a token or row the kernel does not write shows up. Token counts: 5 (a group of one
 after a full one), 8, 13, 16 (four groups); N not a multiple of the row tile; K with a partial
 last step. FMA_TOL as in tests/test_kernels_gpu.py (exact weights, float32 sums in another
-order). The launches are counted: one FMA GEMV launch a product, no tensor-core one.
+order; the interpreter's tl.dot multiplies float32). The launches are counted: one FMA GEMV
+launch a product, no tensor-core one, and the reverse with split_k. Splits of 1, 3 (K not a
+multiple of the splits' span: the last split shorter) and more splits than K's steps (empty
+splits that write zeros).
 """
 
 from __future__ import annotations
@@ -44,14 +48,22 @@ _BODY = """
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32) * 3)
             y = torch.full((m, n), float("nan"))
             launches.clear()
-            quant_matmul(x, w, qt, out=y)
+            ref = matmul_ref(x, w, qt)
+            quant_matmul(x, w, qt, out=y, gemv_max_m=16)
             assert launches == ["fma"], (qtype, m, launches)
             assert torch.isfinite(y).all(), (qtype, m, "not every token and row written")
-            err = rel(y, matmul_ref(x, w, qt))
+            err = rel(y, ref)
             assert err < 2e-5, (qtype, m, err)
+            for split in (1, 3, 64):
+                launches.clear()
+                y = torch.full((m, n), float("nan"))
+                quant_matmul(x, w, qt, out=y, gemv_max_m=0, split_k=split)
+                assert launches == ["dot"], (qtype, m, split, launches)
+                err = rel(y, ref)
+                assert err < 2e-5, (qtype, m, split, err)
     print("ok")
 """
 
 
-def test_fma_gemv_in_token_groups_under_the_interpreter() -> None:
+def test_batched_rows_matmuls_under_the_interpreter() -> None:
     run_interpreted(_BODY, fresh_seed() % 2**31, timeout=600)

@@ -18,12 +18,16 @@ from gguf import GGMLQuantizationType as QType  # (strata.quant would import tor
 
 # ---- dense matmul (kernels/gpu/matmul.py, formats.py) -------------------------------------------
 
-# up to this many tokens the FMA GEMV takes a dense matmul (groups of 4 tokens a program, a row
-# tile's groups side by side so W comes from HBM once); past it the tensor-core kernel. 16: a
-# batched decode step's rows. The tensor-core kernel took the batched step of 8 sequences' 121
-# dense matmuls in 4,955 us (30B-A3B on an H100, bench/2026-12-06-h100-serve-glue.md) against
-# 692 us for one sequence's on the GEMVs; was 4 (bench/2026-11-29-h200-kernels.md)
-GEMV_MAX_M = 16
+# up to this many tokens the FMA GEMV takes a dense matmul; past it the tensor-core kernel. Past
+# 4 its cost grows with the tokens (compute-bound, 2 FLOP a weight a token; it runs them in
+# programs of 4): on an H100, 30B-A3B shapes, FMA / tl.dot us at 8 tokens: Q4_K q 4096 x 2048
+# 26.4 / 21.8, o 2048 x 4096 21.6 / 40.9, k/v 512 x 2048 6.8 / 21.5, head 151936 x 2048 855 /
+# 311 (tl.dot without its split of K: flat from 1 to 16 tokens). bench/2026-11-29-h200-kernels.md,
+# bench/2026-12-06-h100-serve-glue.md
+GEMV_MAX_M = 4
+# the tensor-core kernel's split of K (matmul.gemm_split): each program at least this many steps
+# of BK (64) values. An estimate (bench: none)
+GEMM_SPLIT_MIN_STEPS = 4
 # from this many tokens on, dequantize to bf16 then cuBLAS beats the fused tl.dot kernel (14336 x
 # 4096: 2.8x at 512 tokens for Q4_K, 4.8x at 4096); needs an N x K bf16 scratch.
 # bench/2026-11-29-h200-kernels.md

@@ -3,9 +3,10 @@
     y = quant_matmul(x, w, QType.Q4_K)     # x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32
     w16 = dequantize_gpu(w, QType.Q4_K, K)  # -> bf16 [N, K] (or dtype=torch.float32)
 
-M <= 16 tokens (decode, a batched step's rows, short verify windows) run the FMA kernel, which
-streams every weight row from HBM once (programs of 4 tokens, a row tile's side by side); 17..63
-tokens the tensor-core kernel (skeletons.py); from 64 tokens the weights are
+M <= 4 tokens (decode, short verify windows) run the FMA kernel, which streams every weight row
+from HBM once (more tokens, for benchmarks: programs of 4, a row tile's side by side); 5..63
+tokens the tensor-core kernel (skeletons.py; K split across programs where its tiles would
+leave SMs idle: a batched decode step's rows); from 64 tokens the weights are
 dequantized to bf16 by the same tiles and multiplied by cuBLAS, measured 3x (512 tokens) to 5x
 (4096) faster than the fused tensor-core kernel. Types without a tile (F32/F16/BF16:
 torch.matmul; anything else: dequantize -> matmul) go through `fallback_matmul`, which logs
@@ -28,7 +29,7 @@ from triton import knobs
 
 from strata.kernels.gpu.formats import FLOAT_TYPES, KernelFormat, kernel_format
 from strata.kernels.gpu.skeletons import (
-    dot_tile,
+    dot_tile_span,
     gemv_rows_tile,
     gemv_tile,
     gemv_tile4,
@@ -36,7 +37,13 @@ from strata.kernels.gpu.skeletons import (
     rows,
 )
 from strata.kernels.gpu.tiles import dequant_tile
-from strata.kernels.tuning import DEQUANT_MIN_M, GEMV_MAX_M, GEMV_ROWS_TUNE, GEMV_TUNE
+from strata.kernels.tuning import (
+    DEQUANT_MIN_M,
+    GEMM_SPLIT_MIN_STEPS,
+    GEMV_MAX_M,
+    GEMV_ROWS_TUNE,
+    GEMV_TUNE,
+)
 from strata.quant import QType, dequantize, row_nbytes
 
 log = logging.getLogger("strata.kernels")
@@ -158,13 +165,16 @@ def _gemv_rows_kernel(x, w, y, tab, tab2, N, K, row_bytes, QT: tl.constexpr, S: 
     _store_rows(y, n0, N, R, a0, a1, a2, a3, a4, a5, a6, a7)
 
 
-@triton.jit(do_not_specialize=_SIZES)
-def _gemm_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
+@triton.jit(do_not_specialize=_SIZES + ["KS", "stride_ys"])
+def _gemm_kernel(x, w, y, tab, tab2, M, N, K, KS, row_bytes, stride_xm, stride_ym, stride_ys,
                  QT: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT: tl.constexpr):
-    # y[t, n] = Σ_k x[t, k] · W[n, k]: bf16 tensor-core tiles, f32 accumulation
+    # y[t, n] = Σ_k x[t, k] · W[n, k]: bf16 tensor-core tiles, f32 accumulation; split-K: the
+    # programs of axis 1 each sum KS columns (a multiple of BK) into their own y (stride_ys)
     pid = tl.program_id(0)
+    k0 = tl.program_id(1) * KS
+    y += tl.program_id(1).to(tl.int64) * stride_ys
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     width = GROUP_M * n_n  # GROUP_M row tiles sweep the columns together, so W tiles hit L2
@@ -177,7 +187,8 @@ def _gemm_kernel(x, w, y, tab, tab2, M, N, K, row_bytes, stride_xm, stride_ym,
     wr = rows(w, n, N, row_bytes)
     xr = x + (tl.minimum(r, M - 1).to(tl.int64) * stride_xm)[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc = dot_tile(QT, S, BK, EVEN_K, DOT, wr, xr, (r < M)[:, None], K, tab, tab2, acc)
+    acc = dot_tile_span(QT, S, BK, EVEN_K, DOT, wr, xr, (r < M)[:, None], K, k0, k0 + KS, tab,
+                        tab2, acc)
     ptrs = y + r.to(tl.int64)[:, None] * stride_ym + n[None, :]
     tl.store(ptrs, acc, mask=(r < M)[:, None] & (n < N)[None, :])
 
@@ -256,6 +267,19 @@ def gemm_config(m: int, n: int) -> tuple[int, int, int, int, int]:
     return bm, bn, 64, 8 if bm >= 64 else 4, 3
 
 
+def gemm_split(tiles: int, k: int, bk: int) -> int:
+    """Splits of K for the tensor-core kernel: where its (BM x BN) tiles leave SMs idle (a few
+    tokens over a short matrix: 128 tiles of the 30B-A3B's 4096 x 2048 q took 21.8 us at 1-16
+    tokens, flat, one program a tile walking 32 steps of K), enough splits to give every SM
+    two programs, each at least GEMM_SPLIT_MIN_STEPS steps of BK; their partial sums are added
+    after (a [split, M, N] float32 scratch, summed in a fixed order: deterministic)."""
+    steps = triton.cdiv(k, bk)
+    split = 1
+    while (tiles * split < 2 * sm_count() and steps // (2 * split) >= GEMM_SPLIT_MIN_STEPS):
+        split *= 2
+    return split
+
+
 def dot_dtype() -> tl.dtype:
     """bf16 tensor-core operands; float32 under the interpreter, whose bf16 tl.dot multiplies
     the raw bits (Triton 3.6 with NumPy 2.4)."""
@@ -293,13 +317,14 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
                  base_tile: tuple[int, int, int, int] | None = None,
                  rows_tile: tuple[int, int, int, int] | None = None,
                  dequant_min_m: int = DEQUANT_MIN_M,
-                 gemv_max_m: int = GEMV_MAX_M) -> torch.Tensor:
+                 gemv_max_m: int = GEMV_MAX_M, split_k: int | None = None) -> torch.Tensor:
     """y[t, n] = Σ_k x[t, k] · W[n, k]. x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32.
     For benchmarks (defaults: strata.kernels.tuning's): tile, one token's FMA tile (BN, BK,
     stages, warps) as is; base_tile, the FMA tile instead of the type's (still fitted to M, N
     and K); rows_tile, one token on the rows kernel with (R, BK, stages, warps); dequant_min_m,
     the tokens from which the weights are dequantized for cuBLAS; gemv_max_m, the most tokens
-    the FMA GEMV takes (past it the tensor-core kernel)."""
+    the FMA GEMV takes (past it the tensor-core kernel); split_k, the tensor-core kernel's
+    splits of K (None: gemm_split's)."""
     qtype = QType(qtype)
     k = x.shape[-1]
     fmt = kernel_format(qtype)
@@ -315,7 +340,8 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
     if m > 0 and n > 0:
-        _launch(x, w, out, fmt, nbytes, tile, base_tile, rows_tile, dequant_min_m, gemv_max_m)
+        _launch(x, w, out, fmt, nbytes, tile, base_tile, rows_tile, dequant_min_m, gemv_max_m,
+                split_k)
     return out
 
 
@@ -323,11 +349,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
             nbytes: int, tile: tuple[int, int, int, int] | None = None,
             base_tile: tuple[int, int, int, int] | None = None,
             rows_tile: tuple[int, int, int, int] | None = None,
-            dequant_min_m: int = DEQUANT_MIN_M, gemv_max_m: int = GEMV_MAX_M) -> None:
+            dequant_min_m: int = DEQUANT_MIN_M, gemv_max_m: int = GEMV_MAX_M,
+            split_k: int | None = None) -> None:
     m, k = x.shape
     n = w.shape[0]
     tab, tab2 = fmt.tables(x.device)
-    args = (x, w, out, tab, tab2, m, n, k, nbytes, x.stride(0), out.stride(0))
     rows_tile = (rows_tile or GEMV_ROWS_TUNE.get((int(fmt.qtype), n, k))) if m == 1 else None
     if rows_tile is not None:
         _launch_rows(x, w, out, fmt, nbytes, rows_tile)
@@ -345,10 +371,17 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
         mm_f32(x.to(torch.bfloat16), w16.T, out)
     else:
         bm, bn, bk, warps, stages = gemm_config(m, n)
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        _gemm_kernel[grid](*args, QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn, BK=bk,
-                           GROUP_M=8, EVEN_K=k % bk == 0, DOT=dot_dtype(), num_warps=warps,
-                           num_stages=stages)
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = gemm_split(tiles, k, bk) if split_k is None else split_k
+        span = triton.cdiv(triton.cdiv(k, bk), split) * bk
+        y = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        _gemm_kernel[(tiles, split)](
+            x, w, y, tab, tab2, m, n, k, span, nbytes, x.stride(0), y.stride(-2),
+            y.stride(0) if split > 1 else 0, QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn,
+            BK=bk, GROUP_M=8, EVEN_K=k % bk == 0, DOT=dot_dtype(), num_warps=warps,
+            num_stages=stages)
+        if split > 1:
+            torch.sum(y, 0, out=out)
 
 
 def gemv_pair(x: torch.Tensor, a: tuple[torch.Tensor, int | QType],

@@ -155,11 +155,19 @@ def dot_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.con
     """acc [BM, BN] += x[rows, :] @ W[n, :].T with DOT operands (bf16; float32 under the
     interpreter) and float32 accumulation. wr: row pointers [BN, 1, 1]; xr: pointers to the x
     rows [BM, 1]; rmask [BM, 1]: rows that exist."""
+    return dot_tile_span(QT, S, BK, EVEN_K, DOT, wr, xr, rmask, K, 0, K, tab, tab2, acc)
+
+
+@triton.jit
+def dot_tile_span(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT: tl.constexpr, wr, xr, rmask, K, K0, K1, tab, tab2, acc):
+    """dot_tile over the columns K0 <= k < min(K1, K) only (K0 a multiple of BK): one split of
+    a split-K product."""
     BN: tl.constexpr = acc.shape[1]
     g = tl.arange(0, BK // S)[None, :, None]  # group index inside the step
     s = tl.arange(0, S)[None, None, :]
     kk = tl.arange(0, BK)[None, :]  # [1, BK]
-    for k0 in range(0, K, BK):
+    for k0 in range(K0, tl.minimum(K1, K), BK):
         m = group_mask(k0, g, K, S, EVEN_K)
         if EVEN_K:
             xm = rmask
