@@ -238,10 +238,12 @@ _INTERPRETED = """
             ref = ops.paged_attention(q, kp, vp, read, length, hd ** -0.5, window, s, ks, vs)
             ops._use_kernels = use
             for splits in (None, 3):  # (3: rows past 64 keys in three live splits)
-                got = ops._paged_launch(q, kp, vp, read, length, hd ** -0.5, window, s, ks, vs,
-                                        splits)
-                err = float((got - ref).norm() / ref.norm())
-                assert err < 1e-5, (b, h, hkv, hd, lengths, window, kind, splits, err)
+                for fused in (False, True):  # (TF32's tl.dot: float32 under the interpreter)
+                    got = ops._paged_launch(q, kp, vp, read, length, hd ** -0.5, window, s, ks,
+                                            vs, splits, fused=fused)
+                    err = float((got - ref).norm() / ref.norm())
+                    assert err < 1e-5, (b, h, hkv, hd, lengths, window, kind, splits, fused,
+                                        err)
     print("ok")
 """
 
@@ -275,3 +277,44 @@ def test_paged_kernel_on_cuda(case):
         got = ops.paged_attention(dev[0], dev[1].to(dt), dev[2].to(dt), dev[3], dev[4],
                                   hd ** -0.5, window, dev[5])
         assert rel_err(got.cpu(), ref) < 1e-5
+        # --kernels fused: both products on TF32 tensor cores (10-bit mantissas), the bound of
+        # decode_attention's tf32 variant (tests/test_decode_ops.py)
+        got = ops.paged_attention(dev[0], dev[1].to(dt), dev[2].to(dt), dev[3], dev[4],
+                                  hd ** -0.5, window, dev[5], fused=True)
+        assert rel_err(got.cpu(), ref) < 4e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
+def test_paged_kernel_fits_sm90(kv: str, fused: bool) -> None:
+    """Without a GPU: the split kernel as _paged_launch builds it at Qwen3-30B-A3B's shape (32
+    heads over 4, hd 128; a pool of 16 x 5746 rows), exact and TF32 (--kernels fused), builds
+    for sm_90 within its shared memory and registers, with no spills."""
+    pytest.importorskip("triton")
+    from test_decode_ops import SM90_REGS, SM90_SHARED, sm90_resources
+
+    from strata.kernels.gpu import decode_kernels as dk
+
+    b, h, hkv, hd, rows = 16, 32, 4, 128, 16 * 5746
+    g = h // hkv
+    block_m, block_n, stages, warps = g, max(4, min(64, 8192 // (g * hd))), 1, 4
+    if fused:
+        tile = ops.attention_launch("tf32", 1, g, hd)
+        block_m, block_n, stages, warps = tile.block_m, tile.block_n, tile.stages, tile.warps
+    q8 = kv == "q8_0"
+    elem = {"f32": "fp32", "f16": "fp16", "q8_0": "i8"}[kv]
+    scales = "*fp16" if q8 else f"*{elem}"
+    sd = hd // 32 if q8 else hd
+    splits = max(1, min(-(-rows // ops.ATTN_MIN_CHUNK), ops.ATTN_TARGET_CTAS // (b * hkv)))
+    ints = dict(B=b, H=h, S=splits, stride_qb=h * hd, stride_qh=hd, stride_kr=hkv * hd,
+                stride_kh=hd, stride_vr=hkv * hd, stride_vh=hd, stride_ksr=hkv * sd,
+                stride_ksh=sd, stride_vsr=hkv * sd, stride_vsh=sd, stride_rb=rows)
+    pointers = {"q": "*fp32", "kc": f"*{elem}", "vc": f"*{elem}", "ks": scales, "vs": scales,
+                "read": "*i64", "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32"}
+    const = dict(HD=hd, G=g, MIN_CHUNK=ops.ATTN_MIN_CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_D=hd, Q8=q8, WINDOW=0, TF32=fused, STAGES=stages)
+    got = sm90_resources(dk._paged_split_kernel, pointers, {"scale": "fp32"}, ints, const,
+                         warps)
+    assert got["shared"] <= SM90_SHARED and got["regs"] <= SM90_REGS, got
+    assert got["spills"] == 0 and got["stack"] == 0 and got["local"] == 0, got

@@ -482,11 +482,14 @@ def _paged_split_kernel(q, kc, vc, ks, vs, read, length, part_o, part_ml, scale,
                         stride_ksr, stride_ksh, stride_vsr, stride_vsh, stride_rb,
                         HD: tl.constexpr, G: tl.constexpr, MIN_CHUNK: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                        Q8: tl.constexpr = False, WINDOW: tl.constexpr = 0):
+                        Q8: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+                        TF32: tl.constexpr = False, STAGES: tl.constexpr = 1):
     # program (b, g, s): the G query heads of kv head g of row b (one new token at position
     # n - 1, n = length[b]) over split s of its keys [lo, n), pool rows read[b, j]; online
-    # softmax in float32, exact products on the CUDA cores (no tl.dot). Writes (max, sum,
-    # unnormalized output) per head into [S, B, H]; _paged_reduce_kernel combines the splits.
+    # softmax in float32, exact products on the CUDA cores (no tl.dot), or with TF32
+    # (--kernels fused) both products on TF32 tensor cores (BLOCK_M >= 16: rows past G
+    # masked). Writes (max, sum, unnormalized output) per head into [S, B, H];
+    # _paged_reduce_kernel combines the splits.
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -506,7 +509,7 @@ def _paged_split_kernel(q, kc, vc, ks, vs, read, length, part_o, part_ml, scale,
         m_i = tl.full((BLOCK_M,), _NEG, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for j0 in tl.range(start, end, BLOCK_N):
+        for j0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
             j = j0 + tl.arange(0, BLOCK_N)
             jm = j < end
             rows = tl.load(read + b * stride_rb + j, mask=jm, other=0).to(tl.int64)  # [BLOCK_N]
@@ -520,10 +523,16 @@ def _paged_split_kernel(q, kc, vc, ks, vs, read, length, part_o, part_ml, scale,
                                   + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
                 vt = vt * tl.load(vs + rows[:, None] * stride_vsr + g * stride_vsh
                                   + (d // 32)[None, :], mask=ld, other=0.0).to(tl.float32)
-            sc = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # [BLOCK_M, BLOCK_N]
+            if TF32:
+                sc = tl.dot(qv, tl.trans(kt), input_precision="tf32") * scale
+            else:
+                sc = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # [BLOCK_M, BLOCK_N]
             sc = tl.where(jm[None, :], sc, float("-inf"))
             p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+            if TF32:
+                acc = _rescaled_add(acc, alpha, p, vt, True)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
             m_i = m_new
         row = ((s * B + b) * H + h).to(tl.int64)  # [BLOCK_M], into [S, B, H]
         _store_split(part_o, part_ml, row, acc, m_i, l_i, rm, d, dm, HD)

@@ -593,7 +593,7 @@ def block_rows(table: torch.Tensor, block: int, span: int) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     read: torch.Tensor, length: torch.Tensor, scale: float, window: int = 0,
                     sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
-                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scales: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """decode_attention for one new token of each of B sequences, each over its own rows of a
     shared pool: row b's token is at position length[b] - 1 and sees its positions
     j < length[b] (and j > length[b] - 1 - window with a window), whose keys and values are
@@ -604,8 +604,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     v_scales (q8_0); read int64 [B, Tk]; length int64 [B] on the device, 1 <= length[b] <= Tk
     -> [B, H·hd] f32. On CUDA (or under the interpreter) flash decoding in two launches:
     `_paged_split_kernel`, program (b, kv head, key split), each row reading its own keys only,
-    up to its length; `_paged_reduce_kernel`, program (b, h), combining the splits. Elsewhere
-    torch ops (_paged_torch), every row reading Tk rows masked past its length. Both graph safe."""
+    up to its length; `_paged_reduce_kernel`, program (b, h), combining the splits. Exact
+    float32 products on the CUDA cores, or with `fused` (--kernels fused) on TF32 tensor cores
+    (decode_attention's "tf32" tile). Elsewhere torch ops (_paged_torch), every row reading Tk
+    rows masked past its length. Both graph safe."""
     _check(q.dim() == 3 and k_pool.dim() == 3 and read.dim() == 2 and read.shape[0] == q.shape[0]
            and length.shape == (q.shape[0],), "q [B, H, hd], pools [R, Hkv, hd], read [B, Tk], "
            "length [B]")
@@ -614,7 +616,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     b, h, hd = q.shape
     if _use_kernels(q):
         return _paged_launch(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales,
-                             v_scales)
+                             v_scales, fused=fused)
     return _paged_torch(q, k_pool, v_pool, read, length, scale, window, sinks, k_scales, v_scales)
 
 
@@ -661,7 +663,8 @@ def _paged_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   read: torch.Tensor, length: torch.Tensor, scale: float, window: int,
                   sinks: torch.Tensor | None, k_scales: torch.Tensor | None,
-                  v_scales: torch.Tensor | None, n_splits: int | None = None) -> torch.Tensor:
+                  v_scales: torch.Tensor | None, n_splits: int | None = None,
+                  fused: bool = False) -> torch.Tensor:
     """paged_attention's kernels: checks, tiles, two launches (n_splits: tests)."""
     b, h, hd = q.shape
     hkv = k_pool.shape[1]
@@ -683,7 +686,11 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     g = h // hkv
     block_m, block_d = _pow2(g), _pow2(hd)
     # [BLOCK_M, BLOCK_N, BLOCK_D] products a step: at most 8K values (registers)
-    block_n = max(4, min(64, 8192 // (block_m * block_d)))
+    block_n, stages, warps = max(4, min(64, 8192 // (block_m * block_d))), 1, 4
+    if fused:  # TF32 tensor cores: decode_attention's tf32 tile (16 query rows, G of them real)
+        tile = attention_launch("tf32", 1, g, hd)
+        block_m, block_n, stages, warps = max(block_m, tile.block_m), tile.block_n, \
+            tile.stages, tile.warps
     # splits fixed by the rows a row may read (a captured graph serves every length), enough
     # for ~ATTN_TARGET_CTAS programs at full length; each split's size is derived on the
     # device from the row's length (splits past it exit at once)
@@ -699,7 +706,7 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), read.stride(0), HD=hd, G=g,
         MIN_CHUNK=ATTN_MIN_CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, Q8=q8,
-        WINDOW=window, num_warps=4)
+        WINDOW=window, TF32=fused, STAGES=stages, num_warps=warps)
     _reduce_splits(_kernels()._paged_reduce_kernel, (b, h), part_o, part_ml, length, out, b, h,
                    s, sinks, q, block_n, block_d, window)
     return out

@@ -75,7 +75,7 @@ class GQAAttention:
         q = ops.rows_rope_store(q, k, v, qn, kn, self.eps, ctx.pos, ctx.inv_freq,
                                 self.rope_style, kp, vp, r.write, ks, vs)
         return ops.paged_attention(q, kp, vp, r.read, ctx.length, self.scale, window, sinks,
-                                   ks, vs)
+                                   ks, vs, fused=ctx.fused_attention)
 
     def _rope_inputs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q, k, q norm, k norm) for the fused kernels that norm, rotate (by the frequency
