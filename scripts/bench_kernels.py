@@ -143,10 +143,13 @@ def _graph_time(calls: list, rep_ms: int) -> float:
 
 
 def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | None = None,
-             gemv_max_m: int | None = None, split_k: int | None = None) -> dict:
+             gemv_max_m: int | None = None, split_k: int | None = None,
+             mmq: bool = False) -> dict:
     """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m, gemv_max_m,
-    split_k: quant_matmul's (None: its default)."""
+    split_k: quant_matmul's (None: its default); mmq: moe_mmq.mmq_matmul instead (the integer
+    tensor cores, x rounded to 8 bits)."""
     from strata.kernels.gpu import quant_matmul
+    from strata.kernels.gpu.moe_mmq import mmq_matmul
 
     name, shape, m, cfg = case
     qt = QType[name]
@@ -161,6 +164,8 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | 
     if split_k is not None:
         kw["split_k"] = split_k
     calls = [lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw) for w in ws]
+    if mmq:
+        calls = [lambda w=w: mmq_matmul(x, w, qt, out=y) for w in ws]
     if not timed:
         calls[0]()
         torch.cuda.synchronize()
@@ -386,24 +391,27 @@ def precompile(jobs: list[tuple], workers: int) -> None:
 
 def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
     """The batched decode step's dense matmuls: each shape and type at B tokens on the FMA
-    GEMV (token groups of four) and on the tensor-core kernel, with K split as gemm_split says
-    and unsplit, graph replays."""
+    GEMV (token groups of four), on the tensor-core kernel with K split as gemm_split says and
+    unsplit, and on the integer tensor cores (moe_mmq.mmq_matmul, Q4_K and Q6_K), graph
+    replays."""
     given = "--types" in sys.argv
     types = args.types.split(",") if given else ["Q4_K", "Q6_K"]
     tokens = ([int(t) for t in args.tokens.split(",")] if "--tokens" in sys.argv
               else DENSE_TOKENS)
     report["dense_batch"] = []
     print(f"{'type':6s} {'shape':14s} {'B':>3s} {'FMA us':>8s} {'tl.dot us':>9s} "
-          f"{'unsplit':>8s} {'FMA GB/s':>8s}", flush=True)
+          f"{'unsplit':>8s} {'MMQ us':>8s} {'FMA GB/s':>8s}", flush=True)
     for t in types:
         for shape in DENSE_SHAPES:
             for m in tokens:
                 fma = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=1 << 30)
                 dot = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=0)
                 one = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=0, split_k=1)
-                report["dense_batch"].append(dict(fma=fma, dot=dot, unsplit=one))
+                mmq = (run_case((t, shape, m, None), args.rep_ms, mmq=True)
+                       if t in ("Q4_K", "Q6_K") else {"us": float("nan")})
+                report["dense_batch"].append(dict(fma=fma, dot=dot, unsplit=one, mmq=mmq))
                 print(f"{t:6s} {shape:14s} {m:3d} {fma['us']:8.1f} {dot['us']:9.1f} "
-                      f"{one['us']:8.1f} {fma['gbs']:8.0f}", flush=True)
+                      f"{one['us']:8.1f} {mmq['us']:8.1f} {fma['gbs']:8.0f}", flush=True)
 
 
 # ---- report -------------------------------------------------------------------------------------

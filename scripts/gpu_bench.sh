@@ -37,7 +37,8 @@
 # "--moe-prompt-tokens 64,128"),
 # route (scripts/bench_norm_route.py: the fused decode routing by BLOCK_J, 128 and 256 experts),
 # dense (scripts/bench_kernels.py --dense-batch: the 30B-A3B attention and head matmuls at 1-16
-# tokens, a batched step's rows, on the FMA GEMV against the tensor-core kernel; DENSE_ARGS added),
+# tokens, a batched step's rows, on the FMA GEMV, the tensor-core kernel split and unsplit and
+# moe_mmq.mmq_matmul (integer tensor cores); DENSE_ARGS added),
 # compare (an older tree's strata bench beside this one's: COMPARE_TREE, COMPARE_SPECS,
 # COMPARE_ORDER, COMPARE_NEW_FLAGS),
 # matrix (llama-bench's matrix, MATRIX_P prompts, MATRIX_N decode tokens at MATRIX_D depths, from
@@ -193,7 +194,7 @@ if [[ $STAGES == *route* ]]; then  # the fused norm + router + top-k by the rank
   timeout 200 python3 scripts/bench_norm_route.py --json "$OUT/norm_route.json" 2>&1 | tail -20
 fi
 if [[ $STAGES == *dense* ]]; then  # a batched step's dense matmuls by path and rows
-  echo "== dense matmuls at 1-16 tokens: FMA GEMV against tl.dot"
+  echo "== dense matmuls at 1-16 tokens: FMA GEMV, tl.dot split and unsplit, MMQ"
   timeout 300 python3 scripts/bench_kernels.py --dense-batch --out "$OUT/dense_batch.json" \
     ${DENSE_ARGS:-} 2>&1 | tee "$OUT/dense_batch.txt" | tail -45
 fi

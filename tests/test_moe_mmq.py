@@ -223,7 +223,8 @@ def mmq_resources(kernel: str, down: str = "Q6_K", tile: tuple[int, int, int] = 
 @pytest.mark.parametrize("kernel,down,tile", [
     ("gate_up", "Q4_K", MMQ_TILE), ("down", "Q4_K", MMQ_TILE), ("down", "Q6_K", MMQ_TILE),
     ("gate_up", "MXFP4", MMQ_TILE), ("down", "MXFP4", MMQ_TILE),
-    ("gate_up", "Q4_K", MMQ_TILE_WIDE), ("down", "Q6_K", MMQ_TILE_WIDE)])
+    ("gate_up", "Q4_K", MMQ_TILE_WIDE), ("down", "Q6_K", MMQ_TILE_WIDE),
+    ("gate_up", "MXFP4", MMQ_TILE_WIDE), ("down", "MXFP4", MMQ_TILE_WIDE)])
 def test_mmq_kernels_build_for_sm90(kernel: str, down: str, tile: tuple[int, int, int]):
     """Without a GPU: the integer tensor-core kernels build for sm_90 at Qwen3-30B-A3B's shape
     (MXFP4: gpt-oss-20b's) at both of mmq_tile's tiles within its shared memory and registers,
@@ -232,3 +233,62 @@ def test_mmq_kernels_build_for_sm90(kernel: str, down: str, tile: tuple[int, int
     got = mmq_resources(kernel, down, tile)
     assert got["shared"] <= 232448 and got["regs"] <= 255, got
     assert got["spills"] == 0 and got["stack"] == 0 and got["local"] == 0, got
+
+
+_DENSE_BODY = _HEAD + """
+    from strata.kernels.gpu.moe_mmq import mmq_matmul
+    from strata.kernels.gpu.reference import matmul_ref, round8
+
+    for qtype, n, k in (("Q4_K", 37, 512), ("Q6_K", 70, 256)):
+        qt = QType[qtype]
+        w = torch.from_numpy(random_rows(qt, n, k, rng, 0.05))
+        for m in (1, 3, 16, 21):  # (21: two programs of 16 rows along the tokens)
+            x = torch.randn(m, k) * 3
+            y = mmq_matmul(x, w, qt, out=torch.full((m, n), float("nan")))
+            assert torch.isfinite(y).all(), (qtype, m, "not every token and row written")
+            same = matmul_ref(round8(x), w, qt)  # x rounded to 8 bits as the kernel rounds it
+            assert rel(y, same) < 1e-5, (qtype, m, rel(y, same))
+            assert 1e-4 < rel(y, matmul_ref(x, w, qt)) < 3e-2, (qtype, m)
+    w = torch.from_numpy(random_rows(QType.Q4_K, 8, 256, rng, 0.05))
+    shifted = torch.zeros(8 * 144 + 4, dtype=torch.uint8)[2:2 + 8 * 144].view(8, 144)
+    shifted.copy_(w)  # (rows 2 bytes past a 4-byte boundary)
+    for bad in (lambda: mmq_matmul(torch.randn(2, 256), shifted, QType.Q4_K),
+                lambda: mmq_matmul(torch.randn(2, 512), w, QType.Q4_K),
+                lambda: mmq_matmul(torch.randn(2, 128), w[:, :72], QType.Q4_K),
+                lambda: mmq_matmul(torch.randn(2, 256), w, QType.Q8_0)):
+        try:
+            bad()
+        except ValueError:
+            continue
+        raise AssertionError("mmq_matmul took rows it cannot read")
+    print("ok")
+"""
+
+
+def test_mmq_matmul_under_the_interpreter():
+    """mmq_matmul (a dense matrix on the down kernel, one expert every token routes to) at 1, 3,
+    16 and 21 tokens over Q4_K and Q6_K rows, N not a multiple of its 64-row tile: equal to the
+    reference on x rounded to 8 bits, within that rounding of the float one; misaligned rows,
+    rows of another length than K's, K not a multiple of 256 and other types refused."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    run_interpreted(_DENSE_BODY, fresh_seed() % 2**31, timeout=600)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_mmq_matmul_on_cuda_at_the_head_shape(qtype: str):
+    """The 30B-A3B's output head (151936 x 2048) for 8 and 16 rows against the reference on x
+    rounded to 8 bits."""
+    from strata.kernels.gpu.moe_mmq import mmq_matmul
+    from strata.kernels.gpu.reference import matmul_ref, round8
+    from strata.quant import random_rows
+
+    rng = np.random.default_rng(fresh_seed() % 2**31)
+    qt = QType[qtype]
+    w = torch.from_numpy(random_rows(qt, 151936, 2048, rng, 0.02))
+    for m in (8, 16):
+        x = torch.randn(m, 2048)
+        got = mmq_matmul(x.cuda(), w.cuda(), qt).cpu()
+        ref = matmul_ref(round8(x), w, qt)
+        assert float((got - ref).norm() / ref.norm()) < 1e-5, (qtype, m)

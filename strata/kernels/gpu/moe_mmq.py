@@ -41,6 +41,10 @@ this path for the calls it would give tl.dot when x8 (--kernels fused) and mmq_t
 1.4-1.5x tl.dot's speed from 8 to 128 tokens of the 30B-A3B layer on an H100
 (tuning.MMQ_PROMPT); scripts/bench_kernels.py --moe-prompt-only times it beside the others.
 
+`mmq_matmul` runs a dense Q4_K or Q6_K matrix on the down kernel (one expert, every token
+routed to it with weight 1): for a batched decode step's rows over the output head, timed by
+scripts/bench_kernels.py --dense-batch.
+
 Legend: T tokens, K experts a token, P = T·K pairs, E experts, D d_model, F d_expert.
 """
 
@@ -332,4 +336,46 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         down.shape[2], D=d, F=f, Q6=QType(qtypes[2]) == QType.Q6_K, BM=bm, BN=bn, MX=mx,
         BIAS=bias is not None, num_warps=warps)
     out += y.view(t, topk, d).sum(1)
+    return out
+
+
+def mmq_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
+               out: torch.Tensor | None = None,
+               tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """y [M, N] float32 = x W^T on the integer tensor cores: a dense matrix as one expert that
+    every token routes to with weight 1, through `_down_mmq_kernel` (x rounded to 8 bits per 32
+    values, as the one-token x8 GEMVs round it). x [M, K] f32/bf16 contiguous; w uint8 [N,
+    row(K)] Q4_K (rows 4-byte aligned) or Q6_K (2-byte aligned), K a multiple of 256. For a
+    batched decode step's rows over a tall matrix (the output head: one program a 64-row tile,
+    thousands of them): tuning.MMQ_DENSE_MIN_ROWS. tile: (BM, BN, warps), MMQ_TILE's by default
+    (benchmarks)."""
+    from strata.kernels.gpu.gemv_q8 import quantize_x
+    from strata.kernels.gpu.matmul import check_weights
+
+    qtype = QType(qtype)
+    m, k = x.shape
+    n = w.shape[0]
+    if qtype not in (QType.Q4_K, QType.Q6_K) or k % 256:
+        raise ValueError(f"mmq_matmul: Q4_K or Q6_K rows of a multiple of 256 values, got "
+                         f"{qtype.name} with {k}")
+    if w.dim() != 2 or w.stride(1) != 1 or not words_aligned(
+            w, align=4 if qtype == QType.Q4_K else 2):
+        raise ValueError("mmq_matmul: uint8 [N, row] rows; Q4_K rows must start 4-byte "
+                         "aligned, Q6_K rows 2-byte aligned (read as int32 and int16 words)")
+    check_weights(w, qtype, k)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be float32 [{m}, {n}], contiguous")
+    if m == 0 or n == 0:
+        return out
+    bm, bn, warps = tile or MMQ_TILE
+    xq, xd, xs = quantize_x(x.contiguous())
+    counts = torch.full((1,), m, dtype=torch.int32, device=x.device)
+    starts = torch.zeros(1, dtype=torch.int32, device=x.device)
+    order = torch.arange(m, dtype=torch.int32, device=x.device)  # (rows in their own order)
+    nc = triton.cdiv(m, bm)
+    _down_mmq_kernel[(nc, triton.cdiv(n, bn))](
+        xq, xd, xs, counts, starts, order, starts, w, out, out, out, nc, 0, w.stride(0), D=n,
+        F=k, Q6=qtype == QType.Q6_K, BM=bm, BN=bn, num_warps=warps)
     return out
