@@ -67,3 +67,29 @@ _BODY = """
 
 def test_batched_rows_matmuls_under_the_interpreter() -> None:
     run_interpreted(_BODY, fresh_seed() % 2**31, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ2_XS"])
+def test_split_gemm_kernel_fits_sm90(qtype: str) -> None:
+    """Without a GPU: the tensor-core kernel with its K span bounds read at run time (the split
+    of K) builds for sm_90 as a batched step of 8 rows over the 30B-A3B's q launches it, within
+    its shared memory and registers, with no spills."""
+    from test_decode_ops import SM90_REGS, SM90_SHARED, sm90_resources
+
+    from strata.kernels.gpu import matmul as mm
+    from strata.kernels.gpu.formats import kernel_format
+    from strata.quant import QType, row_nbytes
+
+    qt = QType[qtype]
+    fmt = kernel_format(qt)
+    m, n, k = 8, 4096, 2048
+    bm, bn, bk, warps, _ = mm.gemm_config(m, n)
+    pointers = {"x": "*fp32", "w": "*u8", "y": "*fp32", "tab": "*fp32", "tab2": "*fp32"}
+    ints = dict(M=m, N=n, K=k, KS=k // 4, row_bytes=row_nbytes(qt, k), stride_xm=k,
+                stride_ym=n, stride_ys=m * n)
+    const = dict(QT=int(qt), S=fmt.group, BM=bm, BN=bn, BK=bk, GROUP_M=8, EVEN_K=True,
+                 DOT=mm.tl.bfloat16)
+    got = sm90_resources(mm._gemm_kernel, pointers, {}, ints, const, warps)
+    assert got["shared"] <= SM90_SHARED and got["regs"] <= SM90_REGS, got
+    assert got["spills"] == 0 and got["stack"] == 0 and got["local"] == 0, got
