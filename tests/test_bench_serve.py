@@ -60,6 +60,14 @@ def test_bench_serve_against_strata_serve(synth, tmp_path) -> None:
             assert 0 < lv["ttft_p50_ms"] <= lv["ttft_p99_ms"] <= lv["e2e_p99_ms"]
             assert 0 < lv["itl_p50_ms"] <= lv["itl_p99_ms"]
         assert "| 3 | 6 |" in r.stdout  # the table's row for 3 clients
+        # by default (one warm-up request, no --requests) a first level of 1 client takes 9, so
+        # the first request after load and the tenth are compared
+        r = subprocess.run([sys.executable, "-m", "strata", "bench-serve", "--url", s.url,
+                            "--api-key", KEY, "-c", "1", "--prompt-len", "12", "--output-len",
+                            "3", "--json", str(out)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr + r.stdout
+        report = json.loads(out.read_text())
+        assert report["levels"][0]["requests"] == 9 and report["tenth_ttft_ms"] > 0
         # a wrong key: every request fails, said in the table, exit 1
         r = subprocess.run([sys.executable, "-m", "strata", "bench-serve", "--url", s.url,
                             "--api-key", "wrong", "-c", "1", "--requests", "1", "--warmup", "0"],

@@ -21,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--concurrency", default="1,4,8", metavar="C,C,...",
                    help="clients at once, one level each (1,4,8)")
     p.add_argument("--requests", type=int, default=None, metavar="N",
-                   help="requests per level (4 x its concurrency, at least 8)")
+                   help="requests per level (4 x its concurrency, at least 8; a first level of "
+                   "1 client: with the warm-up, at least 10, so the first request after load "
+                   "and the tenth are compared)")
     p.add_argument("--prompt-len", type=int, default=128,
                    help="prompt tokens of each request (128)")
     p.add_argument("--output-len", type=int, default=64,
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i, c in enumerate(levels):
         n = args.requests or max(8, 4 * c)
+        if i == 0 and c == 1 and args.requests is None and args.request_rate is None:
+            n = max(n, 10 - len(sent))  # (the tenth request sent one at a time: _first_and_tenth)
         level = run_level(server, c, n, args.prompt_len, args.output_len, pool,
                           args.seed + 2 + i, args.request_rate, args.temperature)
         rows.append(level.summary())
