@@ -285,23 +285,27 @@ def test_paged_kernel_on_cuda(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("model,fused", [("qwen3-30b-a3b", False), ("qwen3-30b-a3b", True),
+                                         ("gpt-oss-20b", True), ("qwen3.6-35b-a3b", True)])
 @pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
-def test_paged_kernel_fits_sm90(kv: str, fused: bool) -> None:
-    """Without a GPU: the split kernel as _paged_launch builds it at Qwen3-30B-A3B's shape (32
-    heads over 4, hd 128; a pool of 16 x 5746 rows), exact and TF32 (--kernels fused), builds
-    for sm_90 within its shared memory and registers, with no spills."""
+def test_paged_kernel_fits_sm90(kv: str, model: str, fused: bool) -> None:
+    """Without a GPU: the split kernel as _paged_launch builds it (a pool of 16 x 5746 rows),
+    exact at Qwen3-30B-A3B's shape and TF32 (--kernels fused) at each model's (its heads, kv
+    heads and head dim), builds for sm_90 within its shared memory and registers, with no
+    spills."""
     pytest.importorskip("triton")
-    from test_decode_ops import SM90_REGS, SM90_SHARED, sm90_resources
+    from test_decode_ops import MODEL_SHAPES, SM90_REGS, SM90_SHARED, sm90_resources
 
     from strata.kernels.gpu import decode_kernels as dk
 
-    b, h, hkv, hd, rows = 16, 32, 4, 128, 16 * 5746
+    h, hkv, hd, window = MODEL_SHAPES[model]
+    b, rows = 16, 16 * 5746
     g = h // hkv
     block_m, block_n, stages, warps = g, max(4, min(64, 8192 // (g * hd))), 1, 4
     if fused:
         tile = ops.attention_launch("tf32", 1, g, hd)
-        block_m, block_n, stages, warps = tile.block_m, tile.block_n, tile.stages, tile.warps
+        block_m = max(block_m, tile.block_m)  # (as _paged_launch: 16 rows, G of them real)
+        block_n, stages, warps = tile.block_n, tile.stages, tile.warps
     q8 = kv == "q8_0"
     elem = {"f32": "fp32", "f16": "fp16", "q8_0": "i8"}[kv]
     scales = "*fp16" if q8 else f"*{elem}"
@@ -313,7 +317,7 @@ def test_paged_kernel_fits_sm90(kv: str, fused: bool) -> None:
     pointers = {"q": "*fp32", "kc": f"*{elem}", "vc": f"*{elem}", "ks": scales, "vs": scales,
                 "read": "*i64", "length": "*i64", "part_o": "*fp32", "part_ml": "*fp32"}
     const = dict(HD=hd, G=g, MIN_CHUNK=ops.ATTN_MIN_CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
-                 BLOCK_D=hd, Q8=q8, WINDOW=0, TF32=fused, STAGES=stages)
+                 BLOCK_D=hd, Q8=q8, WINDOW=window, TF32=fused, STAGES=stages)
     got = sm90_resources(dk._paged_split_kernel, pointers, {"scale": "fp32"}, ints, const,
                          warps)
     assert got["shared"] <= SM90_SHARED and got["regs"] <= SM90_REGS, got
