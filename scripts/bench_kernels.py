@@ -65,6 +65,7 @@ DENSE_SHAPES = {
     "30B-A3B head": (151936, 2048),
 }
 DENSE_TOKENS = [1, 2, 4, 8, 16]
+DENSE_TYPES = ["Q4_K", "Q6_K"]
 PRIORITY = ["Q4_K", "Q6_K", "Q8_0", "IQ2_XS", "IQ3_XXS", "Q5_K", "IQ4_XS"]
 ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
@@ -163,9 +164,8 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | 
         kw["gemv_max_m"] = gemv_max_m
     if split_k is not None:
         kw["split_k"] = split_k
-    calls = [lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw) for w in ws]
-    if mmq:
-        calls = [lambda w=w: mmq_matmul(x, w, qt, out=y) for w in ws]
+    calls = [(lambda w=w: mmq_matmul(x, w, qt, out=y)) if mmq else
+             (lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw)) for w in ws]
     if not timed:
         calls[0]()
         torch.cuda.synchronize()
@@ -394,10 +394,8 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
     GEMV (token groups of four), on the tensor-core kernel with K split as gemm_split says and
     unsplit, and on the integer tensor cores (moe_mmq.mmq_matmul, Q4_K and Q6_K), graph
     replays."""
-    given = "--types" in sys.argv
-    types = args.types.split(",") if given else ["Q4_K", "Q6_K"]
-    tokens = ([int(t) for t in args.tokens.split(",")] if "--tokens" in sys.argv
-              else DENSE_TOKENS)
+    types = args.types.split(",") if args.types else DENSE_TYPES
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else DENSE_TOKENS
     report["dense_batch"] = []
     print(f"{'type':6s} {'shape':14s} {'B':>3s} {'FMA us':>8s} {'tl.dot us':>9s} "
           f"{'unsplit':>8s} {'MMQ us':>8s} {'FMA GB/s':>8s}", flush=True)
@@ -419,9 +417,13 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--types", default=",".join(ALL_TYPES))
+    ap.add_argument("--types", default=None,
+                    help=f"types, comma-separated ({','.join(ALL_TYPES)}; --dense-batch: "
+                    f"{','.join(DENSE_TYPES)})")
     ap.add_argument("--full", default=",".join(PRIORITY), help="types run on every shape")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--tokens", default=None,
+                    help=f"token counts ({','.join(map(str, TOKENS))}; --dense-batch: "
+                    f"{','.join(map(str, DENSE_TOKENS))})")
     ap.add_argument("--tune", action="store_true", help="also time the GEMV tile candidates")
     ap.add_argument("--tiles", default="", help="GEMV tiles to tune, e.g. 2x512x1x4,4x256x1x4")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
@@ -449,8 +451,8 @@ def main() -> None:
                 len(pack) > 3 and pack[3] not in PROMPT_LAYERS):
             ap.error(f"--moe-prompt-types: {'/'.join(pack)!r} is not GATE/UP/DOWN of GGUF types "
                      f"with an optional @LAYER of {sorted(PROMPT_LAYERS)}")
-    types = args.types.split(",")
-    tokens = [int(t) for t in args.tokens.split(",")]
+    types = args.types.split(",") if args.types else ALL_TYPES
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else TOKENS
     full = set(args.full.split(","))
     moes = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("IQ2_XS", "IQ2_XS", "IQ3_XXS")]
     from strata.bench.ceilings import hbm_copy_gbs

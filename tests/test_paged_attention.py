@@ -301,11 +301,7 @@ def test_paged_kernel_fits_sm90(kv: str, model: str, fused: bool) -> None:
     h, hkv, hd, window = MODEL_SHAPES[model]
     b, rows = 16, 16 * 5746
     g = h // hkv
-    block_m, block_n, stages, warps = g, max(4, min(64, 8192 // (g * hd))), 1, 4
-    if fused:
-        tile = ops.attention_launch("tf32", 1, g, hd)
-        block_m = max(block_m, tile.block_m)  # (as _paged_launch: 16 rows, G of them real)
-        block_n, stages, warps = tile.block_n, tile.stages, tile.warps
+    block_m, block_n, stages, warps = ops.paged_tile(g, hd, fused)
     q8 = kv == "q8_0"
     elem = {"f32": "fp32", "f16": "fp16", "q8_0": "i8"}[kv]
     scales = "*fp16" if q8 else f"*{elem}"

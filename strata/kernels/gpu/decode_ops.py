@@ -660,6 +660,18 @@ def _paged_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return o.view(b, h * hd)
 
 
+def paged_tile(g: int, hd: int, fused: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, stages, warps) of _paged_split_kernel for G query heads a kv head of
+    dim hd: exact, the G heads' rows with [BLOCK_M, BLOCK_N, BLOCK_D] products of at most 8K
+    values a step (registers); fused, decode_attention's tf32 tile (16 query rows, G of them
+    real)."""
+    block_m = _pow2(g)
+    if fused:
+        tile = attention_launch("tf32", 1, g, hd)
+        return max(block_m, tile.block_m), tile.block_n, tile.stages, tile.warps
+    return block_m, max(4, min(64, 8192 // (block_m * _pow2(hd)))), 1, 4
+
+
 def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   read: torch.Tensor, length: torch.Tensor, scale: float, window: int,
                   sinks: torch.Tensor | None, k_scales: torch.Tensor | None,
@@ -684,13 +696,8 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if b == 0:
         return out
     g = h // hkv
-    block_m, block_d = _pow2(g), _pow2(hd)
-    # [BLOCK_M, BLOCK_N, BLOCK_D] products a step: at most 8K values (registers)
-    block_n, stages, warps = max(4, min(64, 8192 // (block_m * block_d))), 1, 4
-    if fused:  # TF32 tensor cores: decode_attention's tf32 tile (16 query rows, G of them real)
-        tile = attention_launch("tf32", 1, g, hd)
-        block_m, block_n, stages, warps = max(block_m, tile.block_m), tile.block_n, \
-            tile.stages, tile.warps
+    block_d = _pow2(hd)
+    block_m, block_n, stages, warps = paged_tile(g, hd, fused)
     # splits fixed by the rows a row may read (a captured graph serves every length), enough
     # for ~ATTN_TARGET_CTAS programs at full length; each split's size is derived on the
     # device from the row's length (splits past it exit at once)

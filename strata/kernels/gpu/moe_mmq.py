@@ -67,6 +67,10 @@ from strata.kernels.gpu.tiles_kquants import scale_min
 from strata.kernels.tuning import MMQ_MXFP4, MMQ_TILE, MMQ_TILE_WIDE, MMQ_WIDE_MIN
 from strata.quant import QType
 
+# the byte alignment each type's rows need here: Q4_K headers read as int32 words (_q4k_head),
+# Q6_K quants as int16 words (_bytes32)
+WORD_ALIGN = {QType.Q4_K: 4, QType.Q6_K: 2}
+
 
 def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """h and y: left uninitialized (tests swap in a NaN-filled version, as for moe.py's)."""
@@ -99,8 +103,7 @@ def mmq_aligned(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     """Whether the kernels can read these slots: every Q4_K part's rows 4-byte aligned (their
     block headers are read as int32 words, _q4k_head), every Q6_K part's 2-byte aligned (read
     as int16 words, _bytes32)."""
-    need = {QType.Q4_K: 4, QType.Q6_K: 2}
-    return all(words_aligned(t, align=need.get(QType(q), 1))
+    return all(words_aligned(t, align=WORD_ALIGN.get(QType(q), 1))
                for t, q in zip((gate, up, down), qtypes, strict=True))
 
 
@@ -347,8 +350,8 @@ def mmq_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     values, as the one-token x8 GEMVs round it). x [M, K] f32/bf16 contiguous; w uint8 [N,
     row(K)] Q4_K (rows 4-byte aligned) or Q6_K (2-byte aligned), K a multiple of 256. For a
     batched decode step's rows over a tall matrix (the output head: one program a 64-row tile,
-    thousands of them): tuning.MMQ_DENSE_MIN_ROWS. tile: (BM, BN, warps), MMQ_TILE's by default
-    (benchmarks)."""
+    thousands of them); benchmarks only until timed (the engine does not call it). tile: (BM,
+    BN, warps), MMQ_TILE's by default."""
     from strata.kernels.gpu.gemv_q8 import quantize_x
     from strata.kernels.gpu.matmul import check_weights
 
@@ -358,8 +361,7 @@ def mmq_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     if qtype not in (QType.Q4_K, QType.Q6_K) or k % 256:
         raise ValueError(f"mmq_matmul: Q4_K or Q6_K rows of a multiple of 256 values, got "
                          f"{qtype.name} with {k}")
-    if w.dim() != 2 or w.stride(1) != 1 or not words_aligned(
-            w, align=4 if qtype == QType.Q4_K else 2):
+    if w.dim() != 2 or w.stride(1) != 1 or not words_aligned(w, align=WORD_ALIGN[qtype]):
         raise ValueError("mmq_matmul: uint8 [N, row] rows; Q4_K rows must start 4-byte "
                          "aligned, Q6_K rows 2-byte aligned (read as int32 and int16 words)")
     check_weights(w, qtype, k)
@@ -375,6 +377,7 @@ def mmq_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     starts = torch.zeros(1, dtype=torch.int32, device=x.device)
     order = torch.arange(m, dtype=torch.int32, device=x.device)  # (rows in their own order)
     nc = triton.cdiv(m, bm)
+    # (slot_of: the one expert in slot 0, `starts`' zero; wts and bd unread without BIAS)
     _down_mmq_kernel[(nc, triton.cdiv(n, bn))](
         xq, xd, xs, counts, starts, order, starts, w, out, out, out, nc, 0, w.stride(0), D=n,
         F=k, Q6=qtype == QType.Q6_K, BM=bm, BN=bn, num_warps=warps)
