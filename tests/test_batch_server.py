@@ -244,8 +244,11 @@ def test_each_steps_progress_has_the_requests_as_they_stand(synth):
 def test_a_prompt_beside_decoding_runs_in_the_scratch_and_keeps_every_text(synth, monkeypatch):
     """A prompt alone in a step with decoding sequences runs in the pool's plain scratch (on
     CUDA: the prompt graphs; here the same split of the step, eagerly), its rows copied into
-    its blocks after each chunk: a shared prefix comes into the scratch first, and so do chunks
-    that ran beside another prompt in one plain forward. Every text is its text alone."""
+    its blocks after each chunk: a shared prefix comes into the scratch first. While some
+    decode, a step takes one prompt (the oldest; the others wait), and its chunk of at most
+    prompt_while_decoding tokens. Every text is its text alone."""
+    from strata.server.protocol import Progress
+
     import strata.server.batching as batching
     from strata.runtime.kv_cache import KVCache
     from strata.server import kv_batch
@@ -274,15 +277,21 @@ def test_a_prompt_beside_decoding_runs_in_the_scratch_and_keeps_every_text(synth
     runner.submit(subs[1])
     runner.step()  # b's first 4 tokens in the scratch beside a's token
     assert copied[-1] == (0, 4) and runner._scratch_for == "b"
-    runner.submit(subs[2])  # two prompts: one plain forward for both, then b alone again
+    runner.submit(subs[2])  # two prompts: b's go on, c's wait until b's are done
     while runner.active:
         runner.step()
         if "d" not in runner.seqs and not any(isinstance(m, Finished) and m.rid == "d"
-                                              for m in sent) and "b" not in runner.seqs:
+                                              for m in sent) and "b" not in runner.seqs \
+                and all(s.prefilled for s in runner.seqs.values()) and runner.active:
             runner.submit(subs[3])  # starts like b: its prefix from the pool into the scratch
-    # (b's rows after the plain forward beside c's prompt, d's shared prefix)
-    assert len(copied) > 3 and len([n for n in came if n]) >= 2 and runner.pool.used == 0
+    # (d's shared prefix)
+    assert len(copied) > 3 and len([n for n in came if n]) >= 1 and runner.pool.used == 0
     runner.pool.check_integrity()
+    steps = [m.detail for m in sent if isinstance(m, Progress) and "sequence(s)" in m.detail]
+    mixed = [d for d in steps if "decode step" in d and "prompt tokens" in d]
+    assert mixed and all(d.count("prompt tokens") == 1 for d in mixed)
+    c_first = next(i for i, d in enumerate(steps) if "c prompt tokens" in d)
+    assert not any("b prompt tokens" in d for d in steps[c_first:])  # b's prompt went first
     (done_d,) = [m for m in sent if isinstance(m, Finished) and m.rid == "d"]
     assert done_d.cached_tokens >= 16
     together = {}

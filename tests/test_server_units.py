@@ -122,9 +122,11 @@ def test_config_file_flags_win(tmp_path, capsys):
     cfg = tmp_path / "strata-test.json"
     cfg.write_text(json.dumps({"port": 9001, "queue": 3, "api-key": "k",
                                "env": {"STRATA_X": 1}}))
-    assert serve_main(["--config", str(cfg), "--queue", "5", "--print-config"]) == 0
+    assert serve_main(["--config", str(cfg), "--queue", "5", "--prompt-while-decoding", "64",
+                       "--print-config"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert (shown["port"], shown["queue"], shown["api-key"]) == (9001, 5, "(set)")
+    assert shown["prompt-while-decoding"] == 64
     assert shown["env"] == {"STRATA_X": "1"} and shown["host"] == "127.0.0.1"
     assert shown["device"] == "auto" and shown["expert-cache"] == "auto"  # the engine's flags
 

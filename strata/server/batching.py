@@ -4,8 +4,9 @@ pass per step, and new requests join between steps.
 One step (`BatchRunner.step`):
     plan     every active sequence contributes its pending tokens: its prompt in chunks
              (--prefill), then the token it sampled last; while others decode, the prompts
-             add at most PREFILL_WHILE_DECODING tokens to a step, oldest first (the others'
-             next token waits for one such chunk, not a whole prompt)
+             add at most --prompt-while-decoding tokens to a step, oldest first (the others'
+             next token waits for one such chunk, not a whole prompt), and over a pool with
+             a scratch (CUDA) only one prompt does
     forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each  -> [B, V]
     sample   every row at once, one wait for the device (strata.engine.sampling.sample_rows),
              each with its sequence's own torch.Generator, so a seed gives the same text whether
@@ -29,7 +30,8 @@ allocated once): a step whose sequences all decode runs the batched step (strata
 batch_step, CUDA graphs per batch size), a step with a prompt in it the plain forward. On CUDA,
 a step whose one prompt fits the pool's scratch (kv_batch.prefill_scratch) splits instead: the
 decoding sequences on the batched step, the prompt's chunk on the prompt graphs in the scratch,
-its rows then copied into the pool; several prompts at once share one plain forward. A finished
+its rows then copied into the pool; while none decodes, several prompts at once share one
+plain forward. A finished
 or cancelled sequence's blocks are free at once; a request that finds the pool full is refused
 with 429, and no other sequence is touched. With --prefix-cache, a finished sequence's blocks
 stay indexed in the pool (until the pool needs them) and a prompt that starts alike shares them,
@@ -100,8 +102,9 @@ class Sequence:
 
 class BatchRunner:
     def __init__(self, engine: Engine, send: Callable[[object], None], faults: FaultTrigger,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, prompt_while_decoding: int | None = None):
         self.engine = engine
+        self.prompt_while_decoding = prompt_while_decoding or PREFILL_WHILE_DECODING
         self.send = send
         self.faults = faults
         self.prefix = PrefixCache(prefix_cache_bytes)
@@ -338,15 +341,20 @@ class BatchRunner:
 
     def _takes(self, batch: list[Sequence]) -> dict[str, list[int]]:
         """Each sequence's tokens for the next pass. While some decode, the prompts' tokens
-        in it are at most PREFILL_WHILE_DECODING, oldest first, so a long prompt arriving holds
-        the others' next token for one such chunk at a time, not for a whole prompt chunk."""
-        budget = (PREFILL_WHILE_DECODING if any(s.prefilled for s in batch) else None)
+        in it are at most prompt_while_decoding (--prompt-while-decoding), oldest first, so a
+        long prompt arriving holds the others' next token for one such chunk at a time, not for
+        a whole prompt chunk; where the pool has a scratch (CUDA), one prompt at a time, so the
+        step splits onto the prompt graphs instead of one eager forward for several prompts."""
+        decoding = any(s.prefilled for s in batch)
+        budget = self.prompt_while_decoding if decoding else None
+        prompts = 1 if decoding and self.scratch is not None else len(batch)
         take = {}
         for s in batch:
             t = self._take(s)
             if budget is not None and not s.prefilled:
-                t = t[:budget]
+                t = t[:budget] if prompts > 0 else []
                 budget -= len(t)
+                prompts -= 1
             take[s.rid] = t
         return take
 

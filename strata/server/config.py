@@ -20,6 +20,7 @@ from typing import Any
 from strata.cli.engine_flags import add_engine_arguments, engine_config
 from strata.config import EngineConfig
 from strata.errors import StrataError
+from strata.kernels.tuning import PREFILL_WHILE_DECODING
 
 
 def _engine_defaults() -> dict[str, Any]:
@@ -52,6 +53,7 @@ class ServeConfig:
     template_timeout: float = 5.0
     head_timeout: float = 10.0
     prefix_cache: float = 1.0
+    prompt_while_decoding: int = PREFILL_WHILE_DECODING
     warmup: int = 1
     env: dict[str, str] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=lambda: dict(ENGINE_DEFAULTS))
@@ -113,6 +115,10 @@ HELP = {
                     "sends a whole request head; then it is closed (10)",
     "warmup": "1: run a short prompt and a few decode steps at load, so that kernels are built "
               "and decode graphs captured before the first request; 0: off (1)",
+    "prompt_while_decoding": "the most prompt tokens a step takes while other requests decode "
+                             "(their next token waits for the step): fewer keep their "
+                             "inter-token latency lower and a new prompt's first token later "
+                             "(512)",
     "prefix_cache": "GiB of host RAM for finished requests' keys and values: a prompt that "
                     "starts like one of them computes only the rest (1; 0: off)",
 }
@@ -121,7 +127,7 @@ _LIMITS = {"port": (0, 65535), "batch": (1, 256), "queue": (0, 100_000),
            "load_timeout": (1, 86400), "queue_timeout": (1, 86400), "max_restarts": (0, 1000),
            "restart_window": (1, 86400 * 7), "template_timeout": (0.1, 600),
            "head_timeout": (0.5, 3600), "prefix_cache": (0, 1 << 20),
-           "warmup": (0, 1)}
+           "prompt_while_decoding": (1, 1 << 20), "warmup": (0, 1)}
 _TYPES = {f.name: f.type for f in fields(ServeConfig)}
 
 

@@ -142,3 +142,4 @@ class EngineOptions:
     start: int = 1
     prefix_cache_bytes: int = 0  # host bytes of finished requests' KV rows kept for reuse
     warmup: bool = True  # run the first passes at load (strata.server.warmup)
+    prompt_while_decoding: int = 512  # the most prompt tokens a step takes while others decode

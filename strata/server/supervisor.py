@@ -94,7 +94,8 @@ class Supervisor:
         armed = self.fault.armed_for(self.starts) if self.fault else None
         opts = EngineOptions(self.cfg.model, self.cfg.engine_config(), self.cfg.batch,
                              EngineProcess.stacks_file(), armed, self.starts,
-                             int(self.cfg.prefix_cache * (1 << 30)), bool(self.cfg.warmup))
+                             int(self.cfg.prefix_cache * (1 << 30)), bool(self.cfg.warmup),
+                             self.cfg.prompt_while_decoding)
         self.loaded, self.progress = None, Progress("loading", "starting the engine process", 0.0)
         self.state, self.last_progress = "loading", time.monotonic()
         self.engine = EngineProcess(opts, self._from_thread(self._on_message),

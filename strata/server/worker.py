@@ -116,7 +116,8 @@ def main(inbox: Connection, outbox: Connection, opts: EngineOptions) -> None:
     except StrataError as e:
         out.send(LoadFailed(str(e)))
         return
-    runner = BatchRunner(engine, out.send, faults, opts.prefix_cache_bytes)
+    runner = BatchRunner(engine, out.send, faults, opts.prefix_cache_bytes,
+                         opts.prompt_while_decoding)
     if opts.warmup:  # (server.warmup's passes, or over the batch's KV pool where it has one)
         out.send(Progress("loading", "warming up: kernels and decode graphs", 0.95))
         logging.getLogger("strata").info("warm-up: kernels built and decode graphs captured in "
