@@ -261,6 +261,18 @@ _DENSE_BODY = _HEAD + """
         except ValueError:
             continue
         raise AssertionError("mmq_matmul took rows it cannot read")
+    import strata.kernels.gpu.matmul as mm
+    from strata.kernels.gpu.matmul import quant_matmul
+
+    w = torch.from_numpy(random_rows(QType.Q6_K, 70, 256, rng, 0.05))
+    x = torch.randn(8, 256)  # (past GEMV_MAX_M, under DEQUANT_MIN_M: the tensor-core kernels)
+    mmq = mmq_matmul(x, w, QType.Q6_K)
+    mm.DENSE_MMQ_MIN_N = 70  # a matrix of at least 70 rows goes to mmq_matmul
+    assert torch.equal(quant_matmul(x, w, QType.Q6_K), mmq)
+    assert not torch.equal(quant_matmul(x[:3], w, QType.Q6_K), mmq[:3])  # (3 rows: the GEMV)
+    mm.DENSE_MMQ_MIN_N = 71
+    dot = quant_matmul(x, w, QType.Q6_K)  # (tl.dot on x as it is)
+    assert not torch.equal(dot, mmq) and rel(dot, matmul_ref(x, w, QType.Q6_K)) < 1e-2
     print("ok")
 """
 
@@ -269,7 +281,8 @@ def test_mmq_matmul_under_the_interpreter():
     """mmq_matmul (a dense matrix on the down kernel, one expert every token routes to) at 1, 3,
     16 and 21 tokens over Q4_K and Q6_K rows, N not a multiple of its 64-row tile: equal to the
     reference on x rounded to 8 bits, within that rounding of the float one; misaligned rows,
-    rows of another length than K's, K not a multiple of 256 and other types refused."""
+    rows of another length than K's, K not a multiple of 256 and other types refused.
+    quant_matmul hands it a matrix of a few tokens with at least tuning.DENSE_MMQ_MIN_N rows."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
     run_interpreted(_DENSE_BODY, fresh_seed() % 2**31, timeout=600)

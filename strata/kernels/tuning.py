@@ -28,6 +28,11 @@ GEMV_MAX_M = 4
 # the tensor-core kernel's split of K (matmul.gemm_split): each program at least this many steps
 # of BK (64) values. An estimate (bench: none)
 GEMM_SPLIT_MIN_STEPS = 4
+# a Q4_K / Q6_K matrix of at least this many rows, at GEMV_MAX_M < tokens < DEQUANT_MIN_M, goes
+# to the integer tensor cores (moe_mmq.mmq_matmul: x rounded to 8 bits per 32 values, as the
+# one-token x8 GEMVs round it) in place of the tl.dot kernel: the batched step's output head.
+# None: never (bench: none; bench_kernels --dense-batch's MMQ column times it)
+DENSE_MMQ_MIN_N: int | None = None
 # from this many tokens on, dequantize to bf16 then cuBLAS beats the fused tl.dot kernel (14336 x
 # 4096: 2.8x at 512 tokens for Q4_K, 4.8x at 4096); needs an N x K bf16 scratch.
 # bench/2026-11-29-h200-kernels.md
