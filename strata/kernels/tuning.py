@@ -31,8 +31,10 @@ GEMM_SPLIT_MIN_STEPS = 4
 # a Q4_K / Q6_K matrix of at least this many rows, at GEMV_MAX_M < tokens < DEQUANT_MIN_M, goes
 # to the integer tensor cores (moe_mmq.mmq_matmul: x rounded to 8 bits per 32 values, as the
 # one-token x8 GEMVs round it) in place of the tl.dot kernel: the batched step's output head.
-# None: never (bench: none; bench_kernels --dense-batch's MMQ column times it)
-DENSE_MMQ_MIN_N: int | None = None
+# On an H100, 30B-A3B's 151936 x 2048 head at 8 / 16 rows: Q4_K 157 / 187 us against tl.dot's
+# 328 / 349, Q6_K 290 / 300 against 428 / 431; q, k/v and o lose on it (q Q4_K at 8: 20.6
+# against 18.1 split). None: never. bench/2026-12-06-h100-mixed.md
+DENSE_MMQ_MIN_N: int | None = 32768
 # from this many tokens on, dequantize to bf16 then cuBLAS beats the fused tl.dot kernel (14336 x
 # 4096: 2.8x at 512 tokens for Q4_K, 4.8x at 4096); needs an N x K bf16 scratch.
 # bench/2026-11-29-h200-kernels.md

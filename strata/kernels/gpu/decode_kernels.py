@@ -378,8 +378,9 @@ def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
 
 
 @triton.jit
-def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr):
-    # y[n] = Σ_d w[n, d] · x[d] for BN rows n
+def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr,
+                     SIGMOID: tl.constexpr = False):
+    # y[n] = Σ_d w[n, d] · x[d] for BN rows n (SIGMOID: its sigmoid)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = (n < N)[:, None]
     acc = tl.zeros((BN, BD), tl.float32)
@@ -390,7 +391,10 @@ def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr
         wv = tl.load(w + n.to(tl.int64)[:, None] * stride_w + d[None, :], mask=nm & dm[None, :],
                      other=0.0)
         acc += wv * xv[None, :]
-    tl.store(y + n, tl.sum(acc, axis=1), mask=n < N)
+    out = tl.sum(acc, axis=1)
+    if SIGMOID:
+        out = tl.sigmoid(out)
+    tl.store(y + n, out, mask=n < N)
 
 
 @triton.jit

@@ -722,11 +722,12 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 # ---- routing -------------------------------------------------------------------------------------
 
 
-def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """h @ router.T: h [T, D] f32, router [E, D] f32 (rows contiguous) -> [T, E] f32. One token
-    on CUDA: `_rows_dot_kernel` (see the module doc); otherwise torch."""
+def router_logits(h: torch.Tensor, router: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
+    """h @ router.T: h [T, D] f32, router [E, D] f32 (rows contiguous) -> [T, E] f32 (sigmoid:
+    their sigmoid, in the same launch: a shared expert's gate). One token on CUDA:
+    `_rows_dot_kernel` (see the module doc); otherwise torch."""
     if h.shape[0] != 1 or not _use_kernels(h) or router.dtype != torch.float32:
-        return h @ router.T
+        return torch.sigmoid(h @ router.T) if sigmoid else h @ router.T
     _f32(h, "h")
     e, d = router.shape
     _check(h.shape[1] == d and router.stride(1) == 1 and h.stride(1) == 1,
@@ -735,7 +736,7 @@ def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     bn = 2
     bd = min(1024, _pow2(d))
     _kernels()._rows_dot_kernel[(_cdiv(e, bn),)](h, router, out, e, d, router.stride(0), BN=bn,
-                                            BD=bd, num_warps=4)
+                                            BD=bd, SIGMOID=sigmoid, num_warps=4)
     return out
 
 

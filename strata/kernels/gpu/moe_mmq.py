@@ -350,7 +350,7 @@ def mmq_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     values, as the one-token x8 GEMVs round it). x [M, K] f32/bf16 contiguous; w uint8 [N,
     row(K)] Q4_K (rows 4-byte aligned) or Q6_K (2-byte aligned), K a multiple of 256. For a
     batched decode step's rows over a tall matrix (the output head: one program a 64-row tile,
-    thousands of them); benchmarks only until timed (the engine does not call it). tile: (BM,
+    thousands of them): quant_matmul's from tuning.DENSE_MMQ_MIN_N rows. tile: (BM,
     BN, warps), MMQ_TILE's by default."""
     from strata.kernels.gpu.gemv_q8 import quantize_x
     from strata.kernels.gpu.matmul import check_weights

@@ -46,8 +46,9 @@ class SharedExpert:
     """The gated shared expert (qwen2moe, qwen35moe): sigmoid(h . g) * swiglu(h); without a gate
     (glm4moe, deepseek2) swiglu(h). One token on CUDA with the three matrices in GGUF blocks of
     fused types runs as one expert through the MoE decode kernels (moe_forward, float32
-    activations), its gate as the pair's routing weight: two launches for gate/up/silu/down and
-    the gate's product, where the GEMVs and torch ops took seven (Qwen3.6's profile: 160 torch
+    activations), its gate (a sigmoid in the rows-dot launch) as the pair's routing weight: three
+    launches for the gate, gate/up/silu and down with the gate's product, where the GEMVs and
+    torch ops took seven (Qwen3.6's profile: 160 torch
     launches a step, bench/2026-12-06-h100-glue.md)."""
 
     def __init__(self, lw: LayerWeights):
@@ -64,7 +65,7 @@ class SharedExpert:
             return linear(act, lw.shared_w2)
         # (the gate's one row through the rows-dot kernel for a decode token on CUDA: cuBLAS's
         # split-K GEMV took two launches, ~15 us a layer, on Qwen3.6's)
-        gate = torch.sigmoid(decode_ops().router_logits(h, lw.shared_gate[None]))  # [T, 1]
+        gate = decode_ops().router_logits(h, lw.shared_gate[None], sigmoid=True)  # [T, 1]
         return gate * linear(act, lw.shared_w2)
 
     def _one_token(self, device: torch.device
@@ -85,17 +86,18 @@ class SharedExpert:
         return self._one
 
     def _as_expert(self, h: torch.Tensor) -> torch.Tensor:
-        """One token's shared expert as expert 0 of a one-expert layer: [1, D]."""
+        """One token's shared expert as expert 0 of a one-expert layer: [1, D] (its one pair's
+        row as it comes: no launch to sum one row)."""
         from strata.kernels.gpu import moe_forward
 
         lw = self.lw
         ids, slot_of, ones = self._one
         w1, w3, w2 = lw.shared_w1, lw.shared_w3, lw.shared_w2
-        wts = ones if lw.shared_gate is None else torch.sigmoid(
-            decode_ops().router_logits(h, lw.shared_gate[None]))  # [1, 1]
+        wts = ones if lw.shared_gate is None else decode_ops().router_logits(
+            h, lw.shared_gate[None], sigmoid=True)  # [1, 1]
         return moe_forward(h.contiguous(), ids, wts, slot_of, w1.raw[None], w3.raw[None],
                            w2.raw[None], (w1.qtype, w3.qtype, w2.qtype), h.shape[1],
-                           w1.raw.shape[0])
+                           w1.raw.shape[0], sum_pairs=False).reshape(1, -1)
 
 
 class RoutedExperts:
