@@ -247,11 +247,10 @@ def test_a_prompt_beside_decoding_runs_in_the_scratch_and_keeps_every_text(synth
     its blocks after each chunk: a shared prefix comes into the scratch first. While some
     decode, a step takes one prompt (the oldest; the others wait), and its chunk of at most
     prompt_while_decoding tokens. Every text is its text alone."""
-    from strata.server.protocol import Progress
-
     import strata.server.batching as batching
     from strata.runtime.kv_cache import KVCache
     from strata.server import kv_batch
+    from strata.server.protocol import Progress
 
     monkeypatch.setattr(batching, "PREFILL_WHILE_DECODING", 4)
     eng = _engine(synth("qwen3moe", "Q4_K_M"), 3)

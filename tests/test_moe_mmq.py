@@ -261,18 +261,25 @@ _DENSE_BODY = _HEAD + """
         except ValueError:
             continue
         raise AssertionError("mmq_matmul took rows it cannot read")
-    import strata.kernels.gpu.matmul as mm
-    from strata.kernels.gpu.matmul import quant_matmul
+    import strata.kernels.gpu.moe_mmq as mmq_mod
+    from strata.model.weights import QuantTensor
 
     w = torch.from_numpy(random_rows(QType.Q6_K, 70, 256, rng, 0.05))
     x = torch.randn(8, 256)  # (past GEMV_MAX_M, under DEQUANT_MIN_M: the tensor-core kernels)
     mmq = mmq_matmul(x, w, QType.Q6_K)
-    mm.DENSE_MMQ_MIN_N = 70  # a matrix of at least 70 rows goes to mmq_matmul
-    assert torch.equal(quant_matmul(x, w, QType.Q6_K), mmq)
-    assert not torch.equal(quant_matmul(x[:3], w, QType.Q6_K), mmq[:3])  # (3 rows: the GEMV)
-    mm.DENSE_MMQ_MIN_N = 71
-    dot = quant_matmul(x, w, QType.Q6_K)  # (tl.dot on x as it is)
+
+    def matmul_t(x, x8):  # the model's product with the fused kernels on (CUDA's, interpreted)
+        t = QuantTensor(w, QType.Q6_K, 256, x8=x8)
+        t.fused_for = lambda x: True
+        return t.matmul_t(x)
+
+    mmq_mod.DENSE_MMQ_MIN_N = 70  # a matrix of at least 70 rows on 8-bit activations goes there
+    assert torch.equal(matmul_t(x, True), mmq)
+    dot = matmul_t(x, False)  # (--kernels exact: tl.dot on x as it is)
     assert not torch.equal(dot, mmq) and rel(dot, matmul_ref(x, w, QType.Q6_K)) < 1e-2
+    assert not torch.equal(matmul_t(x[:3], True), mmq[:3])  # (3 rows: the GEMV)
+    mmq_mod.DENSE_MMQ_MIN_N = 71
+    assert torch.equal(matmul_t(x, True), dot)
     print("ok")
 """
 
@@ -282,7 +289,8 @@ def test_mmq_matmul_under_the_interpreter():
     16 and 21 tokens over Q4_K and Q6_K rows, N not a multiple of its 64-row tile: equal to the
     reference on x rounded to 8 bits, within that rounding of the float one; misaligned rows,
     rows of another length than K's, K not a multiple of 256 and other types refused.
-    quant_matmul hands it a matrix of a few tokens with at least tuning.DENSE_MMQ_MIN_N rows."""
+    QuantTensor.matmul_t hands it a matrix of a few tokens on 8-bit activations (x8) with at
+    least tuning.DENSE_MMQ_MIN_N rows, and not without x8."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
     run_interpreted(_DENSE_BODY, fresh_seed() % 2**31, timeout=600)

@@ -28,9 +28,10 @@ GEMV_MAX_M = 4
 # the tensor-core kernel's split of K (matmul.gemm_split): each program at least this many steps
 # of BK (64) values. An estimate (bench: none)
 GEMM_SPLIT_MIN_STEPS = 4
-# a Q4_K / Q6_K matrix of at least this many rows, at GEMV_MAX_M < tokens < DEQUANT_MIN_M, goes
-# to the integer tensor cores (moe_mmq.mmq_matmul: x rounded to 8 bits per 32 values, as the
-# one-token x8 GEMVs round it) in place of the tl.dot kernel: the batched step's output head.
+# a Q4_K / Q6_K matrix of at least this many rows, at GEMV_MAX_M < tokens < DEQUANT_MIN_M, on
+# 8-bit activations (--kernels fused: the x8 matrices) goes to the integer tensor cores
+# (moe_mmq.mmq_matmul: x rounded to 8 bits per 32 values, as the one-token x8 GEMVs round it)
+# in place of the tl.dot kernel: the batched step's output head.
 # On an H100, 30B-A3B's 151936 x 2048 head at 8 / 16 rows: Q4_K 157 / 187 us against tl.dot's
 # 328 / 349, Q6_K 290 / 300 against 428 / 431; q, k/v and o lose on it (q Q4_K at 8: 20.6
 # against 18.1 split). None: never. bench/2026-12-06-h100-mixed.md

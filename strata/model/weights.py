@@ -34,7 +34,7 @@ class QuantTensor:
     n_cols: int
     fused_max_t: int = 1 << 30  # tokens up to which the fused kernels run (CUDA)
     x8: bool = False  # one token: x rounded to 8 bits for a large matrix of gemv_x8's types
-    # (Q4_K, Q6_K, IQ2_XS, IQ3_XXS; --kernels fused)
+    # (Q4_K, Q6_K, IQ2_XS, IQ3_XXS; --kernels fused); a few: moe_mmq.mmq_matmul_takes's
     # the CPU: a 2-D matrix multiplied on ggml's kernels (strata.kernels.cpu.ggml_dense)
     cpu_matmul: Any = None
 
@@ -80,6 +80,11 @@ class QuantTensor:
                 from strata.kernels.gpu.gemv_q8 import gemv_x8
 
                 return gemv_x8(x, self.raw, self.qtype)
+            if self.x8 and x.shape[0] > 1:  # a few tokens over the head: the integer cores
+                from strata.kernels.gpu.moe_mmq import mmq_matmul, mmq_matmul_takes
+
+                if mmq_matmul_takes(x, self.raw, self.qtype):
+                    return mmq_matmul(x, self.raw, self.qtype)
             from strata.kernels.gpu import quant_matmul
 
             return quant_matmul(x.contiguous(), self.raw, self.qtype)

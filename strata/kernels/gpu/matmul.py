@@ -6,10 +6,10 @@
 M <= 4 tokens (decode, short verify windows) run the FMA kernel, which streams every weight row
 from HBM once (more tokens, for benchmarks: programs of 4, a row tile's side by side); 5..63
 tokens the tensor-core kernel (skeletons.py; K split across programs where its tiles would
-leave SMs idle: a batched decode step's rows), or for Q4_K / Q6_K matrices of at least
-tuning.DENSE_MMQ_MIN_N rows the integer tensor cores (moe_mmq.mmq_matmul); from 64 tokens the weights are
-dequantized to bf16 by the same tiles and multiplied by cuBLAS, measured 3x (512 tokens) to 5x
-(4096) faster than the fused tensor-core kernel. Types without a tile (F32/F16/BF16:
+leave SMs idle: a batched decode step's rows; the model's large Q4_K / Q6_K matrices on 8-bit
+activations take moe_mmq.mmq_matmul instead, weights.QuantTensor.matmul_t); from 64 tokens the
+weights are dequantized to bf16 by the same tiles and multiplied by cuBLAS, measured 3x (512
+tokens) to 5x (4096) faster than the fused tensor-core kernel. Types without a tile (F32/F16/BF16:
 torch.matmul; anything else: dequantize -> matmul) go through `fallback_matmul`, which logs
 once per type.
 
@@ -39,7 +39,6 @@ from strata.kernels.gpu.skeletons import (
 )
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.kernels.tuning import (
-    DENSE_MMQ_MIN_N,
     DEQUANT_MIN_M,
     GEMM_SPLIT_MIN_STEPS,
     GEMV_MAX_M,
@@ -371,10 +370,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
     elif m >= dequant_min_m and not knobs.runtime.interpret:
         w16 = dequantize_gpu(w, fmt.qtype, k, torch.bfloat16)  # [N, K]
         mm_f32(x.to(torch.bfloat16), w16.T, out)
-    elif _takes_mmq(w, fmt.qtype, n, k, out):
-        from strata.kernels.gpu.moe_mmq import mmq_matmul
-
-        mmq_matmul(x, w, fmt.qtype, out)
     else:
         bm, bn, bk, warps, stages = gemm_config(m, n)
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -388,17 +383,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
             num_stages=stages)
         if split > 1:
             torch.sum(y, 0, out=out)
-
-
-def _takes_mmq(w: torch.Tensor, qtype: QType, n: int, k: int, out: torch.Tensor) -> bool:
-    """A matrix of a few tokens that goes to the integer tensor cores (tuning.DENSE_MMQ_MIN_N):
-    Q4_K / Q6_K rows it can read as words, at least that many of them."""
-    if DENSE_MMQ_MIN_N is None or n < DENSE_MMQ_MIN_N or k % 256 or not out.is_contiguous():
-        return False
-    from strata.kernels.gpu.moe_mmq import WORD_ALIGN, words_aligned
-
-    align = WORD_ALIGN.get(qtype)
-    return align is not None and w.stride(1) == 1 and words_aligned(w, align=align)
 
 
 def gemv_pair(x: torch.Tensor, a: tuple[torch.Tensor, int | QType],

@@ -64,7 +64,15 @@ from strata.kernels.gpu.pairs import (
     words_aligned,
 )
 from strata.kernels.gpu.tiles_kquants import scale_min
-from strata.kernels.tuning import MMQ_MXFP4, MMQ_TILE, MMQ_TILE_WIDE, MMQ_WIDE_MIN
+from strata.kernels.tuning import (
+    DENSE_MMQ_MIN_N,
+    DEQUANT_MIN_M,
+    GEMV_MAX_M,
+    MMQ_MXFP4,
+    MMQ_TILE,
+    MMQ_TILE_WIDE,
+    MMQ_WIDE_MIN,
+)
 from strata.quant import QType
 
 # the byte alignment each type's rows need here: Q4_K headers read as int32 words (_q4k_head),
@@ -342,6 +350,19 @@ def moe_forward_mmq(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
+def mmq_matmul_takes(x: torch.Tensor, w: torch.Tensor, qtype: int | QType) -> bool:
+    """Whether x @ W.T on 8-bit activations goes to mmq_matmul (weights.QuantTensor.matmul_t,
+    --kernels fused): more tokens than the FMA GEMV takes and fewer than the cuBLAS route's
+    (tuning.GEMV_MAX_M, DEQUANT_MIN_M), a Q4_K / Q6_K matrix of at least tuning.DENSE_MMQ_MIN_N
+    rows (the output head) that it can read as words."""
+    qtype = QType(qtype)
+    m, k = x.shape
+    align = WORD_ALIGN.get(qtype)
+    return (DENSE_MMQ_MIN_N is not None and GEMV_MAX_M < m < DEQUANT_MIN_M
+            and align is not None and w.dim() == 2 and w.shape[0] >= DENSE_MMQ_MIN_N
+            and k % 256 == 0 and w.stride(1) == 1 and words_aligned(w, align=align))
+
+
 def mmq_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
                out: torch.Tensor | None = None,
                tile: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -350,7 +371,7 @@ def mmq_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     values, as the one-token x8 GEMVs round it). x [M, K] f32/bf16 contiguous; w uint8 [N,
     row(K)] Q4_K (rows 4-byte aligned) or Q6_K (2-byte aligned), K a multiple of 256. For a
     batched decode step's rows over a tall matrix (the output head: one program a 64-row tile,
-    thousands of them): quant_matmul's from tuning.DENSE_MMQ_MIN_N rows. tile: (BM,
+    thousands of them): where mmq_matmul_takes says. tile: (BM,
     BN, warps), MMQ_TILE's by default."""
     from strata.kernels.gpu.gemv_q8 import quantize_x
     from strata.kernels.gpu.matmul import check_weights
