@@ -11,7 +11,8 @@ prompt included), and the median step time with and without graphs (same engine,
 line: where PCIe idles between a layer's gathers, and what overlaps them.
 --batch N (2..16) then times what `strata serve --batch N` runs: the one-sequence step over a
 cache of the server's paged KV pool (its kernels too), and the batched step at each batch size
-(its kernels a step, replayed, in the json; 8 and 16 sequences printed)
+(past N: one sequence's chunk beside the others' tokens; its kernels a step, replayed, in the
+json; 8, 16 and 32 rows printed)
 (graphs replayed; the sequences after a 128-token prompt each).
 """
 
@@ -59,13 +60,25 @@ def timed_steps(engine: Engine, n: int, seed: int = 0,
 def batch_steps(engine: Engine, pool, batch, n: int,  # noqa: ANN001
                 kernels: dict | None = None) -> dict[int, float]:
     """Median ms of a batched step (graphs: an eager step and a capture first) at each of its
-    sizes, each sequence after a 128-token random prompt; with `kernels` (a dict), each size's
-    kernels a step (kernel_rows over n more steps, replayed) go into kernels[size]."""
+    sizes, each sequence after a 128-token random prompt (past the pool's slots, the first
+    sequence takes the rows the others leave, as a prompt's chunk beside them, at the same
+    positions each step); with `kernels` (a dict), each size's kernels a step (kernel_rows over
+    n more steps, replayed) go into kernels[size]."""
     rng = np.random.default_rng(1)
     out = {}
     act = torch.profiler.ProfilerActivity
+
+    def run(tokens: list[int], caches: list, takes: list[int]) -> list[int]:
+        start = caches[0].length
+        last = batch(tokens, caches, takes).argmax(-1).tolist()
+        if takes[0] > 1:  # (the chunk again at its positions next step)
+            caches[0].truncate(start)
+            return tokens[:takes[0]] + last[1:]
+        return last
+
     for size in batch.sizes:
-        caches = [pool.take() for _ in range(size)]
+        caches = [pool.take() for _ in range(min(size, pool.n_slots))]
+        takes = [1 + size - len(caches)] + [1] * (len(caches) - 1)
         for kv in caches:
             engine.run_prompt(rng.integers(0, engine.config.n_vocab, 128).tolist(), kv)
         tokens = rng.integers(0, engine.config.n_vocab, size).tolist()
@@ -74,8 +87,7 @@ def batch_steps(engine: Engine, pool, batch, n: int,  # noqa: ANN001
             if engine.model.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            logits = batch(tokens, caches)
-            tokens = logits.argmax(-1).tolist()
+            tokens = run(tokens, caches, takes)
             times.append(time.perf_counter() - t0)
         out[size] = 1e3 * statistics.median(times[2:])
         if kernels is not None:
@@ -83,7 +95,7 @@ def batch_steps(engine: Engine, pool, batch, n: int,  # noqa: ANN001
             prof = torch.profiler.profile(activities=[act.CUDA if dev == "cuda" else act.CPU])
             with prof:
                 for _ in range(n):
-                    tokens = batch(tokens, caches).argmax(-1).tolist()
+                    tokens = run(tokens, caches, takes)
             kernels[size] = kernel_rows(prof, dev, n, top=1 << 30)
         for kv in caches:
             pool.give(kv)
@@ -193,11 +205,11 @@ def main() -> None:
               f"GPU kernels {res['paged_gpu_kernels_ms']:.2f} ms eagerly")
         print_rows(paged[:12], "step")
         print("batched step, graphs: " + ", ".join(
-            f"{b} seq {ms:.2f} ms ({b / ms * 1e3:.0f} tok/s; kernels "
+            f"{b} rows {ms:.2f} ms ({b / ms * 1e3:.0f} tok/s; kernels "
             f"{res['batched_gpu_kernels_ms'][b]:.2f} ms)" for b, ms in res["batched_ms"].items()))
-        for b in (8, 16):
+        for b in (8, 16, 32):
             if b in kernels:
-                print(f"the batched step of {b} sequences, replayed:")
+                print(f"the batched step of {b} rows, replayed:")
                 print_rows(kernels[b][:14], "step")
     if a.json:
         with open(a.json, "w") as f:

@@ -40,6 +40,18 @@ def _texts(runner: BatchRunner, sent: list, subs: list[Submit],
     return out
 
 
+def _each_as_alone(eng: Engine, sent: list, subs: list[Submit]) -> None:
+    """Each request's text in `sent` is its text run alone through the same engine."""
+    together: dict[str, str] = {}
+    for m in sent:
+        if isinstance(m, (Delta, Finished)):
+            together[m.rid] = together.get(m.rid, "") + m.text
+    for sub in subs:
+        sent_alone: list = []
+        alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
+        assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid], sub.rid
+
+
 def _submit(rid: str, prompt: str, n: int, seed: int | None = None) -> Submit:
     sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.9, "seed": seed}
     return Submit(rid, None, prompt, sampling, n, n, ignore_eos=True)
@@ -125,7 +137,9 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_pool_empty(synth):
     # several prompts in one plain forward, at the tl.dot and grouped paths' sizes
     assert (2, 128) in passes and (3, 384) in passes
     step, st = runner.batch_step, eng.model.experts.stats
-    assert step.sizes == (1, 2, 3) and step.steps["eager"] + step.steps["replayed"] == 9
+    # (past the slots, sizes for mixed steps: a prompt's chunk beside the decoding sequences)
+    assert step.sizes == (1, 2, 3, 4, 8, 16, 32)
+    assert step.steps["eager"] + step.steps["replayed"] == 3 * len(step.sizes)
     assert runner.pool.used == 0 and runner.pool.used_blocks == 0
     runner.pool.check_integrity()
     assert st.hits.sum() + st.cpu.sum() + st.streamed.sum() == 0 and st.routed.sum() == 0
@@ -161,7 +175,9 @@ def test_a_failed_batched_step_fails_its_requests_and_frees_their_blocks(synth):
     assert runner.pool.used == 2
 
     class Broken:
-        def __call__(self, tokens, caches):  # noqa: ANN001, ANN204
+        rows_max = 32
+
+        def __call__(self, tokens, caches, takes=None):  # noqa: ANN001, ANN204
             raise RuntimeError("injected")
 
         def line(self) -> str:
@@ -188,8 +204,9 @@ def test_stall_state_names_the_pool(synth):
 
 def test_a_long_prompt_advances_between_the_others_tokens(synth, monkeypatch):
     """While a sequence decodes, a prompt arriving adds at most PREFILL_WHILE_DECODING tokens
-    a step (here 4): the decoding sequence gets its next token in every step meanwhile, and
-    both texts are their texts alone."""
+    a step (here 4, fewer than the rows a mixed step leaves it): the decoding sequence gets its
+    next token in every step meanwhile, the two in one batched step, and both texts are their
+    texts alone."""
     import strata.server.batching as batching
 
     monkeypatch.setattr(batching, "PREFILL_WHILE_DECODING", 4)
@@ -209,16 +226,141 @@ def test_a_long_prompt_advances_between_the_others_tokens(synth, monkeypatch):
         a_tokens.append(runner.seqs["a"].generated - before)
         b_prefill_steps += 1
     assert b_prefill_steps == -(-n_long // 4) and a_tokens == [1] * b_prefill_steps
+    assert runner.batch_step.steps["rows"] == b_prefill_steps + n_long  # (a's token each step)
     while runner.active:
         runner.step()
-    together = {}
-    for m in sent:
-        if isinstance(m, (Delta, Finished)):
-            together[m.rid] = together.get(m.rid, "") + m.text
-    for sub in (first, long):
-        sent_alone: list = []
-        alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
-        assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid]
+    _each_as_alone(eng, sent, [first, long])
+
+
+class _Recorded:
+    """A BatchStep whose calls' takes are kept (`calls`)."""
+
+    def __init__(self, step):  # noqa: ANN001
+        self.step, self.calls = step, []
+
+    def __call__(self, tokens, caches, takes=None):  # noqa: ANN001, ANN204
+        self.calls.append(list(takes or [1] * len(caches)))
+        return self.step(tokens, caches, takes)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.step, name)
+
+
+def test_a_prompt_rides_in_the_decoders_batched_steps(synth):
+    """While sequences decode, a prompt arriving advances inside their batched step (mixed):
+    each step carries every decoder's token and the oldest prompt's next chunk, at most the
+    rows the decoders leave of MIXED_STEP_ROWS; the decoders get a token every step; a later
+    prompt that starts alike shares the first one's blocks from the prefix index and rides the
+    same way. Every text, greedy and sampled, is its text alone."""
+    from strata.kernels.tuning import MIXED_STEP_ROWS
+    from strata.server.protocol import Progress
+
+    eng = _engine(synth("qwen3moe", "Q4_K_M"), 3)
+    long = " ".join(["seven eleven"] * 20)
+    subs = [_submit("a", "hello world", 30), _submit("b", long, 4, seed=5),
+            _submit("c", long + " and more", 3, seed=9)]
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=1 << 30)
+    step = runner.batch_step = _Recorded(runner.batch_step)
+    assert runner.scratch is None and step.rows_max == MIXED_STEP_ROWS
+    runner.submit(subs[0])
+    runner.step()  # a's prompt alone
+    runner.submit(subs[1])
+    n_long = runner.seqs["b"].prompt_len
+    assert n_long > 2 * (MIXED_STEP_ROWS - 1)  # (three chunks at least)
+    a_tokens, chunks = [], []
+    while not runner.seqs["b"].prefilled:
+        before, at = runner.seqs["a"].generated, runner.seqs["b"].kv.length
+        runner.step()
+        a_tokens.append(runner.seqs["a"].generated - before)
+        chunks.append(runner.seqs["b"].kv.length - at)
+        assert step.calls[-1] == [1, chunks[-1]]  # one batched step: a's token, b's chunk
+    assert a_tokens == [1] * len(chunks) and sum(chunks) == n_long
+    assert chunks[:-1] == [MIXED_STEP_ROWS - 1] * (len(chunks) - 1)
+    while "b" in runner.seqs:
+        runner.step()
+    runner.submit(subs[2])  # starts like b: its blocks from the prefix index
+    assert runner.seqs["c"].cached >= 16
+    calls = len(step.calls)
+    while not runner.seqs["c"].prefilled:
+        runner.step()
+    assert all(len(t) == 2 and t[0] == 1 and t[1] > 1 for t in step.calls[calls:])
+    while runner.active:
+        runner.step()
+    assert runner.pool.used == 0
+    runner.pool.check_integrity()
+    steps = [m.detail for m in sent if isinstance(m, Progress) and "sequence(s)" in m.detail]
+    assert sum("a decode step" in d and "b prompt tokens" in d for d in steps) == len(chunks)
+    _each_as_alone(eng, sent, subs)
+
+
+def test_a_hybrids_prompt_beside_decoding_runs_the_plain_forward(synth):
+    """A hybrid's recurrent state moves one token a step: a prompt arriving while another
+    sequence decodes goes in a plain forward beside it (no mixed step), the decoding steps
+    alone on the batched step; both texts are their texts alone."""
+    eng = _engine(synth("qwen35moe", "Q4_K_M"), 2)
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None))
+    step = runner.batch_step = _Recorded(runner.batch_step)
+    assert runner.pool.conv is not None and not runner._mixes()
+    subs = [_submit("a", "hello world", 8), _submit("b", PROMPTS[2], 4, seed=3)]
+    runner.submit(subs[0])
+    runner.step()
+    runner.submit(subs[1])
+    runner.step()  # b's prompt beside a's token: one plain forward
+    assert not step.calls and runner.seqs["b"].prefilled
+    while runner.active:
+        runner.step()
+    assert step.calls and all(t == [1, 1] for t in step.calls)
+    runner.pool.check_integrity()
+    _each_as_alone(eng, sent, subs)
+
+
+def test_a_mixed_steps_prompt_cancelled_or_failed_frees_its_blocks(synth):
+    """A prompt cancelled between its mixed steps frees its blocks at once and the decoder
+    beside it goes on to its text alone; a mixed step that fails fails both its requests and
+    frees every block."""
+    eng = _engine(synth("qwen3moe", "Q4_K_M"), 2)
+    sent: list = []
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=1 << 30)
+    long = " ".join(["seven eleven"] * 20)
+    runner.submit(_submit("a", PROMPTS[0], 10))
+    runner.step()
+    runner.submit(_submit("b", long, 4))
+    runner.step()  # a's token and b's first chunk
+    assert 0 < runner.seqs["b"].kv.length < runner.seqs["b"].prompt_len
+    runner.cancel("b")
+    assert runner.pool.used == 1 and [(m.rid, m.finish_reason) for m in sent if isinstance(
+        m, Finished)] == [("b", "cancelled")]
+    runner.pool.check_integrity()
+    text = _texts(runner, sent, [])["a"]
+    sent_alone: list = []
+    assert _texts(BatchRunner(eng, sent_alone.append, FaultTrigger(None)), sent_alone,
+                  [_submit("a", PROMPTS[0], 10)])["a"] == text
+    sent.clear()
+    runner.submit(_submit("a", PROMPTS[0], 10))
+    runner.step()
+    runner.submit(_submit("c", long, 4))
+
+    calls = []
+
+    class Broken:
+        rows_max = 32
+
+        def __call__(self, tokens, caches, takes=None):  # noqa: ANN001, ANN204
+            calls.append(takes)
+            raise RuntimeError("injected")
+
+        def line(self) -> str:
+            return "broken"
+
+    runner.batch_step = Broken()
+    runner.step()
+    assert len(calls) == 1 and calls[0][0] == 1 and calls[0][1] > 1  # (a's token, c's chunk)
+    fails = [m for m in sent if isinstance(m, Failed)]
+    assert {m.rid for m in fails} == {"a", "c"} and all(m.status == 500 for m in fails)
+    assert not runner.active and runner.pool.used == 0
+    runner.pool.check_integrity()
 
 
 def test_each_steps_progress_has_the_requests_as_they_stand(synth):
@@ -242,17 +384,21 @@ def test_each_steps_progress_has_the_requests_as_they_stand(synth):
 
 
 def test_a_prompt_beside_decoding_runs_in_the_scratch_and_keeps_every_text(synth, monkeypatch):
-    """A prompt alone in a step with decoding sequences runs in the pool's plain scratch (on
-    CUDA: the prompt graphs; here the same split of the step, eagerly), its rows copied into
-    its blocks after each chunk: a shared prefix comes into the scratch first. While some
-    decode, a step takes one prompt (the oldest; the others wait), and its chunk of at most
-    prompt_while_decoding tokens. Every text is its text alone."""
+    """Where a step cannot mix (BatchRunner._mixes false: forced here; every plan with a
+    scratch today mixes, so this is the fallback's own test), a prompt alone in a step with
+    decoding sequences runs in the pool's plain scratch (on CUDA: the prompt graphs; here the
+    same split of the step, eagerly), its rows copied into its blocks after each chunk: a
+    shared prefix comes into the scratch first. While some decode, a step takes one prompt
+    (the oldest; the others wait), and its chunk of at most prompt_while_decoding tokens. A
+    prompt with no decoder beside it runs in the scratch whether steps mix or not. Every text
+    is its text alone."""
     import strata.server.batching as batching
     from strata.runtime.kv_cache import KVCache
     from strata.server import kv_batch
     from strata.server.protocol import Progress
 
     monkeypatch.setattr(batching, "PREFILL_WHILE_DECODING", 4)
+    monkeypatch.setattr(BatchRunner, "_mixes", lambda self: False)
     eng = _engine(synth("qwen3moe", "Q4_K_M"), 3)
     cfg = eng.model.cfg
     copied = []
@@ -293,14 +439,7 @@ def test_a_prompt_beside_decoding_runs_in_the_scratch_and_keeps_every_text(synth
     assert not any("b prompt tokens" in d for d in steps[c_first:])  # b's prompt went first
     (done_d,) = [m for m in sent if isinstance(m, Finished) and m.rid == "d"]
     assert done_d.cached_tokens >= 16
-    together = {}
-    for m in sent:
-        if isinstance(m, (Delta, Finished)):
-            together[m.rid] = together.get(m.rid, "") + m.text
-    for sub in subs:
-        sent_alone: list = []
-        alone = BatchRunner(eng, sent_alone.append, FaultTrigger(None))
-        assert _texts(alone, sent_alone, [sub])[sub.rid] == together[sub.rid], sub.rid
+    _each_as_alone(eng, sent, subs)
 
 
 @pytest.mark.cuda

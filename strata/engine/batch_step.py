@@ -1,5 +1,6 @@
-"""One decode token of each of B sequences, on the decode step's machinery, captured as CUDA
-graphs per batch size where the plan allows.
+"""One decode token of each of B sequences (or a few tokens of some: a prompt's chunk beside
+the others' tokens), on the decode step's machinery, captured as CUDA graphs per batch size
+where the plan allows.
 
 The same pieces as the one-sequence step (decode_step.cut_pieces: cut after each layer whose
 experts need the host), the model's own layers in a StaticStep context, the executor's paths;
@@ -8,11 +9,19 @@ in the one KV pool (strata.runtime.kv_slots.KVSlots): the pool row its new keys 
 the rows it reads (through its block table), its recurrent-state entry. Position and KV length
 are [B] device tensors, so one graph per batch size serves any sequences of the pool.
 
+    rows        a sequence taking t tokens fills t rows at positions length .. length+t-1, each
+                with KV length position + 1 and the sequence's block table: every layer stores
+                all rows' keys and values before any row attends, so the rows of a prompt's
+                chunk attend causally among themselves. Refused where the pool holds recurrent
+                state (hybrids: their state moves one token a step)
     sizes       1, 2, 4, 8, 16 below the pool's slots, and the slots (--batch 16: all five;
-                --batch 6: 1, 2, 4, 6): a batch runs at the next size; its padded rows take
-                token 0 at position 0, write the pool's scratch row and (hybrids) a free slot's
+                --batch 6: 1, 2, 4, 6), then, without recurrent state, powers of two on to
+                tuning.MIXED_STEP_ROWS (--batch 6: 8, 16, 32; steps that carry a prompt's
+                tokens): a step runs at the next size; its padded rows take token 0 at
+                position 0, write the pool's scratch row and (hybrids) a free slot's
                 recurrent state, route as row 0 with zero weights (no expert more is read) and
                 are never counted
+    logits      each sequence's last row's; past the slots the head runs over those rows only
     experts     a layer's experts run once for the batch (the fused kernels take the B tokens'
                 pairs; a host layer's misses are planned for the batch: each missed expert is
                 copied or computed on the CPU from the tokens it serves)
@@ -22,7 +31,8 @@ Layers the one-sequence step gathers on the GPU (their staging rows hold one tok
 records) are host layers here. On the CPU (or with --decode-step eager) the pieces run eagerly
 over the real rows only; CI checks them against each sequence decoded alone.
 
-Legend: B rows (the batch size), n real rows, D hidden, K experts per token, V vocab.
+Legend: B rows (the batch size), n real rows, S sequences, D hidden, K experts per token,
+V vocab.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import torch
 from strata.engine.decode_step import DECODE_STEP_MODES, Piece, capture_pieces, cut_pieces
 from strata.experts.paths import StepAids
 from strata.kernels.gpu import decode_ops as ops
+from strata.kernels.tuning import MIXED_STEP_ROWS
 from strata.model.parts import StaticStep
 from strata.model.parts.context import BatchRows
 from strata.runtime.kv_slots import KVSlots
@@ -47,11 +58,35 @@ BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 def padded_size(n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> int:
-    """The batch size n sequences run at: the smallest of `sizes` >= n."""
+    """The batch size n rows run at: the smallest of `sizes` >= n."""
     for s in sizes:
         if s >= n:
             return s
-    raise ValueError(f"{n} sequences: the batched step runs at most {sizes[-1]}")
+    raise ValueError(f"{n} rows: the batched step runs at most {sizes[-1]}")
+
+
+def step_sizes(slots: int, recurrent: bool) -> tuple[int, ...]:
+    """The batch sizes of a pool of `slots` sequences: BATCH_SIZES below the slots and the slots
+    themselves (a padded row of a hybrid then always has a free slot's state entry to write);
+    without recurrent state, powers of two past the slots up to MIXED_STEP_ROWS, for steps
+    that carry a prompt's tokens beside the decoding sequences' (more rows than sequences)."""
+    if slots > BATCH_SIZES[-1]:
+        raise ValueError(f"{slots} sequences: the batched step runs at most {BATCH_SIZES[-1]}")
+    sizes = tuple(s for s in BATCH_SIZES if s < slots) + (slots,)
+    if recurrent:
+        return sizes
+    return sizes + tuple(1 << i for i in range(MIXED_STEP_ROWS.bit_length())
+                         if slots < 1 << i < MIXED_STEP_ROWS) + (
+        (MIXED_STEP_ROWS,) if slots < MIXED_STEP_ROWS else ())
+
+
+def rows_bytes(cfg, size: int, slots: int) -> int:  # noqa: ANN001 (a ModelConfig)
+    """Device bytes of one batch size's static buffers (Rows) but its block table (int64
+    [B, blocks a sequence]): the inputs, five float32 [B, D] rows, the routing [B, K], the
+    staging table [E], the last rows and the logits [min(B, slots), V] float32."""
+    logit_rows = min(size, slots)
+    return (8 * 5 * size + size + 4 * 5 * size * cfg.d_model + 12 * size * cfg.n_experts_used
+            + 4 * cfg.n_experts + 8 * logit_rows + 4 * logit_rows * cfg.n_vocab)
 
 
 @dataclass(frozen=True)
@@ -93,7 +128,9 @@ class Rows:
     staged_table: torch.Tensor  # int32 [E]: expert -> staging row of its copied misses
     staged_host: torch.Tensor
     host_bufs: tuple[torch.Tensor, ...]  # pinned (ids, weights, h) of a host layer
-    logits: torch.Tensor  # [B, V]
+    last: torch.Tensor  # int64 [min(B, slots)]: each sequence's last row
+    last_host: torch.Tensor
+    logits: torch.Tensor  # [B, V]; past the slots [slots, V], the last rows' only
     plan: Plan | None = None
     graphs: tuple | None = None  # (key, [(main, tail)] per piece)
     warm: bool = False  # an eager step ran at this size
@@ -102,12 +139,16 @@ class Rows:
     read: torch.Tensor | None = None  # eagerly: the step's pool rows [B, span], made once
     events: dict = field(default_factory=dict)
 
+    @property
+    def last_only(self) -> bool:
+        """The head runs over each sequence's last row only (sizes past the pool's slots)."""
+        return self.logits.shape[0] < self.size
+
 
 class BatchStep:
-    def __init__(self, model, pool: KVSlots, mode: str = "graphs",  # noqa: ANN001
-                 sizes: tuple[int, ...] = BATCH_SIZES):
+    def __init__(self, model, pool: KVSlots, mode: str = "graphs"):  # noqa: ANN001
         """model: the MoETransformer (offload runtime); pool: the KV pool its sequences live
-        in; sizes: the batch sizes (ascending; a batch runs at the next)."""
+        in (its batch sizes: step_sizes)."""
         from strata.experts.offload import OffloadExperts
 
         if mode not in DECODE_STEP_MODES[:2]:
@@ -116,12 +157,9 @@ class BatchStep:
         if not isinstance(ex, OffloadExperts):
             raise TypeError("the batched decode step runs on the offload runtime")
         self.model, self.ex, self.cfg, self.pool = model, ex, model.cfg, pool
-        # sizes below the pool's slots, and the slots themselves: a padded row then always has
-        # a free slot's state entry to write (the pool needs no state beyond the plan's)
-        self.sizes = tuple(s for s in sizes if s < pool.n_slots) + (pool.n_slots,)
-        if pool.n_slots > sizes[-1]:
-            raise ValueError(f"{pool.n_slots} sequences: the batched step runs at most "
-                             f"{sizes[-1]}")
+        # (a hybrid's sizes end at the slots: the pool needs no state beyond the plan's)
+        self.sizes = step_sizes(pool.n_slots, pool.conv is not None)
+        self.rows_max = self.sizes[-1]  # the most rows a step carries
         dev = self.device = model.device
         self.cuda = dev.type == "cuda"
         self.graphs = mode == "graphs" and self.cuda
@@ -162,26 +200,36 @@ class BatchStep:
             out.append(p)
         return out
 
-    # ---- one token of each sequence -------------------------------------------------------------
+    # ---- a step: each sequence's tokens as rows -------------------------------------------------
 
     @torch.inference_mode()
-    def __call__(self, tokens: list[int], caches: list) -> torch.Tensor:  # noqa: ANN001
-        """logits [n, V] of tokens[i] at position caches[i].length for each of the n sequences
-        (caches of this step's pool; a static buffer: copy to keep)."""
+    def __call__(self, tokens: list[int], caches: list,  # noqa: ANN001
+                 takes: list[int] | None = None) -> torch.Tensor:
+        """logits [S, V] of each of the S sequences' last row: caches[i] (of this step's pool)
+        takes takes[i] tokens (default 1 each) at positions caches[i].length on, flattened in
+        `tokens` in order; the rows are sum(takes). Possibly a static buffer: copy to keep."""
+        takes = [1] * len(caches) if takes is None else list(takes)
         n = len(tokens)
-        if n != len(caches) or n == 0:
-            raise ValueError(f"{n} tokens for {len(caches)} sequences")
-        if len({id(kv) for kv in caches}) != n:
-            raise ValueError("a sequence appears twice in one batched step")
+        if not caches or len(takes) != len(caches) or min(takes) < 1 or sum(takes) != n:
+            raise ValueError(f"{n} tokens for {len(caches)} sequences taking {takes} tokens "
+                             "each (one or more each, as many in all)")
+        if len({id(kv) for kv in caches}) != len(caches):
+            raise ValueError("a sequence appears twice in one batched step (one entry a "
+                             "sequence, with the tokens it takes)")
+        if max(takes) > 1 and self.pool.conv is not None:
+            raise ValueError(f"a sequence takes {max(takes)} tokens in one batched step, and "
+                             "the KV pool holds recurrent state (a hybrid model's): its state "
+                             "moves one token a step, so a prompt's chunk runs on the plain "
+                             "forward")
         b = self._buffers(padded_size(n, self.sizes))
-        for kv in caches:
+        for kv, t in zip(caches, takes, strict=True):
             if getattr(kv, "slots", None) is not self.pool:
                 raise ValueError("the batched decode step decodes caches of its own KV pool "
                                  "(KVSlots.take)")
-            kv.reserve(kv.length + 1)  # (past the pool's rows: refused with the numbers)
+            kv.reserve(kv.length + t)  # (past the pool's rows: refused with the numbers)
             if self.pool.paged:
-                kv.own(kv.length, kv.length + 1)  # (a shared block is copied before the write)
-        self._fill(b, tokens, caches)
+                kv.own(kv.length, kv.length + t)  # (a shared block is copied before the write)
+        self._fill(b, tokens, caches, takes)
         self.ex.before_pass(n)
         _, slots = self.ex.begin_step([])
         key = (slots,)
@@ -212,9 +260,12 @@ class BatchStep:
             self.ex.slots_read(b.plan.resident, self._record())
         if timer:
             timer.stop(t0)
-        for kv in caches:
-            kv.advance(1)
-        return b.logits[:n]
+        for kv, t in zip(caches, takes, strict=True):
+            kv.advance(t)
+        s = len(caches)
+        if b.last_only or s == n:  # (the head ran over the last rows; or each row is one's)
+            return b.logits[:s]
+        return b.logits.index_select(0, b.last[:s])
 
     def line(self) -> str:
         """One line for --stats."""
@@ -231,6 +282,7 @@ class BatchStep:
         pin = self.cuda
         f32 = dict(dtype=torch.float32, device=dev)
         nb = self.pool.blocks_per_seq
+        logit_rows = min(size, self.pool.n_slots)  # (a step's sequences: at most the slots)
         b = Rows(
             size, torch.zeros(5, size, dtype=torch.int64, pin_memory=pin),
             torch.zeros(5, size, dtype=torch.int64, device=dev),
@@ -248,19 +300,23 @@ class BatchStep:
             (torch.zeros(size, K, dtype=torch.int64, pin_memory=pin),
              torch.zeros(size, K, dtype=torch.float32, pin_memory=pin),
              torch.zeros(size, cfg.d_model, dtype=torch.float32, pin_memory=pin)),
-            torch.zeros(size, cfg.n_vocab, **f32), self.plans[size])
+            torch.zeros(logit_rows, dtype=torch.int64, device=dev),
+            torch.zeros(logit_rows, dtype=torch.int64, pin_memory=pin),
+            torch.zeros(logit_rows, cfg.n_vocab, **f32), self.plans[size])
         self._rows[size] = b
         return b
 
-    def _fill(self, b: Rows, tokens: list[int], caches: list) -> None:  # noqa: ANN001
-        """The step's inputs to the device: real rows from their sequences, padded rows at
-        token 0, position 0, writing the pool's scratch row and (hybrids) the state of a free
-        slot each, reading row 0's first row."""
+    def _fill(self, b: Rows, tokens: list[int], caches: list,  # noqa: ANN001
+              takes: list[int]) -> None:
+        """The step's inputs to the device: real rows from their sequences (a sequence's rows
+        at its next positions), padded rows at token 0, position 0, writing the pool's scratch
+        row and (hybrids) the state of a free slot each, reading row 0's first row; each
+        sequence's last row."""
         read = b.events.pop("inputs", None)
         if read is not None:  # the last step's copy has read the pinned buffers
             wait_event(read, "the batched step's input copy")
         n, pool = len(tokens), self.pool
-        inp, table = b.inputs_host.numpy(), b.table_host.numpy()
+        inp, table, last = b.inputs_host.numpy(), b.table_host.numpy(), b.last_host.numpy()
         inp[:, :] = 0
         inp[2, :] = 1
         inp[3, :] = pool.scratch_row
@@ -270,19 +326,25 @@ class BatchStep:
                 raise ValueError(f"{b.size - n} padded row(s) and {len(pool.free)} free slot(s): "
                                  "a batch of a hybrid model is padded only into free slots")
             inp[4, n:] = free
-        for i, (t, kv) in enumerate(zip(tokens, caches, strict=True)):
-            inp[:, i] = (t, kv.length, kv.length + 1, pool.row(kv, kv.length), kv.slot)
-            table[i] = pool.table(kv)
+        last[:] = 0
+        i = 0
+        for j, (kv, take) in enumerate(zip(caches, takes, strict=True)):
+            table[i:i + take] = pool.table(kv)
+            for p in range(kv.length, kv.length + take):
+                inp[:, i] = (tokens[i], p, p + 1, pool.row(kv, p), kv.slot)
+                i += 1
+            last[j] = i - 1
         table[n:] = table[0]
         b.valid_host[:] = False
         b.valid_host[:n] = True
         b.n = n
         # graphs read every row a slot may hold; eagerly, up to the longest sequence
         b.span = (pool.blocks_per_seq * pool.block if self.graphs
-                  else max(kv.length + 1 for kv in caches))
+                  else max(kv.length + t for kv, t in zip(caches, takes, strict=True)))
         b.inputs.copy_(b.inputs_host, non_blocking=True)
         b.table.copy_(b.table_host, non_blocking=True)
         b.valid.copy_(b.valid_host, non_blocking=True)
+        b.last.copy_(b.last_host, non_blocking=True)
         if self.cuda:
             b.events["inputs"] = self._record()
         # (a graph computes the rows in each piece, from the table as it is at the replay)
@@ -353,6 +415,9 @@ class BatchStep:
                         buf.copy_(src, non_blocking=True)
                 return
             delta = layer.finish(r, ctx)
+        if b.last_only:  # each sequence's last row: x, delta [slots, D] (delta [slots, R, D]
+            x = x.index_select(0, b.last)  # where a static step's experts left R rows unsummed)
+            delta = None if delta is None else delta.index_select(0, b.last)
         b.logits.copy_(self.model.head.forward(x, delta, ctx))
 
     def _masked(self, ids: torch.Tensor, wts: torch.Tensor,

@@ -29,6 +29,7 @@ from strata.config import (
     prefetch_pays,
 )
 from strata.config_hybrid import state_bytes
+from strata.engine.batch_step import BATCH_SIZES, rows_bytes, step_sizes
 from strata.engine.chunk_graph import plan_buckets
 from strata.errors import StrataError
 from strata.experts.layout import ExpertLayout
@@ -95,13 +96,16 @@ class MemoryPlan:
     draft_path: str = ""
     # a --batch pool's scratch rows for prompts on the prompt graphs (PREFILL_SCRATCH_ROWS; in kv)
     prefill_rows: int = 0
+    # --batch's batched step on CUDA (step_bytes): every size's static buffers and graphs
+    batch_step: int = 0
+    batch_sizes: tuple[int, ...] = ()
     host_embed: bool = False  # the token embedding in host RAM, not in `dense` (embed_on_host)
 
     @property
     def left(self) -> int:
         return (self.budget - self.context - self.dense - self.kv - self.workspace
                 - self.activations - self.staging - self.ring - self.cache - self.prompt_graphs
-                - self.draft)
+                - self.draft - self.batch_step)
 
     @property
     def lent(self) -> int:
@@ -150,6 +154,9 @@ class MemoryPlan:
                 f"verify windows of 1-{self.window_graphs} tokens with every row's logits; "
                 f"no chunks: {self.prompt_graphs_note}" if self.window_graphs else
                 f"none: {self.prompt_graphs_note}") + ")",
+            *([f"  batched step   {f(self.batch_step):>10} (--batch {self.sequences}: steps of "
+               f"{', '.join(map(str, self.batch_sizes))} rows, each size's buffers and graphs)"]
+              if self.batch_step else []),
             f"  host arena     {f(self.arena):>10} of {f(self.host_available)} RAM available",
             f"  left           {f(self.left):>10}",
         ]
@@ -200,6 +207,18 @@ def activation_bytes(cfg: ModelConfig, tokens: int) -> int:
     ffn = max(cfg.d_shared, cfg.d_ff if cfg.n_dense_lead else 0)
     per_token = 6 * cfg.d_model + 3 * attn + 2 * cfg.q_dim + 2 * cfg.n_experts + 3 * ffn
     return tokens * per_token * 4
+
+
+def step_bytes(cfg: ModelConfig, slots: int) -> tuple[int, int, tuple[int, ...]]:
+    """Device bytes of the batched step of a --batch pool of `slots` sequences, at all its sizes
+    (batch_step.step_sizes: each builds its buffers and captures its graphs at its first
+    steps): (fixed, a context row's, the sizes). Each size's static buffers (batch_step.
+    rows_bytes) and its graphs' intermediates, estimated as a prompt chunk's activations of as
+    many rows (activation_bytes); a context row's: the block table's entry and the pool rows
+    each step row reads (int64 [B, context]) at every size."""
+    sizes = step_sizes(slots, bool(cfg.full_attn_interval))
+    fixed = sum(rows_bytes(cfg, b, slots) + activation_bytes(cfg, b) for b in sizes)
+    return fixed, -(-8 * sum(sizes) * (POOL_BLOCK + 1) // POOL_BLOCK), sizes
 
 
 def layer_span(cfg: ModelConfig, ec: EngineConfig, share: int, ring: int) -> int:
@@ -392,40 +411,48 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                           64 * chunk * layer_span_bytes(cfg, 1), ring), ctx)
     if dev.type == "cuda":
         activations += layer_span_bytes(cfg, span)
+    # the batched step's buffers and graphs at every size (--batch on CUDA: step_bytes), a part
+    # by the context: a context row costs its KV rows and the step's row indices (per_token)
+    steps, step_row, batch_sizes = (
+        step_bytes(cfg, ec.sequences) if 1 < ec.sequences <= BATCH_SIZES[-1]
+        and dev.type == "cuda" and ec.decode_step != "off" else (0, 0, ()))
+    per_token = kv_per_token + step_row
     fixed = (context + dense + draft + workspace + activations + staging + ring + MARGIN + states
-             + pool)
-    if fixed + MIN_KV_TOKENS * kv_per_token > budget:
+             + pool + steps)
+    if fixed + MIN_KV_TOKENS * per_token > budget:
         f = fmt_bytes
         raise StrataError(
             f"--vram-budget {budget / GIB:.2f} GiB cannot hold the dense weights ({f(dense)}), "
             f"workspace, activations, staging and ring "
             f"({f(workspace + activations + staging + ring)}), a margin of "
             f"{f(MARGIN)}" + (f", the CUDA context ({f(context)})" if context else "") + " and a "
-            f"{MIN_KV_TOKENS}-token KV cache ({f(MIN_KV_TOKENS * kv_per_token)}): give at least "
-            f"{(fixed + MIN_KV_TOKENS * kv_per_token) / GIB + 0.01:.2f} GiB")
+            f"{MIN_KV_TOKENS}-token KV cache ({f(MIN_KV_TOKENS * per_token)}): give at least "
+            f"{(fixed + MIN_KV_TOKENS * per_token) / GIB + 0.01:.2f} GiB")
     kv_room = budget - fixed
-    if ec.ctx is not None and ctx * kv_per_token > kv_room:  # (asked for: never shrunk)
+    if ec.ctx is not None and ctx * per_token > kv_room:  # (asked for: never shrunk)
         f = fmt_bytes
         raise StrataError(
             f"--ctx {ec.ctx}" + (f" (the model's context, {ctx})" if ctx < ec.ctx else "")
             + f": its KV cache ({f(ctx * kv_per_token)} at --kv-type {ec.kv_type}) does "
             f"not fit the {f(kv_room)} that --vram-budget {budget / GIB:.2f} GiB leaves after the "
             f"dense weights, workspace, activations, staging, ring and margin: give at most --ctx "
-            f"{kv_room // kv_per_token}, a smaller --kv-type (f16, q8_0), or at least "
-            f"--vram-budget {(fixed + ctx * kv_per_token) / GIB + 0.01:.2f}")
+            f"{kv_room // per_token}, a smaller --kv-type (f16, q8_0), or at least "
+            f"--vram-budget {(fixed + ctx * per_token) / GIB + 0.01:.2f}")
     ctx_note = "--ctx"
     if ec.ctx is None:  # the model's context where its cache takes at most a quarter of the
         # room left, the rest kept for expert cache slots; never below the old default of 4096
         # tokens where those fit
-        fit = max(kv_room, 0) // KV_SHARE // kv_per_token
+        fit = max(kv_room, 0) // KV_SHARE // per_token
         ctx = min(cfg.context_length, max(fit, DEFAULT_CTX))
         ctx_note = ("the model's context" if ctx == cfg.context_length else
                     f"{'a quarter of the room' if ctx == fit else 'the default'}; the model's "
                     f"context is {cfg.context_length}")
-    if ctx * kv_per_token > kv_room:
-        ctx = max(MIN_KV_TOKENS, kv_room // 2 // kv_per_token)
+    if ctx * per_token > kv_room:
+        ctx = max(MIN_KV_TOKENS, kv_room // 2 // per_token)
         ctx_note = f"what the budget holds; the model's context is {cfg.context_length}"
     kv = ctx * kv_per_token
+    steps += ctx * step_row
+    fixed += ctx * step_row
     slots = _cache_slots(cfg, ec, layouts, budget - fixed - kv, borrow_cap)
     if ec.prefetch is None and prefetch and not prefetch_pays(
             [n for n, lay in zip(slots, layouts, strict=True) if n < cfg.n_experts
@@ -489,7 +516,8 @@ def make_plan(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
                       prompt_buckets=buckets, prompt_graphs_note=graphs_note,
                       window_graphs=windows, activations=activations, draft=draft,
                       draft_path=ec.draft if draft else "", prefill_rows=prefill_rows,
-                      layer_tokens=span, host_embed=host_embed)
+                      layer_tokens=span, batch_step=steps, batch_sizes=batch_sizes,
+                      host_embed=host_embed)
 
 
 def lend_slots(cfg: ModelConfig, layouts: list[ExpertLayout], slots: list[int],

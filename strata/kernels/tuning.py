@@ -306,9 +306,17 @@ KV_SHARE = 4
 DEFAULT_CTX = 4096
 # strata serve: prompt tokens a step may add while other sequences decode in it (their next
 # token waits for the whole step): prompts advance in chunks of at most this many tokens between
-# the others' tokens, oldest first, as vLLM's chunked prefill bounds a step's tokens. A policy
+# the others' tokens, oldest first, as vLLM's chunked prefill bounds a step's tokens (a mixed
+# batched step takes fewer: the rows MIXED_STEP_ROWS leaves beside the decoders). A policy
 # (bench: none; the cost of a 512-token chunk on the H200: bench/2026-12-02-h200-kv-attention.md)
 PREFILL_WHILE_DECODING = 512
+# rows of the largest batched step over a pool without recurrent state (strata serve --batch N):
+# while some sequences decode, a step carries each one's token and the oldest prompt's next
+# tokens, up to this many rows in all, so a prompt advances inside the decoders' own pass (their
+# expert reads shared) instead of holding their next token for a chunk of its own, as vLLM's
+# mixed steps do. The step's sizes past the pool's slots are powers of two up to it (a prompt's
+# last few tokens pad to the next). A policy, an estimate (bench: none)
+MIXED_STEP_ROWS = 32
 # rows of the served prompts' scratch cache (strata serve --batch N on CUDA): a prompt up to this
 # long runs its chunks on the prompt graphs over a plain cache, its rows then copied into the
 # paged pool (the graphs refuse a paged cache; eagerly a 128-token prompt took ~100 ms against

@@ -5,9 +5,11 @@ One step (`BatchRunner.step`):
     plan     every active sequence contributes its pending tokens: its prompt in chunks
              (--prefill), then the token it sampled last; while others decode, the prompts
              add at most --prompt-while-decoding tokens to a step, oldest first (the others'
-             next token waits for one such chunk, not a whole prompt), and over a pool with
-             a scratch (CUDA) only one prompt does
-    forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each  -> [B, V]
+             next token waits for one such chunk, not a whole prompt); where the step mixes
+             (below) or the pool has a scratch (CUDA), only the oldest prompt does, and a
+             mixed step's chunk fills at most the rows the decoders leave
+    forward  one MoETransformer.forward over all of them, one Segment (own KV cache) each, or
+             one batched step over the pool (below)  -> [B, V]: each sequence's last row
     sample   every row at once, one wait for the device (strata.engine.sampling.sample_rows),
              each with its sequence's own torch.Generator, so a seed gives the same text whether
              the request ran alone or beside others
@@ -27,15 +29,19 @@ Where no sequence drafted, the step is the plain one (the batched step).
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
 (kv_batch.py; strata.runtime.kv_slots: blocks of 16 rows, N sequences of the planned context,
 allocated once): a step whose sequences all decode runs the batched step (strata.engine.
-batch_step, CUDA graphs per batch size), a step with a prompt in it the plain forward. On CUDA,
-a step whose one prompt fits the pool's scratch (kv_batch.prefill_scratch) splits instead: the
-decoding sequences on the batched step, the prompt's chunk on the prompt graphs in the scratch,
-its rows then copied into the pool; while none decodes, several prompts at once share one
-plain forward. A finished
-or cancelled sequence's blocks are free at once; a request that finds the pool full is refused
-with 429, and no other sequence is touched. With --prefix-cache, a finished sequence's blocks
-stay indexed in the pool (until the pool needs them) and a prompt that starts alike shares them,
-in place of the host copies of prefix_cache.py.
+batch_step, CUDA graphs per batch size). A step of decoding sequences and a prompt mixes: one
+batched step carries every decoder's token and the oldest prompt's next chunk as rows of their own
+(tuning.MIXED_STEP_ROWS in all; their expert reads shared), the prompt's logits used once its last
+chunk ran: the decoders' next token waits for that one step, not for a prompt chunk's pass besides.
+Where the step cannot mix (a hybrid's recurrent state moves one token a step; an MTP drafter needs
+each pass's hidden states) it splits where the prompt fits the pool's scratch (CUDA, kv_batch.
+prefill_scratch): the decoding sequences on the batched step, the prompt's chunk on the prompt
+graphs in the scratch, its rows then copied into the pool; else it is one plain forward. A prompt
+with no decoder beside it runs in the scratch where it fits; several prompts at once share one
+plain forward. A finished or cancelled sequence's blocks are free at once; a request that finds the
+pool full is refused with 429, and no other sequence is touched. With --prefix-cache, a finished
+sequence's blocks stay indexed in the pool (until the pool needs them) and a prompt that starts
+alike shares them, in place of the host copies of prefix_cache.py.
 
 Legend: B sequences in the step, V vocab.
 """
@@ -158,7 +164,9 @@ class BatchRunner:
         take = self._takes(batch)  # the tokens each adds to this pass
         batch = [s for s in batch if take[s.rid]]  # (a prompt past this step's budget waits)
         prompt = [s for s in batch if not s.prefilled]
-        scratch = self._scratch_prompt(prompt)  # the step splits: its rows come last
+        # decoders and a prompt's chunk in one batched step, or else split
+        mixed = bool(prompt) and len(prompt) < len(batch) and self._mixes()
+        scratch = None if mixed else self._scratch_prompt(prompt)  # its rows come last
         if scratch is not None:
             batch = [s for s in batch if s.prefilled] + [scratch]
         self.stage = "prompt" if prompt else "decode"
@@ -183,10 +191,13 @@ class BatchRunner:
                 logits = []
             elif len(batch) == 1 and not prompt and len(tokens) == 1:  # one sequence decoding
                 logits = self.engine.model.decode(int(tokens[0]), batch[0].kv)
-            elif (not prompt and self.batch_step is not None and len(tokens) == len(batch)
-                  and not (spec is not None and spec.needs_hidden)):
-                # several sequences decoding: the batched step, one token each
-                logits = self.batch_step(tokens.tolist(), [s.kv for s in batch])
+            elif mixed or (not prompt and self.batch_step is not None
+                           and len(tokens) == len(batch)
+                           and not (spec is not None and spec.needs_hidden)):
+                # several sequences decoding: the batched step, one token each (and beside
+                # them, mixed, a prompt's chunk)
+                logits = self.batch_step(tokens.tolist(), [s.kv for s in batch],
+                                         [len(take[s.rid]) for s in batch])
             elif scratch is not None:
                 logits = self._split(batch[:-1], scratch, take)
             else:
@@ -238,6 +249,15 @@ class BatchRunner:
         self.stage = "decode" if self.seqs else "idle"
         if not self.seqs and self.pool is not None:  # idle: the pool's accounting holds
             self.pool.check_integrity()
+
+    def _mixes(self) -> bool:
+        """A step of decoding sequences and a prompt runs as one batched step, the prompt's
+        chunk rows beside the others' tokens: where there is a batched step whose pool holds no
+        recurrent state (a hybrid's state moves one token a step) and no MTP drafter needs
+        each pass's hidden states. (Verify windows never run in a step with a prompt.)"""
+        spec = getattr(self.engine, "spec", None)
+        return (self.batch_step is not None and self.pool.conv is None
+                and not (spec is not None and spec.needs_hidden))
 
     def _scratch_prompt(self, prompt: list[Sequence]) -> Sequence | None:
         """The step's one prompt, where it runs in the scratch (on the prompt graphs): a step
@@ -343,11 +363,16 @@ class BatchRunner:
         """Each sequence's tokens for the next pass. While some decode, the prompts' tokens
         in it are at most prompt_while_decoding (--prompt-while-decoding), oldest first, so a
         long prompt arriving holds the others' next token for one such chunk at a time, not for
-        a whole prompt chunk; where the pool has a scratch (CUDA), one prompt at a time, so the
-        step splits onto the prompt graphs instead of one eager forward for several prompts."""
-        decoding = any(s.prefilled for s in batch)
+        a whole prompt chunk. Where the step mixes (_mixes), one prompt's chunk fills the
+        batched step's rows the decoders leave (tuning.MIXED_STEP_ROWS in all); else, where
+        the pool has a scratch (CUDA), one prompt at a time, so the step splits onto the prompt
+        graphs instead of one eager forward for several prompts."""
+        decoding = sum(s.prefilled for s in batch)
         budget = self.prompt_while_decoding if decoding else None
-        prompts = 1 if decoding and self.scratch is not None else len(batch)
+        mixed = decoding and self._mixes()
+        if mixed:
+            budget = min(budget, self.batch_step.rows_max - decoding)
+        prompts = 1 if decoding and (mixed or self.scratch is not None) else len(batch)
         take = {}
         for s in batch:
             t = self._take(s)

@@ -91,9 +91,11 @@ def warm_up(engine, pool: KVSlots, step: BatchStep,  # noqa: ANN001 (an Engine)
             scratch: KVCache | None = None) -> float:
     """A prompt, three decode steps of one sequence (eager, capture, replay: its graphs read
     the pool's blocks, so every later request replays them) and three batched steps at each
-    batch size, over the pool; plain forwards of several prompts at once (WARM_TOGETHER); with a
-    scratch, a prompt of each bucket up to WARM_BUCKETS tokens there (each bucket's graph
-    captured); then the pool empty again and the expert counters at zero. -> seconds"""
+    batch size, over the pool (past its slots the first sequence takes the rows the others
+    leave, as a prompt's chunk beside them); plain forwards of several prompts at once
+    (WARM_TOGETHER); with a scratch, a prompt of each bucket up to WARM_BUCKETS tokens there
+    (each bucket's graph captured); then the pool empty again and the expert counters at zero.
+    -> seconds"""
     t0 = time.perf_counter()
     text = engine.tokenizer.encode("Strata warms up its kernels and decode graphs. " * 8)
 
@@ -102,7 +104,8 @@ def warm_up(engine, pool: KVSlots, step: BatchStep,  # noqa: ANN001 (an Engine)
 
     ids = tokens(WARM_PROMPT)
     caches = [pool.take() for _ in range(pool.n_slots)]
-    if pool.capacity >= len(ids) + 4 + 3 * len(step.sizes):
+    extra = step.rows_max - min(step.rows_max, pool.n_slots)  # (rows past the slots at most)
+    if pool.capacity >= len(ids) + 4 + 3 * len(step.sizes) + 3 * extra:
         engine.run_prompt(ids, caches[0])
         for t in ids[:3]:
             engine.model.decode(t, caches[0])
@@ -110,8 +113,11 @@ def warm_up(engine, pool: KVSlots, step: BatchStep,  # noqa: ANN001 (an Engine)
             engine.run_prompt(ids[:4], kv)
         for size in step.sizes:
             n = min(size, len(caches))
+            start = caches[0].length
             for t in ids[:3]:
-                step([t] * n, caches[:n])
+                step([t] * size, caches[:n], [1 + size - n] + [1] * (n - 1))
+            if size > n:  # (one row a step kept, as the others: the rest written again)
+                caches[0].truncate(start + 3)
     for kv in caches:
         pool.give(kv)
     for n, length in WARM_TOGETHER:

@@ -559,9 +559,10 @@ def rows_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, write: torch.Tensor,
                     k_scales: torch.Tensor | None = None,
                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """qk_rope_store for one token of each of B sequences: row b at position pos[b], its k and
-    v written to pool row write[b]; returns the rotated q. One launch on CUDA (or under the
-    interpreter), else torch ops (both graph safe: no host sync, shapes fixed by B).
+    """qk_rope_store for B rows of a batched step (a token each; a prompt's chunk: rows of one
+    sequence): row b at position pos[b], its k and v written to pool row write[b]; returns the
+    rotated q. One launch on CUDA (or under the interpreter), else torch ops (both graph safe:
+    no host sync, shapes fixed by B).
 
     q [B, H, hd], k, v [B, Hkv, hd] f32; pos, write int64 [B] on the device; k_pool, v_pool
     [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales, v_scales f16 [R, Hkv, hd/32] (q8_0)
@@ -594,11 +595,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     read: torch.Tensor, length: torch.Tensor, scale: float, window: int = 0,
                     sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
                     v_scales: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
-    """decode_attention for one new token of each of B sequences, each over its own rows of a
-    shared pool: row b's token is at position length[b] - 1 and sees its positions
-    j < length[b] (and j > length[b] - 1 - window with a window), whose keys and values are
-    pool rows read[b, j]. softmax(q k^T · scale) v per head, with gpt-oss's sink logit per
-    head when given (as _attention_torch).
+    """decode_attention for B rows of a batched step (a new token each; a prompt's chunk: rows
+    of one sequence), each over its sequence's rows of a shared pool: row b's token is at
+    position length[b] - 1 and sees its positions j < length[b] (and j > length[b] - 1 -
+    window with a window), whose keys and values are pool rows read[b, j]. softmax(q k^T ·
+    scale) v per head, with gpt-oss's sink logit per head when given (as _attention_torch).
 
     q [B, H, hd] f32; k_pool, v_pool [R, Hkv, hd] f32 / f16 / bf16, or int8 with k_scales,
     v_scales (q8_0); read int64 [B, Tk]; length int64 [B] on the device, 1 <= length[b] <= Tk

@@ -55,7 +55,7 @@ class GQAAttention:
               ctx: StaticStep) -> torch.Tensor:
         """One token over static buffers: q/k norms, RoPE and the cache store in one launch,
         then flash decoding over the rows up to ctx.length (two launches)."""
-        if ctx.rows is not None:  # one token of each of B sequences (the batched step)
+        if ctx.rows is not None:  # B rows of sequences of one pool (the batched step)
             return self._rows(q, k, v, ctx)
         ops, kv, i = decode_ops(), ctx.kv, self.layer
         ks, vs = (kv.ks[i], kv.vs[i]) if kv.quantized else (None, None)  # q8_0's scales
@@ -67,8 +67,10 @@ class GQAAttention:
 
     def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StaticStep,
               window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """B sequences of one KV pool, one token each: q/k norms, RoPE at each row's position
-        and the pool store, then each row's attention over its own rows. -> [B, H*hd]"""
+        """B rows of sequences of one KV pool (a token each; a prompt's chunk: rows of one
+        sequence at consecutive positions): q/k norms, RoPE at each row's position and every
+        row's keys and values into the pool, then each row's attention over its sequence's rows
+        up to its own (so a chunk's rows attend causally among themselves). -> [B, H*hd]"""
         ops, r = decode_ops(), ctx.rows
         kp, vp, ks, vs = r.pool.layer(self.layer)  # [R, Hkv, hd] (+ q8_0's scales)
         q, k, qn, kn = self._rope_inputs(q, k)

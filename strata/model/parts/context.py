@@ -6,8 +6,9 @@
     StaticStep  one token of one sequence over the decode step's static buffers: the position
                 and KV length are device tensors, so the same launches can be captured once as
                 CUDA graphs and replayed; the fused decode kernels (decode_ops). With `rows`
-                (BatchRows): one token of each of B sequences of one KV pool (the batched
-                step, strata.engine.batch_step), pos and length [B]
+                (BatchRows): B rows of sequences of one KV pool, a token each (the batched
+                step, strata.engine.batch_step: one row of each sequence, or several at
+                consecutive positions for a prompt's chunk), pos and length [B]
 
 A part reads `ctx.static` and picks its kernels; the layer is written once.
 """
@@ -95,7 +96,7 @@ class StaticStep:
     counts: Callable[[int], torch.Tensor | None]
     experts: Callable[..., torch.Tensor]
     fused_attention: bool = False
-    rows: BatchRows | None = None  # a batched step's B sequences (then kv is None)
+    rows: BatchRows | None = None  # a batched step's B rows (then kv is None)
     static = True
 
     def run_experts(self, layer: int, weights: object, h: torch.Tensor, ids: torch.Tensor,
@@ -106,9 +107,10 @@ class StaticStep:
 @dataclass
 class BatchRows:
     """Where the B rows of a batched decode step keep their sequences' state, all on the
-    device (a captured graph reads them as they are at each replay).
+    device (a captured graph reads them as they are at each replay). Rows of one sequence (a
+    prompt's chunk) share its block table and state entry, at consecutive positions.
 
-    pool: the KVSlots every row's sequence lives in; write int64 [B]: the pool row the new
+    pool: the KVSlots every row's sequence lives in; write int64 [B]: the pool row the row's
     token's keys and values go to (a padded row's: the scratch row); read int64 [B, span]:
     the pool rows of positions 0 .. span-1 of each row's sequence (through its block table;
     rows at and past its length are masked); state int64 [B]: each row's recurrent-state

@@ -81,8 +81,10 @@ class MLAttention:
         """The decode step's token: its row stored at ctx.pos, then the absorbed attention over
         the storage's rows below ctx.length (latent_ops.latent_attention: the split kernels on
         CUDA, torch ops over the whole storage, masked, elsewhere; graph-safe either way).
-        -> [1, H*V]. With ctx.rows: B sequences of one pool, row b stored at pool row
-        write[b], each attending over its rows read[b] below length[b] -> [B, H*V]."""
+        -> [1, H*V]. With ctx.rows: B rows of sequences of one pool (a prompt's chunk: rows of
+        one sequence at consecutive positions), every row stored at pool row write[b] before
+        any attends, each attending over its rows read[b] below length[b] (so a chunk's rows
+        causally) -> [B, H*V]."""
         from strata.kernels.gpu.latent_ops import latent_attention
 
         lw, B, r = self.lw, q_nope.shape[0], ctx.rows

@@ -71,7 +71,7 @@ class SinkAttention(GQAAttention):
         """RoPE and the cache store in one launch (q and k scaled by YaRN's mscale first: the
         rotation is linear), then decode attention over the window with the sinks."""
         ops, kv, i = decode_ops(), ctx.kv, self.layer
-        if ctx.rows is not None:  # one token of each of B sequences (the batched step)
+        if ctx.rows is not None:  # B rows of sequences of one pool (the batched step)
             return self._rows(q, k, v, ctx, self.window, self.lw.sinks)
         q, k, _, _ = self._rope_inputs(q, k)  # (no q/k norms: YaRN's scale on q and k)
         q = ops.qk_rope_store(q, k, v, None, None, self.eps, ctx.pos, ctx.inv_freq,
