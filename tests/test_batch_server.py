@@ -247,11 +247,13 @@ class _Recorded:
 
 
 def test_a_prompt_rides_in_the_decoders_batched_steps(synth):
-    """While sequences decode, a prompt arriving advances inside their batched step (mixed):
-    each step carries every decoder's token and the oldest prompt's next chunk, at most the
-    rows the decoders leave of MIXED_STEP_ROWS; the decoders get a token every step; a later
-    prompt that starts alike shares the first one's blocks from the prefix index and rides the
-    same way. Every text, greedy and sampled, is its text alone."""
+    """While sequences decode, a prompt arriving with --prompt-while-decoding at most the rows
+    the decoders leave of MIXED_STEP_ROWS advances inside their batched step (mixed): each step
+    carries every decoder's token and the oldest prompt's next chunk; the decoders get a token
+    every step; a later prompt that starts alike shares the first one's blocks from the prefix
+    index and rides the same way. Every text, greedy and sampled, is its text alone. At the
+    default (512) a chunk larger than those rows does not ride: that step is not the batched
+    step's."""
     from strata.kernels.tuning import MIXED_STEP_ROWS
     from strata.server.protocol import Progress
 
@@ -259,8 +261,16 @@ def test_a_prompt_rides_in_the_decoders_batched_steps(synth):
     long = " ".join(["seven eleven"] * 20)
     subs = [_submit("a", "hello world", 30), _submit("b", long, 4, seed=5),
             _submit("c", long + " and more", 3, seed=9)]
+    default = BatchRunner(eng, lambda m: None, FaultTrigger(None))
+    plain = default.batch_step = _Recorded(default.batch_step)
+    default.submit(subs[0])
+    default.step()
+    default.submit(subs[1])
+    default.step()  # b's whole prompt beside a's token: past the rows a leaves, not mixed
+    assert default.seqs["b"].prefilled and plain.calls == []
     sent: list = []
-    runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=1 << 30)
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=1 << 30,
+                         prompt_while_decoding=MIXED_STEP_ROWS - 1)
     step = runner.batch_step = _Recorded(runner.batch_step)
     assert runner.scratch is None and step.rows_max == MIXED_STEP_ROWS
     runner.submit(subs[0])
@@ -322,7 +332,8 @@ def test_a_mixed_steps_prompt_cancelled_or_failed_frees_its_blocks(synth):
     frees every block."""
     eng = _engine(synth("qwen3moe", "Q4_K_M"), 2)
     sent: list = []
-    runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=1 << 30)
+    runner = BatchRunner(eng, sent.append, FaultTrigger(None), prefix_cache_bytes=1 << 30,
+                         prompt_while_decoding=16)  # (chunks that fit a mixed step's rows)
     long = " ".join(["seven eleven"] * 20)
     runner.submit(_submit("a", PROMPTS[0], 10))
     runner.step()

@@ -397,6 +397,31 @@ def test_batched_step_graphs_per_size_on_cuda(synth, cache):
 
 
 @pytest.mark.cuda
+def test_prompt_chunks_in_the_batched_steps_graphs_on_cuda(synth):
+    """Mixed steps on CUDA graphs (eager, captured, replayed at the size past the pool's slots,
+    the head over each sequence's last row): two decoding sequences beside a prompt's chunks of
+    10 tokens; each last row near the plain forward's (the prompt path's kernels round
+    differently: a relative bound, not the decode step's)."""
+    engine = offload(synth("qwen3moe", "Q4_K_M"), "cuda", expert_cache="24")
+    pool = pool_for(engine, 3, capacity=64, block=4)
+    step = BatchStep(engine.model, pool, "graphs")
+    caches = [pool.take() for _ in range(3)]
+    seqs = [list(PROMPTS[0]), list(PROMPTS[2]), []]
+    for p, kv in zip(seqs[:2], caches, strict=True):
+        prefill(engine, p, kv)
+    for r in range(4):  # 12 rows a step: size 16
+        fed = [[3 + r], [17 + r], list(range(100 + 10 * r, 110 + 10 * r))]
+        out = step([t for f in fed for t in f], caches, [len(f) for f in fed])
+        for i, f in enumerate(fed):
+            seqs[i] += f
+            ref = torch.from_numpy(last_row(engine, seqs[i]))
+            got = out[i].float().cpu()
+            assert float((got - ref).norm() / ref.norm()) < 3e-2, (r, i)
+    assert not step._failed and step.steps["captured"] >= 1 and step.steps["replayed"] >= 1
+    pool.check_integrity()
+
+
+@pytest.mark.cuda
 def test_one_sequence_graphs_serve_every_paged_cache_on_cuda(synth):
     """The one-sequence step's graphs are captured once for the pool: two sequences in other
     blocks replay them, each with its logits alone."""

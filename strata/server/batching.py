@@ -29,12 +29,16 @@ Where no sequence drafted, the step is the plain one (the batched step).
 With a decode step (the offload runtime) and --batch N (2..16) the sequences live in one KV pool
 (kv_batch.py; strata.runtime.kv_slots: blocks of 16 rows, N sequences of the planned context,
 allocated once): a step whose sequences all decode runs the batched step (strata.engine.
-batch_step, CUDA graphs per batch size). A step of decoding sequences and a prompt mixes: one
-batched step carries every decoder's token and the oldest prompt's next chunk as rows of their own
-(tuning.MIXED_STEP_ROWS in all; their expert reads shared), the prompt's logits used once its last
-chunk ran: the decoders' next token waits for that one step, not for a prompt chunk's pass besides.
-Where the step cannot mix (a hybrid's recurrent state moves one token a step; an MTP drafter needs
-each pass's hidden states) it splits where the prompt fits the pool's scratch (CUDA, kv_batch.
+batch_step, CUDA graphs per batch size). A step of decoding sequences and a prompt's chunk that
+fits the rows they leave (tuning.MIXED_STEP_ROWS in all: a chunk of a small
+--prompt-while-decoding, or a prompt's short rest, e.g. a chat turn after its cached history)
+mixes: one batched step carries every decoder's token and the chunk as rows of their own (their
+expert reads shared), the prompt's logits used once its last chunk ran: the decoders' next token
+waits for that one step, not for a prompt chunk's pass besides (the per-pair MoE kernels' cost
+grows with the rows, so a prompt's tokens cost more here than on the prompt graphs: the default
+--prompt-while-decoding, 512, keeps longer chunks on them). Where the step cannot mix (a larger
+chunk; a hybrid's recurrent state moves one token a step; an MTP drafter needs each pass's hidden
+states) it splits where the prompt fits the pool's scratch (CUDA, kv_batch.
 prefill_scratch): the decoding sequences on the batched step, the prompt's chunk on the prompt
 graphs in the scratch, its rows then copied into the pool; else it is one plain forward. A prompt
 with no decoder beside it runs in the scratch where it fits; several prompts at once share one
@@ -164,8 +168,10 @@ class BatchRunner:
         take = self._takes(batch)  # the tokens each adds to this pass
         batch = [s for s in batch if take[s.rid]]  # (a prompt past this step's budget waits)
         prompt = [s for s in batch if not s.prefilled]
-        # decoders and a prompt's chunk in one batched step, or else split
-        mixed = bool(prompt) and len(prompt) < len(batch) and self._mixes()
+        # decoders and a prompt's chunk in one batched step where the chunk fits its rows, or
+        # else split
+        mixed = (bool(prompt) and len(prompt) < len(batch) and self._mixes()
+                 and sum(len(take[s.rid]) for s in batch) <= self.batch_step.rows_max)
         scratch = None if mixed else self._scratch_prompt(prompt)  # its rows come last
         if scratch is not None:
             batch = [s for s in batch if s.prefilled] + [scratch]
@@ -363,16 +369,14 @@ class BatchRunner:
         """Each sequence's tokens for the next pass. While some decode, the prompts' tokens
         in it are at most prompt_while_decoding (--prompt-while-decoding), oldest first, so a
         long prompt arriving holds the others' next token for one such chunk at a time, not for
-        a whole prompt chunk. Where the step mixes (_mixes), one prompt's chunk fills the
-        batched step's rows the decoders leave (tuning.MIXED_STEP_ROWS in all); else, where
-        the pool has a scratch (CUDA), one prompt at a time, so the step splits onto the prompt
-        graphs instead of one eager forward for several prompts."""
+        a whole prompt chunk. Where steps may mix (_mixes) or the pool has a scratch (CUDA),
+        one prompt at a time: its chunk rides in the decoders' batched step where it fits the
+        rows they leave (tuning.MIXED_STEP_ROWS in all: a chunk of --prompt-while-decoding 16
+        beside up to 16 decoders, or a prompt's short rest), else the step splits onto the
+        prompt graphs instead of one eager forward for several prompts."""
         decoding = sum(s.prefilled for s in batch)
         budget = self.prompt_while_decoding if decoding else None
-        mixed = decoding and self._mixes()
-        if mixed:
-            budget = min(budget, self.batch_step.rows_max - decoding)
-        prompts = 1 if decoding and (mixed or self.scratch is not None) else len(batch)
+        prompts = 1 if decoding and (self._mixes() or self.scratch is not None) else len(batch)
         take = {}
         for s in batch:
             t = self._take(s)

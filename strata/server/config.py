@@ -117,8 +117,9 @@ HELP = {
               "and decode graphs captured before the first request; 0: off (1)",
     "prompt_while_decoding": "the most prompt tokens a step takes while other requests decode "
                              "(their next token waits for the step): fewer keep their "
-                             "inter-token latency lower and a new prompt's first token later "
-                             "(512)",
+                             "inter-token latency lower and a new prompt's first token later; "
+                             "a chunk that fits the batched step's rows beside them rides in "
+                             "it (512)",
     "prefix_cache": "GiB of host RAM for finished requests' keys and values: a prompt that "
                     "starts like one of them computes only the rest (1; 0: off)",
 }
