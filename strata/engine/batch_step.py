@@ -72,12 +72,10 @@ def step_sizes(slots: int, recurrent: bool) -> tuple[int, ...]:
     that carry a prompt's tokens beside the decoding sequences' (more rows than sequences)."""
     if slots > BATCH_SIZES[-1]:
         raise ValueError(f"{slots} sequences: the batched step runs at most {BATCH_SIZES[-1]}")
-    sizes = tuple(s for s in BATCH_SIZES if s < slots) + (slots,)
-    if recurrent:
-        return sizes
-    return sizes + tuple(1 << i for i in range(MIXED_STEP_ROWS.bit_length())
-                         if slots < 1 << i < MIXED_STEP_ROWS) + (
-        (MIXED_STEP_ROWS,) if slots < MIXED_STEP_ROWS else ())
+    sizes = [s for s in BATCH_SIZES if s < slots] + [slots]
+    while not recurrent and sizes[-1] < MIXED_STEP_ROWS:  # (the next power of two, capped)
+        sizes.append(min(MIXED_STEP_ROWS, 1 << sizes[-1].bit_length()))
+    return tuple(sizes)
 
 
 def rows_bytes(cfg, size: int, slots: int) -> int:  # noqa: ANN001 (a ModelConfig)

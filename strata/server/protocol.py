@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.kernels.tuning import PREFILL_WHILE_DECODING
+
 
 @dataclass(frozen=True)
 class Submit:
@@ -142,4 +144,5 @@ class EngineOptions:
     start: int = 1
     prefix_cache_bytes: int = 0  # host bytes of finished requests' KV rows kept for reuse
     warmup: bool = True  # run the first passes at load (strata.server.warmup)
-    prompt_while_decoding: int = 512  # the most prompt tokens a step takes while others decode
+    # the most prompt tokens a step takes while others decode (--prompt-while-decoding)
+    prompt_while_decoding: int = PREFILL_WHILE_DECODING

@@ -48,8 +48,8 @@ class SharedExpert:
     fused types runs as one expert through the MoE decode kernels (moe_forward, float32
     activations), its gate (a sigmoid in the rows-dot launch) as the pair's routing weight: three
     launches for the gate, gate/up/silu and down with the gate's product, where the GEMVs and
-    torch ops took seven (Qwen3.6's profile: 160 torch
-    launches a step, bench/2026-12-06-h100-glue.md)."""
+    torch ops took seven (Qwen3.6's profile: 160 torch launches a step,
+    bench/2026-12-06-h100-glue.md)."""
 
     def __init__(self, lw: LayerWeights):
         self.lw = lw
