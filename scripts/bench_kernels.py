@@ -302,10 +302,12 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
             tile = tuple(int(v) for v in path[4:].split("x"))
             moe_forward_mmq(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), out, tile=tile,
                             **kw)
-        elif path.startswith("pairs"):  # "pairs-pm": the pair-major grid (moe.pair_major)
+        elif path.startswith("pairs"):  # "pairs-pm": the pair-major grid (moe.pair_major);
+            # "pairs-once": the expert-once kernels (moe_once.py) where the types have them
             moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
                                 out=out, path="pairs", x8=True,
-                                tiles={"pair_major": (int(path == "pairs-pm"),)}, **kw)
+                                tiles={"pair_major": (int(path == "pairs-pm"),),
+                                       "once": (int(path == "pairs-once"),)}, **kw)
         else:
             moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
                                 out=out, path=path, **kw)
@@ -325,13 +327,14 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
 def prompt_paths(tokens: int, types: tuple[str, str, str],
                  mmq_tiles: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The paths timed at a token count: the per-pair kernels up to 64 tokens (past that each
-    pair's own read of its expert is far from what the others cost); the integer tensor-core
+    pair's own read of its expert is far from what the others cost), beside them the
+    expert-once kernels; the integer tensor-core
     kernels (moe_mmq.py) for the types they compute (MXFP4 too, whatever tuning.MMQ_MXFP4),
     at their default tile and at each of mmq_tiles ("mmq:BMxBNxWARPS")."""
     from strata.kernels.gpu.moe_mmq import mmq_kernel_types
 
     _, _, _, d, f, _, biased = prompt_layer(types)
-    paths = (("pairs", "pairs-pm", "tl.dot", "grouped") if tokens <= 64
+    paths = (("pairs", "pairs-pm", "pairs-once", "tl.dot", "grouped") if tokens <= 64
              else ("tl.dot", "grouped"))
     qt = tuple(QType[q] for q in types[:3])
     act = "swiglu_oai" if biased else "swiglu"

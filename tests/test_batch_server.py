@@ -474,8 +474,9 @@ def test_served_prompts_replay_the_prompt_graphs_in_the_scratch(synth):
     replayed = model.chunks.steps["replayed"]
     runner.submit(_submit("a", PROMPTS[1] * 3, 6))
     runner.step()  # a's prompt alone: in the scratch
-    runner.submit(_submit("b", PROMPTS[2], 6))
-    runner.step()  # b's beside a's token: in the scratch too
+    runner.submit(_submit("b", PROMPTS[2] * 8, 6))
+    runner.step()  # b's beside a's token: in the scratch too (its prompt longer than the rows
+    # a mixed step leaves beside a)
     # (each replays its bucket's graph, captured at the warm-up)
     assert model.chunks.steps["replayed"] == replayed + 2
     texts = _texts(runner, sent, [])

@@ -407,7 +407,7 @@ def test_prompt_chunks_in_the_batched_steps_graphs_on_cuda(synth):
     step = BatchStep(engine.model, pool, "graphs")
     caches = [pool.take() for _ in range(3)]
     seqs = [list(PROMPTS[0]), list(PROMPTS[2]), []]
-    for p, kv in zip(seqs[:2], caches, strict=True):
+    for p, kv in zip(seqs[:2], caches[:2], strict=True):
         prefill(engine, p, kv)
     for r in range(4):  # 12 rows a step: size 16
         fed = [[3 + r], [17 + r], list(range(100 + 10 * r, 110 + 10 * r))]

@@ -264,6 +264,36 @@ def test_gate_up_q8_compiles_for_sm90() -> None:
     assert all(re.search(r"tensor<4xf32", ln) for ln in converts), converts
 
 
+def test_moe_once_compiles_for_sm90() -> None:
+    """Without a GPU: the expert-once kernels compile for sm_90 with their dp4a, rows held once
+    (ONE) and re-read; held, the weight loads sit before the pairs' loop (none inside it)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from strata.kernels.gpu import moe_once
+
+    types = {"xq": "*i8", "hq": "*i8", "xs4": "*fp32", "hs4": "*fp32", "hdx": "*fp32",
+             "ids": "*i32", "wts": "*fp32", "slot_of": "*i32", "gate": "*u8", "up": "*u8",
+             "down": "*u8", "h": "*fp32", "part": "*fp32"}
+    for fn in (moe_once._gate_up_once_q8_kernel, moe_once._down_once_q8_kernel,
+               moe_once._down_once_q6k_q8_kernel):
+        for one in (True, False):
+            consts = {"R": 4, "BB": 4, "PB": 128, "ONE": one}
+            if "TOPK" in fn.arg_names:
+                consts["TOPK"] = 8
+            sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+            ptx = k.asm["ptx"]
+            assert "dp4a.u32.s32" in ptx and k.asm["cubin"], (fn.__name__, one)
+            if one:  # (the weights' loads: u32 words of the slots, before the loop's label)
+                ttgir = k.asm["ttgir"]
+                loop = ttgir[ttgir.index("scf.for"):]
+                held = ttgir[:ttgir.index("scf.for")]
+                assert held.count("tt.load") >= 3, fn.__name__
+                assert loop.count("tt.load") < ttgir.count("tt.load"), fn.__name__
+
+
 def test_iq_moe_kernels_compile_for_sm90() -> None:
     """Without a GPU: the i-quant MoE kernels (gate/up, down) compile for sm_90 with their
     signed dp4a, IQ2_XS with its PRMT, IQ3_XXS with the popc of its sign bits. (The gate/up's
@@ -456,6 +486,58 @@ def test_moe_iq_run_under_the_interpreter() -> None:
                                  fresh_seed(), timeout=900)
 
 
+def test_moe_once_under_the_interpreter() -> None:
+    """The expert-once kernels (moe_once.py: a program per rows and expert, the pairs of one
+    expert found among the step's ids): bit for bit the per-pair kernels' output, summed and
+    unsummed, for Q4_K gate/up with a Q6_K and a Q4_K down; experts routed to 1-4 tokens, some
+    without a slot (their pairs zero), rows of a step's blocks held once (ONE: a row's blocks
+    in one step) and re-read (BB 2: d's three blocks in two steps); and near the reference with
+    x and h rounded (moe_ref x8)."""
+    run_interpreted(f"""
+    import torch
+    torch.manual_seed(seed)
+    from strata.kernels.gpu import moe_forward, moe_once
+    from strata.kernels.gpu.reference import moe_ref
+    from strata.quant import QType, random_rows
+    launched = []
+    class Counted:  # (each launch of an expert-once kernel, by name)
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(moe_once, name)
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+    for name in ("_gate_up_once_q8_kernel", "_down_once_q8_kernel", "_down_once_q6k_q8_kernel"):
+        setattr(moe_once, name, Counted(name))
+    rng = np.random.default_rng(seed)
+    e, d, f, t, k = 6, 768, 256, 4, 3
+    def rows(n, c, q):
+        return torch.from_numpy(random_rows(q, n, c, rng, 0.05))
+    slot_of = torch.tensor([2, -1, 0, 3, -1, 1], dtype=torch.int32)
+    # expert 0 in every token, 1 (no slot) in three, 5 in one; the rest at random
+    ids = torch.tensor([[0, 1, 5], [2, 0, 1], [0, 3, 1], [4, 2, 0]])
+    x, wts = torch.randn(t, d), torch.rand(t, k)
+    for down in (QType.Q6_K, QType.Q4_K):
+        layer = dict(slot_of_expert=slot_of, gate_slots=rows(4 * f, d, QType.Q4_K).view(4, f, -1),
+                     up_slots=rows(4 * f, d, QType.Q4_K).view(4, f, -1),
+                     down_slots=rows(4 * d, f, down).view(4, d, -1),
+                     qtypes=(QType.Q4_K, QType.Q4_K, down), d_model=d, d_expert=f)
+        ref = moe_ref(x, ids, wts, **layer, x8=True)
+        for bb in (4, 2):
+            tiles = dict(gate_up_q8=(64, bb, 1), down_q8=(256, bb, 1), down_q6k_q8=(256, bb, 1))
+            once = moe_forward(x, ids, wts, **layer, x8=True, tiles=dict(tiles, once=(1,)))
+            pairs = moe_forward(x, ids, wts, **layer, x8=True, tiles=dict(tiles, once=(0,)))
+            assert torch.equal(once, pairs), (down, bb, float((once - pairs).abs().max()))
+            assert float((once - ref).norm() / ref.norm()) < {X8_TOL}, (down, bb)
+            parts = moe_forward(x, ids, wts, **layer, x8=True, sum_pairs=False,
+                                tiles=dict(tiles, once=(1,)))
+            assert torch.equal(parts.sum(1), pairs), (down, bb)
+            assert (parts[ids == 1] == 0).all() and (parts[ids == 4] == 0).all()
+    assert launched == ["_gate_up_once_q8_kernel", "_down_once_q6k_q8_kernel"] * 4 + [
+        "_gate_up_once_q8_kernel", "_down_once_q8_kernel"] * 4, launched
+    print("ok")
+    """, fresh_seed(), timeout=600)
+
+
 # A pair's h comes from float32 sums in another order than the reference's, so a value next to
 # a rounding boundary may round to the other side: one such value moves a Qwen3-30B-A3B layer's
 # one-token output by 1e-4 to 1.1e-3 of its norm (measured on random Q4_K experts), so a few of
@@ -626,13 +708,18 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
                  down_slots=rows(slots * d, f, down).view(slots, d, -1),
                  qtypes=(q, q, down), d_model=d, d_expert=f)
     tol = X8_TOL
-    for t in (1, 4):
+    for t in (1, 4, 16):  # (4 and 16: 32 and 128 pairs, the expert-once kernels where they
+        # take the types: against the per-pair kernels' sums to float rounding)
         ids = torch.from_numpy(np.stack([rng.permutation(e)[:8] for _ in range(t)])).cuda()
         x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, 8, device="cuda")
         out = moe_forward(x, ids, wts, **layer, x8=True, tiles=tiles)
         ref = moe_ref(x, ids, wts, **layer, x8=True)
         err = float((out - ref).norm() / ref.norm())
         assert err < tol, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} with rounding"
+        if t > 1:
+            pairs = moe_forward(x, ids, wts, **layer, x8=True, tiles=dict(tiles, once=(0,)))
+            err = float((out - pairs).norm() / pairs.norm())
+            assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: {err:.2e} from per pair"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
         assert err < 3e-2, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} without"

@@ -113,6 +113,10 @@ PAIRS_MAX_T = 64
 # less kernel time at 64 and 128 pairs of the 30B-A3B layer under ncu, 2-3% more at 8.
 # bench/2026-12-06-h100-compare.md
 PAIR_MAJOR_MIN_PAIRS = 64
+# from this many pairs a call on the x8 per-pair kernels without miss rows (a batched step's)
+# takes moe_once.py's kernels instead, Q4_K gate/up and Q4_K / Q6_K down: a program per (rows,
+# expert) reading the expert once for all its pairs (tiles["once"] overrides). Not yet timed.
+MOE_ONCE_MIN_PAIRS = 16
 # --kernels fused: calls that would take tl.dot (a prompt chunk, a verify window past DECODE_MAX_T,
 # below the grouped path) run on the integer tensor-core kernels (moe_mmq.py: x and h rounded to
 # 8 bits per 32 values, as llama.cpp's MMQ) where the types allow (Q4_K gate/up, Q4_K / Q6_K

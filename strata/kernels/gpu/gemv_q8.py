@@ -138,13 +138,7 @@ def spread_dot(ra, rb, xw, xs, nb, TWO: tl.constexpr, BB: tl.constexpr, CG: tl.c
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = b < nb
-        xlo = tl.load(xw + b * 64 + c * 16 + v, mask=m, other=0)  # [BB, 4, 2, 1, 4]
-        xhi = tl.load(xw + b * 64 + c * 16 + 8 + v, mask=m, other=0)
-        xq = tl.load(xs + (b * 4 + c) * 4 + w4, mask=m & (hf == 0), other=0.0)
-        dxl = _pick(xq, 0)
-        dxh = _pick(xq, 1)
-        sxl = _pick(xq, 2)
-        sxh = _pick(xq, 3)
+        xlo, xhi, dxl, dxh, sxl, sxh = spread_x(xw, xs, b, m, c, v, w4, hf)
         acc_a += _spread_block(ra + b * 36, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh,
                                zero, CG)
         if TWO:
@@ -158,17 +152,27 @@ def spread_dot(ra, rb, xw, xs, nb, TWO: tl.constexpr, BB: tl.constexpr, CG: tl.c
 
 
 @triton.jit
-def _spread_block(blk, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh, zero,
-                  CG: tl.constexpr):
-    """[BB, 4, R]: each thread's pair of its block (int32 pointers blk) dotted with x̂."""
+def spread_x(xw, xs, b, m, c, v, w4, hf):
+    """x̂'s part for blocks b ([BB, 1, 1, 1, 1], mask m) in spread_dot's layout: its words for
+    each thread's low and high nibbles [BB, 4, 2, 1, 4], and the (dx, sx) of the pair's two
+    sub-blocks [BB, 4, 1] each."""
+    xlo = tl.load(xw + b * 64 + c * 16 + v, mask=m, other=0)  # [BB, 4, 2, 1, 4]
+    xhi = tl.load(xw + b * 64 + c * 16 + 8 + v, mask=m, other=0)
+    xq = tl.load(xs + (b * 4 + c) * 4 + w4, mask=m & (hf == 0), other=0.0)
+    return xlo, xhi, _pick(xq, 0), _pick(xq, 1), _pick(xq, 2), _pick(xq, 3)
+
+
+@triton.jit
+def q4k_weights(blk, m, c, v, w4, hf, c3, CG: tl.constexpr):
+    """A Q4_K block's part (int32 pointers blk) in spread_dot's layout: the thread's quant words
+    [BB, 4, 2, R, 4], then d, dmin and the pair's two 6-bit scales and mins as float32 [BB, 4,
+    R] (what does not depend on x: a kernel taking several x̂ against the same rows keeps it)."""
     if CG:
         qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0, cache_modifier=".cg")
         hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0, cache_modifier=".cg")
     else:
         qs = tl.load(blk + 4 + c * 8 + v, mask=m, other=0)  # [BB, 4, 2, R, 4]
         hd = tl.load(blk + w4 + c * 0, mask=m & (hf == 0), other=0)  # the header's words
-    ilo = tl.sum(tl.sum(_dp4a(qs & 0x0F0F0F0F, xlo, zero), axis=4), axis=2)  # [BB, 4, R]
-    ihi = tl.sum(tl.sum(_dp4a((qs >> 4) & 0x0F0F0F0F, xhi, zero), axis=4), axis=2)
     h0 = _pick(hd, 0)
     h1 = _pick(hd, 1)
     h2 = _pick(hd, 2)
@@ -177,9 +181,25 @@ def _spread_block(blk, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh, zero,
     sc_lo, mn_lo = scale_min((h1 >> sh) & 255, (h2 >> sh) & 255, (h3 >> sh) & 255, 2 * c3)
     sc_hi, mn_hi = scale_min((h1 >> (sh + 8)) & 255, (h2 >> (sh + 8)) & 255,
                               (h3 >> (sh + 8)) & 255, 2 * c3 + 1)
-    return (f16_bits(h0) * (i2f(sc_lo, 0.0) * dxl * _i2f_signed(ilo)
-                            + i2f(sc_hi, 0.0) * dxh * _i2f_signed(ihi))
-            - f16_bits(h0 >> 16) * (i2f(mn_lo, 0.0) * sxl + i2f(mn_hi, 0.0) * sxh))
+    return (qs, f16_bits(h0), f16_bits(h0 >> 16), i2f(sc_lo, 0.0), i2f(sc_hi, 0.0),
+            i2f(mn_lo, 0.0), i2f(mn_hi, 0.0))
+
+
+@triton.jit
+def q4k_dot(qs, d, dmin, sc_lo, sc_hi, mn_lo, mn_hi, xlo, xhi, dxl, dxh, sxl, sxh, zero):
+    """[BB, 4, R]: q4k_weights' part of a block dotted with spread_x's part of x̂."""
+    ilo = tl.sum(tl.sum(_dp4a(qs & 0x0F0F0F0F, xlo, zero), axis=4), axis=2)  # [BB, 4, R]
+    ihi = tl.sum(tl.sum(_dp4a((qs >> 4) & 0x0F0F0F0F, xhi, zero), axis=4), axis=2)
+    return (d * (sc_lo * dxl * _i2f_signed(ilo) + sc_hi * dxh * _i2f_signed(ihi))
+            - dmin * (mn_lo * sxl + mn_hi * sxh))
+
+
+@triton.jit
+def _spread_block(blk, m, c, v, w4, hf, c3, xlo, xhi, dxl, dxh, sxl, sxh, zero,
+                  CG: tl.constexpr):
+    """[BB, 4, R]: each thread's pair of its block (int32 pointers blk) dotted with x̂."""
+    qs, d, dmin, sc_lo, sc_hi, mn_lo, mn_hi = q4k_weights(blk, m, c, v, w4, hf, c3, CG)
+    return q4k_dot(qs, d, dmin, sc_lo, sc_hi, mn_lo, mn_hi, xlo, xhi, dxl, dxh, sxl, sxh, zero)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -242,22 +262,41 @@ def q6k_spread_dot(wbase, ro, xw, dx, nb, BB: tl.constexpr):
     for b0 in range(0, nb, BB):
         b = b0 + bb
         m = b < nb
-        o = ro + b * 210  # [BB, 1, 1, R, 1]: the block's bytes in each row
-        qa = _u32_at(wbase, o + 64 * h + 16 * q, i, m)  # [BB, 2, 2, R, 4]
-        qb = _u32_at(wbase, o + 64 * h + 32 + 16 * q, i, m)
-        qh = _u32_at(wbase, o + 128 + 32 * h + 16 * q, i, m)
-        hd = o + 208 + 0 * (h + q + i)  # d, the same for every word of the block
-        d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd).to(tl.pointer_type(tl.int16)),
-                    mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        for j in tl.static_range(4):
-            qj = _q6k_quants(qa, qb, qh, j)
-            xj = tl.load(xw + b * 64 + 32 * h + 8 * j + 4 * q + i, mask=m, other=0)
-            dot = _dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero)  # Σ (q - 32) xq
-            sc = tl.load(wbase.to(tl.pointer_type(tl.int8)) + o + 192 + 8 * h + 2 * j + q
-                         + 0 * i, mask=m, other=0).to(tl.int32)  # the 16 values' scale
-            dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * (q + i), mask=m, other=0.0)
-            acc += (d * dxj) * _i2f_signed(sc * dot)
+        qa, qb, qh, d, s0, s1, s2, s3 = q6k_weights(wbase, ro + b * 210, m, h, q, i)
+        acc = q6k_dot(acc, qa, qb, qh, d, s0, s1, s2, s3, xw, dx, b, m, h, q, i, zero, ones)
     return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=2), axis=1), axis=0)
+
+
+@triton.jit
+def q6k_weights(wbase, o, m, h, q, i):
+    """A Q6_K block's part in q6k_spread_dot's layout (o [BB, 1, 1, R, 1]: the block's byte
+    offset in each row): the thread's words of ql (two) and qh [BB, 2, 2, R, 4], d [BB, 1, 1,
+    R, 1] and the int8 scales of its four sub-blocks [BB, 2, 2, R, 1] (what does not depend on
+    x)."""
+    qa = _u32_at(wbase, o + 64 * h + 16 * q, i, m)  # [BB, 2, 2, R, 4]
+    qb = _u32_at(wbase, o + 64 * h + 32 + 16 * q, i, m)
+    qh = _u32_at(wbase, o + 128 + 32 * h + 16 * q, i, m)
+    hd = o + 208 + 0 * (h + q + i)  # d, the same for every word of the block
+    d = tl.load((wbase.to(tl.pointer_type(tl.int8)) + hd).to(tl.pointer_type(tl.int16)),
+                mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    b8 = wbase.to(tl.pointer_type(tl.int8)) + o + 192 + 8 * h + q  # the 16 values' scales
+    return (qa, qb, qh, d, tl.load(b8, mask=m, other=0).to(tl.int32),
+            tl.load(b8 + 2, mask=m, other=0).to(tl.int32),
+            tl.load(b8 + 4, mask=m, other=0).to(tl.int32),
+            tl.load(b8 + 6, mask=m, other=0).to(tl.int32))
+
+
+@triton.jit
+def q6k_dot(acc, qa, qb, qh, d, s0, s1, s2, s3, xw, dx, b, m, h, q, i, zero, ones):
+    """acc [BB, 2, 2, R, 4] plus q6k_weights' part of blocks b (mask m) dotted with x̂'s."""
+    for j in tl.static_range(4):
+        qj = _q6k_quants(qa, qb, qh, j)
+        xj = tl.load(xw + b * 64 + 32 * h + 8 * j + 4 * q + i, mask=m, other=0)
+        dot = _dp4a(qj, xj, zero) - 32 * _dp4a(ones, xj, zero)  # Σ (q - 32) xq
+        sc = s0 if j == 0 else (s1 if j == 1 else (s2 if j == 2 else s3))
+        dxj = tl.load(dx + b * 8 + 4 * h + j + 0 * (q + i), mask=m, other=0.0)
+        acc += (d * dxj) * _i2f_signed(sc * dot)
+    return acc
 
 
 @triton.jit(do_not_specialize=["N", "K"])

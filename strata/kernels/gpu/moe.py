@@ -66,6 +66,7 @@ from strata.kernels.tuning import (
     IQ_GROUPED_MIN_TOKENS,
     MMQ_GROUPED_MIN_TOKENS,
     MMQ_PROMPT,
+    MOE_ONCE_MIN_PAIRS,
     MXFP4_X8,
     PAIR_MAJOR_MIN_PAIRS,
     PAIRS_MAX_T,
@@ -81,9 +82,11 @@ IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)  # the i-quant types with int8-activation 
 # in the run form (gemv_q8.iq_run_dot) where d_model is a multiple of 2048 and the parts 16-byte
 # aligned (off unless given: strata.kernels.tuning says why); "gate_up_mx8" / "down_mx8" ->
 # (R, BB, warps): MXFP4 gate/up and down on 8-bit activations (gemv_q8.mxfp4_spread_dot; off
-# unless given or tuning.MXFP4_X8)
+# unless given or tuning.MXFP4_X8); "pair_major" / "once" -> (1,) or (0,): the per-pair grid
+# pair-major, the expert-once kernels (moe_once.py), instead of PAIR_MAJOR_MIN_PAIRS' /
+# MOE_ONCE_MIN_PAIRS' choice
 TILE_KEYS = ("gate_up", "down_pairs", "gate_up_q8", "down_q8", "down_q6k_q8", "gate_up_iq",
-             "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8", "pair_major")
+             "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8", "pair_major", "once")
 
 
 def _mx8(qtypes: tuple[int, ...], d: int, f: int,
@@ -547,10 +550,18 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
 
         xq, _, xs4 = quantize_x(x.contiguous())
         r, bb, warps = tiles.get("gate_up_q8") or GATE_UP_Q8_TILE
-        _gate_up_q8_kernel[_x8_grid(f, r, p, pm)](
-            xq, xs4, ids, weights, slot_of, gate, up, h, mg, mu, d, f, gate.stride(0),
-            up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
-            MISS=miss is not None, HOST_FROM=host, PM=pm, num_warps=warps)
+        if expert_once(p, miss is not None, tiles):
+            from strata.kernels.gpu.moe_once import _gate_up_once_q8_kernel, once_grid
+
+            _gate_up_once_q8_kernel[once_grid(f, r, p)](
+                xq, xs4, ids, weights, slot_of, gate, up, h, d, f, p, gate.stride(0),
+                up.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
+                PB=triton.next_power_of_2(p), ONE=d // 256 <= bb, num_warps=warps)
+        else:
+            _gate_up_q8_kernel[_x8_grid(f, r, p, pm)](
+                xq, xs4, ids, weights, slot_of, gate, up, h, mg, mu, d, f, gate.stride(0),
+                up.stride(0), mg.stride(0), gate.shape[2], TOPK=topk, R=r, BB=bb,
+                MISS=miss is not None, HOST_FROM=host, PM=pm, num_warps=warps)
         return _decode_down(h, ids, slot_of, down, md, fd, td, td2, out, t, topk, d, f, miss,
                             accumulate, host, x8, tiles)
     bg, bu, bd = bias if bias is not None else (tg, tg, tg)  # (unread without BIAS)
@@ -612,10 +623,22 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         q4 = fd.qtype == QType.Q4_K
         r, bb, warps = ((tiles.get("down_q8") or DOWN_Q8_TILE) if q4
                         else (tiles.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
-        (_down_q8_kernel if q4 else _down_q6k_q8_kernel)[_x8_grid(d, r, p, pm)](
-            hq, hs4 if q4 else hdx, ids, slot_of, down, part, md, d, f, down.stride(0),
-            md.stride(0), down.shape[2], TOPK=topk, R=r, BB=bb, MISS=miss is not None,
-            HOST_FROM=host_from, PM=pm, num_warps=warps)
+        if expert_once(p, miss is not None, tiles):
+            from strata.kernels.gpu.moe_once import (
+                _down_once_q6k_q8_kernel,
+                _down_once_q8_kernel,
+                once_grid,
+            )
+
+            (_down_once_q8_kernel if q4 else _down_once_q6k_q8_kernel)[once_grid(d, r, p)](
+                hq, hs4 if q4 else hdx, ids, slot_of, down, part, d, f, p, down.stride(0),
+                down.shape[2], R=r, BB=bb, PB=triton.next_power_of_2(p), ONE=f // 256 <= bb,
+                num_warps=warps)
+        else:
+            (_down_q8_kernel if q4 else _down_q6k_q8_kernel)[_x8_grid(d, r, p, pm)](
+                hq, hs4 if q4 else hdx, ids, slot_of, down, part, md, d, f, down.stride(0),
+                md.stride(0), down.shape[2], TOPK=topk, R=r, BB=bb, MISS=miss is not None,
+                HOST_FROM=host_from, PM=pm, num_warps=warps)
     else:
         bn, bk, stages, warps = (tiles.get("down_pairs")
                                  or decode_tile(DOWN_TILE, (fd,), f))
@@ -640,6 +663,17 @@ def pair_major(p: int, tiles: Mapping[str, tuple[int, ...]]) -> bool:
     if "pair_major" in tiles:
         return bool(tiles["pair_major"][0])
     return p >= PAIR_MAJOR_MIN_PAIRS
+
+
+def expert_once(p: int, miss: bool, tiles: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether an x8 call with p pairs takes moe_once.py's kernels (each expert read once for
+    its pairs) where its types have them: without miss rows, from MOE_ONCE_MIN_PAIRS pairs, or
+    as tiles["once"] = (1,) / (0,) says."""
+    if miss:
+        return False
+    if "once" in tiles:
+        return bool(tiles["once"][0])
+    return p >= MOE_ONCE_MIN_PAIRS
 
 
 def _x8_grid(n: int, r: int, p: int, pm: bool) -> tuple[int, int]:
