@@ -148,6 +148,17 @@ _INTERPRETED_X8 = """
         taken.clear()
         assert float((gemv_x8(x, w, q) - ref).norm() / ref.norm()) < 2e-5, (q, k)
         assert taken == ([(q.name, split)] if split else []), (q, k, shift, taken)
+    # gemm_x8_tokens: a few tokens, each row read once for all of them: a row's blocks held in
+    # one step (768: 3 of 4), or walked in steps (4608: 18 in steps of 16, the second masked;
+    # 512 in steps of 1)
+    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens
+    for q in (QType.Q4_K, QType.Q6_K):
+        for m, n, k, tile in ((3, 9, 768, None), (2, 5, 4608, (2, 16, 2)), (4, 7, 512, (4, 1, 1))):
+            w = torch.from_numpy(random_rows(q, n, k, rng, 0.05))
+            x = torch.randn(m, k)
+            ref = matmul_ref(round8(x), w, q)
+            got = gemm_x8_tokens(x, w, q, tile)
+            assert got.shape == (m, n) and float((got - ref).norm() / ref.norm()) < 2e-5, (q, k)
 """
 
 
@@ -265,22 +276,24 @@ def test_gate_up_q8_compiles_for_sm90() -> None:
 
 
 def test_moe_once_compiles_for_sm90() -> None:
-    """Without a GPU: the expert-once kernels compile for sm_90 with their dp4a, rows held once
-    (ONE) and re-read; held, the weight loads sit before the pairs' loop (none inside it)."""
+    """Without a GPU: the expert-once kernels and the dense few-token ones (gemm_x8_tokens)
+    compile for sm_90 with their dp4a, rows held once (ONE) and re-read; held, some weight
+    loads sit before the pairs' (tokens') loop."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from strata.kernels.gpu import moe_once
+    from strata.kernels.gpu import gemv_q8, moe_once
 
     types = {"xq": "*i8", "hq": "*i8", "xs4": "*fp32", "hs4": "*fp32", "hdx": "*fp32",
              "ids": "*i32", "wts": "*fp32", "slot_of": "*i32", "gate": "*u8", "up": "*u8",
              "down": "*u8", "h": "*fp32", "part": "*fp32"}
+    types.update({"w": "*u8", "y": "*fp32", "dx": "*fp32"})
     for fn in (moe_once._gate_up_once_q8_kernel, moe_once._down_once_q8_kernel,
-               moe_once._down_once_q6k_q8_kernel):
+               moe_once._down_once_q6k_q8_kernel, gemv_q8._gemm_q4k_tokens_kernel,
+               gemv_q8._gemm_q6k_tokens_kernel):
         for one in (True, False):
-            consts = {"R": 4, "BB": 4, "PB": 128, "ONE": one}
-            if "TOPK" in fn.arg_names:
-                consts["TOPK"] = 8
+            consts = {a: v for a, v in (("R", 4), ("BB", 4), ("PB", 128), ("ONE", one),
+                                        ("TOPK", 8)) if a in fn.arg_names}
             sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
@@ -290,7 +303,7 @@ def test_moe_once_compiles_for_sm90() -> None:
                 ttgir = k.asm["ttgir"]
                 loop = ttgir[ttgir.index("scf.for"):]
                 held = ttgir[:ttgir.index("scf.for")]
-                assert held.count("tt.load") >= 3, fn.__name__
+                assert held.count("tt.load") >= 2, fn.__name__  # (quants and header)
                 assert loop.count("tt.load") < ttgir.count("tt.load"), fn.__name__
 
 
@@ -733,7 +746,8 @@ def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
     split across a row's two runs at K 4096; rows 4 bytes past a 16-byte boundary: the spread
     forms): the product
     with round8(x) to float rounding, within the rounding of the product with x; a small matrix
-    or two tokens keep float32 x."""
+    keeps float32 x for one token, and two tokens take 8-bit x over Q4_K and Q6_K rows
+    (gemm_x8_tokens, or MMQ at the head) and float32 x over the i-quants."""
     from strata.kernels.gpu.reference import matmul_ref, round8
     from strata.model.weights import X8_MIN_ROWS, QuantTensor
     from strata.quant import QType, random_rows
@@ -759,8 +773,11 @@ def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
             assert float((y - exact).norm() / exact.norm()) < 3e-2
         else:
             assert float((y - exact).norm() / exact.norm()) < 2e-5, (n, k, seed)
-        y2 = w.matmul_t(torch.cat([x, x]))  # two tokens: float32 x
-        assert float((y2[0] - exact[0]).norm() / exact.norm()) < 2e-5, (n, k, seed)
+        y2 = w.matmul_t(torch.cat([x, x]))  # two tokens: 8-bit x for Q4_K / Q6_K (the
+        # head's rows on MMQ, the others gemm_x8_tokens), float32 x for the i-quants
+        two = rounded if q in (QType.Q4_K, QType.Q6_K) else exact
+        for row in y2:
+            assert float((row - two[0]).norm() / two.norm()) < 2e-5, (n, k, seed)
 
 
 def test_quant_tensor_x8_only_where_it_pays() -> None:
@@ -779,6 +796,15 @@ def test_quant_tensor_x8_only_where_it_pays() -> None:
     assert not qt(QType.Q6_K, X8_MIN_ROWS - 1)._x8_for(one)
     assert not qt(QType.Q8_0, X8_MIN_ROWS)._x8_for(one)
     assert all(qt(q, X8_MIN_ROWS)._x8_for(one) for q in (QType.IQ2_XS, QType.IQ3_XXS))
+    # a few tokens (a batched step's) over Q4_K / Q6_K rows of any count: gemm_x8_tokens
+    from strata.kernels.tuning import DENSE_X8_MAX_T
+
+    many = torch.zeros(DENSE_X8_MAX_T, 512)
+    assert qt(QType.Q4_K, 64)._x8_tokens_for(two) and qt(QType.Q6_K, 64)._x8_tokens_for(many)
+    assert not qt(QType.Q4_K, 64)._x8_tokens_for(one)
+    assert not qt(QType.Q4_K, 64)._x8_tokens_for(torch.zeros(DENSE_X8_MAX_T + 1, 512))
+    assert not qt(QType.IQ2_XS, 64)._x8_tokens_for(two) and not qt(QType.Q8_0, 64)._x8_tokens_for(
+        two)
 
 
 def test_spread_gemvs_refuse_bad_arguments() -> None:

@@ -81,6 +81,12 @@ GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 # x is one more launch (~1.2 us a graph) that a short GEMV would not win back; an estimate, timed
 # only from 14336 rows. bench/2026-11-30-h200-iquants.md
 X8_MIN_ROWS = 8192
+# --kernels fused: a dense matmul of 2 to DENSE_X8_MAX_T tokens (a batched step's) over Q4_K or Q6_K
+# rows rounds x to 8 bits and reads each row once for every token (gemv_q8.gemm_x8_tokens:
+# DENSE_X8_ROWS rows a program, the row's blocks held in registers) instead of the tensor-core
+# kernel with its split of K. Not yet timed.
+DENSE_X8_MAX_T = 32
+DENSE_X8_ROWS = 4
 
 # ---- the token embedding (model/weights.py, kernels/gpu/host_rows.py) --------------------------
 

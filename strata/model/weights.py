@@ -17,7 +17,7 @@ import torch
 
 from strata.config import ModelConfig
 from strata.gguf import ModelFile, TensorRef
-from strata.kernels.tuning import EMBED_ON_HOST, X8_MIN_ROWS
+from strata.kernels.tuning import DENSE_X8_MAX_T, EMBED_ON_HOST, X8_MIN_ROWS
 from strata.quant import QType, dequant_rows, dequantize, dequantize_into
 
 log = logging.getLogger("strata")
@@ -34,7 +34,8 @@ class QuantTensor:
     n_cols: int
     fused_max_t: int = 1 << 30  # tokens up to which the fused kernels run (CUDA)
     x8: bool = False  # one token: x rounded to 8 bits for a large matrix of gemv_x8's types
-    # (Q4_K, Q6_K, IQ2_XS, IQ3_XXS; --kernels fused); a few: moe_mmq.mmq_matmul_takes's
+    # (Q4_K, Q6_K, IQ2_XS, IQ3_XXS; --kernels fused); a few: moe_mmq.mmq_matmul_takes's, else
+    # gemv_q8.gemm_x8_tokens's (Q4_K, Q6_K)
     # the CPU: a 2-D matrix multiplied on ggml's kernels (strata.kernels.cpu.ggml_dense)
     cpu_matmul: Any = None
 
@@ -70,6 +71,14 @@ class QuantTensor:
                 and w.shape[0] >= X8_MIN_ROWS and self.n_cols % 256 == 0 and w.stride(1) == 1
                 and w.data_ptr() % 4 == 0 and (self.qtype != QType.Q4_K or w.stride(0) % 4 == 0))
 
+    def _x8_tokens_for(self, x: torch.Tensor) -> bool:
+        """2 to DENSE_X8_MAX_T tokens over a Q4_K or Q6_K matrix, 4-byte aligned as _x8_for
+        asks (gemv_q8.gemm_x8_tokens)."""
+        w = self.raw
+        return (1 < x.shape[0] <= DENSE_X8_MAX_T and self.qtype in (QType.Q4_K, QType.Q6_K)
+                and w.dim() == 2 and self.n_cols % 256 == 0 and w.stride(1) == 1
+                and w.data_ptr() % 4 == 0 and (self.qtype != QType.Q4_K or w.stride(0) % 4 == 0))
+
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else
         dequantizing a chunk of rows at a time. x: [T, n_cols] -> [T, N]"""
@@ -85,6 +94,10 @@ class QuantTensor:
 
                 if mmq_matmul_takes(x, self.raw, self.qtype):
                     return mmq_matmul(x, self.raw, self.qtype)
+                if self._x8_tokens_for(x):  # a batched step's: each row read once for all
+                    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens
+
+                    return gemm_x8_tokens(x, self.raw, self.qtype)
             from strata.kernels.gpu import quant_matmul
 
             return quant_matmul(x.contiguous(), self.raw, self.qtype)

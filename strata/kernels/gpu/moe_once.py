@@ -26,12 +26,14 @@ import triton.language as tl
 
 from strata.kernels.gpu.gemv_q8 import (
     _row_offsets,
-    q4k_dot,
+    held_q4k_dot,
+    held_q6k_dot,
     q4k_weights,
-    q6k_dot,
+    q6k_layout,
     q6k_spread_dot,
     q6k_weights,
     spread_dot,
+    spread_layout,
     spread_rows,
     spread_x,
 )
@@ -70,13 +72,7 @@ def _gate_up_once_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, D, F, P, st
         ra = spread_rows(gate + tl.maximum(slot, 0).to(tl.int64) * stride_gs, n, F, row_bytes)
         rb = spread_rows(up + tl.maximum(slot, 0).to(tl.int64) * stride_us, n, F, row_bytes)
         if ONE:  # the rows' one step of blocks, read once (spread_dot's layout)
-            b = tl.arange(0, BB)[:, None, None, None, None]
-            c = tl.arange(0, 4)[None, :, None, None, None]
-            hf = tl.arange(0, 2)[None, None, :, None, None]
-            w4 = tl.arange(0, 4)[None, None, None, None, :]
-            v = hf * 4 + w4
-            c3 = tl.arange(0, 4)[None, :, None]
-            zero = tl.zeros((BB, 4, 2, R, 4), tl.int32)
+            b, c, hf, w4, v, c3, zero = spread_layout(BB, R)
             m = (b < nb) & (slot >= 0)
             ga = q4k_weights(ra + b * 36, m, c, v, w4, hf, c3, False)
             ua = q4k_weights(rb + b * 36, m, c, v, w4, hf, c3, False)
@@ -85,15 +81,10 @@ def _gate_up_once_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, D, F, P, st
             if slot >= 0:
                 t = (p // TOPK).to(tl.int64)
                 xw = (xq + t * D).to(tl.pointer_type(tl.int32))
-                if ONE:
-                    xlo, xhi, dxl, dxh, sxl, sxh = spread_x(xw, xs4 + t * (D // 16), b, m, c, v,
-                                                            w4, hf)
-                    g = tl.sum(tl.sum(q4k_dot(ga[0], ga[1], ga[2], ga[3], ga[4], ga[5], ga[6],
-                                              xlo, xhi, dxl, dxh, sxl, sxh, zero), axis=1),
-                               axis=0)
-                    u = tl.sum(tl.sum(q4k_dot(ua[0], ua[1], ua[2], ua[3], ua[4], ua[5], ua[6],
-                                              xlo, xhi, dxl, dxh, sxl, sxh, zero), axis=1),
-                               axis=0)
+                if ONE:  # (x̂'s part read once for both)
+                    xp = spread_x(xw, xs4 + t * (D // 16), b, m, c, v, w4, hf)
+                    g = held_q4k_dot(ga, xp, zero)
+                    u = held_q4k_dot(ua, xp, zero)
                 else:
                     g, u = spread_dot(ra, rb, xw, xs4 + t * (D // 16), nb, True, BB, False)
                 hv = g / (1.0 + tl.exp(-g)) * u * tl.load(wts + p).to(tl.float32)
@@ -116,13 +107,7 @@ def _down_once_q8_kernel(hq, hs4, ids, slot_of, down, part, D, F, P, stride_ds, 
         rows = spread_rows(down + tl.maximum(slot, 0).to(tl.int64) * stride_ds, n, D,
                            row_bytes)
         if ONE:
-            b = tl.arange(0, BB)[:, None, None, None, None]
-            c = tl.arange(0, 4)[None, :, None, None, None]
-            hf = tl.arange(0, 2)[None, None, :, None, None]
-            w4 = tl.arange(0, 4)[None, None, None, None, :]
-            v = hf * 4 + w4
-            c3 = tl.arange(0, 4)[None, :, None]
-            zero = tl.zeros((BB, 4, 2, R, 4), tl.int32)
+            b, c, hf, w4, v, c3, zero = spread_layout(BB, R)
             m = (b < nb) & (slot >= 0)
             wa = q4k_weights(rows + b * 36, m, c, v, w4, hf, c3, False)
         for _pair in range(count):
@@ -131,10 +116,7 @@ def _down_once_q8_kernel(hq, hs4, ids, slot_of, down, part, D, F, P, stride_ds, 
                 hw = (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32))
                 hs = hs4 + p.to(tl.int64) * (F // 16)
                 if ONE:
-                    xlo, xhi, dxl, dxh, sxl, sxh = spread_x(hw, hs, b, m, c, v, w4, hf)
-                    total = tl.sum(tl.sum(q4k_dot(wa[0], wa[1], wa[2], wa[3], wa[4], wa[5],
-                                                  wa[6], xlo, xhi, dxl, dxh, sxl, sxh, zero),
-                                          axis=1), axis=0)
+                    total = held_q4k_dot(wa, spread_x(hw, hs, b, m, c, v, w4, hf), zero)
                 else:
                     total, _ = spread_dot(rows, rows, hw, hs, nb, False, BB, False)
             tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
@@ -155,12 +137,7 @@ def _down_once_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, D, F, P, stride_
         base = (down + tl.maximum(slot, 0).to(tl.int64) * stride_ds).to(tl.pointer_type(tl.int32))
         ro = _row_offsets(n, D, row_bytes)[None, None, None, :, None]
         if ONE:
-            b = tl.arange(0, BB)[:, None, None, None, None]
-            hh = tl.arange(0, 2)[None, :, None, None, None]
-            q = tl.arange(0, 2)[None, None, :, None, None]
-            i = tl.arange(0, 4)[None, None, None, None, :]
-            zero = tl.zeros((BB, 2, 2, R, 4), tl.int32)
-            ones = zero + 0x01010101
+            b, hh, q, i, zero, ones = q6k_layout(BB, R)
             m = (b < nb) & (slot >= 0)
             wa = q6k_weights(base, ro + b * 210, m, hh, q, i)
         for _pair in range(count):
@@ -169,10 +146,7 @@ def _down_once_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, D, F, P, stride_
                 hw = (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32))
                 hd = hdx + p.to(tl.int64) * (F // 32)
                 if ONE:
-                    acc = q6k_dot(tl.zeros((BB, 2, 2, R, 4), tl.float32), wa[0], wa[1], wa[2],
-                                  wa[3], wa[4], wa[5], wa[6], wa[7], hw, hd, b, m, hh, q, i,
-                                  zero, ones)
-                    total = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=2), axis=1), axis=0)
+                    total = held_q6k_dot(wa, hw, hd, b, m, hh, q, i, zero, ones)
                 else:
                     total = q6k_spread_dot(base, ro, hw, hd, nb, BB)
             tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
