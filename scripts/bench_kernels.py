@@ -145,11 +145,13 @@ def _graph_time(calls: list, rep_ms: int) -> float:
 
 def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | None = None,
              gemv_max_m: int | None = None, split_k: int | None = None,
-             mmq: bool = False) -> dict:
+             mmq: bool = False, x8: bool = False) -> dict:
     """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m, gemv_max_m,
     split_k: quant_matmul's (None: its default); mmq: moe_mmq.mmq_matmul instead (the integer
-    tensor cores, x rounded to 8 bits)."""
+    tensor cores, x rounded to 8 bits); x8: gemv_q8.gemm_x8_tokens (x rounded to 8 bits, each
+    row read once for every token; x's rounding in the time)."""
     from strata.kernels.gpu import quant_matmul
+    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens
     from strata.kernels.gpu.moe_mmq import mmq_matmul
 
     name, shape, m, cfg = case
@@ -165,6 +167,7 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | 
     if split_k is not None:
         kw["split_k"] = split_k
     calls = [(lambda w=w: mmq_matmul(x, w, qt, out=y)) if mmq else
+             (lambda w=w: gemm_x8_tokens(x, w, qt)) if x8 else
              (lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw)) for w in ws]
     if not timed:
         calls[0]()
@@ -395,13 +398,14 @@ def precompile(jobs: list[tuple], workers: int) -> None:
 def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
     """The batched decode step's dense matmuls: each shape and type at B tokens on the FMA
     GEMV (token groups of four), on the tensor-core kernel with K split as gemm_split says and
-    unsplit, and on the integer tensor cores (moe_mmq.mmq_matmul, Q4_K and Q6_K), graph
+    unsplit, on the integer tensor cores (moe_mmq.mmq_matmul, Q4_K and Q6_K) and on 8-bit x
+    with each row read once for all the tokens (gemv_q8.gemm_x8_tokens, from 2 tokens), graph
     replays."""
     types = args.types.split(",") if args.types else DENSE_TYPES
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else DENSE_TOKENS
     report["dense_batch"] = []
     print(f"{'type':6s} {'shape':14s} {'B':>3s} {'FMA us':>8s} {'tl.dot us':>9s} "
-          f"{'unsplit':>8s} {'MMQ us':>8s} {'FMA GB/s':>8s}", flush=True)
+          f"{'unsplit':>8s} {'MMQ us':>8s} {'x8 us':>8s} {'FMA GB/s':>8s}", flush=True)
     for t in types:
         for shape in DENSE_SHAPES:
             for m in tokens:
@@ -410,9 +414,12 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
                 one = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=0, split_k=1)
                 mmq = (run_case((t, shape, m, None), args.rep_ms, mmq=True)
                        if t in ("Q4_K", "Q6_K") else {"us": float("nan")})
-                report["dense_batch"].append(dict(fma=fma, dot=dot, unsplit=one, mmq=mmq))
+                x8 = (run_case((t, shape, m, None), args.rep_ms, x8=True)
+                      if t in ("Q4_K", "Q6_K") and m > 1 else {"us": float("nan")})
+                report["dense_batch"].append(dict(fma=fma, dot=dot, unsplit=one, mmq=mmq, x8=x8))
                 print(f"{t:6s} {shape:14s} {m:3d} {fma['us']:8.1f} {dot['us']:9.1f} "
-                      f"{one['us']:8.1f} {mmq['us']:8.1f} {fma['gbs']:8.0f}", flush=True)
+                      f"{one['us']:8.1f} {mmq['us']:8.1f} {x8['us']:8.1f} {fma['gbs']:8.0f}",
+                      flush=True)
 
 
 # ---- report -------------------------------------------------------------------------------------
