@@ -121,6 +121,31 @@ def test_prompt_in_two_chunks_equals_one(f32):
     assert_same(torch.cat([a, b]).numpy(), ref)
 
 
+@pytest.mark.parametrize("recipe", ["F32", "Q4_K_M"])
+def test_fused_qkv_and_z_equal_the_two_products(synth, recipe):
+    """A linear layer's qkv and z projections as one matrix (weights.fuse_qkvz, as CUDA loads
+    them): each a row view of it, and the logits of a prompt and of a decode token after it
+    as with the two products."""
+    from strata.model.weights import fuse_qkvz
+
+    path = synth("qwen35moe", recipe)
+    ref = compute_logits(Engine.load(path), TOKENS)
+    model = Engine.load(path).model
+    deltas = [lw.delta for lw in model.w.layers if lw.delta is not None]
+    assert deltas
+    for dw in deltas:
+        fuse_qkvz(dw)
+        raw = (lambda w: w if isinstance(w, torch.Tensor) else w.raw)  # noqa: E731
+        assert dw.qkvz is not None and raw(dw.qkv).data_ptr() == raw(dw.qkvz).data_ptr()
+        assert raw(dw.z).data_ptr() > raw(dw.qkv).data_ptr()
+    kv = model.new_cache(len(TOKENS))
+    head = model.forward(torch.tensor(TOKENS[:-1]), [Segment(kv, len(TOKENS) - 1)],
+                         all_logits=True)
+    last = model.forward(torch.tensor(TOKENS[-1:]), [Segment(kv, 1)])
+    got = torch.cat([head, last]).numpy()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
 def test_two_sequences_in_one_batch_keep_their_own_state(f32):
     path, ref = f32
     model = Engine.load(path).model

@@ -182,6 +182,29 @@ def _same_format(a: Weight, b: Weight) -> bool:
     return a.qtype == b.qtype and a.n_cols == b.n_cols and a.raw.shape[1:] == b.raw.shape[1:]
 
 
+def _stack_rows(mats: list[Weight]) -> tuple[Weight, list[Weight]]:
+    """One matrix of the rows of mats (one format), and each of mats as a row view of it."""
+    if isinstance(mats[0], torch.Tensor):
+        fused: Weight = torch.cat(mats)
+        data = fused
+    else:
+        fused = replace(mats[0], raw=torch.cat([m.raw for m in mats]))
+        data = fused.raw
+    start, views = 0, []
+    for m in mats:
+        rows = data[start:start + _rows(m)]
+        views.append(rows if isinstance(m, torch.Tensor) else replace(m, raw=rows))
+        start += _rows(m)
+    return fused, views
+
+
+def fuse_qkvz(dw: DeltaWeights) -> None:
+    """A linear layer's qkv and z projections (one format) as one matrix (dw.qkvz), each a row
+    view of it: one GEMV for a decode token, where the two read the same normed input."""
+    if _same_format(dw.qkv, dw.z):
+        dw.qkvz, (dw.qkv, dw.z) = _stack_rows([dw.qkv, dw.z])
+
+
 def fuse_qkv(lw: LayerWeights) -> None:
     """Put the leading q, k (and v) projections that share a format into one matrix (lw.qkv)
     and make wq, wk (wv) row views of it: the same bytes, one GEMV for a decode token."""
@@ -191,17 +214,7 @@ def fuse_qkv(lw: LayerWeights) -> None:
         n += 1
     if n < 2:
         return
-    if isinstance(mats[0], torch.Tensor):
-        fused: Weight = torch.cat(mats[:n])
-        data = fused
-    else:
-        fused = replace(mats[0], raw=torch.cat([m.raw for m in mats[:n]]))
-        data = fused.raw
-    start, views = 0, []
-    for m in mats[:n]:
-        rows = data[start:start + _rows(m)]
-        views.append(rows if isinstance(m, torch.Tensor) else replace(m, raw=rows))
-        start += _rows(m)
+    fused, views = _stack_rows(mats[:n])
     lw.wq, lw.wk = views[0], views[1]
     if n == 3:
         lw.wv = views[2]
@@ -404,6 +417,8 @@ class ModelWeights:
             for lw in layers:
                 if lw.wk is not None:  # (MLA and Gated DeltaNet layers have no k / v)
                     fuse_qkv(lw)
+                if lw.delta is not None:
+                    fuse_qkvz(lw.delta)
         layers, nextn_layers = layers[:cfg.n_layers], layers[cfg.n_layers:]
         nextn = []
         for i, lw in enumerate(nextn_layers, cfg.n_layers):
@@ -472,6 +487,7 @@ class DeltaWeights:
     norm: torch.Tensor  # [dv]
     out: Weight  # [D, Hv*dv]
     tiled: bool
+    qkvz: Weight | None = None  # qkv's rows then z's, both views of it (fuse_qkvz; CUDA)
 
 
 def take_rows(w: Weight, rows: torch.Tensor) -> Weight:

@@ -118,8 +118,13 @@ class GatedDeltaNet:
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h [T, D] -> [T, D]; each sequence's DeltaState moves past its tokens."""
         w, T = self.w, h.shape[0]
-        qkv = linear(h, w.qkv)  # [T, C]
-        z = linear(h, w.z).view(T, self.hv, self.dk)
+        if w.qkvz is not None:  # one product for both (weights.fuse_qkvz)
+            y = linear(h, w.qkvz)
+            c = y.shape[1] - self.hv * self.dk
+            qkv, z = y[:, :c], y[:, c:].reshape(T, self.hv, self.dk)  # [T, C], [T, Hv, dv]
+        else:
+            qkv = linear(h, w.qkv)  # [T, C]
+            z = linear(h, w.z).view(T, self.hv, self.dk)
         fast = ctx.static or ctx.fused_attention  # (a launch each on CUDA: delta_ops)
         if fast:  # beta and alpha's rows in one product, then both gates
             from strata.kernels.gpu import delta_ops
