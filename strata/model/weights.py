@@ -137,10 +137,12 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return x @ w.T if isinstance(w, torch.Tensor) else w.matmul_t(x)
 
 
-def qkv_linear(x: torch.Tensor, lw: LayerWeights,
-               bias: bool = False) -> tuple[torch.Tensor, ...]:
+def qkv_linear(x: torch.Tensor, lw: LayerWeights, bias: bool = False,
+               contiguous: bool = True) -> tuple[torch.Tensor, ...]:
     """x @ wq.T, x @ wk.T, x @ wv.T, with one matmul for those fused into lw.qkv; with bias,
-    + bq, bk, bv (one add where the three are fused: lw.bqkv)."""
+    + bq, bk, bv (one add where the three are fused: lw.bqkv). contiguous=False: the fused
+    product's parts as column views of it (rows strided; a batched step's kernels take them
+    so), else copies."""
     if lw.qkv is None:
         out = (linear(x, lw.wq), linear(x, lw.wk), linear(x, lw.wv))
     else:
@@ -156,7 +158,8 @@ def qkv_linear(x: torch.Tensor, lw: LayerWeights,
             if bias and lw.bqkv is not None:
                 y, bias = y + lw.bqkv, False
             # contiguous: a no-op for one token (its row is), a copy for longer inputs
-            out = (*(y.contiguous() for y in y.split([_rows(m) for m in mats[:n]], dim=1)),
+            parts = y.split([_rows(m) for m in mats[:n]], dim=1)
+            out = (*(p.contiguous() if contiguous else p for p in parts),
                    *(linear(x, m) for m in mats[n:]))
     if bias:
         out = (out[0] + lw.bq, out[1] + lw.bk, out[2] + lw.bv)

@@ -43,7 +43,8 @@ class GQAAttention:
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h [T, D] -> attention output after wo [T, D]; the KV cache gets the new rows."""
         lw = self.lw
-        q, k, v = qkv_linear(h, lw, self.qkv_bias)  # [T, H*hd], [T, Hkv*hd], [T, Hkv*hd]
+        # [T, H*hd], [T, Hkv*hd], [T, Hkv*hd]; a static step's kernels read them strided
+        q, k, v = qkv_linear(h, lw, self.qkv_bias, contiguous=not ctx.static)
         T = h.shape[0]
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
