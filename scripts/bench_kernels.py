@@ -399,8 +399,8 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
     """The batched decode step's dense matmuls: each shape and type at B tokens on the FMA
     GEMV (token groups of four), on the tensor-core kernel with K split as gemm_split says and
     unsplit, on the integer tensor cores (moe_mmq.mmq_matmul, Q4_K and Q6_K) and on 8-bit x
-    with each row read once for all the tokens (gemv_q8.gemm_x8_tokens, from 2 tokens), graph
-    replays."""
+    with each row read once for all the tokens (gemv_q8.gemm_x8_tokens; at one token the
+    one-token x8 GEMV's rival), graph replays."""
     types = args.types.split(",") if args.types else DENSE_TYPES
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else DENSE_TOKENS
     report["dense_batch"] = []
@@ -415,7 +415,7 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
                 mmq = (run_case((t, shape, m, None), args.rep_ms, mmq=True)
                        if t in ("Q4_K", "Q6_K") else {"us": float("nan")})
                 x8 = (run_case((t, shape, m, None), args.rep_ms, x8=True)
-                      if t in ("Q4_K", "Q6_K") and m > 1 else {"us": float("nan")})
+                      if t in ("Q4_K", "Q6_K") else {"us": float("nan")})
                 report["dense_batch"].append(dict(fma=fma, dot=dot, unsplit=one, mmq=mmq, x8=x8))
                 print(f"{t:6s} {shape:14s} {m:3d} {fma['us']:8.1f} {dot['us']:9.1f} "
                       f"{one['us']:8.1f} {mmq['us']:8.1f} {x8['us']:8.1f} {fma['gbs']:8.0f}",
