@@ -145,13 +145,13 @@ def _graph_time(calls: list, rep_ms: int) -> float:
 
 def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | None = None,
              gemv_max_m: int | None = None, split_k: int | None = None,
-             mmq: bool = False, x8: bool = False) -> dict:
+             mmq: bool = False, x8: int = 0) -> dict:
     """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m, gemv_max_m,
     split_k: quant_matmul's (None: its default); mmq: moe_mmq.mmq_matmul instead (the integer
-    tensor cores, x rounded to 8 bits); x8: gemv_q8.gemm_x8_tokens (x rounded to 8 bits, each
-    row read once for every token; x's rounding in the time)."""
+    tensor cores, x rounded to 8 bits); x8 = R: gemv_q8.gemm_x8_tokens at R rows a program (x
+    rounded to 8 bits, each row read once for every token; x's rounding in the time)."""
     from strata.kernels.gpu import quant_matmul
-    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens
+    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens, tokens_tile
     from strata.kernels.gpu.moe_mmq import mmq_matmul
 
     name, shape, m, cfg = case
@@ -167,7 +167,7 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | 
     if split_k is not None:
         kw["split_k"] = split_k
     calls = [(lambda w=w: mmq_matmul(x, w, qt, out=y)) if mmq else
-             (lambda w=w: gemm_x8_tokens(x, w, qt)) if x8 else
+             (lambda w=w: gemm_x8_tokens(x, w, qt, tokens_tile(k, x8))) if x8 else
              (lambda w=w: quant_matmul(x, w, qt, out=y, base_tile=cfg, **kw)) for w in ws]
     if not timed:
         calls[0]()
@@ -306,11 +306,15 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
             moe_forward_mmq(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), out, tile=tile,
                             **kw)
         elif path.startswith("pairs"):  # "pairs-pm": the pair-major grid (moe.pair_major);
-            # "pairs-once": the expert-once kernels (moe_once.py) where the types have them
+            # "pairs-once[:R]": the expert-once kernels (moe_once.py) where the types have them,
+            # R rows a program
+            once = path.startswith("pairs-once")
+            tiles = {"pair_major": (int(path == "pairs-pm"),), "once": (int(once),)}
+            if ":" in path:
+                r = int(path.split(":")[1])
+                tiles |= {"gate_up_q8": (r, 8, 1), "down_q8": (r, 4, 1), "down_q6k_q8": (r, 4, 1)}
             moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
-                                out=out, path="pairs", x8=True,
-                                tiles={"pair_major": (int(path == "pairs-pm"),),
-                                       "once": (int(path == "pairs-once"),)}, **kw)
+                                out=out, path="pairs", x8=True, tiles=tiles, **kw)
         else:
             moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
                                 out=out, path=path, **kw)
@@ -337,7 +341,8 @@ def prompt_paths(tokens: int, types: tuple[str, str, str],
     from strata.kernels.gpu.moe_mmq import mmq_kernel_types
 
     _, _, _, d, f, _, biased = prompt_layer(types)
-    paths = (("pairs", "pairs-pm", "pairs-once", "tl.dot", "grouped") if tokens <= 64
+    paths = (("pairs", "pairs-pm", "pairs-once", "pairs-once:1", "pairs-once:2", "tl.dot",
+              "grouped") if tokens <= 64
              else ("tl.dot", "grouped"))
     qt = tuple(QType[q] for q in types[:3])
     act = "swiglu_oai" if biased else "swiglu"
@@ -405,7 +410,7 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else DENSE_TOKENS
     report["dense_batch"] = []
     print(f"{'type':6s} {'shape':14s} {'B':>3s} {'FMA us':>8s} {'tl.dot us':>9s} "
-          f"{'unsplit':>8s} {'MMQ us':>8s} {'x8 us':>8s} {'FMA GB/s':>8s}", flush=True)
+          f"{'unsplit':>8s} {'MMQ us':>8s} {'x8 r1/2/4 us':>20s} {'FMA GB/s':>8s}", flush=True)
     for t in types:
         for shape in DENSE_SHAPES:
             for m in tokens:
@@ -414,11 +419,12 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
                 one = run_case((t, shape, m, None), args.rep_ms, gemv_max_m=0, split_k=1)
                 mmq = (run_case((t, shape, m, None), args.rep_ms, mmq=True)
                        if t in ("Q4_K", "Q6_K") else {"us": float("nan")})
-                x8 = (run_case((t, shape, m, None), args.rep_ms, x8=True)
-                      if t in ("Q4_K", "Q6_K") else {"us": float("nan")})
+                x8 = [run_case((t, shape, m, None), args.rep_ms, x8=r)
+                      if t in ("Q4_K", "Q6_K") else {"us": float("nan")} for r in (1, 2, 4)]
                 report["dense_batch"].append(dict(fma=fma, dot=dot, unsplit=one, mmq=mmq, x8=x8))
+                rows = "/".join(f"{v['us']:.1f}" for v in x8)
                 print(f"{t:6s} {shape:14s} {m:3d} {fma['us']:8.1f} {dot['us']:9.1f} "
-                      f"{one['us']:8.1f} {mmq['us']:8.1f} {x8['us']:8.1f} {fma['gbs']:8.0f}",
+                      f"{one['us']:8.1f} {mmq['us']:8.1f} {rows:>20s} {fma['gbs']:8.0f}",
                       flush=True)
 
 

@@ -721,17 +721,18 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
                  down_slots=rows(slots * d, f, down).view(slots, d, -1),
                  qtypes=(q, q, down), d_model=d, d_expert=f)
     tol = X8_TOL
-    for t in (1, 4, 16):  # (4 and 16: 32 and 128 pairs, the expert-once kernels where they
-        # take the types: against the per-pair kernels' sums to float rounding)
+    for t in (1, 4, 16):  # (4 and 16: 32 and 128 pairs a batched step's call, step=True; the
+        # expert-once kernels where they take the types against the per-pair kernels' sums)
         ids = torch.from_numpy(np.stack([rng.permutation(e)[:8] for _ in range(t)])).cuda()
         x, wts = torch.randn(t, d, device="cuda"), torch.rand(t, 8, device="cuda")
-        out = moe_forward(x, ids, wts, **layer, x8=True, tiles=tiles)
+        out = moe_forward(x, ids, wts, **layer, x8=True, tiles=tiles, step=True)
         ref = moe_ref(x, ids, wts, **layer, x8=True)
         err = float((out - ref).norm() / ref.norm())
         assert err < tol, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} with rounding"
         if t > 1:
-            pairs = moe_forward(x, ids, wts, **layer, x8=True, tiles=dict(tiles, once=(0,)))
-            err = float((out - pairs).norm() / pairs.norm())
+            once, pairs = (moe_forward(x, ids, wts, **layer, x8=True, step=True,
+                                       tiles=dict(tiles, once=(v,))) for v in (1, 0))
+            err = float((once - pairs).norm() / pairs.norm())
             assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: {err:.2e} from per pair"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
@@ -746,8 +747,8 @@ def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
     split across a row's two runs at K 4096; rows 4 bytes past a 16-byte boundary: the spread
     forms): the product
     with round8(x) to float rounding, within the rounding of the product with x; a small matrix
-    keeps float32 x for one token, and two tokens take 8-bit x over Q4_K and Q6_K rows
-    (gemm_x8_tokens, or MMQ at the head) and float32 x over the i-quants."""
+    keeps float32 x for one token; two tokens float32 x too (8-bit x over Q4_K and Q6_K rows
+    where tuning.DENSE_X8_MAX_T sends them to gemm_x8_tokens)."""
     from strata.kernels.gpu.reference import matmul_ref, round8
     from strata.model.weights import X8_MIN_ROWS, QuantTensor
     from strata.quant import QType, random_rows
@@ -773,9 +774,11 @@ def test_quant_tensor_x8_on_cuda(qtype: str) -> None:
             assert float((y - exact).norm() / exact.norm()) < 3e-2
         else:
             assert float((y - exact).norm() / exact.norm()) < 2e-5, (n, k, seed)
-        y2 = w.matmul_t(torch.cat([x, x]))  # two tokens: 8-bit x for Q4_K / Q6_K (the
-        # head's rows on MMQ, the others gemm_x8_tokens), float32 x for the i-quants
-        two = rounded if q in (QType.Q4_K, QType.Q6_K) else exact
+        y2 = w.matmul_t(torch.cat([x, x]))  # two tokens: float32 x (8-bit x for Q4_K / Q6_K
+        # where tuning.DENSE_X8_MAX_T takes two: gemm_x8_tokens)
+        from strata.model.weights import DENSE_X8_MAX_T
+
+        two = rounded if q in (QType.Q4_K, QType.Q6_K) and DENSE_X8_MAX_T >= 2 else exact
         for row in y2:
             assert float((row - two[0]).norm() / two.norm()) < 2e-5, (n, k, seed)
 
@@ -796,15 +799,21 @@ def test_quant_tensor_x8_only_where_it_pays() -> None:
     assert not qt(QType.Q6_K, X8_MIN_ROWS - 1)._x8_for(one)
     assert not qt(QType.Q8_0, X8_MIN_ROWS)._x8_for(one)
     assert all(qt(q, X8_MIN_ROWS)._x8_for(one) for q in (QType.IQ2_XS, QType.IQ3_XXS))
-    # a few tokens (a batched step's) over Q4_K / Q6_K rows of any count: gemm_x8_tokens
-    from strata.kernels.tuning import DENSE_X8_MAX_T
+    # a few tokens (a batched step's) over Q4_K / Q6_K rows of any count: gemm_x8_tokens, up to
+    # tuning.DENSE_X8_MAX_T tokens (0 by default: off)
+    from strata.model import weights
 
-    many = torch.zeros(DENSE_X8_MAX_T, 512)
-    assert qt(QType.Q4_K, 64)._x8_tokens_for(two) and qt(QType.Q6_K, 64)._x8_tokens_for(many)
-    assert not qt(QType.Q4_K, 64)._x8_tokens_for(one)
-    assert not qt(QType.Q4_K, 64)._x8_tokens_for(torch.zeros(DENSE_X8_MAX_T + 1, 512))
-    assert not qt(QType.IQ2_XS, 64)._x8_tokens_for(two) and not qt(QType.Q8_0, 64)._x8_tokens_for(
-        two)
+    assert not qt(QType.Q4_K, 64)._x8_tokens_for(two) or weights.DENSE_X8_MAX_T >= 2
+    was, weights.DENSE_X8_MAX_T = weights.DENSE_X8_MAX_T, 32
+    try:
+        many = torch.zeros(32, 512)
+        assert qt(QType.Q4_K, 64)._x8_tokens_for(two) and qt(QType.Q6_K, 64)._x8_tokens_for(many)
+        assert not qt(QType.Q4_K, 64)._x8_tokens_for(one)
+        assert not qt(QType.Q4_K, 64)._x8_tokens_for(torch.zeros(33, 512))
+        assert not qt(QType.IQ2_XS, 64)._x8_tokens_for(two)
+        assert not qt(QType.Q8_0, 64)._x8_tokens_for(two)
+    finally:
+        weights.DENSE_X8_MAX_T = was
 
 
 def test_spread_gemvs_refuse_bad_arguments() -> None:

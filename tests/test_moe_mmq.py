@@ -277,8 +277,11 @@ _DENSE_BODY = _HEAD + """
     assert torch.equal(matmul_t(x, True), mmq)
     dot = matmul_t(x, False)  # (--kernels exact: tl.dot on x as it is)
     assert not torch.equal(dot, mmq) and rel(dot, matmul_ref(x, w, QType.Q6_K)) < 1e-2
-    assert not torch.equal(matmul_t(x[:3], True), mmq[:3])  # (3 rows: gemm_x8_tokens)
-    mmq_mod.DENSE_MMQ_MIN_N = 71  # (fewer rows: gemm_x8_tokens, x rounded the same way)
+    assert not torch.equal(matmul_t(x[:3], True), mmq[:3])  # (3 rows: the GEMV)
+    mmq_mod.DENSE_MMQ_MIN_N = 71
+    assert torch.equal(matmul_t(x, True), dot)  # (tuning.DENSE_X8_MAX_T 0: tl.dot)
+    import strata.model.weights as weights_mod
+    weights_mod.DENSE_X8_MAX_T = 8  # (fewer rows: gemm_x8_tokens, x rounded as MMQ rounds it)
     few = matmul_t(x, True)
     assert not torch.equal(few, dot) and rel(few, matmul_ref(round8(x), w, QType.Q6_K)) < 2e-5
     print("ok")
@@ -291,7 +294,8 @@ def test_mmq_matmul_under_the_interpreter():
     reference on x rounded to 8 bits, within that rounding of the float one; misaligned rows,
     rows of another length than K's, K not a multiple of 256 and other types refused.
     QuantTensor.matmul_t hands it a matrix of a few tokens on 8-bit activations (x8) with at
-    least tuning.DENSE_MMQ_MIN_N rows (fewer: gemv_q8.gemm_x8_tokens), and not without x8."""
+    least tuning.DENSE_MMQ_MIN_N rows (fewer: tl.dot, or gemv_q8.gemm_x8_tokens up to
+    tuning.DENSE_X8_MAX_T tokens), and not without x8."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
     run_interpreted(_DENSE_BODY, fresh_seed() % 2**31, timeout=600)

@@ -84,8 +84,10 @@ X8_MIN_ROWS = 8192
 # --kernels fused: a dense matmul of 2 to DENSE_X8_MAX_T tokens (a batched step's) over Q4_K or Q6_K
 # rows rounds x to 8 bits and reads each row once for every token (gemv_q8.gemm_x8_tokens:
 # DENSE_X8_ROWS rows a program, the row's blocks held in registers) instead of the tensor-core
-# kernel with its split of K. Not yet timed.
-DENSE_X8_MAX_T = 32
+# kernel with its split of K. 0: never. Off: on the H200 the batched step of 8 / 16 spent 2.15
+# / 3.88 ms in its Q4_K kernel against 2.17 / 2.18 (+ 0.39 / 0.40 of split sums) for the
+# tensor-core kernel on the H100. bench/2026-12-06-h200-once.md
+DENSE_X8_MAX_T = 0
 DENSE_X8_ROWS = 4
 
 # ---- the token embedding (model/weights.py, kernels/gpu/host_rows.py) --------------------------
@@ -121,8 +123,12 @@ PAIRS_MAX_T = 64
 PAIR_MAJOR_MIN_PAIRS = 64
 # from this many pairs a call on the x8 per-pair kernels without miss rows (a batched step's)
 # takes moe_once.py's kernels instead, Q4_K gate/up and Q4_K / Q6_K down: a program per (rows,
-# expert) reading the expert once for all its pairs (tiles["once"] overrides). Not yet timed.
-MOE_ONCE_MIN_PAIRS = 16
+# expert) reading the expert once for all its pairs (tiles["once"] overrides). None: never.
+# Off: on the H200 the batched step of 8 / 16 spent 5.48 / 10.26 ms in the once gate/up kernel
+# (rows 4 a program, the rows held in registers) against 2.19 / 3.96 ms for the per-pair one on
+# the H100; its time grew with the pairs, as the per-pair kernels' does.
+# bench/2026-12-06-h200-once.md
+MOE_ONCE_MIN_PAIRS: int | None = None
 # --kernels fused: calls that would take tl.dot (a prompt chunk, a verify window past DECODE_MAX_T,
 # below the grouped path) run on the integer tensor-core kernels (moe_mmq.py: x and h rounded to
 # 8 bits per 32 values, as llama.cpp's MMQ) where the types allow (Q4_K gate/up, Q4_K / Q6_K

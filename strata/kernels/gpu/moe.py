@@ -673,7 +673,7 @@ def expert_once(p: int, miss: bool, tiles: Mapping[str, tuple[int, ...]]) -> boo
         return False
     if "once" in tiles:
         return bool(tiles["once"][0])
-    return p >= MOE_ONCE_MIN_PAIRS
+    return MOE_ONCE_MIN_PAIRS is not None and p >= MOE_ONCE_MIN_PAIRS
 
 
 def _x8_grid(n: int, r: int, p: int, pm: bool) -> tuple[int, int]:
