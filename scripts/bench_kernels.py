@@ -306,13 +306,16 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
             moe_forward_mmq(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), out, tile=tile,
                             **kw)
         elif path.startswith("pairs"):  # "pairs-pm": the pair-major grid (moe.pair_major);
-            # "pairs-once[:R]": the expert-once kernels (moe_once.py) where the types have them,
-            # R rows a program
+            # "pairs-once[:R[:BB]]": the expert-once kernels (moe_once.py) where the types have
+            # them, R rows a program, BB blocks a step of the gate/up (8: its rows held; 4: each
+            # pair reads them again, from L1) and BB / 2 of the downs
             once = path.startswith("pairs-once")
             tiles = {"pair_major": (int(path == "pairs-pm"),), "once": (int(once),)}
             if ":" in path:
-                r = int(path.split(":")[1])
-                tiles |= {"gate_up_q8": (r, 8, 1), "down_q8": (r, 4, 1), "down_q6k_q8": (r, 4, 1)}
+                r, bb = (int(v) for v in (path.split(":")[1:] + ["8"])[:2])
+                half = max(1, bb // 2)
+                tiles |= {"gate_up_q8": (r, bb, 1), "down_q8": (r, half, 1),
+                          "down_q6k_q8": (r, half, 1)}
             moe_mod.moe_forward(x, ids, wts, slot_of, gate, up, down, (qg, qu, qd), d, f,
                                 out=out, path="pairs", x8=True, tiles=tiles, **kw)
         else:
@@ -341,8 +344,8 @@ def prompt_paths(tokens: int, types: tuple[str, str, str],
     from strata.kernels.gpu.moe_mmq import mmq_kernel_types
 
     _, _, _, d, f, _, biased = prompt_layer(types)
-    paths = (("pairs", "pairs-pm", "pairs-once", "pairs-once:1", "pairs-once:2", "tl.dot",
-              "grouped") if tokens <= 64
+    paths = (("pairs", "pairs-pm", "pairs-once", "pairs-once:1", "pairs-once:2",
+              "pairs-once:4:4", "pairs-once:2:4", "tl.dot", "grouped") if tokens <= 64
              else ("tl.dot", "grouped"))
     qt = tuple(QType[q] for q in types[:3])
     act = "swiglu_oai" if biased else "swiglu"
