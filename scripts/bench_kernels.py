@@ -309,9 +309,13 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
             # "pairs-once[:R[:BB]]": the expert-once kernels (moe_once.py) where the types have
             # them, R rows a program, BB blocks a step of the gate/up (8: its rows held; 4: each
             # pair reads them again, from L1) and BB / 2 of the downs
+            # "pairs-group:MT:R": moe_once's groups of MT pairs of one expert (the gate/up; the
+            # downs per pair), R rows a program
             once = path.startswith("pairs-once")
             tiles = {"pair_major": (int(path == "pairs-pm"),), "once": (int(once),)}
-            if ":" in path:
+            if path.startswith("pairs-group:"):
+                tiles["group"] = tuple(int(v) for v in path.split(":")[1:3])
+            elif ":" in path:
                 r, bb = (int(v) for v in (path.split(":")[1:] + ["8"])[:2])
                 half = max(1, bb // 2)
                 tiles |= {"gate_up_q8": (r, bb, 1), "down_q8": (r, half, 1),
@@ -345,7 +349,8 @@ def prompt_paths(tokens: int, types: tuple[str, str, str],
 
     _, _, _, d, f, _, biased = prompt_layer(types)
     paths = (("pairs", "pairs-pm", "pairs-once", "pairs-once:1", "pairs-once:2",
-              "pairs-once:4:4", "pairs-once:2:4", "tl.dot", "grouped") if tokens <= 64
+              "pairs-once:4:4", "pairs-once:2:4", "pairs-group:2:2", "pairs-group:2:4",
+              "pairs-group:4:1", "tl.dot", "grouped") if tokens <= 64
              else ("tl.dot", "grouped"))
     qt = tuple(QType[q] for q in types[:3])
     act = "swiglu_oai" if biased else "swiglu"

@@ -290,16 +290,16 @@ def test_moe_once_compiles_for_sm90() -> None:
     types.update({"w": "*u8", "y": "*fp32", "dx": "*fp32"})
     for fn in (moe_once._gate_up_once_q8_kernel, moe_once._down_once_q8_kernel,
                moe_once._down_once_q6k_q8_kernel, gemv_q8._gemm_q4k_tokens_kernel,
-               gemv_q8._gemm_q6k_tokens_kernel):
+               gemv_q8._gemm_q6k_tokens_kernel, moe_once._gate_up_group_q8_kernel):
         for one in (True, False):
             consts = {a: v for a, v in (("R", 4), ("BB", 4), ("PB", 128), ("ONE", one),
-                                        ("TOPK", 8)) if a in fn.arg_names}
+                                        ("TOPK", 8), ("MT", 2)) if a in fn.arg_names}
             sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
             ptx = k.asm["ptx"]
             assert "dp4a.u32.s32" in ptx and k.asm["cubin"], (fn.__name__, one)
-            if one:  # (the weights' loads: u32 words of the slots, before the loop's label)
+            if one and "ONE" in fn.arg_names:  # (the weights' loads before the loop)
                 ttgir = k.asm["ttgir"]
                 loop = ttgir[ttgir.index("scf.for"):]
                 held = ttgir[:ttgir.index("scf.for")]
@@ -505,7 +505,8 @@ def test_moe_once_under_the_interpreter() -> None:
     unsummed, for Q4_K gate/up with a Q6_K and a Q4_K down; experts routed to 1-4 tokens, some
     without a slot (their pairs zero), rows of a step's blocks held once (ONE: a row's blocks
     in one step) and re-read (BB 1: d's two blocks in two steps); and near the reference with
-    x and h rounded (moe_ref x8)."""
+    x and h rounded (moe_ref x8). The gate/up on groups of 2 and 4 pairs of one expert (a token
+    axis beside the rows, moe_forward's tiles["group"]) bit for bit the per-pair one too."""
     run_interpreted(f"""
     import torch
     torch.manual_seed(seed)
@@ -545,6 +546,11 @@ def test_moe_once_under_the_interpreter() -> None:
                                 tiles=dict(tiles, once=(1,)))
             assert torch.equal(parts.sum(1), pairs), (down, bb)
             assert (parts[ids == 1] == 0).all() and (parts[ids == 4] == 0).all()
+            # the gate/up on groups of MT pairs of one expert, a token axis beside the rows
+            for mt, r in ((2, 64), (4, 32)) if bb == 2 else ():
+                grouped = moe_forward(x, ids, wts, **layer, x8=True,
+                                      tiles=dict(tiles, once=(0,), group=(mt, r)))
+                assert torch.equal(grouped, pairs), (down, bb, mt)
     assert launched == ["_gate_up_once_q8_kernel", "_down_once_q6k_q8_kernel"] * 4 + [
         "_gate_up_once_q8_kernel", "_down_once_q8_kernel"] * 4, launched
     print("ok")

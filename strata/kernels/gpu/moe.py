@@ -84,9 +84,11 @@ IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)  # the i-quant types with int8-activation 
 # (R, BB, warps): MXFP4 gate/up and down on 8-bit activations (gemv_q8.mxfp4_spread_dot; off
 # unless given or tuning.MXFP4_X8); "pair_major" / "once" -> (1,) or (0,): the per-pair grid
 # pair-major, the expert-once kernels (moe_once.py), instead of PAIR_MAJOR_MIN_PAIRS' /
-# MOE_ONCE_MIN_PAIRS' choice
+# MOE_ONCE_MIN_PAIRS' choice; "group" -> (MT, R): the Q4_K gate/up on moe_once's groups of MT
+# pairs of one expert, R rows a program (a benchmark's; not yet timed)
 TILE_KEYS = ("gate_up", "down_pairs", "gate_up_q8", "down_q8", "down_q6k_q8", "gate_up_iq",
-             "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8", "pair_major", "once")
+             "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8", "pair_major", "once",
+             "group")
 
 
 def _mx8(qtypes: tuple[int, ...], d: int, f: int,
@@ -550,7 +552,16 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
 
         xq, _, xs4 = quantize_x(x.contiguous())
         r, bb, warps = tiles.get("gate_up_q8") or GATE_UP_Q8_TILE
-        if expert_once(p, miss is not None, tiles):
+        group = tiles.get("group") if miss is None else None
+        if group:  # (MT, R): groups of MT pairs of one expert, R rows a program (moe_once.py)
+            from strata.kernels.gpu.moe_once import _gate_up_group_q8_kernel, once_grid
+
+            mt, rg = group
+            _gate_up_group_q8_kernel[once_grid(f, rg, p)](
+                xq, xs4, ids, weights, slot_of, gate, up, h, d, f, p, gate.stride(0),
+                up.stride(0), gate.shape[2], TOPK=topk, R=rg, MT=mt, BB=bb,
+                PB=triton.next_power_of_2(p), num_warps=warps)
+        elif expert_once(p, miss is not None, tiles):
             from strata.kernels.gpu.moe_once import _gate_up_once_q8_kernel, once_grid
 
             _gate_up_once_q8_kernel[once_grid(f, r, p)](

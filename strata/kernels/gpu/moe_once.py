@@ -17,6 +17,14 @@ Results equal the per-pair kernels' bit for bit: the same sums in the same order
     _gate_up_once_q8_kernel   Q4_K gate and up, x̂ by token: h[p] = w_p silu(g) u
     _down_once_q8_kernel      a Q4_K down of each pair's ĥ: part[p]
     _down_once_q6k_q8_kernel  a Q6_K down of each pair's ĥ: part[p]
+
+Timed on the H200 (bench/2026-12-06-h200-once.md) these took about twice the per-pair kernels'
+time a pair, so they are off (tuning.MOE_ONCE_MIN_PAIRS). A second form keeps each program as
+light as a per-pair one: `_gate_up_group_q8_kernel` takes a group of MT pairs of one expert
+(its pairs of rank 0..MT-1, MT..2MT-1, ... in pair order: `_group_of`) with the tokens as a
+tensor axis beside the rows (`q4k_group_dot`): the rows' words and scales read once a block
+step, nothing held across a loop, no loop over pairs (moe_forward's tiles["group"] = (MT, R);
+not yet timed).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import triton
 import triton.language as tl
 
 from strata.kernels.gpu.gemv_q8 import (
+    _dp4a,
+    _i2f_signed,
     _row_offsets,
     held_q4k_dot,
     held_q6k_dot,
@@ -156,3 +166,96 @@ def _down_once_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, D, F, P, stride_
 def once_grid(n: int, r: int, p: int) -> tuple[int, int]:
     """The grid of a kernel here for n rows, r a program, p pairs."""
     return triton.cdiv(n, r), p
+
+
+# ---- groups of MT pairs of one expert as a tensor axis (no loop, nothing held) ----
+
+
+@triton.jit
+def _group_of(ids, g, P, PB: tl.constexpr, MT: tl.constexpr):
+    """(lead, e, pairs [MT], live [MT]) of program g: g leads a group where it is its expert's
+    pair of rank 0, MT, 2 MT, ... among the step's pairs routed to that expert (in pair order);
+    the group is those pairs of ranks rank .. rank + MT - 1 (live: the ones that exist)."""
+    ar = tl.arange(0, PB)
+    every = tl.load(ids + ar, mask=ar < P, other=-1)
+    e = tl.load(ids + g)
+    match = (every == e).to(tl.int32)
+    before = tl.cumsum(match, axis=0) - match  # [PB]: pairs of e before each
+    rank = tl.sum(tl.where(ar < g, match, 0), axis=0)
+    mm = tl.arange(0, MT)
+    member = (match[None, :] == 1) & (before[None, :] == rank + mm[:, None])  # [MT, PB]
+    pairs = tl.min(tl.where(member, ar[None, :], PB), axis=1)  # [MT]
+    return rank % MT == 0, e, pairs, pairs < PB
+
+
+@triton.jit
+def _tokens_pick(t, W: tl.constexpr):
+    """[BB, 4, 1, MT]: element (0, W) of each thread's [2, 4] words of t [BB, 4, 2, 1, MT, 4]."""
+    hf = tl.arange(0, 2)[None, None, :, None, None, None]
+    w4 = tl.arange(0, 4)[None, None, None, None, None, :]
+    return tl.sum(tl.sum(tl.where((hf == 0) & (w4 == W), t, 0), axis=5), axis=2)
+
+
+@triton.jit
+def q4k_group_dot(blk, xw, xs, b, m, xm, BB: tl.constexpr, R: tl.constexpr, MT: tl.constexpr):
+    """[BB, 4, R, MT]: Q4_K blocks b (mask m) of R rows (int32 pointers blk, [1, 1, 1, R, 1] +
+    block offsets) dotted with MT tokens' x̂ (int32 word pointers xw and xs4 pointers xs, each
+    [1, 1, 1, 1, MT, 1]; xm [1, 1, 1, 1, MT, 1]: the live tokens): the rows' words and scales
+    read once (q4k_weights, spread_dot's layout), a token axis beside the rows."""
+    c = tl.arange(0, 4)[None, :, None, None, None]
+    hf = tl.arange(0, 2)[None, None, :, None, None]
+    w4 = tl.arange(0, 4)[None, None, None, None, :]
+    qs, d, dmin, sc_lo, sc_hi, mn_lo, mn_hi = q4k_weights(blk, m, c, hf * 4 + w4, w4, hf,
+                                                          tl.arange(0, 4)[None, :, None], False)
+    # (block, pair, half, row, token, word)
+    b6 = b[:, :, :, :, None, :]
+    m6 = m[:, :, :, :, None, :] & xm
+    c6 = tl.arange(0, 4)[None, :, None, None, None, None]
+    hf6 = tl.arange(0, 2)[None, None, :, None, None, None]
+    w46 = tl.arange(0, 4)[None, None, None, None, None, :]
+    v6 = hf6 * 4 + w46
+    xlo = tl.load(xw + b6 * 64 + c6 * 16 + v6, mask=m6, other=0)  # [BB, 4, 2, 1, MT, 4]
+    xhi = tl.load(xw + b6 * 64 + c6 * 16 + 8 + v6, mask=m6, other=0)
+    xq = tl.load(xs + (b6 * 4 + c6) * 4 + w46, mask=m6 & (hf6 == 0), other=0.0)
+    zero = tl.zeros((BB, 4, 2, R, MT, 4), tl.int32)
+    q6 = qs[:, :, :, :, None, :]
+    ilo = tl.sum(tl.sum(_dp4a(q6 & 0x0F0F0F0F, xlo, zero), axis=5), axis=2)  # [BB, 4, R, MT]
+    ihi = tl.sum(tl.sum(_dp4a((q6 >> 4) & 0x0F0F0F0F, xhi, zero), axis=5), axis=2)
+    return (d[:, :, :, None] * (sc_lo[:, :, :, None] * _tokens_pick(xq, 0) * _i2f_signed(ilo)
+                                + sc_hi[:, :, :, None] * _tokens_pick(xq, 1) * _i2f_signed(ihi))
+            - dmin[:, :, :, None] * (mn_lo[:, :, :, None] * _tokens_pick(xq, 2)
+                                     + mn_hi[:, :, :, None] * _tokens_pick(xq, 3)))
+
+
+@triton.jit(do_not_specialize=["D", "F", "P"])
+def _gate_up_group_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, D, F, P, stride_gs,
+                             stride_us, row_bytes, TOPK: tl.constexpr, R: tl.constexpr,
+                             MT: tl.constexpr, BB: tl.constexpr, PB: tl.constexpr):
+    # h[p, n] = wts[p] silu(gate_e[n] · x̂_t) (up_e[n] · x̂_t) for R rows n and the MT pairs p =
+    # (t, k) of expert e that this program's group holds (_group_of): the rows read once for
+    # the group, its tokens a tensor axis beside them (as spread_dot's rows); Q4_K gate and up
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    lead, e, pairs, live = _group_of(ids, tl.program_id(1), P, PB, MT)
+    if lead:
+        slot = tl.load(slot_of + e)
+        p = tl.where(live, pairs, 0).to(tl.int64)  # [MT]
+        t = p // TOPK
+        xw = (xq + t * D).to(tl.pointer_type(tl.int32))[None, None, None, None, :, None]
+        xs = (xs4 + t * (D // 16))[None, None, None, None, :, None]
+        xm = (live & (slot >= 0))[None, None, None, None, :, None]
+        ra = spread_rows(gate + tl.maximum(slot, 0).to(tl.int64) * stride_gs, n, F, row_bytes)
+        rb = spread_rows(up + tl.maximum(slot, 0).to(tl.int64) * stride_us, n, F, row_bytes)
+        nb = D // 256
+        bb = tl.arange(0, BB)[:, None, None, None, None]
+        acc_g = tl.zeros((BB, 4, R, MT), tl.float32)
+        acc_u = acc_g
+        for b0 in range(0, nb, BB):
+            b = b0 + bb
+            m = (b < nb) & (slot >= 0)
+            acc_g += q4k_group_dot(ra + b * 36, xw, xs, b, m, xm, BB, R, MT)
+            acc_u += q4k_group_dot(rb + b * 36, xw, xs, b, m, xm, BB, R, MT)
+        g = tl.sum(tl.sum(acc_g, axis=1), axis=0)  # [R, MT]
+        u = tl.sum(tl.sum(acc_u, axis=1), axis=0)
+        w = tl.load(wts + p, mask=live, other=0.0).to(tl.float32)[None, :]
+        hv = tl.where(slot >= 0, g / (1.0 + tl.exp(-g)) * u * w, 0.0)
+        tl.store(h + p[None, :] * F + n[:, None], hv, mask=live[None, :] & (n < F)[:, None])
