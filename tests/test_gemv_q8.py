@@ -507,7 +507,12 @@ def test_moe_once_under_the_interpreter() -> None:
     in one step) and re-read (BB 1: d's two blocks in two steps); and near the reference with
     x and h rounded (moe_ref x8). The gate/up on groups of 2 and 4 pairs of one expert (a token
     axis beside the rows, moe_forward's tiles["group"]) bit for bit the per-pair one too."""
-    run_interpreted(f"""
+    run_interpreted_side_by_side([_ONCE_SCRIPT.replace("DOWN", down).replace("X8TOL", str(X8_TOL))
+                                  for down in ("Q6_K", "Q4_K")], fresh_seed(), timeout=600)
+
+
+# (one down type a process: the two side by side)
+_ONCE_SCRIPT = """
     import torch
     torch.manual_seed(seed)
     from strata.kernels.gpu import moe_forward, moe_once
@@ -530,7 +535,7 @@ def test_moe_once_under_the_interpreter() -> None:
     # expert 0 in every token, 1 (no slot) in three, 5 in one; the rest at random
     ids = torch.tensor([[0, 1, 5], [2, 0, 1], [0, 3, 1], [4, 2, 0]])
     x, wts = torch.randn(t, d), torch.rand(t, k)
-    for down in (QType.Q6_K, QType.Q4_K):
+    for down in (QType.DOWN,):
         layer = dict(slot_of_expert=slot_of, gate_slots=rows(4 * f, d, QType.Q4_K).view(4, f, -1),
                      up_slots=rows(4 * f, d, QType.Q4_K).view(4, f, -1),
                      down_slots=rows(4 * d, f, down).view(4, d, -1),
@@ -541,7 +546,7 @@ def test_moe_once_under_the_interpreter() -> None:
             once = moe_forward(x, ids, wts, **layer, x8=True, tiles=dict(tiles, once=(1,)))
             pairs = moe_forward(x, ids, wts, **layer, x8=True, tiles=dict(tiles, once=(0,)))
             assert torch.equal(once, pairs), (down, bb, float((once - pairs).abs().max()))
-            assert float((once - ref).norm() / ref.norm()) < {X8_TOL}, (down, bb)
+            assert float((once - ref).norm() / ref.norm()) < X8TOL, (down, bb)
             parts = moe_forward(x, ids, wts, **layer, x8=True, sum_pairs=False,
                                 tiles=dict(tiles, once=(1,)))
             assert torch.equal(parts.sum(1), pairs), (down, bb)
@@ -551,10 +556,10 @@ def test_moe_once_under_the_interpreter() -> None:
                 grouped = moe_forward(x, ids, wts, **layer, x8=True,
                                       tiles=dict(tiles, once=(0,), group=(mt, r)))
                 assert torch.equal(grouped, pairs), (down, bb, mt)
-    assert launched == ["_gate_up_once_q8_kernel", "_down_once_q6k_q8_kernel"] * 4 + [
-        "_gate_up_once_q8_kernel", "_down_once_q8_kernel"] * 4, launched
+    down_kernel = "_down_once_q6k_q8_kernel" if down == QType.Q6_K else "_down_once_q8_kernel"
+    assert launched == ["_gate_up_once_q8_kernel", down_kernel] * 4, launched
     print("ok")
-    """, fresh_seed(), timeout=600)
+"""
 
 
 # A pair's h comes from float32 sums in another order than the reference's, so a value next to
@@ -740,6 +745,11 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
                                        tiles=dict(tiles, once=(v,))) for v in (1, 0))
             err = float((once - pairs).norm() / pairs.norm())
             assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: {err:.2e} from per pair"
+            if q == QType.Q4_K:  # the gate/up on groups of 2 pairs of one expert
+                grouped = moe_forward(x, ids, wts, **layer, x8=True, step=True,
+                                      tiles=dict(tiles, once=(0,), group=(2, 2)))
+                err = float((grouped - pairs).norm() / pairs.norm())
+                assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: group {err:.2e}"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
         assert err < 3e-2, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} without"
