@@ -284,16 +284,17 @@ def test_moe_once_compiles_for_sm90() -> None:
 
     from strata.kernels.gpu import gemv_q8, moe_once
 
-    types = {"xq": "*i8", "hq": "*i8", "xs4": "*fp32", "hs4": "*fp32", "hdx": "*fp32",
+    types = {"xq": "*i8", "hq": "*i8", "xs4": "*fp32", "hsc": "*fp32", "hdx": "*fp32",
              "ids": "*i32", "wts": "*fp32", "slot_of": "*i32", "gate": "*u8", "up": "*u8",
              "down": "*u8", "h": "*fp32", "part": "*fp32"}
     types.update({"w": "*u8", "y": "*fp32", "dx": "*fp32"})
-    for fn in (moe_once._gate_up_once_q8_kernel, moe_once._down_once_q8_kernel,
-               moe_once._down_once_q6k_q8_kernel, gemv_q8._gemm_q4k_tokens_kernel,
-               gemv_q8._gemm_q6k_tokens_kernel, moe_once._gate_up_group_q8_kernel):
+    for fn, q6 in ((moe_once._gate_up_once_q8_kernel, None),
+                   (moe_once._down_once_q8_kernel, False), (moe_once._down_once_q8_kernel, True),
+                   (gemv_q8._gemm_q4k_tokens_kernel, None), (gemv_q8._gemm_q6k_tokens_kernel, None),
+                   (moe_once._gate_up_group_q8_kernel, None)):
         for one in (True, False):
             consts = {a: v for a, v in (("R", 4), ("BB", 4), ("PB", 128), ("ONE", one),
-                                        ("TOPK", 8), ("MT", 2)) if a in fn.arg_names}
+                                        ("TOPK", 8), ("MT", 2), ("Q6", q6)) if a in fn.arg_names}
             sig = {a: types.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
@@ -525,7 +526,7 @@ _ONCE_SCRIPT = """
         def __getitem__(self, grid):
             launched.append(self.name)
             return self.kernel[grid]
-    for name in ("_gate_up_once_q8_kernel", "_down_once_q8_kernel", "_down_once_q6k_q8_kernel"):
+    for name in ("_gate_up_once_q8_kernel", "_down_once_q8_kernel"):
         setattr(moe_once, name, Counted(name))
     rng = np.random.default_rng(seed)
     e, d, f, t, k = 6, 512, 256, 4, 3
@@ -556,8 +557,7 @@ _ONCE_SCRIPT = """
                 grouped = moe_forward(x, ids, wts, **layer, x8=True,
                                       tiles=dict(tiles, once=(0,), group=(mt, r)))
                 assert torch.equal(grouped, pairs), (down, bb, mt)
-    down_kernel = "_down_once_q6k_q8_kernel" if down == QType.Q6_K else "_down_once_q8_kernel"
-    assert launched == ["_gate_up_once_q8_kernel", down_kernel] * 4, launched
+    assert launched == ["_gate_up_once_q8_kernel", "_down_once_q8_kernel"] * 4, launched
     print("ok")
 """
 

@@ -635,16 +635,12 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         r, bb, warps = ((tiles.get("down_q8") or DOWN_Q8_TILE) if q4
                         else (tiles.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
         if expert_once(p, miss is not None, tiles):
-            from strata.kernels.gpu.moe_once import (
-                _down_once_q6k_q8_kernel,
-                _down_once_q8_kernel,
-                once_grid,
-            )
+            from strata.kernels.gpu.moe_once import _down_once_q8_kernel, once_grid
 
-            (_down_once_q8_kernel if q4 else _down_once_q6k_q8_kernel)[once_grid(d, r, p)](
+            _down_once_q8_kernel[once_grid(d, r, p)](
                 hq, hs4 if q4 else hdx, ids, slot_of, down, part, d, f, p, down.stride(0),
                 down.shape[2], R=r, BB=bb, PB=triton.next_power_of_2(p), ONE=f // 256 <= bb,
-                num_warps=warps)
+                Q6=not q4, num_warps=warps)
         else:
             (_down_q8_kernel if q4 else _down_q6k_q8_kernel)[_x8_grid(d, r, p, pm)](
                 hq, hs4 if q4 else hdx, ids, slot_of, down, part, md, d, f, down.stride(0),

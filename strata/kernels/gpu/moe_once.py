@@ -15,8 +15,7 @@ as the per-pair kernels give them (no miss rows here: such calls keep the per-pa
 Results equal the per-pair kernels' bit for bit: the same sums in the same order.
 
     _gate_up_once_q8_kernel   Q4_K gate and up, x̂ by token: h[p] = w_p silu(g) u
-    _down_once_q8_kernel      a Q4_K down of each pair's ĥ: part[p]
-    _down_once_q6k_q8_kernel  a Q6_K down of each pair's ĥ: part[p]
+    _down_once_q8_kernel      a Q4_K (Q6: Q6_K) down of each pair's ĥ: part[p]
 
 Timed on the H200 (bench/2026-12-06-h200-once.md) these took about twice the per-pair kernels'
 time a pair, so they are off (tuning.MOE_ONCE_MIN_PAIRS). A second form keeps each program as
@@ -50,15 +49,17 @@ from strata.kernels.gpu.gemv_q8 import (
 
 
 @triton.jit
-def _expert_pairs(ids, g, P, PB: tl.constexpr):
-    """(e, lead, first, match, ar) of program g: its pair's expert e, whether g is e's first
-    pair (the program that takes e), and match [PB]: the pairs routed to e (ar their ids)."""
+def _expert_pairs(ids, slot_of, g, P, PB: tl.constexpr):
+    """(lead, p, match, ar, count, slot) of program g: whether g is the first pair routed to
+    its expert e (the program that takes e), p = g, match [PB]: the pairs routed to e (ar their
+    ids), count of them, and e's slot."""
     ar = tl.arange(0, PB)
     every = tl.load(ids + ar, mask=ar < P, other=-1)
     e = tl.load(ids + g)
     match = every == e
     first = tl.min(tl.where(match, ar, PB), axis=0)
-    return e, first == g, first, match, ar
+    return (first == g, first, match, ar, tl.sum(match.to(tl.int32), axis=0),
+            tl.load(slot_of + e))
 
 
 @triton.jit
@@ -74,10 +75,8 @@ def _gate_up_once_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, D, F, P, st
     # h[p, n] = wts[p] silu(gate_e[n] · x̂_t) (up_e[n] · x̂_t) for R rows n and every pair p =
     # (t, k) of the expert this program leads (Q4_K gate and up; ONE: D <= 256 BB)
     n = tl.program_id(0) * R + tl.arange(0, R)
-    e, lead, p, match, ar = _expert_pairs(ids, tl.program_id(1), P, PB)
+    lead, p, match, ar, count, slot = _expert_pairs(ids, slot_of, tl.program_id(1), P, PB)
     if lead:
-        count = tl.sum(match.to(tl.int32), axis=0)
-        slot = tl.load(slot_of + e)
         nb = D // 256
         ra = spread_rows(gate + tl.maximum(slot, 0).to(tl.int64) * stride_gs, n, F, row_bytes)
         rb = spread_rows(up + tl.maximum(slot, 0).to(tl.int64) * stride_us, n, F, row_bytes)
@@ -103,62 +102,47 @@ def _gate_up_once_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, D, F, P, st
 
 
 @triton.jit(do_not_specialize=["D", "F", "P"])
-def _down_once_q8_kernel(hq, hs4, ids, slot_of, down, part, D, F, P, stride_ds, row_bytes,
+def _down_once_q8_kernel(hq, hsc, ids, slot_of, down, part, D, F, P, stride_ds, row_bytes,
                          R: tl.constexpr, BB: tl.constexpr, PB: tl.constexpr,
-                         ONE: tl.constexpr):
+                         ONE: tl.constexpr, Q6: tl.constexpr = False):
     # part[p, n] = down_e[n] · ĥ_p for R rows n and every pair p of the expert this program
-    # leads (Q4_K down; ONE: F <= 256 BB)
+    # leads: a Q4_K down (hsc: ĥ's xs4), or with Q6 a Q6_K one (hsc: its per-32 scales;
+    # q6k_weights / q6k_dot); ONE: F <= 256 BB
     n = tl.program_id(0) * R + tl.arange(0, R)
-    e, lead, p, match, ar = _expert_pairs(ids, tl.program_id(1), P, PB)
+    lead, p, match, ar, count, slot = _expert_pairs(ids, slot_of, tl.program_id(1), P, PB)
     if lead:
-        count = tl.sum(match.to(tl.int32), axis=0)
-        slot = tl.load(slot_of + e)
         nb = F // 256
-        rows = spread_rows(down + tl.maximum(slot, 0).to(tl.int64) * stride_ds, n, D,
-                           row_bytes)
-        if ONE:
-            b, c, hf, w4, v, c3, zero = spread_layout(BB, R)
-            m = (b < nb) & (slot >= 0)
-            wa = q4k_weights(rows + b * 36, m, c, v, w4, hf, c3, False)
+        base = down + tl.maximum(slot, 0).to(tl.int64) * stride_ds
+        if Q6:
+            words = base.to(tl.pointer_type(tl.int32))
+            ro = _row_offsets(n, D, row_bytes)[None, None, None, :, None]
+        else:
+            rows = spread_rows(base, n, D, row_bytes)
+        if ONE:  # the rows' one step of blocks, read once
+            if Q6:
+                b, hh, q, i, zero, ones = q6k_layout(BB, R)
+                m = (b < nb) & (slot >= 0)
+                wa = q6k_weights(words, ro + b * 210, m, hh, q, i)
+            else:
+                b, c, hf, w4, v, c3, zero = spread_layout(BB, R)
+                m = (b < nb) & (slot >= 0)
+                wa = q4k_weights(rows + b * 36, m, c, v, w4, hf, c3, False)
         for _pair in range(count):
             total = tl.zeros((R,), tl.float32)
             if slot >= 0:
                 hw = (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32))
-                hs = hs4 + p.to(tl.int64) * (F // 16)
-                if ONE:
-                    total = held_q4k_dot(wa, spread_x(hw, hs, b, m, c, v, w4, hf), zero)
+                if Q6:
+                    hd = hsc + p.to(tl.int64) * (F // 32)
+                    if ONE:
+                        total = held_q6k_dot(wa, hw, hd, b, m, hh, q, i, zero, ones)
+                    else:
+                        total = q6k_spread_dot(words, ro, hw, hd, nb, BB)
                 else:
-                    total, _ = spread_dot(rows, rows, hw, hs, nb, False, BB, False)
-            tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
-            p = _next_pair(p, match, ar, PB)
-
-
-@triton.jit(do_not_specialize=["D", "F", "P"])
-def _down_once_q6k_q8_kernel(hq, hdx, ids, slot_of, down, part, D, F, P, stride_ds, row_bytes,
-                             R: tl.constexpr, BB: tl.constexpr, PB: tl.constexpr,
-                             ONE: tl.constexpr):
-    # as _down_once_q8_kernel for a Q6_K down (q6k_weights / q6k_dot; ONE: F <= 256 BB)
-    n = tl.program_id(0) * R + tl.arange(0, R)
-    e, lead, p, match, ar = _expert_pairs(ids, tl.program_id(1), P, PB)
-    if lead:
-        count = tl.sum(match.to(tl.int32), axis=0)
-        slot = tl.load(slot_of + e)
-        nb = F // 256
-        base = (down + tl.maximum(slot, 0).to(tl.int64) * stride_ds).to(tl.pointer_type(tl.int32))
-        ro = _row_offsets(n, D, row_bytes)[None, None, None, :, None]
-        if ONE:
-            b, hh, q, i, zero, ones = q6k_layout(BB, R)
-            m = (b < nb) & (slot >= 0)
-            wa = q6k_weights(base, ro + b * 210, m, hh, q, i)
-        for _pair in range(count):
-            total = tl.zeros((R,), tl.float32)
-            if slot >= 0:
-                hw = (hq + p.to(tl.int64) * F).to(tl.pointer_type(tl.int32))
-                hd = hdx + p.to(tl.int64) * (F // 32)
-                if ONE:
-                    total = held_q6k_dot(wa, hw, hd, b, m, hh, q, i, zero, ones)
-                else:
-                    total = q6k_spread_dot(base, ro, hw, hd, nb, BB)
+                    hs = hsc + p.to(tl.int64) * (F // 16)
+                    if ONE:
+                        total = held_q4k_dot(wa, spread_x(hw, hs, b, m, c, v, w4, hf), zero)
+                    else:
+                        total, _ = spread_dot(rows, rows, hw, hs, nb, False, BB, False)
             tl.store(part + p.to(tl.int64) * D + n, total, mask=n < D)
             p = _next_pair(p, match, ar, PB)
 
