@@ -148,10 +148,10 @@ def run_case(case: tuple, rep_ms: int, timed: bool = True, dequant_min_m: int | 
              mmq: bool = False, x8: int = 0) -> dict:
     """Run (and time) one (type, shape, M, gemv override) case; dequant_min_m, gemv_max_m,
     split_k: quant_matmul's (None: its default); mmq: moe_mmq.mmq_matmul instead (the integer
-    tensor cores, x rounded to 8 bits); x8 = R: gemv_q8.gemm_x8_tokens at R rows a program (x
+    tensor cores, x rounded to 8 bits); x8 = R: dense_x8.gemm_x8_tokens at R rows a program (x
     rounded to 8 bits, each row read once for every token; x's rounding in the time)."""
     from strata.kernels.gpu import quant_matmul
-    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens, tokens_tile
+    from strata.kernels.gpu.dense_x8 import gemm_x8_tokens, tokens_tile
     from strata.kernels.gpu.moe_mmq import mmq_matmul
 
     name, shape, m, cfg = case
@@ -412,7 +412,7 @@ def dense_batch_rows(report: dict, args: argparse.Namespace) -> None:
     """The batched decode step's dense matmuls: each shape and type at B tokens on the FMA
     GEMV (token groups of four), on the tensor-core kernel with K split as gemm_split says and
     unsplit, on the integer tensor cores (moe_mmq.mmq_matmul, Q4_K and Q6_K) and on 8-bit x
-    with each row read once for all the tokens (gemv_q8.gemm_x8_tokens; at one token the
+    with each row read once for all the tokens (dense_x8.gemm_x8_tokens; at one token the
     one-token x8 GEMV's rival), graph replays."""
     types = args.types.split(",") if args.types else DENSE_TYPES
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else DENSE_TOKENS

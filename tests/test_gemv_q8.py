@@ -151,7 +151,7 @@ _INTERPRETED_X8 = """
     # gemm_x8_tokens: a few tokens, each row read once for all of them: a row's blocks held in
     # one step (768: 3 of 4), or walked in steps (4608: 18 in steps of 16, the second masked;
     # 512 in steps of 1)
-    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens
+    from strata.kernels.gpu.dense_x8 import gemm_x8_tokens
     for q in (QType.Q4_K, QType.Q6_K):
         for m, n, k, tile in ((3, 9, 768, None), (2, 5, 4608, (2, 16, 2)), (4, 7, 512, (4, 1, 1))):
             w = torch.from_numpy(random_rows(q, n, k, rng, 0.05))
@@ -282,7 +282,7 @@ def test_moe_once_compiles_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from strata.kernels.gpu import gemv_q8, moe_once
+    from strata.kernels.gpu import dense_x8, moe_once
 
     types = {"xq": "*i8", "hq": "*i8", "xs4": "*fp32", "hsc": "*fp32", "hdx": "*fp32",
              "ids": "*i32", "wts": "*fp32", "slot_of": "*i32", "gate": "*u8", "up": "*u8",
@@ -290,7 +290,8 @@ def test_moe_once_compiles_for_sm90() -> None:
     types.update({"w": "*u8", "y": "*fp32", "dx": "*fp32"})
     for fn, q6 in ((moe_once._gate_up_once_q8_kernel, None),
                    (moe_once._down_once_q8_kernel, False), (moe_once._down_once_q8_kernel, True),
-                   (gemv_q8._gemm_q4k_tokens_kernel, None), (gemv_q8._gemm_q6k_tokens_kernel, None),
+                   (dense_x8._gemm_q4k_tokens_kernel, None),
+                   (dense_x8._gemm_q6k_tokens_kernel, None),
                    (moe_once._gate_up_group_q8_kernel, None)):
         for one in (True, False):
             consts = {a: v for a, v in (("R", 4), ("BB", 4), ("PB", 128), ("ONE", one),

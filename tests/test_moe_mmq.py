@@ -294,7 +294,7 @@ def test_mmq_matmul_under_the_interpreter():
     reference on x rounded to 8 bits, within that rounding of the float one; misaligned rows,
     rows of another length than K's, K not a multiple of 256 and other types refused.
     QuantTensor.matmul_t hands it a matrix of a few tokens on 8-bit activations (x8) with at
-    least tuning.DENSE_MMQ_MIN_N rows (fewer: tl.dot, or gemv_q8.gemm_x8_tokens up to
+    least tuning.DENSE_MMQ_MIN_N rows (fewer: tl.dot, or dense_x8.gemm_x8_tokens up to
     tuning.DENSE_X8_MAX_T tokens), and not without x8."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")

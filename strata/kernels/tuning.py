@@ -82,7 +82,7 @@ GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 # only from 14336 rows. bench/2026-11-30-h200-iquants.md
 X8_MIN_ROWS = 8192
 # --kernels fused: a dense matmul of 2 to DENSE_X8_MAX_T tokens (a batched step's) over Q4_K or Q6_K
-# rows rounds x to 8 bits and reads each row once for every token (gemv_q8.gemm_x8_tokens:
+# rows rounds x to 8 bits and reads each row once for every token (dense_x8.gemm_x8_tokens:
 # DENSE_X8_ROWS rows a program, the row's blocks held in registers) instead of the tensor-core
 # kernel with its split of K. 0: never. Off: on the H200 the batched step of 8 / 16 spent 2.15
 # / 3.88 ms in its Q4_K kernel against 2.17 / 2.18 (+ 0.39 / 0.40 of split sums) for the

@@ -35,7 +35,7 @@ class QuantTensor:
     fused_max_t: int = 1 << 30  # tokens up to which the fused kernels run (CUDA)
     x8: bool = False  # one token: x rounded to 8 bits for a large matrix of gemv_x8's types
     # (Q4_K, Q6_K, IQ2_XS, IQ3_XXS; --kernels fused); a few: moe_mmq.mmq_matmul_takes's, else
-    # gemv_q8.gemm_x8_tokens's (Q4_K, Q6_K)
+    # dense_x8.gemm_x8_tokens's (Q4_K, Q6_K)
     # the CPU: a 2-D matrix multiplied on ggml's kernels (strata.kernels.cpu.ggml_dense)
     cpu_matmul: Any = None
 
@@ -73,7 +73,7 @@ class QuantTensor:
 
     def _x8_tokens_for(self, x: torch.Tensor) -> bool:
         """2 to DENSE_X8_MAX_T tokens over a Q4_K or Q6_K matrix, 4-byte aligned as _x8_for
-        asks (gemv_q8.gemm_x8_tokens)."""
+        asks (dense_x8.gemm_x8_tokens)."""
         w = self.raw
         return (1 < x.shape[0] <= DENSE_X8_MAX_T and self.qtype in (QType.Q4_K, QType.Q6_K)
                 and w.dim() == 2 and self.n_cols % 256 == 0 and w.stride(1) == 1
@@ -95,7 +95,7 @@ class QuantTensor:
                 if mmq_matmul_takes(x, self.raw, self.qtype):
                     return mmq_matmul(x, self.raw, self.qtype)
                 if self._x8_tokens_for(x):  # a batched step's: each row read once for all
-                    from strata.kernels.gpu.gemv_q8 import gemm_x8_tokens
+                    from strata.kernels.gpu.dense_x8 import gemm_x8_tokens
 
                     return gemm_x8_tokens(x, self.raw, self.qtype)
             from strata.kernels.gpu import quant_matmul
