@@ -14,21 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.gemv_q8 import (
-    _row_offsets,
-    _spread_args,
-    held_q4k_dot,
-    held_q6k_dot,
-    q4k_weights,
-    q6k_layout,
-    q6k_spread_dot,
-    q6k_weights,
-    quantize_x,
-    spread_dot,
-    spread_layout,
-    spread_rows,
-    spread_x,
-)
+from strata.kernels.gpu import gemv_q8 as q8
 from strata.kernels.tuning import DENSE_X8_ROWS
 from strata.quant import QType
 
@@ -40,19 +26,19 @@ def _gemm_q4k_tokens_kernel(xq, xs4, w, y, M, N, K, row_bytes, stride_y, R: tl.c
     # 256 BB) the rows held in registers and each token's x̂ dotted with them; else each token
     # re-reads them (spread_dot; from L1 after the first)
     n = tl.program_id(0) * R + tl.arange(0, R)
-    rows = spread_rows(w, n, N, row_bytes)
+    rows = q8.spread_rows(w, n, N, row_bytes)
     nb = K // 256
     if ONE:
-        b, c, hf, w4, v, c3, zero = spread_layout(BB, R)
+        b, c, hf, w4, v, c3, zero = q8.spread_layout(BB, R)
         m = b < nb
-        wq = q4k_weights(rows + b * 36, m, c, v, w4, hf, c3, False)
+        wq = q8.q4k_weights(rows + b * 36, m, c, v, w4, hf, c3, False)
     for t in range(M):
         xw = (xq + t * K).to(tl.pointer_type(tl.int32))  # (t K: a few tokens, int32)
         xs = xs4 + t * (K // 16)
         if ONE:
-            s = held_q4k_dot(wq, spread_x(xw, xs, b, m, c, v, w4, hf), zero)
+            s = q8.held_q4k_dot(wq, q8.spread_x(xw, xs, b, m, c, v, w4, hf), zero)
         else:
-            s, _ = spread_dot(rows, rows, xw, xs, nb, False, BB, False)
+            s, _ = q8.spread_dot(rows, rows, xw, xs, nb, False, BB, False)
         tl.store(y + t * stride_y + n, s, mask=n < N)
 
 
@@ -62,19 +48,19 @@ def _gemm_q6k_tokens_kernel(xq, dx, w, y, M, N, K, row_bytes, stride_y, R: tl.co
     # as _gemm_q4k_tokens_kernel for Q6_K rows (q6k_weights / q6k_spread_dot)
     n = tl.program_id(0) * R + tl.arange(0, R)
     base = w.to(tl.pointer_type(tl.int32))
-    ro = _row_offsets(n, N, row_bytes)[None, None, None, :, None]
+    ro = q8._row_offsets(n, N, row_bytes)[None, None, None, :, None]
     nb = K // 256
     if ONE:
-        b, h, q, i, zero, ones = q6k_layout(BB, R)
+        b, h, q, i, zero, ones = q8.q6k_layout(BB, R)
         m = b < nb
-        wq = q6k_weights(base, ro + b * 210, m, h, q, i)
+        wq = q8.q6k_weights(base, ro + b * 210, m, h, q, i)
     for t in range(M):
         xw = (xq + t * K).to(tl.pointer_type(tl.int32))  # (t K: a few tokens, int32)
         xd = dx + t * (K // 32)
         if ONE:
-            s = held_q6k_dot(wq, xw, xd, b, m, h, q, i, zero, ones)
+            s = q8.held_q6k_dot(wq, xw, xd, b, m, h, q, i, zero, ones)
         else:
-            s = q6k_spread_dot(base, ro, xw, xd, nb, BB)
+            s = q8.q6k_spread_dot(base, ro, xw, xd, nb, BB)
         tl.store(y + t * stride_y + n, s, mask=n < N)
 
 
@@ -99,11 +85,11 @@ def gemm_x8_tokens(x: torch.Tensor, w: torch.Tensor, qtype: int,
     m, k = x.shape
     n = w.shape[0]
     r, bb, warps = tile or tokens_tile(k)
-    _spread_args(w, n, k, q, x[0] if m else x.new_empty(k), None, "gemm_x8_tokens", bb, r, warps)
+    q8._spread_args(w, n, k, q, x[0] if m else x.new_empty(k), None, "gemm_x8_tokens", bb, r, warps)
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
-    xq, dx, xs4 = quantize_x(x.contiguous())
+    xq, dx, xs4 = q8.quantize_x(x.contiguous())
     (_gemm_q4k_tokens_kernel if q == QType.Q4_K else _gemm_q6k_tokens_kernel)[
         (triton.cdiv(n, r),)](xq, xs4 if q == QType.Q4_K else dx, w, out, m, n, k, w.stride(0),
                               out.stride(0), R=r, BB=bb, ONE=k // 256 <= bb, num_warps=warps)
