@@ -292,7 +292,8 @@ def test_moe_once_compiles_for_sm90() -> None:
                    (moe_once._down_once_q8_kernel, False), (moe_once._down_once_q8_kernel, True),
                    (dense_x8._gemm_q4k_tokens_kernel, None),
                    (dense_x8._gemm_q6k_tokens_kernel, None),
-                   (moe_once._gate_up_group_q8_kernel, None)):
+                   (moe_once._gate_up_group_q8_kernel, None),
+                   (moe_once._down_group_q8_kernel, False), (moe_once._down_group_q8_kernel, True)):
         for one in (True, False):
             consts = {a: v for a, v in (("R", 4), ("BB", 4), ("PB", 128), ("ONE", one),
                                         ("TOPK", 8), ("MT", 2), ("Q6", q6)) if a in fn.arg_names}
@@ -507,8 +508,8 @@ def test_moe_once_under_the_interpreter() -> None:
     unsummed, for Q4_K gate/up with a Q6_K and a Q4_K down; experts routed to 1-4 tokens, some
     without a slot (their pairs zero), rows of a step's blocks held once (ONE: a row's blocks
     in one step) and re-read (BB 1: d's two blocks in two steps); and near the reference with
-    x and h rounded (moe_ref x8). The gate/up on groups of 2 and 4 pairs of one expert (a token
-    axis beside the rows, moe_forward's tiles["group"]) bit for bit the per-pair one too."""
+    x and h rounded (moe_ref x8). The kernels on groups of 2 and 4 pairs of one expert (a token
+    axis beside the rows, moe_forward's tiles["group"]) bit for bit the per-pair ones too."""
     run_interpreted_side_by_side([_ONCE_SCRIPT.replace("DOWN", down).replace("X8TOL", str(X8_TOL))
                                   for down in ("Q6_K", "Q4_K")], fresh_seed(), timeout=600)
 
@@ -553,7 +554,7 @@ _ONCE_SCRIPT = """
                                 tiles=dict(tiles, once=(1,)))
             assert torch.equal(parts.sum(1), pairs), (down, bb)
             assert (parts[ids == 1] == 0).all() and (parts[ids == 4] == 0).all()
-            # the gate/up on groups of MT pairs of one expert, a token axis beside the rows
+            # groups of MT pairs of one expert, a token axis beside the rows (gate/up, down)
             for mt, r in ((2, 64), (4, 32)) if bb == 2 else ():
                 grouped = moe_forward(x, ids, wts, **layer, x8=True,
                                       tiles=dict(tiles, once=(0,), group=(mt, r)))
@@ -746,7 +747,7 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
                                        tiles=dict(tiles, once=(v,))) for v in (1, 0))
             err = float((once - pairs).norm() / pairs.norm())
             assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: {err:.2e} from per pair"
-            if q == QType.Q4_K:  # the gate/up on groups of 2 pairs of one expert
+            if q == QType.Q4_K:  # groups of 2 pairs of one expert (the downs too where K-quant)
                 grouped = moe_forward(x, ids, wts, **layer, x8=True, step=True,
                                       tiles=dict(tiles, once=(0,), group=(2, 2)))
                 err = float((grouped - pairs).norm() / pairs.norm())

@@ -84,8 +84,8 @@ IQ_X8 = (QType.IQ2_XS, QType.IQ3_XXS)  # the i-quant types with int8-activation 
 # (R, BB, warps): MXFP4 gate/up and down on 8-bit activations (gemv_q8.mxfp4_spread_dot; off
 # unless given or tuning.MXFP4_X8); "pair_major" / "once" -> (1,) or (0,): the per-pair grid
 # pair-major, the expert-once kernels (moe_once.py), instead of PAIR_MAJOR_MIN_PAIRS' /
-# MOE_ONCE_MIN_PAIRS' choice; "group" -> (MT, R): the Q4_K gate/up on moe_once's groups of MT
-# pairs of one expert, R rows a program (a benchmark's; not yet timed)
+# MOE_ONCE_MIN_PAIRS' choice; "group" -> (MT, R): the Q4_K gate/up and Q4_K / Q6_K down on
+# moe_once's groups of MT pairs of one expert, R rows a program (a benchmark's; not yet timed)
 TILE_KEYS = ("gate_up", "down_pairs", "gate_up_q8", "down_q8", "down_q6k_q8", "gate_up_iq",
              "down_iq", "gate_up_iq_run", "gate_up_mx8", "down_mx8", "pair_major", "once",
              "group")
@@ -634,7 +634,16 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         q4 = fd.qtype == QType.Q4_K
         r, bb, warps = ((tiles.get("down_q8") or DOWN_Q8_TILE) if q4
                         else (tiles.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
-        if expert_once(p, miss is not None, tiles):
+        group = tiles.get("group") if miss is None else None
+        if group:  # (MT, R): groups of MT pairs of one expert, R rows a program
+            from strata.kernels.gpu.moe_once import _down_group_q8_kernel, once_grid
+
+            mt, rg = group
+            _down_group_q8_kernel[once_grid(d, rg, p)](
+                hq, hs4 if q4 else hdx, ids, slot_of, down, part, d, f, p, down.stride(0),
+                down.shape[2], R=rg, MT=mt, BB=bb, PB=triton.next_power_of_2(p), Q6=not q4,
+                num_warps=warps)
+        elif expert_once(p, miss is not None, tiles):
             from strata.kernels.gpu.moe_once import _down_once_q8_kernel, once_grid
 
             _down_once_q8_kernel[once_grid(d, r, p)](

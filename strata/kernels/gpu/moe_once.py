@@ -22,8 +22,8 @@ time a pair, so they are off (tuning.MOE_ONCE_MIN_PAIRS). A second form keeps ea
 light as a per-pair one: `_gate_up_group_q8_kernel` takes a group of MT pairs of one expert
 (its pairs of rank 0..MT-1, MT..2MT-1, ... in pair order: `_group_of`) with the tokens as a
 tensor axis beside the rows (`q4k_group_dot`): the rows' words and scales read once a block
-step, nothing held across a loop, no loop over pairs (moe_forward's tiles["group"] = (MT, R);
-not yet timed).
+step, nothing held across a loop, no loop over pairs; `_down_group_q8_kernel` the same for a
+Q4_K or Q6_K down (`q6k_group_dot`) (moe_forward's tiles["group"] = (MT, R); not yet timed).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import triton.language as tl
 from strata.kernels.gpu.gemv_q8 import (
     _dp4a,
     _i2f_signed,
+    _q6k_quants,
     _row_offsets,
     held_q4k_dot,
     held_q6k_dot,
@@ -243,3 +244,72 @@ def _gate_up_group_q8_kernel(xq, xs4, ids, wts, slot_of, gate, up, h, D, F, P, s
         w = tl.load(wts + p, mask=live, other=0.0).to(tl.float32)[None, :]
         hv = tl.where(slot >= 0, g / (1.0 + tl.exp(-g)) * u * w, 0.0)
         tl.store(h + p[None, :] * F + n[:, None], hv, mask=live[None, :] & (n < F)[:, None])
+
+
+@triton.jit
+def q6k_group_dot(words, ro, xw, dx, b, m, xm, BB: tl.constexpr, R: tl.constexpr,
+                  MT: tl.constexpr):
+    """[BB, 2, 2, R, MT, 4]: Q6_K blocks b (mask m) of R rows (byte offsets ro [1, 1, 1, R, 1]
+    from int32 words) dotted with MT tokens' x̂ (int32 word pointers xw and per-32 scale
+    pointers dx, each [1, 1, 1, 1, MT, 1]; xm: the live tokens): the rows' quants and scales
+    read once (q6k_weights, q6k_spread_dot's layout), a token axis beside the rows."""
+    h = tl.arange(0, 2)[None, :, None, None, None]
+    q = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, None, :]
+    qa, qb, qh, d, s0, s1, s2, s3 = q6k_weights(words, ro + b * 210, m, h, q, i)
+    # (block, half, quarter, row, token, word)
+    b6 = b[:, :, :, :, None, :]
+    m6 = m[:, :, :, :, None, :] & xm
+    h6 = h[:, :, :, :, None, :]
+    q6 = q[:, :, :, :, None, :]
+    i6 = i[:, :, :, :, None, :]
+    zero = tl.zeros((BB, 2, 2, R, MT, 4), tl.int32)
+    acc = tl.zeros((BB, 2, 2, R, MT, 4), tl.float32)
+    for j in tl.static_range(4):
+        qj = _q6k_quants(qa, qb, qh, j)[:, :, :, :, None, :]
+        xj = tl.load(xw + b6 * 64 + 32 * h6 + 8 * j + 4 * q6 + i6, mask=m6, other=0)
+        dot = _dp4a(qj, xj, zero) - 32 * _dp4a(zero + 0x01010101, xj, zero)  # Σ (q - 32) xq
+        sc = s0 if j == 0 else (s1 if j == 1 else (s2 if j == 2 else s3))
+        dxj = tl.load(dx + b6 * 8 + 4 * h6 + j + 0 * (q6 + i6), mask=m6, other=0.0)
+        acc += (d[:, :, :, :, None, :] * dxj) * _i2f_signed(sc[:, :, :, :, None, :] * dot)
+    return acc
+
+
+@triton.jit(do_not_specialize=["D", "F", "P"])
+def _down_group_q8_kernel(hq, hsc, ids, slot_of, down, part, D, F, P, stride_ds, row_bytes,
+                          R: tl.constexpr, MT: tl.constexpr, BB: tl.constexpr,
+                          PB: tl.constexpr, Q6: tl.constexpr = False):
+    # part[p, n] = down_e[n] · ĥ_p for R rows n and the MT pairs p of expert e that this
+    # program's group holds (_group_of), a Q4_K down (hsc: ĥ's xs4) or with Q6 a Q6_K one
+    # (hsc: its per-32 scales): the rows read once for the group, its tokens a tensor axis
+    n = tl.program_id(0) * R + tl.arange(0, R)
+    lead, e, pairs, live = _group_of(ids, tl.program_id(1), P, PB, MT)
+    if lead:
+        slot = tl.load(slot_of + e)
+        p = tl.where(live, pairs, 0).to(tl.int64)  # [MT]
+        xw = (hq + p * F).to(tl.pointer_type(tl.int32))[None, None, None, None, :, None]
+        xm = (live & (slot >= 0))[None, None, None, None, :, None]
+        base = down + tl.maximum(slot, 0).to(tl.int64) * stride_ds
+        nb = F // 256
+        bb = tl.arange(0, BB)[:, None, None, None, None]
+        if Q6:
+            xs = (hsc + p * (F // 32))[None, None, None, None, :, None]
+            words = base.to(tl.pointer_type(tl.int32))
+            ro = _row_offsets(n, D, row_bytes)[None, None, None, :, None]
+            acc6 = tl.zeros((BB, 2, 2, R, MT, 4), tl.float32)
+            for b0 in range(0, nb, BB):
+                b = b0 + bb
+                acc6 += q6k_group_dot(words, ro, xw, xs, b, (b < nb) & (slot >= 0), xm, BB, R,
+                                      MT)
+            total = tl.sum(tl.sum(tl.sum(tl.sum(acc6, axis=5), axis=2), axis=1), axis=0)
+        else:
+            xs = (hsc + p * (F // 16))[None, None, None, None, :, None]
+            rows = spread_rows(base, n, D, row_bytes)
+            acc4 = tl.zeros((BB, 4, R, MT), tl.float32)
+            for b0 in range(0, nb, BB):
+                b = b0 + bb
+                acc4 += q4k_group_dot(rows + b * 36, xw, xs, b, (b < nb) & (slot >= 0), xm, BB,
+                                      R, MT)
+            total = tl.sum(tl.sum(acc4, axis=1), axis=0)  # [R, MT]
+        tl.store(part + p[None, :] * D + n[:, None], tl.where(slot >= 0, total, 0.0),
+                 mask=live[None, :] & (n < D)[:, None])
