@@ -129,6 +129,11 @@ PAIR_MAJOR_MIN_PAIRS = 64
 # the H100; its time grew with the pairs, as the per-pair kernels' does.
 # bench/2026-12-06-h200-once.md
 MOE_ONCE_MIN_PAIRS: int | None = None
+# (MT, R): from MOE_GROUP_MIN_PAIRS pairs such calls take moe_once.py's group kernels instead
+# (groups of MT pairs of one expert, the tokens a tensor axis beside R rows a program; Q4_K
+# gate/up, Q4_K / Q6_K down); None: never (tiles["group"] overrides). Not yet timed.
+MOE_GROUP: tuple[int, int] | None = None
+MOE_GROUP_MIN_PAIRS = 16
 # --kernels fused: calls that would take tl.dot (a prompt chunk, a verify window past DECODE_MAX_T,
 # below the grouped path) run on the integer tensor-core kernels (moe_mmq.py: x and h rounded to
 # 8 bits per 32 values, as llama.cpp's MMQ) where the types allow (Q4_K gate/up, Q4_K / Q6_K

@@ -66,6 +66,8 @@ from strata.kernels.tuning import (
     IQ_GROUPED_MIN_TOKENS,
     MMQ_GROUPED_MIN_TOKENS,
     MMQ_PROMPT,
+    MOE_GROUP,
+    MOE_GROUP_MIN_PAIRS,
     MOE_ONCE_MIN_PAIRS,
     MXFP4_X8,
     PAIR_MAJOR_MIN_PAIRS,
@@ -552,7 +554,7 @@ def _decode(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
 
         xq, _, xs4 = quantize_x(x.contiguous())
         r, bb, warps = tiles.get("gate_up_q8") or GATE_UP_Q8_TILE
-        group = tiles.get("group") if miss is None else None
+        group = group_tile(p, miss is not None, tiles)
         if group:  # (MT, R): groups of MT pairs of one expert, R rows a program (moe_once.py)
             from strata.kernels.gpu.moe_once import _gate_up_group_q8_kernel, once_grid
 
@@ -634,7 +636,7 @@ def _decode_down(h, ids, slot_of, down, md, fd: KernelFormat, td, td2,  # noqa: 
         q4 = fd.qtype == QType.Q4_K
         r, bb, warps = ((tiles.get("down_q8") or DOWN_Q8_TILE) if q4
                         else (tiles.get("down_q6k_q8") or DOWN_Q6K_Q8_TILE))
-        group = tiles.get("group") if miss is None else None
+        group = group_tile(p, miss is not None, tiles)
         if group:  # (MT, R): groups of MT pairs of one expert, R rows a program
             from strata.kernels.gpu.moe_once import _down_group_q8_kernel, once_grid
 
@@ -679,6 +681,18 @@ def pair_major(p: int, tiles: Mapping[str, tuple[int, ...]]) -> bool:
     if "pair_major" in tiles:
         return bool(tiles["pair_major"][0])
     return p >= PAIR_MAJOR_MIN_PAIRS
+
+
+def group_tile(p: int, miss: bool, tiles: Mapping[str, tuple[int, ...]]
+               ) -> tuple[int, ...] | None:
+    """(MT, R) where an x8 call with p pairs takes moe_once.py's group kernels (its types
+    permitting): without miss rows, tiles["group"], else tuning.MOE_GROUP from
+    MOE_GROUP_MIN_PAIRS pairs; None: not."""
+    if miss:
+        return None
+    if "group" in tiles:
+        return tiles["group"] or None
+    return MOE_GROUP if p >= MOE_GROUP_MIN_PAIRS else None
 
 
 def expert_once(p: int, miss: bool, tiles: Mapping[str, tuple[int, ...]]) -> bool:
