@@ -148,17 +148,6 @@ _INTERPRETED_X8 = """
         taken.clear()
         assert float((gemv_x8(x, w, q) - ref).norm() / ref.norm()) < 2e-5, (q, k)
         assert taken == ([(q.name, split)] if split else []), (q, k, shift, taken)
-    # gemm_x8_tokens: a few tokens, each row read once for all of them: a row's blocks held in
-    # one step (768: 3 of 4), or walked in steps (4608: 18 in steps of 16, the second masked;
-    # 512 in steps of 1)
-    from strata.kernels.gpu.dense_x8 import gemm_x8_tokens
-    for q in (QType.Q4_K, QType.Q6_K):
-        for m, n, k, tile in ((3, 9, 768, None), (2, 5, 4608, (2, 16, 2)), (4, 7, 512, (4, 1, 1))):
-            w = torch.from_numpy(random_rows(q, n, k, rng, 0.05))
-            x = torch.randn(m, k)
-            ref = matmul_ref(round8(x), w, q)
-            got = gemm_x8_tokens(x, w, q, tile)
-            assert got.shape == (m, n) and float((got - ref).norm() / ref.norm()) < 2e-5, (q, k)
 """
 
 
@@ -502,6 +491,30 @@ def test_moe_iq_run_under_the_interpreter() -> None:
                                  fresh_seed(), timeout=900)
 
 
+@every_case  # (off by default: tuning.DENSE_X8_MAX_T)
+def test_gemm_x8_tokens_under_the_interpreter() -> None:
+    """gemm_x8_tokens (dense_x8.py): a few tokens, each row read once for all of them, against
+    the reference on x rounded to 8 bits: a row's blocks held in one step (768: 3 of 4), or
+    walked in steps (4608: 18 in steps of 16, the second masked; 512 in steps of 1)."""
+    run_interpreted("""
+    import torch
+    torch.manual_seed(seed)
+    from strata.kernels.gpu.dense_x8 import gemm_x8_tokens
+    from strata.kernels.gpu.reference import matmul_ref, round8
+    from strata.quant import QType, random_rows
+    rng = np.random.default_rng(seed)
+    for q in (QType.Q4_K, QType.Q6_K):
+        for m, n, k, tile in ((3, 9, 768, None), (2, 5, 4608, (2, 16, 2)), (4, 7, 512, (4, 1, 1))):
+            w = torch.from_numpy(random_rows(q, n, k, rng, 0.05))
+            x = torch.randn(m, k)
+            ref = matmul_ref(round8(x), w, q)
+            got = gemm_x8_tokens(x, w, q, tile)
+            assert got.shape == (m, n) and float((got - ref).norm() / ref.norm()) < 2e-5, (q, k)
+    print("ok")
+    """, fresh_seed(), timeout=600)
+
+
+@every_case  # (off by default: tuning.MOE_ONCE_MIN_PAIRS, MOE_GROUP; the CUDA tests run them)
 def test_moe_once_under_the_interpreter() -> None:
     """The expert-once kernels (moe_once.py: a program per rows and expert, the pairs of one
     expert found among the step's ids): bit for bit the per-pair kernels' output, summed and
