@@ -23,7 +23,8 @@ light as a per-pair one: `_gate_up_group_q8_kernel` takes a group of MT pairs of
 (its pairs of rank 0..MT-1, MT..2MT-1, ... in pair order: `_group_of`) with the tokens as a
 tensor axis beside the rows (`q4k_group_dot`): the rows' words and scales read once a block
 step, nothing held across a loop, no loop over pairs; `_down_group_q8_kernel` the same for a
-Q4_K or Q6_K down (`q6k_group_dot`) (moe_forward's tiles["group"] = (MT, R); not yet timed).
+Q4_K or Q6_K down (`q6k_group_dot`; over several steps of blocks its Q6_K sums associate
+per step, so equal to float rounding) (moe_forward's tiles["group"] = (MT, R); not yet timed).
 """
 
 from __future__ import annotations
