@@ -309,8 +309,8 @@ def moe_prompt(types: tuple[str, str, str], tokens: int, path: str, rep_ms: int,
             # "pairs-once[:R[:BB]]": the expert-once kernels (moe_once.py) where the types have
             # them, R rows a program, BB blocks a step of the gate/up (8: its rows held; 4: each
             # pair reads them again, from L1) and BB / 2 of the downs
-            # "pairs-group:MT:R": moe_once's groups of MT pairs of one expert (the gate/up; the
-            # downs per pair), R rows a program
+            # "pairs-group:MT:R": moe_once's groups of MT pairs of one expert (gate/up and
+            # down), R rows a program
             once = path.startswith("pairs-once")
             tiles = {"pair_major": (int(path == "pairs-pm"),), "once": (int(once),)}
             if path.startswith("pairs-group:"):

@@ -63,21 +63,24 @@ class QuantTensor:
         return (self.raw.is_cuda and x.shape[0] <= self.fused_max_t
                 and fused_matmul_available(self.qtype))
 
-    def _x8_for(self, x: torch.Tensor) -> bool:
-        """One token, a Q4_K / Q6_K / IQ2_XS / IQ3_XXS matrix of X8_MIN_ROWS rows or more,
-        4-byte aligned (Q4_K: each row; the others read rows 2 mod 4 too)."""
+    def _x8_rows(self) -> bool:
+        """A 2-D matrix the dp4a kernels read: rows of whole 256-value blocks, contiguous, 4-byte
+        aligned (Q4_K: each row; the others read rows 2 mod 4 too)."""
         w = self.raw
-        return (x.shape[0] == 1 and self.qtype in X8_TYPES and w.dim() == 2
-                and w.shape[0] >= X8_MIN_ROWS and self.n_cols % 256 == 0 and w.stride(1) == 1
+        return (w.dim() == 2 and self.n_cols % 256 == 0 and w.stride(1) == 1
                 and w.data_ptr() % 4 == 0 and (self.qtype != QType.Q4_K or w.stride(0) % 4 == 0))
 
+    def _x8_for(self, x: torch.Tensor) -> bool:
+        """One token, a Q4_K / Q6_K / IQ2_XS / IQ3_XXS matrix of X8_MIN_ROWS rows or more
+        (_x8_rows)."""
+        return (x.shape[0] == 1 and self.qtype in X8_TYPES and self.raw.shape[0] >= X8_MIN_ROWS
+                and self._x8_rows())
+
     def _x8_tokens_for(self, x: torch.Tensor) -> bool:
-        """2 to DENSE_X8_MAX_T tokens over a Q4_K or Q6_K matrix, 4-byte aligned as _x8_for
-        asks (dense_x8.gemm_x8_tokens)."""
-        w = self.raw
+        """2 to DENSE_X8_MAX_T tokens over a Q4_K or Q6_K matrix (_x8_rows;
+        dense_x8.gemm_x8_tokens)."""
         return (1 < x.shape[0] <= DENSE_X8_MAX_T and self.qtype in (QType.Q4_K, QType.Q6_K)
-                and w.dim() == 2 and self.n_cols % 256 == 0 and w.stride(1) == 1
-                and w.data_ptr() % 4 == 0 and (self.qtype != QType.Q4_K or w.stride(0) % 4 == 0))
+                and self._x8_rows())
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else

@@ -85,8 +85,10 @@ def gemm_x8_tokens(x: torch.Tensor, w: torch.Tensor, qtype: int,
     m, k = x.shape
     n = w.shape[0]
     r, bb, warps = tile or tokens_tile(k)
-    q8._spread_args(w, n, k, q, x[0] if m else x.new_empty(k), None, "gemm_x8_tokens", bb, r, warps)
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    # (the spread GEMVs' checks of w, k and the tile, on the first token's row and output)
+    q8._spread_args(w, n, k, q, x[0] if m else x.new_empty(k), out[0] if m else None,
+                    "gemm_x8_tokens", bb, r, warps)
     if m == 0 or n == 0:
         return out
     xq, dx, xs4 = q8.quantize_x(x.contiguous())

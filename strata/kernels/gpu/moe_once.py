@@ -188,11 +188,8 @@ def q4k_group_dot(blk, xw, xs, b, m, xm, BB: tl.constexpr, R: tl.constexpr, MT: 
     block offsets) dotted with MT tokens' x̂ (int32 word pointers xw and xs4 pointers xs, each
     [1, 1, 1, 1, MT, 1]; xm [1, 1, 1, 1, MT, 1]: the live tokens): the rows' words and scales
     read once (q4k_weights, spread_dot's layout), a token axis beside the rows."""
-    c = tl.arange(0, 4)[None, :, None, None, None]
-    hf = tl.arange(0, 2)[None, None, :, None, None]
-    w4 = tl.arange(0, 4)[None, None, None, None, :]
-    qs, d, dmin, sc_lo, sc_hi, mn_lo, mn_hi = q4k_weights(blk, m, c, hf * 4 + w4, w4, hf,
-                                                          tl.arange(0, 4)[None, :, None], False)
+    _, c, hf, w4, v, c3, _ = spread_layout(BB, R)
+    qs, d, dmin, sc_lo, sc_hi, mn_lo, mn_hi = q4k_weights(blk, m, c, v, w4, hf, c3, False)
     # (block, pair, half, row, token, word)
     b6 = b[:, :, :, :, None, :]
     m6 = m[:, :, :, :, None, :] & xm
@@ -254,9 +251,7 @@ def q6k_group_dot(words, ro, xw, dx, b, m, xm, BB: tl.constexpr, R: tl.constexpr
     from int32 words) dotted with MT tokens' x̂ (int32 word pointers xw and per-32 scale
     pointers dx, each [1, 1, 1, 1, MT, 1]; xm: the live tokens): the rows' quants and scales
     read once (q6k_weights, q6k_spread_dot's layout), a token axis beside the rows."""
-    h = tl.arange(0, 2)[None, :, None, None, None]
-    q = tl.arange(0, 2)[None, None, :, None, None]
-    i = tl.arange(0, 4)[None, None, None, None, :]
+    _, h, q, i, _, _ = q6k_layout(BB, R)
     qa, qb, qh, d, s0, s1, s2, s3 = q6k_weights(words, ro + b * 210, m, h, q, i)
     # (block, half, quarter, row, token, word)
     b6 = b[:, :, :, :, None, :]
