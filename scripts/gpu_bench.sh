@@ -479,7 +479,7 @@ if [[ $STAGES == *demospec* ]]; then
       for flags in "" "--spec 4 --draft ngram"; do
         echo "== demo model, $p prompt, temperature ${ts%%:*} seed ${ts##*:}, ${flags:-no spec}"
         timeout 120 python3 -m strata generate --device cuda --prompt "$text" \
-          -n "${DEMOSPEC_N:-256}" --temperature "${ts%%:*}" --seed "${ts##*:}" $flags 2>&1 \
+          -n "${DEMOSPEC_N:-256}" --temperature "${ts%%:*}" --seed "${ts##*:}" --stats $flags 2>&1 \
           | grep -E "^strata: (loaded|spec:)" | tee -a "$OUT/demospec.txt"
       done
     done
