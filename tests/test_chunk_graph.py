@@ -59,8 +59,8 @@ def cpu_graphs(synth, buckets=(16, 32, 64)):  # noqa: ANN001, ANN201
     """A CPU offload engine with every expert in a slot, its prompt chunks on the fused chunk
     path's torch forms (as on CUDA with --kernels fused), and ChunkGraphs running its padded
     passes uncaptured."""
-    # (one thread: the padded and plain passes' matmuls then sum in the same order, which the
-    # exact first-layer check below relies on; on two, torch splits 16 and 7 rows differently)
+    # (one thread: the padded and plain passes' matmuls then sum in nearly the same order, which
+    # the first-layer check below relies on; on two, torch splits 16 and 7 rows differently)
     engine = offload(synth("qwen3moe", "Q4_K_M"), "cpu", expert_cache="24", threads=1)
     model = engine.model
     model.fused_attention = True
@@ -81,7 +81,8 @@ def test_padded_chunks_equal_the_plain_forward(synth, monkeypatch, lengths):
     """Chunks padded to their bucket (after the real tokens) at start 0 and later: each chunk's
     last logits and every real KV row are the plain forward's to float32 rounding (the
     attention in float32 here: bf16's rounding would differ with the padded row count), the
-    first layer's rows exactly; the cache counts the real tokens only."""
+    first layer's rows to a few float32 roundings (the BLAS may take another kernel for 1 row
+    than for 16: 6 epsilons on one Intel machine); the cache counts the real tokens only."""
     monkeypatch.setattr(attention, "attention_bf16", lambda q, k, v: reference_attention(
         q, k.float(), v.float(), k.shape[0] - q.shape[0]))
     engine, graphs = cpu_graphs(synth)
@@ -99,7 +100,9 @@ def test_padded_chunks_equal_the_plain_forward(synth, monkeypatch, lengths):
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
     rows = slice(0, len(tokens))
     mine, theirs = kv.store[:, :, rows], ref_kv.store[:, :, rows]
-    assert torch.allclose(mine[:, 0], theirs[:, 0], rtol=0, atol=1e-6)  # the embeddings' layer
+    # the embeddings' layer: no padding row leaks in, so equal to a few float32 roundings
+    first, eps = theirs[:, 0], torch.finfo(torch.float32).eps
+    assert float((mine[:, 0] - first).abs().max()) <= 16 * eps * float(first.abs().max())
     assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
     assert graphs.steps["warm"] == len(lengths) and graphs.steps["replayed"] == 0
 
