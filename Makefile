@@ -94,8 +94,13 @@ browser:
 	$$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing \
 		|| echo "== browser test: apt-get failed, so it will skip"
 
+# The suite in one process per core (pytest-xdist), each on one torch thread: most of its time is
+# single-threaded (Triton's interpreter, Python), and two processes of two threads each on two cores
+# took longer than one thread each (on 2 cores: 605 s, against 783 s at torch's threads, 1017 s in
+# one process).
+TEST_JOBS ?= $(JOBS)
 test: $(STAMP) lint browser
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

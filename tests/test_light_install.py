@@ -23,8 +23,8 @@ tomllib = pytest.importorskip("tomllib", reason="Python 3.11 reads pyproject.tom
 REPO = Path(__file__).resolve().parents[1]
 # each extra's distribution -> the top-level module it installs
 MODULES = {"pytest": "pytest", "ruff": "ruff", "transformers": "transformers",
-           "accelerate": "accelerate", "sentencepiece": "sentencepiece", "protobuf": "google",
-           "matplotlib": "matplotlib", "openai": "openai", "httpx": "httpx",
+           "pytest-xdist": "xdist", "accelerate": "accelerate", "sentencepiece": "sentencepiece",
+           "protobuf": "google", "matplotlib": "matplotlib", "openai": "openai", "httpx": "httpx",
            "prometheus-client": "prometheus_client", "selenium": "selenium",
            "ggml-python": "ggml", "llama-cpp-python": "llama_cpp", "triton": "triton",
            "llguidance": "llguidance", "fla-core": "fla"}
