@@ -97,8 +97,9 @@ browser:
 # The suite in one process per core (pytest-xdist), each on one torch thread: most of its time is
 # single-threaded (Triton's interpreter, Python), and two processes of two threads each on two cores
 # took longer than one thread each (on 2 cores: 605 s, against 783 s at torch's threads, 1017 s in
-# one process).
-TEST_JOBS ?= $(JOBS)
+# one process). At most 4: each process builds its own synthetic models and loads its own torch and
+# transformers, so a many-core machine's memory is not spent on dozens of them (only 2 measured).
+TEST_JOBS ?= $(shell n=$(JOBS); echo $$(( n < 4 ? n : 4 )))
 test: $(STAMP) lint browser
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
