@@ -14,8 +14,8 @@ from strata.errors import StrataError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8080",
-                   help="the server (http://127.0.0.1:8080)")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server (http://127.0.0.1:8000: strata serve's default port)")
     p.add_argument("--api-key", default=None, help="sent as a bearer token (none)")
     p.add_argument("--model", default=None, help="the request's model field (none)")
     p.add_argument("-c", "--concurrency", default="1,4,8", metavar="C,C,...",

@@ -1,4 +1,5 @@
-"""The engine flags shared by generate, logits, bench and profile, and their EngineConfig."""
+"""The engine flags shared by the model commands (generate, chat, serve, logits, bench, bench-spec,
+profile, perplexity; check for --a / --b), and their EngineConfig."""
 
 from __future__ import annotations
 
@@ -69,11 +70,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "(auto: from the plan, and it borrows the VRAM the plan leaves unused while a "
                    "prompt streams)")
     g.add_argument("--kernels", default="fused", choices=["fused", "exact", "off"],
-                   help="GPU kernels on GGUF blocks: fused everywhere (prompt chunks on bf16 "
-                   "tensor cores; decode rounds activations to 8 bits for expert gate/up and "
-                   "down and large output matrices in Q4_K, Q6_K (down, output), IQ2_XS or "
-                   "IQ3_XXS, as llama.cpp does), exact "
-                   "(fused only where float32-exact: up to 4 tokens), off (fused)")
+                   help="GPU kernels on GGUF blocks: fused everywhere (the default: prompt "
+                   "chunks on tensor cores, bf16 or, for Q4_K gate/up with a Q4_K or Q6_K down, "
+                   "8-bit activations; decode rounds activations to 8 bits for expert gate/up "
+                   "and down and large output matrices in Q4_K, Q6_K (down, output), IQ2_XS, "
+                   "IQ3_XXS or MXFP4, as llama.cpp does), exact (fused only where "
+                   "float32-exact: up to 4 tokens), off (no fused kernels)")
     g.add_argument("--decode-step", default="graphs", choices=["graphs", "eager", "off"],
                    help="one sequence's decode token on the offload runtime: static buffers "
                    "captured as CUDA graphs (graphs; eager on the CPU), the same pieces run "
@@ -214,5 +216,5 @@ def _int_flag(flag: str, text: str) -> int:
 def refuse_spec(args: argparse.Namespace, command: str) -> None:
     """--spec drafts tokens to decode; a command that decodes none refuses it in one line."""
     if getattr(args, "spec", 0):
-        raise StrataError(f"--spec {args.spec}: speculative decoding serves generate, chat and "
-                          f"serve; strata {command} decodes no drafted tokens, drop --spec")
+        raise StrataError(f"--spec {args.spec}: speculative decoding serves generate, chat, "
+                          f"serve and bench-spec; strata {command} decodes no drafted tokens, drop --spec")
