@@ -138,7 +138,7 @@ if [[ ! -f $M || -n ${RESYNTH:-} ]] && [[ $STAGES == *decode* || $STAGES == *pro
       $STAGES == *check* || $STAGES == *profile* || $STAGES == *streaming* ||
       $STAGES == *share* || $STAGES == *prefetch* || $STAGES == *llamacpp* ||
       $STAGES == *ttft* || $STAGES == *matrix* || $STAGES == *serve* ||
-      $STAGES == *compare* || $STAGES == *spec* ]]; then
+      $STAGES == *compare* || " $STAGES " == *" spec "* ]]; then
   ( t0=$(date +%s); timeout ${SYNTH_TIMEOUT:-500} python3 -m strata synth $M --preset $PRESET ${LAYERS:+--layers $LAYERS} --quant $QUANT --force \
       >/tmp/synth.log 2>&1; echo "synth took $(( $(date +%s) - t0 )) s" >>/tmp/synth.log ) &
   SYNTH_PID=$!
@@ -261,7 +261,7 @@ if [[ $STAGES == *ttft* ]]; then  # where a short prompt's time goes, every expe
       --json "$OUT/ttft_$n.json" 2>&1 | grep -v "^strata:  " | tail -22
   done
 fi
-if [[ $STAGES == *spec* ]]; then  # verify windows of a forced acceptance against plain decode
+if [[ " $STAGES " == *" spec "* ]]; then  # verify windows of a forced acceptance against plain decode
   # SPEC_VARIANTS: flag sets run in turn at each budget, separated by ";" (e.g. ";--prefetch 0":
   # the default, then without the windows' prefetch)
   IFS=';' read -ra variants <<<"${SPEC_VARIANTS:-}"; [[ ${#variants[@]} -eq 0 ]] && variants=("")
