@@ -760,11 +760,12 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
                                        tiles=dict(tiles, once=(v,))) for v in (1, 0))
             err = float((once - pairs).norm() / pairs.norm())
             assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: {err:.2e} from per pair"
-            if q == QType.Q4_K:  # groups of 2 pairs of one expert (the downs too where K-quant)
+            for group in ((2, 2), (2, 4), (4, 2)) if q == QType.Q4_K else ():
+                # groups of MT pairs of one expert, R rows a program (the downs too where K-quant)
                 grouped = moe_forward(x, ids, wts, **layer, x8=True, step=True,
-                                      tiles=dict(tiles, once=(0,), group=(2, 2)))
+                                      tiles=dict(tiles, once=(0,), group=group))
                 err = float((grouped - pairs).norm() / pairs.norm())
-                assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: group {err:.2e}"
+                assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: group {group} {err:.2e}"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
         assert err < 3e-2, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} without"
