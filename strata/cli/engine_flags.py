@@ -217,4 +217,5 @@ def refuse_spec(args: argparse.Namespace, command: str) -> None:
     """--spec drafts tokens to decode; a command that decodes none refuses it in one line."""
     if getattr(args, "spec", 0):
         raise StrataError(f"--spec {args.spec}: speculative decoding serves generate, chat, "
-                          f"serve and bench-spec; strata {command} decodes no drafted tokens, drop --spec")
+                          f"serve and bench-spec; strata {command} decodes no drafted tokens, "
+                          f"drop --spec")
