@@ -14,7 +14,8 @@ from strata.units import parse_size
 log = logging.getLogger("strata")
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, ctx_help: str | None = None) -> None:
+    """The engine flags into p; ctx_help: --ctx's help where the command reads it otherwise."""
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
                    help="where the model runs: cuda is the current CUDA device, cuda:N the N-th "
@@ -47,9 +48,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "one on a GPU, and `serve` one less for its HTTP process and clients; "
                    "OMP_NUM_THREADS, where set, still sizes torch's)")
     g.add_argument("--ctx", type=int, default=None,
-                   help="KV cache tokens to plan for (the model's context, capped so that its "
-                   "cache takes at most a quarter of the memory the plan leaves, and at least "
-                   "4096 where those fit)")
+                   help=ctx_help or "KV cache tokens to plan for (the model's context, capped so "
+                   "that its cache takes at most a quarter of the memory the plan leaves, and at "
+                   "least 4096 where those fit)")
     g.add_argument("--kv-type", default="auto", choices=["auto", "f32", "f16", "bf16", "q8_0"],
                    help="KV cache elements: f16 or bf16 halve its memory and the bytes decode "
                    "attention reads, q8_0 (8-bit blocks of 32 with a scale, as llama.cpp's) "

@@ -32,10 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=-1, help="chunks scored at most (default all)")
     p.add_argument("--parse-special", action="store_true",
                    help="turn special-token text such as <|im_end|> into its token")
-    add_engine_arguments(p)
-    for action in p._actions:  # (its --ctx is the chunk's length here)
-        if "--ctx" in action.option_strings:
-            action.help = "tokens a chunk scores over, its KV cache too (512)"
+    add_engine_arguments(p, ctx_help="tokens a chunk scores over, its KV cache too (512)")
 
 
 def chunk_nll(engine: Engine, chunk: list[int]) -> np.ndarray:
