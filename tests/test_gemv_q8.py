@@ -758,14 +758,17 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
         if t > 1:
             once, pairs = (moe_forward(x, ids, wts, **layer, x8=True, step=True,
                                        tiles=dict(tiles, once=(v,))) for v in (1, 0))
+            # (the same sums in another order: an h value on a rounding edge of the downs'
+            # 8-bit x can go the other way, 4e-5 to 7e-5 at 16 tokens on the H200; a wrong
+            # expert or row is O(1))
             err = float((once - pairs).norm() / pairs.norm())
-            assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: {err:.2e} from per pair"
+            assert err < 5e-4, f"{tiles} {pack} t={t} seed={seed}: {err:.2e} from per pair"
             for group in ((2, 2), (2, 4), (4, 2)) if q == QType.Q4_K else ():
                 # groups of MT pairs of one expert, R rows a program (the downs too where K-quant)
                 grouped = moe_forward(x, ids, wts, **layer, x8=True, step=True,
                                       tiles=dict(tiles, once=(0,), group=group))
                 err = float((grouped - pairs).norm() / pairs.norm())
-                assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: group {group} {err:.2e}"
+                assert err < 5e-4, f"{tiles} {pack} t={t} seed={seed}: group {group} {err:.2e}"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
         assert err < 3e-2, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} without"

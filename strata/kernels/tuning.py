@@ -131,7 +131,9 @@ PAIR_MAJOR_MIN_PAIRS = 64
 MOE_ONCE_MIN_PAIRS: int | None = None
 # (MT, R): from MOE_GROUP_MIN_PAIRS pairs such calls take moe_once.py's group kernels instead
 # (groups of MT pairs of one expert, the tokens a tensor axis beside R rows a program; Q4_K
-# gate/up, Q4_K / Q6_K down); None: never (tiles["group"] overrides). Not yet timed.
+# gate/up, Q4_K / Q6_K down); None: never (tiles["group"] overrides). Off: on the H200 the
+# 30B-A3B's batched step of 8 / 16 took 9.96 / 13.97 ms per pair, 14.11 / 22.57 with (2, 2) and
+# 13.55 / 20.11 with (2, 4). bench/2026-12-07-h200-group.md
 MOE_GROUP: tuple[int, int] | None = None
 MOE_GROUP_MIN_PAIRS = 16
 # --kernels fused: calls that would take tl.dot (a prompt chunk, a verify window past DECODE_MAX_T,
