@@ -68,7 +68,9 @@
 # WARM=N builds the kernels stage's kernels in N processes first (bench_moe_decode.py --warm).
 # LLAMA=0: no llama.cpp build (the matrix stage then runs Strata's side alone). LLAMA_PACK=1: the
 # built binaries come back as $OUT/llama-bin.txz.* (15 MB parts, with ggml-python's wheel in
-# results.tgz), for a later call to carry as .lbin/ (and .whl/) instead of building again.
+# results.tgz), for a later call to carry as .lbin/ (and .whl/) instead of building again; where
+# the parts and the tree pass a call's size, carry some parts in one call (STAGES=none) and the
+# rest in the next while the machine is warm (kept in /tmp/lbin there).
 # BENCH_THREADS: the CPU pool's --threads in strata bench / bench-spec / serve (the cores less one:
 # the engine's own choice counts this script's background builds as busy cores).
 # Carried in .whl/: the gguf wheel, the uvicorn and starlette wheels (strata serve; the GPU
@@ -113,10 +115,18 @@ if ls .whl/ggml_python-*.tar.gz >/dev/null 2>&1 && ! ls .whl/ggml_python-*.whl >
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 LB=$PWD/.llama-build  # llama.cpp's CUDA build (llamacpp stage), kept while the machine stays warm
-# a build an earlier call packed (LLAMA_PACK=1: $OUT/llama-bin.txz.*, carried back as .lbin/)
-if ls .lbin/llama-bin.txz.* >/dev/null 2>&1 && [[ ! -x $LB/bin/llama-bench ]]; then
-  mkdir -p "$LB" && cat .lbin/llama-bin.txz.* | tar xJf - -C "$LB" \
-    && echo "llama.cpp: the carried build ($(cat "$LB/SOURCE.txt" 2>/dev/null))"
+# a build an earlier call packed (LLAMA_PACK=1: $OUT/llama-bin.txz.*, carried back as .lbin/).
+# The parts (~41 MiB) and the tree (~30 MiB) pass a call's 64 MiB together: carry some parts in
+# one call and the rest in the next on the same warm machine; each call keeps what it brought
+# in /tmp/lbin, and the build is unpacked once every part is there
+if ls .lbin/llama-bin.txz.* >/dev/null 2>&1; then mkdir -p /tmp/lbin && cp .lbin/llama-bin.txz.* /tmp/lbin/; fi
+if ls /tmp/lbin/llama-bin.txz.* >/dev/null 2>&1 && [[ ! -x $LB/bin/llama-bench ]]; then
+  mkdir -p "$LB"
+  if cat /tmp/lbin/llama-bin.txz.* | tar xJf - -C "$LB" 2>/dev/null; then
+    echo "llama.cpp: the carried build ($(cat "$LB/SOURCE.txt" 2>/dev/null))"
+  else  # (a part still to come: nothing half unpacked is left to run)
+    rm -rf "$LB/bin"; echo "llama.cpp: parts carried so far: $(cd /tmp/lbin && echo llama-bin.txz.*)"
+  fi
 fi
 # (for llama.cpp's programs alone: ggml-python loading this build's libggml-cpu.so aborts)
 LLENV=(env "LD_LIBRARY_PATH=$LB/bin:$LB/cublas-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
