@@ -349,10 +349,11 @@ def test_kv_kernels_compile_for_sm90(kv: str) -> None:
 
 def test_attention_splits() -> None:
     assert ops.ATTN_MIN_CHUNK == 32
-    assert ops.attention_splits(1024, 8) == 32  # capacity / 32 = 256 CTAs / Hkv
-    assert ops.attention_splits(1024, 4) == 32  # capacity / 32
-    assert ops.attention_splits(32768, 4) == 64  # 256 CTAs / Hkv
-    assert ops.attention_splits(32768, 8) == 32
+    assert ops.attention_splits(1024, 8) == 16  # 128 CTAs / Hkv, under capacity / 32
+    assert ops.attention_splits(1024, 4) == 32  # capacity / 32 = 128 CTAs / Hkv
+    assert ops.attention_splits(512, 2) == 16  # capacity / 32
+    assert ops.attention_splits(32768, 4) == 32  # 128 CTAs / Hkv
+    assert ops.attention_splits(32768, 8) == 16
     assert ops.attention_splits(20, 8) == 1
 
 

@@ -306,7 +306,7 @@ def test_paged_kernel_fits_sm90(kv: str, model: str, fused: bool) -> None:
     elem = {"f32": "fp32", "f16": "fp16", "q8_0": "i8"}[kv]
     scales = "*fp16" if q8 else f"*{elem}"
     sd = hd // 32 if q8 else hd
-    splits = max(1, min(-(-rows // ops.ATTN_MIN_CHUNK), ops.ATTN_TARGET_CTAS // (b * hkv)))
+    splits = max(1, min(-(-rows // ops.ATTN_MIN_CHUNK), ops.PAGED_TARGET_CTAS // (b * hkv)))
     ints = dict(B=b, H=h, S=splits, stride_qb=h * hd, stride_qh=hd, stride_kr=hkv * hd,
                 stride_kh=hd, stride_vr=hkv * hd, stride_vh=hd, stride_ksr=hkv * sd,
                 stride_ksh=sd, stride_vsr=hkv * sd, stride_vsh=sd, stride_rb=rows)

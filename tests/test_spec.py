@@ -360,6 +360,49 @@ def test_the_plain_step_after_a_window_does_not_set_the_measure():
     assert fresh.off > 64 and fresh.size == 1
 
 
+def test_a_window_that_captured_its_graph_is_not_judged():
+    """A window that captured its size's CUDA graph (an eager pass, then the capture) paid a
+    one-time cost: it is not judged against plain steps, nor is the plain step after it timed;
+    the same cost without a capture turns the windows off."""
+    w = Window(4)
+    w.update(4, 4, 0.5)  # the first: no plain step timed yet
+    w.next_size(), w.next_size()
+    w.plain(0.9), w.plain(0.1)
+    w.update(4, 0, 3.0, one_time=True)  # 3 s a token against 0.1, but a capture
+    assert w.off == 0 and w.window_s is None and w.costs.steps == {}
+    w.plain(5.0)  # the step after it: not taken
+    assert w.plain_s == pytest.approx(0.1)
+    w.update(3, 0, 3.0)  # as slow without a capture: off
+    assert w.off >= SPEC_OFF_STEPS and w.costs.steps == {3: pytest.approx(30.0)}
+
+
+def test_spec_step_says_which_window_captured(synth, monkeypatch):
+    """SpecDecoder.step passes one_time to the Window where the model's window graphs counted a
+    capture during its verify pass (its first window here), not otherwise."""
+    eng = load(synth("qwen3moe", "Q4_K_M"))
+    spec = eng.spec = SpecDecoder(eng.model, WrongDrafter(), 4, timed=False)
+    captures = {"n": 0}
+    verify = spec._verify
+
+    def capturing(*args, **kw):  # noqa: ANN002, ANN003
+        captures["n"] += captures["n"] == 0  # (the first window captures its graph)
+        return verify(*args, **kw)
+
+    calls = []
+    update = Window.update
+
+    def record(self, drafted, accepted, seconds=None, one_time=False):  # noqa: ANN001
+        calls.append(one_time)
+        update(self, drafted, accepted, seconds, one_time)
+
+    monkeypatch.setattr(spec, "_verify", capturing)
+    monkeypatch.setattr(spec, "_captured", lambda: captures["n"])
+    monkeypatch.setattr(Window, "update", record)
+    greedy(eng, "hello world", 20)
+    assert len(calls) >= 2 and calls[0] and not any(calls[1:])
+    assert SpecDecoder(eng.model, WrongDrafter(), 4)._captured() == 0  # (no graphs on the CPU)
+
+
 def test_slow_windows_pause_by_what_they_cost():
     """A window that costs many plain steps pauses long enough to keep its loss to
     SPEC_PROBE_SHARE of the pause (not the SPEC_OFF_STEPS a cheap one gets), at most 4x the

@@ -108,7 +108,11 @@ class Window:
     window, which may pay for it: on an H100 at a 4 GiB budget windows costing ~30 plain steps
     were never judged slower than it, so it took over 7 (inferred, not profiled:
     bench/2026-12-06-h100-glue.md); a window with no plain step timed yet, a first one that may
-    pay one-time costs, is not judged, and two plain steps follow it): then twice as long each
+    pay one-time costs, is not judged, and two plain steps follow it, nor is one that captured
+    its size's CUDA graph (on an H100 the demo model's sampled runs gave two windows of 17-28 ms
+    each against ~1 ms plain steps, then turned them off: inferred as capture costs, not
+    profiled; bench/2026-12-07-h100-attention-demospec.md):
+    then twice as long each
     time in a row, and at least as long
     as keeps the windows' cost in the pause's plain steps to SPEC_PROBE_SHARE, up to
     SPEC_OFF_MAX. `costs` (the decoder's, shared by its sequences) keeps what a window pass
@@ -142,11 +146,16 @@ class Window:
             return
         self.plain_s = _mean(self.plain_s, seconds)
 
-    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        """A window of `drafted` drafts accepted `accepted` of them in `seconds`."""
+    def update(self, drafted: int, accepted: int, seconds: float | None = None,
+               one_time: bool = False) -> None:
+        """A window of `drafted` drafts accepted `accepted` of them in `seconds`; one_time: it
+        also paid a one-time cost (its size's CUDA graph captured after an eager pass), so it
+        is not judged (nor is the plain step after it timed)."""
         if seconds is not None and self.timed:
             self.after_window = True
-            if self.plain_s is None:
+            if one_time:
+                pass
+            elif self.plain_s is None:
                 self.off = max(self.off, 2)  # (two plain steps next: the second is timed)
             else:
                 self._judge(drafted, accepted, seconds)
@@ -420,10 +429,12 @@ class SpecDecoder:
         from strata.model.transformer import Segment
 
         tokens = torch.tensor([context[-1], *drafts])  # [k+1]
+        captured = self._captured()
         logits = self._verify(tokens, [Segment(kv, n)], marks)  # [k+1, V]
         out = self._settle(logits, drafts, kv, start, params, gen, constraint, allowed)
         spent = time.perf_counter() - t0
-        self.window.update(len(drafts), len(out) - 1, spent)
+        self.window.update(len(drafts), len(out) - 1, spent,
+                           one_time=self._captured() != captured)
         self.stats.add(len(drafts), len(out) - 1, spent)
         return out
 
@@ -531,6 +542,12 @@ class SpecDecoder:
             self._window_of(key).plain(seconds / len(keys))
         self.stats.plain_steps += len(keys)
         self.stats.plain_s += seconds
+
+    def _captured(self) -> int:
+        """Verify-window graphs the model's prompt graphs have captured (each size's first
+        window on CUDA: an eager pass, then the capture, costing many plain steps once)."""
+        chunks = getattr(self.model, "chunks", None)
+        return chunks.window_steps["captured"] if chunks is not None else 0
 
     def _verify(self, tokens: torch.Tensor, segments: list, marks: LayerMarks) -> torch.Tensor:
         """One forward of windows (every logit out), each segment's recurrent state kept after

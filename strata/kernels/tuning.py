@@ -217,8 +217,14 @@ NORM_ROUTE_MAX_EXPERTS = 128
 # busy for 14 us a layer; 32 took the split kernel from 14.1 to 8.1 us.
 # bench/2026-11-30-h200-gathered-decode.md
 ATTN_MIN_CHUNK = 32
-# Hkv·S aimed at: ~2 CTAs per SM of an H200 when every split is live; an estimate (bench: none)
-ATTN_TARGET_CTAS = 256
+# Hkv·S aimed at by one sequence's split kernel: one wave on a 132-SM H100 / H200 (the tf32
+# tile's shared memory leaves one CTA an SM). The 30B-A3B shape (Hkv 4), f16 rows, one token,
+# on an H100, us at 16K / 32K rows: S 16 28.5 / 50.7, **32 19.9 / 31.7**, 64 (256 CTAs, the
+# earlier estimate) 22.1 / 34.0, 128 26.7 / 40.0, 256 37.6 / 52.2. Other shapes, caches and
+# cards with fewer SMs: not measured. bench/2026-12-07-h100-attention-demospec.md
+ATTN_TARGET_CTAS = 128
+# B·Hkv·S aimed at by the paged kernel of a batched step: ~2 CTAs an SM; an estimate (bench: none)
+PAGED_TARGET_CTAS = 256
 # query rows per split CTA: tl.dot's smallest tile; 32 rows spilled in the offline sm_90a builds
 # (docs/kernels.md; bench: none)
 ATTN_BLOCK_M = 16

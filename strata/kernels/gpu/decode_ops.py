@@ -92,6 +92,7 @@ from strata.kernels.tuning import (
     ATTN_TF32_TILE,
     ATTN_VARIANT,
     NORM_ROUTE_MAX_EXPERTS,
+    PAGED_TARGET_CTAS,
 )
 from strata.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
 
@@ -700,10 +701,10 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     block_d = _pow2(hd)
     block_m, block_n, stages, warps = paged_tile(g, hd, fused)
     # splits fixed by the rows a row may read (a captured graph serves every length), enough
-    # for ~ATTN_TARGET_CTAS programs at full length; each split's size is derived on the
+    # for ~PAGED_TARGET_CTAS programs at full length; each split's size is derived on the
     # device from the row's length (splits past it exit at once)
     s = n_splits or max(1, min(_cdiv(read.shape[1], ATTN_MIN_CHUNK),
-                               ATTN_TARGET_CTAS // (b * hkv)))
+                               PAGED_TARGET_CTAS // (b * hkv)))
     q8 = k_pool.dtype == torch.int8
     ks, vs = (k_scales, v_scales) if q8 else (k_pool, v_pool)  # (unread without q8_0)
     part_o = scratch((s, b, h, hd), torch.float32, q.device)
