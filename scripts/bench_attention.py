@@ -21,10 +21,13 @@ that does not build or fit is reported and skipped.
 --field sdpa,flex times the field's kernels beside them on the same rows (T new tokens over
 a cache's first `length` rows, f32 / f16 caches; q8_0 has no such form): "sdpa" torch's
 scaled_dot_product_attention with enable_gqa (flash / cuDNN / efficient, whichever torch picks
-for the case), "flex" torch's FlexAttention (torch.compile'd once a shape; its decoding form
-at T 1), each timed with CUDA events over a loop of calls (not captured in a graph: a compiled
-FlexAttention may not be), so their figures include launch overhead the graph-timed rows do
-not; their error is against the ieee variant's as for the rest.
+for the case), "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math" that backend alone
+(one that cannot run the case is reported and skipped), "flex" torch's FlexAttention
+(torch.compile'd once a shape), each over K and V laid out as they take them ([1, Hkv, rows,
+hd], each head's rows contiguous, copied once a case, outside the timing) and timed with CUDA
+events over a loop of calls (not captured in a graph: a compiled FlexAttention may not be), so
+their figures include launch overhead the graph-timed rows do not; their error is against the
+ieee variant's as for the rest.
 
 --mla times MLA's absorbed decode instead (latent_ops.latent_attention, one token over a latent
 cache of --capacity rows [L 512 + R 64]: DeepSeek-V3's 128 heads and Kimi-K2's 64, f32 / f16 /
@@ -96,24 +99,41 @@ def cases(a: argparse.Namespace) -> list[tuple]:
             + ([f for f in a.field] if cache != "q8_0" else [])]
 
 
-FIELD = ("sdpa", "flex")
+# sdpa: whichever backend torch picks; sdpa-B: that backend alone (torch.nn.attention's
+# SDPBackend), a case it cannot run reported and skipped
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
+                 "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-math": "MATH"}
+FIELD = ("sdpa", *SDPA_BACKENDS, "flex")
+
+
+def field_layout(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's first n rows [C, Hkv, hd] as the field's kernels take them: [1, Hkv, n, hd],
+    each head's rows contiguous (made once a case, outside the timed calls)."""
+    return (k[:n].transpose(0, 1).contiguous()[None], v[:n].transpose(0, 1).contiguous()[None])
 
 
 def field_call(kind: str, h: int, hkv: int, t: int, n: int, hd: int, sinks: torch.Tensor | None,
                device: str = "cuda"):
-    """fn(q [T, H, hd] f32, k, v [C, Hkv, hd]) -> [T, H*hd]: the field's kernel over k[:n],
-    v[:n] in the cache's type (q cast to it), causal for the T new tokens (the last T rows)."""
+    """fn(q [T, H, hd] f32, k, v [1, Hkv, n, hd] (field_layout)) -> [T, H*hd]: the field's
+    kernel over the n rows in the cache's type (q cast to it), causal for the T new tokens (the
+    last T rows)."""
     if sinks is not None:
         raise ValueError("no sinks in the field's forms here")
-    if kind == "sdpa":
+    if kind.startswith("sdpa"):
+        from contextlib import nullcontext
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
 
-        def run(q, k, v):  # noqa: ANN001, ANN202
-            qb = q.to(k.dtype).transpose(0, 1)[None]  # [1, H, T, hd]
-            kb, vb = k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None]
+        only = SDPA_BACKENDS.get(kind)
+        scope = (lambda: sdpa_kernel(getattr(SDPBackend, only))) if only else nullcontext
+
+        def run(q, kb, vb):  # noqa: ANN001, ANN202
+            qb = q.to(kb.dtype).transpose(0, 1)[None]  # [1, H, T, hd]
             mask = causal_lower_right(t, n) if t > 1 else None
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
+            with scope():
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qb, kb, vb, attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
             return o[0].transpose(0, 1).reshape(t, h * hd).float()
 
         return run
@@ -127,9 +147,8 @@ def field_call(kind: str, h: int, hkv: int, t: int, n: int, hd: int, sinks: torc
 
         block = create_block_mask(causal, None, None, t, n, device=device)
 
-    def run(q, k, v):  # noqa: ANN001, ANN202
-        qb = q.to(k.dtype).transpose(0, 1)[None]
-        kb, vb = k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None]
+    def run(q, kb, vb):  # noqa: ANN001, ANN202
+        qb = q.to(kb.dtype).transpose(0, 1)[None]
         o = flex(qb, kb, vb, block_mask=block, scale=hd ** -0.5, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(t, h * hd).float()
 
@@ -233,7 +252,8 @@ def main() -> None:
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--variants", default=",".join(ops.ATTN_VARIANTS))
     ap.add_argument("--tiles", default="", help="other tiles: variant:m:n:stages:warps[:dc],..")
-    ap.add_argument("--field", default="", help="the field's kernels beside them: sdpa,flex")
+    ap.add_argument("--field", default="", help="the field's kernels beside them: "
+                    + ",".join(FIELD))
     ap.add_argument("--capacity", type=int, default=max(LENGTHS))
     ap.add_argument("--copies", type=int, default=8, help="caches a graph's calls cycle over")
     ap.add_argument("--splits", type=int, default=None, help="S instead of attention_splits")
@@ -298,10 +318,10 @@ def main() -> None:
         try:
             if field:
                 run = field_call(variant, h, hkv, t, n, hd, sinks)
+                laid = [field_layout(k, v, n) for k, v, _, _ in kvs]
 
-                def call(i: int, kvs=kvs, q=q, out=out, run=run) -> None:  # noqa: F811
-                    k, v, _, _ = kvs[i % len(kvs)]
-                    out.copy_(run(q, k, v))
+                def call(i: int, laid=laid, q=q, out=out, run=run) -> None:  # noqa: F811
+                    out.copy_(run(q, *laid[i % len(laid)]))
 
             if not timed:
                 call(0)
