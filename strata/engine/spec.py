@@ -153,11 +153,9 @@ class Window:
         is not judged (nor is the plain step after it timed)."""
         if seconds is not None and self.timed:
             self.after_window = True
-            if one_time:
-                pass
-            elif self.plain_s is None:
+            if self.plain_s is None:
                 self.off = max(self.off, 2)  # (two plain steps next: the second is timed)
-            else:
+            elif not one_time:
                 self._judge(drafted, accepted, seconds)
         self.mean += SPEC_ACCEPT_WEIGHT * (accepted / drafted - self.mean)
         if accepted == drafted:
