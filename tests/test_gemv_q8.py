@@ -768,7 +768,8 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
                 grouped = moe_forward(x, ids, wts, **layer, x8=True, step=True,
                                       tiles=dict(tiles, once=(0,), group=group))
                 err = float((grouped - pairs).norm() / pairs.norm())
-                assert err < 5e-4, f"{tiles} {pack} t={t} seed={seed}: group {group} {err:.2e}"
+                # (the per-pair kernels' sums in their order: held 1e-6 on an H200)
+                assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: group {group} {err:.2e}"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
         assert err < 3e-2, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} without"

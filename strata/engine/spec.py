@@ -111,14 +111,12 @@ class Window:
     pay one-time costs, is not judged, and two plain steps follow it, nor is one that captured
     its size's CUDA graph (on an H100 the demo model's sampled runs gave two windows of 17-28 ms
     each against ~1 ms plain steps, then turned them off: inferred as capture costs, not
-    profiled; bench/2026-12-07-h100-attention-demospec.md):
-    then twice as long each
-    time in a row, and at least as long
-    as keeps the windows' cost in the pause's plain steps to SPEC_PROBE_SHARE, up to
-    SPEC_OFF_MAX. `costs` (the decoder's, shared by its sequences) keeps what a window pass
-    costs in plain steps by its drafts: a new sequence's windows start off where even a window
-    accepted whole would be slower, and start at 1 draft where a full window costs many plain
-    steps."""
+    profiled; bench/2026-12-07-h100-attention-demospec.md): then twice as long each time in
+    a row, and at least as long as keeps the windows' cost in the pause's plain steps to
+    SPEC_PROBE_SHARE, up to SPEC_OFF_MAX. `costs` (the decoder's, shared by its sequences)
+    keeps what a window pass costs in plain steps by its drafts: a new sequence's windows start
+    off where even a window accepted whole would be slower, and start at 1 draft where a full
+    window costs many plain steps."""
 
     def __init__(self, limit: int, timed: bool = True, costs: PassCosts | None = None):
         self.limit, self.size, self.mean, self.off = limit, limit, 1.0, 0
