@@ -768,8 +768,11 @@ def _moe_x8_layer(d: int, f: int, pack: str, tiles: dict) -> None:
                 grouped = moe_forward(x, ids, wts, **layer, x8=True, step=True,
                                       tiles=dict(tiles, once=(0,), group=group))
                 err = float((grouped - pairs).norm() / pairs.norm())
-                # (the per-pair kernels' sums in their order: held 1e-6 on an H200)
-                assert err < 1e-6, f"{tiles} {pack} t={t} seed={seed}: group {group} {err:.2e}"
+                # (the per-pair kernels' sums in their order: held 1e-6 on an H200, but on an
+                # H100 1.3e-6 at 4 tokens and 5.8e-5 at 16 for (2, 2): the compiled sums differ
+                # in their last bits and a down's 8-bit rounding edge of h amplifies that, as
+                # the expert-once kernels' above; a wrong expert or row is O(1))
+                assert err < 5e-4, f"{tiles} {pack} t={t} seed={seed}: group {group} {err:.2e}"
         ref = moe_ref(x, ids, wts, **layer)
         err = float((out - ref).norm() / ref.norm())
         assert err < 3e-2, f"{tiles} {pack} t={t} seed={seed}: rel err {err:.2e} without"

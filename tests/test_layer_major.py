@@ -244,12 +244,13 @@ def test_bank_plan_windows(synth):
 
 
 # CUDA: the ring's bank path (fused: grouped banks, streamed_routed where a chunk routes to
-# nearly every expert, else streamed) and its per-buffer path (exact), windows of 5 tokens
+# nearly every expert, else streamed) and its per-buffer path (exact), windows of 5 tokens;
+# gpt-oss's MXFP4 experts with their biases on both
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernels", ["fused", "exact"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "gpt-oss:MXFP4"])
 def test_cuda_layers_equal_chunks(synth, arch, kernels):
-    path = synth(arch, "Q4_K_M")
+    path = synth(*arch.split(":")) if ":" in arch else synth(arch, "Q4_K_M")
     kw = {"device": "cuda", "kernels": kernels, "kv_type": "f32", "decode_step": "off",
           "prompt_graphs": "off"}
     ref, kv_ref = prompt(offload(path, "chunks", **kw), [PROMPT[:11], PROMPT[11:]])

@@ -307,3 +307,34 @@ def test_a_small_cuda_budget_shares_out_the_room_its_fixed_parts_leave(synth):
     floor = 3 * cfg.d_model * cfg.d_expert * 4 + DEQUANT_CHUNK_BYTES
     assert 0 < room < 256 << 20 and plan.workspace <= max(room // 4, floor)
     assert plan.left >= 0 and plan.ctx >= 256
+
+
+def test_a_verify_window_keeps_the_lent_slots_where_the_fused_kernels_cover_it():
+    """OffloadExperts.before_pass: lent slots stay through a verify window of more than
+    DECODE_MAX_T tokens when the fused kernels cover every layer with experts (the window runs
+    no workspace path), so the decode step after it finds the same slot tensors; a prompt chunk
+    of the same size, or a window over a layer the fused kernels do not cover, takes them back."""
+    from strata.experts.offload import OffloadExperts
+    from strata.kernels.tuning import DECODE_MAX_T
+    from strata.quant import QType
+
+    calls = []
+    layouts = [ExpertLayout(0, (QType.Q4_K,) * 3, 256, 0),  # a dense first layer
+               ExpertLayout(1, (QType.Q4_K,) * 3, 256, 256)]
+
+    def executor(window: bool, covered: list[bool]) -> SimpleNamespace:
+        cache = SimpleNamespace(lends=True, lend=lambda on: calls.append(on) or (0, 0))
+        return SimpleNamespace(cache=cache, ring=None, ring_borrow=0, lend_ring=False,
+                               stream_min=64, window=window, arena=SimpleNamespace(
+                                   layouts=layouts), fused=SimpleNamespace(covered=covered),
+                               account=lambda *a, **k: None)
+
+    t = DECODE_MAX_T + 1
+    for window, covered, lent in ((True, [False, True], True), (False, [False, True], False),
+                                  (True, [False, False], False)):
+        calls.clear()
+        OffloadExperts.before_pass(executor(window, covered), t)
+        assert calls == [lent], (window, covered, calls)
+    calls.clear()
+    OffloadExperts.before_pass(executor(False, [False, False]), 1)  # a decode step lends
+    assert calls == [True]

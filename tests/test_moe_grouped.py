@@ -426,14 +426,19 @@ _INTERPRETED = """
     rng = np.random.default_rng(seed)
     def rows(q, n, k):
         return torch.from_numpy(random_rows(q, n, k, rng, 0.05))
-    calls = []
-    kernel = mg._dequant_slots_kernel
-    class Spy:  # counts the kernel's launches: the interpreter, not the torch path, ran
+    launches = {}
+    class Spy:  # counts a kernel's launches: the interpreter, not the torch path, ran
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(mg, name)
+            launches[name] = []
         def __getitem__(self, grid):
-            calls.append(grid)
-            return kernel[grid]
-    mg._dequant_slots_kernel = Spy()
-    for q, k in ((QType.Q4_K, 512), (QType.Q6_K, 256), (QType.IQ2_XS, 256), (QType.Q8_0, 96)):
+            launches[self.name].append(grid)
+            return self.kernel[grid]
+    for name in ("_dequant_slots_kernel", "_glu_rows_kernel", "_combine_kernel"):
+        setattr(mg, name, Spy(name))
+    calls = launches["_dequant_slots_kernel"]
+    for q, k in ((QType.Q4_K, 512), (QType.Q6_K, 256), (QType.IQ2_XS, 256), (QType.Q8_0, 96),
+                 (QType.MXFP4, 128)):
         w = rows(q, 3 * 5, k).view(3, 5, -1)
         out = torch.full((3, 5, k), float("nan"))
         mg.dequantize_slots(w, torch.tensor([2, -1, 0], dtype=torch.int32), q, k, out)
@@ -456,14 +461,34 @@ _INTERPRETED = """
             out = mg.moe_forward_grouped(x, ids, wts, **layer, scratch_bytes=scratch_bytes)
             err = float((out - ref).norm() / ref.norm())
             assert err < 2e-5, (t, scratch_bytes, err)
-    assert len(calls) == 4 + 2 * 3 * (1 + 5), len(calls)
+    assert len(calls) == 5 + 2 * 3 * (1 + 5), len(calls)
+    # the whole layer in one batch (glu rows, then the sum straight from the sorted rows) and
+    # one expert a batch (glu rows per batch, the torch scatter): both equal the reference
+    assert len(launches["_glu_rows_kernel"]) == 2 * (1 + 5), launches["_glu_rows_kernel"]
+    assert len(launches["_combine_kernel"]) == 2, launches["_combine_kernel"]
+    # gpt-oss's experts: MXFP4 (its values computed in the tile), biases, the clamped SwiGLU
+    qt = (QType.MXFP4,) * 3
+    layer.update(gate_slots=rows(qt[0], 3 * f, d).view(3, f, -1),
+                 up_slots=rows(qt[1], 3 * f, d).view(3, f, -1),
+                 down_slots=rows(qt[2], 3 * d, f).view(3, d, -1), qtypes=qt)
+    bias = tuple(3 * torch.randn(e, n) for n in (f, f, d))  # (cuts some at the limit 7)
+    ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(24)]))
+    x, wts = 3 * torch.randn(24, d), torch.rand(24, 2)
+    ref = moe_ref(x, ids, wts, **layer, bias=bias, act="swiglu_oai")
+    for scratch_bytes in (mg.GROUPED_SCRATCH_BYTES, 1):
+        out = mg.moe_forward_grouped(x, ids, wts, **layer, scratch_bytes=scratch_bytes,
+                                     bias=bias, act="swiglu_oai")
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 2e-5, ("MXFP4 biased", scratch_bytes, err)
+    assert len(launches["_combine_kernel"]) == 3, launches["_combine_kernel"]
     print("ok")
 """
 
 
 def test_slot_kernel_under_the_interpreter() -> None:
-    """_dequant_slots_kernel (Q4_K, Q6_K, IQ2_XS, Q8_0; a slot -1 left unwritten) and the whole
-    grouped path on it, in float32, under TRITON_INTERPRET=1."""
+    """_dequant_slots_kernel (Q4_K, Q6_K, IQ2_XS, Q8_0, MXFP4; a slot -1 left unwritten) and
+    the whole grouped path on it with its row-wise kernels (glu rows, the sum from the sorted
+    rows; MXFP4 with biases and the clamped SwiGLU too), in float32, under TRITON_INTERPRET=1."""
     _, seed = fresh_rng()
     run_interpreted(_INTERPRETED, seed, timeout=600)
 

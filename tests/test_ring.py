@@ -110,11 +110,11 @@ LAYOUTS = [ExpertLayout(0, (QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 256),
 class _Arena:
     """What the ring reads of an Arena: layouts and one record per (layer, expert)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, layouts: list[ExpertLayout] = LAYOUTS):
         rng = np.random.default_rng(seed)
-        self.layouts, self.n_experts = LAYOUTS, E
+        self.layouts, self.n_experts = layouts, E
         self.layers = []
-        for lay in LAYOUTS:
+        for lay in layouts:
             rec = torch.zeros(E, lay.stride, dtype=torch.uint8)
             for part, q, rows, cols in zip(lay.views(rec), lay.qtypes,
                                            (lay.d_expert, lay.d_expert, lay.d_model),
@@ -468,6 +468,44 @@ def test_stream_routed_equals_host_routing(records: float) -> None:
         want = streamed(host_ring, arena, layer, group_pairs(ids, wts), h)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert not ring.banks
+
+
+@pytest.mark.parametrize("records", [1, 2.7, 40])
+def test_banks_compute_experts_with_biases(records: float) -> None:
+    """gpt-oss's experts (MXFP4, biases, the clamped SwiGLU) on the bank path: host-routed banks
+    (experts_forward_grouped with each row's expert id) and device-routed ones (moe_forward_
+    grouped with the biases' rows by bank position) equal run_records, which reads the
+    layout's biases itself; a ring not given a biased layer's device biases keeps its banks
+    off."""
+    from strata.model.weights import ExpertBias
+
+    g = torch.Generator().manual_seed(12)
+    bias = ExpertBias(*(3 * torch.randn(E, n, generator=g) for n in (128, 128, 256)))
+    lay = ExpertLayout(0, (QType.MXFP4,) * 3, 256, 128, bias)
+    arena = _Arena(5, [lay])
+    h = 3 * torch.randn(T, 256, generator=g)
+    ids, wts = routed_ids(120)
+    groups = group_pairs(ids, wts)
+    ref = reference(arena, 0, groups, h)
+
+    def ring() -> Ring:
+        r = Ring(int(records * lay.stride), torch.device("cpu"))
+        r.grouped = True
+        r.use_biases([lay], {0: ((bias.gate, bias.up, bias.down), bias.act)})
+        assert r.grouped
+        return r
+
+    host = streamed(ring(), arena, 0, groups, h)
+    routed, out = ring(), torch.zeros_like(h)
+    routed.prefetch(arena, 0, list(range(E)))
+    routed.stream_routed(arena, 0, h, ids, wts, out, 1 << 30)
+    for name, got in (("host-routed", host), ("device-routed", out)):
+        err = float((got - ref).norm() / ref.norm())
+        assert err < 1e-5, f"{name} banks at {records} records: rel err {err:.2e}"
+    off = Ring(lay.stride, torch.device("cpu"))
+    off.grouped = True
+    off.use_biases([lay], {})
+    assert not off.grouped
 
 
 @pytest.mark.cuda

@@ -189,9 +189,9 @@ def build_model(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig,
         window_prefetch=window_prefetch,
         pass_rows=plan.chunk,  # (a layer-major prompt's layer: in windows of a chunk)
         debug=ec.debug)
-    # (the ring's grouped banks compute plain SwiGLU: experts with biases stream per buffer)
-    grouped = ec.kernels == "fused" and not cfg.moe_bias
-    ring = Ring(plan.ring, dev, grouped=grouped) if plan.ring else None
+    # (the ring's grouped banks: experts with biases too, from the hit path's device copies of
+    # them: OffloadExperts hands them over, Ring.use_biases)
+    ring = Ring(plan.ring, dev, grouped=ec.kernels == "fused") if plan.ring else None
     executor = OffloadExperts(arena, cache, MissPlanner(miss, costs), pool, [staging],
                               ring, options)
     model = MoETransformer(cfg, weights, dev, executor)

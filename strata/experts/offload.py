@@ -95,6 +95,8 @@ class OffloadExperts:
         self.device = cache.device
         self.fused = FusedHits(arena.layouts, self.device, options.fused_max_t,
                                options.prompt_scratch, x8=options.x8)
+        if ring is not None and ring.grouped:  # the banks read the hits' device biases
+            ring.use_biases(arena.layouts, self.fused.biases)
         self.stats = OffloadStats(len(arena.layers), arena.n_experts)
         self.paths: dict[str, Path] = {p.name: p(self) for p in (
             Resident, StreamedRouted, Streamed, Planned, DeviceHits, Gathered)}
@@ -138,14 +140,21 @@ class OffloadExperts:
         chunks stream (tokens >= stream_min) gets the ring with what it may borrow, any other
         the ring's own size (the borrowed bytes go back to the allocator for the decode steps,
         the cache and the KV cache). Lent cache slots live while passes need neither the
-        workspace (at most DECODE_MAX_T tokens) nor, where the plan lends the ring too
+        workspace (at most DECODE_MAX_T tokens, or a verify window where the fused kernels
+        cover every layer with experts: its hits run the per-pair kernels as a decode step's,
+        its copied misses go through staging) nor, where the plan lends the ring too
         (lend_ring), the ring (fewer than stream_min): the ring then gives all its bytes back
-        first."""
+        first. (Taken back for a window, the lent slots would be lent again at the next decode
+        step: the cache's rows moved, a refill over PCIe and the decode graphs captured again
+        over the new slot tensors, after every window.)"""
         lend = False
         if self.cache.lends:
             from strata.kernels.tuning import DECODE_MAX_T
 
-            lend = tokens <= DECODE_MAX_T and not (self.lend_ring and tokens >= self.stream_min)
+            small = tokens <= DECODE_MAX_T or (self.window and all(
+                covered or lay.empty for covered, lay in zip(self.fused.covered,
+                                                             self.arena.layouts, strict=True)))
+            lend = small and not (self.lend_ring and tokens >= self.stream_min)
             if not lend:
                 self.cache.lend(False)  # (before the ring takes its bytes back)
         if self.ring is not None and (self.ring_borrow or self.lend_ring):
@@ -544,7 +553,7 @@ class OffloadExperts:
             table = np.full(self.arena.n_experts, -1, dtype=np.int32)
             table[[g.expert for g in chunk]] = np.arange(len(chunk), dtype=np.int32)
             self.fused.run(lay, buf, to_device(torch.from_numpy(table), self.device), h, ids,
-                           weights, out)
+                           weights, out, step=self.window)
 
     def _run_cpu(self, layer: int, groups: list[Group], h_host: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()

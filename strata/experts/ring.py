@@ -162,7 +162,25 @@ class Ring:
         self.grouped = grouped and self.cuda and _grouped_available()
         self.banks: list[Bank] = []  # FIFO, not yet consumed: issued ones first, then queued
         self.regions = Regions(nbytes)
-        self._tables: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, ...]] = {}
+        # layer -> its experts' (gate, up, down) biases on the device (rows by expert id) and
+        # activation, for layers with biases (gpt-oss): use_biases
+        self.biases: dict[int, tuple[tuple[torch.Tensor, ...], str]] = {}
+
+    def use_biases(self, layouts: list[ExpertLayout],
+                   biases: dict[int, tuple[tuple[torch.Tensor, ...], str]]) -> None:
+        """Compute the banks of layers with expert biases with them: `biases` maps a layer to
+        its (gate, up, down) biases on the device, float32 [E, F], [E, F], [E, D], rows by
+        expert id, and its activation (the hit path's copies, FusedHits.biases: not copied
+        again). Where a layer with biases has none there, the bank path is off (the
+        per-buffer path computes every layer, biases included, from float32 weights)."""
+        missing = [lay.layer for lay in layouts if lay.bias is not None and lay.layer not in biases]
+        if missing:
+            log.info("the ring's grouped banks are off: layers %s have expert biases without a "
+                     "device copy", missing[:8])
+            self.grouped = False
+            return
+        self.biases = biases
 
     @property
     def nbytes(self) -> int:
@@ -331,30 +349,49 @@ class Ring:
             assert bank.issued
             if bank.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(bank.ready)
-            position, table = self._bank_tables(bank, arena.n_experts)
+            position, table, experts = self._bank_tables(bank, arena.n_experts)
             gate, up, down = lay.views(self._view(bank))
             at = position[ids]  # [T, K]
+            bias, act = self._bank_bias(lay, experts)
             for a, b in windows(h.shape[0], rows):
                 moe_forward_grouped(h[a:b], at[a:b], weights[a:b], table, gate, up, down,
                                     lay.qtypes, lay.d_model, lay.d_expert, out=out[a:b],
-                                    scratch_bytes=scratch_bytes)
+                                    scratch_bytes=scratch_bytes, bias=bias, act=act)
             self._consume(bank)
         self._issue(arena)
 
-    def _bank_tables(self, bank: Bank, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bank_tables(self, bank: Bank, n_experts: int) -> tuple[torch.Tensor, ...]:
         """(position [E] int64: expert -> its index in the bank, m for any other; table
-        [m + 1] int32: 0..m-1, then -1) on the device, kept for the next chunk (the same layer
-        gets the same banks while the cache stays as it is)."""
+        [m + 1] int32: 0..m-1, then -1; experts [m + 1] int64: the expert id at each index, the
+        first one again at m) on the device, kept for the next chunk (the same layer gets the
+        same banks while the cache stays as it is)."""
         key = (bank.layer, tuple(bank.experts))
         got = self._tables.get(key)
         if got is None:
             m = len(bank.experts)
+            ids = torch.tensor(bank.experts, dtype=torch.int64)
             position = torch.full((n_experts,), m, dtype=torch.int64)
-            position[torch.tensor(bank.experts, dtype=torch.int64)] = torch.arange(m)
+            position[ids] = torch.arange(m)
             table = torch.cat([torch.arange(m, dtype=torch.int32),
                                torch.tensor([-1], dtype=torch.int32)])
-            got = self._tables[key] = (to_device(position, self.device),
-                                       to_device(table, self.device))
+            got = self._tables[key] = tuple(to_device(t, self.device) for t in (
+                position, table, torch.cat([ids, ids[:1]])))
+        return got
+
+    def _bank_bias(self, lay: ExpertLayout, experts: torch.Tensor,
+                   ) -> tuple[tuple[torch.Tensor, ...] | None, str]:
+        """The layer's expert biases with rows by index in a bank (experts: the bank's expert
+        ids by index, _bank_tables), and its activation; (None, "swiglu") without biases."""
+        if lay.bias is None:
+            return None, "swiglu"
+        bias, act = self._layer_bias(lay)
+        return tuple(b.index_select(0, experts) for b in bias), act
+
+    def _layer_bias(self, lay: ExpertLayout) -> tuple[tuple[torch.Tensor, ...], str]:
+        got = self.biases.get(lay.layer)
+        if got is None:
+            raise RuntimeError(f"layer {lay.layer}: its experts' biases are not on the device "
+                               "for the ring's banks (Ring.use_biases)")
         return got
 
     def _plan(self, layer: int, routed: dict[int, Group], tokens: int,
@@ -379,9 +416,9 @@ class Ring:
         return plans
 
     def _upload(self, plans: list[_Plan]) -> tuple[torch.Tensor, ...] | None:
-        """tokens (int64), weights (float32) of every call's groups' rows, and per group its
-        record in the bank's view (int32) and the end of its rows within the call (int32), on
-        the device in one go."""
+        """tokens (int64), weights (float32) of every call's groups' rows, per group its
+        record in the bank's view (int32) and the end of its rows within the call (int32), and
+        each row's expert id (int64), on the device in one go."""
         calls = [(bank, todo) for bank, cs in plans for todo, _, _ in cs]
         groups = [g for _, todo in calls for g in todo]
         if not groups:
@@ -395,7 +432,9 @@ class Ring:
                 ends.append(end)
         host = (torch.cat([g.tokens for g in groups]),
                 torch.cat([g.weights for g in groups]).float(),
-                torch.tensor(slots, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32))
+                torch.tensor(slots, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32),
+                torch.cat([torch.full((len(g.tokens),), g.expert, dtype=torch.int64)
+                           for g in groups]))  # each row's expert id (biases, by expert id)
         return tuple(to_device(t, self.device) for t in host)
 
     def _compute(self, bank: Bank, groups: list[Group], rows: tuple[torch.Tensor, ...], r: int,
@@ -409,12 +448,13 @@ class Ring:
         lay = bank.lay
         gate, up, down = lay.views(self._view(bank))
         counts = [len(g.tokens) for g in groups]
-        tokens, weights, slots, ends = rows
+        tokens, weights, slots, ends, eid = rows
         n, r1 = len(groups), r + sum(counts)
+        bias, act = self._layer_bias(lay) if lay.bias is not None else (None, "swiglu")
         # no tokens_host: one index_add_ per expert, no copy to the device inside the call
         experts_forward_grouped(h, tokens[r:r1], weights[r:r1], counts, slots[s:s + n], gate,
                                 up, down, lay.qtypes, lay.d_model, lay.d_expert, out,
-                                offs=ends[s:s + n])
+                                offs=ends[s:s + n], bias=bias, eid=eid[r:r1], act=act)
 
 
 def _pieces(arena: Arena, layer: int, experts: list[int]) -> list[tuple[int, torch.Tensor]]:

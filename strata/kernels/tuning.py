@@ -164,11 +164,10 @@ MMQ_TILE = (16, 64, 4)
 MMQ_TILE_WIDE = (32, 64, 4)
 MMQ_WIDE_MIN = 16
 # the same kernels for MXFP4 experts (gpt-oss, biases and the clamped SwiGLU: moe_mmq._mxfp4_dot,
-# an int8 dot of x with twice the E2M1 values a 32-value block, times 2^(e-128) dx). Off until
-# timed: the grouped path they would replace dequantizes every expert of a chunk to bf16 (gpt-oss's
-# 32 a layer at 16+ tokens each: ~1.6 GB of bf16 written and read again a layer, an estimate of
-# ~25 ms of a 128-token chunk's ~58 ms on an H100, not profiled); scripts/bench_kernels.py
-# --moe-prompt-only --layer gptoss times both. bench: none
+# an int8 dot of x with twice the E2M1 values a 32-value block, times 2^(e-128) dx). Off: on an
+# H100 gpt-oss-20b's layer, eager, mmq / grouped at 128 tokens 1,959-1,966 / 2,044-2,428 us, at
+# 512 4,279-4,286 / 2,184-2,193; end to end (prompt graphs) pp128 2,429 on against 2,536 tok/s
+# off, pp256 4,840 / 4,855, pp512 equal. bench/2026-12-07-h100-models.md
 MMQ_MXFP4 = False
 # i-quant experts, from 8: IQ2_XS / IQ3_XXS's tl.dot tiles took 6273 us at 8 tokens per expert
 # against the grouped path's 1741 (3.6x; 5.2x at 16). Not timed below 8.

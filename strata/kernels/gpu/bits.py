@@ -69,6 +69,16 @@ def e8m0_half(e):
 
 
 @triton.jit
+def mx_doubled(nib):
+    """Twice the E2M1 value of 4-bit codes nib (int32 0..15), as int32: 0, 1 for the low 3 bits
+    m < 2, else (2 | (m & 1)) << ((m >> 1) - 1), i.e. 2, 3, 4, 6, 8, 12; negative where bit 3
+    is set. Arithmetic, not a table: a per-weight gather is one more load a value."""
+    m = nib & 7
+    v = tl.where(m < 2, m, (2 | (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+    return tl.where(nib >= 8, -v, v)
+
+
+@triton.jit
 def i2f(q, bias: tl.constexpr):
     """Exact float32 of (q - bias) for int32 0 <= q < 2**23.
 

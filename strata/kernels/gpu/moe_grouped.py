@@ -19,12 +19,16 @@ of weights[t, k] · down_e(silu(gate_e x_t) ⊙ up_e x_t); other pairs add nothi
    chunk dequantizes only the experts it uses. Types without a tile go
    through strata.quant.dequantize.
 3. h = grouped_mm(x[tok] [P, D], W_gu^T [n, D, 2F]); act = silu(g) · u · w (float32 math, the
-   routing weight folded in before rounding to bf16); y = grouped_mm(act, W_d^T [n, F, D]);
-   each pair's row lands at its pair id and out += y.view(T, K, D).sum(1) in float32: a fixed
-   order, deterministic. With biases (gpt-oss: moe_forward's bias and act) g and u get their
-   expert's gate and up bias before the activation (glu: silu or the clamped SwiGLU) and y gets
-   w · its down bias in float32 before the one rounding to bf16: torch ops on rows gathered
-   by expert id, no host sync.
+   routing weight folded in before rounding to bf16); y = grouped_mm(act, W_d^T [n, F, D]).
+   With biases (gpt-oss: moe_forward's bias and act) g and u get their expert's gate and up
+   bias before the activation (glu: silu or the clamped SwiGLU) and each row w · its expert's
+   down bias. On CUDA (and under Triton's interpreter) the activation is one kernel
+   (`_glu_rows_kernel`) and, with the layer in one batch, `_combine_kernel` adds each token's
+   K rows from the sorted order (w · b_down with them, in float32; rows of experts without a
+   slot add nothing) to out, k in order. Elsewhere, and for a layer in several batches, torch
+   ops: each pair's row lands at its pair id (the down bias added in float32 before one
+   rounding to bf16) and out += y.view(T, K, D).sum(1) in float32. Either way a fixed order,
+   deterministic, no host sync.
 
 Scratch (bounded): the bf16 weights of `experts_per_batch` experts, at most `scratch_bytes`
 (default GROUPED_SCRATCH_BYTES; never less than one expert), plus P·(6D + 10F) bytes of
@@ -62,7 +66,7 @@ from triton import knobs
 
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
-from strata.kernels.gpu.pairs import check_bias, check_moe_args
+from strata.kernels.gpu.pairs import check_bias, check_moe_args, glu
 from strata.kernels.gpu.skeletons import group_mask, rows
 from strata.kernels.gpu.tiles import dequant_tile
 from strata.kernels.tuning import GROUPED_SCRATCH_BYTES
@@ -131,6 +135,88 @@ def dequantize_slots(w: torch.Tensor, slots: torch.Tensor, qtype: int | QType, n
                                 S=fmt.group, BN=bn, BK=bk, EVEN_K=n_cols % bk == 0,
                                 num_warps=4)
     return out
+
+
+# ---- the row-wise steps around the GEMMs --------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["F", "R"])
+def _glu_rows_kernel(h, w, eid, bg, bu, out, F, R, BIAS: tl.constexpr, OAI: tl.constexpr,
+                     BR: tl.constexpr, BF: tl.constexpr):
+    # out[r, n] = w[r] · glu(h[r, n] + bg[eid[r], n], h[r, F + n] + bu[eid[r], n]) in float32,
+    # one rounding to out's type (the biases with BIAS only)
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    n = tl.program_id(1) * BF + tl.arange(0, BF)
+    rm = r < R
+    m = rm[:, None] & (n < F)[None, :]
+    row = h + r.to(tl.int64)[:, None] * (2 * F) + n[None, :]
+    g = tl.load(row, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(row + F, mask=m, other=0.0).to(tl.float32)
+    if BIAS:
+        e = tl.load(eid + r, mask=rm, other=0).to(tl.int64)[:, None] * F + n[None, :]
+        g += tl.load(bg + e, mask=m, other=0.0)
+        u += tl.load(bu + e, mask=m, other=0.0)
+    a = glu(g, u, OAI) * tl.load(w + r, mask=rm, other=0.0)[:, None]
+    tl.store(out + r.to(tl.int64)[:, None] * F + n[None, :], a.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["D"])
+def _combine_kernel(y, inv, end, w, eid, bd, out, D, TOPK: tl.constexpr, BIAS: tl.constexpr,
+                    BD: tl.constexpr):
+    # out[t, n] += Σ_k (y[r, n] + w[r] · bd[eid[r], n]) over token t's pairs, r = inv[t·K + k]
+    # its row in sorted order, rows r >= end (experts without a slot) adding nothing; k in order
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BD + tl.arange(0, BD)
+    nm = n < D
+    stop = tl.load(end)
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        r = tl.load(inv + t * TOPK + k)
+        ok = r < stop
+        v = tl.load(y + r.to(tl.int64) * D + n, mask=nm & ok, other=0.0).to(tl.float32)
+        if BIAS:
+            b = tl.load(bd + tl.load(eid + r).to(tl.int64) * D + n, mask=nm & ok, other=0.0)
+            v += tl.load(w + r) * b
+        acc += v
+    o = out + t.to(tl.int64) * D + n
+    tl.store(o, tl.load(o, mask=nm, other=0.0) + acc, mask=nm)
+
+
+def fused_rows(device: torch.device) -> bool:
+    """The row-wise steps run as the two kernels above: on CUDA and under Triton's interpreter
+    (torch ops elsewhere: the CPU's float32 path)."""
+    return device.type == "cuda" or bool(knobs.runtime.interpret)
+
+
+def glu_rows(h: torch.Tensor, w: torch.Tensor, f: int, act: str = "swiglu",
+             bias: tuple[torch.Tensor, ...] | None = None,
+             eid: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, F] in h's dtype: row r = w[r] · glu(g + bg[eid[r]], u + bu[eid[r]]) of h [R, 2F]
+    (g | u, contiguous), in float32 and rounded once (the biases where given)."""
+    r = h.shape[0]
+    out = torch.empty(r, f, dtype=h.dtype, device=h.device)
+    if r == 0:
+        return out
+    bg, bu = (bias[0], bias[1]) if bias is not None else (w, w)  # (unread without BIAS)
+    br, bf = 4, 256
+    _glu_rows_kernel[(triton.cdiv(r, br), triton.cdiv(f, bf))](
+        h, w, eid if eid is not None else w, bg, bu, out, f, r, BIAS=bias is not None,
+        OAI=act == "swiglu_oai", BR=br, BF=bf, num_warps=4)
+    return out
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, end: torch.Tensor, w: torch.Tensor,
+            eid: torch.Tensor, bd: torch.Tensor | None, out: torch.Tensor, topk: int) -> None:
+    """out [T, D] float32 += the sum over each token's K pairs of y's rows (y [P, D], rows in
+    the sorted order `order` gives: row r is pair order[r]; rows r >= end[0] add nothing), each
+    with w[r] · bd[eid[r]] where bd is given: one launch, no scatter of y back to pair order."""
+    p, d = y.shape
+    inv = torch.empty_like(order)
+    inv.scatter_(0, order, torch.arange(p, device=order.device, dtype=order.dtype))
+    bd_ = bd if bd is not None else w  # (unread without BIAS)
+    bdim = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(p // topk, triton.cdiv(d, bdim))](
+        y, inv, end, w, eid, bd_, out, d, TOPK=topk, BIAS=bd is not None, BD=bdim, num_warps=4)
 
 
 # ---- sizes ------------------------------------------------------------------------------------
@@ -206,12 +292,14 @@ def _experts(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, offs: torch.Te
              slots: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
              qtypes: tuple[QType, QType, QType], d: int, f: int,
              wbuf: torch.Tensor, bias: tuple[torch.Tensor, ...] | None = None,
-             eid: torch.Tensor | None = None, act: str = "swiglu") -> torch.Tensor:
+             eid: torch.Tensor | None = None, act: str = "swiglu",
+             down_bias: bool = True) -> torch.Tensor:
     """y [R, D] in wbuf's dtype: row r = w[r] · expert(x[tok[r]]) for the rows r < offs[-1],
     expert j (slot slots[j]) taking rows offs[j-1]:offs[j]; rows past offs[-1] undefined.
     wbuf: the weight scratch, at least n·3·F·D elements. bias (gate [E, F], up [E, F], down
     [E, D] float32) with eid (int64 [R]: row r's expert id, any valid id past offs[-1]): the
-    experts' biases; act: the activation (torch_ops.glu)."""
+    experts' biases; act: the activation (torch_ops.glu); down_bias=False leaves w · b_down
+    to the caller (combine adds it)."""
     n = slots.shape[0]
     gate, up, down = parts
     qg, qu, qd = qtypes
@@ -225,7 +313,9 @@ def _experts(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, offs: torch.Te
          else x.index_select(0, tok).to(wbuf.dtype))
     h = grouped_mm(a, w_gu.transpose(1, 2), offs)  # [R, 2F]: g | u
     del a
-    if bias is None and act == "swiglu":
+    if fused_rows(h.device) and h.is_contiguous():
+        g = glu_rows(h, w, f, act, bias, eid)
+    elif bias is None and act == "swiglu":
         g = h[:, :f].float()
         torch.nn.functional.silu(g, inplace=True)
         g.mul_(h[:, f:]).mul_(w[:, None])  # the routing weight, before rounding to bf16
@@ -240,7 +330,7 @@ def _experts(x: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, offs: torch.Te
         del u
     del h
     y = grouped_mm(g.to(wbuf.dtype), w_d.transpose(1, 2), offs)  # [R, D]
-    if bias is None:
+    if bias is None or not down_bias:
         return y
     # w · b_down in float32, then one rounding to bf16
     return y.float().addcmul_(bias[2].index_select(0, eid), w[:, None]).to(wbuf.dtype)
@@ -288,6 +378,15 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     wbuf = _weight_buffer(min(nb, e), d, f, dtype, dev)
     parts = (gate_slots, up_slots, down_slots)
     idx = torch.arange(p, device=dev)
+    if nb >= e and fused_rows(dev) and out.is_contiguous():
+        # one batch, summed straight from the sorted rows (non-resident pairs add nothing)
+        offs = bounds[1:]
+        eid, w_sorted = flat[order], wflat[order]
+        y_sorted = _experts(x, order // topk, w_sorted, offs, live, parts, qtypes, d, f, wbuf,
+                            bias, eid, act, down_bias=False)
+        combine(y_sorted, order, offs[-1:], w_sorted, eid,
+                bias[2] if bias is not None else None, out, topk)
+        return out
     if nb >= e:  # one batch: every position's pair is written, non-resident ones as zeros
         offs = bounds[1:]
         y_sorted = _experts(x, order // topk, wflat[order], offs, live, parts,
@@ -316,7 +415,10 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
                             out: torch.Tensor,
                             scratch_bytes: int = GROUPED_SCRATCH_BYTES,
                             tokens_host: torch.Tensor | None = None,
-                            offs: torch.Tensor | None = None) -> torch.Tensor:
+                            offs: torch.Tensor | None = None,
+                            bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            eid: torch.Tensor | None = None,
+                            act: str = "swiglu") -> torch.Tensor:
     """out[tokens[r]] += weights[r] · expert_j(x[tokens[r]]) for groups known on the host:
     expert j (slot slots[j] >= 0 of the slot views) takes the next counts[j] rows of tokens
     (int64 [R]) and weights (float32 [R]), both on x's device; slots int32 [n]. x [T, D]
@@ -326,8 +428,14 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
     the same order per token). offs: the cumulative counts (int32 [n], on x's device), sent
     by the caller; with it and no tokens_host the call copies nothing to the device (a small
     copy here would queue behind any large host-to-device copy issued before it, on another
-    stream too: the copy engine takes them in issue order)."""
+    stream too: the copy engine takes them in issue order). bias (gpt-oss: gate [E, F], up
+    [E, F], down [E, D] float32 on x's device, rows by expert id) with eid (int64 [R] on x's
+    device: each row's expert id) and act: as moe_forward's, each row's expert's biases and
+    activation."""
     qtypes = tuple(QType(q) for q in qtypes)
+    if bias is not None and (eid is None or eid.shape != tokens.shape):
+        raise ValueError("experts_forward_grouped: biases need eid, each row's expert id, "
+                         f"[{tokens.shape[0]}]")
     if sum(counts) != tokens.shape[0] or weights.shape != tokens.shape:
         raise ValueError(f"counts add up to {sum(counts)} rows, tokens has {tokens.shape[0]} "
                          f"and weights {tuple(weights.shape)}")
@@ -353,7 +461,8 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
             ends = [s - r0 for s in starts[j0 + 1:j1 + 1]]
             batch_offs = to_device(torch.tensor(ends, dtype=torch.int32), dev)  # pinned: async
         y = _experts(x, tokens[r0:r1], weights[r0:r1].float(), batch_offs, slots[j0:j1],
-                     (gate_slots, up_slots, down_slots), qtypes, d, f, wbuf)
+                     (gate_slots, up_slots, down_slots), qtypes, d, f, wbuf, bias,
+                     eid[r0:r1] if eid is not None else None, act)
         y = y.to(out.dtype)
         host = tokens_host if tokens.device.type != "cpu" else tokens
         if host is None:

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import e8m0_half, f16, f16_bits, u8, u16
+from strata.kernels.gpu.bits import e8m0_half, f16, f16_bits, mx_doubled, u8, u16
 from strata.kernels.gpu.pairs import (
     bias_row,
     check_bias,
@@ -205,16 +205,6 @@ def _q6k_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
 
 
 @triton.jit
-def _mx_levels(nib):
-    """Twice the E2M1 value of 4-bit codes nib (int32 0..15): 0, 1, 2, 3, 4, 6, 8, 12 by the low
-    3 bits, negative where bit 3 is set."""
-    m = nib & 7
-    hi = tl.maximum(m >> 1, 1)
-    v = tl.where(m < 4, m, (1 << hi) + (m & 1) * (1 << (hi - 1)))
-    return tl.where(nib >= 8, -v, v)
-
-
-@triton.jit
 def _mxfp4_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
     """_q4k_dot for MXFP4 rows (17-byte blocks: E8M0 e, then 16 bytes whose low nibbles are
     values 0-15 and high nibbles 16-31; any byte alignment): per block an int8 dot of x with
@@ -223,7 +213,7 @@ def _mxfp4_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
     for blk in range(0, K // 32):
         b = rows + blk * 17  # [BN]
         qs = tl.load(b[:, None] + 1 + (s % 16)[None, :]).to(tl.int32)  # [BN, 32]
-        q = _mx_levels(tl.where(lo, qs & 15, qs >> 4)).to(tl.int8)
+        q = mx_doubled(tl.where(lo, qs & 15, qs >> 4)).to(tl.int8)
         xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
                      other=0)  # int8 [BM, 32]
         dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)

@@ -17,7 +17,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import e8m0_half, f16, field_fma, i2f, ld, locate, u8, u32
+from strata.kernels.gpu.bits import (
+    e8m0_half,
+    f16,
+    field_fma,
+    i2f,
+    ld,
+    locate,
+    mx_doubled,
+    u8,
+    u32,
+)
 
 
 @triton.jit
@@ -78,10 +88,10 @@ def iq4_nl(wr, k0, g, s, m, tab, tab2):
 
 @triton.jit
 def mxfp4(wr, k0, g, s, m, tab, tab2):
-    """[e | qs 16], S=16: w = 2^(e - 128) * levels[q] (bits.e8m0_half); tab = doubled E2M1
-    values."""
+    """[e | qs 16], S=16: w = 2^(e - 128) * (twice the E2M1 value of q) (bits.e8m0_half,
+    bits.mx_doubled: computed, not read from a table)."""
     b, i = locate(wr, k0, g, 32, 17, 16)
     e = u8(b, m)  # [BN, G, 1]
     d = e8m0_half(e)
     q = (u8(b + 1 + s, m) >> (i * 4)) & 15
-    return d * tl.load(tab + q)
+    return d * i2f(mx_doubled(q) + 12, 12)
