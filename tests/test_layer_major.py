@@ -213,7 +213,8 @@ def test_windows_and_within():
 
 def test_bank_plan_windows(synth):
     """The ring's bank path (CUDA) plans one call per bank and window: every routed pair once,
-    each call's rows and slots where the upload has them. Planned on the CPU (no copies)."""
+    each call's rows, slots and rows' expert ids where the upload has them. Planned on the CPU
+    (no copies)."""
     e = offload(synth("qwen3moe", "Q4_K_M"), "chunks")
     lay = e.model.experts.arena.layouts[0]
     ring = Ring(4 * lay.stride, torch.device("cpu"))
@@ -223,7 +224,7 @@ def test_bank_plan_windows(synth):
     ring._queue(lay, list(range(E)))  # banks of 4 experts
     for rows in (None, 5, 23, 100):
         plans = ring._plan(0, {g.expert: g for g in groups}, T, rows)
-        tokens, weights, slots, ends = ring._upload(plans)
+        tokens, weights, slots, ends, eid = ring._upload(plans)
         pairs = set()
         for bank, calls in plans:
             assert len(calls) == len(windows(T, rows))
@@ -237,6 +238,9 @@ def test_bank_plan_windows(synth):
                 for g, end in zip(todo, ends[s:s + len(todo)].tolist(), strict=True):
                     rows_of_g = tokens[r + end - len(g.tokens): r + end].tolist()
                     assert rows_of_g == g.tokens.tolist()
+                    # (each row's expert id: the biases' rows, by expert id)
+                    assert eid[r + end - len(g.tokens): r + end].tolist() == \
+                        [g.expert] * len(g.tokens)
                     pairs.update((g.expert, t) for t in rows_of_g)
                 r += n
         assert pairs == {(int(x), t) for t in range(T) for x in ids[t]}

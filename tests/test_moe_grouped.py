@@ -434,18 +434,23 @@ _INTERPRETED = """
         def __getitem__(self, grid):
             launches[self.name].append(grid)
             return self.kernel[grid]
-    for name in ("_dequant_slots_kernel", "_glu_rows_kernel", "_combine_kernel"):
+    for name in ("_dequant_slots_kernel", "_dequant_mxfp4_slots_kernel", "_glu_rows_kernel",
+                 "_combine_kernel"):
         setattr(mg, name, Spy(name))
     calls = launches["_dequant_slots_kernel"]
-    for q, k in ((QType.Q4_K, 512), (QType.Q6_K, 256), (QType.IQ2_XS, 256), (QType.Q8_0, 96),
-                 (QType.MXFP4, 128)):
+    # (MXFP4 twice: its own kernel, then the tile kernel every type shares)
+    for q, k, mx in ((QType.Q4_K, 512, 64), (QType.Q6_K, 256, 64), (QType.IQ2_XS, 256, 64),
+                     (QType.Q8_0, 96, 64), (QType.MXFP4, 160, 64), (QType.MXFP4, 160, None)):
+        mg.MXFP4_DEQUANT_BLOCKS = mx
         w = rows(q, 3 * 5, k).view(3, 5, -1)
         out = torch.full((3, 5, k), float("nan"))
         mg.dequantize_slots(w, torch.tensor([2, -1, 0], dtype=torch.int32), q, k, out)
         ref = dequantize(w, q, k)
         for j, s in ((0, 2), (2, 0)):
-            assert (out[j] - ref[s]).abs().max() <= 2**-22 * ref[s].abs().max(), q
-        assert out[1].isnan().all(), q
+            assert (out[j] - ref[s]).abs().max() <= 2**-22 * ref[s].abs().max(), (q, mx)
+        assert out[1].isnan().all(), (q, mx)
+    assert len(launches["_dequant_mxfp4_slots_kernel"]) == 1
+    mg.MXFP4_DEQUANT_BLOCKS = 64
     e, d, f = 5, 256, 64
     qt = (QType.Q4_K, QType.IQ2_XS, QType.Q8_0)
     layer = dict(slot_of_expert=torch.tensor([1, -1, 0, 2, -1], dtype=torch.int32),
@@ -481,13 +486,16 @@ _INTERPRETED = """
         err = float((out - ref).norm() / ref.norm())
         assert err < 2e-5, ("MXFP4 biased", scratch_bytes, err)
     assert len(launches["_combine_kernel"]) == 3, launches["_combine_kernel"]
+    # (its experts on their own kernel: 3 parts in one batch, then 5 batches of one expert)
+    assert len(launches["_dequant_mxfp4_slots_kernel"]) == 1 + 3 * (1 + 5)
     print("ok")
 """
 
 
 def test_slot_kernel_under_the_interpreter() -> None:
-    """_dequant_slots_kernel (Q4_K, Q6_K, IQ2_XS, Q8_0, MXFP4; a slot -1 left unwritten) and
-    the whole grouped path on it with its row-wise kernels (glu rows, the sum from the sorted
+    """_dequant_slots_kernel (Q4_K, Q6_K, IQ2_XS, Q8_0, MXFP4) and MXFP4's own kernel (a slot -1
+    left unwritten; 160 columns: five blocks a row, rows split across programs) and the whole
+    grouped path on them with its row-wise kernels (glu rows, the sum from the sorted
     rows; MXFP4 with biases and the clamped SwiGLU too), in float32, under TRITON_INTERPRET=1."""
     _, seed = fresh_rng()
     run_interpreted(_INTERPRETED, seed, timeout=600)

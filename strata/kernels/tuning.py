@@ -169,6 +169,13 @@ MMQ_WIDE_MIN = 16
 # 512 4,279-4,286 / 2,184-2,193; end to end (prompt graphs) pp128 2,429 on against 2,536 tok/s
 # off, pp256 4,840 / 4,855, pp512 equal. bench/2026-12-07-h100-models.md
 MMQ_MXFP4 = False
+# MXFP4 experts (gpt-oss) dequantized for the grouped path by a kernel of their own
+# (moe_grouped._dequant_mxfp4_slots_kernel): this many 32-value blocks a program, each block's 16
+# bytes read once and its values stored as two runs of 16; None: the tile kernel every type
+# shares, which reads each byte once for its low and once for its high nibble, a value at a time.
+# That kernel took 31.4 ms of gpt-oss-20b's 79 ms 512-token prompt on an H100 (its table gather
+# since removed, bench/2026-12-07-h100-models.md). This one not yet timed: bench none.
+MXFP4_DEQUANT_BLOCKS: int | None = 64
 # i-quant experts, from 8: IQ2_XS / IQ3_XXS's tl.dot tiles took 6273 us at 8 tokens per expert
 # against the grouped path's 1741 (3.6x; 5.2x at 16). Not timed below 8.
 # bench/2026-12-06-h100-matrix.md

@@ -12,7 +12,8 @@ of weights[t, k] · down_e(silu(gate_e x_t) ⊙ up_e x_t); other pairs add nothi
    group ends: no host sync (no .item(), .tolist() or bincount).
 2. The experts of a batch are dequantized into a bf16 scratch, one launch per part
    (`_dequant_slots_kernel`: matmul.py's dequantize kernel over the tiles of tiles.py, reading
-   the slot table, so the slot views' record stride and any slot order work): gate and up into
+   the slot table, so the slot views' record stride and any slot order work; MXFP4 on a kernel
+   of its own, `_dequant_mxfp4_slots_kernel`, each block's bytes read once): gate and up into
    one [n, 2F, D] buffer, so one grouped GEMM gives g | u, down into [n, D, F]. Experts
    without a slot, and those no pair of the call routes to, are skipped (their slot passed as
    -1 on the device: the grid stays fixed; their groups are empty and never read), so a short
@@ -64,12 +65,13 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from strata.kernels.gpu.bits import e8m0_half, i2f, mx_doubled
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
 from strata.kernels.gpu.pairs import check_bias, check_moe_args, glu
 from strata.kernels.gpu.skeletons import group_mask, rows
 from strata.kernels.gpu.tiles import dequant_tile
-from strata.kernels.tuning import GROUPED_SCRATCH_BYTES
+from strata.kernels.tuning import GROUPED_SCRATCH_BYTES, MXFP4_DEQUANT_BLOCKS
 from strata.quant import QType, dequantize
 from strata.runtime.waits import to_device
 
@@ -101,6 +103,32 @@ def _dequant_slots_kernel(w, slots, out, tab, tab2, N, K, row_bytes, stride_ws, 
                  mask=(n < N)[:, None, None] & (k0 + g * S < K))
 
 
+@triton.jit(do_not_specialize=["N", "NB"])
+def _dequant_mxfp4_slots_kernel(w, slots, out, N, NB, row_bytes, stride_ws, stride_oe,
+                                stride_on, BR: tl.constexpr):
+    # out[j, n, 32 b + v] = MXFP4 block b of row n of W_{slots[j]}, BR blocks a program: each
+    # block's 16 bytes read once (value v < 16 its low nibble, 16 + v its high one), its values
+    # computed from the codes (bits.mx_doubled) times 2^(e - 128); nothing written where
+    # slots[j] < 0
+    j = tl.program_id(1)
+    slot = tl.load(slots + j)
+    if slot >= 0:
+        i = tl.program_id(0) * BR + tl.arange(0, BR)  # (row, block) pairs, row-major
+        live = i < N * NB
+        r, b = (i // NB).to(tl.int64), i % NB
+        blk = w + slot.to(tl.int64) * stride_ws + r * row_bytes + b * 17  # [BR]
+        d = e8m0_half(tl.load(blk, mask=live, other=0).to(tl.int32))[:, None]
+        v = tl.arange(0, 16)[None, :]
+        m = live[:, None]
+        q = tl.load(blk[:, None] + 1 + v, mask=m, other=0).to(tl.int32)  # [BR, 16]
+        lo = d * i2f(mx_doubled(q & 15) + 12, 12)
+        hi = d * i2f(mx_doubled(q >> 4) + 12, 12)
+        dst = out + j.to(tl.int64) * stride_oe + r * stride_on + b * 32  # [BR]
+        ty = out.dtype.element_ty
+        tl.store(dst[:, None] + v, lo.to(ty), mask=m)
+        tl.store(dst[:, None] + 16 + v, hi.to(ty), mask=m)
+
+
 def dequantize_slots(w: torch.Tensor, slots: torch.Tensor, qtype: int | QType, n_cols: int,
                      out: torch.Tensor) -> torch.Tensor:
     """out[j] = the dequantized rows of w[slots[j]] for every j with slots[j] >= 0 (out[j] is
@@ -126,6 +154,12 @@ def dequantize_slots(w: torch.Tensor, slots: torch.Tensor, qtype: int | QType, n
             rec = w.index_select(0, idx[j:j + 1].clamp(min=0))[0]  # slot -1: a spare read
             vals = dequantize(rec, qtype, n_cols)
             out[j].copy_(torch.where(idx[j] >= 0, vals.to(out.dtype), out[j]))
+        return out
+    if qtype == QType.MXFP4 and MXFP4_DEQUANT_BLOCKS:
+        nb, br = n_cols // 32, MXFP4_DEQUANT_BLOCKS
+        _dequant_mxfp4_slots_kernel[(triton.cdiv(rows_n * nb, br), n)](
+            w, slots, out, rows_n, nb, w.stride(1), w.stride(0), out.stride(0), out.stride(1),
+            BR=br, num_warps=4)
         return out
     bn, bk = 16, 256
     tab, tab2 = fmt.tables(w.device)
