@@ -420,8 +420,8 @@ def _compile_sm90(fn, sig: dict, consts: dict, warps: int, stages: int | None = 
 @pytest.mark.parametrize("types", list(BIAS_TYPES))
 def test_biased_moe_kernels_compile_for_sm90(types: str) -> None:
     """Without a GPU: the four MoE kernels with biases and the clamped SwiGLU compile for
-    sm_90 (Triton's bundled ptxas) with the tiles moe_forward gives them, within the H100's
-    / H200's 227 KiB of shared memory per block."""
+    sm_90 (Triton's bundled ptxas) with the tiles moe_forward gives them (MXFP4's group kernels
+    through mxfp4_dot_span), within the H100's / H200's 227 KiB of shared memory per block."""
     from strata.kernels.gpu.formats import kernel_format
     from strata.kernels.tuning import DOWN_TILE, GATE_UP_TILE
 
@@ -444,7 +444,10 @@ def test_biased_moe_kernels_compile_for_sm90(types: str) -> None:
     kernels.append(_compile_sm90(moe_mod._down_pairs_kernel, sig, dict(
         QD=int(fd.qtype), SD=fd.group, BN=bn, BK=bk, EVEN_F=f % bk == 0, STAGES=st, MISS=True,
         TOPK=4, HOST_FROM=4, BIAS=True), w))
-    for t in (23, 1024):  # the smallest and largest BM (16, 128)
+    # the tl.dot group kernels: the smallest and largest BM (16, 128); MXFP4 rows as
+    # moe_forward passes them (mxfp4_dot_span where tuning.MXFP4_DOT_SPAN, else the shared tile)
+    mx = types == "mxfp4" and moe_mod.MXFP4_DOT_SPAN
+    for t in (23, 1024):
         bm, bn, bk, w = moe_mod.group_config(t, 4, 32)
         sig = dict(x="*bf16", counts="*i32", starts="*i32", order="*i32", slot_of="*i32",
                    gate=u8, up=u8, h="*bf16", tg=f32, tg2=f32, tu=f32, tu2=f32, bg=f32, bu=f32,
@@ -452,13 +455,14 @@ def test_biased_moe_kernels_compile_for_sm90(types: str) -> None:
                    rb_u=i32)
         kernels.append(_compile_sm90(moe_mod._gate_up_groups_kernel, sig, dict(
             TOPK=4, QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BM=bm, BN=bn,
-            BK=bk, EVEN_D=d % bk == 0, DOT=triton.language.bfloat16, BIAS=True, OAI=True), w, 3))
+            BK=bk, EVEN_D=d % bk == 0, DOT=triton.language.bfloat16, BIAS=True, OAI=True,
+            MX=mx), w, 3))
         sig = dict(h="*bf16", counts="*i32", starts="*i32", order="*i32", wts=f32,
                    slot_of="*i32", down=u8, y=f32, td=f32, td2=f32, bd=f32, D=i32, F=i32,
                    NC=i32, stride_ds=i32, rb_d=i32)
         kernels.append(_compile_sm90(moe_mod._down_groups_kernel, sig, dict(
             QD=int(fd.qtype), SD=fd.group, BM=bm, BN=bn, BK=bk, EVEN_F=f % bk == 0,
-            DOT=triton.language.bfloat16, BIAS=True), w, 3))
+            DOT=triton.language.bfloat16, BIAS=True, MX=mx), w, 3))
     for k in kernels:
         assert k.asm["cubin"]
         assert k.metadata.shared <= 232448, (k.name, k.metadata.shared)

@@ -471,11 +471,12 @@ _INTERPRETED = """
     # one expert a batch (glu rows per batch, the torch scatter): both equal the reference
     assert len(launches["_glu_rows_kernel"]) == 2 * (1 + 5), launches["_glu_rows_kernel"]
     assert len(launches["_combine_kernel"]) == 2, launches["_combine_kernel"]
-    # gpt-oss's experts: MXFP4 (its values computed in the tile), biases, the clamped SwiGLU
-    qt = (QType.MXFP4,) * 3
+    # gpt-oss's experts: MXFP4 (its values computed in the tile), biases, the clamped SwiGLU;
+    # F 96 (the tl.dot kernels' down: a last K step of half a step)
+    qt, f = (QType.MXFP4,) * 3, 96
     layer.update(gate_slots=rows(qt[0], 3 * f, d).view(3, f, -1),
                  up_slots=rows(qt[1], 3 * f, d).view(3, f, -1),
-                 down_slots=rows(qt[2], 3 * d, f).view(3, d, -1), qtypes=qt)
+                 down_slots=rows(qt[2], 3 * d, f).view(3, d, -1), qtypes=qt, d_expert=f)
     bias = tuple(3 * torch.randn(e, n) for n in (f, f, d))  # (cuts some at the limit 7)
     ids = torch.from_numpy(np.stack([rng.permutation(e)[:2] for _ in range(24)]))
     x, wts = 3 * torch.randn(24, d), torch.rand(24, 2)
@@ -488,6 +489,19 @@ _INTERPRETED = """
     assert len(launches["_combine_kernel"]) == 3, launches["_combine_kernel"]
     # (its experts on their own kernel: 3 parts in one batch, then 5 batches of one expert)
     assert len(launches["_dequant_mxfp4_slots_kernel"]) == 1 + 3 * (1 + 5)
+    # the tl.dot group kernels on the same layer: MXFP4 rows through mxfp4_dot_span (a step's
+    # blocks read once, x in the joined nibbles' column order) and through the shared tile;
+    # h rounded to bf16 between the two kernels on both
+    import strata.kernels.gpu.moe as moe
+    dot = {}
+    for mx in (True, False):
+        moe.MXFP4_DOT_SPAN = mx
+        dot[mx] = moe.moe_forward(x, ids, wts, **layer, bias=bias, act="swiglu_oai",
+                                  path="tl.dot")
+        err = float((dot[mx] - ref).norm() / ref.norm())
+        assert err < 1.5e-2, ("tl.dot", mx, err)
+    err = float((dot[True] - dot[False]).norm() / dot[False].norm())
+    assert err < 5e-3, ("the dot span against the tile", err)
     print("ok")
 """
 
@@ -496,7 +510,8 @@ def test_slot_kernel_under_the_interpreter() -> None:
     """_dequant_slots_kernel (Q4_K, Q6_K, IQ2_XS, Q8_0, MXFP4) and MXFP4's own kernel (a slot -1
     left unwritten; 160 columns: five blocks a row, rows split across programs) and the whole
     grouped path on them with its row-wise kernels (glu rows, the sum from the sorted
-    rows; MXFP4 with biases and the clamped SwiGLU too), in float32, under TRITON_INTERPRET=1."""
+    rows; MXFP4 with biases and the clamped SwiGLU too), in float32, under TRITON_INTERPRET=1;
+    the tl.dot group kernels on the MXFP4 layer with and without mxfp4_dot_span."""
     _, seed = fresh_rng()
     run_interpreted(_INTERPRETED, seed, timeout=600)
 

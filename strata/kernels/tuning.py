@@ -176,6 +176,12 @@ MMQ_MXFP4 = False
 # That kernel took 31.4 ms of gpt-oss-20b's 79 ms 512-token prompt on an H100 (its table gather
 # since removed, bench/2026-12-07-h100-models.md). This one not yet timed: bench none.
 MXFP4_DEQUANT_BLOCKS: int | None = 64
+# MXFP4 rows in the tl.dot group kernels (prompt chunks below the grouped path) through
+# skeletons.mxfp4_dot_span: a step's blocks read once, both nibbles decoded and joined, x loaded
+# in the matching column order; False: the tile every type shares (each byte read once per
+# nibble). Tested under the interpreter, not yet timed (the tile's form: gpt-oss-20b's layer on
+# an H100 2,319-2,364 us at 128 tokens, 2,976 at 512; bench/2026-12-07-h100-models.md).
+MXFP4_DOT_SPAN = True
 # i-quant experts, from 8: IQ2_XS / IQ3_XXS's tl.dot tiles took 6273 us at 8 tokens per expert
 # against the grouped path's 1741 (3.6x; 5.2x at 16). Not timed below 8.
 # bench/2026-12-06-h100-matrix.md

@@ -69,6 +69,7 @@ from strata.kernels.tuning import (
     MOE_GROUP,
     MOE_GROUP_MIN_PAIRS,
     MOE_ONCE_MIN_PAIRS,
+    MXFP4_DOT_SPAN,
     MXFP4_X8,
     PAIR_MAJOR_MIN_PAIRS,
     PAIRS_MAX_T,
@@ -217,7 +218,7 @@ def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, t
                            QU: tl.constexpr, SU: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, EVEN_D: tl.constexpr,
                            DOT: tl.constexpr, BIAS: tl.constexpr = False,
-                           OAI: tl.constexpr = False):
+                           OAI: tl.constexpr = False, MX: tl.constexpr = False):
     # h[start + r, n] = glu(x[tok] @ G_e[n].T + bg[e, n], x[tok] @ U_e[n].T + bu[e, n]) for BM
     # pairs of expert e (the biases with BIAS only; glu silu(g) · u, OAI the clamped SwiGLU)
     e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
@@ -229,8 +230,8 @@ def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, t
             wg = rows(gate + slot.to(tl.int64) * stride_gs, n, F, rb_g)
             wu = rows(up + slot.to(tl.int64) * stride_us, n, F, rb_u)
             zero = tl.zeros((BM, BN), dtype=tl.float32)
-            g = dot_tile(QG, SG, BK, EVEN_D, DOT, wg, xr, rm[:, None], D, tg, tg2, zero)
-            u = dot_tile(QU, SU, BK, EVEN_D, DOT, wu, xr, rm[:, None], D, tu, tu2, zero)
+            g = dot_tile(QG, SG, BK, EVEN_D, DOT, wg, xr, rm[:, None], D, tg, tg2, zero, MX)
+            u = dot_tile(QU, SU, BK, EVEN_D, DOT, wu, xr, rm[:, None], D, tu, tu2, zero, MX)
             if BIAS:
                 g += bias_row(bg, e, n, F)[None, :]
                 u += bias_row(bu, e, n, F)[None, :]
@@ -243,7 +244,8 @@ def _gate_up_groups_kernel(x, counts, starts, order, slot_of, gate, up, h, tg, t
 def _down_groups_kernel(h, counts, starts, order, wts, slot_of, down, y, td, td2, bd, D, F, NC,
                         stride_ds, rb_d, QD: tl.constexpr, SD: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, EVEN_F: tl.constexpr,
-                        DOT: tl.constexpr, BIAS: tl.constexpr = False):
+                        DOT: tl.constexpr, BIAS: tl.constexpr = False,
+                        MX: tl.constexpr = False):
     # y[pair, n] = wts[pair] · (h[start + r] @ D_e[n].T + bd[e, n])  (bd with BIAS only; zero
     # for experts that are not resident)
     e, live, start, r, rm, pair = expert_chunk(tl.program_id(0), NC, counts, starts, order, BM)
@@ -254,7 +256,7 @@ def _down_groups_kernel(h, counts, starts, order, wts, slot_of, down, y, td, td2
         if slot >= 0:
             wd = rows(down + slot.to(tl.int64) * stride_ds, n, D, rb_d)
             hr = h + ((start + r).to(tl.int64) * F)[:, None]
-            acc = dot_tile(QD, SD, BK, EVEN_F, DOT, wd, hr, rm[:, None], F, td, td2, acc)
+            acc = dot_tile(QD, SD, BK, EVEN_F, DOT, wd, hr, rm[:, None], F, td, td2, acc, MX)
             if BIAS:
                 acc += bias_row(bd, e, n, D)[None, :]
             acc = acc * tl.load(wts + pair, mask=rm, other=0.0).to(tl.float32)[:, None]
@@ -751,11 +753,12 @@ def _prompt(x, ids, weights, slot_of, gate, up, down, fmts: list[KernelFormat], 
         x.stride(0), gate.stride(0), up.stride(0), gate.shape[2], up.shape[2], TOPK=topk,
         QG=int(fg.qtype), SG=fg.group, QU=int(fu.qtype), SU=fu.group, BM=bm, BN=bn, BK=bk,
         EVEN_D=d % bk == 0, DOT=dot, BIAS=bias is not None, OAI=act == "swiglu_oai",
-        num_warps=warps, num_stages=3)
+        MX=MXFP4_DOT_SPAN, num_warps=warps, num_stages=3)
     _down_groups_kernel[(e * nc, triton.cdiv(d, bn))](
         h, counts, starts, order, weights, slot_of, down, y, td, td2, bd, d, f, nc,
         down.stride(0), down.shape[2], QD=int(fd.qtype), SD=fd.group, BM=bm, BN=bn, BK=bk,
-        EVEN_F=f % bk == 0, DOT=dot, BIAS=bias is not None, num_warps=warps, num_stages=3)
+        EVEN_F=f % bk == 0, DOT=dot, BIAS=bias is not None, MX=MXFP4_DOT_SPAN,
+        num_warps=warps, num_stages=3)
     out += y.view(t, topk, d).sum(1)
 
 

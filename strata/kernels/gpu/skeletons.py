@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import to_f32
+from strata.kernels.gpu.bits import e8m0_half, i2f, mx_doubled, to_f32
 from strata.kernels.gpu.tiles import dequant_tile
 
 
@@ -151,18 +151,21 @@ def gemv_rows_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: 
 
 @triton.jit
 def dot_tile(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-             DOT: tl.constexpr, wr, xr, rmask, K, tab, tab2, acc):
+             DOT: tl.constexpr, wr, xr, rmask, K, tab, tab2, acc, MX: tl.constexpr = False):
     """acc [BM, BN] += x[rows, :] @ W[n, :].T with DOT operands (bf16; float32 under the
     interpreter) and float32 accumulation. wr: row pointers [BN, 1, 1]; xr: pointers to the x
     rows [BM, 1]; rmask [BM, 1]: rows that exist."""
-    return dot_tile_span(QT, S, BK, EVEN_K, DOT, wr, xr, rmask, K, 0, K, tab, tab2, acc)
+    return dot_tile_span(QT, S, BK, EVEN_K, DOT, wr, xr, rmask, K, 0, K, tab, tab2, acc, MX)
 
 
 @triton.jit
 def dot_tile_span(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  DOT: tl.constexpr, wr, xr, rmask, K, K0, K1, tab, tab2, acc):
+                  DOT: tl.constexpr, wr, xr, rmask, K, K0, K1, tab, tab2, acc,
+                  MX: tl.constexpr = False):
     """dot_tile over the columns K0 <= k < min(K1, K) only (K0 a multiple of BK): one split of
-    a split-K product."""
+    a split-K product. MX: MXFP4 rows (QT 39) through mxfp4_dot_span (BK a multiple of 32)."""
+    if MX and QT == 39 and BK % 32 == 0:
+        return mxfp4_dot_span(BK, EVEN_K, DOT, wr, xr, rmask, K, K0, K1, acc)
     BN: tl.constexpr = acc.shape[1]
     g = tl.arange(0, BK // S)[None, :, None]  # group index inside the step
     s = tl.arange(0, S)[None, None, :]
@@ -176,5 +179,40 @@ def dot_tile_span(QT: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, EVEN_K: t
         wv = dequant_tile(QT, wr, k0, g, s, m, tab, tab2)  # [BN, G, S]
         wt = tl.trans(tl.reshape(wv, (BN, BK)).to(DOT))  # [BK, BN]
         xv = tl.load(xr + k0 + kk, mask=xm, other=0.0).to(DOT)  # [BM, BK]
+        acc = tl.dot(xv, wt, acc)
+    return acc
+
+
+@triton.jit
+def mxfp4_dot_span(BK: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, wr, xr, rmask,
+                   K, K0, K1, acc):
+    """dot_tile_span for MXFP4 rows (gpt-oss; 17-byte blocks: E8M0 e, 16 bytes whose low
+    nibbles are values 0-15 and high nibbles 16-31). The generic tile reads each byte twice,
+    once per nibble group; here a step's G = BK / 32 blocks are read once as [BN, G, 16] bytes,
+    both nibbles decoded (bits.mx_doubled, times 2^(e-128)) and joined as [BN, G, 16, 2]: column
+    i of the step holds value 32 (i // 32) + 16 (i % 2) + (i % 32) // 2, and x's columns are
+    loaded in that order, so the dot is over the same pairs."""
+    BN: tl.constexpr = acc.shape[1]
+    G: tl.constexpr = BK // 32
+    g = tl.arange(0, G)[None, :, None]  # [1, G, 1]: the step's blocks
+    j = tl.arange(0, 16)[None, None, :]  # [1, 1, 16]: a block's bytes
+    i = tl.arange(0, BK)
+    col = ((i // 32) * 32 + (i % 2) * 16 + (i % 32) // 2)[None, :]  # [1, BK]: x's column
+    for k0 in range(K0, tl.minimum(K1, K), BK):
+        b = wr + (k0 // 32 + g) * 17  # [BN, G, 1]
+        if EVEN_K:
+            e = tl.load(b).to(tl.int32)
+            q = tl.load(b + 1 + j).to(tl.int32)  # [BN, G, 16]
+            xm = rmask
+        else:
+            m = k0 + g * 32 < K
+            e = tl.load(b, mask=m, other=0).to(tl.int32)
+            q = tl.load(b + 1 + j, mask=m, other=0).to(tl.int32)
+            xm = rmask & (k0 + col < K)
+        d = e8m0_half(e)
+        lo = d * i2f(mx_doubled(q & 15) + 12, 12)
+        hi = d * i2f(mx_doubled(q >> 4) + 12, 12)
+        wt = tl.trans(tl.reshape(tl.join(lo, hi), (BN, BK)).to(DOT))  # [BK, BN]
+        xv = tl.load(xr + k0 + col, mask=xm, other=0.0).to(DOT)  # [BM, BK]
         acc = tl.dot(xv, wt, acc)
     return acc
