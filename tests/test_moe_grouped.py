@@ -525,3 +525,27 @@ def test_token_rounds_cover_every_row_once_with_distinct_tokens() -> None:
     assert all(len(np.unique(tok[r])) == len(r) for r in rounds), seed
     assert len(rounds) == np.bincount(tok).max(), seed
     assert mg.token_rounds(np.zeros(0, dtype=np.int64)) == []
+
+
+@pytest.mark.parametrize("kernel", ["glu_rows", "combine", "dequant_mxfp4"])
+def test_grouped_kernels_build_for_sm90(kernel: str) -> None:
+    """Without a GPU: the grouped path's row kernels (biases and the clamped SwiGLU) and MXFP4's
+    dequantize kernel build for sm_90 as launched at gpt-oss-20b's shape, no spills."""
+    from test_decode_ops import sm90_resources
+
+    f32, i64 = "*fp32", "*i64"
+    if kernel == "glu_rows":
+        got = sm90_resources(mg._glu_rows_kernel, dict(h="*bf16", w=f32, eid=i64, bg=f32,
+                                                       bu=f32, out="*bf16"), {},
+                             dict(F=2880, R=2048), dict(BIAS=True, OAI=True, BR=4, BF=256), 4)
+    elif kernel == "combine":
+        got = sm90_resources(mg._combine_kernel, dict(y="*bf16", inv=i64, end="*i32", w=f32,
+                                                      eid=i64, bd=f32, out=f32), {},
+                             dict(D=2880), dict(TOPK=4, BIAS=True, BD=1024), 4)
+    else:
+        got = sm90_resources(mg._dequant_mxfp4_slots_kernel, dict(w="*u8", slots="*i32",
+                                                                  out="*bf16"), {},
+                             dict(N=2880, NB=90, row_bytes=1530, stride_ws=2880 * 1530,
+                                  stride_oe=5760 * 2880, stride_on=2880),
+                             dict(BR=mg.MXFP4_DEQUANT_BLOCKS or 64), 4)
+    assert got["spills"] == 0 and got["local"] == 0 and got["regs"] <= 255, got
