@@ -132,7 +132,7 @@ FUSED_ONE_TOKEN_INTERPRETED = """
     launches = []
     decode = moe._decode
     moe._decode = lambda *a, **kw: launches.append(a[0].shape[0]) or decode(*a, **kw)
-    tokens = [5, 311, 17, 902, 64, 64]
+    tokens = [5, 311, 17, 902, 64]  # (a 4-token chunk, then a decode step)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.gguf"
         write_model(path, get_preset("tiny", ARCH), Recipe("Q4_K_M"), 0)

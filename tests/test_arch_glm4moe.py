@@ -89,7 +89,7 @@ def test_incremental_decoding_equals_full_recompute(synth, device):
 @pytest.mark.slow
 def test_fused_one_token_experts_under_the_interpreter():
     """The fused MoE kernels CUDA runs for a few tokens (moe_forward's decode form), run by
-    Triton's interpreter on the CPU: a 4-token chunk, then single tokens, give the reference
+    Triton's interpreter on the CPU: a 4-token chunk, then a single token, give the reference
     logits through glm4moe's and deepseek2's routing (scaled, biased), dense first layer and
     shared expert; on 8-bit activations (--kernels fused) within that rounding's bound. (The two
     architectures side by side, a process each.)"""
