@@ -167,7 +167,9 @@ MMQ_WIDE_MIN = 16
 # an int8 dot of x with twice the E2M1 values a 32-value block, times 2^(e-128) dx). Off: on an
 # H100 gpt-oss-20b's layer, eager, mmq / grouped at 128 tokens 1,959-1,966 / 2,044-2,428 us, at
 # 512 4,279-4,286 / 2,184-2,193; end to end (prompt graphs) pp128 2,429 on against 2,536 tok/s
-# off, pp256 4,840 / 4,855, pp512 equal. bench/2026-12-07-h100-models.md
+# off, pp256 4,840 / 4,855, pp512 equal. bench/2026-12-07-h100-models.md. Since then the kernels
+# read a block's bytes once (both nibbles joined; gate/up 208 -> 140 registers at 16x64x4 on
+# sm_90): not yet timed.
 MMQ_MXFP4 = False
 # MXFP4 experts (gpt-oss) dequantized for the grouped path by a kernel of their own
 # (moe_grouped._dequant_mxfp4_slots_kernel): this many 32-value blocks a program, each block's 16

@@ -208,13 +208,17 @@ def _q6k_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
 def _mxfp4_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
     """_q4k_dot for MXFP4 rows (17-byte blocks: E8M0 e, then 16 bytes whose low nibbles are
     values 0-15 and high nibbles 16-31; any byte alignment): per block an int8 dot of x with
-    twice the values, times 2^(e-128) dx (the doubled values' half folded into the scale)."""
-    lo = (s < 16)[None, :]
+    twice the values, times 2^(e-128) dx (the doubled values' half folded into the scale). A
+    block's 16 bytes are read once and both nibbles joined: column i holds value
+    16 (i % 2) + i // 2, and x's block is read in that order."""
+    BN: tl.constexpr = rows.shape[0]
+    j = tl.arange(0, 16)[None, :]
+    xcol = ((s % 2) * 16 + s // 2)[None, :]  # [1, 32]: x's value at each joined column
     for blk in range(0, K // 32):
         b = rows + blk * 17  # [BN]
-        qs = tl.load(b[:, None] + 1 + (s % 16)[None, :]).to(tl.int32)  # [BN, 32]
-        q = mx_doubled(tl.where(lo, qs & 15, qs >> 4)).to(tl.int8)
-        xv = tl.load(xq + tok[:, None] * K + blk * 32 + s[None, :], mask=rm[:, None],
+        qs = tl.load(b[:, None] + 1 + j).to(tl.int32)  # [BN, 16]
+        q = tl.reshape(tl.join(mx_doubled(qs & 15), mx_doubled(qs >> 4)), (BN, 32)).to(tl.int8)
+        xv = tl.load(xq + tok[:, None] * K + blk * 32 + xcol, mask=rm[:, None],
                      other=0)  # int8 [BM, 32]
         dx = tl.load(xd + tok * (K // 32) + blk, mask=rm, other=0.0)
         e = u8(b, None)
