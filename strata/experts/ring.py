@@ -380,14 +380,16 @@ class Ring:
 
     def _bank_bias(self, lay: ExpertLayout, experts: torch.Tensor,
                    ) -> tuple[tuple[torch.Tensor, ...] | None, str]:
-        """The layer's expert biases with rows by index in a bank (experts: the bank's expert
-        ids by index, _bank_tables), and its activation; (None, "swiglu") without biases."""
+        """_layer_bias with rows by index in a bank (experts: the bank's expert ids by index,
+        _bank_tables)."""
+        bias, act = self._layer_bias(lay)
+        return (None if bias is None else tuple(b.index_select(0, experts) for b in bias)), act
+
+    def _layer_bias(self, lay: ExpertLayout) -> tuple[tuple[torch.Tensor, ...] | None, str]:
+        """The layer's expert biases on the device (rows by expert id) and its activation;
+        (None, "swiglu") without biases."""
         if lay.bias is None:
             return None, "swiglu"
-        bias, act = self._layer_bias(lay)
-        return tuple(b.index_select(0, experts) for b in bias), act
-
-    def _layer_bias(self, lay: ExpertLayout) -> tuple[tuple[torch.Tensor, ...], str]:
         got = self.biases.get(lay.layer)
         if got is None:
             raise RuntimeError(f"layer {lay.layer}: its experts' biases are not on the device "
@@ -433,8 +435,8 @@ class Ring:
         host = (torch.cat([g.tokens for g in groups]),
                 torch.cat([g.weights for g in groups]).float(),
                 torch.tensor(slots, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32),
-                torch.cat([torch.full((len(g.tokens),), g.expert, dtype=torch.int64)
-                           for g in groups]))  # each row's expert id (biases, by expert id)
+                torch.repeat_interleave(torch.tensor([g.expert for g in groups]),
+                                        torch.tensor([len(g.tokens) for g in groups])))
         return tuple(to_device(t, self.device) for t in host)
 
     def _compute(self, bank: Bank, groups: list[Group], rows: tuple[torch.Tensor, ...], r: int,
@@ -450,7 +452,7 @@ class Ring:
         counts = [len(g.tokens) for g in groups]
         tokens, weights, slots, ends, eid = rows
         n, r1 = len(groups), r + sum(counts)
-        bias, act = self._layer_bias(lay) if lay.bias is not None else (None, "swiglu")
+        bias, act = self._layer_bias(lay)
         # no tokens_host: one index_add_ per expert, no copy to the device inside the call
         experts_forward_grouped(h, tokens[r:r1], weights[r:r1], counts, slots[s:s + n], gate,
                                 up, down, lay.qtypes, lay.d_model, lay.d_expert, out,

@@ -79,6 +79,22 @@ def mx_doubled(nib):
 
 
 @triton.jit
+def mx_scaled(nib, d):
+    """float32 d · twice the E2M1 value of 4-bit codes nib: an MXFP4 value with d its block's
+    e8m0_half scale (the doubling folded into it), exact."""
+    return d * i2f(mx_doubled(nib) + 12, 12)
+
+
+@triton.jit
+def mx_join_order(i):
+    """Where column i of an MXFP4 tile built as tl.join(low nibbles, high nibbles) of each
+    block's 16 bytes, reshaped flat, takes its value from: 32 (i // 32) + 16 (i % 2) +
+    (i % 32) // 2 (the block, then byte j = (i % 32) // 2's low or high nibble). x's columns
+    loaded in this order pair with it in a dot."""
+    return (i // 32) * 32 + (i % 2) * 16 + (i % 32) // 2
+
+
+@triton.jit
 def i2f(q, bias: tl.constexpr):
     """Exact float32 of (q - bias) for int32 0 <= q < 2**23.
 

@@ -78,7 +78,7 @@ FORMATS: MappingProxyType[QType, KernelFormat] = MappingProxyType({
         KernelFormat(QType.IQ3_S, 8, grid=gq.IQ3_S),
         KernelFormat(QType.IQ4_NL, 16, levels=gq.IQ4_NL),
         KernelFormat(QType.IQ4_XS, 16, levels=gq.IQ4_NL),
-        KernelFormat(QType.MXFP4, 16, levels=gq.MXFP4),
+        KernelFormat(QType.MXFP4, 16),  # (values computed: bits.mx_scaled)
     )
 })
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)  # read by torch.matmul (cuBLAS), no tile

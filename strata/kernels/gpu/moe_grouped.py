@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from strata.kernels.gpu.bits import e8m0_half, i2f, mx_doubled
+from strata.kernels.gpu.bits import e8m0_half, mx_scaled
 from strata.kernels.gpu.formats import kernel_format
 from strata.kernels.gpu.matmul import log_fallback
 from strata.kernels.gpu.pairs import check_bias, check_moe_args, glu
@@ -108,8 +108,7 @@ def _dequant_mxfp4_slots_kernel(w, slots, out, N, NB, row_bytes, stride_ws, stri
                                 stride_on, BR: tl.constexpr):
     # out[j, n, 32 b + v] = MXFP4 block b of row n of W_{slots[j]}, BR blocks a program: each
     # block's 16 bytes read once (value v < 16 its low nibble, 16 + v its high one), its values
-    # computed from the codes (bits.mx_doubled) times 2^(e - 128); nothing written where
-    # slots[j] < 0
+    # computed from the codes (bits.mx_scaled); nothing written where slots[j] < 0
     j = tl.program_id(1)
     slot = tl.load(slots + j)
     if slot >= 0:
@@ -121,8 +120,7 @@ def _dequant_mxfp4_slots_kernel(w, slots, out, N, NB, row_bytes, stride_ws, stri
         v = tl.arange(0, 16)[None, :]
         m = live[:, None]
         q = tl.load(blk[:, None] + 1 + v, mask=m, other=0).to(tl.int32)  # [BR, 16]
-        lo = d * i2f(mx_doubled(q & 15) + 12, 12)
-        hi = d * i2f(mx_doubled(q >> 4) + 12, 12)
+        lo, hi = mx_scaled(q & 15, d), mx_scaled(q >> 4, d)
         dst = out + j.to(tl.int64) * stride_oe + r * stride_on + b * 32  # [BR]
         ty = out.dtype.element_ty
         tl.store(dst[:, None] + v, lo.to(ty), mask=m)
@@ -412,19 +410,17 @@ def moe_forward_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     wbuf = _weight_buffer(min(nb, e), d, f, dtype, dev)
     parts = (gate_slots, up_slots, down_slots)
     idx = torch.arange(p, device=dev)
-    if nb >= e and fused_rows(dev) and out.is_contiguous():
-        # one batch, summed straight from the sorted rows (non-resident pairs add nothing)
+    if nb >= e:  # one batch
         offs = bounds[1:]
         eid, w_sorted = flat[order], wflat[order]
+        summed = fused_rows(dev) and out.is_contiguous()  # (combine adds w · b_down)
         y_sorted = _experts(x, order // topk, w_sorted, offs, live, parts, qtypes, d, f, wbuf,
-                            bias, eid, act, down_bias=False)
-        combine(y_sorted, order, offs[-1:], w_sorted, eid,
-                bias[2] if bias is not None else None, out, topk)
-        return out
-    if nb >= e:  # one batch: every position's pair is written, non-resident ones as zeros
-        offs = bounds[1:]
-        y_sorted = _experts(x, order // topk, wflat[order], offs, live, parts,
-                            qtypes, d, f, wbuf, bias, flat[order], act)
+                            bias, eid, act, down_bias=not summed)
+        if summed:  # straight from the sorted rows (non-resident pairs add nothing)
+            combine(y_sorted, order, offs[-1:], w_sorted, eid,
+                    bias[2] if bias is not None else None, out, topk)
+            return out
+        # every position's pair written, non-resident ones as zeros
         y_sorted.masked_fill_((idx >= offs[-1])[:, None], 0)
         y = scratch((p, d), dtype, dev)
         y.index_copy_(0, order, y_sorted)  # order is a permutation of the pairs

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import e8m0_half, f16, f16_bits, mx_doubled, u8, u16
+from strata.kernels.gpu.bits import e8m0_half, f16, f16_bits, mx_doubled, mx_join_order, u8, u16
 from strata.kernels.gpu.pairs import (
     bias_row,
     check_bias,
@@ -209,11 +209,11 @@ def _mxfp4_dot(acc, rows, xq, xd, tok, rm, K: tl.constexpr, s):
     """_q4k_dot for MXFP4 rows (17-byte blocks: E8M0 e, then 16 bytes whose low nibbles are
     values 0-15 and high nibbles 16-31; any byte alignment): per block an int8 dot of x with
     twice the values, times 2^(e-128) dx (the doubled values' half folded into the scale). A
-    block's 16 bytes are read once and both nibbles joined: column i holds value
-    16 (i % 2) + i // 2, and x's block is read in that order."""
+    block's 16 bytes are read once and both nibbles joined, and x's block is read in that
+    joined order (bits.mx_join_order)."""
     BN: tl.constexpr = rows.shape[0]
     j = tl.arange(0, 16)[None, :]
-    xcol = ((s % 2) * 16 + s // 2)[None, :]  # [1, 32]: x's value at each joined column
+    xcol = mx_join_order(s)[None, :]  # [1, 32]: x's value at each joined column
     for blk in range(0, K // 32):
         b = rows + blk * 17  # [BN]
         qs = tl.load(b[:, None] + 1 + j).to(tl.int32)  # [BN, 16]

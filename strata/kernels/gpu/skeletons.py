@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from strata.kernels.gpu.bits import e8m0_half, i2f, mx_doubled, to_f32
+from strata.kernels.gpu.bits import e8m0_half, mx_join_order, mx_scaled, to_f32
 from strata.kernels.gpu.tiles import dequant_tile
 
 
@@ -189,15 +189,13 @@ def mxfp4_dot_span(BK: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, wr
     """dot_tile_span for MXFP4 rows (gpt-oss; 17-byte blocks: E8M0 e, 16 bytes whose low
     nibbles are values 0-15 and high nibbles 16-31). The generic tile reads each byte twice,
     once per nibble group; here a step's G = BK / 32 blocks are read once as [BN, G, 16] bytes,
-    both nibbles decoded (bits.mx_doubled, times 2^(e-128)) and joined as [BN, G, 16, 2]: column
-    i of the step holds value 32 (i // 32) + 16 (i % 2) + (i % 32) // 2, and x's columns are
-    loaded in that order, so the dot is over the same pairs."""
+    both nibbles decoded (bits.mx_scaled) and joined as [BN, G, 16, 2], and x's columns are
+    loaded in that joined order (bits.mx_join_order), so the dot is over the same pairs."""
     BN: tl.constexpr = acc.shape[1]
     G: tl.constexpr = BK // 32
     g = tl.arange(0, G)[None, :, None]  # [1, G, 1]: the step's blocks
     j = tl.arange(0, 16)[None, None, :]  # [1, 1, 16]: a block's bytes
-    i = tl.arange(0, BK)
-    col = ((i // 32) * 32 + (i % 2) * 16 + (i % 32) // 2)[None, :]  # [1, BK]: x's column
+    col = mx_join_order(tl.arange(0, BK))[None, :]  # [1, BK]: x's column
     for k0 in range(K0, tl.minimum(K1, K), BK):
         b = wr + (k0 // 32 + g) * 17  # [BN, G, 1]
         if EVEN_K:
@@ -210,9 +208,8 @@ def mxfp4_dot_span(BK: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, wr
             q = tl.load(b + 1 + j, mask=m, other=0).to(tl.int32)
             xm = rmask & (k0 + col < K)
         d = e8m0_half(e)
-        lo = d * i2f(mx_doubled(q & 15) + 12, 12)
-        hi = d * i2f(mx_doubled(q >> 4) + 12, 12)
-        wt = tl.trans(tl.reshape(tl.join(lo, hi), (BN, BK)).to(DOT))  # [BK, BN]
+        w = tl.join(mx_scaled(q & 15, d), mx_scaled(q >> 4, d))  # [BN, G, 16, 2]
+        wt = tl.trans(tl.reshape(w, (BN, BK)).to(DOT))  # [BK, BN]
         xv = tl.load(xr + k0 + col, mask=xm, other=0.0).to(DOT)  # [BM, BK]
         acc = tl.dot(xv, wt, acc)
     return acc

@@ -24,7 +24,7 @@ from strata.kernels.gpu.bits import (
     i2f,
     ld,
     locate,
-    mx_doubled,
+    mx_scaled,
     u8,
     u32,
 )
@@ -89,9 +89,9 @@ def iq4_nl(wr, k0, g, s, m, tab, tab2):
 @triton.jit
 def mxfp4(wr, k0, g, s, m, tab, tab2):
     """[e | qs 16], S=16: w = 2^(e - 128) * (twice the E2M1 value of q) (bits.e8m0_half,
-    bits.mx_doubled: computed, not read from a table)."""
+    bits.mx_scaled: computed, not read from a table)."""
     b, i = locate(wr, k0, g, 32, 17, 16)
     e = u8(b, m)  # [BN, G, 1]
     d = e8m0_half(e)
     q = (u8(b + 1 + s, m) >> (i * 4)) & 15
-    return d * i2f(mx_doubled(q) + 12, 12)
+    return mx_scaled(q, d)
