@@ -318,24 +318,32 @@ def test_bench_spec_forces_the_acceptance_and_checks_the_answer(synth, tmp_path,
     """strata bench-spec: windows whose drafts replay the greedy answer accept exactly the
     forced count a full window (3 of 4; windows cut short by the answer's end accept all they
     hold), 0 accepts none; both give plain greedy decode's tokens; the table and the JSON carry
-    each test."""
+    each test, with the offloaded experts' work per token plain and through windows (6 experts
+    cached of 24, the misses computed by the CPU pool)."""
     from strata.bench.spec_bench import ForcedDrafter
 
     path = str(synth("qwen3moe", "Q4_K_M"))
     out = tmp_path / "spec.json"
     assert main(["bench-spec", path, "--spec", "4", "-p", "16", "-n", "40", "-r", "1",
+                 "--offload", "on", "--expert-cache", "6", "--miss", "cpu",
                  "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "| 4 | 3 |" in table and "| 4 | 0 |" in table
+    assert "| 4 | 3 |" in table and "| 4 | 0 |" in table and "| CPU pairs / token |" in table
     got = {r["accept"]: r for r in json.loads(out.read_text())["results"]}
     assert sorted(got) == [0, 3]
     three, zero = got[3], got[0]
     assert three["windows"] > 0 and 0.75 <= three["acceptance"] < 0.9
     assert three["accepted"] >= 3 * (three["windows"] - 2)  # (the last windows: cut short)
     assert zero["accepted"] == 0 and zero["windows"] > 0
-    for r in (three, zero):  # (the reference path: windows exact, the answers the same)
+    for r in (three, zero):  # (on the CPU windows are exact: the answers the same)
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and len(r["spec_tok_s_all"]) == 1
         assert r["same_until"] == 40
+        plain, windows = r["traffic"]["plain"], r["traffic"]["windows"]
+        assert plain["pairs"] == 3 * 2  # (3 layers, top-2: every decoded token's pairs)
+        assert windows["pairs"] > plain["pairs"]  # (and the pairs of rejected drafts)
+        for t in (plain, windows):  # (6 of 24 slots: most pairs miss, all to the CPU pool)
+            assert 0 < t["hit_rate"] < 0.6 and t["cpu_ms"] > 0
+            assert t["cpu_pairs"] == pytest.approx(t["pairs"] * (1 - t["hit_rate"]))
     d = ForcedDrafter(2, [10, 11, 12, 13], 2, 100)
     assert d.propose([1, 2, 10], 3) == [11, 12, 14]  # (the third of a window wrong)
 

@@ -196,7 +196,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     if dev.type == "cuda":  # (what loading left allocated is in both phases' peaks)
         torch.cuda.reset_peak_memory_stats(dev)
     p_times, d_rates, p_streamed = [], [], []
-    decode = _Counters(cfg.n_layers)  # expert counters over the measured decode steps only
+    decode = ExpertCounters(cfg.n_layers)  # expert counters over the measured decode steps only
     step = getattr(model, "step", None)
     share = getattr(step, "share", None)
     captures = 0
@@ -224,7 +224,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         # counts, which pick each layer's prompt path for the next pass (routed_fraction); a
         # warm-up that changed a path is run again (the new path compiles on its first use),
         # so the measured passes run as every later pass will
-        before = _Counters.of(experts) if experts is not None else None
+        before = ExpertCounters.of(experts) if experts is not None else None
         again = r == 0 and warmups + 1 < MAX_WARMUPS and _prompt_paths(model.experts) != paths
         share_before = dict(share.timing) if share is not None else None
         captured0 = step.steps["captured"] if step is not None else 0
@@ -240,7 +240,7 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
         t2 = time.perf_counter()
         peak(1)
         if r and before is not None:
-            decode.add(_Counters.of(experts), before)
+            decode.add(ExpertCounters.of(experts), before)
         if r and step is not None:
             captures += step.steps["captured"] - captured0
         if r and share_before is not None:
@@ -299,23 +299,24 @@ def run_bench(engine: Engine, prompt_len: int, gen_len: int, runs: int, seed: in
     return res
 
 
-class _Counters:
+class ExpertCounters:
     def __init__(self, n_layers: int):
         self.hits, self.cpu, self.streamed, self.ahead_used, self.ahead_unused = (
             np.zeros(n_layers, np.int64) for _ in range(5))
         self.bytes_h2d = self.admissions = 0
+        self.cpu_s = 0.0
 
     @classmethod
-    def of(cls, st) -> _Counters:  # noqa: ANN001 - OffloadStats
+    def of(cls, st) -> ExpertCounters:  # noqa: ANN001 - OffloadStats
         st.settle()  # counts kept on the device (device-routed prompt chunks) land here first
         c = cls(len(st.hits))
         c.hits, c.cpu, c.streamed, c.bytes_h2d = (st.hits.copy(), st.cpu.copy(),
                                                   st.streamed.copy(), st.bytes_h2d)
         c.ahead_used, c.ahead_unused = st.ahead_used.copy(), st.ahead_unused.copy()
-        c.admissions = st.admissions
+        c.admissions, c.cpu_s = st.admissions, st.cpu_s
         return c
 
-    def add(self, after: _Counters, before: _Counters) -> None:
+    def add(self, after: ExpertCounters, before: ExpertCounters) -> None:
         self.hits += after.hits - before.hits
         self.cpu += after.cpu - before.cpu
         self.streamed += after.streamed - before.streamed
@@ -323,9 +324,20 @@ class _Counters:
         self.ahead_unused += after.ahead_unused - before.ahead_unused
         self.bytes_h2d += after.bytes_h2d - before.bytes_h2d
         self.admissions += after.admissions - before.admissions
+        self.cpu_s += after.cpu_s - before.cpu_s
+
+    def per_token(self, tokens: int) -> dict:
+        """The experts' work per token: (token, expert) pairs, the share served from cache
+        slots, MB copied to the device, pairs computed by the CPU pool and its milliseconds."""
+        pairs = int(self.hits.sum() + self.cpu.sum() + self.streamed.sum())
+        return {"pairs": pairs / tokens,
+                "hit_rate": float(self.hits.sum() / pairs) if pairs else 0.0,
+                "h2d_mb": self.bytes_h2d / tokens / 1e6,
+                "cpu_pairs": float(self.cpu.sum()) / tokens,
+                "cpu_ms": 1e3 * self.cpu_s / tokens}
 
 
-def _decode_bound(engine: Engine, st: _Counters, ceilings: dict, tokens: int) -> float:
+def _decode_bound(engine: Engine, st: ExpertCounters, ceilings: dict, tokens: int) -> float:
     """Tokens per second at DESIGN.md's bound, from the measured per-layer mix of hits, CPU
     misses and streamed misses (averaged over the measured tokens)."""
     ex = engine.model.experts

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from strata.bench.runner import ExpertCounters
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import StrataError
@@ -73,6 +74,9 @@ class SpecResult:
     accepted: int
     plain_steps: int  # decode steps without a window in the last spec run
     same_until: int  # tokens of the windows' answer equal to plain decode's (gen_len: all)
+    # with experts offloaded, the last run's expert work per decoded token, {"plain": ...,
+    # "windows": ...} (ExpertCounters.per_token): what the windows' union of experts costs
+    traffic: dict | None = None
 
     @property
     def ratio(self) -> float:
@@ -91,34 +95,56 @@ def _sync(engine: Engine) -> None:
         torch.cuda.synchronize(engine.model.device)
 
 
-def _plain(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], float]:
+def _expert_stats(engine: Engine) -> object | None:
+    """The offloaded experts' counters (OffloadStats), None with every expert resident."""
+    return getattr(getattr(engine.model, "experts", None), "stats", None)
+
+
+class _Decode:
+    """One timed decode after an untimed prompt: the seconds from the first decode step to the
+    last token, and (counted=True, experts offloaded) the experts' work per decoded token."""
+
+    def __init__(self, engine: Engine, prompt: list[int], n: int, counted: bool):
+        self.engine, self.prompt, self.n = engine, prompt, n
+        self.stats = _expert_stats(engine) if counted else None
+        self.per_token: dict | None = None
+
+    def start(self) -> list[int]:
+        """A fresh KV cache with the prompt in it -> [the first answer token]."""
+        kv = self.kv = self.engine.model.new_cache(len(self.prompt) + self.n + 1)
+        logits = self.engine.run_prompt(self.prompt, kv)[0]
+        _sync(self.engine)
+        self.before = ExpertCounters.of(self.stats) if self.stats is not None else None
+        self.t0 = time.perf_counter()
+        return [int(torch.argmax(logits))]
+
+    def stop(self) -> float:
+        _sync(self.engine)
+        seconds = time.perf_counter() - self.t0
+        if self.before is not None:
+            c = ExpertCounters(len(self.before.hits))
+            c.add(ExpertCounters.of(self.stats), self.before)
+            self.per_token = c.per_token(self.n - 1)
+        return seconds
+
+
+def _plain(run: _Decode) -> tuple[list[int], float]:
     """n greedy decode steps after the prompt -> (the answer, decode seconds)."""
-    model = engine.model
-    kv = model.new_cache(len(prompt) + n + 1)
-    logits = engine.run_prompt(prompt, kv)[0]
-    _sync(engine)
-    t0 = time.perf_counter()
-    out = [int(torch.argmax(logits))]
-    while len(out) < n:
-        out.append(int(torch.argmax(model.decode(out[-1], kv)[0])))
-    _sync(engine)
-    return out, time.perf_counter() - t0
+    out = run.start()
+    while len(out) < run.n:
+        out.append(int(torch.argmax(run.engine.model.decode(out[-1], run.kv)[0])))
+    return out, run.stop()
 
 
-def _windows(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], float]:
+def _windows(run: _Decode) -> tuple[list[int], float]:
     """The same answer through the engine's SpecDecoder -> (the answer, decode seconds)."""
-    model, spec = engine.model, engine.spec
+    spec, n = run.engine.spec, run.n
     spec.reset(costs=True)  # (each run as a fresh decoder's: not the windows an earlier run paused)
-    kv = model.new_cache(len(prompt) + n + 1)
-    logits = engine.run_prompt(prompt, kv)[0]
-    _sync(engine)
-    t0 = time.perf_counter()
     greedy = SamplingParams(temperature=0.0, max_tokens=n)
-    out = [int(torch.argmax(logits))]
+    out = run.start()
     while len(out) < n:
-        out += spec.step(list(prompt) + out, kv, greedy, None, n - len(out))
-    _sync(engine)
-    return out[:n], time.perf_counter() - t0
+        out += spec.step(list(run.prompt) + out, run.kv, greedy, None, n - len(out))
+    return out[:n], run.stop()
 
 
 def run_spec_bench(engine: Engine, prompt_len: int, gen_len: int, accepts: list[int],
@@ -135,15 +161,16 @@ def run_spec_bench(engine: Engine, prompt_len: int, gen_len: int, accepts: list[
         raise StrataError(f"--accept {bad[0]}: give 0 .. --spec {spec.limit} drafts a window")
     vocab = engine.config.n_vocab
     prompt = np.random.default_rng(seed).integers(0, vocab, prompt_len).tolist()
-    answer, _ = _plain(engine, prompt, gen_len)  # (also the plain path's warm-up)
+    answer, _ = _plain(_Decode(engine, prompt, gen_len, False))  # (also a warm-up)
     out = []
     for accept in accepts:
         spec.drafter = ForcedDrafter(prompt_len, answer, accept, vocab)
         spec.forced = accept
         plain, windows, same = [], [], gen_len
         for r in range(runs + 1):  # (run 0: the warm-up, not counted)
-            got, plain_s = _plain(engine, prompt, gen_len)
-            ours, spec_s = _windows(engine, prompt, gen_len)
+            a, b = (_Decode(engine, prompt, gen_len, r == runs) for _ in range(2))
+            got, plain_s = _plain(a)
+            ours, spec_s = _windows(b)
             if got != answer:
                 raise StrataError(f"bench-spec: plain greedy decode gave another answer on a "
                                   f"later run (from token {_first_diff(got, answer)}): this "
@@ -156,7 +183,8 @@ def run_spec_bench(engine: Engine, prompt_len: int, gen_len: int, accepts: list[
         out.append(SpecResult(spec.limit, accept, prompt_len, gen_len, runs,
                               statistics.median(plain), statistics.median(windows), plain,
                               windows, st.windows, st.drafted, st.accepted, st.plain_steps,
-                              same))
+                              same, a.per_token and {"plain": a.per_token,
+                                                     "windows": b.per_token}))
     spec.forced = None
     return out
 
@@ -175,4 +203,15 @@ def markdown(results: list[SpecResult]) -> str:
              f"{r.ratio:.2f} | "
              + ("yes |" if r.same_until == r.gen_len else f"to token {r.same_until} |")
              for r in results]
-    return "\n".join([head, *lines])
+    out = "\n".join([head, *lines])
+    counted = [r for r in results if r.traffic]
+    if counted:  # the experts' work per decoded token, plain -> through windows
+        out += ("\n\n| --spec | drafts accepted | hit rate | MB copied / token | "
+                "CPU pairs / token | CPU pool ms / token |\n| --- | --- | --- | --- | --- | --- |")
+        for r in counted:
+            p, w = r.traffic["plain"], r.traffic["windows"]
+            out += (f"\n| {r.window} | {r.accept} | {100 * p['hit_rate']:.1f}% -> "
+                    f"{100 * w['hit_rate']:.1f}% | {p['h2d_mb']:.1f} -> {w['h2d_mb']:.1f} | "
+                    f"{p['cpu_pairs']:.1f} -> {w['cpu_pairs']:.1f} | {p['cpu_ms']:.2f} -> "
+                    f"{w['cpu_ms']:.2f} |")
+    return out
