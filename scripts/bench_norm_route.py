@@ -1,6 +1,7 @@
 """Time a decode token's fused residual add, RMS norm, router and top-k (decode_ops.norm_route)
-by the rank comparison's BLOCK_J, for the routers of Qwen3-30B-A3B (128 experts, top 8) and
-Qwen3.5/3.6-MoE (256, top 8), D 2048, against the three launches it replaces (fuse=False).
+by its top-k (the rank comparison at each BLOCK_J, the bitonic top-k), for the routers of
+Qwen3-30B-A3B (128 experts, top 8) and Qwen3.5/3.6-MoE (256, top 8), D 2048, against the three
+launches it replaces (fuse=False) with either top-k.
 
     python scripts/bench_norm_route.py [--json F]
 
@@ -41,22 +42,25 @@ def main() -> None:
     args = ap.parse_args()
     d, k, rows = 2048, 8, []
     blocks = decode_ops._route_blocks
+    decode_ops.NORM_ROUTE_MAX_EXPERTS = 1 << 20  # (fused at every E here: that is the question)
     for e in (128, 256):
-        for bj in (None, 8, 16, 32, 64):
-            if bj is not None and bj > e:
-                continue
-            decode_ops._route_blocks = (blocks if bj is None else
-                                        lambda n, bj=bj: dict(BLOCK_E=blocks(n)["BLOCK_E"],
-                                                              BLOCK_J=bj))
-            us = 1e6 * layer_seconds(e, d, k, True)
-            label = (f"BLOCK_J {blocks(e)['BLOCK_J']} (default)" if bj is None
-                     else f"BLOCK_J {bj}")
-            rows.append(dict(experts=e, variant=label, us=us))
-            print(f"E {e}: fused, {label}: {us:.2f} us")
-        decode_ops._route_blocks = blocks
-        us = 1e6 * layer_seconds(e, d, k, False)
-        rows.append(dict(experts=e, variant="three launches", us=us))
-        print(f"E {e}: three launches: {us:.2f} us")
+        for sort in (False, True):
+            decode_ops.ROUTE_SORT_MIN_EXPERTS = 1 if sort else None
+            pick = "bitonic top-k" if sort else "rank comparison"
+            for bj in ((None,) if sort else (None, 8, 16, 32, 64)):
+                if bj is not None and bj > e:
+                    continue
+                decode_ops._route_blocks = (blocks if bj is None else
+                                            lambda n, bj=bj: blocks(n) | dict(BLOCK_J=bj))
+                us = 1e6 * layer_seconds(e, d, k, True)
+                label = (pick if sort else f"{pick}, BLOCK_J {blocks(e)['BLOCK_J']} (default)"
+                         if bj is None else f"{pick}, BLOCK_J {bj}")
+                rows.append(dict(experts=e, variant=f"fused, {label}", us=us))
+                print(f"E {e}: fused, {label}: {us:.2f} us")
+            decode_ops._route_blocks = blocks
+            us = 1e6 * layer_seconds(e, d, k, False)
+            rows.append(dict(experts=e, variant=f"three launches, {pick}", us=us))
+            print(f"E {e}: three launches, {pick}: {us:.2f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -687,17 +687,21 @@ def sm90(fn, sig: dict, constexprs: dict):  # noqa: ANN001, ANN201
                           target=GPUTarget("cuda", 90, 32)).asm
 
 
-@pytest.mark.parametrize("count, skip", [(True, False), (False, True), (False, False)])
-def test_route_kernel_compiles_for_sm90(count: bool, skip: bool) -> None:
+@pytest.mark.parametrize("count, skip, sort", [(True, False, False), (False, True, False),
+                                               (False, False, False), (True, False, True),
+                                               (False, True, True)])
+def test_route_kernel_compiles_for_sm90(count: bool, skip: bool, sort: bool) -> None:
     """Without a GPU: Triton compiles the routing kernel for sm_90 as the decode step (counting)
-    and the prefetch's guess (skipping experts with a slot) launch it; it reads the logits row
-    once (the rank comparison's two reads of it are one load), with skip the slot table too."""
+    and the prefetch's guess (skipping experts with a slot) launch it, by rank comparison or
+    bitonic top-k (sort, at 256 experts); it reads the logits row once (the rank comparison's
+    two reads of it are one load), with skip the slot table too."""
     sig = {"logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
            "E": "i32", "stride_l": "i32", "K": "constexpr", "NORM": "constexpr",
            "COUNT": "constexpr", "SKIP": "constexpr", "BLOCK_E": "constexpr",
-           "BLOCK_J": "constexpr"}
+           "BLOCK_J": "constexpr", "SORT": "constexpr"}
     asm = sm90(dk._route_kernel, sig, {"K": 8 if count else 2, "NORM": count, "COUNT": count,
-                                        "SKIP": skip, **ops._route_blocks(128)})
+                                        "SKIP": skip, **ops._route_blocks(256 if sort else 128),
+                                        "SORT": sort})
     assert asm["cubin"]
     assert asm["ttir"].count("tt.load") == 1 + skip
     assert ("tt.atomic_rmw" in asm["ttir"]) == count
@@ -708,17 +712,19 @@ def test_route_kernel_compiles_for_sm90(count: bool, skip: bool) -> None:
 def test_norm_route_kernel_compiles_for_sm90(delta: int, count: bool, skip: bool) -> None:
     """The fused residual + norm + router + top-k kernel for sm_90, as the decode step (delta:
     the attention's row, or 8 expert rows; counting) and the prefetch guess (no delta, no h,
-    skip) launch it: the count of finished programs is one atomic add and one exchange (plus
-    the routing counts), and the logits are read back past L1 (.cg)."""
+    skip) launch it (with 8 rows, the bitonic top-k): the count of finished programs is one
+    atomic add and one exchange (plus the routing counts), and the logits are read back past
+    L1 (.cg)."""
     sig = {"x": "*fp32", "delta": "*fp32", "w": "*fp32", "router": "*fp32", "h": "*fp32",
            "logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
            "sync": "*i32", "D": "i32", "E": "i32", "stride_r": "i32", "stride_w": "i32",
            "eps": "fp32"}
     sig.update(dict.fromkeys(["HAS_DELTA", "R", "STORE_H", "K", "NORM", "COUNT", "SKIP", "BN",
-                              "BLOCK_D", "BLOCK_E", "BLOCK_J"], "constexpr"))
+                              "BLOCK_D", "BLOCK_E", "BLOCK_J", "SORT"], "constexpr"))
     asm = sm90(dk._norm_route_kernel, sig, {
         "HAS_DELTA": delta > 0, "R": max(delta, 1), "STORE_H": delta > 0, "K": 8, "NORM": count,
-        "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048, **ops._route_blocks(128)})
+        "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048, **ops._route_blocks(128),
+        "SORT": delta == 8})
     ttir = asm["ttir"]
     assert asm["cubin"]
     assert ttir.count("tt.atomic_rmw") == 2 + count
@@ -976,35 +982,39 @@ _INTERPRETED = """
         ref = layers.attention(qr, kc[:p + t].float(), vc[:p + t].float(), p)
         assert rel(out, ref) < TOL, (dt, rel(out, ref))
 
-    for e, k, norm in ((60, 4, False), (8, 2, True), (128, 8, True), (256, 16, True)):
-        logits = torch.stack([(torch.randperm(e, generator=gen) + 0.5 * torch.rand(
-            e, generator=gen)) * 0.1 for _ in range(3)])  # distinct, with gaps >= 0.05
-        counts = torch.full((e,), 5, dtype=torch.int32)
-        ids, w = ops.route_topk(logits, k, norm, counts=counts)
-        ref_ids, ref_w = layers.route(logits, torch.eye(e), k, norm)
-        assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k)
-        want = 5 + torch.bincount(ref_ids.reshape(-1), minlength=e).int()
-        assert torch.equal(counts, want), (e, k)
-        # skip (a slot table): experts with a slot come back as -1 in their place, into ids
-        skip = torch.where(torch.rand(e, generator=gen) < 0.5, 3, -1).int()
-        got = torch.full((3, k), 7, dtype=torch.int64)
-        ops.route_topk(logits, k, norm, skip=skip, ids=got)
-        assert torch.equal(got, torch.where(skip[ref_ids] >= 0, -1, ref_ids)), (e, k)
-    for e, d in ((128, 2048), (7, 96), (60, 1500)):
-        hh, rw = rnd(1, d), rnd(e, d)
-        assert rel(ops.router_logits(hh, rw), hh @ rw.T) < TOL, (e, d)
-        assert rel(ops.router_logits(hh, rw, sigmoid=True), torch.sigmoid(hh @ rw.T)) < TOL
-    ids, w = ops.route_topk(torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]), 4, False)
-    assert ids.tolist() == [[1, 3, 2, 4]], ids  # ties: the lower id first
-    # NaN logits route as -inf: still K distinct experts
-    ids, w = ops.route_topk(torch.tensor([[nan, 1.0, nan, 0.5, 2.0]]), 4, False)
-    assert ids.tolist() == [[4, 1, 3, 0]], ids
-    # the fused residual step + routing (the kernel: the tensors are on the CPU, interpreted)
-    import os
-    sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "tests"))
-    import test_decode_ops as cases
-    for case in cases.NORM_ROUTE_CASES:
-        cases.test_norm_route("cpu", *case)
+    for sort in (None, 1):  # the rank comparison, then the bitonic top-k (every E)
+        ops.ROUTE_SORT_MIN_EXPERTS = sort
+        for e, k, norm in ((60, 4, False), (8, 2, True), (128, 8, True), (256, 16, True),
+                           (256, 6, True), (7, 7, False)):
+            logits = torch.stack([(torch.randperm(e, generator=gen) + 0.5 * torch.rand(
+                e, generator=gen)) * 0.1 for _ in range(3)])  # distinct, with gaps >= 0.05
+            counts = torch.full((e,), 5, dtype=torch.int32)
+            ids, w = ops.route_topk(logits, k, norm, counts=counts)
+            ref_ids, ref_w = layers.route(logits, torch.eye(e), k, norm)
+            assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k)
+            want = 5 + torch.bincount(ref_ids.reshape(-1), minlength=e).int()
+            assert torch.equal(counts, want), (e, k)
+            # skip (a slot table): experts with a slot come back as -1 in their place, into ids
+            skip = torch.where(torch.rand(e, generator=gen) < 0.5, 3, -1).int()
+            got = torch.full((3, k), 7, dtype=torch.int64)
+            ops.route_topk(logits, k, norm, skip=skip, ids=got)
+            assert torch.equal(got, torch.where(skip[ref_ids] >= 0, -1, ref_ids)), (e, k)
+        for e, d in ((128, 2048), (7, 96), (60, 1500)):
+            hh, rw = rnd(1, d), rnd(e, d)
+            assert rel(ops.router_logits(hh, rw), hh @ rw.T) < TOL, (e, d)
+            assert rel(ops.router_logits(hh, rw, sigmoid=True), torch.sigmoid(hh @ rw.T)) < TOL
+        ids, w = ops.route_topk(torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]), 4, False)
+        assert ids.tolist() == [[1, 3, 2, 4]], ids  # ties: the lower id first
+        # NaN logits route as -inf: still K distinct experts
+        ids, w = ops.route_topk(torch.tensor([[nan, 1.0, nan, 0.5, 2.0]]), 4, False)
+        assert ids.tolist() == [[4, 1, 3, 0]], ids
+        # the fused residual step + routing (the kernel: the tensors are on the CPU, interpreted)
+        import os
+        sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "tests"))
+        import test_decode_ops as cases
+        cases.ops.ROUTE_SORT_MIN_EXPERTS = sort  # (the same module: ops)
+        for case in cases.NORM_ROUTE_CASES:
+            cases.test_norm_route("cpu", *case)
     print("ok")
 """
 

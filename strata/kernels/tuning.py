@@ -224,6 +224,11 @@ GATHER_BLOCK = 4096
 # (Qwen3-30B-A3B), 17.2 against 9.5 at 256 (Qwen3.5/3.6-MoE: the last program's [256, 256] rank
 # comparison, whatever its BLOCK_J of 8-64). bench/2026-12-06-h100-matrix.md
 NORM_ROUTE_MAX_EXPERTS = 128
+# routers of at least this many experts pick their top k by a bitonic top-k (tl.topk over int64
+# keys: value bits above, id below; decode_kernels._route_row_sorted) instead of the [E, E] rank
+# comparison, in route_topk and norm_route; None: never. Off until timed
+# (scripts/bench_norm_route.py times both)
+ROUTE_SORT_MIN_EXPERTS: int | None = None
 
 # ---- decode attention (kernels/gpu/decode_ops.py) -----------------------------------------------
 

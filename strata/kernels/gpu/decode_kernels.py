@@ -408,15 +408,20 @@ def _finite(row, j, jm):
 @triton.jit
 def _route_row(row, out, ids, wts, counts, skip, E, K: tl.constexpr, NORM: tl.constexpr,
                COUNT: tl.constexpr, SKIP: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_J: tl.constexpr):
+               BLOCK_J: tl.constexpr, SORT: tl.constexpr = False):
     """route() of one logits row (at `row`) into ids / wts row `out`: softmax over E, each
     expert's rank = how many beat it (a larger logit, or an equal one with a lower id), and the
     K of rank < K stored at their rank (largest first, ties to the lower id): one [E, E]
     comparison, summed in BLOCK_J columns a step, instead of K rounds of argmax, each two or
-    three reductions long. With SKIP an expert with skip[e] >= 0 is stored as id -1."""
+    three reductions long; SORT: the K largest found by a bitonic top-k instead
+    (`_route_row_sorted`, the same ids). With SKIP an expert with skip[e] >= 0 is stored as id
+    -1."""
     e = tl.arange(0, BLOCK_E)
     em = e < E
     x = _finite(row, e, em)
+    if SORT:
+        _route_row_sorted(x, e, out, ids, wts, counts, skip, K, NORM, COUNT, SKIP, BLOCK_E)
+        return
     rank = tl.zeros((BLOCK_E,), tl.int32)
     for j0 in tl.static_range(0, BLOCK_E, BLOCK_J):
         # [BLOCK_J, BLOCK_E], summed over j: Triton lays the last dim across the threads, so
@@ -442,13 +447,45 @@ def _route_row(row, out, ids, wts, counts, skip, E, K: tl.constexpr, NORM: tl.co
 
 
 @triton.jit
+def _route_row_sorted(x, e, out, ids, wts, counts, skip, K: tl.constexpr, NORM: tl.constexpr,
+                      COUNT: tl.constexpr, SKIP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_route_row's stores from a bitonic top-k (tl.topk, log2(E) merge rounds on the row)
+    in place of its [E, E] rank comparison: each logit becomes an int64 key, its float32 bits
+    in an order-keeping form (a negative one's low 31 bits flipped; -0.0 as +0.0) above and
+    BLOCK_E - 1 - e below, so the larger key is the larger logit, ties to the lower id; the
+    top KP (K to a power of two) keys come largest first, and the first K are stored at their
+    rank. x [BLOCK_E]: the row, -inf past E (_finite)."""
+    KP: tl.constexpr = triton.next_power_of_2(K)
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    top = tl.topk(key, KP)  # [KP], largest first
+    r = tl.arange(0, KP)
+    sel = r < K
+    tid = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+    tb = (top >> 32).to(tl.int32)
+    v = tl.where(tb < 0, tb ^ 0x7FFFFFFF, tb).to(tl.float32, bitcast=True)
+    m = tl.max(x, axis=0)
+    p = tl.exp(v - m) / tl.sum(tl.exp(x - m), axis=0)
+    if NORM:
+        p = p / tl.sum(tl.where(sel, p, 0.0), axis=0)
+    out_i = tid
+    if SKIP:
+        out_i = tl.where(tl.load(skip + tid, mask=sel, other=-1) >= 0, -1, tid)
+    tl.store(ids + out * K + r, out_i.to(tl.int64), mask=sel)
+    tl.store(wts + out * K + r, p, mask=sel)
+    if COUNT:
+        tl.atomic_add(counts + tid, tl.full((KP,), 1, tl.int32), mask=sel)
+
+
+@triton.jit
 def _route_kernel(logits, ids, wts, counts, skip, E, stride_l, K: tl.constexpr,
                   NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, SORT: tl.constexpr = False):
     # one program per token row
     t = tl.program_id(0).to(tl.int64)
     _route_row(logits + t * stride_l, t, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP,
-               BLOCK_E, BLOCK_J)
+               BLOCK_E, BLOCK_J, SORT)
 
 
 @triton.jit
@@ -456,7 +493,8 @@ def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, s
                        stride_r, stride_w, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
                        STORE_H: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                        COUNT: tl.constexpr, SKIP: tl.constexpr, BN: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+                       BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
+                       SORT: tl.constexpr = False):
     # every program: v = x [+ Σ delta], y = rms_norm(v) * w (the row recomputed from L2 in each),
     # logits[n] = router[n] · y for its BN rows; the last program to finish (an atomic count)
     # stores v into x (only then: the others read x) and y into h, routes the logits row and
@@ -476,7 +514,7 @@ def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, s
         if STORE_H:
             tl.store(h + d, y, mask=dm)
         _route_row(logits, 0, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP, BLOCK_E,
-                   BLOCK_J)
+                   BLOCK_J, SORT)
         tl.atomic_xchg(sync, 0)
 
 

@@ -93,6 +93,7 @@ from strata.kernels.tuning import (
     ATTN_VARIANT,
     NORM_ROUTE_MAX_EXPERTS,
     PAGED_TARGET_CTAS,
+    ROUTE_SORT_MIN_EXPERTS,
 )
 from strata.runtime.kv_cache import dequantize_q8_0, quantize_q8_0
 
@@ -743,9 +744,12 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, sigmoid: bool = False) 
 
 
 def _route_blocks(e: int) -> dict:
-    """BLOCK_E and BLOCK_J of the rank comparison: [BLOCK_E, BLOCK_J] a step, at most 16K."""
+    """BLOCK_E and BLOCK_J of the rank comparison ([BLOCK_E, BLOCK_J] a step, at most 16K), and
+    SORT: a bitonic top-k in its place (tuning.ROUTE_SORT_MIN_EXPERTS)."""
     block_e = _pow2(e)
-    return dict(BLOCK_E=block_e, BLOCK_J=max(1, min(block_e, 16384 // block_e)))
+    least = ROUTE_SORT_MIN_EXPERTS
+    return dict(BLOCK_E=block_e, BLOCK_J=max(1, min(block_e, 16384 // block_e)),
+                SORT=least is not None and e >= least)
 
 
 def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
