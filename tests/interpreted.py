@@ -40,6 +40,29 @@ _PRELUDE = textwrap.dedent("""
         import dataclasses
         interpreter.interpreter_builder.options = dataclasses.replace(
             interpreter.interpreter_builder.options, sanitize_overflow=False)
+
+    # Each call of a @triton.jit helper inside a kernel patches triton.language again (every
+    # builtin rewrapped, never restored: the launch's own patch is what ends it), ~20% of a
+    # kernel test's time: a helper whose language modules the launch has patched skips it.
+    import inspect
+    import triton.language as tl
+    _patch_lang, _live = interpreter._patch_lang, {"langs": None}
+    def _patch_lang_once(fn):
+        langs = {v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        live = _live["langs"]
+        if live is not None and langs <= live:
+            return interpreter._LangPatchScope()  # (nothing to patch, nothing to restore)
+        scope = _patch_lang(fn)
+        if live is None:  # a launch: its scope is restored when it ends
+            _live["langs"], restore = set(langs), scope.restore
+            def restore_and_forget():
+                restore()
+                _live["langs"] = None
+            scope.restore = restore_and_forget
+        else:
+            live |= langs
+        return scope
+    interpreter._patch_lang = _patch_lang_once
     seed = int(sys.argv[1])
 """)
 
