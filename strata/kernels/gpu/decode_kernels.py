@@ -433,17 +433,25 @@ def _route_row(row, out, ids, wts, counts, skip, E, K: tl.constexpr, NORM: tl.co
         beats = (xj > x[None, :]) | ((xj == x[None, :]) & (j[:, None] < e[None, :]))
         rank += tl.sum((beats & (j < E)[:, None]).to(tl.int32), axis=0)
     ex = tl.exp(x - tl.max(x, axis=0))
-    p = ex / tl.sum(ex, axis=0)
-    sel = em & (rank < K)
+    _store_route(ex / tl.sum(ex, axis=0), e, rank, em & (rank < K), out, ids, wts, counts, skip,
+                 K, NORM, COUNT, SKIP)
+
+
+@triton.jit
+def _store_route(p, expert, at, sel, out, ids, wts, counts, skip, K: tl.constexpr,
+                 NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr):
+    """The routed experts of one row into ids / wts row `out`: where sel, expert[i] with its
+    probability p[i] at position at[i] (its rank), p renormalized over sel with NORM; with SKIP
+    an expert with skip[e] >= 0 stored as id -1; with COUNT each counted once in counts."""
     if NORM:
         p = p / tl.sum(tl.where(sel, p, 0.0), axis=0)
-    out_i = e
+    out_i = expert
     if SKIP:
-        out_i = tl.where(tl.load(skip + e, mask=sel, other=-1) >= 0, -1, e)
-    tl.store(ids + out * K + rank, out_i.to(tl.int64), mask=sel)
-    tl.store(wts + out * K + rank, p, mask=sel)
+        out_i = tl.where(tl.load(skip + expert, mask=sel, other=-1) >= 0, -1, expert)
+    tl.store(ids + out * K + at, out_i.to(tl.int64), mask=sel)
+    tl.store(wts + out * K + at, p, mask=sel)
     if COUNT:
-        tl.atomic_add(counts + e, tl.full((BLOCK_E,), 1, tl.int32), mask=sel)
+        tl.atomic_add(counts + expert, sel.to(tl.int32), mask=sel)
 
 
 @triton.jit
@@ -461,21 +469,12 @@ def _route_row_sorted(x, e, out, ids, wts, counts, skip, K: tl.constexpr, NORM: 
     key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
     top = tl.topk(key, KP)  # [KP], largest first
     r = tl.arange(0, KP)
-    sel = r < K
     tid = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
     tb = (top >> 32).to(tl.int32)
     v = tl.where(tb < 0, tb ^ 0x7FFFFFFF, tb).to(tl.float32, bitcast=True)
     m = tl.max(x, axis=0)
-    p = tl.exp(v - m) / tl.sum(tl.exp(x - m), axis=0)
-    if NORM:
-        p = p / tl.sum(tl.where(sel, p, 0.0), axis=0)
-    out_i = tid
-    if SKIP:
-        out_i = tl.where(tl.load(skip + tid, mask=sel, other=-1) >= 0, -1, tid)
-    tl.store(ids + out * K + r, out_i.to(tl.int64), mask=sel)
-    tl.store(wts + out * K + r, p, mask=sel)
-    if COUNT:
-        tl.atomic_add(counts + tid, tl.full((KP,), 1, tl.int32), mask=sel)
+    _store_route(tl.exp(v - m) / tl.sum(tl.exp(x - m), axis=0), tid, r, r < K, out, ids, wts,
+                 counts, skip, K, NORM, COUNT, SKIP)
 
 
 @triton.jit
