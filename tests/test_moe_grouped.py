@@ -312,6 +312,26 @@ def test_experts_forward_grouped_matches_run_records(scratch_bytes: int, device:
     assert err < tol_for(device), f"{device} seed={seed}: rel err {err:.2e}"
 
 
+@pytest.mark.cuda
+def test_accumulating_index_put_adds_as_one_index_add_per_expert() -> None:
+    """experts_forward_grouped adds a call's rows (grouped by expert, each token at most once per
+    expert) with one accumulating index_put_: on CUDA it must give the per-expert index_add_
+    loop's sums bit for bit (each token's rows added in row order), at a bank's shape."""
+    rng, seed = fresh_rng()
+    t, d, e = 300, 2048, 40
+    counts = [int(c) for c in rng.integers(0, 60, e)]
+    tokens = torch.cat([torch.from_numpy(rng.permutation(t)[:c]) for c in counts]).cuda()
+    y = torch.randn(tokens.shape[0], d, device="cuda")
+    base = torch.randn(t, d, device="cuda")
+    loop, once = base.clone(), base.clone()
+    r = 0
+    for c in counts:
+        loop.index_add_(0, tokens[r:r + c], y[r:r + c])
+        r += c
+    once.index_put_((tokens,), y, accumulate=True)
+    assert torch.equal(once, loop), f"seed={seed}: {(once - loop).abs().max().item():.3e}"
+
+
 class _Arena:
     """What Ring.stream reads of an Arena: the layouts and one record per expert."""
 

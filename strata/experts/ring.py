@@ -453,7 +453,7 @@ class Ring:
         tokens, weights, slots, ends, eid = rows
         n, r1 = len(groups), r + sum(counts)
         bias, act = self._layer_bias(lay)
-        # no tokens_host: one index_add_ per expert, no copy to the device inside the call
+        # no tokens_host: one accumulating index_put_, no copy to the device inside the call
         experts_forward_grouped(h, tokens[r:r1], weights[r:r1], counts, slots[s:s + n], gate,
                                 up, down, lay.qtypes, lay.d_model, lay.d_expert, out,
                                 offs=ends[s:s + n], bias=bias, eid=eid[r:r1], act=act)

@@ -51,8 +51,8 @@ On the CPU (and under Triton's interpreter) the same code runs in float32 (`comp
 torch._grouped_mm has CPU kernels for float32 and bf16.
 
 `experts_forward_grouped` is the same computation for groups known on the host (the streaming
-ring, strata/experts/ring.py): no sorting, and out gets one index_add_ per expert (each token
-once per expert, so the sums are deterministic).
+ring, strata/experts/ring.py): no sorting; out gets the rows through one accumulating
+index_put_ (each token's rows added in row order, so the sums are deterministic).
 """
 
 from __future__ import annotations
@@ -454,7 +454,7 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
     (int64 [R]) and weights (float32 [R]), both on x's device; slots int32 [n]. x [T, D]
     bf16/f32, out float32 [T, D]. A token appears at most once per expert. tokens_host: the
     same tokens on the host (CPU tensors are their own): the sums then go in a few rounds of
-    distinct tokens (`token_rounds`) instead of one index_add_ per expert (the same sums, in
+    distinct tokens (`token_rounds`) instead of one accumulating index_put_ (the same sums, in
     the same order per token). offs: the cumulative counts (int32 [n], on x's device), sent
     by the caller; with it and no tokens_host the call copies nothing to the device (a small
     copy here would queue behind any large host-to-device copy issued before it, on another
@@ -496,10 +496,10 @@ def experts_forward_grouped(x: torch.Tensor, tokens: torch.Tensor, weights: torc
         y = y.to(out.dtype)
         host = tokens_host if tokens.device.type != "cpu" else tokens
         if host is None:
-            for j in range(j0, j1):  # one index_add_ per expert: each token once
-                if counts[j]:
-                    a, b = starts[j] - r0, starts[j + 1] - r0
-                    out.index_add_(0, tokens[starts[j]:starts[j + 1]], y[a:b])
+            # index_put_ with accumulate sorts the rows by token (stably) and adds each token's
+            # rows in row order: the sums of one index_add_ per expert, bit for bit, in a few
+            # launches instead of one per expert (tests/test_moe_grouped.py compares them)
+            out.index_put_((tokens[r0:r1],), y, accumulate=True)
             continue
         tok = host[r0:r1].numpy()
         for sel in token_rounds(tok):  # distinct tokens in each round: no two adds meet
