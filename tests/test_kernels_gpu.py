@@ -669,7 +669,9 @@ def test_shared_expert_as_one_expert_under_the_interpreter() -> None:
     """A decode token's shared expert through the MoE decode kernels (SharedExpert._as_expert:
     expert 0 of a one-expert layer, its sigmoid gate as the routing weight) against the torch
     form of the same weights: gated (qwen35moe) and not (glm4moe), gate, up and down of three
-    types; matrices not all in fused types are left to the torch form."""
+    types; matrices not all in fused types are left to the torch form; with tuning.SHARED_X8,
+    Q4_K matrices on the 8-bit-activation kernels (within their rounding, and not the float32
+    path's result: the switch takes)."""
     _, seed = fresh_rng()
     run_interpreted_side_by_side([_INTERPRETED_HEAD + """
     from types import SimpleNamespace
@@ -693,6 +695,25 @@ def test_shared_expert_as_one_expert_under_the_interpreter() -> None:
         assert out.shape == (1, d) and rel(out, ref) < 2e-5, rel(out, ref)
     lw.shared_w3 = g3  # a float matrix: the torch form
     assert SharedExpert(lw)._one_token(torch.device("cpu")) is None
+    # tuning.SHARED_X8 with weights loaded for the 8-bit kernels: x and h rounded to 8 bits
+    from strata.kernels import tuning
+    tuning.SHARED_X8 = True
+    u1, u3, u2 = rows(QType.Q4_K, s, d), rows(QType.Q4_K, s, d), rows(QType.Q4_K, d, s)
+    gu1, gu3, gu2 = (dequantize(w, QType.Q4_K, d) for w in (u1, u3, u2))
+    lw = SimpleNamespace(shared_w1=QuantTensor(u1, QType.Q4_K, d, x8=True),
+                         shared_w3=QuantTensor(u3, QType.Q4_K, d, x8=True),
+                         shared_w2=QuantTensor(u2, QType.Q4_K, s, x8=True),
+                         shared_gate=0.1 * torch.randn(d))
+    h = torch.randn(1, d)
+    ref = torch.sigmoid(h @ lw.shared_gate[:, None]) * (
+        (torch.nn.functional.silu(h @ gu1.T) * (h @ gu3.T)) @ gu2.T)
+    se = SharedExpert(lw)
+    assert se._one_token(torch.device("cpu")) is not None
+    x8 = se._as_expert(h)
+    tuning.SHARED_X8 = False
+    exact = se._as_expert(h)
+    # 8-bit x and h: llama.cpp's bound on its CUDA path; float32 activations: the product's
+    assert 1e-6 < rel(x8, ref) < 3e-2 and rel(exact, ref) < 2e-5, (rel(x8, ref), rel(exact, ref))
     print("ok")
     """], seed, timeout=300)
 

@@ -229,6 +229,11 @@ NORM_ROUTE_MAX_EXPERTS = 128
 # comparison, in route_topk and norm_route; None: never. Off until timed
 # (scripts/bench_norm_route.py times both)
 ROUTE_SORT_MIN_EXPERTS: int | None = None
+# a decode token's shared expert (qwen2moe / qwen35moe / glm4moe / deepseek2; SharedExpert in
+# model/parts/ffn.py) on the 8-bit-activation kernels where the weights are loaded for them
+# (--kernels fused): Qwen3.6's profile put its float32 FMA gate/up at 6.1 us and its down at 3.1
+# us a layer (bench/2026-12-07-h200-group.md), one pair on the per-pair grid. False until timed
+SHARED_X8 = False
 
 # ---- decode attention (kernels/gpu/decode_ops.py) -----------------------------------------------
 

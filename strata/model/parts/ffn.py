@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from strata.config import ModelConfig
+from strata.kernels import tuning
 from strata.model.layers import rms_norm, route
 from strata.model.parts.context import Context, decode_ops
 from strata.model.parts.gating import biased_weights, route_biased
@@ -49,7 +50,8 @@ class SharedExpert:
     activations), its gate (a sigmoid in the rows-dot launch) as the pair's routing weight: three
     launches for the gate, gate/up/silu and down with the gate's product, where the GEMVs and
     torch ops took seven (Qwen3.6's profile: 160 torch launches a step,
-    bench/2026-12-06-h100-glue.md)."""
+    bench/2026-12-06-h100-glue.md). With tuning.SHARED_X8 and weights loaded for the 8-bit
+    kernels (--kernels fused) x and h are rounded to 8 bits for them, as the routed experts'."""
 
     def __init__(self, lw: LayerWeights):
         self.lw = lw
@@ -97,7 +99,8 @@ class SharedExpert:
             h, lw.shared_gate[None], sigmoid=True)  # [1, 1]
         return moe_forward(h.contiguous(), ids, wts, slot_of, w1.raw[None], w3.raw[None],
                            w2.raw[None], (w1.qtype, w3.qtype, w2.qtype), h.shape[1],
-                           w1.raw.shape[0], sum_pairs=False).reshape(1, -1)
+                           w1.raw.shape[0], sum_pairs=False,
+                           x8=tuning.SHARED_X8 and w1.x8).reshape(1, -1)
 
 
 class RoutedExperts:
