@@ -138,6 +138,15 @@ def test_add_rms_norm_sums_rows_of_delta(device: str, t: int, r: int) -> None:
     assert max_rel(h, ref) < TOL, f"seed={seed}: rel err {max_rel(h, ref):.2e}"
     with pytest.raises(ValueError, match="delta"):
         ops.add_rms_norm(x, rows[:, :, : d - 1], w, EPS)
+    # a shared expert's row beside the rows (norm.SharedRows): added after them, bit for bit as
+    # the rows joined with it as row R + 1
+    extra = randn(gen, t, d, device=device)
+    y, z = want_x - total, want_x - total
+    h = ops.add_rms_norm(y, rows, w, EPS, extra=extra)
+    h2 = ops.add_rms_norm(z, torch.cat([rows, extra[:, None]], 1), w, EPS)
+    assert same_bits(y, z) and same_bits(h, h2), f"seed={seed}: extra not as row R + 1"
+    with pytest.raises(ValueError, match="extra"):
+        ops.add_rms_norm(y, rows, w, EPS, extra=extra[:, : d - 1])
 
 
 # ---- q/k norm + RoPE + cache store -------------------------------------------------------------
@@ -923,6 +932,12 @@ _INTERPRETED = """
         y = x.clone()
         h = ops.add_rms_norm(y, rows, w, EPS, out=out)
         assert torch.equal(y, x + total) and rel(h, layers.rms_norm(x + total, w, EPS)) < TOL
+        # a shared expert's row beside them: as if it were row 6 (the copy joining them saved)
+        extra = rnd(t, d)
+        y, z = x.clone(), x.clone()
+        h = ops.add_rms_norm(y, rows, w, EPS, out=out, extra=extra)
+        h2 = ops.add_rms_norm(z, torch.cat([rows, extra[:, None]], 1), w, EPS)
+        assert torch.equal(y, z) and torch.equal(h, h2) and torch.equal(y, x + (total + extra))
 
     cap = 300
     for h, hkv, hd, rope_dim, style, norm, t in ((4, 2, 64, 64, "neox", True, 3),

@@ -16,7 +16,7 @@ from strata.model.layers import rope_tables
 from strata.model.parts import Head, Layer, Segment, Segments, StaticStep, layer_spec
 from strata.model.parts.attention import GQAAttention
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
-from strata.model.parts.norm import add_norm
+from strata.model.parts.norm import SharedRows, add_norm
 from strata.model.weights import ExpertWeights, LayerWeights, QuantTensor
 from strata.quant import QType
 from strata.runtime.kv_cache import KVCache
@@ -144,13 +144,18 @@ def segments(kv: KVCache, n: int, cfg: ModelConfig = CFG) -> Segments:
     return Segments([Segment(kv, n)], cos, sin, ReferenceExperts())
 
 
-def static_step(kv: KVCache, cfg: ModelConfig = CFG) -> StaticStep:
+def static_step(kv: KVCache, cfg: ModelConfig = CFG, unsummed: bool = False) -> StaticStep:
+    """unsummed: the experts hand back each pair's row, [T, K, D], where the layer does not ask
+    for the sum (as moe_forward's decode kernels do on CUDA)."""
     from strata.kernels.gpu import decode_ops as ops
 
     ex = ReferenceExperts()
     lw_of = {}
 
     def experts(layer, h, ids, wts, sum_pairs):  # noqa: ANN001, ANN202
+        if unsummed and not sum_pairs:
+            return torch.stack([ex.run(layer, lw_of[layer].experts, h, ids[:, k:k + 1],
+                                       wts[:, k:k + 1]) for k in range(ids.shape[1])], 1)
         return ex.run(layer, lw_of[layer].experts, h, ids, wts)
 
     ctx = StaticStep(kv, torch.tensor([kv.length]), torch.tensor([kv.length + 1]),
@@ -253,6 +258,39 @@ def test_add_norm_in_both_contexts():
         assert torch.equal(x1, x + delta)
 
 
+def test_shared_rows_add_as_one_more_row():
+    """A static step's K routed rows unsummed with the shared expert's row beside them
+    (norm.SharedRows): every residual step adds them bit for bit as the rows joined into K + 1
+    would be (the fused step's order), the head with all rows or picked ones, and strata
+    check's token_rows reads them so."""
+    from strata.cli.check import token_rows
+    from strata.model.parts.norm import SharedRows
+
+    gen = torch.Generator().manual_seed(7)
+    x, rows, shared, w = rand(gen, 1, D), rand(gen, 1, 3, D), rand(gen, 1, D), 1 + rand(gen, D)
+    joined = torch.cat([rows, shared[:, None]], 1)
+    kv = KVCache(1, HKV, HD, torch.device("cpu"), 4)
+    for ctx in (segments(kv, 1), static_step(kv)):
+        x1, x2 = x.clone(), x.clone()
+        h1 = add_norm(x1, SharedRows(rows, shared), w, EPS, ctx)
+        h2 = add_norm(x2, joined if ctx.static else joined.sum(1), w, EPS, ctx)
+        assert torch.equal(x1, x2) if ctx.static else close(x1, x2)
+        assert close(h1, h2)
+    assert torch.equal(x + SharedRows(rows, shared).total(),
+                       x + (rows[:, 0] + rows[:, 1] + rows[:, 2] + shared))
+    assert (token_rows(SharedRows(rows, shared)) == token_rows(joined)).all()
+    head = Head(1 + rand(gen, D), rand(gen, 7, D), EPS)
+    xs, rs, ss = rand(gen, 3, D), rand(gen, 3, 2, D), rand(gen, 3, D)
+    total = rs[:, 0] + rs[:, 1] + ss
+    want = ref_norm(xs + total, head.norm) @ head.weight.T
+    for ctx in (segments(kv, 3), static_step(kv)):
+        assert close(head.forward(xs.clone(), SharedRows(rs, ss), ctx), want)
+        assert close(head.forward(xs.clone(), SharedRows(rs, ss), ctx, rows=torch.tensor([1])),
+                     want[1:2])
+    picked = SharedRows(rs, ss).index_select(0, torch.tensor([2, 0]))
+    assert torch.equal(picked.total(), total[[2, 0]])
+
+
 def test_a_layer_gives_the_same_token_in_both_contexts():
     """One layer (mixer, routed experts, shared expert) over a 4-token prompt, then a token
     through Layer.forward with segments and through begin / finish in a static step: the same
@@ -263,20 +301,24 @@ def test_a_layer_gives_the_same_token_in_both_contexts():
     assert isinstance(layer.ffn, RoutedExperts) and layer.ffn.shared is not None
     tokens = rand(gen, 5, D)
     outs = []
-    for static in (False, True):
+    for static in (False, True, "unsummed"):
         kv = KVCache(1, HKV, HD, torch.device("cpu"), 8)
         layer.forward(tokens[:4].clone(), None, segments(kv, 4))
         kv.advance(4)
         x = tokens[4:].clone()
         if static:
-            ctx = static_step(kv)
+            ctx = static_step(kv, unsummed=static == "unsummed")
             ctx.lw_of[0] = lw
             r = layer.begin(x, None, ctx)
             assert isinstance(r, Routing)
-            outs.append((layer.finish(r, ctx), x))
+            out = layer.finish(r, ctx)
+            # the experts' K rows unsummed: the shared expert's row rides beside them
+            assert isinstance(out, SharedRows) == (static == "unsummed")
+            outs.append((out.total() if isinstance(out, SharedRows) else out, x))
         else:
             outs.append((layer.forward(x, None, segments(kv, 1)), x))
-    assert close(outs[0][0], outs[1][0]) and close(outs[0][1], outs[1][1])
+    for out, x in outs[1:]:
+        assert close(outs[0][0], out) and close(outs[0][1], x)
     head = Head(1 + rand(gen, D), rand(gen, 7, D), EPS)
     x, delta = rand(gen, 3, D), rand(gen, 3, D)
     kv = KVCache(1, HKV, HD, torch.device("cpu"), 4)

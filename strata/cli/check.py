@@ -35,6 +35,7 @@ from strata.config import EngineConfig
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 from strata.kernels.torch_ops import sum_rows
+from strata.model.parts.norm import SharedRows
 from strata.model.parts.routing import RoutingPin, RoutingTrace, attach
 from strata.model.parts.spec import layer_spec
 
@@ -129,10 +130,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def token_rows(delta: torch.Tensor) -> np.ndarray:
+def token_rows(delta: torch.Tensor | SharedRows) -> np.ndarray:
     """A layer's output as the next residual step adds it -> float32 [T, D] on the host. A
     decode step on CUDA's fused expert kernels hands on the K pairs' rows unsummed, [T, K, D]
-    (moe_forward's sum_pairs=False): summed here in the order add_rms_norm adds them."""
+    (moe_forward's sum_pairs=False), with a shared expert's row beside them (SharedRows):
+    summed here in the order add_rms_norm adds them."""
+    if isinstance(delta, SharedRows):
+        return delta.total().float().cpu().numpy().copy()
     return sum_rows(delta.float()).cpu().numpy().copy()
 
 

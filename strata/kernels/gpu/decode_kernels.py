@@ -13,9 +13,10 @@ _NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr):
-    """(v, y) for one row: v = x [+ Σ_r delta_r, the rows added to each other in order first],
-    y = v * rsqrt(mean(v^2) + eps) * w (pointers at the row's first element)."""
+def _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
+              extra=None, HAS_EXTRA: tl.constexpr = False):
+    """(v, y) for one row: v = x [+ Σ_r delta_r (+ extra), the rows added to each other in order
+    first], y = v * rsqrt(mean(v^2) + eps) * w (pointers at the row's first element)."""
     # the weight first: loaded after the sum it would cost a second memory latency behind the
     # reduction's barriers (the compiler keeps the order written)
     wv = tl.load(w + d, mask=dm, other=0.0)
@@ -24,19 +25,23 @@ def _norm_row(x, delta, w, d, dm, stride_r, D, eps, HAS_DELTA: tl.constexpr, R: 
         s = tl.load(delta + d, mask=dm, other=0.0)
         for r in tl.static_range(1, R):
             s = s + tl.load(delta + r * stride_r + d, mask=dm, other=0.0)
+        if HAS_EXTRA:  # (a row R + 1 kept apart: the shared expert's)
+            s = s + tl.load(extra + d, mask=dm, other=0.0)
         v = v + s
     return v, v * tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps) * wv
 
 
 @triton.jit
-def _rms_norm_kernel(x, delta, w, out, D, stride_x, stride_d, stride_r, stride_o, eps,
-                     HAS_DELTA: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
-    # [x[t] += Σ_r delta[t, r]]; out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
+def _rms_norm_kernel(x, delta, w, out, extra, D, stride_x, stride_d, stride_r, stride_o,
+                     stride_e, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr = False):
+    # [x[t] += Σ_r delta[t, r] (+ extra[t])]; out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     dm = d < D
     xr = x + t * stride_x
-    v, y = _norm_row(xr, delta + t * stride_d, w, d, dm, stride_r, D, eps, HAS_DELTA, R)
+    v, y = _norm_row(xr, delta + t * stride_d, w, d, dm, stride_r, D, eps, HAS_DELTA, R,
+                     extra + t * stride_e, HAS_EXTRA)
     if HAS_DELTA:
         tl.store(xr + d, v, mask=dm)
     tl.store(out + t * stride_o + d, y, mask=dm)

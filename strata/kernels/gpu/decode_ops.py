@@ -183,15 +183,17 @@ def _device_int(t: torch.Tensor, name: str, device: torch.device) -> None:
 
 
 def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, extra: torch.Tensor | None = None) -> None:
     t, d = x.shape
     block = _pow2(d)
     warps = min(16, max(1, block // 512))
     rows = 1 if delta is None or delta.dim() == 2 else delta.shape[1]
     _kernels()._rms_norm_kernel[(t,)](
-        x, x if delta is None else delta, weight, out, d, x.stride(0),
-        0 if delta is None else delta.stride(0), delta.stride(1) if rows > 1 else 0,
-        out.stride(0), eps, HAS_DELTA=delta is not None, R=rows, BLOCK=block, num_warps=warps)
+        x, x if delta is None else delta, weight, out, x if extra is None else extra, d,
+        x.stride(0), 0 if delta is None else delta.stride(0),
+        delta.stride(1) if rows > 1 else 0, out.stride(0),
+        0 if extra is None else extra.stride(0), eps, HAS_DELTA=delta is not None, R=rows,
+        BLOCK=block, HAS_EXTRA=extra is not None, num_warps=warps)
 
 
 def _norm_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -232,19 +234,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None,
+                 extra: torch.Tensor | None = None) -> torch.Tensor:
     """The residual step: x += delta in place, then returns rms_norm(x, weight, eps).
     x [T, D] f32 (rows contiguous), weight [D] f32 -> [T, D] f32. One launch. delta: [T, D]
     f32, or [T, R, D] (rows of D contiguous; a token's K expert outputs, moe_forward's
-    sum_pairs=False) whose R rows are added to each other in order, then to x."""
+    sum_pairs=False) whose R rows are added to each other in order, then to x. extra: [T, D]
+    f32 (rows contiguous; the shared expert's row), added after delta's rows, before x: the
+    sum of delta with extra as its row R + 1, without the copy that would join them."""
     out = _norm_args(x, weight, out)
     _delta_args(x, delta)
+    if extra is not None:
+        _f32(extra, "extra", tuple(x.shape))
+        _check(extra.stride(-1) == 1 and extra.device == x.device,
+               "extra's rows must be contiguous, on x's device")
     if x.shape[0] == 0:
         return out
     if _use_kernels(x):
-        _norm_launch(x, delta, weight, eps, out)
+        _norm_launch(x, delta, weight, eps, out, extra)
     else:
-        x.add_(layers.sum_rows(delta))  # (the pairs in the kernel's order)
+        s = layers.sum_rows(delta)  # (the pairs in the kernel's order)
+        x.add_(s if extra is None else s + extra)
         out.copy_(layers.rms_norm(x, weight, eps))
     return out
 

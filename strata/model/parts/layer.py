@@ -27,7 +27,7 @@ from strata.model.parts.context import Context
 from strata.model.parts.delta_net import GatedDeltaNet
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
 from strata.model.parts.mla import MLAttention
-from strata.model.parts.norm import add_norm
+from strata.model.parts.norm import Delta, SharedRows, add_norm
 from strata.model.parts.sink_attention import SinkAttention
 from strata.model.parts.spec import layer_spec
 from strata.model.weights import LayerWeights, Weight, linear
@@ -49,17 +49,17 @@ class Layer:
         return cls(index, MIXERS[spec.mixer](cfg, lw, index), FFNS[spec.ffn](cfg, lw, index),
                    lw.attn_norm, cfg.rms_eps)
 
-    def begin(self, x: torch.Tensor, delta: torch.Tensor | None, ctx: Context) -> Routing:
+    def begin(self, x: torch.Tensor, delta: Delta | None, ctx: Context) -> Routing:
         """x [T, D] (the residual, updated in place) += delta; the mixer; the feed-forward's
         input and routing."""
         h = add_norm(x, delta, self.attn_norm, self.eps, ctx)
         return self.ffn.begin(x, self.mixer.forward(h, ctx), ctx)
 
-    def finish(self, r: Routing, ctx: Context) -> torch.Tensor:
+    def finish(self, r: Routing, ctx: Context) -> Delta:
         """The feed-forward's output: the next residual step's delta."""
         return self.ffn.finish(r, ctx)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, ctx: Context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: Delta | None, ctx: Context) -> Delta:
         return self.finish(self.begin(x, delta, ctx), ctx)
 
 
@@ -69,12 +69,12 @@ class Head:
     def __init__(self, norm: torch.Tensor, weight: Weight, eps: float):
         self.norm, self.weight, self.eps = norm, weight, eps
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, ctx: Context,
+    def forward(self, x: torch.Tensor, delta: Delta | None, ctx: Context,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] += delta -> logits [T, V] float32; rows: only these positions' ([R, V])."""
         if rows is not None:
             if delta is not None:
-                x.add_(delta)
+                x.add_(delta.total() if isinstance(delta, SharedRows) else delta)
                 delta = None
             x = x[rows]
         return linear(add_norm(x, delta, self.norm, self.eps, ctx), self.weight)
