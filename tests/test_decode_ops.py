@@ -685,6 +685,17 @@ def test_norm_route(device: str, d: int, e: int, k: int, norm: bool, rows: int) 
         check_route(ids.cpu() if rows else ref_ids, wts.cpu(), ref_ids, ref_w, msg)
         want = 2 + (call + 1) * torch.bincount(ref_ids.reshape(-1), minlength=e).int()
         assert torch.equal(counts.cpu(), want), f"{msg}: routed pairs counted per expert"
+    # a shared expert's gate row after the router's (one GEMV for both): the same routing, the
+    # gate's sigmoid written beside it, the fused kernel's row E + 1 and the three ops' alike
+    g = randn(gen, 1, d, device=device, std=0.05)
+    y, gate = x.clone(), torch.full((1, 1), NAN, device=device)
+    h, ids, wts = ops.norm_route(y, delta, w, EPS, torch.cat([router, g]), k, norm, sync,
+                                 gate=gate)
+    assert int(sync.item()) == 0 and same_bits(y.cpu(), want_x), f"{msg}: gate row"
+    assert torch.equal(ids.cpu(), ref_ids), f"{msg}: gate row: {ids.tolist()}"
+    check_route(ids.cpu(), wts.cpu(), ref_ids, ref_w, msg + " gate row")
+    want_g = torch.sigmoid(want_h @ g.cpu().T)
+    assert max_rel(gate.cpu(), want_g) < TOL, f"{msg}: gate {gate.item()} vs {want_g.item()}"
 
 
 def sm90(fn, sig: dict, constexprs: dict):  # noqa: ANN001, ANN201
@@ -696,50 +707,55 @@ def sm90(fn, sig: dict, constexprs: dict):  # noqa: ANN001, ANN201
                           target=GPUTarget("cuda", 90, 32)).asm
 
 
-@pytest.mark.parametrize("count, skip, sort", [(True, False, False), (False, True, False),
-                                               (False, False, False), (True, False, True),
-                                               (False, True, True)])
-def test_route_kernel_compiles_for_sm90(count: bool, skip: bool, sort: bool) -> None:
+@pytest.mark.parametrize("count, skip, sort, gate", [
+    (True, False, False, False), (False, True, False, False), (False, False, False, False),
+    (True, False, True, False), (False, True, True, False), (True, False, True, True)])
+def test_route_kernel_compiles_for_sm90(count: bool, skip: bool, sort: bool, gate: bool) -> None:
     """Without a GPU: Triton compiles the routing kernel for sm_90 as the decode step (counting)
     and the prefetch's guess (skipping experts with a slot) launch it, by rank comparison or
     bitonic top-k (sort, at 256 experts); it reads the logits row once (the rank comparison's
-    two reads of it are one load), with skip the slot table too."""
+    two reads of it are one load), with skip the slot table too, with gate the shared expert's
+    logit after the row."""
     sig = {"logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
-           "E": "i32", "stride_l": "i32", "K": "constexpr", "NORM": "constexpr",
-           "COUNT": "constexpr", "SKIP": "constexpr", "BLOCK_E": "constexpr",
-           "BLOCK_J": "constexpr", "SORT": "constexpr"}
+           "gate": "*fp32", "E": "i32", "stride_l": "i32", "K": "constexpr",
+           "NORM": "constexpr", "COUNT": "constexpr", "SKIP": "constexpr",
+           "BLOCK_E": "constexpr", "BLOCK_J": "constexpr", "SORT": "constexpr",
+           "GATE": "constexpr"}
     asm = sm90(dk._route_kernel, sig, {"K": 8 if count else 2, "NORM": count, "COUNT": count,
                                         "SKIP": skip, **ops._route_blocks(256 if sort else 128),
-                                        "SORT": sort})
+                                        "SORT": sort, "GATE": gate})
     assert asm["cubin"]
-    assert asm["ttir"].count("tt.load") == 1 + skip
+    assert asm["ttir"].count("tt.load") == 1 + skip + gate
     assert ("tt.atomic_rmw" in asm["ttir"]) == count
 
 
-@pytest.mark.parametrize("delta, count, skip", [(1, True, False), (8, True, False),
-                                                (0, False, True)])
-def test_norm_route_kernel_compiles_for_sm90(delta: int, count: bool, skip: bool) -> None:
+@pytest.mark.parametrize("delta, count, skip, gate", [(1, True, False, False),
+                                                      (8, True, False, True),
+                                                      (0, False, True, False)])
+def test_norm_route_kernel_compiles_for_sm90(delta: int, count: bool, skip: bool,
+                                             gate: bool) -> None:
     """The fused residual + norm + router + top-k kernel for sm_90, as the decode step (delta:
-    the attention's row, or 8 expert rows; counting) and the prefetch guess (no delta, no h,
-    skip) launch it (with 8 rows, the bitonic top-k): the count of finished programs is one
-    atomic add and one exchange (plus the routing counts), and the logits are read back past
-    L1 (.cg)."""
+    the attention's row, or 8 expert rows; counting; with them a shared expert's gate row
+    after the router's, at 256 experts) and the prefetch guess (no delta, no h, skip) launch it
+    (with 8 rows, the bitonic top-k): the count of finished programs is one atomic add and one
+    exchange (plus the routing counts), and the logits (the gate's too) are read back past L1
+    (.cg)."""
     sig = {"x": "*fp32", "delta": "*fp32", "w": "*fp32", "router": "*fp32", "h": "*fp32",
            "logits": "*fp32", "ids": "*i64", "wts": "*fp32", "counts": "*i32", "skip": "*i32",
-           "sync": "*i32", "D": "i32", "E": "i32", "stride_r": "i32", "stride_w": "i32",
-           "eps": "fp32"}
+           "sync": "*i32", "gate": "*fp32", "D": "i32", "E": "i32", "stride_r": "i32",
+           "stride_w": "i32", "eps": "fp32"}
     sig.update(dict.fromkeys(["HAS_DELTA", "R", "STORE_H", "K", "NORM", "COUNT", "SKIP", "BN",
-                              "BLOCK_D", "BLOCK_E", "BLOCK_J", "SORT"], "constexpr"))
+                              "BLOCK_D", "BLOCK_E", "BLOCK_J", "SORT", "GATE"], "constexpr"))
     asm = sm90(dk._norm_route_kernel, sig, {
         "HAS_DELTA": delta > 0, "R": max(delta, 1), "STORE_H": delta > 0, "K": 8, "NORM": count,
-        "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048, **ops._route_blocks(128),
-        "SORT": delta == 8})
+        "COUNT": count, "SKIP": skip, "BN": 2, "BLOCK_D": 2048,
+        **ops._route_blocks(256 if gate else 128), "SORT": delta == 8, "GATE": gate})
     ttir = asm["ttir"]
     assert asm["cubin"]
     assert ttir.count("tt.atomic_rmw") == 2 + count
     assert "atom.global.gpu.acq_rel.add" in asm["ptx"] or "atom.acq_rel.gpu" in asm["ptx"], \
         "the count is not an acquire-release atomic"
-    assert ttir.count("cacheModifier = cg") == 1, "logits must be read past L1"
+    assert ttir.count("cacheModifier = cg") == 1 + gate, "logits must be read past L1"
 
 
 def test_route_ties_go_to_the_lower_id(device: str) -> None:
@@ -1009,6 +1025,11 @@ _INTERPRETED = """
             assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k)
             want = 5 + torch.bincount(ref_ids.reshape(-1), minlength=e).int()
             assert torch.equal(counts, want), (e, k)
+            # a shared expert's gate logit after the row: the same routing, its sigmoid
+            lg, gate = torch.cat([logits, rnd(3, 1)], 1), torch.full((3, 1), nan)
+            ids, w = ops.route_topk(lg, k, norm, gate=gate)
+            assert torch.equal(ids, ref_ids) and rel(w, ref_w) < TOL, (e, k, "gate")
+            assert rel(gate, torch.sigmoid(lg[:, e:])) < TOL, (e, k, "gate")
             # skip (a slot table): experts with a slot come back as -1 in their place, into ids
             skip = torch.where(torch.rand(e, generator=gen) < 0.5, 3, -1).int()
             got = torch.full((3, k), 7, dtype=torch.int64)

@@ -17,7 +17,7 @@ from strata.model.parts import Head, Layer, Segment, Segments, StaticStep, layer
 from strata.model.parts.attention import GQAAttention
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
 from strata.model.parts.norm import SharedRows, add_norm
-from strata.model.weights import ExpertWeights, LayerWeights, QuantTensor
+from strata.model.weights import ExpertWeights, LayerWeights, QuantTensor, fuse_router_gate
 from strata.quant import QType
 from strata.runtime.kv_cache import KVCache
 
@@ -301,7 +301,11 @@ def test_a_layer_gives_the_same_token_in_both_contexts():
     assert isinstance(layer.ffn, RoutedExperts) and layer.ffn.shared is not None
     tokens = rand(gen, 5, D)
     outs = []
-    for static in (False, True, "unsummed"):
+    for static in (False, True, "unsummed", "joint"):
+        if static == "joint":  # the router and the shared gate one matrix, as on CUDA
+            fuse_router_gate(lw)
+            assert lw.router_gate is not None and lw.router.data_ptr() == lw.router_gate.data_ptr()
+            layer = Layer.build(CFG, lw, 0)
         kv = KVCache(1, HKV, HD, torch.device("cpu"), 8)
         layer.forward(tokens[:4].clone(), None, segments(kv, 4))
         kv.advance(4)
@@ -311,6 +315,10 @@ def test_a_layer_gives_the_same_token_in_both_contexts():
             ctx.lw_of[0] = lw
             r = layer.begin(x, None, ctx)
             assert isinstance(r, Routing)
+            # the gate's sigmoid from the routing launch where the matrices are joined
+            assert (r.shared_w is not None) == (static == "joint")
+            if r.shared_w is not None:
+                assert close(r.shared_w, torch.sigmoid(r.h @ lw.shared_gate[:, None]))
             out = layer.finish(r, ctx)
             # the experts' K rows unsummed: the shared expert's row rides beside them
             assert isinstance(out, SharedRows) == (static == "unsummed")

@@ -231,6 +231,17 @@ def fuse_qkv(lw: LayerWeights) -> None:
     lw.qkv = (fused, n)
 
 
+def fuse_router_gate(lw: LayerWeights) -> None:
+    """A shared expert's gate row after the router's rows in one matrix (lw.router_gate), the
+    router and the gate views of it: one GEMV for the routing logits and the gate's
+    (decode_ops.route_topk's and norm_route's gate)."""
+    r, g = lw.router, lw.shared_gate
+    if (isinstance(r, torch.Tensor) and isinstance(g, torch.Tensor) and r.dim() == 2
+            and g.shape == (r.shape[1],) and r.dtype == g.dtype == torch.float32):
+        lw.router_gate = torch.cat([r, g[None]]).contiguous()
+        lw.router, lw.shared_gate = lw.router_gate[:-1], lw.router_gate[-1]
+
+
 @functools.cache
 def fused_matmul_available(qtype: int) -> bool:
     try:
@@ -290,6 +301,9 @@ class LayerWeights:
     router: torch.Tensor | None  # [E, D] (None: a dense feed-forward, ffn_gate/up/down)
     experts: ExpertWeights | None  # None when the offload runtime holds the experts
     shared_gate: torch.Tensor | None = None  # [D]: sigmoid(x . w) scales the shared expert
+    # on CUDA, [E + 1, D]: the router's rows, then the shared gate's (router and shared_gate are
+    # views of it: fuse_router_gate)
+    router_gate: torch.Tensor | None = None
     shared_w1: Weight | None = None  # gate [S, D]
     shared_w3: Weight | None = None  # up [S, D]
     shared_w2: Weight | None = None  # down [D, S]
@@ -425,6 +439,7 @@ class ModelWeights:
                     fuse_qkv(lw)
                 if lw.delta is not None:
                     fuse_qkvz(lw.delta)
+                fuse_router_gate(lw)
         layers, nextn_layers = layers[:cfg.n_layers], layers[cfg.n_layers:]
         nextn = []
         for i, lw in enumerate(nextn_layers, cfg.n_layers):

@@ -483,28 +483,32 @@ def _route_row_sorted(x, e, out, ids, wts, counts, skip, K: tl.constexpr, NORM: 
 
 
 @triton.jit
-def _route_kernel(logits, ids, wts, counts, skip, E, stride_l, K: tl.constexpr,
+def _route_kernel(logits, ids, wts, counts, skip, gate, E, stride_l, K: tl.constexpr,
                   NORM: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, SORT: tl.constexpr = False):
-    # one program per token row
+                  BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, SORT: tl.constexpr = False,
+                  GATE: tl.constexpr = False):
+    # one program per token row; GATE: the row's logit E (a shared expert's gate) -> its sigmoid
     t = tl.program_id(0).to(tl.int64)
     _route_row(logits + t * stride_l, t, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP,
                BLOCK_E, BLOCK_J, SORT)
+    if GATE:
+        tl.store(gate + t, tl.sigmoid(tl.load(logits + t * stride_l + E, cache_modifier=".cg")))
 
 
 @triton.jit
-def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, sync, D, E,
-                       stride_r, stride_w, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
+def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, sync, gate, D,
+                       E, stride_r, stride_w, eps, HAS_DELTA: tl.constexpr, R: tl.constexpr,
                        STORE_H: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                        COUNT: tl.constexpr, SKIP: tl.constexpr, BN: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
-                       SORT: tl.constexpr = False):
+                       SORT: tl.constexpr = False, GATE: tl.constexpr = False):
     # every program: v = x [+ Σ delta], y = rms_norm(v) * w (the row recomputed from L2 in each),
     # logits[n] = router[n] · y for its BN rows; the last program to finish (an atomic count)
     # stores v into x (only then: the others read x) and y into h, routes the logits row and
-    # sets the count back to 0 for the next launch (graph replays)
+    # sets the count back to 0 for the next launch (graph replays). GATE: router row E is a
+    # shared expert's gate, its logit's sigmoid stored in gate
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = n < E
+    nm = n < E + GATE
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     rw = tl.load(router + n.to(tl.int64)[:, None] * stride_w + d[None, :],
@@ -519,6 +523,8 @@ def _norm_route_kernel(x, delta, w, router, h, logits, ids, wts, counts, skip, s
             tl.store(h + d, y, mask=dm)
         _route_row(logits, 0, ids, wts, counts, skip, E, K, NORM, COUNT, SKIP, BLOCK_E,
                    BLOCK_J, SORT)
+        if GATE:  # (past L1 as the row: another CTA wrote it)
+            tl.store(gate, tl.sigmoid(tl.load(logits + E, cache_modifier=".cg")))
         tl.atomic_xchg(sync, 0)
 
 

@@ -766,6 +766,7 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
                router: torch.Tensor, k: int, norm_topk: bool, sync: torch.Tensor,
                counts: torch.Tensor | None = None, skip: torch.Tensor | None = None,
                ids: torch.Tensor | None = None, store_h: bool = True, fuse: bool = True,
+               gate: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """A decode token's residual step and routing in one launch: [x += delta in place,]
     h = rms_norm(x, weight, eps), logits = h @ router.T, then route_topk(logits, k, norm_topk,
@@ -777,38 +778,51 @@ def norm_route(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     x [1, D] f32 (the residual; rows contiguous), delta [1, D] or [1, R, D] f32 or None,
     weight [D] f32, router [E, D] (rows contiguous). sync: int32 [1] on the device, zero,
     owned by the caller and left zero: the kernel's count of finished programs (launches that
-    may run at once, as on two streams, need one each)."""
+    may run at once, as on two streams, need one each). gate (float32 [1, 1], written): the
+    router has E + 1 rows, the last a shared expert's gate (as route_topk's gate)."""
     t = x.shape[0] if x.dim() == 2 else 0
+    n_gate = int(gate is not None)
     fused = (fuse and t == 1 and _use_kernels(x) and router.dtype == torch.float32
              and router.dim() == 2 and router.shape[1] == x.shape[1] and router.stride(1) == 1
-             and router.shape[0] <= NORM_ROUTE_MAX_EXPERTS)
+             and router.shape[0] - n_gate <= NORM_ROUTE_MAX_EXPERTS)
     if not fused:
         h = rms_norm(x, weight, eps) if delta is None else add_rms_norm(x, delta, weight, eps)
-        got_ids, wts = route_topk(router_logits(h, router), k, norm_topk, counts, skip, ids)
+        got_ids, wts = route_topk(router_logits(h, router), k, norm_topk, counts, skip, ids,
+                                  gate)
         return (h if store_h else None), got_ids, wts
     h = _norm_args(x, weight, None if store_h else x)  # (x: a pointer the kernel won't write)
     rows = 1
     if delta is not None:
         _delta_args(x, delta)
         rows = delta.shape[1] if delta.dim() == 3 else 1
-    e, d = router.shape
+    rows_all, d = router.shape
+    e = rows_all - n_gate
     _route_args(1, e, k, counts, skip, ids)
+    _gate_arg(gate, 1, x.device)
     _check(sync.dtype == torch.int32 and sync.numel() == 1 and sync.device == x.device,
            f"sync must be an int32 tensor of one element on {x.device}")
     if ids is None:
         ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
     wts = torch.empty((1, k), dtype=torch.float32, device=x.device)
-    logits = torch.empty((e,), dtype=torch.float32, device=x.device)
+    logits = torch.empty((rows_all,), dtype=torch.float32, device=x.device)
     bn = 2
     block_d = _pow2(d)
-    _kernels()._norm_route_kernel[(_cdiv(e, bn),)](
+    _kernels()._norm_route_kernel[(_cdiv(rows_all, bn),)](
         x, x if delta is None else delta, weight, router, h, logits, ids, wts,
-        ids if counts is None else counts, ids if skip is None else skip, sync, d, e,
-        delta.stride(-2) if rows > 1 else 0, router.stride(0), eps, HAS_DELTA=delta is not None,
-        R=rows, STORE_H=store_h, K=k, NORM=bool(norm_topk), COUNT=counts is not None,
-        SKIP=skip is not None, BN=bn, BLOCK_D=block_d, **_route_blocks(e),
+        ids if counts is None else counts, ids if skip is None else skip, sync,
+        wts if gate is None else gate, d, e, delta.stride(-2) if rows > 1 else 0,
+        router.stride(0), eps, HAS_DELTA=delta is not None, R=rows, STORE_H=store_h, K=k,
+        NORM=bool(norm_topk), COUNT=counts is not None, SKIP=skip is not None, BN=bn,
+        BLOCK_D=block_d, **_route_blocks(e), GATE=gate is not None,
         num_warps=4 if block_d <= 4096 else 8)
     return (h if store_h else None), ids, wts
+
+
+def _gate_arg(gate: torch.Tensor | None, t: int, device: torch.device) -> None:
+    if gate is not None:
+        _check(gate.dtype == torch.float32 and gate.shape == (t, 1) and gate.is_contiguous()
+               and gate.device == device, f"gate must be float32 [{t}, 1], contiguous, on "
+               f"{device}")
 
 
 def _route_args(t: int, e: int, k: int, counts: torch.Tensor | None, skip: torch.Tensor | None,
@@ -826,17 +840,26 @@ def _route_args(t: int, e: int, k: int, counts: torch.Tensor | None, skip: torch
 
 def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
                counts: torch.Tensor | None = None, skip: torch.Tensor | None = None,
-               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               ids: torch.Tensor | None = None,
+               gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """route() after its matmul: softmax over E, the top k, optionally renormalized to sum 1.
     logits [T, E] f32 (rows contiguous; = h @ router.T) -> ids int64 [T, k], weights f32 [T, k],
     largest first. Ties: the lower expert id first (see the module doc). One launch.
     counts: int32 [E] on the device, += 1 for every pair routed to an expert (atomics).
     skip: int32 [E] (an expert cache's slot table): an expert with skip[e] >= 0 is returned as
     id -1 in its place (decode prefetch: the best experts not in VRAM). ids: written into
-    (int64 [T, k], contiguous) instead of a new tensor."""
+    (int64 [T, k], contiguous) instead of a new tensor. gate (float32 [T, 1], written): logits
+    has E + 1 columns, the last a shared expert's gate logit (its router row joined to the
+    router's: one GEMV for both); the first E are routed and gate gets the last's sigmoid."""
     _check(logits.dim() == 2, f"logits must be [T, E], got {list(logits.shape)}")
     _f32(logits, "logits")
     t, e = logits.shape
+    if gate is not None:
+        e -= 1
+        _gate_arg(gate, t, logits.device)
+        if not _use_kernels(logits):
+            gate.copy_(torch.sigmoid(logits[:, e:]))
+            logits = logits[:, :e]
     _route_args(t, e, k, counts, skip, ids)
     if not _use_kernels(logits):
         probs = torch.softmax(logits, dim=-1)
@@ -857,7 +880,8 @@ def route_topk(logits: torch.Tensor, k: int, norm_topk: bool,
     if t == 0:
         return ids, weights
     _kernels()._route_kernel[(t,)](logits, ids, weights, ids if counts is None else counts,
-                        ids if skip is None else skip, e, logits.stride(0), K=k,
-                        NORM=bool(norm_topk), COUNT=counts is not None, SKIP=skip is not None,
-                        **_route_blocks(e), num_warps=4)
+                        ids if skip is None else skip, weights if gate is None else gate, e,
+                        logits.stride(0), K=k, NORM=bool(norm_topk), COUNT=counts is not None,
+                        SKIP=skip is not None, **_route_blocks(e), GATE=gate is not None,
+                        num_warps=4)
     return ids, weights

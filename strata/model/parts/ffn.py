@@ -36,6 +36,9 @@ class Routing(NamedTuple):
     h: torch.Tensor  # [T, D] the feed-forward's input (the normed residual)
     ids: torch.Tensor | None  # int64 [T, K] (None: a dense part)
     wts: torch.Tensor | None  # float32 [T, K]
+    # float32 [T, 1]: the shared expert's gate, sigmoid(h . g), where the routing computed it
+    # with the router's logits (LayerWeights.router_gate); None: the shared expert computes it
+    shared_w: torch.Tensor | None = None
 
 
 def swiglu(h: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
@@ -57,17 +60,19 @@ class SharedExpert:
         self.lw = lw
         self._one: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None | bool = False
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, D] -> [T, D]"""
+    def forward(self, h: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, D] -> [T, D]; gate: sigmoid(h . g) [T, 1] where the routing computed it
+        (Routing.shared_w), else computed here."""
         lw = self.lw
         if h.shape[0] == 1 and h.is_cuda and self._one_token(h.device) is not None:
-            return self._as_expert(h)
+            return self._as_expert(h, gate)
         act = torch.nn.functional.silu(linear(h, lw.shared_w1)) * linear(h, lw.shared_w3)
         if lw.shared_gate is None:
             return linear(act, lw.shared_w2)
-        # (the gate's one row through the rows-dot kernel for a decode token on CUDA: cuBLAS's
-        # split-K GEMV took two launches, ~15 us a layer, on Qwen3.6's)
-        gate = decode_ops().router_logits(h, lw.shared_gate[None], sigmoid=True)  # [T, 1]
+        if gate is None:
+            # (the gate's one row through the rows-dot kernel for a decode token on CUDA:
+            # cuBLAS's split-K GEMV took two launches, ~15 us a layer, on Qwen3.6's)
+            gate = decode_ops().router_logits(h, lw.shared_gate[None], sigmoid=True)  # [T, 1]
         return gate * linear(act, lw.shared_w2)
 
     def _one_token(self, device: torch.device
@@ -87,16 +92,17 @@ class SharedExpert:
                          torch.ones(1, 1, dtype=torch.float32, device=device)) if ok else None
         return self._one
 
-    def _as_expert(self, h: torch.Tensor) -> torch.Tensor:
+    def _as_expert(self, h: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """One token's shared expert as expert 0 of a one-expert layer: [1, D] (its one pair's
-        row as it comes: no launch to sum one row)."""
+        row as it comes: no launch to sum one row); gate: its weight where the routing
+        computed it."""
         from strata.kernels.gpu import moe_forward
 
         lw = self.lw
         ids, slot_of, ones = self._one
         w1, w3, w2 = lw.shared_w1, lw.shared_w3, lw.shared_w2
-        wts = ones if lw.shared_gate is None else decode_ops().router_logits(
-            h, lw.shared_gate[None], sigmoid=True)  # [1, 1]
+        wts = ones if lw.shared_gate is None else gate if gate is not None else decode_ops(
+        ).router_logits(h, lw.shared_gate[None], sigmoid=True)  # [1, 1]
         return moe_forward(h.contiguous(), ids, wts, slot_of, w1.raw[None], w3.raw[None],
                            w2.raw[None], (w1.qtype, w3.qtype, w2.qtype), h.shape[1],
                            w1.raw.shape[0], sum_pairs=False,
@@ -121,17 +127,25 @@ class RoutedExperts:
 
     def begin(self, x: torch.Tensor, attn: torch.Tensor, ctx: Context) -> Routing:
         lw = self.lw
+        # the shared expert's gate beside the routing logits (one GEMV, the route launch writes
+        # its sigmoid): on the fused paths where the router and gate are one matrix
+        joint = lw.router_gate if self.shared is not None and not self.biased else None
+        gate = None
+        if joint is not None and (ctx.static or ctx.fused_attention):
+            gate = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
         if self.biased:  # torch ops on every path (gating.py; capturable in a static step)
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ids, wts = self._route(h, ctx.counts(self.layer) if ctx.static else None)
         elif ctx.static:  # one launch on CUDA (decode_ops.norm_route)
             h, ids, wts = decode_ops().norm_route(
-                x, attn, lw.ffn_norm, self.eps, lw.router, self.k, self.norm_topk, ctx.sync,
-                counts=ctx.counts(self.layer), fuse=ctx.fuse_route)
+                x, attn, lw.ffn_norm, self.eps, lw.router if gate is None else joint, self.k,
+                self.norm_topk, ctx.sync, counts=ctx.counts(self.layer), fuse=ctx.fuse_route,
+                gate=gate)
         elif ctx.fused_attention:  # (CUDA, --kernels fused) softmax and top k in one launch
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ops = decode_ops()
-            ids, wts = ops.route_topk(ops.router_logits(h, lw.router), self.k, self.norm_topk)
+            ids, wts = ops.route_topk(ops.router_logits(h, lw.router if gate is None else joint),
+                                      self.k, self.norm_topk, gate=gate)
         else:
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ids, wts = self._route(h)  # [T, K]
@@ -141,7 +155,7 @@ class RoutedExperts:
                 r = Routing(r.h, r.ids, biased_weights(r.h, lw.router, r.ids, self.norm_topk,
                                                        self.scale, self.gating))
             return r
-        return Routing(h, ids, wts)
+        return Routing(h, ids, wts, gate)
 
     def guess(self, x: torch.Tensor) -> torch.Tensor:
         """The experts this layer's router would pick for the residual x [T, D] (normed here;
@@ -164,7 +178,7 @@ class RoutedExperts:
         out = ctx.run_experts(self.layer, self.lw.experts, r.h, r.ids, r.wts,
                               sum_pairs=self.shared is not None and not ctx.static)
         if self.shared is not None:
-            shared = self.shared.forward(r.h)
+            shared = self.shared.forward(r.h, r.shared_w)
             if out.dim() == 3:  # a static step's K rows unsummed: the next residual step sums
                 # them and the shared expert's row in one launch (no torch sum and add: ~6 us
                 # a layer; nor a copy joining the rows: ~1.2 us, Qwen3.6's profile)
