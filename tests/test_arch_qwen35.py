@@ -341,9 +341,18 @@ _DELTA_STEP = """
         q, k = ((t.repeat(r, 1) if tiled else t.repeat_interleave(r, 0)) for t in (q, k))
         o_ref, S_ref = delta_recurrent(q[None], k[None], y[2 * key:].view(1, hv, dk), dec[None],
                                        beta[None], S.clone())
+        S0 = S.clone()
         o = delta_ops.delta_step(y, dec, beta, S, hk, tiled, 0.0)
         assert torch.allclose(o, o_ref[0], atol=1e-4), (hk, hv, tiled, "out")
         assert torch.allclose(S, S_ref, atol=1e-4), (hk, hv, tiled, "state")
+        # the gates from their logits inside the same launch: as delta_gates' then the step
+        ba = 12 * torch.randn(2 * hv, generator=g)
+        a, dt = -torch.rand(hv, generator=g) * 8, torch.randn(hv, generator=g)
+        b2, g2 = delta_ops.delta_gates(ba[None], a, dt)
+        S1, S2 = S0.clone(), S0.clone()
+        o1 = delta_ops.delta_step(y, g2[0], b2[0], S1, hk, tiled, 0.0)
+        o2 = delta_ops.delta_step(y, None, None, S2, hk, tiled, 0.0, gates=(ba, a, dt))
+        assert torch.equal(o1, o2) and torch.equal(S1, S2), (hk, hv, tiled, "gates")
     print("ok")
 """
 
@@ -400,9 +409,19 @@ def test_delta_step_torch_path_equals_the_reference():
     q, k = q.repeat(2, 1), k.repeat(2, 1)
     o_ref, s_ref = delta_recurrent(q[None], k[None], y[2 * key:].view(1, hv, dk), dec[None],
                                    beta[None], S.clone())
+    S0 = S.clone()
     o = delta_ops.delta_step(y, dec, beta, S, hk, True, 0.0)
     torch.testing.assert_close(o, o_ref[0])
     torch.testing.assert_close(S, s_ref)
+    # gates= (their logits, a, dt_bias): the torch path computes them as delta_gates does
+    ba, a, dt = torch.randn(2 * hv, generator=g), -torch.rand(hv, generator=g), torch.randn(hv)
+    b2, g2 = delta_ops.delta_gates(ba[None], a, dt)
+    S1, S2 = S0.clone(), S0.clone()
+    o1 = delta_ops.delta_step(y, g2[0], b2[0], S1, hk, True, 0.0)
+    o2 = delta_ops.delta_step(y, None, None, S2, hk, True, 0.0, gates=(ba, a, dt))
+    assert torch.equal(o1, o2) and torch.equal(S1, S2)
+    with pytest.raises(ValueError, match="gates or g and beta"):
+        delta_ops.delta_step(y, g2[0], b2[0], S2, hk, True, 0.0, gates=(ba, a, dt))
 
 
 @pytest.mark.parametrize("preset,arch,layers,full,nextn", [
@@ -503,6 +522,12 @@ def test_delta_kernels_compile_for_sm90_within_its_shared_memory(preset):
     step = triton.compile(ASTSource(dk._delta_step_kernel, sig, constexprs=dict(
         HK=p.ssm_groups, R=p.ssm_heads // p.ssm_groups, DK=d, DV=d, TILED=True, BK=d, BV=bv)),
         target=target, options={"num_warps": warps})
+    # the decode step's form: the gates from their logits in the same launch
+    step_gates = triton.compile(ASTSource(dk._delta_step_kernel, sig | {
+        "a": "*fp32", "dt_bias": "*fp32", "GATES": "constexpr", "HV": "constexpr"},
+        constexprs=dict(HK=p.ssm_groups, R=p.ssm_heads // p.ssm_groups, DK=d, DV=d, TILED=True,
+                        BK=d, BV=bv, GATES=True, HV=p.ssm_heads)),
+        target=target, options={"num_warps": warps})
     sig = {"x": "*fp32", "window": "*fp32", "w": "*fp32", "y": "*fp32", "C": "i32",
            "K": "constexpr", "BLOCK": "constexpr"}
     conv = triton.compile(ASTSource(dk._conv_step_kernel, sig, constexprs=dict(
@@ -515,7 +540,8 @@ def test_delta_kernels_compile_for_sm90_within_its_shared_memory(preset):
            "BLOCK": "constexpr"}
     norm = triton.compile(ASTSource(dk._gated_norm_kernel, sig, constexprs=dict(
         BLOCK=triton.next_power_of_2(d))), target=target)
-    for name, k in (("chunk scan", scan), ("delta step", step), ("conv step", conv),
+    for name, k in (("chunk scan", scan), ("delta step", step),
+                    ("delta step with its gates", step_gates), ("conv step", conv),
                     ("gates", gates), ("gated norm", norm)):
         assert k.asm["cubin"], name
         assert k.metadata.shared <= SM90_SHARED, (name, k.metadata.shared)

@@ -27,9 +27,11 @@ def _conv_step_kernel(x, window, w, y, C, K: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def _delta_step_kernel(x, g, beta, state, out, eps, scale, HK: tl.constexpr, R: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, TILED: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr = False,
+                       a=None, dt_bias=None, HV: tl.constexpr = 0):
     # value head j, columns vb*BV..: q, k of its key head L2-normed (q scaled); S = e^g S;
-    # S += k (beta (v - S^T k))^T; out = S^T q
+    # S += k (beta (v - S^T k))^T; out = S^T q. GATES: g holds beta's and alpha's logits [2 Hv]
+    # (beta unread), the head's gates computed here as _gates_kernel computes them
     j = tl.program_id(0)
     vb = tl.program_id(1)
     if TILED:
@@ -45,8 +47,11 @@ def _delta_step_kernel(x, g, beta, state, out, eps, scale, HK: tl.constexpr, R: 
     dv = vb * BV + tl.arange(0, BV)
     mv = dv < DV
     v = tl.load(x + 2 * HK * DK + j * DV + dv, mask=mv, other=0.0)
-    gj = tl.load(g + j)
-    bj = tl.load(beta + j)
+    if GATES:
+        bj, gj = _gates(tl.load(g + j), tl.load(g + HV + j), tl.load(a + j), tl.load(dt_bias + j))
+    else:
+        gj = tl.load(g + j)
+        bj = tl.load(beta + j)
     offs = j.to(tl.int64) * DK * DV + dk[:, None] * DV + dv[None, :]
     mkv = mk[:, None] & mv[None, :]
     S = tl.load(state + offs, mask=mkv, other=0.0) * tl.exp(gj)  # [BK, BV]
@@ -92,12 +97,20 @@ def _gates_kernel(ba, a, dt_bias, beta, g, HV, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     m = j < HV
-    b = tl.load(ba + t * 2 * HV + j, mask=m, other=0.0)
-    x = tl.load(ba + t * 2 * HV + HV + j, mask=m, other=0.0) + tl.load(dt_bias + j, mask=m,
-                                                                        other=0.0)
+    bv, gv = _gates(tl.load(ba + t * 2 * HV + j, mask=m, other=0.0),
+                    tl.load(ba + t * 2 * HV + HV + j, mask=m, other=0.0),
+                    tl.load(a + j, mask=m, other=0.0), tl.load(dt_bias + j, mask=m, other=0.0))
+    tl.store(beta + t * HV + j, bv, mask=m)
+    tl.store(g + t * HV + j, gv, mask=m)
+
+
+@triton.jit
+def _gates(b, al, a, dt_bias):
+    """(beta, g) = (sigmoid(b), a * softplus(al + dt_bias)), softplus as torch's: the input
+    itself past 20."""
+    x = al + dt_bias
     sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    tl.store(beta + t * HV + j, tl.sigmoid(b), mask=m)
-    tl.store(g + t * HV + j, tl.load(a + j, mask=m, other=0.0) * sp, mask=m)
+    return tl.sigmoid(b), a * sp
 
 
 @triton.jit

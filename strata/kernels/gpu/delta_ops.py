@@ -59,14 +59,27 @@ def conv_step(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor) -> torch.T
     return y
 
 
-def delta_step(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-               hk: int, tiled: bool, eps: float) -> torch.Tensor:
+def delta_step(x: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None,
+               state: torch.Tensor, hk: int, tiled: bool, eps: float,
+               gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
     """x [C] (after the conv), g, beta [Hv], state [Hv, dk, dv] (updated), f32 contiguous;
-    value head j reads key head j % hk (tiled) or j // (Hv / hk) -> o [Hv, dv] f32."""
+    value head j reads key head j % hk (tiled) or j // (Hv / hk) -> o [Hv, dv] f32. gates:
+    (ba [2 Hv], a, dt_bias [Hv]) in place of g and beta (None): the gates computed inside the
+    same launch, as delta_gates computes them."""
     hv, dk, dv = state.shape
     _check(dk == dv and hv % hk == 0, "state must be [Hv, dk, dk] with Hv a multiple of hk")
+    if gates is not None:
+        _check(g is None and beta is None, "delta_step: gates or g and beta, not both")
+        ba, a, dt_bias = gates
+        _gate_args(ba[None], a, dt_bias)
+        if not _use_kernels(x):
+            (beta,), (g,) = delta_gates(ba[None], a, dt_bias)
+            gates = None
     for name, t, shape in (("x", x, ((2 * hk + hv) * dk,)), ("g", g, (hv,)),
                            ("beta", beta, (hv,)), ("state", state, (hv, dk, dv))):
+        if t is None:  # (gates: their logits instead)
+            continue
         _f32(t, name, shape)
         _check(t.is_contiguous() and t.device == x.device, f"{name} must be contiguous")
     r = hv // hk
@@ -85,6 +98,13 @@ def delta_step(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torc
     bv, warps = DELTA_STEP_TILE
     out = torch.empty(hv, dv, dtype=torch.float32, device=x.device)
     bk = 1 << max(dk - 1, 0).bit_length()
+    if gates is not None:  # (g: beta's and alpha's logits; beta unread)
+        ba, a, dt_bias = gates
+        _delta_step_kernel[(hv, -(-dv // bv))](x, ba, ba, state, out, eps, dk ** -0.5, HK=hk,
+                                                R=r, DK=dk, DV=dv, TILED=tiled, BK=bk, BV=bv,
+                                                GATES=True, a=a, dt_bias=dt_bias, HV=hv,
+                                                num_warps=warps)
+        return out
     _delta_step_kernel[(hv, -(-dv // bv))](x, g, beta, state, out, eps, dk ** -0.5, HK=hk, R=r,
                                             DK=dk, DV=dv, TILED=tiled, BK=bk, BV=bv,
                                             num_warps=warps)
@@ -133,11 +153,7 @@ def delta_gates(ba: torch.Tensor, a: torch.Tensor,
     """ba [T, 2 Hv] (beta's logits, then alpha's), a, dt_bias [Hv], f32 contiguous -> beta =
     sigmoid(ba[:, :Hv]), g = a * softplus(ba[:, Hv:] + dt_bias), each [T, Hv]: one launch on
     CUDA (four elementwise ones in torch)."""
-    t, hv2 = ba.shape
-    hv = hv2 // 2
-    for name, x, shape in (("ba", ba, (t, 2 * hv)), ("a", a, (hv,)), ("dt_bias", dt_bias, (hv,))):
-        _f32(x, name, shape)
-        _check(x.is_contiguous() and x.device == ba.device, f"{name} must be contiguous")
+    t, hv = _gate_args(ba, a, dt_bias)
     if not _use_kernels(ba):
         return torch.sigmoid(ba[:, :hv]), a * F.softplus(ba[:, hv:] + dt_bias)
     from strata.kernels.gpu.delta_kernels import _gates_kernel
@@ -147,6 +163,16 @@ def delta_gates(ba: torch.Tensor, a: torch.Tensor,
     if t:
         _gates_kernel[(t,)](ba, a, dt_bias, beta, g, hv, BLOCK=_pow2(hv))
     return beta, g
+
+
+def _gate_args(ba: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor) -> tuple[int, int]:
+    """delta_gates' checks -> (T, Hv)."""
+    t, hv2 = ba.shape
+    hv = hv2 // 2
+    for name, x, shape in (("ba", ba, (t, 2 * hv)), ("a", a, (hv,)), ("dt_bias", dt_bias, (hv,))):
+        _f32(x, name, shape)
+        _check(x.is_contiguous() and x.device == ba.device, f"{name} must be contiguous")
+    return t, hv
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -126,17 +126,22 @@ class GatedDeltaNet:
             qkv = linear(h, w.qkv)  # [T, C]
             z = linear(h, w.z).view(T, self.hv, self.dk)
         fast = ctx.static or ctx.fused_attention  # (a launch each on CUDA: delta_ops)
+        gates = None
         if fast:  # beta and alpha's rows in one product, then both gates
             from strata.kernels.gpu import delta_ops
 
-            beta, g = delta_ops.delta_gates(decode_ops().router_logits(h, w.ba), w.a,
-                                            w.dt_bias)  # [T, Hv] each
+            ba = decode_ops().router_logits(h, w.ba)  # [T, 2 Hv]
+            if ctx.static and ctx.rows is None:  # one token: the gates in the step's launch
+                g = beta = None
+                gates = (ba[0], w.a, w.dt_bias)
+            else:
+                beta, g = delta_ops.delta_gates(ba, w.a, w.dt_bias)  # [T, Hv] each
         else:
             ba = h @ w.ba.T
             beta = torch.sigmoid(ba[:, :self.hv])  # [T, Hv]
             g = w.a * F.softplus(ba[:, self.hv:] + w.dt_bias)  # [T, Hv]
         if ctx.static:
-            o = self._step(qkv, g, beta, ctx)
+            o = self._step(qkv, g, beta, ctx, gates)
         else:
             o = self._segments(qkv, g, beta, ctx)
         if fast:  # each token's heads as rows: norm and output gate together
@@ -174,18 +179,23 @@ class GatedDeltaNet:
             start += s.length
         return torch.cat(out)  # [T, Hv, dv]
 
-    def _step(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              ctx: StaticStep) -> torch.Tensor:
+    def _step(self, qkv: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None,
+              ctx: StaticStep, gates: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """One token over the sequence's static state, updated in place (two launches on CUDA,
-        kernels/gpu/delta_ops.py: no host sync, shapes fixed, so a CUDA graph captures it)."""
+        kernels/gpu/delta_ops.py: no host sync, shapes fixed, so a CUDA graph captures it);
+        gates: (ba [2 Hv], a, dt_bias) in place of g and beta, computed in the step's launch."""
         if ctx.rows is not None:  # one token of each of B sequences (the batched step)
             return self._rows(qkv, g, beta, ctx)
         from strata.kernels.gpu import delta_ops
 
         st = ctx.kv.state
         x = delta_ops.conv_step(qkv[0].contiguous(), st.conv[self.slot], self.w.conv)
-        o = delta_ops.delta_step(x, g[0].contiguous(), beta[0].contiguous(), st.ssm[self.slot],
-                                 self.hk, self.w.tiled, self.eps)
+        if gates is not None:
+            o = delta_ops.delta_step(x, None, None, st.ssm[self.slot], self.hk, self.w.tiled,
+                                     self.eps, gates=gates)
+        else:
+            o = delta_ops.delta_step(x, g[0].contiguous(), beta[0].contiguous(),
+                                     st.ssm[self.slot], self.hk, self.w.tiled, self.eps)
         return o[None]  # [1, Hv, dv]
 
     def _rows(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
