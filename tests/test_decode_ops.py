@@ -265,6 +265,13 @@ def test_decode_attention(device: str, name: str, monkeypatch: pytest.MonkeyPatc
         ref = layers.attention(q, kc[:n], vc[:n], n - t)
         err = max_rel(out, ref)
         assert err < TOL, f"{name} length={n} junk={junk} seed={seed}: rel err {err:.2e}"
+        # an output gate per head, q and the gate strided views of one [T, H, 2, hd] tensor
+        # (qwen35moe's q rows: each head's query, then its gate)
+        qg = torch.stack([q, randn(gen, t, h, hd, device=device)], 2)
+        got = ops.decode_attention(qg[:, :, 0], kc, vc, length, hd ** -0.5, n_splits=n_splits,
+                                   gate=qg[:, :, 1])
+        want = ref * torch.sigmoid(qg[:, :, 1].reshape(t, -1))
+        assert max_rel(got, want) < TOL, f"{name} length={n} seed={seed}: gate"
 
 
 # --kv-type f16 / bf16: one ulp of the type, relative to the largest value (RNE is half of it)
@@ -758,6 +765,21 @@ def test_norm_route_kernel_compiles_for_sm90(delta: int, count: bool, skip: bool
     assert ttir.count("cacheModifier = cg") == 1 + gate, "logits must be read past L1"
 
 
+def test_attention_reduce_with_an_output_gate_compiles_for_sm90() -> None:
+    """The decode attention's reduce with qwen35moe's output gate (a strided row per head,
+    read once, its sigmoid times the combined row) for sm_90, without a GPU."""
+    const = dict(HD=256, MIN_CHUNK=ops.ATTN_MIN_CHUNK, BLOCK_N=32, BLOCK_S=16, BLOCK_D=256,
+                 WINDOW=0, HAS_SINKS=False, HAS_GATE=True)
+    sig = {"part_o": "*fp32", "part_ml": "*fp32", "length": "*i64", "out": "*fp32",
+           "T": "i32", "H": "i32", "S": "i32", "stride_ot": "i32", "sinks": "*fp32",
+           "gate": "*fp32", "stride_gt": "i32", "stride_gh": "i32",
+           **dict.fromkeys(const, "constexpr")}
+    asm = sm90(dk._attn_reduce_kernel, sig, const)
+    plain = sm90(dk._attn_reduce_kernel, sig, const | {"HAS_GATE": False})
+    assert asm["cubin"]
+    assert asm["ttir"].count("tt.load") == plain["ttir"].count("tt.load") + 1  # the gate's row
+
+
 def test_route_ties_go_to_the_lower_id(device: str) -> None:
     if device == "cpu":
         pytest.skip("the tie rule is the kernel's; torch.topk promises no order")
@@ -993,6 +1015,13 @@ _INTERPRETED = """
                                  n_splits=splits)
             err = rel(out, layers.attention(q, kc[:n], vc[:n], n - t))
             assert err < TOL, (t, h, hkv, hd, n, err)
+            # an output gate per head read strided (qwen35moe's q rows hold [q | gate] a head)
+            qg = rnd(t, h, 2, hd)
+            gated = ops.decode_attention(qg[:, :, 0], kc, vc, torch.tensor([n]), hd ** -0.5,
+                                         n_splits=splits, gate=qg[:, :, 1])
+            want = layers.attention(qg[:, :, 0].contiguous(), kc[:n], vc[:n], n - t) * \
+                torch.sigmoid(qg[:, :, 1].reshape(t, -1))
+            assert rel(gated, want) < TOL, (t, h, hkv, hd, n, "gate")
 
     # float16 / bfloat16 caches (--kv-type): k and v rounded once when stored, read as float32
     for dt, ulp in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):

@@ -334,11 +334,13 @@ def _attn_split_fma_kernel(q, kc, vc, ks, vs, length, part_o, part_ml, scale, T,
 @triton.jit
 def _combine_splits(part_o, part_ml, out_row, n, lo, R, r, h, H, S, sinks,
                     HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    gate=None, stride_gr=0, stride_gh=0, HAS_GATE: tl.constexpr = False):
     # out_row[h] = Σ_s w_s o_s / (Σ_s w_s l_s [+ exp(sink_h - m)]), w_s = exp(m_s - m),
     # m = max(max_s m_s [, sink_h]), over the live splits of rows lo .. n-1 only (the others
     # were never written); split s of query row r of R at part row (s·R + r)·H + h; a sink
-    # takes its share of the softmax and gives no value
+    # takes its share of the softmax and gives no value. HAS_GATE: times sigmoid of row r's
+    # output gate for head h (qwen35moe's), at gate + r·stride_gr + h·stride_gh
     live = tl.cdiv(n - lo, _split_chunk(n - lo, S, MIN_CHUNK, BLOCK_N))
     sv = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -366,20 +368,27 @@ def _combine_splits(part_o, part_ml, out_row, n, lo, R, r, h, H, S, sinks,
     den = tl.sum(lsum, axis=0)
     if HAS_SINKS:
         den += tl.exp(sink - m)
-    tl.store(out_row + h * HD + d, acc / den, mask=dm)
+    y = acc / den
+    if HAS_GATE:
+        gr = gate + r.to(tl.int64) * stride_gr + h * stride_gh
+        y = y * tl.sigmoid(tl.load(gr + d, mask=dm, other=0.0))
+    tl.store(out_row + h * HD + d, y, mask=dm)
 
 
 @triton.jit
 def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
                         HD: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                        WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False):
-    # program (h, t): the live splits of token t's head h combined (_combine_splits)
+                        WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False,
+                        gate=None, stride_gt=0, stride_gh=0, HAS_GATE: tl.constexpr = False):
+    # program (h, t): the live splits of token t's head h combined (_combine_splits), times
+    # sigmoid(gate[t, h]) with HAS_GATE
     h = tl.program_id(0)
     t = tl.program_id(1)
     n = tl.load(length).to(tl.int32)
     _combine_splits(part_o, part_ml, out + t * stride_ot, n, _window_lo(n, T, WINDOW), T, t, h,
-                    H, S, sinks, HD, MIN_CHUNK, BLOCK_N, BLOCK_S, BLOCK_D, HAS_SINKS)
+                    H, S, sinks, HD, MIN_CHUNK, BLOCK_N, BLOCK_S, BLOCK_D, HAS_SINKS,
+                    gate, stride_gt, stride_gh, HAS_GATE)
 
 
 @triton.jit

@@ -441,7 +441,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      n_splits: int | None = None, window: int = 0,
                      sinks: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
                      v_scales: torch.Tensor | None = None, fused: bool = False,
-                     variant: str | None = None, tile: AttnLaunch | None = None) -> torch.Tensor:
+                     variant: str | None = None, tile: AttnLaunch | None = None,
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of T new tokens at positions length-T .. length-1 over cache rows
     0 .. length-1: query t sees keys j <= length - T + t; head h reads kv head h // (H / Hkv).
     softmax(q k^T · scale) v, as layers.attention (whose scale is hd^-0.5).
@@ -456,7 +457,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     head in the softmax's denominator that adds no value. The split kernel's variant: `variant`
     (tests, benchmarks), else attention_variant's pick; fused (--kernels fused) lets it pick
     TF32 dots, otherwise every product is exact float32. tile: the split kernel's variant and
-    tile instead of both (benchmarks; attention_launch's for the variant otherwise)."""
+    tile instead of both (benchmarks; attention_launch's for the variant otherwise). gate
+    [T, H, hd] f32 (any strides, the last dim contiguous: a view of the q projection's rows):
+    the output times sigmoid(gate), in the reduce launch (qwen35moe's output gate)."""
     _check(q.dim() == 3 and k_cache.dim() == 3, "q must be [T, H, hd], caches [C, Hkv, hd]")
     t, h, hd = q.shape
     cap, hkv = k_cache.shape[:2]
@@ -480,6 +483,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if sinks is not None:
         _f32(sinks, "sinks", (h,))
         _check(sinks.is_contiguous() and sinks.device == q.device, "sinks must be contiguous")
+    if gate is not None:
+        _f32(gate, "gate", (t, h, hd))
+        _check(gate.stride(2) == 1 and gate.device == q.device,
+               "gate's last dim must be contiguous, on q's device")
     g = h // hkv
     if tile is None:
         tile = attention_launch(variant or attention_variant(t, g, k_cache.dtype, fused), t, g,
@@ -494,7 +501,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if q8:
             k_cache, v_cache = (dequantize_q8_0(k_cache, k_scales),
                                 dequantize_q8_0(v_cache, v_scales))
-        return out.copy_(_attention_torch(q, k_cache, v_cache, length, scale, window, sinks))
+        o = _attention_torch(q, k_cache, v_cache, length, scale, window, sinks)
+        return out.copy_(o if gate is None else o * torch.sigmoid(gate.reshape(t, h * hd)))
     s = n_splits or attention_splits(cap, hkv)
     rb = _cdiv(t * g, tile.block_m)  # row blocks per kv head
     block_d = _pow2(hd)
@@ -514,21 +522,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _kernels()._attn_split_kernel[(hkv * rb, s)](*args, TF32=tile.variant == "tf32",
                                                      **const)
     _reduce_splits(_kernels()._attn_reduce_kernel, (h, t), part_o, part_ml, length, out, t, h,
-                   s, sinks, q, block_n, block_d, window)
+                   s, sinks, q, block_n, block_d, window, gate)
     return out
 
 
 def _reduce_splits(kernel, grid: tuple[int, int], part_o: torch.Tensor,  # noqa: ANN001
                    part_ml: torch.Tensor, length: torch.Tensor, out: torch.Tensor, rows: int,
                    h: int, s: int, sinks: torch.Tensor | None, q: torch.Tensor, block_n: int,
-                   block_d: int, window: int) -> None:
+                   block_d: int, window: int, gate: torch.Tensor | None = None) -> None:
     """The reduce launch of both split kernels (_attn_reduce_kernel over a sequence's T
-    tokens, _paged_reduce_kernel over a pool's B rows): the live splits combined per head."""
+    tokens, _paged_reduce_kernel over a pool's B rows): the live splits combined per head
+    (times sigmoid(gate): the sequence's kernel only)."""
     block_s = min(_pow2(s), max(1, 4096 // block_d))
+    extra = {} if gate is None else dict(gate=gate, stride_gt=gate.stride(0),
+                                         stride_gh=gate.stride(1), HAS_GATE=True)
     kernel[grid](part_o, part_ml, length, out, rows, h, s, out.stride(0),
                  q if sinks is None else sinks, HD=out.shape[1] // h, MIN_CHUNK=ATTN_MIN_CHUNK,
                  BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, WINDOW=window,
-                 HAS_SINKS=sinks is not None, num_warps=4)
+                 HAS_SINKS=sinks is not None, **extra, num_warps=4)
 
 
 def _attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -53,9 +53,10 @@ class GQAAttention:
         return linear(out, lw.wo)
 
     def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              ctx: StaticStep) -> torch.Tensor:
+              ctx: StaticStep, gate: torch.Tensor | None = None) -> torch.Tensor:
         """One token over static buffers: q/k norms, RoPE and the cache store in one launch,
-        then flash decoding over the rows up to ctx.length (two launches)."""
+        then flash decoding over the rows up to ctx.length (two launches); gate [1, H, hd]: the
+        output times its sigmoid, in the second (decode_attention's gate)."""
         if ctx.rows is not None:  # B rows of sequences of one pool (the batched step)
             return self._rows(q, k, v, ctx)
         ops, kv, i = decode_ops(), ctx.kv, self.layer
@@ -64,7 +65,8 @@ class GQAAttention:
         q = ops.qk_rope_store(q, k, v, qn, kn, self.eps, ctx.pos, ctx.inv_freq, self.rope_style,
                               kv.k[i], kv.v[i], k_scales=ks, v_scales=vs)
         return ops.decode_attention(q, kv.k[i], kv.v[i], ctx.length, self.scale, k_scales=ks,
-                                    v_scales=vs, fused=ctx.fused_attention)  # [1, H*hd]
+                                    v_scales=vs, fused=ctx.fused_attention,
+                                    gate=gate)  # [1, H*hd]
 
     def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StaticStep,
               window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,8 +177,11 @@ class GatedAttention(GQAAttention):
         lw, T = self.lw, h.shape[0]
         qg, k, v = qkv_linear(h, lw)  # [T, 2*H*hd], [T, Hkv*hd], [T, Hkv*hd]
         qg = qg.view(T, self.n_heads, 2, self.head_dim)
-        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, -1)  # [T, H, hd], [T, H*hd]
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
+        if ctx.static and ctx.rows is None:  # one token: q read strided, the gate applied in
+            # the attention's reduce launch (no copies, no sigmoid and product launches)
+            return linear(self._step(qg[:, :, 0], k, v, ctx, gate=qg[:, :, 1]), lw.wo)
+        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, -1)  # [T, H, hd], [T, H*hd]
         out = self._step(q, k, v, ctx) if ctx.static else self._segments(q, k, v, ctx)
         return linear(out * torch.sigmoid(gate), lw.wo)
