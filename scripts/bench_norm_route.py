@@ -6,7 +6,8 @@ launches it replaces (fuse=False) with either top-k.
     python scripts/bench_norm_route.py [--json F]
 
 Medians over CUDA-graph replays of 16 calls (strata.bench.graph_timing), each call on its own
-router copy (so the L2 does not hold them all).
+router copy (so the L2 does not hold them all). Each top-k's fused launch is also checked
+against torch's routing on 64 random rows.
 """
 
 from __future__ import annotations
@@ -36,6 +37,28 @@ def layer_seconds(e: int, d: int, k: int, fuse: bool) -> float:
                                                          sync, fuse=fuse))
 
 
+def agrees(e: int, d: int, k: int) -> str:
+    """Whether the fused launch's ids and weights (this process's top-k pick) equal the torch
+    reference's on 64 random rows (logits without near ties: a misrouting is then a bug)."""
+    dev = torch.device("cuda")
+    sync = torch.zeros(1, dtype=torch.int32, device=dev)
+    bad = 0
+    for i in range(64):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(1, d, generator=g).to(dev)
+        w = (torch.rand(d, generator=g) + 0.5).to(dev)
+        router = (torch.randn(e, d, generator=g) * 0.02).to(dev)
+        h, ids, wts = decode_ops.norm_route(x.clone(), None, w, 1e-6, router, k, True, sync)
+        logits = h @ router.T
+        top = torch.topk(logits, k + 1, dim=-1)
+        if float((top.values[0, k - 1] - top.values[0, k]).abs()) < 1e-4:
+            continue  # (a near tie: either pick is right)
+        p = torch.softmax(logits, -1).gather(1, top.indices[:, :k])
+        bad += not (torch.equal(ids, top.indices[:, :k])
+                    and torch.allclose(wts, p / p.sum(-1, keepdim=True), rtol=1e-4, atol=1e-6))
+    return f"{bad} of 64 rows DIFFER" if bad else "ids and weights agree with torch's on 64 rows"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -55,8 +78,9 @@ def main() -> None:
                 us = 1e6 * layer_seconds(e, d, k, True)
                 label = (pick if sort else f"{pick}, BLOCK_J {blocks(e)['BLOCK_J']} (default)"
                          if bj is None else f"{pick}, BLOCK_J {bj}")
-                rows.append(dict(experts=e, variant=f"fused, {label}", us=us))
-                print(f"E {e}: fused, {label}: {us:.2f} us")
+                check = agrees(e, d, k) if bj is None else ""
+                rows.append(dict(experts=e, variant=f"fused, {label}", us=us, check=check))
+                print(f"E {e}: fused, {label}: {us:.2f} us" + (f" ({check})" if check else ""))
             decode_ops._route_blocks = blocks
             us = 1e6 * layer_seconds(e, d, k, False)
             rows.append(dict(experts=e, variant=f"three launches, {pick}", us=us))

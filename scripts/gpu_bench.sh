@@ -162,10 +162,11 @@ for spec in ${SYNTH_MORE:-}; do  # preset[:quant] each: synthesized beside M, fo
 done
 if [[ $STAGES == *tests* ]]; then
   echo "== CUDA tests: decode step, decode ops, MoE kernels, grouped prompt MoE, ring, offload, prompt"
-  # (in N processes each gets its share of torch's threads; -v names each test as it ends, and
-  # the timeout's SIGINT makes pytest print what ended, so a cut run still says what passed)
+  # (in N processes each gets its share of torch's threads; -v names each test as it ends, so
+  # a run cut by the timeout, or whose workers hang at teardown, still says what failed: the
+  # summary at the end never printed in one such run)
   tenv=(); [[ -n ${PYTEST_N:-} ]] && tenv=(OMP_NUM_THREADS=$(( ($(nproc) + PYTEST_N - 1) / PYTEST_N )))
-  env "${tenv[@]}" timeout -s INT -k 30 ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m cuda \
+  env "${tenv[@]}" timeout -s INT -k 30 ${TEST_TIMEOUT:-400} python3 -m pytest -v -p no:cacheprovider -m cuda \
     ${PYTEST_N:+-n $PYTEST_N} -rfE --junitxml="$OUT/junit.xml" --durations=15 ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
