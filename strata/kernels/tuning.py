@@ -226,13 +226,19 @@ GATHER_BLOCK = 4096
 NORM_ROUTE_MAX_EXPERTS = 128
 # routers of at least this many experts pick their top k by a bitonic top-k (tl.topk over int64
 # keys: value bits above, id below; decode_kernels._route_row_sorted) instead of the [E, E] rank
-# comparison, in route_topk and norm_route; None: never. Off until timed
-# (scripts/bench_norm_route.py times both)
+# comparison, in route_topk and norm_route; None: never. Timed on an H100: the fused route at 256
+# experts 17.72 -> 5.49 us (three launches: 9.74), at 128 5.07 -> 4.97; Qwen3.6's decode with it
+# and NORM_ROUTE_MAX_EXPERTS 256 293.8 -> 338.2 tok/s (bench/2026-12-07-h100-launches.md). Off
+# still: a CUDA test run with it on had 13 failures it did not name; its ids on a GPU are to be
+# checked first (bench_norm_route.py now does)
 ROUTE_SORT_MIN_EXPERTS: int | None = None
 # a decode token's shared expert (qwen2moe / qwen35moe / glm4moe / deepseek2; SharedExpert in
 # model/parts/ffn.py) on the 8-bit-activation kernels where the weights are loaded for them
 # (--kernels fused): Qwen3.6's profile put its float32 FMA gate/up at 6.1 us and its down at 3.1
-# us a layer (bench/2026-12-07-h200-group.md), one pair on the per-pair grid. False until timed
+# us a layer (bench/2026-12-07-h200-group.md), one pair on the per-pair grid. Timed on an H100
+# (bench/2026-12-07-h100-launches.md): Qwen3.6 decode 338.2 -> 350.5 tok/s beside the sorted
+# fused route, 293.8 -> 285.0 without it (one run each). Off until both are understood and the
+# CUDA tests with it on are named
 SHARED_X8 = False
 
 # ---- decode attention (kernels/gpu/decode_ops.py) -----------------------------------------------
