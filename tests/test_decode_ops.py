@@ -1068,6 +1068,9 @@ _INTERPRETED = """
             hh, rw = rnd(1, d), rnd(e, d)
             assert rel(ops.router_logits(hh, rw), hh @ rw.T) < TOL, (e, d)
             assert rel(ops.router_logits(hh, rw, sigmoid=True), torch.sigmoid(hh @ rw.T)) < TOL
+            bias = rnd(e)  # (gpt-oss's router bias, in the same launch)
+            assert torch.equal(ops.router_logits(hh, rw, bias=bias), ops.router_logits(hh, rw)
+                               + bias), (e, d, "bias")
         ids, w = ops.route_topk(torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]), 4, False)
         assert ids.tolist() == [[1, 3, 2, 4]], ids  # ties: the lower id first
         # NaN logits route as -inf: still K distinct experts

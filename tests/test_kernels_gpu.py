@@ -518,7 +518,17 @@ _INTERPRETED_MATMUL = """
         assert diff <= 2**-22 * ref.abs().max(), q
         for m in (1, 3, 9):  # FMA, FMA with three tokens, tl.dot (float32 operands here)
             x = torch.randn(m, k)
-            assert rel(quant_matmul(x, w, q), matmul_ref(x, w, q)) < 2e-5, (q, m)
+            y = quant_matmul(x, w, q)
+            assert rel(y, matmul_ref(x, w, q)) < 2e-5, (q, m)
+            # a bias: added as one token's GEMV stores (the rows kernel's too), after otherwise;
+            # bit for bit the product's then the add
+            b = torch.randn(5)
+            assert torch.equal(quant_matmul(x, w, q, bias=b), y + b), (q, m, "bias")
+            if m == 1:
+                tile = (2, 32 if q == QType.Q8_0 else 256, 1, 1)
+                yr = quant_matmul(x, w, q, rows_tile=tile)
+                assert torch.equal(quant_matmul(x, w, q, rows_tile=tile, bias=b), yr + b), \
+                    (q, "rows kernel bias")
     # two matrices of other types in one launch (a q/k pair and its v)
     from strata.kernels.gpu.matmul import gemv_pair
     for qa, qb, na, nb in ((QType.Q4_K, QType.Q6_K, 7, 3), (QType.IQ2_XS, QType.Q5_K, 2, 5)):

@@ -82,9 +82,16 @@ class QuantTensor:
         return (1 < x.shape[0] <= DENSE_X8_MAX_T and self.qtype in (QType.Q4_K, QType.Q6_K)
                 and self._x8_rows())
 
-    def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for a 2-D W [N, n_cols]: the fused kernel on CUDA where one exists, else
-        dequantizing a chunk of rows at a time. x: [T, n_cols] -> [T, N]"""
+    def matmul_t(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias [N]) for a 2-D W [N, n_cols]: the fused kernel on CUDA where one
+        exists (a one-token float32 GEMV adds the bias as it stores), else dequantizing a chunk
+        of rows at a time. x: [T, n_cols] -> [T, N]"""
+        if bias is not None:
+            if self.fused_for(x) and not (self.x8 and (self._x8_for(x) or x.shape[0] > 1)):
+                from strata.kernels.gpu import quant_matmul
+
+                return quant_matmul(x.contiguous(), self.raw, self.qtype, bias=bias)
+            return self.matmul_t(x) + bias
         if self.cpu_matmul is not None and not x.is_cuda:
             return self.cpu_matmul(x)
         if self.fused_for(x):
@@ -135,9 +142,12 @@ def embed_on_host(cfg: ModelConfig, device_type: str) -> bool:
     return device_type == "cuda" and EMBED_ON_HOST and not cfg.tied_output
 
 
-def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x @ w.T. x: [T, K] -> [T, N]"""
-    return x @ w.T if isinstance(w, torch.Tensor) else w.matmul_t(x)
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias [N]: in the GEMV's store where a fused one takes it). x: [T, K] ->
+    [T, N]"""
+    if isinstance(w, torch.Tensor):
+        return x @ w.T if bias is None else x @ w.T + bias
+    return w.matmul_t(x, bias)
 
 
 def qkv_linear(x: torch.Tensor, lw: LayerWeights, bias: bool = False,
@@ -157,9 +167,9 @@ def qkv_linear(x: torch.Tensor, lw: LayerWeights, bias: bool = False,
             qk, v = gemv_pair(x.contiguous(), (w.raw, w.qtype), (lw.wv.raw, lw.wv.qtype))
             out = (*qk.split([_rows(lw.wq), _rows(lw.wk)], dim=1), v)
         else:
-            y = linear(x, w)
+            y = linear(x, w, lw.bqkv if bias else None)
             if bias and lw.bqkv is not None:
-                y, bias = y + lw.bqkv, False
+                bias = False
             # contiguous: a no-op for one token (its row is), a copy for longer inputs
             parts = y.split([_rows(m) for m in mats[:n]], dim=1)
             out = (*(p.contiguous() if contiguous else p for p in parts),

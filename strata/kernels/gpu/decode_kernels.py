@@ -393,8 +393,8 @@ def _attn_reduce_kernel(part_o, part_ml, length, out, T, H, S, stride_ot, sinks,
 
 @triton.jit
 def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr,
-                     SIGMOID: tl.constexpr = False):
-    # y[n] = Σ_d w[n, d] · x[d] for BN rows n (SIGMOID: its sigmoid)
+                     SIGMOID: tl.constexpr = False, bias=None, BIAS: tl.constexpr = False):
+    # y[n] = Σ_d w[n, d] · x[d] (+ bias[n]) for BN rows n (SIGMOID: its sigmoid)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = (n < N)[:, None]
     acc = tl.zeros((BN, BD), tl.float32)
@@ -406,6 +406,8 @@ def _rows_dot_kernel(x, w, y, N, D, stride_w, BN: tl.constexpr, BD: tl.constexpr
                      other=0.0)
         acc += wv * xv[None, :]
     out = tl.sum(acc, axis=1)
+    if BIAS:
+        out += tl.load(bias + n, mask=n < N, other=0.0)
     if SIGMOID:
         out = tl.sigmoid(out)
     tl.store(y + n, out, mask=n < N)

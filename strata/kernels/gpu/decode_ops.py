@@ -746,12 +746,18 @@ def _paged_launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 # ---- routing -------------------------------------------------------------------------------------
 
 
-def router_logits(h: torch.Tensor, router: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
-    """h @ router.T: h [T, D] f32, router [E, D] f32 (rows contiguous) -> [T, E] f32 (sigmoid:
-    their sigmoid, in the same launch: a shared expert's gate). One token on CUDA:
-    `_rows_dot_kernel` (see the module doc); otherwise torch."""
+def router_logits(h: torch.Tensor, router: torch.Tensor, sigmoid: bool = False,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h @ router.T (+ bias): h [T, D] f32, router [E, D] f32 (rows contiguous), bias [E] f32
+    contiguous (gpt-oss's router) -> [T, E] f32 (sigmoid: their sigmoid, in the same launch: a
+    shared expert's gate). One token on CUDA: `_rows_dot_kernel` (see the module doc);
+    otherwise torch."""
     if h.shape[0] != 1 or not _use_kernels(h) or router.dtype != torch.float32:
-        return torch.sigmoid(h @ router.T) if sigmoid else h @ router.T
+        y = h @ router.T if bias is None else h @ router.T + bias
+        return torch.sigmoid(y) if sigmoid else y
+    if bias is not None:
+        _f32(bias, "bias", (router.shape[0],))
+        _check(bias.is_contiguous() and bias.device == h.device, "bias must be contiguous")
     _f32(h, "h")
     e, d = router.shape
     _check(h.shape[1] == d and router.stride(1) == 1 and h.stride(1) == 1,
@@ -760,7 +766,9 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, sigmoid: bool = False) 
     bn = 2
     bd = min(1024, _pow2(d))
     _kernels()._rows_dot_kernel[(_cdiv(e, bn),)](h, router, out, e, d, router.stride(0), BN=bn,
-                                            BD=bd, SIGMOID=sigmoid, num_warps=4)
+                                            BD=bd, SIGMOID=sigmoid,
+                                            bias=out if bias is None else bias,
+                                            BIAS=bias is not None, num_warps=4)
     return out
 
 

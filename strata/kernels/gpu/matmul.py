@@ -75,19 +75,23 @@ def _dequant_kernel(w, out, tab, tab2, N, K, row_bytes, stride_on,
 
 
 @triton.jit
-def _store_row(y, t, M, n, N, acc):
-    """y[t, n] = Σ acc[n, :, :] for a token t < M."""
-    tl.store(y + n, tl.sum(tl.sum(acc, axis=2), axis=1), mask=(n < N) & (t < M))
+def _store_row(y, t, M, n, N, acc, bias=None, BIAS: tl.constexpr = False):
+    """y[t, n] = Σ acc[n, :, :] (+ bias[n]) for a token t < M."""
+    v = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if BIAS:
+        v += tl.load(bias + n, mask=n < N, other=0.0)
+    tl.store(y + n, v, mask=(n < N) & (t < M))
 
 
 @triton.jit(do_not_specialize=_SIZES + ["G"])
 def _gemv_kernel(x, w, y, tab, tab2, M, N, K, G, row_bytes, stride_xm, stride_ym,
                  QT: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                 STAGES: tl.constexpr):
-    # y[t, n] = Σ_k x[t, k] · W[n, k], float32 FMA, the tokens in G groups of BM <= 4: program
-    # p takes group p % G of the rows p // G, so a row tile's groups run side by side and all
-    # but the first read W from L2 (every weight from HBM once)
+                 STAGES: tl.constexpr, bias=None, BIAS: tl.constexpr = False):
+    # y[t, n] = Σ_k x[t, k] · W[n, k] (+ bias[n]: BIAS, one token only), float32 FMA, the
+    # tokens in G groups of BM <= 4: program p takes group p % G of the rows p // G, so a row
+    # tile's groups run side by side and all but the first read W from L2 (every weight from
+    # HBM once)
     pid = tl.program_id(0)
     t0 = (pid % G) * BM
     x += t0.to(tl.int64) * stride_xm
@@ -98,7 +102,7 @@ def _gemv_kernel(x, w, y, tab, tab2, M, N, K, G, row_bytes, stride_xm, stride_ym
     zero = tl.zeros((BN, BK // S, S), dtype=tl.float32)
     if BM == 1:
         _store_row(y, 0, M, n, N, gemv_tile(QT, S, BK, EVEN_K, STAGES, wr, x, K, tab, tab2,
-                                            zero))
+                                            zero), bias, BIAS)
     else:
         # tokens t >= M read row M - 1 (in bounds) and are not stored
         x1 = x + tl.minimum(1, M - 1).to(tl.int64) * stride_xm
@@ -136,9 +140,10 @@ def _gemv_pair_kernel(x, wa, wb, ya, yb, ta, ta2, tb, tb2, NA, NB, K, rb_a, rb_b
 
 
 @triton.jit
-def _store_rows(y, n0, N, R: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
-    """y[n0 + r] = Σ a_r for the rows r < R inside N: the R sums gathered into one [R, G] tile
-    first, so the threads and warps combine once, not once per row."""
+def _store_rows(y, n0, N, R: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, bias=None,
+                BIAS: tl.constexpr = False):
+    """y[n0 + r] = Σ a_r (+ bias[n0 + r]) for the rows r < R inside N: the R sums gathered
+    into one [R, G] tile first, so the threads and warps combine once, not once per row."""
     r = tl.arange(0, R)[:, None]
     t = tl.where(r == 0, tl.sum(a0, axis=2), 0.0)  # [R, G]
     if R > 1:
@@ -152,18 +157,23 @@ def _store_rows(y, n0, N, R: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
         t += tl.where(r == 6, tl.sum(a6, axis=2), 0.0)
         t += tl.where(r == 7, tl.sum(a7, axis=2), 0.0)
     n = n0 + tl.arange(0, R)
-    tl.store(y + n, tl.sum(t, axis=1), mask=n < N)
+    v = tl.sum(t, axis=1)
+    if BIAS:
+        v += tl.load(bias + n, mask=n < N, other=0.0)
+    tl.store(y + n, v, mask=n < N)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
 def _gemv_rows_kernel(x, w, y, tab, tab2, N, K, row_bytes, QT: tl.constexpr, S: tl.constexpr,
                       R: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                      STAGES: tl.constexpr, WIDE: tl.constexpr):
-    # y[n] = Σ_k x[k] · W[n, k] for one token, R rows per program sharing each step's x tile
+                      STAGES: tl.constexpr, WIDE: tl.constexpr, bias=None,
+                      BIAS: tl.constexpr = False):
+    # y[n] = Σ_k x[k] · W[n, k] (+ bias[n]) for one token, R rows per program sharing each
+    # step's x tile
     n0 = tl.program_id(0) * R
     a0, a1, a2, a3, a4, a5, a6, a7 = gemv_rows_tile(QT, S, BK, EVEN_K, STAGES, R, WIDE, w, n0,
                                                     N, row_bytes, x, K, tab, tab2)
-    _store_rows(y, n0, N, R, a0, a1, a2, a3, a4, a5, a6, a7)
+    _store_rows(y, n0, N, R, a0, a1, a2, a3, a4, a5, a6, a7, bias, BIAS)
 
 
 @triton.jit(do_not_specialize=_SIZES + ["KS", "stride_ys"])
@@ -318,8 +328,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
                  base_tile: tuple[int, int, int, int] | None = None,
                  rows_tile: tuple[int, int, int, int] | None = None,
                  dequant_min_m: int = DEQUANT_MIN_M,
-                 gemv_max_m: int = GEMV_MAX_M, split_k: int | None = None) -> torch.Tensor:
-    """y[t, n] = Σ_k x[t, k] · W[n, k]. x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)] -> f32.
+                 gemv_max_m: int = GEMV_MAX_M, split_k: int | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t, n] = Σ_k x[t, k] · W[n, k] (+ bias[n]: float32 [N], contiguous; one token's GEMV
+    adds it as it stores y, other calls after). x [M, K] bf16/f32, w uint8 [N, row_nbytes(K)]
+    -> f32.
     For benchmarks (defaults: strata.kernels.tuning's): tile, one token's FMA tile (BN, BK,
     stages, warps) as is; base_tile, the FMA tile instead of the type's (still fitted to M, N
     and K); rows_tile, one token on the rows kernel with (R, BK, stages, warps); dequant_min_m,
@@ -329,8 +342,12 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     qtype = QType(qtype)
     k = x.shape[-1]
     fmt = kernel_format(qtype)
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.shape[0],)
+                             or not bias.is_contiguous() or bias.device != w.device):
+        raise ValueError(f"bias must be float32 [{w.shape[0]}], contiguous, on {w.device}")
     if fmt is None:
-        return fallback_matmul(x, w, qtype, k)
+        y = fallback_matmul(x, w, qtype, k)
+        return y if bias is None else y.add_(bias)
     check_x(x, k)
     nbytes = check_weights(w, qtype, k)
     if x.device != w.device:
@@ -341,8 +358,10 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
     if m > 0 and n > 0:
-        _launch(x, w, out, fmt, nbytes, tile, base_tile, rows_tile, dequant_min_m, gemv_max_m,
-                split_k)
+        fused_bias = _launch(x, w, out, fmt, nbytes, tile, base_tile, rows_tile, dequant_min_m,
+                             gemv_max_m, split_k, bias)
+        if bias is not None and not fused_bias:
+            out.add_(bias)
     return out
 
 
@@ -351,22 +370,26 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
             base_tile: tuple[int, int, int, int] | None = None,
             rows_tile: tuple[int, int, int, int] | None = None,
             dequant_min_m: int = DEQUANT_MIN_M, gemv_max_m: int = GEMV_MAX_M,
-            split_k: int | None = None) -> None:
+            split_k: int | None = None, bias: torch.Tensor | None = None) -> bool:
+    """The launches of quant_matmul; -> whether they added bias (one token's GEMVs do)."""
     m, k = x.shape
     n = w.shape[0]
     tab, tab2 = fmt.tables(x.device)
     rows_tile = (rows_tile or GEMV_ROWS_TUNE.get((int(fmt.qtype), n, k))) if m == 1 else None
     if rows_tile is not None:
-        _launch_rows(x, w, out, fmt, nbytes, rows_tile)
-    elif m <= gemv_max_m:
+        _launch_rows(x, w, out, fmt, nbytes, rows_tile, bias)
+        return bias is not None
+    if m <= gemv_max_m:
         bm = triton.next_power_of_2(min(m, GEMV_GROUP))
         groups = triton.cdiv(m, bm)
         bn, bk, stages, warps = gemv_config(fmt, bm, n, k, ctas=groups, tile=tile,
                                             base_tile=base_tile)
+        one = bias is not None and bm == 1
         _gemv_kernel[(triton.cdiv(n, bn) * groups,)](
             x, w, out, tab, tab2, m, n, k, groups, nbytes, x.stride(0), out.stride(0),
             QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-            STAGES=stages, num_warps=warps)
+            STAGES=stages, bias=bias if one else out, BIAS=one, num_warps=warps)
+        return one
     elif m >= dequant_min_m and not knobs.runtime.interpret:
         w16 = dequantize_gpu(w, fmt.qtype, k, torch.bfloat16)  # [N, K]
         mm_f32(x.to(torch.bfloat16), w16.T, out)
@@ -383,6 +406,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
             num_stages=stages)
         if split > 1:
             torch.sum(y, 0, out=out)
+    return False
 
 
 def gemv_pair(x: torch.Tensor, a: tuple[torch.Tensor, int | QType],
@@ -453,7 +477,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, qtype: int | QType,
 
 
 def _launch_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelFormat,
-                 nbytes: int, tile: tuple[int, int, int, int]) -> None:
+                 nbytes: int, tile: tuple[int, int, int, int],
+                 bias: torch.Tensor | None = None) -> None:
     r, bk, stages, warps = tile
     k = x.shape[1]
     n = w.shape[0]
@@ -463,7 +488,9 @@ def _launch_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: Kerne
     _gemv_rows_kernel[(triton.cdiv(n, r),)](x, w, out, tab, tab2, n, k, nbytes,
                                             QT=int(fmt.qtype), S=fmt.group, R=r, BK=bk,
                                             EVEN_K=k % bk == 0, STAGES=stages,
-                                            WIDE=w.data_ptr() % 8 == 0, num_warps=warps)
+                                            WIDE=w.data_ptr() % 8 == 0,
+                                            bias=out if bias is None else bias,
+                                            BIAS=bias is not None, num_warps=warps)
 
 
 _MM_DTYPE: list[bool] = []

@@ -50,7 +50,7 @@ class GQAAttention:
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
         out = self._step(q, k, v, ctx) if ctx.static else self._segments(q, k, v, ctx)
-        return linear(out, lw.wo)
+        return linear(out, lw.wo, lw.bo)  # (the output's bias: gpt-oss's)
 
     def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               ctx: StaticStep, gate: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,7 +37,7 @@ class BiasedRoutedExperts(RoutedExperts):
         h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
         if ctx.static:  # torch ops over the static buffers (norm_route has no bias)
             ops = decode_ops()
-            logits = ops.router_logits(h, lw.router) + lw.router_logit_bias  # [1, E]
+            logits = ops.router_logits(h, lw.router, bias=lw.router_logit_bias)  # [1, E]
             ids, wts = ops.route_topk(logits, self.k, True, counts=ctx.counts(self.layer))
         else:
             ids, wts = self._route(h)

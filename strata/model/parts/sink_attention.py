@@ -5,8 +5,9 @@ its keys and one learned sink logit s_h that takes probability and gives no valu
     p = softmax([q k_j^T * scale for j in window(i)] ++ [s_h]);  out = Σ_j p_j v_j  (sink dropped)
     window(i) = {j <= i} (full layers), {i - W < j <= i} (sliding layers, W = sliding_window)
 
-then wo and its bias. The KV cache keeps every row on both kinds of layer (a sliding layer reads
-only its last W). In a static step (the decode step's buffers) the attention is
+then wo and its bias (GQAAttention.forward's: in the GEMV's store on CUDA). The KV cache keeps
+every row on both kinds of layer (a sliding layer reads only its last W). In a static step (the
+decode step's buffers) the attention is
 decode_ops.decode_attention with the window and the sinks: flash decoding over the window's rows
 on CUDA, torch ops over the static cache elsewhere (no host sync either way).
 
@@ -21,7 +22,7 @@ from strata.arch.gpt_oss import is_sliding
 from strata.config import ModelConfig
 from strata.model.layers import apply_rope
 from strata.model.parts.attention import GQAAttention
-from strata.model.parts.context import Context, Segments, StaticStep, decode_ops
+from strata.model.parts.context import Segments, StaticStep, decode_ops
 from strata.model.weights import LayerWeights
 
 # the float32 score matrix [H, block, Tk] of a prompt chunk is held to this many bytes (a block
@@ -61,10 +62,6 @@ class SinkAttention(GQAAttention):
     def __init__(self, cfg: ModelConfig, lw: LayerWeights, layer: int):
         super().__init__(cfg, lw, layer)  # (YaRN's scales: GQAAttention's)
         self.window = cfg.sliding_window if is_sliding(cfg, layer) else 0
-
-    def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
-        out = super().forward(h, ctx)  # [T, D]
-        return out + self.lw.bo if self.lw.bo is not None else out
 
     def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               ctx: StaticStep) -> torch.Tensor:
