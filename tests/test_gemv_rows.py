@@ -122,7 +122,8 @@ def test_quant_matmul_takes_rows_for_listed_shapes(monkeypatch: pytest.MonkeyPat
     assert set(mm.GEMV_ROWS_TUNE) == {(int(QType.Q8_0), 201088, 2880),
                                       (int(QType.Q8_0), 5120, 2880)}
     launched = []
-    monkeypatch.setattr(mm, "_launch_rows", lambda *a: launched.append(a[-1]))
+    monkeypatch.setattr(mm, "_launch_rows", lambda x, w, out, fmt, nbytes, tile, bias=None:
+                        launched.append(tile))
     monkeypatch.setattr(mm, "GEMV_ROWS_TUNE", {(int(QType.Q4_K), 3, 256): (2, 256, 1, 1)})
     mm.quant_matmul(torch.zeros(1, 256), torch.zeros(3, 144, dtype=torch.uint8), QType.Q4_K)
     assert launched == [(2, 256, 1, 1)]
