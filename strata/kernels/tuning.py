@@ -79,7 +79,10 @@ GEMV_X8_TILE = MappingProxyType({QType.Q4_K: (4, 8, 1), QType.Q6_K: (2, 4, 1),
 GEMV_X8_RUN = ((2, (4, 2, 1)), (1, (8, 1, 1)))
 # QuantTensor.x8 from this many rows on (the output head, not the attention projections): rounding
 # x is one more launch (~1.2 us a graph) that a short GEMV would not win back; an estimate, timed
-# only from 14336 rows. bench/2026-11-30-h200-iquants.md
+# from 14336 rows (bench/2026-11-30-h200-iquants.md). On an H100 (graph replays, rounding
+# included, bench/2026-12-07-h100-launches.md), Q4_K 8192 x 2048: 8-bit 7.23 against FMA 11.18
+# us; 4096 x 2048: 6.16 / 7.02; 2048 x 4096: 6.58 / 6.29; 512 x 2048: 4.34 / 3.02. 4096 would
+# gain ~0.9 us a 4096-row GEMV: not yet tried end to end
 X8_MIN_ROWS = 8192
 # --kernels fused: a dense matmul of 2 to DENSE_X8_MAX_T tokens (a batched step's) over Q4_K or Q6_K
 # rows rounds x to 8 bits and reads each row once for every token (dense_x8.gemm_x8_tokens:
