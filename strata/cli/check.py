@@ -34,8 +34,7 @@ from strata.cli.logits import compute_logits, parse_tokens
 from strata.config import EngineConfig
 from strata.engine.generator import Engine
 from strata.errors import StrataError
-from strata.kernels.torch_ops import sum_rows
-from strata.model.parts.norm import SharedRows
+from strata.model.parts.norm import SharedRows, summed
 from strata.model.parts.routing import RoutingPin, RoutingTrace, attach
 from strata.model.parts.spec import layer_spec
 
@@ -135,9 +134,7 @@ def token_rows(delta: torch.Tensor | SharedRows) -> np.ndarray:
     decode step on CUDA's fused expert kernels hands on the K pairs' rows unsummed, [T, K, D]
     (moe_forward's sum_pairs=False), with a shared expert's row beside them (SharedRows):
     summed here in the order add_rms_norm adds them."""
-    if isinstance(delta, SharedRows):
-        return delta.total().float().cpu().numpy().copy()
-    return sum_rows(delta.float()).cpu().numpy().copy()
+    return summed(delta).float().cpu().numpy().copy()
 
 
 class LayerOutputs:

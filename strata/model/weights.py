@@ -86,37 +86,35 @@ class QuantTensor:
         """x @ W.T (+ bias [N]) for a 2-D W [N, n_cols]: the fused kernel on CUDA where one
         exists (a one-token float32 GEMV adds the bias as it stores), else dequantizing a chunk
         of rows at a time. x: [T, n_cols] -> [T, N]"""
-        if bias is not None:
-            if self.fused_for(x) and not (self.x8 and (self._x8_for(x) or x.shape[0] > 1)):
-                from strata.kernels.gpu import quant_matmul
-
-                return quant_matmul(x.contiguous(), self.raw, self.qtype, bias=bias)
-            return self.matmul_t(x) + bias
         if self.cpu_matmul is not None and not x.is_cuda:
-            return self.cpu_matmul(x)
+            return _plus(self.cpu_matmul(x), bias)
         if self.fused_for(x):
             if self.x8 and self._x8_for(x):
                 from strata.kernels.gpu.gemv_q8 import gemv_x8
 
-                return gemv_x8(x, self.raw, self.qtype)
+                return _plus(gemv_x8(x, self.raw, self.qtype), bias)
             if self.x8 and x.shape[0] > 1:  # a few tokens over the head: the integer cores
                 from strata.kernels.gpu.moe_mmq import mmq_matmul, mmq_matmul_takes
 
                 if mmq_matmul_takes(x, self.raw, self.qtype):
-                    return mmq_matmul(x, self.raw, self.qtype)
+                    return _plus(mmq_matmul(x, self.raw, self.qtype), bias)
                 if self._x8_tokens_for(x):  # a batched step's: each row read once for all
                     from strata.kernels.gpu.dense_x8 import gemm_x8_tokens
 
-                    return gemm_x8_tokens(x, self.raw, self.qtype)
+                    return _plus(gemm_x8_tokens(x, self.raw, self.qtype), bias)
             from strata.kernels.gpu import quant_matmul
 
-            return quant_matmul(x.contiguous(), self.raw, self.qtype)
+            return quant_matmul(x.contiguous(), self.raw, self.qtype, bias=bias)
         n = self.raw.shape[0]
         step = dequant_rows(self.n_cols)
         out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
         for i in range(0, n, step):
             out[:, i:i + step] = x @ self.rows(slice(i, i + step)).T
-        return out
+        return _plus(out, bias)
+
+
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
 
 
 Weight = torch.Tensor | QuantTensor  # float32 [N, K], or kept in GGUF blocks
@@ -145,9 +143,7 @@ def embed_on_host(cfg: ModelConfig, device_type: str) -> bool:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ bias [N]: in the GEMV's store where a fused one takes it). x: [T, K] ->
     [T, N]"""
-    if isinstance(w, torch.Tensor):
-        return x @ w.T if bias is None else x @ w.T + bias
-    return w.matmul_t(x, bias)
+    return _plus(x @ w.T, bias) if isinstance(w, torch.Tensor) else w.matmul_t(x, bias)
 
 
 def qkv_linear(x: torch.Tensor, lw: LayerWeights, bias: bool = False,

@@ -98,15 +98,13 @@ def delta_step(x: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | Non
     bv, warps = DELTA_STEP_TILE
     out = torch.empty(hv, dv, dtype=torch.float32, device=x.device)
     bk = 1 << max(dk - 1, 0).bit_length()
+    extra = {}
     if gates is not None:  # (g: beta's and alpha's logits; beta unread)
         ba, a, dt_bias = gates
-        _delta_step_kernel[(hv, -(-dv // bv))](x, ba, ba, state, out, eps, dk ** -0.5, HK=hk,
-                                                R=r, DK=dk, DV=dv, TILED=tiled, BK=bk, BV=bv,
-                                                GATES=True, a=a, dt_bias=dt_bias, HV=hv,
-                                                num_warps=warps)
-        return out
+        g = beta = ba
+        extra = dict(GATES=True, a=a, dt_bias=dt_bias, HV=hv)
     _delta_step_kernel[(hv, -(-dv // bv))](x, g, beta, state, out, eps, dk ** -0.5, HK=hk, R=r,
-                                            DK=dk, DV=dv, TILED=tiled, BK=bk, BV=bv,
+                                            DK=dk, DV=dv, TILED=tiled, BK=bk, BV=bv, **extra,
                                             num_warps=warps)
     return out
 

@@ -390,7 +390,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fmt: KernelForm
             QT=int(fmt.qtype), S=fmt.group, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
             STAGES=stages, bias=bias if one else out, BIAS=one, num_warps=warps)
         return one
-    elif m >= dequant_min_m and not knobs.runtime.interpret:
+    if m >= dequant_min_m and not knobs.runtime.interpret:
         w16 = dequantize_gpu(w, fmt.qtype, k, torch.bfloat16)  # [N, K]
         mm_f32(x.to(torch.bfloat16), w16.T, out)
     else:

@@ -101,9 +101,10 @@ class SharedExpert:
         lw = self.lw
         ids, slot_of, ones = self._one
         w1, w3, w2 = lw.shared_w1, lw.shared_w3, lw.shared_w2
-        wts = ones if lw.shared_gate is None else gate if gate is not None else decode_ops(
-        ).router_logits(h, lw.shared_gate[None], sigmoid=True)  # [1, 1]
-        return moe_forward(h.contiguous(), ids, wts, slot_of, w1.raw[None], w3.raw[None],
+        if gate is None:
+            gate = ones if lw.shared_gate is None else decode_ops().router_logits(
+                h, lw.shared_gate[None], sigmoid=True)  # [1, 1]
+        return moe_forward(h.contiguous(), ids, gate, slot_of, w1.raw[None], w3.raw[None],
                            w2.raw[None], (w1.qtype, w3.qtype, w2.qtype), h.shape[1],
                            w1.raw.shape[0], sum_pairs=False,
                            x8=tuning.SHARED_X8 and w1.x8).reshape(1, -1)
@@ -130,22 +131,22 @@ class RoutedExperts:
         # the shared expert's gate beside the routing logits (one GEMV, the route launch writes
         # its sigmoid): on the fused paths where the router and gate are one matrix
         joint = lw.router_gate if self.shared is not None and not self.biased else None
-        gate = None
+        router, gate = lw.router, None
         if joint is not None and (ctx.static or ctx.fused_attention):
+            router = joint
             gate = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
         if self.biased:  # torch ops on every path (gating.py; capturable in a static step)
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ids, wts = self._route(h, ctx.counts(self.layer) if ctx.static else None)
         elif ctx.static:  # one launch on CUDA (decode_ops.norm_route)
             h, ids, wts = decode_ops().norm_route(
-                x, attn, lw.ffn_norm, self.eps, lw.router if gate is None else joint, self.k,
-                self.norm_topk, ctx.sync, counts=ctx.counts(self.layer), fuse=ctx.fuse_route,
-                gate=gate)
+                x, attn, lw.ffn_norm, self.eps, router, self.k, self.norm_topk, ctx.sync,
+                counts=ctx.counts(self.layer), fuse=ctx.fuse_route, gate=gate)
         elif ctx.fused_attention:  # (CUDA, --kernels fused) softmax and top k in one launch
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ops = decode_ops()
-            ids, wts = ops.route_topk(ops.router_logits(h, lw.router if gate is None else joint),
-                                      self.k, self.norm_topk, gate=gate)
+            ids, wts = ops.route_topk(ops.router_logits(h, router), self.k, self.norm_topk,
+                                      gate=gate)
         else:
             h = add_norm(x, attn, lw.ffn_norm, self.eps, ctx)
             ids, wts = self._route(h)  # [T, K]

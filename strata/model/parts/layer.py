@@ -27,7 +27,7 @@ from strata.model.parts.context import Context
 from strata.model.parts.delta_net import GatedDeltaNet
 from strata.model.parts.ffn import DenseFFN, RoutedExperts, Routing
 from strata.model.parts.mla import MLAttention
-from strata.model.parts.norm import Delta, SharedRows, add_norm
+from strata.model.parts.norm import Delta, add_norm, summed
 from strata.model.parts.sink_attention import SinkAttention
 from strata.model.parts.spec import layer_spec
 from strata.model.weights import LayerWeights, Weight, linear
@@ -74,7 +74,7 @@ class Head:
         """x [T, D] += delta -> logits [T, V] float32; rows: only these positions' ([R, V])."""
         if rows is not None:
             if delta is not None:
-                x.add_(delta.total() if isinstance(delta, SharedRows) else delta)
+                x.add_(summed(delta))
                 delta = None
             x = x[rows]
         return linear(add_norm(x, delta, self.norm, self.eps, ctx), self.weight)

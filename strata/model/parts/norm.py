@@ -34,6 +34,11 @@ class SharedRows(NamedTuple):
 Delta = torch.Tensor | SharedRows
 
 
+def summed(delta: Delta) -> torch.Tensor:
+    """A residual step's delta as [T, D], its rows added in the fused step's order."""
+    return delta.total() if isinstance(delta, SharedRows) else sum_rows(delta)
+
+
 def add_norm(x: torch.Tensor, delta: Delta | None, weight: torch.Tensor, eps: float,
              ctx: Context) -> torch.Tensor:
     """x [T, D] += delta (in place), then -> rms_norm(x, weight) [T, D]. One launch in a static
@@ -46,5 +51,5 @@ def add_norm(x: torch.Tensor, delta: Delta | None, weight: torch.Tensor, eps: fl
             return ops.add_rms_norm(x, delta.rows, weight, eps, extra=delta.shared)
         return ops.add_rms_norm(x, delta, weight, eps)
     if delta is not None:
-        x.add_(delta.total() if isinstance(delta, SharedRows) else delta)
+        x.add_(summed(delta))
     return rms_norm(x, weight, eps)
