@@ -71,6 +71,8 @@
 # results.tgz), for a later call to carry as .lbin/ (and .whl/) instead of building again; where
 # the parts and the tree pass a call's size, carry some parts in one call (STAGES=none) and the
 # rest in the next while the machine is warm (kept in /tmp/lbin there).
+# TUNING: strata.kernels.tuning's switches and tiles for every stage (tests and benchmarks), as
+# STRATA_TUNING, e.g. TUNING="ROUTE_SORT_MIN_EXPERTS=1,NORM_ROUTE_MAX_EXPERTS=256,SHARED_X8=True".
 # BENCH_THREADS: the CPU pool's --threads in strata bench / bench-spec / serve (the cores less one:
 # the engine's own choice counts this script's background builds as busy cores).
 # Carried in .whl/: the gguf wheel, the uvicorn and starlette wheels (strata serve; the GPU
@@ -93,11 +95,13 @@ pack() { (cd "$OUT" && ls | grep -vx -e machine.txt -e results.tgz -e 'llama-bin
     /tmp/tcache.mark | tar czf "$OUT/tcache.tgz" -T -); }
 trap pack EXIT
 export PYTHONUNBUFFERED=1
+[[ -n ${TUNING:-} ]] && export STRATA_TUNING=$TUNING
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
   echo "commit ${STRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  [[ -n ${STRATA_TUNING:-} ]] && echo "STRATA_TUNING $STRATA_TUNING"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   lscpu | grep -E "^Model name|^CPU\(s\)"; free -g | head -2
@@ -181,6 +185,9 @@ if [[ $STAGES == *tests* ]]; then
     tests/test_cli.py::test_generate_on_a_named_cuda_device} \
     2>&1 \
     | tee "$OUT/pytest.txt" | grep -E "passed|failed|Error|FAIL" | tail -25
+  # each failed test's name from -v's lines, whether or not pytest's summary printed
+  grep -oE "(FAILED|ERROR) tests/[^ ]+" "$OUT/pytest.txt" | sort -u >"$OUT/failed.txt"
+  [[ -s $OUT/failed.txt ]] && { echo "failed or in error ($(wc -l <"$OUT/failed.txt")):"; cat "$OUT/failed.txt"; }
 fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }
 [[ -n ${GGML_PID:-} ]] && { wait $GGML_PID; tail -1 /tmp/ggml.log;

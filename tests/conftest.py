@@ -29,6 +29,15 @@ def synth(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """STRATA_TUNING's overrides apply to the whole run (scripts/gpu_bench.sh's TUNING); text
+    they could not be read from stops it before any test, naming the entry."""
+    from strata.kernels import tuning
+
+    if tuning.OVERRIDE_ERROR is not None:
+        pytest.exit(str(tuning.OVERRIDE_ERROR), returncode=2)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -13,6 +13,7 @@ import traceback
 from strata import __version__
 from strata.config import cpu_threads, usable_cores
 from strata.errors import StrataError
+from strata.kernels import tuning
 from strata.logs import StderrHandler
 
 # subcommand -> (module, one-line help)
@@ -71,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
     setup_logging(args.debug)
+    try:
+        tuning.check_overrides()
+    except StrataError as e:
+        print(f"strata {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    if tuning.OVERRIDES:
+        logging.getLogger("strata").info("tuning from %s: %s", tuning.TUNING_ENV, ", ".join(
+            f"{k}={v}" for k, v in tuning.OVERRIDES.items()))
     set_thread_pools(getattr(args, "threads", None), spare=int(args.command == "serve"))
     # torch's CUDA allocator maps its free blocks into one growing range instead of keeping
     # fixed-size segments: under a --vram-budget cap, a prompt chunk's scratch of another size

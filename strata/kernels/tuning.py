@@ -3,7 +3,9 @@ it came from ("estimate" where nothing has timed the choice yet).
 
 Frozen: tuples, ints and read-only mappings, never changed at run time. A benchmark that times
 other values passes them to the launcher (quant_matmul's tile / base_tile / rows_tile /
-dequant_min_m, moe_forward's tiles / grouped) instead of changing this table.
+dequant_min_m, moe_forward's tiles / grouped) instead of changing this table, or, for a whole
+process, sets the switches and tiles through STRATA_TUNING (read once, at the end of this file,
+before any module imports a name from here).
 
 Tiles: FMA GEMV (BN rows, BK values a step, stages, warps); dp4a GEMV (R rows, BB blocks a step,
 warps); run forms (rows a program, split, warps). Numbers: H200, Qwen3-30B-A3B shapes
@@ -12,9 +14,14 @@ warps); run forms (rows a program, split, warps). Numbers: H200, Qwen3-30B-A3B s
 
 from __future__ import annotations
 
+import ast
+import os
+import re
 from types import MappingProxyType
 
 from gguf import GGMLQuantizationType as QType  # (strata.quant would import torch)
+
+from strata.errors import StrataError
 
 # ---- dense matmul (kernels/gpu/matmul.py, formats.py) -------------------------------------------
 
@@ -504,3 +511,83 @@ REFERENCE_CACHE_BYTES = 1 << 30
 # Past it the matmuls over unrouted pairs cost more than the reads they save; a prompt's tokens
 # keep one expert at a time. bench/2026-12-06-cpu-serve.md
 REFERENCE_DENSE_TOKENS = 16
+
+# ---- one process's overrides ------------------------------------------------------------------
+
+# STRATA_TUNING="NAME=VALUE,NAME=VALUE" sets switches and tiles of this table for one process, read
+# here once, before any module imports a name from here: a switch timed end to end, or the CUDA
+# tests run with it (scripts/gpu_bench.sh passes its TUNING as this). A value is of the name's
+# own kind: True / False, an int, a float, a tuple of the same length (a tile), None where the
+# name's annotation allows it; the tables (read-only mappings) are not set this way.
+TUNING_ENV = "STRATA_TUNING"
+
+
+def _same_kind(old: object, new: object) -> bool:
+    if isinstance(old, tuple):
+        return (isinstance(new, tuple) and len(new) == len(old)
+                and all(_same_kind(a, b) for a, b in zip(old, new, strict=True)))
+    if isinstance(old, bool) or isinstance(new, bool):
+        return type(old) is type(new)
+    if isinstance(old, float):
+        return isinstance(new, (int, float))
+    return type(old) is type(new)
+
+
+def parse_overrides(text: str, table: dict[str, object],
+                    annotations: dict[str, str]) -> dict[str, object]:
+    """{NAME: value} from STRATA_TUNING's text, each checked against the table's NAME (the kind
+    of its value, or of its annotation: "int | None" takes either): a StrataError naming the
+    variable, the entry and what it takes otherwise."""
+    out: dict[str, object] = {}
+    # (a tile's commas stay in its value: an entry starts at NAME=)
+    for item in re.split(r",\s*(?=[A-Za-z_][A-Za-z0-9_]*\s*=)", text.strip()):
+        name, eq, raw = (part.strip() for part in item.partition("="))
+        if not eq or not name:
+            raise StrataError(f"{TUNING_ENV}: {item!r} is not NAME=VALUE (entries joined by "
+                              "commas)")
+        if name not in table:
+            raise StrataError(f"{TUNING_ENV}: {name} is not a tuned value of "
+                              "strata.kernels.tuning (the names are its upper-case constants)")
+        old = table[name]
+        if isinstance(old, MappingProxyType):
+            raise StrataError(f"{TUNING_ENV}: {name} is a table; a benchmark passes its tiles "
+                              "to the launcher instead")
+        try:
+            new = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            raise StrataError(f"{TUNING_ENV}: {name}={raw}: not a value (True / False / None, a "
+                              "number or a tuple)") from None
+        kind = annotations.get(name, "")
+        takes_none = "None" in kind
+        takes_int = old is None and "int" in kind
+        if not (_same_kind(old, new) or (new is None and takes_none)
+                or (takes_int and type(new) is int)):
+            want = {bool: "True or False", int: "an int", float: "a number"}.get(type(old), kind)
+            if isinstance(old, tuple):
+                want = f"a tuple of {len(old)} like {old}"
+            raise StrataError(f"{TUNING_ENV}: {name}={raw}: {name} takes {want}")
+        out[name] = new
+    return out
+
+
+# what STRATA_TUNING set in this process (the CLI says it in its first lines); text it could not
+# read sets nothing and is kept here, raised by check_overrides (the CLI's one-line error, the
+# tests' session start): an import does not fail on it
+OVERRIDES: dict[str, object] = {}
+OVERRIDE_ERROR: StrataError | None = None
+if os.environ.get(TUNING_ENV, "").strip():
+    try:
+        OVERRIDES = parse_overrides(os.environ[TUNING_ENV],
+                                    {k: v for k, v in globals().items()
+                                     if k.isupper() and not k.startswith("_")
+                                     and k != "TUNING_ENV"},
+                                    __annotations__)
+    except StrataError as e:
+        OVERRIDE_ERROR = e
+    globals().update(OVERRIDES)
+
+
+def check_overrides() -> None:
+    """The StrataError STRATA_TUNING's text gave, if it gave one (nothing of it was applied)."""
+    if OVERRIDE_ERROR is not None:
+        raise OVERRIDE_ERROR
