@@ -579,8 +579,8 @@ if os.environ.get(TUNING_ENV, "").strip():
     try:
         OVERRIDES = parse_overrides(os.environ[TUNING_ENV],
                                     {k: v for k, v in globals().items()
-                                     if k.isupper() and not k.startswith("_")
-                                     and k != "TUNING_ENV"},
+                                     if k.isupper() and not k.startswith("_") and k not in
+                                     ("TUNING_ENV", "OVERRIDES", "OVERRIDE_ERROR")},
                                     __annotations__)
     except StrataError as e:
         OVERRIDE_ERROR = e
