@@ -72,7 +72,8 @@
 # the parts and the tree pass a call's size, carry some parts in one call (STAGES=none) and the
 # rest in the next while the machine is warm (kept in /tmp/lbin there).
 # TUNING: strata.kernels.tuning's switches and tiles for every stage (tests and benchmarks), as
-# STRATA_TUNING, e.g. TUNING="ROUTE_SORT_MIN_EXPERTS=1,NORM_ROUTE_MAX_EXPERTS=256,SHARED_X8=True".
+# STRATA_TUNING, e.g. TUNING="ROUTE_SORT_MIN_EXPERTS=1,NORM_ROUTE_MAX_EXPERTS=256,SHARED_X8=True";
+# with RETEST_DEFAULTS=1 the tests that failed under it run again without it (RETEST_TIMEOUT s).
 # BENCH_THREADS: the CPU pool's --threads in strata bench / bench-spec / serve (the cores less one:
 # the engine's own choice counts this script's background builds as busy cores).
 # Carried in .whl/: the gguf wheel, the uvicorn and starlette wheels (strata serve; the GPU
@@ -188,6 +189,14 @@ if [[ $STAGES == *tests* ]]; then
   # each failed test's name from -v's lines, whether or not pytest's summary printed
   grep -oE "(FAILED|ERROR) tests/[^ ]+" "$OUT/pytest.txt" | sort -u >"$OUT/failed.txt"
   [[ -s $OUT/failed.txt ]] && { echo "failed or in error ($(wc -l <"$OUT/failed.txt")):"; cat "$OUT/failed.txt"; }
+  if [[ -n ${STRATA_TUNING:-} && -n ${RETEST_DEFAULTS:-} && -s $OUT/failed.txt ]]; then
+    # (RETEST_DEFAULTS=1: whether a failure is TUNING's or the tree's, in the same call)
+    echo "== the failed tests again without STRATA_TUNING"
+    # shellcheck disable=SC2046  # (one test id a word)
+    env -u STRATA_TUNING "${tenv[@]}" timeout -s INT -k 30 ${RETEST_TIMEOUT:-120} python3 -m pytest -v \
+      -p no:cacheprovider -m cuda ${PYTEST_N:+-n $PYTEST_N} -rfE $(sed 's/^[A-Z]* //' "$OUT/failed.txt") 2>&1 \
+      | tee "$OUT/pytest_defaults.txt" | grep -oE "(PASSED|FAILED|ERROR) tests/[^ ]+" | sort -u
+  fi
 fi
 [[ -n ${SYNTH_PID:-} ]] && { wait $SYNTH_PID; tail -2 /tmp/synth.log; }
 [[ -n ${GGML_PID:-} ]] && { wait $GGML_PID; tail -1 /tmp/ggml.log;
