@@ -171,8 +171,9 @@ if [[ $STAGES == *tests* ]]; then
   # a run cut by the timeout, or whose workers hang at teardown, still says what failed: the
   # summary at the end never printed in one such run)
   tenv=(); [[ -n ${PYTEST_N:-} ]] && tenv=(OMP_NUM_THREADS=$(( ($(nproc) + PYTEST_N - 1) / PYTEST_N )))
-  env "${tenv[@]}" timeout -s INT -k 30 ${TEST_TIMEOUT:-400} python3 -m pytest -v -p no:cacheprovider -m cuda \
-    ${PYTEST_N:+-n $PYTEST_N} -rfE --junitxml="$OUT/junit.xml" --durations=15 ${TESTS:-tests/test_decode_ops.py \
+  pytest=(python3 -m pytest -v -p no:cacheprovider -m cuda ${PYTEST_N:+-n $PYTEST_N} -rfE)
+  env "${tenv[@]}" timeout -s INT -k 30 ${TEST_TIMEOUT:-400} "${pytest[@]}" \
+    --junitxml="$OUT/junit.xml" --durations=15 ${TESTS:-tests/test_decode_ops.py \
     tests/test_decode_step.py tests/test_moe_grouped.py tests/test_offload.py \
     tests/test_prompt.py tests/test_ring.py tests/test_kernels_gpu.py::test_moe_forward \
     tests/test_kernels_gpu.py::test_misses_gathered_from_mapped_host_records \
@@ -193,8 +194,8 @@ if [[ $STAGES == *tests* ]]; then
     # (RETEST_DEFAULTS=1: whether a failure is TUNING's or the tree's, in the same call)
     echo "== the failed tests again without STRATA_TUNING"
     # shellcheck disable=SC2046  # (one test id a word)
-    env -u STRATA_TUNING "${tenv[@]}" timeout -s INT -k 30 ${RETEST_TIMEOUT:-120} python3 -m pytest -v \
-      -p no:cacheprovider -m cuda ${PYTEST_N:+-n $PYTEST_N} -rfE $(sed 's/^[A-Z]* //' "$OUT/failed.txt") 2>&1 \
+    env -u STRATA_TUNING "${tenv[@]}" timeout -s INT -k 30 ${RETEST_TIMEOUT:-120} "${pytest[@]}" \
+      $(sed 's/^[A-Z]* //' "$OUT/failed.txt") 2>&1 \
       | tee "$OUT/pytest_defaults.txt" | grep -oE "(PASSED|FAILED|ERROR) tests/[^ ]+" | sort -u
   fi
 fi

@@ -16,11 +16,6 @@ from strata.kernels import tuning
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _table() -> dict[str, object]:
-    return {k: v for k, v in vars(tuning).items()
-            if k.isupper() and k not in ("TUNING_ENV", "OVERRIDES", "OVERRIDE_ERROR")}
-
-
 def _run(code: str, value: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "STRATA_TUNING": value, "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -28,17 +23,15 @@ def _run(code: str, value: str) -> subprocess.CompletedProcess:
 
 
 def test_overrides_parsed_by_the_names_kind() -> None:
-    ann = tuning.__annotations__
     got = tuning.parse_overrides(
-        "SHARED_X8=True, ROUTE_SORT_MIN_EXPERTS=1,GATE_UP_MX8_TILE=(4, 8, 2),SPEC_SLOWER=2",
-        _table(), ann)
+        "SHARED_X8=True, ROUTE_SORT_MIN_EXPERTS=1,GATE_UP_MX8_TILE=(4, 8, 2),SPEC_SLOWER=2")
     assert got == {"SHARED_X8": True, "ROUTE_SORT_MIN_EXPERTS": 1,
                    "GATE_UP_MX8_TILE": (4, 8, 2), "SPEC_SLOWER": 2}
     # None where the annotation allows it (and back to an int from None)
-    assert tuning.parse_overrides("ROUTE_SORT_MIN_EXPERTS=None", _table(), ann) == {
+    assert tuning.parse_overrides("ROUTE_SORT_MIN_EXPERTS=None") == {
         "ROUTE_SORT_MIN_EXPERTS": None}
-    table = {**_table(), "ROUTE_SORT_MIN_EXPERTS": None}
-    assert tuning.parse_overrides("ROUTE_SORT_MIN_EXPERTS=256", table, ann) == {
+    table = {**tuning.tuned_values(), "ROUTE_SORT_MIN_EXPERTS": None}
+    assert tuning.parse_overrides("ROUTE_SORT_MIN_EXPERTS=256", table) == {
         "ROUTE_SORT_MIN_EXPERTS": 256}
     assert isinstance(tuning.GEMV_TUNE, MappingProxyType)
 
@@ -57,7 +50,7 @@ def test_overrides_parsed_by_the_names_kind() -> None:
 ])
 def test_bad_overrides_name_the_entry(text: str, says: str) -> None:
     with pytest.raises(StrataError, match="^STRATA_TUNING: ") as e:
-        tuning.parse_overrides(text, _table(), tuning.__annotations__)
+        tuning.parse_overrides(text)
     assert says in str(e.value), str(e.value)
 
 

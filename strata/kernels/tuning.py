@@ -533,11 +533,19 @@ def _same_kind(old: object, new: object) -> bool:
     return type(old) is type(new)
 
 
-def parse_overrides(text: str, table: dict[str, object],
-                    annotations: dict[str, str]) -> dict[str, object]:
+def tuned_values() -> dict[str, object]:
+    """{NAME: value} of this table's tuned constants (what STRATA_TUNING may name)."""
+    return {k: v for k, v in globals().items() if k.isupper() and not k.startswith("_")
+            and k not in ("TUNING_ENV", "OVERRIDES", "OVERRIDE_ERROR")}
+
+
+def parse_overrides(text: str, table: dict[str, object] | None = None,
+                    annotations: dict[str, str] | None = None) -> dict[str, object]:
     """{NAME: value} from STRATA_TUNING's text, each checked against the table's NAME (the kind
-    of its value, or of its annotation: "int | None" takes either): a StrataError naming the
-    variable, the entry and what it takes otherwise."""
+    of its value, or of its annotation: "int | None" takes either; by default this module's):
+    a StrataError naming the variable, the entry and what it takes otherwise."""
+    table = tuned_values() if table is None else table
+    annotations = __annotations__ if annotations is None else annotations
     out: dict[str, object] = {}
     # (a tile's commas stay in its value: an entry starts at NAME=)
     for item in re.split(r",\s*(?=[A-Za-z_][A-Za-z0-9_]*\s*=)", text.strip()):
@@ -577,11 +585,7 @@ OVERRIDES: dict[str, object] = {}
 OVERRIDE_ERROR: StrataError | None = None
 if os.environ.get(TUNING_ENV, "").strip():
     try:
-        OVERRIDES = parse_overrides(os.environ[TUNING_ENV],
-                                    {k: v for k, v in globals().items()
-                                     if k.isupper() and not k.startswith("_") and k not in
-                                     ("TUNING_ENV", "OVERRIDES", "OVERRIDE_ERROR")},
-                                    __annotations__)
+        OVERRIDES = parse_overrides(os.environ[TUNING_ENV])
     except StrataError as e:
         OVERRIDE_ERROR = e
     globals().update(OVERRIDES)

@@ -72,10 +72,11 @@ def delta_step(x: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | Non
     if gates is not None:
         _check(g is None and beta is None, "delta_step: gates or g and beta, not both")
         ba, a, dt_bias = gates
-        _gate_args(ba[None], a, dt_bias)
-        if not _use_kernels(x):
+        if not _use_kernels(x):  # (delta_gates checks them)
             (beta,), (g,) = delta_gates(ba[None], a, dt_bias)
             gates = None
+        else:
+            _gate_args(ba[None], a, dt_bias)
     for name, t, shape in (("x", x, ((2 * hk + hv) * dk,)), ("g", g, (hv,)),
                            ("beta", beta, (hv,)), ("state", state, (hv, dk, dv))):
         if t is None:  # (gates: their logits instead)
