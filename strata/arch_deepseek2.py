@@ -60,7 +60,7 @@ def deepseek2_fields(mf: ModelFile, m: Meta, n_layers: int, n_experts: int, n_he
     # nextn (MTP) layers after the trunk, where a file keeps them (block_count counts them)
     n_nextn = m.int("nextn_predict_layers", 0, 0, n_layers - 1)
     n_layers -= n_nextn
-    n_dense = m.int("leading_dense_block_count", 0, 0, n_layers)
+    n_dense = m.int("leading_dense_block_count", 0, 0, n_layers - 1)  # (one MoE layer at least)
     E = n_experts
     groups = m.int("expert_group_count", 1, 0, E) or 1
     used = m.int("expert_group_used_count", groups, 0, groups) or groups

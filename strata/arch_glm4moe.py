@@ -50,7 +50,7 @@ def glm4moe_fields(mf: ModelFile, m: Meta, block_count: int, d_expert: int) -> d
     experts."""
     n_nextn = m.int("nextn_predict_layers", 0, 0, block_count - 1)
     n_layers = block_count - n_nextn
-    n_dense = m.int("leading_dense_block_count", 0, 0, n_layers)
+    n_dense = m.int("leading_dense_block_count", 0, 0, n_layers - 1)  # (one MoE layer at least)
     sections = mf.meta(f"{m.arch}.rope.dimension_sections", None)
     if isinstance(sections, list) and any(sections):
         raise UnsupportedError(f"{mf.path}: {m.arch}.rope.dimension_sections is set "

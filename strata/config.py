@@ -167,6 +167,12 @@ class ModelConfig:
         embd = mf.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelFileError(mf.path, "tensor token_embd.weight is missing")
+        tokens = mf.meta("tokenizer.ggml.tokens", None)  # (llama.cpp sizes the embedding by it)
+        if isinstance(tokens, list) and len(tokens) != embd.shape[0]:
+            raise ModelFileError(mf.path, f"tokenizer.ggml.tokens has {len(tokens):,} tokens but "
+                                          f"tensor token_embd.weight has {embd.shape[0]:,} rows: "
+                                          "its vocabulary does not fit its model (convert it "
+                                          "again)")
         cfg = cls(
             arch=arch,
             n_layers=n_layers,
@@ -177,7 +183,7 @@ class ModelConfig:
             n_vocab=embd.shape[0],
             context_length=m.int("context_length", 4096, 1, MAX_CONTEXT),
             rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6, 0.0, 1.0),
-            rope_theta=m.float("rope.freq_base", 10000.0, 0.0, 1e12),
+            rope_theta=m.float("rope.freq_base", 10000.0, 1.0, 1e12),  # (YaRN divides by ln)
             rope_dim=m.int("rope.dimension_count", head_dim, 2, head_dim),
             rope_style=rope_style,
             n_experts=n_experts,
@@ -347,12 +353,28 @@ def _hybrid_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return t
 
 
+def optional_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensors beyond expected_tensors that the loader reads where a file has them: a nextn
+    (MTP) layer's own head norm, output and embedding (llama.cpp: optional), torch order."""
+    D, V = cfg.d_model, cfg.n_vocab
+    t: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.n_layers, cfg.n_layers + cfg.n_nextn):
+        p = f"blk.{i}.nextn."
+        t |= {p + "shared_head_norm.weight": (D,), p + "shared_head_head.weight": (V, D),
+              p + "embed_tokens.weight": (V, D)}
+    return t
+
+
 def check_tensors(mf: ModelFile, cfg: ModelConfig) -> None:
-    """Every expected tensor is present with the shape the metadata implies, in a supported type."""
+    """Every expected tensor is present with the shape the metadata implies, in a supported type;
+    so is every optional one the file has."""
     from strata.quant import is_supported
 
-    for name, shape in expected_tensors(cfg).items():
+    optional = optional_tensors(cfg)
+    for name, shape in (expected_tensors(cfg) | optional).items():
         ref = mf.tensors.get(name)
+        if ref is None and name in optional:
+            continue
         if ref is None:
             raise ModelFileError(mf.path, f"tensor {name} is missing (needed by {cfg.arch})")
         if tuple(ref.shape) != shape:

@@ -243,8 +243,10 @@ def nextn_layers(mf: ModelFile, arch: str) -> int:
 
 def check_vocab(target: ModelFile, draft: ModelFile) -> None:
     """A draft model must share the target's tokenizer: same token list, same ids."""
-    a = list(target.meta("tokenizer.ggml.tokens", []) or [])
-    b = list(draft.meta("tokenizer.ggml.tokens", []) or [])
+    from strata.tokenizer.vocab import read_tokens
+
+    a = read_tokens(target.metadata, str(target.path))
+    b = read_tokens(draft.metadata, str(draft.path))
     if a == b:
         return
     diff = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),

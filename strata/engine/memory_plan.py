@@ -26,6 +26,7 @@ from strata.config import (
     ModelConfig,
     expected_tensors,
     kv_elem_bytes,
+    optional_tensors,
     prefetch_pays,
 )
 from strata.config_hybrid import state_bytes
@@ -289,8 +290,9 @@ def mtp_head_bytes(mf: ModelFile, cfg: ModelConfig, ec: EngineConfig) -> int:
     at most; its routed experts stay on the host, strata.model.mtp)."""
     if not ec.spec or ec.draft not in ("mtp", "auto"):
         return 0
-    return sum(4 * math.prod(ref.shape) for name, ref in mf.tensors.items()
-               if _mtp_block(cfg, name) and "_exps." not in name)
+    loaded = expected_tensors(cfg) | optional_tensors(cfg)  # (ModelWeights.load reads these)
+    return sum(4 * math.prod(mf.tensors[name].shape) for name in loaded
+               if name in mf.tensors and _mtp_block(cfg, name) and "_exps." not in name)
 
 
 def cpu_ggml_dense(ec: EngineConfig, dev: torch.device) -> bool:

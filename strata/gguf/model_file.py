@@ -105,6 +105,13 @@ def open_model(path: str | Path) -> ModelFile:
         v = first.metadata.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ModelFileError(first.path, f"metadata key {key} is {v!r}: expected a count")
+    if len(files) == 1 and count > 1:  # a shard renamed, or given without the name of its set
+        no = first.metadata.get("split.no")
+        which = f"shard {no + 1} of {count}" if type(no) is int else f"a shard of {count}"
+        raise ModelFileError(first.path, f"is {which} of a split set (split.no, split.count) but "
+                                         "is not named like one: keep the set's names "
+                                         f"(NAME-00001-of-{count:05d}.gguf, ...) and give any "
+                                         "one of them")
     if int(count) != len(files):
         raise ModelFileError(first.path, f"split.count says {count} shards but the file names say "
                                          f"{len(files)}")

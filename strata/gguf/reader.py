@@ -131,6 +131,10 @@ class GGUFFile:
     def _parse(self, cur: _Cursor) -> None:
         cur.take(4)
         self.version = cur.scalar("<I")
+        if self.version in (2 << 24, 3 << 24):  # (2 or 3 read the other way round)
+            raise ModelFileError(self.path, f"a big-endian GGUF file (version {self.version >> 24}"
+                                            "); Strata reads little-endian ones: convert it "
+                                            "again without --bigendian")
         if self.version not in (2, 3):
             raise ModelFileError(self.path, f"GGUF version {self.version} is not supported (2, 3)")
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
@@ -148,6 +152,10 @@ class GGUFFile:
                 value = cur.value(cur.scalar("<I"))
             except ValueError as e:
                 raise ModelFileError(self.path, f"metadata key {key[:80]}: {e}") from None
+            except _Truncated:  # (a cut file, or a length or count past any file's)
+                raise ModelFileError(self.path, "truncated file: the header ends inside metadata "
+                                                f"key {key[:80]} (or its length is corrupt)"
+                                     ) from None
             if key in self.metadata:
                 raise ModelFileError(self.path, f"metadata key {key[:80]} appears twice")
             self.metadata[key] = value
@@ -174,6 +182,14 @@ class GGUFFile:
             if name in self.tensors:
                 raise ModelFileError(self.path, f"tensor {name} appears twice")
             self.tensors[name] = info
+        # llama.cpp reads tensors packed in table order; any order is read here, but no two
+        # tensors may share bytes
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values()
+                       if t.nbytes)
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise ModelFileError(self.path, f"tensors {a} and {b} overlap in the file (a "
+                                                "corrupt tensor table)")
 
     def _tensor_info(self, name: str, ne: list[int], qtype: int, offset: int) -> TensorInfo:
         if qtype not in GGML_QUANT_SIZES:

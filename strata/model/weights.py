@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from strata.config import ModelConfig
+from strata.config import ModelConfig, expected_tensors, optional_tensors
 from strata.gguf import ModelFile, TensorRef
 from strata.kernels.tuning import DENSE_X8_MAX_T, EMBED_ON_HOST, X8_MIN_ROWS
 from strata.quant import QType, dequant_rows, dequantize, dequantize_into
@@ -379,6 +379,9 @@ class ModelWeights:
         from strata.model.parts.spec import layer_spec  # (parts import this module)
 
         t = mf.tensors
+        # the tensors config.check_tensors checked: one beyond them (a shared expert or a bias in
+        # one layer only, which the metadata does not describe) is not read
+        known = expected_tensors(cfg) | optional_tensors(cfg)
 
         def d(name: str) -> torch.Tensor:
             return dense(t[name], device)
@@ -397,7 +400,7 @@ class ModelWeights:
             return qt
 
         def opt(name: str, matrix: bool = False) -> Weight | None:
-            return (m(name) if matrix else d(name)) if name in t else None
+            return (m(name) if matrix else d(name)) if name in t and name in known else None
 
         layers = []
         # (glm4moe / deepseek2's nextn layers load as layers; a hybrid's MTP blocks stay raw)
@@ -463,7 +466,7 @@ class ModelWeights:
         # a hybrid model's MTP blocks (cfg.n_nextn) kept as they are in the file (views of its
         # pages), unused by the forward: speculative decoding reads them
         mtp = [{n[len(f"blk.{j}."):]: QuantTensor.load(ref, torch.device("cpu"))
-                for n, ref in t.items() if n.startswith(f"blk.{j}.")}
+                for n, ref in t.items() if n.startswith(f"blk.{j}.") and n in known}
                for j in range(cfg.n_layers, cfg.n_layers + cfg.n_nextn)
                ] if cfg.full_attn_interval else []
         return cls(embed, layers, d("output_norm.weight"), output, nextn, mtp)

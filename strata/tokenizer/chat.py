@@ -343,12 +343,20 @@ class ChatTemplate:
         self.limits = limits or TemplateLimits()
         self._tokenizer = tokenizer
         self._where = source or "GGUF metadata"
-        try:
-            self._compiled = _environment().from_string(template)
+        try:  # (untrusted code: its compile is bounded as its renders are)
+            with _Deadline(self.limits.seconds):
+                self._compiled = _environment().from_string(template)
+            _settle()
         except jinja2.TemplateSyntaxError as e:
             raise StrataError(
                 f"{self._where}: tokenizer.chat_template does not parse: {_one_line(e)}"
             ) from None
+        except (RecursionError, SyntaxError):  # (Python's own limits on nesting)
+            raise StrataError(f"{self._where}: tokenizer.chat_template does not compile: it nests "
+                              "too deeply") from None
+        except _TimeUp:
+            raise StrataError(f"{self._where}: tokenizer.chat_template did not compile within "
+                              f"{self.limits.seconds:g} s ({len(template):,} characters)") from None
         self._specials = {
             f"{name}_token": tokenizer.token_text(token_id)
             for name, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))

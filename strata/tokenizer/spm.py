@@ -23,9 +23,14 @@ SPACE = "\u2581"  # ▁, SentencePiece's spelling of a space
 def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
     """Every (left, right) pair of tokens that joins into a token, best joined score first."""
     vocab = {token: index for index, token in enumerate(tokens)}
+    # cuts only where both parts have a token's length: a hostile 1M-character token would
+    # otherwise take 1M slices of up to 1M characters
+    lengths = sorted({len(token) for token in tokens})
     ranked = []
     for index, token in enumerate(tokens):
-        for cut in range(1, len(token)):
+        for cut in lengths:
+            if cut >= len(token):
+                break
             left, right = token[:cut], token[cut:]
             if left in vocab and right in vocab:
                 ranked.append((-scores[index], index, cut, left, right))

@@ -41,20 +41,57 @@ _KIND_OF_TYPE = {NORMAL: _TEXT, BYTE: _TEXT, CONTROL: _SPECIAL, UNKNOWN: _SPECIA
                  USER_DEFINED: _USER}  # fmt: skip
 
 
-def _field(meta: Mapping[str, Any], key: str, n: int, default: Any, where: str) -> list:
+def _shown(value: Any) -> str:
+    """A metadata value as an error message shows it: short."""
+    if isinstance(value, (list, tuple)):
+        return f"an array of {len(value)}"
+    return repr(value)[:60]
+
+
+def _array(meta: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str,
+           where: str) -> list | None:
+    """An array of `kind` values (bool never counts as a number), or None where it is absent."""
     value = meta.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise StrataError(f"{where}: {key} is {_shown(value)}: expected an array of {what}")
+    bad = next((i for i, v in enumerate(value) if not isinstance(v, kind) or isinstance(v, bool)),
+               None)
+    if bad is not None:
+        raise StrataError(f"{where}: {key}[{bad}] is {_shown(value[bad])}: expected an array of "
+                          f"{what}")
+    return list(value)
+
+
+def _field(meta: Mapping[str, Any], key: str, n: int, default: Any, where: str,
+           kind: type | tuple[type, ...] = int, what: str = "integers") -> list:
+    value = _array(meta, key, kind, what, where)
     if value is None:
         return [default] * n
     if len(value) < n:
         raise StrataError(f"{where}: {key} has {len(value)} entries for {n} tokens")
-    return list(value[:n])
+    return value[:n]
+
+
+def read_tokens(meta: Mapping[str, Any], where: str) -> list[str]:
+    """tokenizer.ggml.tokens: a non-empty array of strings."""
+    tokens = _array(meta, "tokenizer.ggml.tokens", str, "strings", where)
+    if not tokens:
+        raise StrataError(f"{where}: tokenizer.ggml.tokens is missing or empty")
+    return tokens
+
+
+def _read_flag(meta: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = meta.get(key, default)
+    if not isinstance(value, bool) and value not in (0, 1):
+        raise StrataError(f"{where}: {key} is {_shown(value)}: expected true or false")
+    return bool(value)
 
 
 def _read_vocab(meta: Mapping[str, Any], where: str) -> tuple[list[str], list[int], dict[str, int]]:
     """Tokens, their types, and token -> id."""
-    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
-    if not tokens:
-        raise StrataError(f"{where}: tokenizer.ggml.tokens is missing or empty")
+    tokens = read_tokens(meta, where)
     types = _field(meta, "tokenizer.ggml.token_type", len(tokens), NORMAL, where)
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
@@ -72,16 +109,16 @@ def _gpt2_backend(
 ) -> tuple[Backend, bool]:
     """The byte-level backend, and whether this pre-tokenizer adds BOS by default."""
     name = meta.get("tokenizer.ggml.pre") or "default"
-    pre = PRE_TOKENIZERS.get(name)
+    pre = PRE_TOKENIZERS.get(name) if isinstance(name, str) else None
     if pre is None:
         raise StrataError(
-            f"{where}: tokenizer.ggml.pre is {name!r}, a pre-tokenizer Strata does not know "
+            f"{where}: tokenizer.ggml.pre is {_shown(name)}, a pre-tokenizer Strata does not know "
             f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
         )
-    merges = meta.get("tokenizer.ggml.merges")
+    merges = _array(meta, "tokenizer.ggml.merges", str, "strings", where)
     if merges is None:
         raise StrataError(f"{where}: tokenizer.ggml.merges is missing (needed for 'gpt2')")
-    return build_bpe(vocab, list(merges), pre), pre.add_bos
+    return build_bpe(vocab, merges, pre), pre.add_bos
 
 
 class Tokenizer:
@@ -120,7 +157,7 @@ class Tokenizer:
         where = source or "GGUF metadata"
         model = meta.get("tokenizer.ggml.model")
         if model not in ("gpt2", "llama"):
-            said = "is missing" if model is None else f"is {model!r}"
+            said = "is missing" if model is None else f"is {_shown(model)}"
             raise StrataError(
                 f"{where}: tokenizer.ggml.model {said}; Strata supports 'gpt2' (byte-level BPE) "
                 "and 'llama' (SentencePiece BPE)"
@@ -129,8 +166,13 @@ class Tokenizer:
         n = len(tokens)
 
         def token_id(key: str, default: int | None = None) -> int | None:
-            value = meta.get(f"tokenizer.ggml.{key}", default)
-            return int(value) if value is not None and 0 <= int(value) < n else None
+            """An id of the vocabulary, or None (absent, or out of range: llama.cpp's warning
+            and default)."""
+            name = f"tokenizer.ggml.{key}"
+            value = meta.get(name, default)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise StrataError(f"{where}: {name} is {_shown(value)}: expected a token id")
+            return value if value is not None and 0 <= value < n else None
 
         if model == "gpt2":
             backend, default_add_bos = _gpt2_backend(meta, vocab, where)
@@ -139,11 +181,12 @@ class Tokenizer:
             bos, eos = token_id("bos_token_id", 1), token_id("eos_token_id", 2)
             unk_id = token_id("unknown_token_id", 0)
             unk = tokens[unk_id] if unk_id is not None and types[unk_id] == UNKNOWN else None
-            space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-            scores = [float(s) for s in _field(meta, "tokenizer.ggml.scores", n, 0.0, where)]
+            space_prefix = _read_flag(meta, "tokenizer.ggml.add_space_prefix", True, where)
+            scores = [float(s) for s in _field(meta, "tokenizer.ggml.scores", n, 0.0, where,
+                                               (int, float), "numbers")]
             backend, default_add_bos = build_spm(vocab, tokens, scores, space_prefix, unk), True
 
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos))
+        add_bos = _read_flag(meta, "tokenizer.ggml.add_bos_token", default_add_bos, where)
         if add_bos and bos is None:
             raise StrataError(
                 f"{where}: tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id "
@@ -169,7 +212,9 @@ class Tokenizer:
         """Token ids for `text`. With parse_special, control tokens written in the text (such as
         "<|im_start|>") become their ids; user-defined tokens always do, as in llama.cpp."""
         backend = self._backend if parse_special else self._plain_backend()
-        ids = backend.encode(text, add_special_tokens=False).ids
+        # (encode_batch gives encode's ids and lets go of the GIL while it works: a long prompt
+        # tokenized in a server thread does not stop the others)
+        ids = backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
