@@ -243,3 +243,36 @@ def test_the_supervisor_reads_a_list_as_its_messages_in_order():
     assert [type(m).__name__ for m in got] == ["Delta", "Delta", "Finished"]
     assert [m.text for m in got[:2]] == ["a", "b"] and "r" not in sup.scheduler.running
     assert metrics.completion_tokens == 2 and metrics.forward_passes == 1
+
+
+def _unwinding_engine() -> None:
+    """An engine that raised: its interpreter still tears down for a moment after its pipe
+    closed (time.sleep stands in for the teardown), then ends with its own status."""
+    import time
+    time.sleep(0.5)
+    sys.exit(7)
+
+
+def test_a_crash_report_gives_the_engines_own_exit_status(tmp_path):
+    """The supervisor sees a crash when the engine's pipe closes; an engine still unwinding then
+    is given a moment to end, so the report says its exit code, not the SIGTERM a stop sends."""
+    import multiprocessing
+
+    from strata.server.stall_report import ReportInput, report_and_stop
+
+    class Engine:  # EngineProcess's two members report_and_stop uses
+        def __init__(self) -> None:
+            self.proc = multiprocessing.get_context("spawn").Process(target=_unwinding_engine)
+            self.proc.start()
+
+        def stop(self, graceful: bool = True) -> int | None:
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(5)
+            return self.proc.exitcode
+
+    info = ReportInput(kind="crash", what="", engine_pid=0, start=1, model="m", device="cpu",
+                       engine_up_s=1.0)
+    path = report_and_stop(Engine(), info, str(tmp_path))
+    assert info.what == "the engine process ended unexpectedly (exit code 7)", info.what
+    assert path and "exit code 7" in open(path).read()

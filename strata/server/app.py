@@ -14,13 +14,14 @@ import hmac
 import importlib.resources
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     HTMLResponse,
     JSONResponse,
@@ -34,6 +35,7 @@ from strata.errors import StrataError
 from strata.server.config import ServeConfig
 from strata.server.errors import EXCEPTION_HANDLERS, GONE, APIError, as_error, bad_request
 from strata.server.faults import FaultPlan
+from strata.server.json_checks import MAX_DEPTH, check_json
 from strata.server.metrics import Metrics
 from strata.server.protocol import Accepted, Delta, Failed, Finished, Submit
 from strata.server.responses import Builder, sse
@@ -57,7 +59,6 @@ _DRAIN_MAX = 16
 
 _DISCONNECT_CHECK_S = 0.5
 _RENDERS = 2  # chat templates rendered at once (each in a thread, GIL-bound)
-_MAX_DEPTH = 32  # nesting of a request body's objects and arrays
 _EVENT_GRACE_S = 60.0  # beyond the watchdog: the stall path answers first, this is the backstop
 # the chat page may talk to this server only: inline script and style, nothing from elsewhere
 _PAGE_HEADERS = {
@@ -130,11 +131,15 @@ class API:
             if not isinstance(flags[name], bool):
                 raise bad_request(f"{name}: give true or false", name)
         tok = await self._tokenizer()
+
+        def answer() -> bytes:  # (in a worker thread: a long text never holds the loop)
+            ids = tok.encode(content, flags["add_special"], True)
+            if flags["with_pieces"]:
+                ids = [{"id": i, "piece": _piece(tok, i)} for i in ids]
+            return _json({"tokens": ids})
+
         async with self._renders:
-            ids = await asyncio.to_thread(tok.encode, content, flags["add_special"], True)
-        if not flags["with_pieces"]:
-            return JSONResponse({"tokens": ids})
-        return JSONResponse({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
+            return Response(await asyncio.to_thread(answer), media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         """llama-server's POST /detokenize: {"tokens": [id, ...]} -> {"content": text}."""
@@ -148,7 +153,9 @@ class API:
                 type(i) is int and 0 <= i < tok.vocab_size for i in ids):
             raise bad_request(f"tokens: give a list of token ids from 0 to {tok.vocab_size - 1}",
                               "tokens")
-        return JSONResponse({"content": tok.decode(ids)})
+        async with self._renders:
+            text = await asyncio.to_thread(tok.decode, ids)
+        return JSONResponse({"content": text})
 
     async def _tokenizer(self) -> Any:
         """The model's tokenizer, loaded in this process with the chat template (a request that
@@ -178,6 +185,8 @@ class API:
                 prefix_left = ""
             else:
                 prefix_left = prefix  # the engine renders: it writes the prefix too
+                if isinstance(req.prompt, str) and self.sup.chat is not None:
+                    await self._encode(req)
             job = Job(self._submit(req, kind, fmt is not None, prefix_left))
             self.sup.scheduler.submit(job)
             first = await self._next(job, request)
@@ -249,6 +258,12 @@ class API:
                 raise bad_request("messages: nested too deeply for the chat template",
                                   "messages") from None
         req.messages, req.prompt = None, ids
+
+    async def _encode(self, req: ParsedRequest) -> None:
+        """A completion's text prompt -> token ids here, in a worker thread, as the engine would
+        (a long prompt holds neither the loop nor the engine's steps for the others)."""
+        async with self._renders:
+            req.prompt = await asyncio.to_thread(self.sup.chat.tokenizer.encode, req.prompt)
 
     async def _collect(self, job: Job, b: Builder, request: Request, fmt: str | None = None,
                        tools: list | None = None, prefix: str = "") -> Response:
@@ -393,15 +408,19 @@ class API:
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within {_BODY_TIMEOUT_S:g} s",
                            code="request_timeout") from None
+        except ClientDisconnect:  # (gone before its body was whole: no one to answer)
+            raise GONE from None
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
+            if "integer string conversion" in str(e):  # (Python's cap on an int's digits)
+                raise bad_request(f"the request body holds an integer of more than "
+                                  f"{sys.get_int_max_str_digits()} digits") from None
             raise bad_request(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
-            data = None
-        if data is None or _depth(data) > _MAX_DEPTH:
             raise bad_request(f"the request body nests objects and arrays more than "
-                              f"{_MAX_DEPTH} deep") from None
+                              f"{MAX_DEPTH} deep") from None
+        check_json(data)
         return data
 
     def _model_card(self) -> dict[str, Any]:
@@ -427,16 +446,10 @@ def _event_chunks(b: Builder, kind: str, value: Any, index: int) -> list[bytes]:
             b.delta({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})]
 
 
-def _depth(value: Any) -> int:
-    """How deep objects and arrays nest in parsed JSON (iterative: no recursion limit)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            if d <= _MAX_DEPTH:
-                todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
+def _json(value: Any) -> bytes:
+    """JSON as Starlette's JSONResponse writes it."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def _piece(tok: Any, token: int) -> str | list[int]:

@@ -146,11 +146,18 @@ class BatchRunner:
             self.submit(msg)
 
     def submit(self, sub: Submit) -> None:
-        """Tokenize and check a request; it joins the batch at the next step."""
+        """Tokenize and check a request; it joins the batch at the next step. A request that
+        breaks the checks themselves fails alone (500, its traceback in the log), as a failed
+        step fails its requests: the engine serves on."""
         try:
             seq = self._make_sequence(sub)
         except _Reject as r:
             self.send(Failed(sub.rid, r.status, r.message, r.param, r.code))
+            return
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            self.send(Failed(sub.rid, 500, f"the engine could not take the request: "
+                             f"{type(e).__name__}: {e}"))
             return
         self.seqs[sub.rid] = seq
         self.send(Accepted(sub.rid, seq.prompt_len, seq.max_tokens))

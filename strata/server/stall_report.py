@@ -144,6 +144,9 @@ def write(report_dir: str, r: ReportInput) -> Path:
     return path
 
 
+_EXIT_GRACE_S = 3.0  # how long a crashed engine is given to finish exiting
+
+
 def report_and_stop(eng: EngineProcess, info: ReportInput, report_dir: str) -> str | None:
     """In a worker thread: a stalled engine is looked into before it is stopped, a crashed one
     after (for its exit status). Returns the report's path; a report that fails is logged and
@@ -153,6 +156,9 @@ def report_and_stop(eng: EngineProcess, info: ReportInput, report_dir: str) -> s
         path = _guard("write the report", write, report_dir, info)
         eng.stop(graceful=False)
     else:
+        # its pipe closed as it ended; one that raised may still be unwinding (its interpreter's
+        # teardown): its own exit status, not the SIGTERM stop would send it first
+        eng.proc.join(_EXIT_GRACE_S)
         code = eng.stop(graceful=False)
         info.what = f"the engine process ended unexpectedly ({exit_text(code)})"
         path = _guard("write the report", write, report_dir, info)

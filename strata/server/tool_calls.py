@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.server.call_grammar import call_grammar as call_grammar  # the call's grammar
+from strata.server.json_checks import SURROGATE
 
 Event = tuple[str, Any]
 
@@ -118,7 +119,8 @@ class HermesParser(_Tagged):
             obj = json.loads(body.strip())
         except ValueError:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if (not isinstance(obj, dict) or not isinstance(obj.get("name"), str)
+                or SURROGATE.search(obj["name"])):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as a JSON string
@@ -128,7 +130,7 @@ class HermesParser(_Tagged):
                 return None
         if not isinstance(args, dict):
             return None
-        return obj["name"], json.dumps(args, ensure_ascii=False)
+        return obj["name"], _json_text(args)
 
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -158,7 +160,7 @@ class GLMParser(_Tagged):
                 args[key] = raw
         if _GLM_ARG.sub("", rest).strip():  # text that is not a key/value pair
             return None
-        return name, json.dumps(args, ensure_ascii=False)
+        return name, _json_text(args)
 
 
 class HarmonyParser:
@@ -232,8 +234,15 @@ class HarmonyParser:
         except ValueError:
             parsed = None
         if isinstance(parsed, dict):
-            args = json.dumps(parsed, ensure_ascii=False)
+            args = _json_text(parsed)
         out.append(("call", ToolCall(name, args, new_call_id())))
+
+
+def _json_text(args: dict[str, Any]) -> str:
+    """A call's arguments as JSON text. A lone surrogate the model wrote as an escape ("\\ud800")
+    stays an escape: no response can carry it as a character."""
+    text = json.dumps(args, ensure_ascii=False)
+    return text if SURROGATE.search(text) is None else json.dumps(args)
 
 
 def _text(out: list[Event], kind: str, text: str) -> None:

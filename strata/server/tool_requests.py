@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from strata.server.errors import bad_request
+from strata.server.json_checks import check_json
 
 TOOL_CHOICES = ("auto", "none", "required")
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -71,7 +72,8 @@ def check_tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> tuple[str, 
         if v == "required" and not tools:
             raise bad_request("tool_choice='required' needs tools", "tool_choice")
         return v, None
-    name = v.get("function", {}).get("name") if isinstance(v, dict) else None
+    f = v.get("function") if isinstance(v, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
     if not isinstance(v, dict) or v.get("type") != "function" or not isinstance(name, str):
         raise bad_request('tool_choice: give "auto", "none", "required" or '
                           '{"type": "function", "function": {"name": ...}}', "tool_choice")
@@ -103,6 +105,10 @@ def check_calls(v: Any, i: int) -> list[dict[str, Any]]:
             except ValueError as e:
                 raise bad_request(f"{at}.function.arguments is not valid JSON: {e}",
                                   f"{at}.function.arguments") from None
+            except RecursionError:
+                raise bad_request(f"{at}.function.arguments nests objects and arrays too deep",
+                                  f"{at}.function.arguments") from None
+            check_json(args, f"{at}.function.arguments")  # (as the body's own values are)
         if not isinstance(args, dict):
             raise bad_request(f"{at}.function.arguments must be a JSON object",
                               f"{at}.function.arguments")

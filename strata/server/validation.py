@@ -53,21 +53,29 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _short(v: Any, most: int = 40) -> str:
+    """repr(v), cut to `most` characters (a client's value quoted back in an error)."""
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10 ** most else f"an integer of " \
+        f"{len(str(abs(v)))} digits"
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False) -> Any:
     v = body.get(name)
     if v is None:
         return None
     if not _is_num(v) or (integer and not (isinstance(v, int) or float(v).is_integer())):
         raise bad_request(f"{name} must be {'an integer' if integer else 'a number'}, "
-                          f"not {v!r}", name)
+                          f"not {_short(v)}", name)
     if not lo <= v <= hi:
-        raise bad_request(f"{name}={v} is out of range: it must be in [{lo}, {hi}]", name)
+        raise bad_request(f"{name}={_short(v)} is out of range: it must be in [{lo}, {hi}]",
+                          name)
     return int(v) if integer else float(v)
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
     asks = {
-        "n": lambda v: v not in (None, 1),
+        "n": lambda v: v not in (None, 1) or isinstance(v, bool),
         "logprobs": lambda v: v not in (None, False, 0),
         "top_logprobs": lambda v: v not in (None, 0),
         "functions": lambda v: bool(v),
@@ -80,7 +88,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         "prediction": lambda v: v is not None,
         "web_search_options": lambda v: v is not None,
         "echo": lambda v: v not in (None, False),
-        "best_of": lambda v: v not in (None, 1),
+        "best_of": lambda v: v not in (None, 1) or isinstance(v, bool),
         "suffix": lambda v: v not in (None, ""),
     }
     bad = [k for k, asks_for in asks.items() if k in body and asks_for(body[k])]
@@ -102,16 +110,14 @@ def _common(body: Any, kind: str, allowed: set[str], max_tokens_limit: int) -> P
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise bad_request("stream must be true or false", "stream")
+    stream = _flag(body, "stream")
     opts = body.get("stream_options")
     if opts is not None:
         if not stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
             raise bad_request("stream_options takes only include_usage", "stream_options")
-    include_usage = bool((opts or {}).get("include_usage", False))
+    include_usage = _flag(opts or {}, "include_usage", "stream_options.")
     sampling = {
         "temperature": _number(body, "temperature", 0, 2),
         "top_p": _number(body, "top_p", 0, 1),
@@ -127,13 +133,18 @@ def _common(body: Any, kind: str, allowed: set[str], max_tokens_limit: int) -> P
     if body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
     max_tokens = _number(body, name, 1, max_tokens_limit, integer=True)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise bad_request("ignore_eos must be true or false", "ignore_eos")
     return ParsedRequest(kind, model, stream, include_usage,
                          sampling={k: v for k, v in sampling.items() if v is not None},
                          max_tokens=max_tokens, stop=_stop(body.get("stop")),
-                         ignore_eos=ignore_eos)
+                         ignore_eos=_flag(body, "ignore_eos"))
+
+
+def _flag(body: dict, name: str, where: str = "") -> bool:
+    """A true/false field; null or absent is false."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad_request(f"{where}{name} must be true or false, not {v!r:.40}", where + name)
+    return bool(v)
 
 
 def _stop(v: Any) -> tuple[str, ...]:
@@ -153,12 +164,14 @@ def _content(m: dict, i: int) -> str | None:
         return c
     if isinstance(c, list):
         texts = []
-        for part in c:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
+        for j, part in enumerate(c):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad_request(f"messages[{i}].content: only text parts are supported, not "
                                   f"{kind!r}", f"messages[{i}].content")
+            if not isinstance(part.get("text"), str):
+                where = f"messages[{i}].content[{j}].text"
+                raise bad_request(f"{where} must be a string", where)
             texts.append(part["text"])
         return "".join(texts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
@@ -172,8 +185,8 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            role = m.get("role") if isinstance(m, dict) else None
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(f"messages[{i}].role is {role!r}; Strata takes "
                               f"{', '.join(sorted(_ROLES))}",
                               f"messages[{i}].role")
@@ -187,7 +200,10 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ParsedRequest:
             raise bad_request(f"messages[{i}].content is missing", f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
         msg = {"role": role, "content": content or ""}
-        if isinstance(m.get("reasoning_content"), str):
+        if m.get("reasoning_content") is not None:
+            if not isinstance(m["reasoning_content"], str):
+                raise bad_request(f"messages[{i}].reasoning_content must be a string",
+                                  f"messages[{i}].reasoning_content")
             msg["reasoning_content"] = m["reasoning_content"]
         _tool_fields(m, msg, i)
         out.append(msg)
@@ -277,9 +293,10 @@ def parse_completion(body: Any, max_tokens_limit: int) -> ParsedRequest:
         req.prompt = p
     elif isinstance(p, str) and p:
         req.prompt = p
-    elif isinstance(p, list) and len(p) > 1:
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
         raise bad_request(f"prompt holds {len(p)} prompts; Strata takes one per request",
                           "prompt", "unsupported_parameter")
     else:
-        raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
+        raise bad_request("prompt must be a non-empty string or a list of token ids (integers)",
+                          "prompt")
     return req
