@@ -205,9 +205,12 @@ def test_the_router_runs_in_float32_whatever_its_input_holds():
     assert pinned.dtype == torch.float32 and torch.equal(pinned, ref_wts)
 
 
-def test_check_keeps_float32_kv_on_both_sides_unless_named():
+def test_check_keeps_float32_kv_on_both_sides_unless_named(monkeypatch):
+    import torch
+
     from strata.cli.check import parse_flags
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (--device cuda needs one)
     assert parse_flags("b", "--device cuda").kv_type == "f32"  # (auto would give f16 there)
     assert parse_flags("b", "--device cuda --kv-type auto").kv_type == "f16"
     assert parse_flags("a", "--offload off --kv-type q8_0").kv_type == "q8_0"

@@ -8,16 +8,26 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 
 from strata.bench.ceilings import measure
 from strata.bench.runner import DECODE_INPUTS, cell_name, run_bench
 from strata.bench.table import Cell, markdown, matrix, model_info, rows
-from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec
+from strata.cli.engine_flags import (
+    add_engine_arguments,
+    engine_config,
+    gib,
+    refuse_spec,
+    warn_unused,
+)
+from strata.cli.limits import check_ctx, check_seed
 from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
+
+PLOT = "bench-sweep.png"  # --plot's default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,18 +57,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--sweep-vram", default=None, metavar="GIB,GIB,...",
                    help="run once per VRAM budget and plot decode tok/s against it (--plot)")
-    p.add_argument("--plot", default="bench-sweep.png",
-                   help="PNG for --sweep-vram (bench-sweep.png)")
+    p.add_argument("--plot", default=PLOT, help=f"PNG for --sweep-vram ({PLOT})")
     add_engine_arguments(p)
 
 
 def _budgets(spec: str) -> list[float]:
     try:
-        out = [float(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
+        out = [gib(x) for x in spec.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
         raise StrataError(f"--sweep-vram {spec!r}: give sizes in GiB, e.g. 2,4,8") from None
-    if not out or min(out) <= 0:
-        raise StrataError(f"--sweep-vram {spec!r}: give sizes in GiB above 0")
+    if not out or not all(0 < b < math.inf for b in out):
+        raise StrataError(f"--sweep-vram {spec!r}: give sizes in GiB above 0 (finite numbers)")
     return out
 
 
@@ -99,10 +108,15 @@ def cells(args: argparse.Namespace) -> list[Cell]:
 def run(args: argparse.Namespace) -> int:
     refuse_spec(args, "bench")
     tests = cells(args)
+    check_seed(args.seed)
     base = engine_config(args)
     need = max(c.depth + c.prompt_len + c.gen_len for c in tests)
+    check_ctx(base.ctx, need, "the longest test's depth, prompt and decode tokens")
     if base.ctx is None and need > 4096:  # plan the KV cache for the longest test
         base = replace(base, ctx=need)
+    if args.plot != PLOT and not args.sweep_vram:
+        raise StrataError(f"--plot {args.plot}: draws the curve of --sweep-vram; give "
+                          "--sweep-vram too, or drop --plot")
     for flag, path in (("--json", args.json), ("--plot", args.sweep_vram and args.plot)):
         if path:
             check_folder(path, flag)  # before the runs, not after
@@ -116,9 +130,11 @@ def run(args: argparse.Namespace) -> int:
     info = model_info(args.model)
     print(f"strata: decode inputs: {_inputs(args)}", file=sys.stderr)
     results, backend = [], "CPU"
-    for budget in budgets:
+    for i, budget in enumerate(budgets):
         ec = replace(base, vram_budget_gib=budget)
         engine = Engine.load(args.model, config=ec)
+        if i == 0:
+            warn_unused(args, engine)
         backend = "CUDA" if engine.model.device.type == "cuda" else "CPU"
         if need > engine.config.context_length:
             raise StrataError(f"a test needs {need} tokens of context; the model has "

@@ -9,6 +9,7 @@ import json
 import sys
 
 from strata.bench.serve_load import Server, prompt_pool, run_level
+from strata.cli.limits import check_seed
 from strata.cli.output import atomic_path, check_folder
 from strata.errors import StrataError
 
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         raise StrataError(f"--temperature {args.temperature}: give 0 (greedy) to 2")
     if args.requests is not None and args.requests < 1:
         raise StrataError("--requests must be at least 1")
+    if args.warmup < 0:
+        raise StrataError(f"--warmup {args.warmup}: give 0 (none) or more requests")
+    check_seed(args.seed)
     if args.json:
         check_folder(args.json, "--json")
     server = Server(args.url.rstrip("/"), args.api_key, args.model)

@@ -11,7 +11,8 @@ import sys
 from dataclasses import asdict, replace
 
 from strata.bench.spec_bench import markdown, run_spec_bench
-from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.engine_flags import add_engine_arguments, engine_config, warn_unused
+from strata.cli.limits import check_ctx, check_seed
 from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
@@ -51,12 +52,26 @@ def run(args: argparse.Namespace) -> int:
         raise StrataError("bench-spec times verify windows: give --spec T (e.g. --spec 4)")
     if args.runs < 1:
         raise StrataError("--runs must be >= 1")
+    if args.n_prompt < 1:
+        raise StrataError(f"-p {args.n_prompt}: give at least 1 prompt token")
+    if args.n_gen < 2:
+        raise StrataError(f"-n {args.n_gen}: give at least 2 tokens to decode")
+    check_seed(args.seed)
     accepts = _accepts(args.accept, ec.spec)
+    bad = [a for a in accepts if not 0 <= a <= ec.spec]
+    if bad:
+        raise StrataError(f"--accept {bad[0]}: give 0 .. --spec {ec.spec} drafts a window")
+    need = args.n_prompt + args.n_gen
+    check_ctx(ec.ctx, need, f"-p {args.n_prompt} and -n {args.n_gen}")
     if args.json:
         check_folder(args.json, "--json")
     # (the windows' drafts come from the run; the engine is loaded as --spec T runs, with
     # n-gram drafts in place until then: its window graphs and plan as in use)
     engine = Engine.load(args.model, config=replace(ec, draft="ngram"))
+    warn_unused(args, engine)
+    if need > engine.config.context_length:
+        raise StrataError(f"-p {args.n_prompt} and -n {args.n_gen}: {need} tokens exceed the "
+                          f"model's context of {engine.config.context_length}")
     results = run_spec_bench(engine, args.n_prompt, args.n_gen, accepts, args.runs, args.seed)
     backend = "CUDA" if engine.model.device.type == "cuda" else "CPU"
     print(f"strata bench-spec: {args.model} on {backend}, greedy decode of {args.n_gen} tokens "

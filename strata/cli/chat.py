@@ -126,6 +126,8 @@ class Session:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:  # (an answer of none: every turn would end before it begins)
+        raise StrataError(f"-n {args.max_tokens}: give at least 1 token an answer")
     params = sampling_params(args)
     engine = load_engine(args)
     limit = min(engine.config.context_length, engine.engine_config.ctx

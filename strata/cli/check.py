@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import shlex
 import sys
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from strata.cli.engine_flags import add_engine_arguments, engine_config
+from strata.cli.limits import check_seed
 from strata.cli.logits import compute_logits, parse_tokens
 from strata.config import EngineConfig
 from strata.engine.generator import Engine
@@ -70,6 +72,9 @@ def parse_flags(name: str, text: str) -> EngineConfig:
         raise StrataError(f"--{name} {text!r}: {e}") from None
     if rest:
         raise StrataError(f"--{name} {text!r}: not an engine flag: {' '.join(rest)}")
+    if args.spec:  # (no drafted tokens: the logits of a prompt and of plain decode steps)
+        raise StrataError(f"--{name} {text!r}: --spec: strata check compares logits and decodes "
+                          "no drafted tokens; drop --spec")
     return engine_config(args)
 
 
@@ -91,6 +96,14 @@ def kl_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.tokens and args.prompt_len < 1:
+        raise StrataError(f"--prompt-len {args.prompt_len}: give at least 1 token")
+    check_seed(args.seed)
+    if not 0 <= args.max_kl < math.inf:
+        raise StrataError(f"--max-kl {args.max_kl}: give a tolerance of 0 or more (a finite "
+                          "number)")
+    if args.decode < 0:
+        raise StrataError(f"--decode {args.decode}: give 0 or more tokens")
     ca, cb = parse_flags("a", args.a), parse_flags("b", args.b)
     logits, traces, outputs = [], [], []
     ids: list[int] | None = None
@@ -100,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
             n_vocab = engine.config.n_vocab
             if args.tokens:
                 ids = parse_tokens(args.tokens, n_vocab)
+            elif args.prompt_len > engine.config.context_length:  # (before drawing them)
+                raise StrataError(f"--prompt-len {args.prompt_len}: the model's context is "
+                                  f"{engine.config.context_length} tokens")
             else:
                 ids = np.random.default_rng(args.seed).integers(0, n_vocab,
                                                                 args.prompt_len).tolist()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+from pathlib import Path
 
 from strata.config import AUTO_PREFETCH, EngineConfig, usable_cores
 from strata.errors import StrataError
@@ -25,9 +27,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, ctx_help: str | None = None
                    help="experts in a host arena with a device cache (auto: on for cuda; on "
                    "the CPU, on where ggml-python is installed and the experts in float32 pass "
                    "the reference path's 1 GiB kept, else off)")
-    g.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
-                   help="cap on every byte the engine takes on the device (default: free VRAM "
-                   "minus a margin)")
+    g.add_argument("--vram-budget", type=gib, default=None, metavar="GIB",
+                   help="cap on every byte the engine takes on the device, in GiB: 4, 4.5 or 4G "
+                   "(default: free VRAM minus a margin)")
     g.add_argument("--expert-cache", default="auto", metavar="auto|N|0",
                    help="expert cache slots in all layers (auto: what the budget leaves, "
                    "plus, on CUDA where it adds at least half, slots in the prompt workspace "
@@ -115,12 +117,36 @@ def add_engine_arguments(p: argparse.ArgumentParser, ctx_help: str | None = None
 MAX_SPEC = 64  # drafted tokens a window may hold (a window is one forward pass)
 MAX_CACHE_SLOTS = 10_000_000  # far above layers x experts of any model
 MAX_CTX = 1 << 24
+# the flags of the offload runtime: without it (--offload off, or auto on the CPU where the
+# reference path keeps a small model's experts) they change nothing (warn_unused)
+OFFLOAD_FLAGS = ("vram_budget", "expert_cache", "cache_policy", "expert_profile", "miss",
+                 "cpu_share", "prefetch", "ring_bytes", "stream_min", "cpu_kernels", "decode_step")
+
+
+def gib(text: str) -> float:
+    """--vram-budget's GiB: a number, or one followed by G or GiB (any case)."""
+    t = text.strip()
+    for unit in ("gib", "g"):
+        if t.lower().endswith(unit):
+            t = t[:-len(unit)]
+            break
+    try:
+        return float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size in GiB, e.g. 4, 4.5 or "
+                                         "4G") from None
 
 
 def resolve_device(flag: str) -> tuple[str, str]:
-    """(device, why) for --device: auto is cuda when torch sees a GPU, else cpu; cuda:N must name
-    a visible device."""
-    if flag in ("cpu", "cuda"):
+    """(device, why) for --device: auto is cuda when torch sees a GPU, else cpu; cuda and cuda:N
+    must name a device torch sees (refused here, before anything loads or a server starts)."""
+    if flag == "cpu":
+        return flag, "--device " + flag
+    if flag == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StrataError("--device cuda: torch sees no CUDA device; use --device cpu")
         return flag, "--device " + flag
     if flag.startswith("cuda:"):
         index = flag[5:]
@@ -168,6 +194,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if not 0 <= slots <= MAX_CACHE_SLOTS:
             raise StrataError(f"--expert-cache {args.expert_cache}: give auto or a number of "
                               f"slots from 0 to {MAX_CACHE_SLOTS:,}")
+    profile = args.expert_profile
+    if profile is not None and not Path(profile).exists():
+        raise StrataError(f"--expert-profile {profile}: no such file (`strata profile` records "
+                          "one)")
+    if profile is not None and Path(profile).is_dir():
+        raise StrataError(f"--expert-profile {profile}: is a folder; give the JSON file "
+                          "`strata profile` wrote")
+    if profile is not None and not os.access(profile, os.R_OK):
+        raise StrataError(f"--expert-profile {profile}: cannot read it (permission denied)")
+    if args.cache_policy == "profile" and profile is None:
+        raise StrataError("--cache-policy profile needs --expert-profile FILE (`strata profile` "
+                          "records one)")
+    if not _prefill_ok(args.prefill):
+        raise StrataError(f"--prefill {args.prefill}: give auto, auto:N, a number of tokens "
+                          ">= 1, or off")
     ring = None if args.ring_bytes == "auto" else _int_flag("--ring-bytes", args.ring_bytes)
     stream_min = None if args.stream_min == "auto" else _int_flag("--stream-min",
                                                                   args.stream_min)
@@ -185,6 +226,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     spec = getattr(args, "spec", 0)
     if not 0 <= spec <= MAX_SPEC:
         raise StrataError(f"--spec {spec}: give 0 (off) to {MAX_SPEC} drafted tokens a window")
+    _check_draft(getattr(args, "draft", "auto"), spec)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
     kv_type = args.kv_type
@@ -207,11 +249,52 @@ def _int_flag(flag: str, text: str) -> int:
     """A positive count (--stream-min) or size (--ring-bytes: 123, 500M, 4G)."""
     try:
         n = parse_size(text) if flag == "--ring-bytes" else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # (OverflowError: inf)
         n = 0
     if not 1 <= n <= 1 << 50:
         raise StrataError(f"{flag} {text}: give auto or a positive number")
     return n
+
+
+def _prefill_ok(spec: str) -> bool:
+    """--prefill's form, as Engine.prefill_chunk reads it (checked before the weights load)."""
+    try:
+        return spec in ("auto", "off") or int(spec.removeprefix("auto:")) >= 1
+    except ValueError:
+        return False
+
+
+def _check_draft(draft: str, spec: int) -> None:
+    """--draft's form (drafters.make_drafter reads it after the target loads): a draft without
+    --spec would draft nothing."""
+    if draft == "auto":
+        return
+    if not spec:
+        raise StrataError(f"--draft {draft}: drafts fill the verify windows of --spec T; give "
+                          "--spec T too, or drop --draft")
+    if draft in ("ngram", "mtp"):
+        return
+    if Path(draft).suffix != ".gguf":
+        raise StrataError(f"--draft {draft}: choose auto, ngram, mtp or a .gguf draft model")
+    if not Path(draft).is_file():
+        raise StrataError(f"--draft {draft}: no such file")
+    if not os.access(draft, os.R_OK):
+        raise StrataError(f"--draft {draft}: cannot read it (permission denied)")
+
+
+def warn_unused(args: argparse.Namespace, engine: object) -> None:
+    """One warning naming the offload runtime's flags given to an engine that runs without it
+    (they were accepted, and change nothing)."""
+    if engine.engine_config.use_offload:  # type: ignore[attr-defined]
+        return
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(p)
+    given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in OFFLOAD_FLAGS
+             if getattr(args, name, None) != p.get_default(name)]
+    if given:
+        log.warning("%s: no effect: the offload runtime is off (--offload %s: every weight on "
+                    "the device, the reference path); --offload on runs it", ", ".join(given),
+                    args.offload)
 
 
 def refuse_spec(args: argparse.Namespace, command: str) -> None:

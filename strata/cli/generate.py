@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from strata.cli.engine_flags import add_engine_arguments, engine_config
-from strata.cli.limits import check_kv_memory, check_sampling
+from strata.cli.engine_flags import add_engine_arguments, engine_config, warn_unused
+from strata.cli.limits import SAMPLING_FLAGS, check_ctx, check_kv_memory, check_sampling
 from strata.engine.generator import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import StrataError
@@ -45,8 +45,12 @@ def model_or_demo(model: str | None) -> str:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags, checked (one line naming the flag where one is off)."""
     check_sampling(args)
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+    except StrataError as e:  # "top_p=1.5: must be ..." -> "--top-p 1.5: must be ..."
+        field, _, rest = str(e).partition("=")
+        raise StrataError(f"{SAMPLING_FLAGS.get(field, field)} {rest}") from None
 
 
 def load_engine(args: argparse.Namespace) -> Engine:
@@ -59,6 +63,7 @@ def load_engine(args: argparse.Namespace) -> Engine:
     finally:
         stages.close()
     engine.show_progress = True
+    warn_unused(args, engine)
     return engine
 
 
@@ -75,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(text)
     if not ids:
         raise StrataError("--prompt: the prompt is empty")
+    check_ctx(args.ctx, len(ids) + args.max_tokens,
+              f"the prompt's {len(ids)} tokens and -n {args.max_tokens}")
     engine.check_prompt(ids, args.max_tokens)
     check_kv_memory(engine, len(ids) + args.max_tokens)
     experts = engine.model.experts
@@ -112,8 +119,11 @@ def run(args: argparse.Namespace) -> int:
 
 def early_limits(args: argparse.Namespace) -> None:
     """-n against the model's context, from its metadata alone: a prompt takes at least one
-    token, so -n of the whole context or more can never run (the exact check, prompt included,
-    follows the load)."""
+    token, so -n of the whole context (or of --ctx) or more can never run (the exact check, prompt
+    included, follows the load)."""
+    if args.ctx is not None and 0 < args.ctx <= args.max_tokens:  # (below 1: engine_config)
+        raise StrataError(f"--ctx {args.ctx}: a prompt and -n {args.max_tokens} tokens need "
+                          f"more; give --ctx above {args.max_tokens}, or lower -n")
     if args.model is None:
         return
     from strata.config import ModelConfig

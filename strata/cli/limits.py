@@ -12,6 +12,8 @@ from strata.errors import StrataError
 from strata.units import fmt_bytes
 
 MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed's range
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                  "min_p": "--min-p", "max_tokens": "-n"}  # SamplingParams' fields
 
 
 def check_sampling(args: argparse.Namespace) -> None:
@@ -21,8 +23,22 @@ def check_sampling(args: argparse.Namespace) -> None:
                     ("--min-p", args.min_p)):
         if not math.isfinite(v):
             raise StrataError(f"{flag} {v}: give a finite number")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        raise StrataError(f"--seed {args.seed}: give a number from 0 to 2**64 - 1")
+    if args.seed is not None:
+        check_seed(args.seed)
+
+
+def check_seed(seed: int, flag: str = "--seed") -> None:
+    """A seed torch's and numpy's generators take: 0 .. 2**64 - 1."""
+    if not 0 <= seed <= MAX_SEED:
+        raise StrataError(f"{flag} {seed}: give a number from 0 to 2**64 - 1")
+
+
+def check_ctx(ctx: int | None, tokens: int, what: str) -> None:
+    """Work that needs `tokens` rows of KV cache against --ctx, on every device (on CUDA the
+    memory plan holds no more; on the CPU the cache would grow past it unasked)."""
+    if ctx is not None and tokens > ctx:
+        raise StrataError(f"--ctx {ctx}: {what} need {tokens} tokens of KV cache; give --ctx "
+                          f"{tokens} or more")
 
 
 def available_memory(device: str) -> int | None:

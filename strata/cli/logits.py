@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 
-from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec
-from strata.cli.limits import check_kv_memory
+from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec, warn_unused
+from strata.cli.limits import check_ctx, check_kv_memory
 from strata.cli.output import atomic_path, check_folder
 from strata.engine.generator import Engine
 from strata.errors import StrataError
@@ -44,16 +44,22 @@ def compute_logits(engine: Engine, ids: list[int]) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     refuse_spec(args, "logits")
+    dest = args.out if args.out.endswith(".npy") else args.out + ".npy"  # as np.save names it
     check_folder(args.out, "--out")  # before the model loads
+    check_folder(dest, "--out")
     engine = Engine.load(args.model, config=engine_config(args))
+    warn_unused(args, engine)
+    flag = "--tokens" if args.tokens is not None else "--text"
     if args.tokens is not None:
         ids = parse_tokens(args.tokens, engine.config.n_vocab)
     else:
         ids = engine.tokenizer.encode(args.text)
+    if not ids:
+        raise StrataError(f"{flag}: the text gives no tokens")
+    check_ctx(args.ctx, len(ids), f"the {len(ids)} tokens of {flag}")
     engine.check_prompt(ids, 0)
-    check_kv_memory(engine, len(ids), "--tokens" if args.tokens is not None else "--text")
+    check_kv_memory(engine, len(ids), flag)
     out = compute_logits(engine, ids)
-    dest = args.out if args.out.endswith(".npy") else args.out + ".npy"  # as np.save names it
     with atomic_path(dest, "--out") as tmp, open(tmp, "wb") as f:
         np.save(f, out)
     print(f"strata: wrote logits {list(out.shape)} to {dest}", file=sys.stderr)

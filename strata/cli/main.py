@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 import tempfile
 import traceback
+from typing import NoReturn
 
 from strata import __version__
 from strata.config import cpu_threads, usable_cores
@@ -40,10 +42,19 @@ COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors in one line as the commands' own are (no usage block:
+    --help shows it); the subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} "
+                     "--help\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `command`'s module is imported (so `strata serve` keeps torch out of the
     server process, and `strata --help` starts fast)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="strata",
         description="Run Mixture-of-Experts GGUF models larger than the GPU, on one machine.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
@@ -67,9 +78,31 @@ def setup_logging(debug: bool) -> None:
     root.propagate = False
 
 
+def check_environment() -> None:
+    """The environment settings that modules read when imported (before a command's errors are
+    caught): a bad one is refused in one line naming it, not by an import's traceback."""
+    text = os.environ.get("STRATA_WAIT_TIMEOUT")  # (strata/runtime/waits.py)
+    if text is not None:
+        try:
+            ok = 0 < float(text) < math.inf
+        except ValueError:
+            ok = False
+        if not ok:
+            raise StrataError(f"STRATA_WAIT_TIMEOUT={text}: give the seconds a bounded wait may "
+                              "take, a number above 0 (60 when unset)")
+    pool = os.environ.get("STRATA_CPU_SHARE_POOL")  # (strata/experts/cpu_share.py)
+    if pool is not None and pool not in ("graph", "token"):
+        raise StrataError(f"STRATA_CPU_SHARE_POOL={pool}: give graph (the default) or token")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
+    try:
+        check_environment()
+    except StrataError as e:
+        print(f"strata{' ' + command if command else ''}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     args = build_parser(command).parse_args(argv)
     setup_logging(args.debug)
     try:
@@ -96,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except PermissionError as e:  # a file given that this process may not read or write
+        if args.debug:
+            raise
+        print(f"strata {args.command}: error: {e.filename or ''}: {e.strerror or e}; check its "
+              "permissions", file=sys.stderr)
+        return 2
     except MemoryError:
         if args.debug:
             raise

@@ -23,6 +23,11 @@ def _folder(path: Path, flag: str) -> Path:
         raise StrataError(f"{flag} {path}: the folder {parent} does not exist")
     if path.is_dir():
         raise StrataError(f"{flag} {path}: is a folder; give a file name")
+    if path.exists() and not path.is_file():  # (a rename would replace /dev/null itself)
+        raise StrataError(f"{flag} {path}: not a regular file (a device, pipe or socket); give "
+                          "the name of a file to write")
+    if not os.access(parent, os.W_OK | os.X_OK):  # (checked before a long run, not after)
+        raise StrataError(f"{flag} {path}: cannot write in {parent} (permission denied)")
     return parent
 
 

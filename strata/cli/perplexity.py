@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec
+from strata.cli.engine_flags import add_engine_arguments, engine_config, refuse_spec, warn_unused
 from strata.engine.generator import Engine
 from strata.errors import StrataError
 
@@ -29,7 +29,8 @@ from strata.errors import StrataError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF file (any shard of a split set)")
     p.add_argument("--file", required=True, type=Path, help="the text to score")
-    p.add_argument("--chunks", type=int, default=-1, help="chunks scored at most (default all)")
+    p.add_argument("--chunks", type=int, default=-1,
+                   help="chunks scored at most (default -1: all)")
     p.add_argument("--parse-special", action="store_true",
                    help="turn special-token text such as <|im_end|> into its token")
     add_engine_arguments(p, ctx_help="tokens a chunk scores over, its KV cache too (512)")
@@ -71,14 +72,18 @@ def perplexity(engine: Engine, ids: list[int], ctx: int, chunks: int = -1,
 
 def run(args: argparse.Namespace) -> int:
     refuse_spec(args, "perplexity")
-    args.ctx = args.ctx or 512
+    args.ctx = 512 if args.ctx is None else args.ctx
     if args.ctx < 4:
         raise StrataError(f"--ctx {args.ctx}: give at least 4 tokens a chunk")
+    if args.chunks == 0 or args.chunks < -1:
+        raise StrataError(f"--chunks {args.chunks}: give at least 1 (-1, the default: all)")
     try:
         text = args.file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise StrataError(f"{args.file}: cannot read it as UTF-8 text ({e})") from None
+        raise StrataError(f"--file {args.file}: cannot read it as UTF-8 text "
+                          f"({getattr(e, 'strerror', None) or e})") from None
     engine = Engine.load(args.model, config=engine_config(args))
+    warn_unused(args, engine)
     if args.ctx > engine.config.context_length:
         raise StrataError(f"--ctx {args.ctx}: the model's context is "
                           f"{engine.config.context_length} tokens")

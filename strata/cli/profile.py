@@ -21,7 +21,7 @@ from strata.model.transformer import Segment
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF file (any shard of a split set)")
     p.add_argument("--prompts", required=True,
-                   help="text file: prompts separated by blank lines (or one JSON string a line)")
+                   help="text file: prompts separated by blank lines")
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
     add_engine_arguments(p)
 
@@ -30,7 +30,8 @@ def read_prompts(path: str) -> list[str]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise StrataError(f"--prompts {path}: {e}") from None
+        raise StrataError(f"--prompts {path}: cannot read it as UTF-8 text "
+                          f"({getattr(e, 'strerror', None) or e})") from None
     prompts = [p.strip() for p in text.split("\n\n") if p.strip()]
     if not prompts:
         raise StrataError(f"--prompts {path}: no prompts in the file")

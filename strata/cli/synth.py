@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from strata.cli.limits import check_seed
 from strata.cli.output import check_free
 from strata.errors import StrataError
 from strata.synth.balance import routing_balance
@@ -14,6 +16,8 @@ from strata.synth.presets import PRESETS, get_preset
 from strata.synth.recipes import RECIPES, Recipe
 from strata.synth.writer import plan_tensors, write_model
 from strata.units import fmt_bytes, parse_size
+
+MAX_LAYERS = 1024  # --layers: past every preset's (235b-a22b: 94), and a plan that stays small
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,20 +44,26 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix != ".gguf":
         raise StrataError(f"{out}: the output name must end in .gguf")
-    if out.exists() and not args.force:
-        raise StrataError(f"{out} exists; pass --force to overwrite it")
+    # (a split set's shards too: OUT-00001-of-00003.gguf, ...)
+    there = [out] if out.exists() else sorted(
+        out.parent.glob(f"{glob.escape(out.stem)}-[0-9]*-of-[0-9]*.gguf"))
+    if there and not args.force:
+        raise StrataError(f"{there[0]} exists; pass --force to overwrite it")
+    check_seed(args.seed)
     preset, recipe = get_preset(args.preset, args.arch), Recipe(args.quant)
     if args.layers is not None:
-        if args.layers < 1:
-            raise StrataError(f"--layers {args.layers}: give at least 1")
+        if not 1 <= args.layers <= MAX_LAYERS:
+            raise StrataError(f"--layers {args.layers}: give 1 to {MAX_LAYERS}")
         # (dense first layers: at most all but one, so that a routed layer remains)
         preset = replace(preset, n_layers=args.layers,
                          n_dense_lead=min(preset.n_dense_lead, args.layers - 1))
     try:
         split_size = parse_size(args.split_max_size)
-    except ValueError:
+    except (ValueError, OverflowError):  # (OverflowError: inf)
+        split_size = -1
+    if split_size < 0:
         raise StrataError(f"--split-max-size {args.split_max_size!r}: give a size like 4G or "
-                          "500M") from None
+                          "500M (0: one file)")
     if args.split_max_tensors < 0:
         raise StrataError(f"--split-max-tensors {args.split_max_tensors}: give 0 (no split) or "
                           "more")
