@@ -108,7 +108,7 @@ def test_the_worker_computes_its_pairs_and_answers(request, pool, monkeypatch) -
 def test_an_unknown_share_pool_is_refused(engine, monkeypatch) -> None:
     monkeypatch.setenv("STRATA_CPU_SHARE_POOL", "fast")
     cfg = engine.config
-    with pytest.raises(StrataError, match="STRATA_CPU_SHARE_POOL='fast': give graph"):
+    with pytest.raises(StrataError, match="STRATA_CPU_SHARE_POOL=fast: give graph"):
         CpuShare(engine.model.experts, [0], 1, cfg.n_experts_used, cfg.d_model,
                  torch.device("cpu"), timeout_s=5)
 

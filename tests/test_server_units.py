@@ -164,6 +164,8 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, capsys, content, words):
 def test_missing_model_is_exit_2(tmp_path, capsys):
     assert serve_main([str(tmp_path / "nope.gguf")]) == 2
     assert "no such model file" in capsys.readouterr().err
+    assert serve_main([str(tmp_path)]) == 2  # a folder: said so
+    assert f"{tmp_path}: a folder, not a GGUF file" in capsys.readouterr().err
 
 
 def test_metrics_text_parses():

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import math
 import os
 import sys
 import tempfile
 import traceback
 from typing import NoReturn
 
-from strata import __version__
+from strata import __version__, env
 from strata.config import cpu_threads, usable_cores
 from strata.errors import StrataError
 from strata.kernels import tuning
@@ -78,28 +77,11 @@ def setup_logging(debug: bool) -> None:
     root.propagate = False
 
 
-def check_environment() -> None:
-    """The environment settings that modules read when imported (before a command's errors are
-    caught): a bad one is refused in one line naming it, not by an import's traceback."""
-    text = os.environ.get("STRATA_WAIT_TIMEOUT")  # (strata/runtime/waits.py)
-    if text is not None:
-        try:
-            ok = 0 < float(text) < math.inf
-        except ValueError:
-            ok = False
-        if not ok:
-            raise StrataError(f"STRATA_WAIT_TIMEOUT={text}: give the seconds a bounded wait may "
-                              "take, a number above 0 (60 when unset)")
-    pool = os.environ.get("STRATA_CPU_SHARE_POOL")  # (strata/experts/cpu_share.py)
-    if pool is not None and pool not in ("graph", "token"):
-        raise StrataError(f"STRATA_CPU_SHARE_POOL={pool}: give graph (the default) or token")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     try:
-        check_environment()
+        env.check()  # (read by modules when imported: before a command's errors are caught)
     except StrataError as e:
         print(f"strata{' ' + command if command else ''}: error: {_one_line(e)}", file=sys.stderr)
         return 2

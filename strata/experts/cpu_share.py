@@ -18,7 +18,6 @@ and OffloadExperts.after_gathered takes them off the pairs and bytes that crosse
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from strata.errors import StrataError
+from strata import env
 from strata.experts.compute import Group
 from strata.experts.cpu_pool import CpuPool
 from strata.kernels.tuning import SHARE_THREADS
@@ -36,7 +35,7 @@ from strata.runtime.waits import DEFAULT_TIMEOUT_S, PROGRESS, StallError, wait_e
 # kernels on strata.kernels.cpu.token_pool's spinning threads). Timed on the H200's host
 # (bench/2026-11-30-h200-lend.md, run 46): the token pool 5-26% faster alone, 1.4-1.9x slower
 # inside decode, where the share did not pay: the graph stays the default
-POOL_ENV = "STRATA_CPU_SHARE_POOL"
+POOL_ENV = env.CPU_SHARE_POOL_ENV
 
 log = logging.getLogger("strata")
 
@@ -58,9 +57,7 @@ class CpuShare:
         how many of a token's K pairs (the last ones) the CPU takes when they miss."""
         if not 0 < pairs < topk:
             raise ValueError(f"--cpu-share {pairs}: give 1 .. {topk - 1} of the {topk} pairs")
-        self.pool_kind = os.environ.get(POOL_ENV, "graph")
-        if self.pool_kind not in ("graph", "token"):
-            raise StrataError(f"{POOL_ENV}={self.pool_kind!r}: give graph (the default) or token")
+        self.pool_kind = env.cpu_share_pool()
         self.ex, self.layers, self.pairs, self.topk = ex, list(layers), pairs, topk
         self.host_from = topk - pairs
         self.timeout_s = timeout_s

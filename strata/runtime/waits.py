@@ -7,13 +7,14 @@ server's watchdog reads the same progress record.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("STRATA_WAIT_TIMEOUT", "60"))
+from strata import env
+
+DEFAULT_TIMEOUT_S = env.wait_timeout_s()
 # (kept here, not in kernels/tuning.py: the runtime sits below the kernels) a wait polls its
 # event this long before it sleeps (a decode step waits ~50 times a token, mostly for less),
 # then sleeps at most WAIT_SLEEP_MAX_US at a time: with a 1 ms cap a 2.8 ms wait (the H200's

@@ -228,7 +228,8 @@ def check(cfg: ServeConfig) -> None:
         raise StrataError(f"--device {cfg.device}: choose auto, cpu, cuda or cuda:N")
     cfg.engine_config()  # raises on a bad engine flag
     if cfg.model is not None and not Path(cfg.model).is_file():
-        raise StrataError(f"{cfg.model}: no such model file")
+        what = "a folder, not a GGUF file" if Path(cfg.model).is_dir() else "no such model file"
+        raise StrataError(f"{cfg.model}: {what}")
     if cfg.api_key is not None and not cfg.api_key.strip():
         raise StrataError("--api-key: the key is empty")
 
