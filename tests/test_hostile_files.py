@@ -380,3 +380,20 @@ def test_nextn_optional_tensor_of_a_wrong_shape(synth, tmp_path, capsys, change,
 def test_keys_that_broke_the_engine(synth, tmp_path, capsys, meta, says):
     bad = rewrite(synth("deepseek2", "Q8_0"), tmp_path / "bad.gguf", meta=meta)
     refused(capsys, tmp_path, bad, says)
+
+
+def test_a_tensor_name_past_ggmls_limit(q3, tmp_path, capsys):
+    # an extra tensor named with 5,000 bytes (llama.cpp refuses names of 64 bytes or more; the
+    # error lines that quote a name were that long)
+    bad = with_tensors(q3, tmp_path / "name.gguf", add={"x" * 5000: zeros(4)})
+    line = refused(capsys, tmp_path, bad, "has a name of 5,000 bytes (GGUF allows 63)")
+    assert len(line) < 400, len(line)
+
+
+def test_an_eos_id_past_the_vocabulary_is_said(q3, tmp_path, capsys):
+    # eos id 5,000 in a vocabulary of 1,024: dropped as llama.cpp drops it, now with a warning
+    # naming the key (it was dropped silently)
+    bad = rewrite(q3, tmp_path / "eos.gguf", meta={K + "eos_token_id": 5000})
+    code, lines = run(capsys, "generate", str(bad), "-n", "1", "--prompt", "hi")
+    assert code == 0 and any("tokenizer.ggml.eos_token_id is 5000, outside the vocabulary of "
+                             "1024 tokens" in ln for ln in lines), lines

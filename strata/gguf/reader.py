@@ -28,6 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from strata.errors import ModelFileError
 
 MAGIC = b"GGUF"
+MAX_NAME = 64  # bytes of a tensor's name, its NUL included (ggml's GGML_MAX_NAME)
 DEFAULT_ALIGNMENT = 32
 
 # value type id -> struct format for scalars
@@ -162,6 +163,10 @@ class GGUFFile:
         raw = []
         for _ in range(n_tensors):
             name = cur.string()
+            if len(name.encode()) >= MAX_NAME:  # (ggml's buffer, with its NUL: llama.cpp's rule)
+                raise ModelFileError(self.path, f"tensor {name[:80]}... has a name of "
+                                                f"{len(name.encode()):,} bytes (GGUF allows "
+                                                f"{MAX_NAME - 1})")
             n_dims = cur.scalar("<I")
             if n_dims > 8:
                 raise ValueError(f"tensor {name[:80]} has {n_dims} dimensions")

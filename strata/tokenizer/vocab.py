@@ -16,6 +16,7 @@ and decoding takes one such space off again, so decode(encode(text)) == text.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ from strata.errors import StrataError
 from strata.tokenizer.bpe import PRE_TOKENIZERS, build_bpe, byte_level_bytes
 from strata.tokenizer.spm import SPACE, build_spm, byte_token_value
 from strata.tokenizer.stream import StreamDecoder
+
+log = logging.getLogger("strata")
 
 # tokenizer.ggml.token_type values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -172,7 +175,12 @@ class Tokenizer:
             value = meta.get(name, default)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise StrataError(f"{where}: {name} is {_shown(value)}: expected a token id")
-            return value if value is not None and 0 <= value < n else None
+            if value is not None and not 0 <= value < n:
+                if name in meta:  # (llama.cpp's defaults pass quietly)
+                    log.warning("%s: %s is %d, outside the vocabulary of %d tokens: not used",
+                                where, name, value, n)
+                return None
+            return value
 
         if model == "gpt2":
             backend, default_add_bos = _gpt2_backend(meta, vocab, where)
