@@ -368,3 +368,9 @@ def test_ctrl_c_at_the_chat_prompt(model):
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "Traceback" not in err, err
+
+
+def test_an_unknown_flag_is_its_commands_error(model, capsys):
+    # a flag no parser knows: the command's error and its --help (it was strata's own)
+    err = refused(capsys, ["bench", model, "--nope"], "unrecognized arguments: --nope")
+    assert err.startswith("strata bench: error:") and "see strata bench --help" in err, err

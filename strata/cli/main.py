@@ -66,7 +66,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help="show full tracebacks instead of one-line errors")
         if name == command:
             importlib.import_module(module).add_arguments(p)
+            parser.set_defaults(command_parser=p)  # (its errors name it: see parse)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, where an argument no parser knows is its command's error, not strata's."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "command_parser", parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def setup_logging(debug: bool) -> None:
@@ -85,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except StrataError as e:
         print(f"strata{' ' + command if command else ''}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    args = build_parser(command).parse_args(argv)
+    args = parse(build_parser(command), argv)
     setup_logging(args.debug)
     try:
         tuning.check_overrides()
