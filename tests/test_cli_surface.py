@@ -159,6 +159,19 @@ def test_synth_keeps_an_existing_split_set(tmp_path, capsys):
     assert shard.read_bytes() == b"mine"
 
 
+def test_synth_force_leaves_only_the_new_model(tmp_path, capsys):
+    # --force over a single file with a split set, then over that set with one file: the files
+    # the new model did not write over went on lying beside it (and the balance line read them)
+    out, names = tmp_path / "m.gguf", lambda: sorted(p.name for p in tmp_path.iterdir())
+    assert strata(capsys, "synth", out, "--preset", "tiny")[0] == 0
+    assert strata(capsys, "synth", out, "--preset", "tiny", "--split-max-tensors", "20",
+                  "--force")[0] == 0
+    assert names() == ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]
+    assert strata(capsys, "synth", out, "--preset", "tiny", "--force")[0] == 0
+    assert names() == ["m.gguf"]
+    assert strata(capsys, "info", out)[0] == 0
+
+
 def test_synth_output_paths(tmp_path, capsys):
     # (passing before) a missing folder, a name without .gguf, a FIFO: refused, nothing written
     refused(capsys, ["synth", tmp_path / "no" / "m.gguf"], "the folder")

@@ -45,10 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if out.suffix != ".gguf":
         raise StrataError(f"{out}: the output name must end in .gguf")
     # (a split set's shards too: OUT-00001-of-00003.gguf, ...)
-    there = [out] if out.exists() else sorted(
+    there = ([out] if out.exists() else []) + sorted(
         out.parent.glob(f"{glob.escape(out.stem)}-[0-9]*-of-[0-9]*.gguf"))
     if there and not args.force:
         raise StrataError(f"{there[0]} exists; pass --force to overwrite it")
+    old_files = {path: path.stat().st_ino for path in there}
     check_seed(args.seed)
     preset, recipe = get_preset(args.preset, args.arch), Recipe(args.quant)
     if args.layers is not None:
@@ -72,9 +73,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"strata: writing {out}: {fmt_bytes(total)} of tensors", file=sys.stderr)
     write_model(out, preset, recipe, args.seed, args.split_max_tensors, split_size,
                 progress=sys.stderr.isatty())
+    # --force: an old file the new model did not write over (a single file beside a new split
+    # set, shards beside a new single file or a set of another count) goes too: it still has
+    # its inode (the new files were moved into place)
+    for path, inode in old_files.items():
+        if path.exists() and path.stat().st_ino == inode:
+            path.unlink()
+    first = out if out.exists() else \
+        sorted(out.parent.glob(f"{glob.escape(out.stem)}-00001-of-*.gguf"))[0]
     print(f"strata: wrote {out} ({preset.arch} {args.preset}, {recipe.name}, "
           f"{fmt_bytes(total)})", file=sys.stderr)
-    first = out if out.exists() else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
     if preset.n_experts:  # (a dense draft routes nothing)
         print(routing_balance(first, seed=args.seed), file=sys.stderr)
     return 0
