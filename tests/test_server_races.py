@@ -1,7 +1,7 @@
-"""Cancellation and churn in the batch: requests submitted and cancelled between any two steps, over a small pool whose prefix
-index must give blocks back, beside verify windows and a hybrid's recurrent state, and end to end
-with clients that drop their streams. After each: the pool's accounting holds
-(KVSlots.check_integrity) and a greedy request's text is its text alone."""
+"""Cancellation and churn in the batch: requests submitted and cancelled between any two steps,
+over a small pool whose prefix index must give blocks back, beside verify windows and a hybrid's
+recurrent state, and end to end with clients that drop their streams. After each: the pool's
+accounting holds (KVSlots.check_integrity) and a greedy request's text is its text alone."""
 
 from __future__ import annotations
 
