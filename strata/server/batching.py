@@ -169,6 +169,8 @@ class BatchRunner:
             self._release(seq)
             self.send(Finished(rid, "cancelled", seq.prompt_len, seq.generated,
                                cached_tokens=seq.cached))
+            if not self.seqs and self.pool is not None:  # idle (as after a step): it holds
+                self.pool.check_integrity()
 
     def step(self) -> None:
         batch = list(self.seqs.values())
