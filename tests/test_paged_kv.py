@@ -207,3 +207,26 @@ def test_the_plan_counts_the_served_prompts_scratch(synth):
     assert served.kv - plan(sequences=3, prompt_graphs="off").kv == scratch.nbytes
     assert plan(sequences=1).prefill_rows == 0
     assert plan(sequences=3, prompt_graphs="off").prefill_rows == 0
+
+
+@pytest.mark.parametrize("block", [None, 4], ids=["rows", "paged"])
+def test_a_taken_slot_starts_with_a_zero_recurrent_state(synth, block):
+    """A hybrid's slot given back and taken again (by the next request) starts from a zero
+    conv and delta-rule state, not the last holder's: a stale state would go on into the new
+    sequence's first tokens, which no accounting check sees."""
+    import gc
+
+    from strata.config import ModelConfig
+    from strata.gguf import open_model
+
+    cfg = ModelConfig.from_model(open_model(synth("qwen35moe", "Q8_0")))
+    pool = KVSlots(cfg, torch.device("cpu"), 1, 16, torch.float32, block)
+    kv = pool.take()
+    kv.state.conv.fill_(3.0)
+    kv.state.ssm.fill_(-2.0)
+    assert pool.conv.abs().sum() > 0 and pool.ssm.abs().sum() > 0  # (it writes the pool's own)
+    del kv
+    gc.collect()
+    kv = pool.take()  # the one slot again
+    assert kv.slot == 0 and not kv.state.conv.any() and not kv.state.ssm.any()
+    pool.check_integrity()
