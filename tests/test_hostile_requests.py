@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
+from test_server_races import two_whole_slots_together
 
 from strata.server.testing import ServerProcess
 
@@ -176,16 +176,7 @@ def test_disconnects_give_the_pool_back(server):
             lines = (ln for ln in r.iter_lines() if ln.startswith("data:"))
             next(lines), next(lines)
     server.wait_health(lambda h: h["running"] == 0, timeout=30, what="the streams cancelled")
-    full = {"prompt": list(range(5, 205)), "max_tokens": 50, "ignore_eos": True}
-    got: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda: got.append(_post(server, DONE, full)))
-               for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
-    assert all(r.json()["usage"]["completion_tokens"] == 50 for r in got)
+    two_whole_slots_together(server.url + DONE)
 
 
 def test_no_traceback_and_no_restart(server):

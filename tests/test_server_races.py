@@ -150,6 +150,22 @@ def _dropped_stream(server: ServerProcess, body: dict, events: int) -> None:
             got += more
 
 
+def two_whole_slots_together(url: str) -> None:
+    """Two completions that each need a whole slot of a `--batch 2 --ctx 256` server (200
+    prompt tokens and 50 more) both run, at once: every block the requests before them held has
+    come back to the pool."""
+    full = {"prompt": list(range(5, 205)), "max_tokens": 50, "ignore_eos": True}
+    got: list[httpx.Response] = []
+    pair = [threading.Thread(target=lambda: got.append(httpx.post(url, json=full, timeout=60)))
+            for _ in range(2)]
+    for t in pair:
+        t.start()
+    for t in pair:
+        t.join(60)
+    assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+    assert all(r.json()["usage"]["completion_tokens"] == 50 for r in got)
+
+
 @pytest.mark.slow
 def test_dropped_streams_under_a_full_queue(synth, tmp_path):
     # (end to end; test_hostile_requests covers streams dropped alone) --batch 2 --queue 1:
@@ -179,13 +195,5 @@ def test_dropped_streams_under_a_full_queue(synth, tmp_path):
         s.wait_health(lambda h: h["running"] == 0 and h["queued"] == 0, timeout=30,
                       what="every dropped stream cancelled")
         assert httpx.post(url, json=REF, timeout=60).json()["choices"][0]["text"] == want
-        full = {"prompt": list(range(5, 205)), "max_tokens": 50, "ignore_eos": True}
-        got: list[httpx.Response] = []
-        pair = [threading.Thread(target=lambda: got.append(httpx.post(url, json=full, timeout=60)))
-                for _ in range(2)]
-        for t in pair:
-            t.start()
-        for t in pair:
-            t.join(60)
-        assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+        two_whole_slots_together(url)
         assert s.health()["restarts"] == 0 and "Traceback" not in s.log(), s.log()[-3000:]
