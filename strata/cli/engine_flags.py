@@ -195,14 +195,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise StrataError(f"--expert-cache {args.expert_cache}: give auto or a number of "
                               f"slots from 0 to {MAX_CACHE_SLOTS:,}")
     profile = args.expert_profile
-    if profile is not None and not Path(profile).exists():
-        raise StrataError(f"--expert-profile {profile}: no such file (`strata profile` records "
-                          "one)")
-    if profile is not None and Path(profile).is_dir():
-        raise StrataError(f"--expert-profile {profile}: is a folder; give the JSON file "
-                          "`strata profile` wrote")
-    if profile is not None and not os.access(profile, os.R_OK):
-        raise StrataError(f"--expert-profile {profile}: cannot read it (permission denied)")
+    if profile is not None:
+        readable_file("--expert-profile", profile, "the JSON file `strata profile` wrote")
     if args.cache_policy == "profile" and profile is None:
         raise StrataError("--cache-policy profile needs --expert-profile FILE (`strata profile` "
                           "records one)")
@@ -276,10 +270,17 @@ def _check_draft(draft: str, spec: int) -> None:
         return
     if Path(draft).suffix != ".gguf":
         raise StrataError(f"--draft {draft}: choose auto, ngram, mtp or a .gguf draft model")
-    if not Path(draft).is_file():
-        raise StrataError(f"--draft {draft}: no such file")
-    if not os.access(draft, os.R_OK):
-        raise StrataError(f"--draft {draft}: cannot read it (permission denied)")
+    readable_file("--draft", draft, "a draft model's .gguf file")
+
+
+def readable_file(flag: str, path: str, what: str) -> None:
+    """A file a flag names, checked before anything loads: there, not a folder, readable."""
+    if not Path(path).exists():
+        raise StrataError(f"{flag} {path}: no such file (give {what})")
+    if Path(path).is_dir():
+        raise StrataError(f"{flag} {path}: is a folder; give {what}")
+    if not os.access(path, os.R_OK):
+        raise StrataError(f"{flag} {path}: cannot read it (permission denied)")
 
 
 def warn_unused(args: argparse.Namespace, engine: object) -> None:
