@@ -132,14 +132,14 @@ class API:
                 raise bad_request(f"{name}: give true or false", name)
         tok = await self._tokenizer()
 
-        def answer() -> bytes:  # (in a worker thread: a long text never holds the loop)
+        def answer() -> JSONResponse:  # (a worker thread's: a long text never holds the loop)
             ids = tok.encode(content, flags["add_special"], True)
             if flags["with_pieces"]:
                 ids = [{"id": i, "piece": _piece(tok, i)} for i in ids]
-            return _json({"tokens": ids})
+            return JSONResponse({"tokens": ids})
 
         async with self._renders:
-            return Response(await asyncio.to_thread(answer), media_type="application/json")
+            return await asyncio.to_thread(answer)
 
     async def detokenize(self, request: Request) -> Response:
         """llama-server's POST /detokenize: {"tokens": [id, ...]} -> {"content": text}."""
@@ -444,12 +444,6 @@ def _event_chunks(b: Builder, kind: str, value: Any, index: int) -> list[bytes]:
             "function": {"name": value.name, "arguments": ""}}
     return [b.delta({"tool_calls": [head]}),
             b.delta({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})]
-
-
-def _json(value: Any) -> bytes:
-    """JSON as Starlette's JSONResponse writes it."""
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
-                      separators=(",", ":")).encode("utf-8")
 
 
 def _piece(tok: Any, token: int) -> str | list[int]:
